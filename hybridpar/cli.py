@@ -1,0 +1,107 @@
+"""`hybridpar` command line. `hybridpar train` validates the config in this process (no worker is
+started for a bad one), then runs torch's own elastic launcher (`torch.distributed.run`, i.e.
+torchrun) on `python -m hybridpar.train`. torchrun's flags (--nproc-per-node, --nnodes, --node-rank,
+--rdzv-endpoint, --max-restarts, …) pass through unchanged; everything else is ours."""
+
+from __future__ import annotations
+
+import sys
+
+from hybridpar.config import help_text, parse_args
+
+USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--section.key VALUE ...]
+
+Trains on the embedded default (the Python standard library's source, byte-level) with tp=2 x pp=2
+unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node-rank,
+--rdzv-endpoint and --max-restarts are passed to torch.distributed.run.
+"""
+
+
+def _torchrun_options() -> dict[str, bool]:
+    """torchrun's option strings -> whether the option takes a value."""
+    from torch.distributed.run import get_args_parser
+
+    opts: dict[str, bool] = {}
+    for action in get_args_parser()._actions:
+        for s in action.option_strings:
+            if s not in ("-h", "--help", "-m", "--module"):
+                opts[s] = action.nargs != 0
+    return opts
+
+
+def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
+    """Separate torchrun's flags from hybridpar's (ours are --config, --run-dir and --section.key)."""
+    known = _torchrun_options()
+    ours: list[str] = []
+    theirs: list[str] = []
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name = arg.split("=", 1)[0]
+        if name in known and "." not in name:
+            theirs.append(arg)
+            if known[name] and "=" not in arg and i + 1 < len(argv):
+                theirs.append(argv[i + 1])
+                i += 1
+        else:
+            ours.append(arg)
+        i += 1
+    return theirs, ours
+
+
+def _flag(args: list[str], *names: str) -> str | None:
+    for i, a in enumerate(args):
+        key, _, val = a.partition("=")
+        if key in names:
+            return val if val else (args[i + 1] if i + 1 < len(args) else None)
+    return None
+
+
+def launch_train(argv: list[str]) -> int:
+    theirs, ours = split_argv(argv)
+    try:
+        cfg = parse_args(ours)
+        nproc = _flag(theirs, "--nproc-per-node", "--nproc_per_node")
+        nnodes = _flag(theirs, "--nnodes") or "1"
+        world = None
+        if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
+            world = int(nnodes) * int(nproc or cfg.parallel.world_size)
+        cfg.validate(world_size=world)
+    except ValueError as e:
+        print(f"hybridpar: error: {e}", file=sys.stderr)
+        return 2
+    from torch.distributed.run import get_args_parser, run
+
+    if nproc is None:
+        theirs = ["--nproc-per-node", str(cfg.parallel.world_size)] + theirs
+    if nnodes == "1" and _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint") is None and "--standalone" not in theirs:
+        # Single machine: rendezvous on loopback only.
+        theirs = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"] + theirs
+    args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.train"] + ours)
+    try:
+        run(args)
+    except Exception as e:  # ChildFailedError: torch already printed the failing rank's traceback
+        print(f"hybridpar: training failed: {type(e).__name__}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv:
+        argv = ["train"]
+    cmd, rest = argv[0], argv[1:]
+    if cmd in ("-h", "--help"):
+        print(USAGE)
+        return 0
+    if cmd == "train":
+        if any(a in ("-h", "--help") for a in rest):
+            print(USAGE + "\n" + help_text())
+            return 0
+        return launch_train(rest)
+    print(f"hybridpar: unknown command {cmd!r}; commands: train\n\n{USAGE}", file=sys.stderr)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,378 @@
+"""Typed run configuration: dataclasses with help text, validation, TOML files and CLI overrides.
+
+Pure Python on purpose (no torch import) so `hybridpar train --help` and config errors are instant,
+and so every rank can validate the layout before touching a process group.
+"""
+
+import dataclasses
+import difflib
+import sys
+import types
+import typing
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A field carrying its help text (and optional `choices`) in metadata, so help and validation
+    read one source. A class default becomes a default_factory: each Config owns its sections."""
+    metadata = {"help": help, **meta}
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = _f(256, "vocabulary size (256 = raw bytes)")
+    dim: int = _f(128, "hidden size")
+    n_layers: int = _f(4, "number of transformer blocks")
+    n_heads: int = _f(4, "attention (query) heads")
+    n_kv_heads: int | None = _f(None, "key/value heads (none = n_heads; fewer = grouped-query attention)")
+    ffn_dim: int = _f(352, "SwiGLU feed-forward inner size")
+    rope_theta: float = _f(10000.0, "rotary embedding base")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = _f(False, "share the input embedding with the output projection")
+    init_std: float = _f(0.02, "standard deviation of the normal weight init")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(2, "tensor-parallel degree")
+    pp: int = _f(2, "pipeline-parallel degree (pipeline ranks)")
+    dp: int = _f(1, "data-parallel degree (replicas)")
+    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"))
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (>1 only with interleaved-1f1b)")
+    partition: str = _f("params", "how layers are split into stages", choices=("uniform", "params", "cost"))
+    layer_costs: list[float] | None = _f(None, "per-layer cost, comma-separated (required iff partition=cost)")
+    timeout_s: float = _f(120.0, "bound in seconds on every collective and point-to-point wait")
+    backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    recv_lookahead: int = _f(1, "compute actions ahead of use that receives are posted (>=0)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(300, "optimizer steps")
+    global_batch: int = _f(16, "sequences per step, summed over data-parallel replicas")
+    microbatches: int = _f(4, "microbatches per data-parallel replica per step")
+    microbatch_sizes: list[int] | None = _f(None, "explicit, possibly unequal split of each replica's batch")
+    seq_len: int = _f(128, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of cosine decay")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
+    seed: int = _f(0, "random seed")
+    val_every: int = _f(50, "validate every N steps (0 disables)")
+    val_batches: int = _f(4, "batches per validation")
+    sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
+    sample_prompt: str = _f("def ", "prompt for the final sample")
+
+
+@dataclass
+class DataConfig:
+    path: str | None = _f(None, "text file, folder of text files or nanoGPT uint16 .bin (none = stdlib .py files)")
+    val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
+    max_bytes: int = _f(16_000_000, "cap on corpus bytes read")
+
+
+@dataclass
+class Config:
+    model: ModelConfig = _f(ModelConfig, "model shape")
+    parallel: ParallelConfig = _f(ParallelConfig, "parallel layout")
+    train: TrainConfig = _f(TrainConfig, "optimisation")
+    data: DataConfig = _f(DataConfig, "corpus")
+    run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
+
+    def validate(self, world_size: int | None = None) -> None:
+        """Raise ValueError naming the first bad field (dotted key), its numbers and what would be right."""
+        m, p, t, d = self.model, self.parallel, self.train, self.data
+        # Ranges first: every later rule divides by or compares against these numbers.
+        count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
+        ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
+            ("model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
+             "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
+             "train.seq_len train.val_batches data.max_bytes", count, "a positive integer"),
+            ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
+            ("train.warmup_steps train.val_every train.sample_tokens parallel.recv_lookahead",
+             non_negative, "a non-negative integer"),
+            ("train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
+             lambda v: _is_num(v) and v > 0, "> 0"),  # `v > 0` is False for NaN, so NaN is rejected too
+            ("train.grad_clip", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables clipping)"),
+            ("train.beta1 train.beta2", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)"),
+            ("data.val_fraction", lambda v: _is_num(v) and 0 < v < 0.5, "in (0, 0.5)"),
+        ]
+        for keys, ok, what in ranges:
+            for key in keys.split():
+                _require(ok(value := getattr(*_owner(self, key))), f"{key} must be {what}, got {value!r}")
+        _require(_is_num(t.min_lr) and 0 <= t.min_lr <= t.lr,
+                 f"train.min_lr must be between 0 and train.lr={t.lr!r}, got {t.min_lr!r}")
+        for key, f in _known_keys().items():
+            choices = f.metadata.get("choices", ())
+            if choices and (v := getattr(*_owner(self, key))) not in choices:
+                raise ValueError(f"{key}={v!r} is not one of {', '.join(choices)}{_suggest(str(v), choices)}")
+
+        if world_size is not None and p.world_size != world_size:
+            raise ValueError(f"parallel.tp × parallel.pp × parallel.dp = {p.tp} × {p.pp} × {p.dp} = "
+                             f"{p.world_size}, but {world_size} processes were started: "
+                             f"start {p.world_size} processes or change the layout")
+
+        _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+        _require(m.head_dim % 2 == 0, f"model.head_dim = model.dim // model.n_heads = {m.dim} // {m.n_heads} = "
+                                      f"{m.head_dim} must be even for rotary embeddings (RoPE)")
+        _require(m.n_heads % m.kv_heads == 0,
+                 f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}")
+        # Tensor parallelism shards heads, the FFN and the vocabulary evenly across tp ranks.
+        for key, v in {"model.n_heads": m.n_heads, "model.n_kv_heads": m.kv_heads,
+                       "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}.items():
+            _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide {key}={v}")
+
+        _require(m.n_layers >= p.n_stages, f"model.n_layers={m.n_layers} is fewer than parallel.pp × "
+                 f"parallel.virtual_stages = {p.pp} × {p.virtual_stages} = {p.n_stages} stages")
+        _require(p.virtual_stages == 1 or p.schedule == "interleaved-1f1b",
+                 f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved-1f1b, "
+                 f"got {p.schedule}; set parallel.virtual_stages=1 or switch the schedule")
+        _require(p.schedule != "interleaved-1f1b" or p.pp >= 2,
+                 f"parallel.schedule=interleaved-1f1b needs parallel.pp >= 2, got {p.pp}")
+        # 1F1B's warmup fills the pipeline with one microbatch per rank before steady state.
+        _require(p.schedule == "gpipe" or t.microbatches >= p.pp, f"parallel.schedule={p.schedule} needs "
+                 f"train.microbatches ≥ parallel.pp={p.pp}, got {t.microbatches}")
+        _require(p.schedule != "interleaved-1f1b" or t.microbatches % p.pp == 0,
+                 f"parallel.schedule=interleaved-1f1b needs train.microbatches divisible by "
+                 f"parallel.pp={p.pp}, got {t.microbatches}")
+
+        _require(t.global_batch >= p.dp, f"train.global_batch={t.global_batch} is smaller than "
+                 f"parallel.dp={p.dp}: every data-parallel replica needs at least one sample")
+        per_replica = t.global_batch // p.dp  # the smallest replica's share; replicas differ by at most one
+        over = f"(train.global_batch={t.global_batch} over parallel.dp={p.dp})"
+        _require(t.microbatches <= per_replica, f"train.microbatches={t.microbatches} exceeds the "
+                 f"{per_replica} samples per data-parallel replica {over}")
+        if t.microbatch_sizes is not None:
+            sizes = t.microbatch_sizes
+            _require(t.global_batch % p.dp == 0, f"train.microbatch_sizes needs train.global_batch="
+                     f"{t.global_batch} divisible by parallel.dp={p.dp} so every replica splits the same batch")
+            _require(len(sizes) == t.microbatches, f"train.microbatch_sizes has {len(sizes)} entries "
+                     f"but train.microbatches={t.microbatches}")
+            for i, n in enumerate(sizes):
+                _require(_is_int(n) and n >= 1, f"train.microbatch_sizes[{i}]={n!r} must be a positive integer")
+            _require(sum(sizes) == per_replica, f"train.microbatch_sizes sums to {sum(sizes)}, but each "
+                     f"data-parallel replica has {per_replica} samples {over}")
+
+        if p.partition == "cost" or p.layer_costs is not None:
+            _require(p.partition == "cost", f"parallel.layer_costs is set but parallel.partition="
+                     f"{p.partition!r}: set parallel.partition=\"cost\" to use it, or drop layer_costs")
+            _require(p.layer_costs is not None, f"parallel.partition='cost' needs parallel.layer_costs "
+                     f"(one positive cost per layer, model.n_layers={m.n_layers})")
+            costs: list[float] = p.layer_costs or []
+            _require(len(costs) == m.n_layers, f"parallel.layer_costs has {len(costs)} entries "
+                     f"but model.n_layers={m.n_layers}")
+            for i, c in enumerate(costs):
+                _require(_is_num(c) and c > 0, f"parallel.layer_costs[{i}]={c!r} must be > 0")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Nested plain dict (JSON-serialisable); properties are derived, so they are left out."""
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> "Config":
+        """Strict inverse of to_dict: missing keys keep defaults, unknown keys and wrong types raise."""
+        if not isinstance(d, dict):
+            raise ValueError(f"config must be a dict of sections, got {type(d).__name__}")
+        cfg, known = cls(), _known_keys()
+        sections = {f.name for f in fields(cls) if dataclasses.is_dataclass(f.type)}
+        # Flatten to dotted keys so sections and top-level keys share one lookup and one error path.
+        flat: list[tuple[str, Any]] = []
+        for name, value in d.items():
+            if name in sections:
+                if not isinstance(value, dict):
+                    raise ValueError(f"config section '{name}' must be a table of keys, got {value!r}")
+                flat += [(f"{name}.{k}", v) for k, v in value.items()]
+            else:
+                flat.append((name, value))
+        for key, value in flat:
+            if key not in known:
+                raise ValueError(f"unknown config key {key!r}{_suggest(key, [*sections, *known], repr)}")
+            setattr(*_owner(cfg, key), _coerce(key, value, known[key].type))
+        return cfg
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config ([model] [parallel] [train] [data] sections, top-level run_dir) as a raw dict."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as e:  # missing file, a directory, no permission: all a bad --config argument
+        raise ValueError(f"cannot read config file {path!r}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+
+
+def parse_args(argv: list[str]) -> Config:
+    """Build a Config from `--config FILE` (applied first) then `--section.key VALUE` overrides in order.
+    Does not validate: the caller knows the world size."""
+    known = _known_keys()
+    config_file: str | None = None
+    overrides: list[tuple[str, str, str]] = []  # (flag as typed, dotted key, raw value)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"unexpected argument {arg!r}: options look like --section.key VALUE")
+        name, has_eq, value = arg[2:].partition("=")
+        if not has_eq:
+            # A following flag is not a value: `--train.steps --train.lr 1` forgot the steps.
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ValueError(f"missing value for --{name}")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        key = name.replace("-", "_")  # --train.global-batch and --run-dir are spelled like the fields
+        if key == "config":
+            if config_file is not None:
+                raise ValueError(f"--config given twice ({config_file!r} and {value!r}); pass one file")
+            config_file = value
+        elif key in known:
+            overrides.append((f"--{name}", key, value))
+        else:
+            raise ValueError(f"unknown option --{name}{_suggest(key, ['config', *known], _flag)}")
+    cfg = Config.from_dict(load_toml(config_file)) if config_file is not None else Config()
+    for flag, key, value in overrides:
+        setattr(*_owner(cfg, key), _parse_text(flag, value, known[key].type))
+    return cfg
+
+
+def help_text() -> str:
+    """Every flag with its type, default and help, grouped by section."""
+    rows = [(None, "--config <file>", "TOML file with [model] [parallel] [train] [data] sections, applied first")]
+    for key, f in _known_keys().items():
+        extra = f"; one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
+        rows.append((key.rpartition(".")[0] or None, f"{_flag(key)} <{_type_name(f.type)}>",
+                     f"{f.metadata['help']} (default: {_format(f.default)}{extra})"))
+    rows.sort(key=lambda r: r[0] is not None)  # stable: top-level flags (--run-dir) join --config up front
+    width = max(len(usage) for _, usage, _ in rows) + 2
+    lines = ["options: --section.key VALUE or --section.key=VALUE, applied after --config in order "
+             "('-' and '_' are interchangeable)"]
+    section = None
+    for sec, usage, text in rows:
+        if sec != section:
+            section = sec
+            lines += ["", f"[{sec}]"]
+        lines.append(f"  {usage:<{width}}{text}")
+    return "\n".join(lines)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _is_num(v: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
+    return isinstance(v, kinds) and not isinstance(v, bool)  # bool is an int subclass, but True is not a number
+
+
+def _is_int(v: Any) -> bool:
+    return _is_num(v, (int,))
+
+
+def _known_keys() -> dict[str, dataclasses.Field]:
+    """Every settable leaf: dotted key ('train.lr', or 'run_dir' at top level) -> field, in declaration order."""
+    out: dict[str, dataclasses.Field] = {}
+    for f in fields(Config):
+        if dataclasses.is_dataclass(f.type):
+            out.update({f"{f.name}.{g.name}": g for g in fields(f.type)})
+        else:
+            out[f.name] = f
+    return out
+
+
+def _owner(cfg: Config, key: str) -> tuple[Any, str]:
+    """'train.lr' -> (cfg.train, 'lr'); 'run_dir' -> (cfg, 'run_dir'): the getattr/setattr target."""
+    section, _, name = key.rpartition(".")
+    return (getattr(cfg, section) if section else cfg), name
+
+
+def _suggest(word: str, options: typing.Iterable[str], show: typing.Callable[[str], str] = repr) -> str:
+    close = difflib.get_close_matches(word, list(options), n=1)
+    return f" (did you mean {show(close[0])}?)" if close else ""
+
+
+def _flag(key: str) -> str:
+    # Top-level keys read like ordinary CLI flags (--run-dir); dotted keys keep the field spelling.
+    return f"--{key}" if "." in key else f"--{key.replace('_', '-')}"
+
+
+def _unwrap(tp: Any) -> tuple[Any, bool]:
+    """`X | None` -> (X, True); anything else -> (tp, False)."""
+    if isinstance(tp, types.UnionType) or typing.get_origin(tp) is typing.Union:
+        return next(a for a in typing.get_args(tp) if a is not type(None)), True
+    return tp, False
+
+
+def _type_name(tp: Any) -> str:
+    base, optional = _unwrap(tp)
+    name = f"list[{typing.get_args(base)[0].__name__}]" if typing.get_origin(base) is list else base.__name__
+    return f"{name} or none" if optional else name
+
+
+def _format(value: Any) -> str:
+    """A default written the way parse_args reads it back (strings quoted to show spaces, e.g. 'def ')."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, list) else repr(value)
+
+
+def _coerce(key: str, value: Any, tp: Any) -> Any:
+    """Type-check a TOML/JSON value; ints widen to float, nothing else is converted."""
+    base, optional = _unwrap(tp)
+    if value is None and optional:
+        return None
+    if typing.get_origin(base) is list:
+        if isinstance(value, list):
+            elem = typing.get_args(base)[0]
+            return [_coerce(f"{key}[{i}]", v, elem) for i, v in enumerate(value)]
+    elif base is float and _is_int(value):
+        return float(value)
+    elif isinstance(value, base) and (base is bool or not isinstance(value, bool)):
+        return value
+    raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+
+
+def _parse_text(flag: str, text: str, tp: Any) -> Any:
+    """Parse a command-line string by the field's type."""
+    base, optional = _unwrap(tp)
+    if optional and text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        if typing.get_origin(base) is list:
+            elem = typing.get_args(base)[0]
+            return [elem(s) for s in text.split(",")] if text.strip() else []
+        if base is bool:
+            words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+            return words[text.strip().lower()]
+        return base(text)
+    except (ValueError, KeyError):
+        raise ValueError(f"{flag} expects {_type_name(tp)}, got {text!r}") from None

@@ -1,0 +1,66 @@
+"""Gather the sharded, pipelined model into one full fp32 state dict on rank 0, and its digest.
+
+The digest is sha256 over (name, fp32 bytes) of every parameter of the full model in definition order,
+so two runs can be compared bit for bit whatever their (tp, pp, dp) layout.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.config import ModelConfig
+from hybridpar.model.llama import LlamaStage, canonical_param_names
+from hybridpar.topology.mesh import Topology
+
+
+def params_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    h = hashlib.sha256()
+    for name, t in named:
+        h.update(name.encode())
+        h.update(t.detach().to(torch.float32).contiguous().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+def stage_of_param(name: str, parts: Sequence[range]) -> int:
+    """Which pipeline stage owns a full-model parameter name."""
+    if name.startswith("model.embed_tokens."):
+        return 0
+    if name.startswith("model.layers."):
+        layer = int(name.split(".")[2])
+        return next(s for s, r in enumerate(parts) if layer in r)
+    return len(parts) - 1  # final norm and head
+
+
+def _full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
+    with torch.device("meta"):
+        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
+    return {n: p.shape for n, p in full.named_parameters()}
+
+
+def gather_full_state(topo: Topology, stages: dict[int, LlamaStage], parts: Sequence[range],
+                      cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+    """Collective over the whole world (call on every rank): rank 0 gets {name: full cpu fp32 tensor}
+    in definition order, other ranks None. Replica dp=0 is the source (replicas are identical)."""
+    shapes = _full_shapes(cfg)
+    out: dict[str, torch.Tensor] = {}
+    pp = topo.dims.pp
+    for name in canonical_param_names(cfg):
+        s = stage_of_param(name, parts)
+        owner = topo.dims.rank_of(0, s % pp, 0)
+        if topo.dp_rank == 0 and s in stages:
+            p = stages[s].get_parameter(name)
+            full = p.full_tensor() if hasattr(p, "placements") else p.detach()  # collective over tp
+            if topo.rank == owner:
+                if owner == 0:
+                    out[name] = full.detach().float().cpu().clone()
+                else:
+                    dist.send(full.detach().float().contiguous(), dst=0)
+        if topo.rank == 0 and owner != 0:
+            buf = torch.empty(shapes[name], dtype=torch.float32, device=topo.device)
+            dist.recv(buf, src=owner)
+            out[name] = buf.cpu()
+    return out if topo.rank == 0 else None

@@ -1,0 +1,110 @@
+"""Gradient reductions across the mesh: data-parallel sum (overlapped with the pipeline's backward),
+embedding/head tie across pipeline stages, and the global gradient norm for clipping.
+
+Losses are pre-scaled by 1 / (tokens in the global batch), so the data-parallel reduction is a plain
+SUM: replicas holding unequal numbers of tokens still yield exactly the gradient of the global token
+mean, which a mean over replicas would not.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.model.llama import LlamaStage
+from hybridpar.model.tp import is_sharded
+from hybridpar.topology.mesh import Topology
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
+    return t.to_local() if hasattr(t, "placements") else t
+
+
+def match_grad_placements(stage: LlamaStage) -> None:
+    """Give every DTensor gradient its parameter's placement. The vocabulary-parallel embedding's
+    backward yields a Replicate gradient for a Shard(0) weight; left so, its local tensor would be
+    the full gradient and norms and reductions over shards would count it tp times."""
+    for p in stage.parameters():
+        if p.grad is not None and hasattr(p, "placements") and p.grad.placements != p.placements:
+            p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Replicate -> Shard: a local slice
+
+
+class DataParallelGrads:
+    """Per-stage bucketed all-reduce over dp, started as soon as a stage's last backward is done (so a
+    chunk's reduction overlaps the backward of chunks still running) and finished before the step."""
+
+    def __init__(self, topo: Topology, stages: dict[int, LlamaStage]) -> None:
+        self.topo, self.stages = topo, stages
+        self.group = topo.group("dp") if topo.dims.dp > 1 else None
+        self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
+
+    def stage_done(self, s: int) -> None:
+        match_grad_placements(self.stages[s])
+        if self.group is None:
+            return
+        grads = [_local(p.grad) for p in self.stages[s].parameters()]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+
+    def finish(self) -> None:
+        timeout = self.topo.timeout_s
+        for grads, flat, work in self._pending:
+            work.wait(timedelta(seconds=timeout))
+            offset = 0
+            for g in grads:
+                g.copy_(flat[offset:offset + g.numel()].view_as(g))
+                offset += g.numel()
+        self._pending.clear()
+
+
+def sync_tied_embeddings(topo: Topology, stages: dict[int, LlamaStage], n_stages: int) -> None:
+    """With tied embeddings split over pipeline stages, the first stage's embedding and the last stage's
+    head are two copies of one weight: sum their gradients (Megatron's embedding group). Every pp rank
+    takes part; ranks holding neither copy contribute zeros."""
+    first = stages.get(0)
+    last = stages.get(n_stages - 1)
+    if not (next(iter(stages.values())).cfg.tie_embeddings and topo.dims.pp > 1):
+        return
+    cfg = next(iter(stages.values())).cfg
+    shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
+    grad = torch.zeros(shape, device=topo.device)
+    if first is not None:
+        grad += _local(first.model.embed_tokens.weight.grad)
+    if last is not None:
+        grad += _local(last.lm_head.weight.grad)
+    dist.all_reduce(grad, group=topo.group("pp"))
+    if first is not None:
+        _local(first.model.embed_tokens.weight.grad).copy_(grad)
+    if last is not None:
+        _local(last.lm_head.weight.grad).copy_(grad)
+
+
+def clip_grad_norm(topo: Topology, stages: dict[int, LlamaStage], max_norm: float) -> float:
+    """Global L2 norm of the whole model's gradient (every parameter counted once: tp shards summed,
+    replicated norm gains counted on tp rank 0 only, pipeline stages summed, dp replicas identical),
+    then torch's clip rule: scale by min(1, max_norm / (norm + 1e-6)). max_norm <= 0: measure only."""
+    sq = torch.zeros((), dtype=torch.float64, device=topo.device)
+    params: list[nn.Parameter] = []
+    for stage in stages.values():
+        for name, p in stage.named_parameters():
+            params.append(p)
+            if name == "lm_head.weight" and stage.holds_tied_copy:
+                continue  # the embedding's copy: counted on the first stage
+            if is_sharded(p) or topo.tp_rank == 0:
+                sq += _local(p.grad).double().pow(2).sum()
+    if topo.dims.tp > 1:
+        dist.all_reduce(sq, group=topo.group("tp"))
+    if topo.dims.pp > 1:
+        dist.all_reduce(sq, group=topo.group("pp"))
+    norm = math.sqrt(float(sq))
+    if max_norm > 0:
+        coef = min(1.0, max_norm / (norm + 1e-6))
+        if coef < 1.0:
+            for p in params:
+                p.grad.mul_(coef)
+    return norm

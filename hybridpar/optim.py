@@ -1,0 +1,45 @@
+"""Optimizer pieces shared by the trainer and the single-device reference: LR schedule and parameter
+groups. Plain `torch.optim.AdamW` does the update, so a parallel run and a one-device run step the very
+same optimizer."""
+
+from __future__ import annotations
+
+import math
+from typing import Iterable
+
+import torch
+from torch import nn
+
+from hybridpar.config import TrainConfig
+
+
+def lr_at(step: int, cfg: TrainConfig) -> float:
+    """Linear warmup to cfg.lr over warmup_steps, then cosine decay to cfg.min_lr at the last step."""
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    span = max(1, cfg.steps - cfg.warmup_steps - 1)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1.0 + math.cos(math.pi * progress))
+
+
+def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
+    """Decay matrices (projections, embedding, head), not norm gains (GPT-2/Llama practice).
+
+    Groups are also split by tensor kind, because AdamW's foreach kernels cannot mix DTensor (sharded)
+    and plain (replicated) parameters in one group."""
+    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
+    for _, p in named:
+        key = (p.ndim >= 2, hasattr(p, "placements"))
+        groups.setdefault(key, []).append(p)
+    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0}
+            for (decay, _), ps in sorted(groups.items())]
+
+
+def make_optimizer(named: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    return torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=lr_at(0, cfg),
+                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+
+
+def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:
+    for g in opt.param_groups:
+        g["lr"] = lr

@@ -1,0 +1,80 @@
+"""The one spawn helper for multi-process tests (and benchmarks): start N ranks on loopback, bound the
+whole run by a deadline, and turn any rank's failure or a hang into an exception in the caller.
+
+A rank returns a JSON-serialisable value (tensors go through files that the caller names), so nothing
+is unpickled from a worker. Each rank runs with one intra-op thread: several ranks share few cores.
+"""
+
+from __future__ import annotations
+
+import json
+import multiprocessing as mp
+import os
+import socket
+import tempfile
+import time
+import traceback
+from pathlib import Path
+from typing import Any, Callable
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+    )
+    import torch
+    import torch.distributed as dist
+
+    torch.set_num_threads(1)
+    try:
+        result = fn(*args)
+        Path(out, f"rank{rank}.json").write_text(json.dumps(result))
+    except BaseException:
+        Path(out, f"rank{rank}.err").write_text(traceback.format_exc())
+        raise SystemExit(1)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
+    """Run `fn(*args)` in `world` fresh processes (spawn) forming one torch.distributed world through
+    env:// on 127.0.0.1. Returns each rank's return value. Raises RuntimeError with the failing rank's
+    traceback, or TimeoutError (after killing every rank) if the deadline passes."""
+    ctx = mp.get_context("spawn")
+    port = free_port()
+    with tempfile.TemporaryDirectory(prefix="hybridpar-ranks-") as out:
+        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True) for r in range(world)]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout_s
+        try:
+            while any(p.is_alive() for p in procs):
+                failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
+                if failed:
+                    time.sleep(1.0)  # let the others notice and write their errors, then report the first
+                    break
+                if time.monotonic() > deadline:
+                    alive = [r for r, p in enumerate(procs) if p.is_alive()]
+                    raise TimeoutError(f"ranks {alive} of {world} still running after {timeout_s:.0f} s: killed")
+                time.sleep(0.05)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join(5)
+        errors = sorted(Path(out).glob("rank*.err"))
+        if errors:
+            first = errors[0]
+            raise RuntimeError(f"{first.stem} failed:\n{first.read_text()}")
+        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
+        if bad:
+            raise RuntimeError(f"ranks exited abnormally (rank, exit code): {bad}")
+        return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]

@@ -1,0 +1,108 @@
+"""Process layout: `ParallelDims` (pure) and `Topology` (the live DeviceMesh and groups).
+
+Rank order is (dp, pp, tp) with tp fastest, as in Megatron-LM: tensor-parallel peers, which talk on
+every layer, are neighbouring ranks (same node, fastest links); data-parallel peers, which talk once
+per step, are furthest apart.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+
+@dataclass(frozen=True)
+class ParallelDims:
+    dp: int
+    pp: int
+    tp: int
+    world_size: int
+
+    def __post_init__(self) -> None:
+        for name in ("dp", "pp", "tp", "world_size"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 1:
+                raise ValueError(f"ParallelDims.{name} must be a positive integer, got {v!r}")
+        if self.dp * self.pp * self.tp != self.world_size:
+            raise ValueError(
+                f"dp × pp × tp = {self.dp} × {self.pp} × {self.tp} = {self.dp * self.pp * self.tp} "
+                f"does not equal the world size {self.world_size}"
+            )
+
+    def coords(self, rank: int) -> tuple[int, int, int]:
+        """(dp_rank, pp_rank, tp_rank) of a global rank."""
+        if not 0 <= rank < self.world_size:
+            raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
+        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+
+    def rank_of(self, dp: int, pp: int, tp: int) -> int:
+        return (dp * self.pp + pp) * self.tp + tp
+
+
+def pick_backend(requested: str) -> tuple[str, str]:
+    """(backend, device type): NCCL on CUDA when available, gloo on CPU otherwise."""
+    if requested == "auto":
+        requested = "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise ValueError("parallel.backend='nccl' needs CUDA, which is not available here: use 'gloo' or 'auto'")
+    return requested, ("cuda" if requested == "nccl" else "cpu")
+
+
+def init_process_group(backend: str, timeout_s: float) -> None:
+    """Join the default group from torchrun's environment (RANK, WORLD_SIZE, MASTER_ADDR…), bounded by
+    `timeout_s` so that a missing peer fails instead of waiting forever."""
+    if dist.is_initialized():
+        return
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+@dataclass
+class Topology:
+    """The live layout of this process: dims, coordinates, mesh, device. Passed explicitly everywhere."""
+
+    dims: ParallelDims
+    rank: int
+    mesh: DeviceMesh
+    device: torch.device
+    backend: str
+    timeout_s: float
+    dp_rank: int = field(init=False)
+    pp_rank: int = field(init=False)
+    tp_rank: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.dp_rank, self.pp_rank, self.tp_rank = self.dims.coords(self.rank)
+
+    @property
+    def tp_mesh(self) -> DeviceMesh:
+        return self.mesh["tp"]
+
+    def group(self, axis: str) -> dist.ProcessGroup:
+        return self.mesh.get_group(axis)
+
+    def pp_peer(self, pp_rank: int) -> int:
+        """Global rank of the process at pipeline position `pp_rank` with our dp and tp coordinates."""
+        return self.dims.rank_of(self.dp_rank, pp_rank, self.tp_rank)
+
+
+def build_topology(dp: int, pp: int, tp: int, backend: str = "auto", timeout_s: float = 120.0) -> Topology:
+    """Create (or reuse) the default process group and a (dp, pp, tp) DeviceMesh whose every sub-group
+    carries the same timeout."""
+    backend, device_type = pick_backend(backend)
+    init_process_group(backend, timeout_s)
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size())
+    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    # DeviceMesh builds its sub-groups with c10d's default timeout (30 min for gloo), not the default
+    # group's: set ours on each so that no collective can hang longer than asked.
+    timeout = timedelta(seconds=timeout_s)
+    for axis in ("dp", "pp", "tp"):
+        dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(axis))
+    device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
+    return Topology(dims=dims, rank=dist.get_rank(), mesh=mesh, device=device, backend=backend, timeout_s=timeout_s)

@@ -1,0 +1,190 @@
+"""The trainer: one process of a (dp, pp, tp) run. `python -m hybridpar.train` under torchrun, or
+`hybridpar train`, which launches it through torch's elastic agent.
+
+Per step: the replica's share of the global batch is split into microbatches, the pipeline runtime
+executes this rank's action list (data-parallel reductions start as each stage finishes its backward),
+the tied embedding and the global gradient norm are reduced, and AdamW steps. Rank 0 writes
+`metrics.jsonl` and draws the progress line.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.batching.split import BatchPlan, plan_batch
+from hybridpar.config import Config, parse_args
+from hybridpar.data import TokenData, decode, encode, load_tokens
+from hybridpar.export import gather_full_state, params_digest
+from hybridpar.grads import DataParallelGrads, clip_grad_norm, sync_tied_embeddings
+from hybridpar.model.llama import LlamaStage, build_full_model, build_stage, generate
+from hybridpar.model.tp import apply_tp
+from hybridpar.optim import lr_at, make_optimizer, set_lr
+from hybridpar.pipeline.p2p import P2P
+from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
+from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
+from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.report.metrics import MetricsWriter, Progress
+from hybridpar.topology.mesh import Topology, build_topology
+
+
+def layer_partition(cfg: Config) -> list[range]:
+    m, n_stages = cfg.model, cfg.parallel.n_stages
+    if cfg.parallel.partition == "uniform":
+        return partition_uniform(m.n_layers, n_stages)
+    if cfg.parallel.partition == "cost":
+        return partition_by_cost(cfg.parallel.layer_costs, n_stages)
+    layer = 2 * m.dim + m.dim * m.head_dim * (2 * m.n_heads + 2 * m.kv_heads) + 3 * m.dim * m.ffn_dim
+    return partition_by_params([layer] * m.n_layers, n_stages, embed_params=m.vocab_size * m.dim,
+                               head_params=m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim))
+
+
+@dataclass
+class TrainResult:
+    losses: list[float] = field(default_factory=list)
+    val_losses: list[tuple[int, float]] = field(default_factory=list)
+    digest: str | None = None  # rank 0 only
+    state: dict[str, torch.Tensor] | None = None  # rank 0 only: the full trained model
+
+
+class Trainer:
+    def __init__(self, cfg: Config, topo: Topology) -> None:
+        self.cfg, self.topo = cfg, topo
+        p, t = cfg.parallel, cfg.train
+        self.data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
+        if self.data.vocab_needed > cfg.model.vocab_size:
+            raise ValueError(f"data.path holds token ids up to {self.data.vocab_needed - 1}: model.vocab_size="
+                             f"{cfg.model.vocab_size} must be at least {self.data.vocab_needed}")
+        self.parts = layer_partition(cfg)
+        self.n_stages = p.n_stages
+        self.stages: dict[int, LlamaStage] = {}
+        for chunk in range(p.virtual_stages):
+            s = chunk * p.pp + topo.pp_rank
+            st = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed, topo.device)
+            self.stages[s] = apply_tp(st, topo.tp_mesh)
+        self.actions = build_schedule(p.schedule, p.pp, p.virtual_stages, t.microbatches, p.recv_lookahead)[topo.pp_rank]
+        self.eval_actions = forward_actions(self.actions)
+        self.p2p = P2P(topo.device, torch.float32, p.timeout_s)
+        self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(s % p.pp), self.p2p,
+                                       cfg.model.dim)
+        named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
+        self.opt = make_optimizer(named, t)
+        self.dp_grads = DataParallelGrads(topo, self.stages)
+        self.plan: BatchPlan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes)
+
+    def _microbatches(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
+        sizes = self.plan.sizes[self.topo.dp_rank]
+        xs = list(torch.split(x.to(self.topo.device), list(sizes)))
+        ys = list(torch.split(y.to(self.topo.device), list(sizes)))
+        return xs, ys
+
+    def _global_sum(self, local: torch.Tensor | None) -> float:
+        """Sum a per-replica loss over the world (counted once per replica: last stage, tp rank 0)."""
+        v = torch.zeros((), device=self.topo.device)
+        if local is not None and self.topo.tp_rank == 0:
+            v += local
+        dist.all_reduce(v)
+        return float(v)
+
+    def step(self, step: int) -> dict[str, float]:
+        t, topo = self.cfg.train, self.topo
+        t0 = time.perf_counter()
+        lr = lr_at(step, t)
+        set_lr(self.opt, lr)
+        start = self.plan.replica_offset(topo.dp_rank)
+        x, y = self.data.step_samples(step, t.global_batch, start, sum(self.plan.sizes[topo.dp_rank]))
+        xs, ys = self._microbatches(x, y)
+        out = self.runtime.run(self.actions, xs, ys, 1.0 / (t.global_batch * t.seq_len),
+                               on_stage_done=self.dp_grads.stage_done)
+        self.dp_grads.finish()
+        sync_tied_embeddings(topo, self.stages, self.n_stages)
+        grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip)
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        loss = self._global_sum(out.loss)
+        dt = time.perf_counter() - t0
+        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+                "tokens_per_s": t.global_batch * t.seq_len / dt}
+
+    @torch.no_grad()
+    def evaluate(self) -> float:
+        t, topo = self.cfg.train, self.topo
+        n = t.val_batches * t.global_batch
+        vx, vy = self.data.val_samples(n)
+        total: torch.Tensor | None = None
+        for b in range(t.val_batches):
+            lo = b * t.global_batch + self.plan.replica_offset(topo.dp_rank)
+            hi = lo + sum(self.plan.sizes[topo.dp_rank])
+            xs, ys = self._microbatches(vx[lo:hi], vy[lo:hi])
+            out = self.runtime.run(self.eval_actions, xs, ys, 1.0 / (n * t.seq_len), train=False)
+            if out.loss is not None:
+                total = out.loss if total is None else total + out.loss
+        return self._global_sum(total)
+
+
+def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> TrainResult:
+    """Train per `cfg` on the current world (created from torchrun's environment if needed)."""
+    p, t = cfg.parallel, cfg.train
+    if topo is None:
+        topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
+    cfg.validate(world_size=topo.dims.world_size)
+    trainer = Trainer(cfg, topo)
+    res = TrainResult()
+    rank0 = topo.rank == 0
+    writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl") if rank0 else None
+    progress = Progress(t.steps) if rank0 and log else None
+    for step in range(t.steps):
+        rec = trainer.step(step)
+        if not math.isfinite(rec["loss"]):
+            raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")
+        res.losses.append(rec["loss"])
+        last = step == t.steps - 1
+        if t.val_every and ((step + 1) % t.val_every == 0 or step == 0 or last):
+            rec["val_loss"] = trainer.evaluate()
+            res.val_losses.append((step, rec["val_loss"]))
+        if writer:
+            writer.write(rec)
+        if progress:
+            extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+            progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
+    state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model)
+    if rank0:
+        res.state, res.digest = state, params_digest(state.items())
+        writer.write({"final": True, "params_digest": res.digest, "steps": t.steps,
+                      "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()}})
+        writer.close()
+        torch.save(state, Path(cfg.run_dir) / "final_model.pt")
+        if log and t.sample_tokens:
+            model = build_full_model(cfg.model, t.seed)
+            model.load_state_dict(state, strict=False)
+            text = decode(generate(model, encode(t.sample_prompt), t.sample_tokens, seed=t.seed))
+            print(f"\n--- sample from the trained model ---\n{t.sample_prompt}{text}\n---")
+    return res
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+    except ValueError as e:
+        print(f"hybridpar: error: {e}", file=sys.stderr)
+        return 2
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))  # ranks share the cores
+    try:
+        train(cfg)
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,503 @@
+"""Unit tests for hybridpar.config: validation messages, strict dict loading, TOML files and CLI parsing."""
+
+import ast
+import dataclasses
+import json
+import math
+import re
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+import hybridpar.config as config_module
+from hybridpar.config import Config, help_text, load_toml, parse_args
+
+
+def make(**dotted: Any) -> Config:
+    """A default Config with `section__key=value` overrides set directly (bypassing from_dict's type checks)."""
+    cfg = Config()
+    for key, value in dotted.items():
+        section, name = key.split("__")
+        setattr(getattr(cfg, section), name, value)
+    return cfg
+
+
+def invalid(cfg: Config, message: str, world_size: int | None = None) -> None:
+    """Assert validate() fails with a message containing `message` literally."""
+    with pytest.raises(ValueError, match=re.escape(message)):
+        cfg.validate(world_size)
+
+
+# ---- defaults and derived values -------------------------------------------------------------------------------
+
+
+def test_defaults_validate_for_four_processes() -> None:
+    cfg = Config()
+    cfg.validate(world_size=4)
+    cfg.validate()
+    assert cfg.parallel.world_size == 4
+    assert cfg.parallel.n_stages == 2
+    assert cfg.model.head_dim == 32
+    assert cfg.model.kv_heads == 4
+    assert make(model__n_kv_heads=2).model.kv_heads == 2
+    assert make(parallel__pp=3, parallel__virtual_stages=2).parallel.n_stages == 6
+
+
+def test_sections_are_independent_and_mutable() -> None:
+    a, b = Config(), Config()
+    a.train.steps = 7
+    assert b.train.steps == 300
+    assert a.model is not b.model
+
+
+def test_every_field_has_help() -> None:
+    for section in ("model", "parallel", "train", "data"):
+        for f in dataclasses.fields(getattr(Config(), section)):
+            assert f.metadata["help"], f"{section}.{f.name} has no help"
+
+
+def test_config_module_does_not_import_torch() -> None:
+    tree = ast.parse(Path(config_module.__file__).read_text())
+    imported = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
+    imported |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+    assert "torch" not in imported
+
+
+# ---- validate: ranges -------------------------------------------------------------------------------------------
+
+COUNTS = ["model__vocab_size", "model__dim", "model__n_layers", "model__n_heads", "model__n_kv_heads",
+          "model__ffn_dim", "parallel__tp", "parallel__pp", "parallel__dp", "parallel__virtual_stages",
+          "train__steps", "train__global_batch", "train__microbatches", "train__seq_len", "train__val_batches",
+          "data__max_bytes"]
+
+
+@pytest.mark.parametrize("key", COUNTS)
+@pytest.mark.parametrize("bad", [0, -3])
+def test_counts_must_be_positive(key: str, bad: int) -> None:
+    # n_kv_heads may also be None, and its message says so.
+    pattern = re.escape(key.replace("__", ".")) + rf" must be a positive integer( or none)?, got {bad}"
+    with pytest.raises(ValueError, match=pattern):
+        make(**{key: bad}).validate()
+
+
+def test_count_rejects_non_integers() -> None:
+    invalid(make(train__steps=2.5), "train.steps must be a positive integer, got 2.5")
+    invalid(make(parallel__tp=True), "parallel.tp must be a positive integer, got True")
+
+
+@pytest.mark.parametrize("key", ["train__warmup_steps", "train__val_every", "train__sample_tokens",
+                                 "parallel__recv_lookahead"])
+def test_non_negative_ints(key: str) -> None:
+    invalid(make(**{key: -1}), f"{key.replace('__', '.')} must be a non-negative integer, got -1")
+    make(**{key: 0}).validate(4)  # zero is the documented "disable"/"no lookahead" value
+
+
+@pytest.mark.parametrize("key", ["train__lr", "train__eps", "parallel__timeout_s", "model__norm_eps",
+                                 "model__init_std", "model__rope_theta"])
+@pytest.mark.parametrize("bad", [0.0, -1.0])
+def test_strictly_positive_floats(key: str, bad: float) -> None:
+    invalid(make(**{key: bad}), f"{key.replace('__', '.')} must be > 0, got {bad}")
+
+
+def test_nan_learning_rate_is_rejected() -> None:
+    invalid(make(train__lr=math.nan), "train.lr must be > 0, got nan")
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ({"train__min_lr": -1e-4}, "train.min_lr must be between 0 and train.lr=0.003, got -0.0001"),
+    ({"train__min_lr": 0.01}, "train.min_lr must be between 0 and train.lr=0.003, got 0.01"),
+    ({"train__grad_clip": -0.5}, "train.grad_clip must be >= 0 (0 disables clipping), got -0.5"),
+    ({"train__beta1": 1.0}, "train.beta1 must be in [0, 1), got 1.0"),
+    ({"train__beta2": -0.1}, "train.beta2 must be in [0, 1), got -0.1"),
+    ({"data__val_fraction": 0.0}, "data.val_fraction must be in (0, 0.5), got 0.0"),
+    ({"data__val_fraction": 0.5}, "data.val_fraction must be in (0, 0.5), got 0.5"),
+])
+def test_float_ranges(dotted: dict[str, Any], message: str) -> None:
+    invalid(make(**dotted), message)
+
+
+def test_range_edges_that_are_allowed() -> None:
+    make(train__min_lr=0.0, train__grad_clip=0.0, train__beta1=0.0).validate(4)
+    make(train__min_lr=3e-3).validate(4)  # min_lr == lr: a constant schedule
+
+
+# ---- validate: choices and world size ---------------------------------------------------------------------------
+
+
+def test_unknown_schedule_suggests_the_closest() -> None:
+    invalid(make(parallel__schedule="1f1"),
+            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b (did you mean '1f1b'?)")
+
+
+def test_unknown_partition_and_backend() -> None:
+    invalid(make(parallel__partition="costs"), "parallel.partition='costs' is not one of uniform, params, cost "
+                                               "(did you mean 'cost'?)")
+    with pytest.raises(ValueError, match=r"parallel.backend='mpi' is not one of auto, gloo, nccl$"):
+        make(parallel__backend="mpi").validate()
+
+
+def test_world_size_mismatch_names_the_layout() -> None:
+    invalid(Config(), "parallel.tp × parallel.pp × parallel.dp = 2 × 2 × 1 = 4, but 3 processes were started: "
+                      "start 4 processes or change the layout", world_size=3)
+    make(parallel__dp=2).validate(world_size=8)
+
+
+# ---- validate: model shape --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ({"model__dim": 130}, "model.dim=130 is not divisible by model.n_heads=4"),
+    ({"model__dim": 12}, "model.head_dim = model.dim // model.n_heads = 12 // 4 = 3 must be even"),
+    ({"model__n_kv_heads": 3}, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+    ({"model__n_kv_heads": 8}, "model.n_heads=4 is not divisible by model.n_kv_heads=8"),
+    ({"parallel__tp": 3, "model__n_heads": 8}, "parallel.tp=3 does not divide model.n_heads=8"),
+    ({"model__n_kv_heads": 1}, "parallel.tp=2 does not divide model.n_kv_heads=1"),
+    ({"model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
+    ({"model__vocab_size": 255}, "parallel.tp=2 does not divide model.vocab_size=255"),
+])
+def test_model_shape_rules(dotted: dict[str, Any], message: str) -> None:
+    invalid(make(**dotted), message)
+
+
+def test_grouped_query_attention_and_tied_embeddings_are_fine() -> None:
+    make(model__n_kv_heads=2, model__tie_embeddings=True).validate(4)
+    make(model__tie_embeddings=True, parallel__pp=4, parallel__tp=1).validate(4)
+
+
+# ---- validate: pipeline stages and schedules --------------------------------------------------------------------
+
+
+def test_too_few_layers_for_the_stages() -> None:
+    invalid(make(model__n_layers=2, parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b"),
+            "model.n_layers=2 is fewer than parallel.pp × parallel.virtual_stages = 2 × 2 = 4 stages")
+
+
+def test_virtual_stages_need_interleaving() -> None:
+    invalid(make(parallel__virtual_stages=2), "parallel.virtual_stages=2 needs parallel.schedule=interleaved-1f1b")
+    make(parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b").validate(4)
+
+
+def test_interleaving_needs_two_pipeline_ranks() -> None:
+    invalid(make(parallel__pp=1, parallel__schedule="interleaved-1f1b"),
+            "parallel.schedule=interleaved-1f1b needs parallel.pp >= 2, got 1")
+
+
+def test_1f1b_needs_a_microbatch_per_pipeline_rank() -> None:
+    invalid(make(parallel__pp=4, train__microbatches=2),
+            "parallel.schedule=1f1b needs train.microbatches ≥ parallel.pp=4, got 2")
+    invalid(make(parallel__pp=4, train__microbatches=2, parallel__schedule="interleaved-1f1b"),
+            "parallel.schedule=interleaved-1f1b needs train.microbatches ≥ parallel.pp=4, got 2")
+    make(parallel__pp=4, train__microbatches=1, parallel__schedule="gpipe").validate(8)
+
+
+def test_interleaving_needs_microbatches_divisible_by_pp() -> None:
+    invalid(make(parallel__schedule="interleaved-1f1b", train__microbatches=3),
+            "parallel.schedule=interleaved-1f1b needs train.microbatches divisible by parallel.pp=2, got 3")
+
+
+# ---- validate: batch split ----------------------------------------------------------------------------------------
+
+
+def test_every_replica_needs_a_sample() -> None:
+    invalid(make(train__global_batch=1, parallel__dp=2), "train.global_batch=1 is smaller than parallel.dp=2")
+
+
+def test_microbatches_cannot_exceed_the_replica_batch() -> None:
+    invalid(make(train__global_batch=10, parallel__dp=2, train__microbatches=8),
+            "train.microbatches=8 exceeds the 5 samples per data-parallel replica "
+            "(train.global_batch=10 over parallel.dp=2)")
+    make(train__global_batch=11, parallel__dp=2, train__microbatches=5).validate(8)  # replicas get 6 and 5
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ({"train__global_batch": 11, "parallel__dp": 2, "train__microbatch_sizes": [2, 2, 1, 1]},
+     "train.microbatch_sizes needs train.global_batch=11 divisible by parallel.dp=2"),
+    ({"train__microbatch_sizes": [8, 4, 4]}, "train.microbatch_sizes has 3 entries but train.microbatches=4"),
+    ({"train__microbatch_sizes": [8, 4, 4, 0]}, "train.microbatch_sizes[3]=0 must be a positive integer"),
+    ({"train__microbatch_sizes": [4, 4, 4, 3]},
+     "train.microbatch_sizes sums to 15, but each data-parallel replica has 16 samples "
+     "(train.global_batch=16 over parallel.dp=1)"),
+])
+def test_explicit_microbatch_sizes(dotted: dict[str, Any], message: str) -> None:
+    invalid(make(**dotted), message)
+
+
+def test_unequal_microbatch_sizes_are_allowed() -> None:
+    make(train__microbatch_sizes=[7, 5, 3, 1]).validate(4)
+    make(parallel__dp=2, train__microbatch_sizes=[3, 2, 2, 1]).validate(8)
+
+
+# ---- validate: partition ------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ({"parallel__partition": "cost"}, "parallel.partition='cost' needs parallel.layer_costs"),
+    ({"parallel__partition": "cost", "parallel__layer_costs": [1.0, 1.0, 1.0]},
+     "parallel.layer_costs has 3 entries but model.n_layers=4"),
+    ({"parallel__partition": "cost", "parallel__layer_costs": [1.0, 0.0, 1.0, 1.0]},
+     "parallel.layer_costs[1]=0.0 must be > 0"),
+    ({"parallel__layer_costs": [1.0, 1.0, 1.0, 1.0]},
+     "parallel.layer_costs is set but parallel.partition='params': set parallel.partition=\"cost\""),
+])
+def test_cost_partition_rules(dotted: dict[str, Any], message: str) -> None:
+    invalid(make(**dotted), message)
+
+
+def test_cost_partition_with_costs_validates() -> None:
+    make(parallel__partition="cost", parallel__layer_costs=[3.0, 3.0, 2.0, 2.0]).validate(4)
+
+
+# ---- to_dict / from_dict ------------------------------------------------------------------------------------------
+
+
+def custom() -> Config:
+    cfg = make(model__n_kv_heads=2, model__tie_embeddings=True, parallel__partition="cost",
+               parallel__layer_costs=[3.0, 3.0, 2.0, 2.0], train__microbatch_sizes=[7, 5, 3, 1],
+               train__lr=1e-3, data__path="corpus.txt")
+    cfg.run_dir = "runs/custom"
+    return cfg
+
+
+def test_dict_round_trip_through_json() -> None:
+    cfg = custom()
+    d = json.loads(json.dumps(cfg.to_dict()))
+    assert d["parallel"]["layer_costs"] == [3.0, 3.0, 2.0, 2.0]
+    assert d["run_dir"] == "runs/custom"
+    back = Config.from_dict(d)
+    assert back == cfg
+    assert back != Config()
+
+
+def test_to_dict_is_a_copy() -> None:
+    cfg = custom()
+    cfg.to_dict()["parallel"]["layer_costs"].append(9.0)
+    assert cfg.parallel.layer_costs == [3.0, 3.0, 2.0, 2.0]
+
+
+def test_from_dict_partial_keeps_defaults() -> None:
+    cfg = Config.from_dict({"parallel": {"tp": 1}, "run_dir": "x"})
+    assert cfg.parallel.tp == 1 and cfg.parallel.pp == 2 and cfg.run_dir == "x"
+    assert Config.from_dict({}) == Config()
+
+
+def test_from_dict_unknown_key_suggests() -> None:
+    with pytest.raises(ValueError, match=re.escape("unknown config key 'parallel.tpp' (did you mean 'parallel.tp'?)")):
+        Config.from_dict({"parallel": {"tpp": 4}})
+    with pytest.raises(ValueError, match=re.escape("unknown config key 'paralel' (did you mean 'parallel'?)")):
+        Config.from_dict({"paralel": {"tp": 4}})
+    with pytest.raises(ValueError, match=re.escape("unknown config key 'rundir' (did you mean 'run_dir'?)")):
+        Config.from_dict({"rundir": "x"})
+
+
+def test_from_dict_section_must_be_a_table() -> None:
+    with pytest.raises(ValueError, match="config section 'model' must be a table"):
+        Config.from_dict({"model": 3})
+    with pytest.raises(ValueError, match="config must be a dict"):
+        Config.from_dict([1, 2])  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(("d", "message"), [
+    ({"parallel": {"tp": 2.5}}, "config key 'parallel.tp' expects int, got 2.5 (float)"),
+    ({"parallel": {"tp": "x"}}, "config key 'parallel.tp' expects int, got 'x' (str)"),
+    ({"parallel": {"tp": True}}, "config key 'parallel.tp' expects int, got True (bool)"),
+    ({"parallel": {"tp": None}}, "config key 'parallel.tp' expects int, got None"),
+    ({"model": {"tie_embeddings": 1}}, "config key 'model.tie_embeddings' expects bool, got 1 (int)"),
+    ({"train": {"lr": "0.1"}}, "config key 'train.lr' expects float, got '0.1' (str)"),
+    ({"parallel": {"layer_costs": "1,2"}}, "config key 'parallel.layer_costs' expects list[float] or none"),
+    ({"train": {"microbatch_sizes": [1, 2.0]}}, "config key 'train.microbatch_sizes[1]' expects int, got 2.0"),
+    ({"run_dir": 5}, "config key 'run_dir' expects str, got 5 (int)"),
+])
+def test_from_dict_is_type_strict(d: dict[str, Any], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        Config.from_dict(d)
+
+
+def test_from_dict_widens_ints_to_floats_and_accepts_none() -> None:
+    cfg = Config.from_dict({"train": {"lr": 1}, "parallel": {"layer_costs": [1, 2.5]},
+                            "model": {"n_kv_heads": None}, "data": {"path": None}})
+    assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
+    assert cfg.parallel.layer_costs == [1.0, 2.5] and all(type(c) is float for c in cfg.parallel.layer_costs)
+    assert cfg.model.n_kv_heads is None and cfg.data.path is None
+
+
+# ---- TOML -----------------------------------------------------------------------------------------------------------
+
+TOML = """
+run_dir = "runs/toml"
+
+[model]
+n_layers = 8
+n_kv_heads = 2
+tie_embeddings = true
+
+[parallel]
+tp = 1
+pp = 4
+partition = "cost"
+layer_costs = [3, 3, 2, 2, 1, 1, 1, 1]
+
+[train]
+lr = 1e-3
+microbatch_sizes = [4, 4, 4, 4]
+sample_prompt = "import "
+
+[data]
+path = "corpus.bin"
+"""
+
+
+def write(tmp_path: Path, text: str) -> str:
+    path = tmp_path / "run.toml"
+    path.write_text(text)
+    return str(path)
+
+
+def test_toml_file_loads_into_config(tmp_path: Path) -> None:
+    cfg = Config.from_dict(load_toml(write(tmp_path, TOML)))
+    assert cfg.run_dir == "runs/toml"
+    assert (cfg.model.n_layers, cfg.model.n_kv_heads, cfg.model.tie_embeddings) == (8, 2, True)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.partition) == (1, 4, "cost")
+    assert cfg.parallel.layer_costs == [3.0, 3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]
+    assert cfg.train.lr == 1e-3 and cfg.train.microbatch_sizes == [4, 4, 4, 4]
+    assert cfg.train.sample_prompt == "import " and cfg.data.path == "corpus.bin"
+    cfg.validate(world_size=4)
+
+
+def test_toml_missing_and_malformed_files_name_the_path(tmp_path: Path) -> None:
+    missing = str(tmp_path / "nope.toml")
+    with pytest.raises(ValueError, match=re.escape(repr(missing))):
+        load_toml(missing)
+    bad = write(tmp_path, "[model\nn_layers = 2\n")
+    with pytest.raises(ValueError, match=re.escape(f"config file {bad!r} is not valid TOML")):
+        load_toml(bad)
+
+
+def test_toml_unknown_key_is_reported(tmp_path: Path) -> None:
+    path = write(tmp_path, "[train]\nglobal_bach = 8\n")
+    with pytest.raises(ValueError, match=re.escape("did you mean 'train.global_batch'?")):
+        parse_args(["--config", path])
+
+
+# ---- parse_args -----------------------------------------------------------------------------------------------------
+
+
+def test_no_arguments_gives_defaults() -> None:
+    assert parse_args([]) == Config()
+
+
+def test_overrides_apply_after_the_file_in_order(tmp_path: Path) -> None:
+    path = write(tmp_path, TOML)
+    # The override comes before --config on the command line but must still win over the file.
+    cfg = parse_args(["--parallel.pp=2", "--config", path, "--train.lr", "0.01", "--train.lr", "0.02"])
+    assert cfg.parallel.pp == 2  # override beat the file's 4
+    assert cfg.parallel.tp == 1 and cfg.model.n_layers == 8  # the rest of the file still applies
+    assert cfg.train.lr == 0.02  # the later override wins
+
+
+def test_config_given_twice_is_an_error(tmp_path: Path) -> None:
+    path = write(tmp_path, TOML)
+    with pytest.raises(ValueError, match="--config given twice"):
+        parse_args(["--config", path, f"--config={path}"])
+
+
+def test_run_dir_and_hyphenated_keys() -> None:
+    cfg = parse_args(["--run-dir", "out/a", "--train.global-batch", "8", "--parallel.virtual-stages=2"])
+    assert cfg.run_dir == "out/a" and cfg.train.global_batch == 8 and cfg.parallel.virtual_stages == 2
+    assert parse_args(["--run_dir=out/b"]).run_dir == "out/b"
+
+
+@pytest.mark.parametrize(("text", "expected"), [("true", True), ("True", True), ("1", True), ("YES", True),
+                                                ("false", False), ("0", False), ("No", False)])
+def test_bool_parsing(text: str, expected: bool) -> None:
+    default_flip = make(model__tie_embeddings=not expected)
+    assert default_flip.model.tie_embeddings is not expected
+    assert parse_args(["--model.tie_embeddings", text]).model.tie_embeddings is expected
+
+
+def test_list_parsing() -> None:
+    cfg = parse_args(["--parallel.layer_costs", "3,3,2,2", "--train.microbatch_sizes=7, 5,3,1"])
+    assert cfg.parallel.layer_costs == [3.0, 3.0, 2.0, 2.0]
+    assert cfg.train.microbatch_sizes == [7, 5, 3, 1]
+
+
+@pytest.mark.parametrize("word", ["none", "null", "None", "NULL"])
+def test_optional_fields_accept_none(word: str) -> None:
+    cfg = parse_args(["--model.n_kv_heads", "2", "--model.n_kv_heads", word, "--data.path", "x.txt",
+                      "--data.path", word, "--parallel.layer_costs", "1,2", "--parallel.layer_costs", word])
+    assert cfg.model.n_kv_heads is None and cfg.data.path is None and cfg.parallel.layer_costs is None
+
+
+def test_scalar_parsing() -> None:
+    cfg = parse_args(["--train.lr", "1e-3", "--train.seed", "-1", "--train.sample_prompt=a = b",
+                      "--data.max_bytes", "1_000", "--parallel.schedule", "gpipe", "--model.n_kv_heads", "2"])
+    assert cfg.train.lr == 1e-3 and cfg.train.seed == -1 and cfg.train.sample_prompt == "a = b"
+    assert cfg.data.max_bytes == 1000 and cfg.parallel.schedule == "gpipe" and cfg.model.n_kv_heads == 2
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--train.steps", "2.5"], "--train.steps expects int, got '2.5'"),
+    (["--train.lr", "fast"], "--train.lr expects float, got 'fast'"),
+    (["--model.tie_embeddings", "maybe"], "--model.tie_embeddings expects bool, got 'maybe'"),
+    (["--train.microbatch_sizes", "4,x"], "--train.microbatch_sizes expects list[int] or none, got '4,x'"),
+    (["--train.steps", "none"], "--train.steps expects int, got 'none'"),
+])
+def test_bad_values_name_the_flag_and_type(argv: list[str], message: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(message)):
+        parse_args(argv)
+
+
+@pytest.mark.parametrize(("flag", "suggestion"), [
+    ("--parallel.tpp", "--parallel.tp"), ("--train.global_bach", "--train.global_batch"),
+    ("--confg", "--config"), ("--run-dri", "--run-dir"),
+])
+def test_unknown_flag_suggests(flag: str, suggestion: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"unknown option {flag} (did you mean {suggestion}?)")):
+        parse_args([flag, "1"])
+
+
+def test_section_name_alone_is_not_a_flag() -> None:
+    with pytest.raises(ValueError, match="unknown option --model"):
+        parse_args(["--model", "1"])
+
+
+@pytest.mark.parametrize("argv", [["--train.steps"], ["--train.steps", "--train.lr", "1"], ["--config"]])
+def test_missing_value(argv: list[str]) -> None:
+    with pytest.raises(ValueError, match=re.escape(f"missing value for {argv[0]}")):
+        parse_args(argv)
+
+
+def test_positional_argument_is_rejected() -> None:
+    with pytest.raises(ValueError, match="unexpected argument 'train.steps'"):
+        parse_args(["train.steps", "3"])
+
+
+def test_missing_config_file_is_a_value_error(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="nope.toml"):
+        parse_args(["--config", str(tmp_path / "nope.toml")])
+
+
+def test_parse_args_does_not_validate() -> None:
+    cfg = parse_args(["--train.seq_len", "0"])
+    assert cfg.train.seq_len == 0
+    with pytest.raises(ValueError, match="train.seq_len must be a positive integer, got 0"):
+        cfg.validate()
+
+
+# ---- help ---------------------------------------------------------------------------------------------------------
+
+
+def test_help_lists_every_flag_with_type_and_default() -> None:
+    text = help_text()
+    for section, values in Config().to_dict().items():
+        if isinstance(values, dict):
+            assert f"[{section}]" in text
+            for key in values:
+                assert f"--{section}.{key} <" in text
+    assert "--config <file>" in text and "--run-dir <str>" in text
+    line = next(ln for ln in text.splitlines() if "--parallel.schedule" in ln)
+    assert "<str>" in line and "default: '1f1b'" in line and "gpipe, 1f1b, interleaved-1f1b" in line
+    line = next(ln for ln in text.splitlines() if "--model.n_kv_heads" in ln)
+    assert "<int or none>" in line and "default: none" in line and "grouped-query" in line
+    line = next(ln for ln in text.splitlines() if "--parallel.layer_costs" in ln)
+    assert "<list[float] or none>" in line
