@@ -24,7 +24,7 @@ def tiny_config(**over: dict) -> Config:
     m, t = cfg.model, cfg.train
     m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = 32, 8, 4, 2, 64  # GQA on
     t.steps, t.global_batch, t.microbatches, t.seq_len = 3, 11, 4, 16  # 11 samples: unequal splits
-    t.lr, t.warmup_steps, t.val_every, t.sample_tokens = 1e-2, 1, 0, 0
+    t.lr, t.warmup_steps, t.val_every, t.val_batches, t.sample_tokens = 1e-2, 1, 3, 1, 0
     t.grad_clip = 0.5  # low enough that clipping is active
     cfg.data.max_bytes = 200_000
     for section, values in over.items():
@@ -33,12 +33,13 @@ def tiny_config(**over: dict) -> Config:
     return cfg
 
 
-def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
+def reference(cfg: Config) -> tuple[list[float], list[tuple[int, float]], dict[str, torch.Tensor]]:
     t = cfg.train
     data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed)
     opt = make_optimizer(model.named_parameters(), t)
-    losses = []
+    losses, val_losses = [], []
+    vx, vy = data.val_samples(t.val_batches * t.global_batch)
     for step in range(t.steps):
         set_lr(opt, lr_at(step, t))
         x, y = data.step_samples(step, t.global_batch, 0, t.global_batch)
@@ -50,10 +51,13 @@ def reference(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
+        if step == 0 or (step + 1) % t.val_every == 0 or step == t.steps - 1:
+            with torch.no_grad():
+                val_losses.append((step, F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()))
+    return losses, val_losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
-def _worker(cfg_dicts: list[dict], out_dir: str) -> list[list[float]]:
+def _worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
     from hybridpar.train import train
 
     all_losses = []
@@ -61,7 +65,7 @@ def _worker(cfg_dicts: list[dict], out_dir: str) -> list[list[float]]:
         res = train(Config.from_dict(d), log=False)
         if res.state is not None:
             torch.save(res.state, Path(out_dir) / f"state{i}.pt")
-        all_losses.append(res.losses)
+        all_losses.append((res.losses, res.val_losses))
     return all_losses
 
 
@@ -75,10 +79,10 @@ def schedules_for(pp: int) -> list[tuple[str, int]]:
     return out
 
 
-_REF: dict[str, tuple] = {}
+_REF: dict[str, tuple] = {}  # the reference depends on model and train settings only
 
 
-def ref_for(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
+def ref_for(cfg: Config) -> tuple:
     key = repr((cfg.model, cfg.train))
     if key not in _REF:
         _REF[key] = reference(cfg)
@@ -89,11 +93,13 @@ def check_layouts(cfgs: list[Config], tmp_path: Path) -> None:
     world = cfgs[0].parallel.world_size
     results = run_ranks(_worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)
     for i, cfg in enumerate(cfgs):
-        ref_losses, ref_state = ref_for(cfg)
+        ref_losses, ref_val, ref_state = ref_for(cfg)
         p = cfg.parallel
         label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={p.virtual_stages}"
-        losses = results[0][i]
-        assert len(losses) == len(ref_losses)
+        losses, val = results[0][i]
+        assert len(losses) == len(ref_losses) and len(val) == len(ref_val) == 2
+        for (s, a), (_, b) in zip(val, ref_val):
+            assert abs(a - b) <= TOL, f"{label}: validation loss after step {s}: {a} vs single device {b}"
         for s, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= TOL, f"{label}: step {s} loss {a} vs single device {b}"
         state = torch.load(tmp_path / f"state{i}.pt", weights_only=True)

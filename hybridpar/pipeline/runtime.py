@@ -60,6 +60,7 @@ class PipelineRuntime:
         saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
         local_act: dict[tuple[int, int], torch.Tensor] = {}
         local_grad: dict[tuple[int, int], torch.Tensor] = {}
+        to_send: dict[tuple[int, int], torch.Tensor] = {}  # outputs waiting for their SEND_F
         loss_sum: torch.Tensor | None = None
         timeline: list[ActionTime] = []
         p2p = self.p2p
@@ -71,7 +72,7 @@ class PipelineRuntime:
             elif op == Op.RECV_B:
                 p2p.queue_recv(("B", s, m), shape[m], self.stage_peer(s + 1))
             elif op == Op.SEND_F:
-                p2p.queue_send(saved[(s, m)][1], self.stage_peer(s + 1))
+                p2p.queue_send(to_send.pop((s, m)), self.stage_peer(s + 1))
             elif op == Op.SEND_B:
                 p2p.queue_send(saved.pop((s, m))[0].grad, self.stage_peer(s - 1))
             elif op == Op.FORWARD:
@@ -92,7 +93,9 @@ class PipelineRuntime:
                         tgt = targets[m]
                         y = F.cross_entropy(y.flatten(0, 1).float(), tgt.flatten(), reduction="sum") * loss_scale
                         loss_sum = y.detach() if loss_sum is None else loss_sum + y.detach()
-                    elif not self._remote(s, s + 1):
+                    elif self._remote(s, s + 1):
+                        to_send[(s, m)] = y.detach()
+                    else:
                         local_act[(s + 1, m)] = y.detach()
                 if train:
                     saved[(s, m)] = (x if s > 0 else None, y, buf)

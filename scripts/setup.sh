@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Creates .venv (once) and installs hybridpar into it with the pinned PyTorch.
+# `bash scripts/setup.sh test` also installs what the tests need.
+# torch is pinned: an unpinned or ranged torch can pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PY="${PYTHON:-python3}"
+[ -x .venv/bin/python ] || "$PY" -m venv .venv
+extras=""
+[ "${1:-}" = "test" ] && extras="[test]"
+pip_q=(-q --disable-pip-version-check)
+.venv/bin/pip install "${pip_q[@]}" "torch==2.13.0" numpy 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/pip install "${pip_q[@]}" -e ".${extras}" 2>&1 | grep -v "^WARNING: Location" || true
+.venv/bin/python -c "import torch, hybridpar; assert torch.__version__.startswith('2.13.0'), torch.__version__"

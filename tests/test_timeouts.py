@@ -1,0 +1,39 @@
+"""Nothing waits forever: a receive whose sender never sends fails within the configured timeout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+
+from hybridpar.testing import run_ranks
+
+
+def _stuck_recv(timeout_s: float, flag: str) -> float | None:
+    import torch
+
+    from hybridpar.pipeline.p2p import P2P
+    from hybridpar.topology.mesh import build_topology
+
+    topo = build_topology(1, 2, 1, "gloo", timeout_s)
+    if topo.rank == 0:  # never sends; stays alive (so no connection error) until rank 1 has given up
+        deadline = time.monotonic() + 60
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    p2p = P2P(topo.device, torch.float32, timeout_s)
+    p2p.queue_recv("x", (4,), peer=0)
+    t0 = time.monotonic()
+    try:
+        p2p.wait_recv("x")
+        return -1.0
+    except RuntimeError:
+        return time.monotonic() - t0
+    finally:
+        Path(flag).write_text("done")
+
+
+def test_recv_without_sender_times_out(tmp_path):
+    _, waited = run_ranks(_stuck_recv, 2, 2.0, str(tmp_path / "flag"), timeout_s=90)
+    assert waited is not None and waited >= 0, "the receive completed although nothing was sent"
+    assert waited < 2.0 + 5.0, f"the 2 s P2P timeout fired only after {waited:.1f} s"
