@@ -1,0 +1,56 @@
+"""Median training-step time of the default model under several layouts, in one run (JSON).
+
+    .venv/bin/python bench/step_time.py [--steps 12] [--layouts 2x2x1,1x2x2] [--json FILE]
+
+Layouts are TPxPPxDP. Each layout trains the default model on local gloo processes; the first two
+steps (warm-up) are not counted. The ratio column compares each layout with the first one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+
+from hybridpar.config import Config
+from hybridpar.testing import run_ranks
+
+
+def _worker(cfg_dict: dict, steps: int) -> float:
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.train import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    trainer = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s))
+    times = [trainer.step(s)["step_time_s"] for s in range(steps)]
+    return statistics.median(times[2:])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=12)
+    ap.add_argument("--layouts", default="2x2x1,1x2x2,1x4x1,2x1x2,1x1x1")
+    ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    records = []
+    for layout in a.layouts.split(","):
+        tp, pp, dp = map(int, layout.split("x"))
+        cfg = Config()
+        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+        cfg.train.microbatches = a.microbatches
+        t = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.steps, timeout_s=600)[0]
+        records.append({"tp": tp, "pp": pp, "dp": dp, "microbatches": a.microbatches, "step_time_s": t,
+                        "tokens_per_s": cfg.train.global_batch * cfg.train.seq_len / t})
+    for r in records:
+        r["ratio_vs_first"] = records[0]["step_time_s"] / r["step_time_s"]
+    out = json.dumps(records, indent=1)
+    print(out)
+    if a.json:
+        open(a.json, "w").write(out + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
