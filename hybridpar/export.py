@@ -14,6 +14,7 @@ import torch.distributed as dist
 
 from hybridpar.config import ModelConfig
 from hybridpar.model.llama import LlamaStage, canonical_param_names
+from hybridpar.model.tp import full_tensor
 from hybridpar.topology.mesh import Topology
 
 
@@ -53,7 +54,7 @@ def gather_full_state(topo: Topology, stages: dict[int, LlamaStage], parts: Sequ
         owner = topo.dims.rank_of(0, s % pp, 0)
         if topo.dp_rank == 0 and s in stages:
             p = stages[s].get_parameter(name)
-            full = p.full_tensor() if hasattr(p, "placements") else p.detach()  # collective over tp
+            full = full_tensor(p, topo.group("tp") if topo.dims.tp > 1 else None)  # collective over tp
             if topo.rank == owner:
                 if owner == 0:
                     out[name] = full.detach().float().cpu().clone()

@@ -20,20 +20,6 @@ from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The tensor this rank stores: a DTensor's local shard, or the tensor itself."""
-    return t.to_local() if hasattr(t, "placements") else t
-
-
-def match_grad_placements(stage: LlamaStage) -> None:
-    """Give every DTensor gradient its parameter's placement. The vocabulary-parallel embedding's
-    backward yields a Replicate gradient for a Shard(0) weight; left so, its local tensor would be
-    the full gradient and norms and reductions over shards would count it tp times."""
-    for p in stage.parameters():
-        if p.grad is not None and hasattr(p, "placements") and p.grad.placements != p.placements:
-            p.grad = p.grad.redistribute(p.device_mesh, p.placements)  # Replicate -> Shard: a local slice
-
-
 class DataParallelGrads:
     """Per-stage bucketed all-reduce over dp, started as soon as a stage's last backward is done (so a
     chunk's reduction overlaps the backward of chunks still running) and finished before the step."""
@@ -44,10 +30,9 @@ class DataParallelGrads:
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
 
     def stage_done(self, s: int) -> None:
-        match_grad_placements(self.stages[s])
         if self.group is None:
             return
-        grads = [_local(p.grad) for p in self.stages[s].parameters()]
+        grads = [p.grad for p in self.stages[s].parameters()]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
@@ -74,14 +59,14 @@ def sync_tied_embeddings(topo: Topology, stages: dict[int, LlamaStage], n_stages
     shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
     grad = torch.zeros(shape, device=topo.device)
     if first is not None:
-        grad += _local(first.model.embed_tokens.weight.grad)
+        grad += first.model.embed_tokens.weight.grad
     if last is not None:
-        grad += _local(last.lm_head.weight.grad)
+        grad += last.lm_head.weight.grad
     dist.all_reduce(grad, group=topo.group("pp"))
     if first is not None:
-        _local(first.model.embed_tokens.weight.grad).copy_(grad)
+        first.model.embed_tokens.weight.grad.copy_(grad)
     if last is not None:
-        _local(last.lm_head.weight.grad).copy_(grad)
+        last.lm_head.weight.grad.copy_(grad)
 
 
 def clip_grad_norm(topo: Topology, stages: dict[int, LlamaStage], max_norm: float) -> float:
@@ -96,7 +81,7 @@ def clip_grad_norm(topo: Topology, stages: dict[int, LlamaStage], max_norm: floa
             if name == "lm_head.weight" and stage.holds_tied_copy:
                 continue  # the embedding's copy: counted on the first stage
             if is_sharded(p) or topo.tp_rank == 0:
-                sq += _local(p.grad).double().pow(2).sum()
+                sq += p.grad.double().pow(2).sum()
     if topo.dims.tp > 1:
         dist.all_reduce(sq, group=topo.group("tp"))
     if topo.dims.pp > 1:

@@ -23,16 +23,11 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 
 
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
-    """Decay matrices (projections, embedding, head), not norm gains (GPT-2/Llama practice).
-
-    Groups are also split by tensor kind, because AdamW's foreach kernels cannot mix DTensor (sharded)
-    and plain (replicated) parameters in one group."""
-    groups: dict[tuple[bool, bool], list[nn.Parameter]] = {}
-    for _, p in named:
-        key = (p.ndim >= 2, hasattr(p, "placements"))
-        groups.setdefault(key, []).append(p)
-    return [{"params": ps, "weight_decay": weight_decay if decay else 0.0}
-            for (decay, _), ps in sorted(groups.items())]
+    """Decay matrices (projections, embedding, head), not norm gains (GPT-2/Llama practice)."""
+    named = list(named)
+    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def make_optimizer(named: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:

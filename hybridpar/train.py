@@ -68,7 +68,7 @@ class Trainer:
         for chunk in range(p.virtual_stages):
             s = chunk * p.pp + topo.pp_rank
             st = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed, topo.device)
-            self.stages[s] = apply_tp(st, topo.tp_mesh)
+            self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
         self.actions = build_schedule(p.schedule, p.pp, p.virtual_stages, t.microbatches, p.recv_lookahead)[topo.pp_rank]
         self.eval_actions = forward_actions(self.actions)
         self.p2p = P2P(topo.device, torch.float32, p.timeout_s)

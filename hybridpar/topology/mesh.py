@@ -80,10 +80,6 @@ class Topology:
     def __post_init__(self) -> None:
         self.dp_rank, self.pp_rank, self.tp_rank = self.dims.coords(self.rank)
 
-    @property
-    def tp_mesh(self) -> DeviceMesh:
-        return self.mesh["tp"]
-
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)
 
