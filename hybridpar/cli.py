@@ -72,16 +72,20 @@ def launch_train(argv: list[str]) -> int:
         return 2
     from torch.distributed.run import get_args_parser, run
 
+    from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
+
     if nproc is None:
         theirs = ["--nproc-per-node", str(cfg.parallel.world_size)] + theirs
     if nnodes == "1" and _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint") is None and "--standalone" not in theirs:
-        # Single machine: rendezvous on loopback only.
-        theirs = ["--rdzv-backend", "c10d", "--rdzv-endpoint", "127.0.0.1:0"] + theirs
+        # Single machine: rendezvous and worker store listen on loopback only.
+        register_loopback_rendezvous()
+        theirs = ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0",
+                  "--local-addr", "127.0.0.1"] + theirs
     args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.train"] + ours)
     try:
         run(args)
     except Exception as e:  # ChildFailedError: torch already printed the failing rank's traceback
-        print(f"hybridpar: training failed: {type(e).__name__}", file=sys.stderr)
+        print(f"hybridpar: training failed: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     return 0
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import multiprocessing as mp
 import os
-import socket
 import tempfile
 import time
 import traceback
@@ -18,16 +17,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
         LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        # The caller hosts the store (bound to loopback); every rank, rank 0 included, is a client.
+        TORCHELASTIC_USE_AGENT_STORE="True",
     )
     import torch
     import torch.distributed as dist
@@ -46,10 +41,13 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
     """Run `fn(*args)` in `world` fresh processes (spawn) forming one torch.distributed world through
-    env:// on 127.0.0.1. Returns each rank's return value. Raises RuntimeError with the failing rank's
+    env:// on a store this process hosts on 127.0.0.1. Returns each rank's return value. Raises RuntimeError with the failing rank's
     traceback, or TimeoutError (after killing every rank) if the deadline passes."""
+    from hybridpar.topology.rendezvous import loopback_store
+
     ctx = mp.get_context("spawn")
-    port = free_port()
+    store = loopback_store(0)
+    port = store.port
     with tempfile.TemporaryDirectory(prefix="hybridpar-ranks-") as out:
         procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True) for r in range(world)]
         for p in procs:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -69,20 +70,72 @@ def _env() -> dict[str, str]:
     return {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
-def test_hybridpar_train_launches_through_torchrun(tmp_path):
+def _tree(root: int) -> set[int]:
+    parents = {}
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                parents[int(d.name)] = int((d / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):
+                pass
+    tree, grew = {root}, True
+    while grew:
+        new = {p for p, pp in parents.items() if pp in tree} - tree
+        tree |= new
+        grew = bool(new)
+    return tree
+
+
+def _listening(pids: set[int]) -> set[str]:
+    """Local addresses (hex, as in /proc/net/tcp*) of the sockets these processes listen on."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                link = os.readlink(fd)
+                if link.startswith("socket:["):
+                    inodes.add(link[8:-1])
+        except OSError:
+            pass
+    addrs = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            f = line.split()
+            if f[3] == "0A" and f[9] in inodes:  # 0A = LISTEN
+                addrs.add(f[1].split(":")[0])
+    return addrs
+
+
+LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
+
+
+@pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
+def test_hybridpar_train_launches_through_torchrun_on_loopback(tmp_path):
     run_dir = tmp_path / "run"
     exe = Path(sys.executable).with_name("hybridpar")
-    out = subprocess.run([str(exe), "train", "--parallel.tp", "2", "--parallel.pp", "2", *TINY, "--run-dir", str(run_dir)],
-                         capture_output=True, text=True, timeout=240, env=_env())
-    assert out.returncode == 0, out.stderr[-3000:]
+    proc = subprocess.Popen([str(exe), "train", "--parallel.tp", "2", "--parallel.pp", "2", *TINY,
+                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, env=_env())
+    seen: set[str] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while proc.poll() is None and time.monotonic() < deadline:  # sample the launcher's and workers' sockets
+            seen |= _listening(_tree(proc.pid))
+            time.sleep(0.2)
+        out, err = proc.communicate(timeout=240)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, err[-3000:]
     _check_run(run_dir, 3)
-    assert "sample from the trained model" in out.stdout
+    assert "sample from the trained model" in out
+    assert seen, "no listening socket observed: the check saw nothing"
+    assert seen <= LOOPBACK, f"listening on non-loopback addresses: {seen - LOOPBACK}"
 
 
 def test_plain_torchrun_module(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "c10d",
-           "--rdzv-endpoint", "127.0.0.1:0", "-m", "hybridpar.train", "--parallel.tp", "1", "--parallel.pp", "1",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "hybridpar-loopback",
+           "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1", "-m", "hybridpar.train", "--parallel.tp", "1", "--parallel.pp", "1",
            "--parallel.dp", "2", *TINY, "--run-dir", str(run_dir)]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]

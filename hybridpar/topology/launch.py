@@ -28,8 +28,12 @@ def launch(cfg: Config, *, max_restarts: int = 0) -> dict[str, Any]:
     cfg.validate(world_size=cfg.parallel.world_size)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
+
+    register_loopback_rendezvous()
     lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
-                      rdzv_backend="c10d", rdzv_endpoint="127.0.0.1:0", run_id=uuid.uuid4().hex,
+                      rdzv_backend=LOOPBACK_BACKEND, rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
+                      run_id=uuid.uuid4().hex,
                       max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
     results = elastic_launch(lc, _worker)(cfg.to_dict())
     return results[0]
