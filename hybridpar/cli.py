@@ -5,6 +5,7 @@ torchrun) on `python -m hybridpar.train`. torchrun's flags (--nproc-per-node, --
 
 from __future__ import annotations
 
+import os
 import sys
 
 from hybridpar.config import help_text, parse_args
@@ -76,6 +77,9 @@ def launch_train(argv: list[str]) -> int:
 
     if nproc is None:
         theirs = ["--nproc-per-node", str(cfg.parallel.world_size)] + theirs
+    # Ranks on one machine share its cores: one intra-op thread each unless the user says otherwise
+    # (this also answers torchrun's warning about OMP_NUM_THREADS).
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(nproc or cfg.parallel.world_size))))
     if nnodes == "1" and _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint") is None and "--standalone" not in theirs:
         # Single machine: rendezvous and worker store listen on loopback only.
         register_loopback_rendezvous()

@@ -73,7 +73,7 @@ class ParallelConfig:
 
 @dataclass
 class TrainConfig:
-    steps: int = _f(200, "optimizer steps")
+    steps: int = _f(250, "optimizer steps")
     global_batch: int = _f(16, "sequences per step, summed over data-parallel replicas")
     microbatches: int = _f(4, "microbatches per data-parallel replica per step")
     microbatch_sizes: list[int] | None = _f(None, "explicit, possibly unequal split of each replica's batch")
