@@ -54,7 +54,7 @@ class ParallelConfig:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(2, "pipeline-parallel degree (pipeline ranks)")
     dp: int = _f(1, "data-parallel degree (replicas)")
-    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b"))
+    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
     virtual_stages: int = _f(1, "model chunks per pipeline rank (>1 only with interleaved-1f1b)")
     partition: str = _f("params", "how layers are split into stages", choices=("uniform", "params", "cost"))
     layer_costs: list[float] | None = _f(None, "per-layer cost, comma-separated (required iff partition=cost)")
@@ -107,6 +107,7 @@ class Config:
     train: TrainConfig = _f(TrainConfig, "optimisation")
     data: DataConfig = _f(DataConfig, "corpus")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
+    trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field (dotted key), its numbers and what would be right."""

@@ -32,7 +32,11 @@ from hybridpar.pipeline.partition import partition_by_cost, partition_by_params,
 from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.report.metrics import MetricsWriter, Progress
+from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.topology.mesh import Topology, build_topology
+
+
+TRACE_STEPS = range(1, 4)  # traced with --trace: past the first step's warm-up (allocations, lazy init)
 
 
 def layer_partition(cfg: Config) -> list[range]:
@@ -78,6 +82,8 @@ class Trainer:
         self.opt = make_optimizer(named, t)
         self.dp_grads = DataParallelGrads(topo, self.stages)
         self.plan: BatchPlan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes)
+        # Fetched up front: a corpus too small for the validation set fails before any training step.
+        self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
 
     def _microbatches(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
         sizes = self.plan.sizes[self.topo.dp_rank]
@@ -108,6 +114,7 @@ class Trainer:
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        self.last_output = out
         loss = self._global_sum(out.loss)
         dt = time.perf_counter() - t0
         return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
@@ -117,7 +124,7 @@ class Trainer:
     def evaluate(self) -> float:
         t, topo = self.cfg.train, self.topo
         n = t.val_batches * t.global_batch
-        vx, vy = self.data.val_samples(n)
+        vx, vy = self.val_set
         total: torch.Tensor | None = None
         for b in range(t.val_batches):
             lo = b * t.global_batch + self.plan.replica_offset(topo.dp_rank)
@@ -140,8 +147,11 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     rank0 = topo.rank == 0
     writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl") if rank0 else None
     progress = Progress(t.steps) if rank0 and log else None
+    trace_rows: list[dict] = []
     for step in range(t.steps):
         rec = trainer.step(step)
+        if cfg.trace and step in TRACE_STEPS:
+            trace_rows += step_slices(trainer.last_output, topo.rank, step)
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")
         res.losses.append(rec["loss"])
@@ -154,6 +164,8 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
         if progress:
             extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
             progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
+    if cfg.trace:
+        write_run_trace(cfg.trace, topo.rank, topo.dims.world_size, trace_rows, dist.barrier)
     state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model)
     if rank0:
         res.state, res.digest = state, params_digest(state.items())

@@ -136,7 +136,12 @@ def test_plain_torchrun_module(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "hybridpar-loopback",
            "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1", "-m", "hybridpar.train", "--parallel.tp", "1", "--parallel.pp", "1",
-           "--parallel.dp", "2", *TINY, "--run-dir", str(run_dir)]
+           "--parallel.dp", "2", *TINY, "--run-dir", str(run_dir), "--trace", str(tmp_path / "trace.json")]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     _check_run(run_dir, 3)
+    events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
+    slices = [e for e in events if e["ph"] == "X"]
+    assert {e["tid"] for e in slices} == {0, 1}, "one track per rank"
+    assert {e["name"] for e in slices if e["cat"] == "compute"} >= {"F0.0", "B0.1"}
+    assert all(e["dur"] >= 0 for e in slices)

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 import hybridpar.config as config_module
-from hybridpar.config import Config, help_text, load_toml, parse_args
+from hybridpar.config import Config, TrainConfig, help_text, load_toml, parse_args
 
 
 def make(**dotted: Any) -> Config:
@@ -47,7 +47,7 @@ def test_defaults_validate_for_four_processes() -> None:
 def test_sections_are_independent_and_mutable() -> None:
     a, b = Config(), Config()
     a.train.steps = 7
-    assert b.train.steps == 300
+    assert b.train.steps == TrainConfig().steps != 7
     assert a.model is not b.model
 
 
@@ -127,7 +127,7 @@ def test_range_edges_that_are_allowed() -> None:
 
 def test_unknown_schedule_suggests_the_closest() -> None:
     invalid(make(parallel__schedule="1f1"),
-            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b (did you mean '1f1b'?)")
+            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1 (did you mean '1f1b'?)")
 
 
 def test_unknown_partition_and_backend() -> None:
@@ -496,7 +496,7 @@ def test_help_lists_every_flag_with_type_and_default() -> None:
                 assert f"--{section}.{key} <" in text
     assert "--config <file>" in text and "--run-dir <str>" in text
     line = next(ln for ln in text.splitlines() if "--parallel.schedule" in ln)
-    assert "<str>" in line and "default: '1f1b'" in line and "gpipe, 1f1b, interleaved-1f1b" in line
+    assert "<str>" in line and "default: '1f1b'" in line and "gpipe, 1f1b, interleaved-1f1b, zb-h1" in line
     line = next(ln for ln in text.splitlines() if "--model.n_kv_heads" in ln)
     assert "<int or none>" in line and "default: none" in line and "grouped-query" in line
     line = next(ln for ln in text.splitlines() if "--parallel.layer_costs" in ln)

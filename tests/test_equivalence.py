@@ -77,7 +77,7 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1,
 def schedules_for(pp: int) -> list[tuple[str, int]]:
     out = [("gpipe", 1), ("1f1b", 1)]
     if pp > 1:
-        out.append(("interleaved-1f1b", 2))
+        out += [("interleaved-1f1b", 2), ("zb-h1", 1)]
     return out
 
 
@@ -120,7 +120,8 @@ def test_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path)
 
 def test_tied_embeddings_across_stages(tmp_path: Path) -> None:
     cfgs = [tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b")),
-            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe"))]
+            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe")),
+            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b"))]
     check_layouts(cfgs, tmp_path)
 
 

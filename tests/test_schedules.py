@@ -326,3 +326,143 @@ def test_action_str() -> None:
     assert str(Action(2, F, 3)) == "F2.3"
     assert str(Action(2, Op.SEND_F, 3)) == "SEND_F2.3"
     assert str(Action(5, Op.RECV_B, 1)) == "RECV_B5.1"
+
+
+# --- zb-h1 (Qi et al., 2024): split backward, W deferred into bubbles -----------------
+
+W = Op.WEIGHT
+ZB_COMBOS = [("zb-h1", pp, 1, m) for pp in (1, 2, 3, 4, 5, 8) for m in range(pp, 3 * pp + 2)]
+
+
+@pytest.mark.parametrize("lookahead", [0, 1, 3])
+@pytest.mark.parametrize("combo", ZB_COMBOS, ids=ids)
+def test_zb_h1_validates_and_covers(combo: tuple[str, int, int, int], lookahead: int) -> None:
+    name, pp, v, m = combo
+    sched = build_schedule(name, pp, v, m, recv_lookahead=lookahead)
+    validate_schedule(sched, pp, pp, m)
+    for r, acts in enumerate(sched):
+        compute = [a for a in acts if a.is_compute]
+        assert compute == compute_schedule(name, pp, v, m)[r]
+        expected = {Action(r, op, mb) for mb in range(m) for op in (F, B, W)}
+        assert len(compute) == 3 * m and set(compute) == expected  # each W exactly once
+        pos = {a: i for i, a in enumerate(acts)}
+        assert all(pos[Action(r, W, mb)] > pos[Action(r, B, mb)] for mb in range(m))
+    # W never communicates: exactly the messages of 1F1B.
+    n_comm = sum(not a.is_compute for acts in sched for a in acts)
+    assert n_comm == sum(not a.is_compute for acts in build_schedule("1f1b", pp, 1, m, lookahead)
+                         for a in acts)
+
+
+@pytest.mark.parametrize("combo", ZB_COMBOS, ids=ids)
+def test_zb_h1_keeps_1f1b_order_and_memory(combo: tuple[str, int, int, int]) -> None:
+    _, pp, _, m = combo
+    for r, (zb, ref) in enumerate(zip(compute_schedule("zb-h1", pp, 1, m),
+                                      compute_schedule("1f1b", pp, 1, m))):
+        assert [a for a in zb if a.op is not W] == ref
+        no_b = no_w = peak_b = peak_w = 0
+        for a in zb:
+            no_b += {F: 1, B: -1}.get(a.op, 0)
+            no_w += {F: 1, W: -1}.get(a.op, 0)
+            peak_b, peak_w = max(peak_b, no_b), max(peak_w, no_w)
+        assert peak_b == pp - r  # as 1F1B: at most pp - r microbatches before their B
+        assert peak_w == pp  # pending W (weights' inputs kept) never above rank 0's 1F1B peak
+
+
+@pytest.mark.parametrize("combo", ZB_COMBOS, ids=ids)
+def test_zb_h1_unit_bubble_matches_theory(combo: tuple[str, int, int, int]) -> None:
+    # Lock-step unit time is exactly F = B = W = 1: the bubble is (p-1) / (3m + p-1).
+    name, pp, v, m = combo
+    rows = grid_rows(format_grid(build_schedule(name, pp, v, m), pp, pp))
+    assert len(rows) == 3 * m + pp - 1
+    cells = [c for row in rows for c in row]
+    assert cells.count(".") / len(cells) == pytest.approx(bubble_fraction_theory(name, pp, v, m))
+    assert bubble_fraction_theory(name, pp, v, m) == pytest.approx((pp - 1) / (3 * m + pp - 1))
+
+
+def test_zb_h1_literal_orders_and_grid() -> None:
+    r = [" ".join(map(str, acts)) for acts in compute_schedule("zb-h1", 4, 1, 8)]
+    assert r[0] == ("F0.0 F0.1 F0.2 F0.3 B0.0 W0.0 F0.4 B0.1 W0.1 F0.5 B0.2 W0.2 F0.6 B0.3 W0.3 "
+                    "F0.7 B0.4 W0.4 B0.5 W0.5 B0.6 W0.6 B0.7 W0.7")
+    assert r[3] == ("F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F3.3 B3.3 W3.0 F3.4 B3.4 W3.1 F3.5 B3.5 W3.2 "
+                    "F3.6 B3.6 W3.3 F3.7 B3.7 W3.4 W3.5 W3.6 W3.7")
+    expected = (
+        "step  r0    r1\n"
+        "   0  F0.0  .\n"
+        "   1  F0.1  F1.0\n"
+        "   2  .     B1.0\n"
+        "   3  B0.0  F1.1\n"
+        "   4  W0.0  B1.1\n"
+        "   5  F0.2  W1.0\n"
+        "   6  B0.1  F1.2\n"
+        "   7  W0.1  B1.2\n"
+        "   8  B0.2  W1.1\n"
+        "   9  W0.2  W1.2"
+    )
+    assert format_grid(build_schedule("zb-h1", 2, 1, 3), 2, 2) == expected
+
+
+def test_zb_h1_theory_values() -> None:
+    assert bubble_fraction_theory("zb-h1", 4, 1, 8) == pytest.approx(3 / 27)
+    # Paper: (p-1)(F+B-W) = 3 * 1.5 for W = 0.5; fraction 4.5 / (8 * 2.5 + 4.5).
+    assert bubble_fraction_theory("zb-h1", 4, 1, 8, t_w=0.5) == pytest.approx(4.5 / 24.5)
+    # W larger than F or B cannot hide more than the (p-1) max(F, B) floor.
+    assert bubble_fraction_theory("zb-h1", 4, 1, 8, t_w=2.0) == pytest.approx(3 / 35)
+    # Costs change nothing for the others (full backward = t_b + t_w there).
+    assert bubble_fraction_theory("1f1b", 4, 1, 8, t_b=5.0) == pytest.approx(3 / 11)
+    assert bubble_fraction_theory("zb-h1", 1, 1, 3) == 0.0
+    with pytest.raises(ValueError, match="costs must be"):
+        bubble_fraction_theory("zb-h1", 4, 1, 8, t_w=-1.0)
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (("zb-h1", 2, 2, 4), "needs 'interleaved-1f1b'"),
+    (("zb-h1", 4, 1, 3), "zb-h1 needs microbatches >= pp, got 3 < 4"),
+    (("zb_h1", 2, 1, 4), "did you mean 'zb-h1'"),
+])
+def test_zb_h1_bad_arguments(args: tuple, fragment: str) -> None:  # noqa: ANN001
+    with pytest.raises(ValueError) as info:
+        build_schedule(*args)
+    assert fragment in str(info.value)
+
+
+def zb_pp2_m2() -> list[list[Action]]:
+    return build_schedule("zb-h1", 2, 1, 2)
+
+
+def test_reject_w_before_its_b() -> None:
+    good = zb_pp2_m2()
+    bad = edit(good, 1, lambda a: move_after(a, "W1.0", "F1.0"))
+    i = [str(a) for a in bad[1]].index("W1.0")
+    msg = assert_rejected(bad, 2, 2, 2,
+                          f"rank 1: W1.0 at position {i} comes before its B1.0 at {i + 2}")
+    # The unit-time grid also knows W waits for its B: rank 1 is stuck at W1.0.
+    assert msg.endswith("(stuck after 2 steps)")
+
+
+def test_reject_missing_w() -> None:
+    bad = edit(zb_pp2_m2(), 0, lambda a: without(a, "W0.1"))
+    assert_rejected(bad, 2, 2, 2, "rank 0: missing W0.1 (the schedule splits backwards into B and W)")
+
+
+def test_reject_duplicated_w() -> None:
+    bad = edit(zb_pp2_m2(), 1, lambda a: a + [Action(1, W, 0)])
+    assert_rejected(bad, 2, 2, 2, "rank 1: W1.0 appears twice")
+
+
+def test_reject_w_on_other_rank() -> None:
+    good = zb_pp2_m2()
+    bad = [list(a) for a in good]
+    bad[1].remove(Action(1, W, 1))
+    bad[0].append(Action(1, W, 1))
+    assert_rejected(bad, 2, 2, 2, "rank 0: W1.1", "on the wrong rank")
+
+
+def test_reject_lone_w_in_unsplit_schedule() -> None:
+    # One W turns the schedule into a split one: then every other (stage, mb) lacks its W.
+    bad = edit(gpipe_pp2_m2(), 0, lambda a: a + [Action(0, W, 1)])
+    assert_rejected(bad, 2, 2, 2, "rank 0: missing W0.0")
+
+
+def test_w_str() -> None:
+    assert str(Action(0, W, 3)) == "W0.3"
+    assert Action(0, W, 3).is_compute

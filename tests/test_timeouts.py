@@ -37,3 +37,32 @@ def test_recv_without_sender_times_out(tmp_path):
     _, waited = run_ranks(_stuck_recv, 2, 2.0, str(tmp_path / "flag"), timeout_s=90)
     assert waited is not None and waited >= 0, "the receive completed although nothing was sent"
     assert waited < 2.0 + 5.0, f"the 2 s P2P timeout fired only after {waited:.1f} s"
+
+
+def _stuck_collective(timeout_s: float, flag: str) -> float | None:
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.topology.mesh import build_topology
+
+    topo = build_topology(2, 2, 1, "gloo", timeout_s)  # dp groups {0, 2} and {1, 3}
+    if topo.rank != 2:  # rank 0 never joins rank 2's all-reduce; everyone stays alive meanwhile
+        deadline = time.monotonic() + 60
+        while not Path(flag).exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        return None
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(torch.ones(3), group=topo.group("dp"))
+        return -1.0
+    except RuntimeError:
+        return time.monotonic() - t0
+    finally:
+        Path(flag).write_text("done")
+
+
+def test_subgroup_collective_without_peer_times_out(tmp_path):
+    """The mesh's sub-groups carry the configured timeout, not c10d's 30-minute default."""
+    waited = run_ranks(_stuck_collective, 4, 2.0, str(tmp_path / "flag"), timeout_s=90)[2]
+    assert waited is not None and waited >= 0, "the all-reduce completed without its peer"
+    assert waited < 2.0 + 5.0, f"the 2 s collective timeout fired only after {waited:.1f} s"

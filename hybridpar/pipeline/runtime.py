@@ -4,7 +4,8 @@ Every stage boundary cuts the autograd graph: a stage's input is a fresh leaf, i
 by the gradient its successor sent back. Boundaries between stages on the same rank (interleaved
 chunks with pp=1, or pp=1 itself) hand tensors over through a local mailbox instead of P2P, so the
 same code runs every layout. Microbatches may have different sizes; each message's shape comes from
-its microbatch, which every rank knows from the step's split.
+its microbatch, which every rank knows from the step's split. Schedules with W actions (zero bubble)
+split each backward into B (input gradient) and W (weight gradient), see split_backward.py.
 """
 
 from __future__ import annotations
@@ -19,6 +20,9 @@ from torch import nn
 
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.schedules import Action, Op
+from hybridpar.pipeline.split_backward import WeightGradDeferral
+
+Key = tuple[int, int]  # (stage, microbatch)
 
 
 @dataclass
@@ -32,6 +36,25 @@ class ActionTime:
 class StepOutput:
     loss: torch.Tensor | None  # sum over this rank's microbatches of scaled token losses (last stage only)
     timeline: list[ActionTime] = field(default_factory=list)
+    waits: list[ActionTime] = field(default_factory=list)  # time blocked on a message, inside F/B actions
+
+
+@dataclass
+class _Step:
+    """Tensors in flight during one step."""
+
+    inputs: Sequence[torch.Tensor | None]
+    targets: Sequence[torch.Tensor | None]
+    shapes: list[tuple[int, ...]]
+    loss_scale: float
+    train: bool
+    split: bool  # B and W are separate actions
+    saved: dict[Key, tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = field(default_factory=dict)
+    to_send: dict[tuple[str, int, int], torch.Tensor] = field(default_factory=dict)  # awaiting SEND_F/SEND_B
+    local_act: dict[Key, torch.Tensor] = field(default_factory=dict)
+    local_grad: dict[Key, torch.Tensor] = field(default_factory=dict)
+    loss: torch.Tensor | None = None
+    waits: list[ActionTime] = field(default_factory=list)
 
 
 class PipelineRuntime:
@@ -42,93 +65,118 @@ class PipelineRuntime:
                  p2p: P2P, hidden: int) -> None:
         self.stages, self.n_stages = stages, n_stages
         self.stage_peer, self.p2p, self.hidden = stage_peer, p2p, hidden
+        self._deferral: dict[int, WeightGradDeferral] = {}
 
     def _remote(self, a: int, b: int) -> bool:
         return self.stage_peer(a) != self.stage_peer(b)
 
+    def _split(self, s: int) -> WeightGradDeferral:
+        if s not in self._deferral:
+            self._deferral[s] = WeightGradDeferral(self.stages[s])
+        return self._deferral[s]
+
     def run(self, actions: Sequence[Action], inputs: Sequence[torch.Tensor | None],
             targets: Sequence[torch.Tensor | None], loss_scale: float, *, train: bool = True,
             on_stage_done: Callable[[int], None] | None = None) -> StepOutput:
-        """Execute one step. inputs[m]/targets[m]: token ids (b_m, T) of microbatch m (needed on the
-        first/last stage). The loss of microbatch m is sum(token CE) * loss_scale, so that with
-        loss_scale = 1 / tokens-in-global-batch the gradients summed over every replica and microbatch
-        are exactly those of the global token mean. `on_stage_done(s)` fires after stage s's last
-        backward on this rank (the data-parallel reduction of its gradients can start there)."""
-        T = next(t for t in list(inputs) + list(targets) if t is not None).shape[1]
-        shape = [(t.shape[0], T, self.hidden) for t in (inputs if inputs[0] is not None else targets)]
-        last_b = {a.stage: i for i, a in enumerate(actions) if a.op == Op.BACKWARD}
-        saved: dict[tuple[int, int], tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]] = {}
-        local_act: dict[tuple[int, int], torch.Tensor] = {}
-        local_grad: dict[tuple[int, int], torch.Tensor] = {}
-        to_send: dict[tuple[int, int], torch.Tensor] = {}  # outputs waiting for their SEND_F
-        loss_sum: torch.Tensor | None = None
+        """Execute one step. inputs[m]/targets[m]: token ids (b_m, T) of microbatch m. The loss of
+        microbatch m is sum(token CE) * loss_scale, so that with loss_scale = 1 / tokens-in-global-batch
+        the gradients summed over every replica and microbatch are exactly those of the global token
+        mean. `on_stage_done(s)` fires once stage s's gradients are complete on this rank (its last
+        backward or weight action), where the data-parallel reduction of them can start."""
+        ref = inputs[0] if inputs[0] is not None else targets[0]
+        sizes = [t.shape[0] for t in (inputs if inputs[0] is not None else targets)]
+        split = any(a.op == Op.WEIGHT for a in actions)
+        st = _Step(inputs, targets, [(b, ref.shape[1], self.hidden) for b in sizes], loss_scale, train, split)
+        final_op = Op.WEIGHT if split else Op.BACKWARD
+        done_at = {a.stage: i for i, a in enumerate(actions) if a.op == final_op}
         timeline: list[ActionTime] = []
         p2p = self.p2p
         for i, a in enumerate(actions):
             s, m, op = a.stage, a.microbatch, a.op
             t0 = time.perf_counter()
             if op == Op.RECV_F:
-                p2p.queue_recv(("F", s, m), shape[m], self.stage_peer(s - 1))
+                p2p.queue_recv(("F", s, m), st.shapes[m], self.stage_peer(s - 1))
             elif op == Op.RECV_B:
-                p2p.queue_recv(("B", s, m), shape[m], self.stage_peer(s + 1))
+                p2p.queue_recv(("B", s, m), st.shapes[m], self.stage_peer(s + 1))
             elif op == Op.SEND_F:
-                p2p.queue_send(to_send.pop((s, m)), self.stage_peer(s + 1))
+                p2p.queue_send(st.to_send.pop(("F", s, m)), self.stage_peer(s + 1))
             elif op == Op.SEND_B:
-                p2p.queue_send(saved.pop((s, m))[0].grad, self.stage_peer(s - 1))
+                p2p.queue_send(st.to_send.pop(("B", s, m)), self.stage_peer(s - 1))
             elif op == Op.FORWARD:
-                p2p.flush()  # put queued sends and early receives on the wire before computing
-                buf = None
-                if s == 0:
-                    x = inputs[m]
-                else:
-                    if self._remote(s - 1, s):
-                        buf = p2p.wait_recv(("F", s, m))
-                        x = buf.detach()
-                    else:
-                        x = local_act.pop((s, m))
-                    x.requires_grad_(train)
-                with torch.set_grad_enabled(train):
-                    y = self.stages[s](x)
-                    if s == self.n_stages - 1:
-                        tgt = targets[m]
-                        y = F.cross_entropy(y.flatten(0, 1).float(), tgt.flatten(), reduction="sum") * loss_scale
-                        loss_sum = y.detach() if loss_sum is None else loss_sum + y.detach()
-                    elif self._remote(s, s + 1):
-                        to_send[(s, m)] = y.detach()
-                    else:
-                        local_act[(s + 1, m)] = y.detach()
-                if train:
-                    saved[(s, m)] = (x if s > 0 else None, y, buf)
-                elif buf is not None:
-                    p2p.release(buf)
+                self._forward(st, s, m)
             elif op == Op.BACKWARD:
-                p2p.flush()
-                x, y, buf = saved[(s, m)]
-                if s == self.n_stages - 1:
-                    torch.autograd.backward(y)
-                elif self._remote(s, s + 1):
-                    g = p2p.wait_recv(("B", s, m))
-                    torch.autograd.backward(y, g)
-                    p2p.release(g)
-                else:
-                    torch.autograd.backward(y, local_grad.pop((s, m)))
-                if buf is not None:
-                    p2p.release(buf)  # the graph that saved this input is gone
-                if s > 0 and not self._remote(s - 1, s):
-                    local_grad[(s - 1, m)] = x.grad
-                # keep x (its .grad) only until SEND_B posts it
-                if s > 0 and self._remote(s - 1, s):
-                    saved[(s, m)] = (x, y.detach(), None)
-                else:
-                    del saved[(s, m)]
-                if on_stage_done is not None and last_b[s] == i:
-                    on_stage_done(s)
+                self._backward(st, s, m)
+            elif op == Op.WEIGHT:
+                self._split(s).weight((s, m))
             else:
                 raise ValueError(f"runtime cannot execute {a}")
+            if on_stage_done is not None and done_at.get(s) == i and train:
+                on_stage_done(s)
             timeline.append(ActionTime(a, t0, time.perf_counter()))
         p2p.wait_sends()
-        assert not saved or not train or all(v[2] is None for v in saved.values()), "unfinished microbatches"
-        return StepOutput(loss=loss_sum, timeline=timeline)
+        assert not (st.saved or st.to_send or st.local_act or st.local_grad), f"unfinished work: {sorted(st.saved)}"
+        return StepOutput(loss=st.loss, timeline=timeline, waits=st.waits)
+
+    def _recv(self, st: _Step, kind: str, s: int, m: int) -> torch.Tensor:
+        t0 = time.perf_counter()
+        buf = self.p2p.wait_recv((kind, s, m))
+        st.waits.append(ActionTime(Action(s, Op.RECV_F if kind == "F" else Op.RECV_B, m), t0, time.perf_counter()))
+        return buf
+
+    def _forward(self, st: _Step, s: int, m: int) -> None:
+        self.p2p.flush()  # put queued sends and early receives on the wire before computing
+        buf = None
+        if s == 0:
+            x = st.inputs[m]
+        else:
+            if self._remote(s - 1, s):
+                buf = self._recv(st, "F", s, m)
+                x = buf.detach()
+            else:
+                x = st.local_act.pop((s, m))
+            x.requires_grad_(st.train)
+        if st.split and st.train:
+            self._split(s).key = (s, m)
+        with torch.set_grad_enabled(st.train):
+            y = self.stages[s](x)
+            if s == self.n_stages - 1:
+                y = F.cross_entropy(y.flatten(0, 1).float(), st.targets[m].flatten(), reduction="sum") * st.loss_scale
+                st.loss = y.detach() if st.loss is None else st.loss + y.detach()
+            elif self._remote(s, s + 1):
+                st.to_send[("F", s, m)] = y.detach()
+            else:
+                st.local_act[(s + 1, m)] = y.detach()
+        if st.split and st.train:
+            self._split(s).key = None
+        if st.train:
+            st.saved[(s, m)] = (x if s > 0 else None, y, buf)
+        elif buf is not None:
+            self.p2p.release(buf)
+
+    def _backward(self, st: _Step, s: int, m: int) -> None:
+        self.p2p.flush()
+        x, y, buf = st.saved.pop((s, m))
+        g = None
+        if s < self.n_stages - 1:
+            g = self._recv(st, "B", s, m) if self._remote(s, s + 1) else st.local_grad.pop((s, m))
+        if st.split:
+            dx = self._split(s).backward_input(y, g, x)
+        else:
+            torch.autograd.backward(y, g)
+            dx = x.grad if x is not None else None
+        # Buffers go back to the pool once nothing can read them: after a full backward the graph that
+        # saved them is gone; with a split backward, W may still read tensors that alias them (autograd
+        # hands the incoming gradient through the residual add unchanged), so they are left to the GC.
+        if not st.split:
+            if g is not None and self._remote(s, s + 1):
+                self.p2p.release(g)
+            if buf is not None:
+                self.p2p.release(buf)
+        if s > 0:
+            if self._remote(s - 1, s):
+                st.to_send[("B", s, m)] = dx
+            else:
+                st.local_grad[(s - 1, m)] = dx
 
 
 def forward_actions(actions: Sequence[Action]) -> list[Action]:

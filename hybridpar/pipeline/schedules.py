@@ -8,6 +8,11 @@ Stage placement follows Megatron-LM interleaving (Narayanan et al., 2021, "Effic
 Large-Scale Language Model Training on GPU Clusters"): with ``n_stages = pp * v``,
 stage ``s`` lives on rank ``s % pp``, so rank ``r`` holds model chunks
 ``r, r + pp, r + 2 pp, ...``.
+
+Zero-bubble schedules (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", ICLR) split a backward
+into ``B`` (gradient w.r.t. the stage input, what SEND_B carries) and ``W`` (gradient w.r.t. the
+weights). In a schedule that contains any W, ``Op.BACKWARD`` means the B half only; W(s, m) runs on
+the rank of stage s after B(s, m) and never communicates, so it can be moved into bubbles.
 """
 from __future__ import annotations
 
@@ -17,19 +22,20 @@ from collections import defaultdict
 from dataclasses import dataclass
 from typing import NoReturn
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b")
+SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
 
 
 class Op(str, enum.Enum):
     FORWARD = "F"
-    BACKWARD = "B"
+    BACKWARD = "B"  # full backward, or only its input-gradient half when the schedule has W
+    WEIGHT = "W"  # weight-gradient half of a backward (zero-bubble schedules); no communication
     SEND_F = "SEND_F"  # output activation of (stage, mb) -> rank(stage + 1)
     RECV_F = "RECV_F"  # post the receive of the input activation of F(stage, mb)
     SEND_B = "SEND_B"  # gradient of stage's input for mb -> rank(stage - 1)
     RECV_B = "RECV_B"  # post the receive of the gradient of stage's output for mb
 
 
-COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD})
+COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD, Op.WEIGHT})
 
 
 @dataclass(frozen=True)
@@ -70,6 +76,9 @@ def _check_args(name: str, pp: int, virtual_stages: int, microbatches: int) -> N
         # Megatron's interleaved schedule walks microbatches in groups of pp per chunk.
         raise ValueError(f"interleaved-1f1b needs microbatches divisible by pp: "
                          f"{microbatches} % {pp} = {microbatches % pp}")
+    if name == "zb-h1" and microbatches < pp:
+        # ZB-H1's W deferral fills the drain of a full pipeline; with m < pp there is none.
+        raise ValueError(f"zb-h1 needs microbatches >= pp, got {microbatches} < {pp}")
 
 
 def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
@@ -80,9 +89,22 @@ def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Acti
     return order + bwd[len(fwd) - warmup:]
 
 
+def _defer_weights(order: list[Action], delay: int) -> list[Action]:
+    """Put W(s, j) right after B(s, j + delay), and the Ws still owed after the last B."""
+    out: list[Action] = []
+    owed: list[Action] = []
+    for a in order:
+        out.append(a)
+        if a.op is Op.BACKWARD:
+            owed.append(Action(a.stage, Op.WEIGHT, a.microbatch))
+            if len(owed) > delay:
+                out.append(owed.pop(0))
+    return out + owed
+
+
 def compute_schedule(name: str, pp: int, virtual_stages: int,
                      microbatches: int) -> list[list[Action]]:
-    """Per pipeline rank, the ordered compute actions (F and B only)."""
+    """Per pipeline rank, the ordered compute actions (F and B; also W for zero-bubble)."""
     _check_args(name, pp, virtual_stages, microbatches)
     v, m = virtual_stages, microbatches
     F, B = Op.FORWARD, Op.BACKWARD
@@ -95,7 +117,18 @@ def compute_schedule(name: str, pp: int, virtual_stages: int,
             # backwards, stashing m activations. PipeDream-flush (Narayanan et al., 2021,
             # "Memory-efficient pipeline-parallel DNN training") warms up with pp - r - 1, so
             # rank r holds at most pp - r microbatches in flight.
-            out.append(_one_f_one_b(fwd, bwd, m if name == "gpipe" else min(pp - r - 1, m)))
+            order = _one_f_one_b(fwd, bwd, m if name == "gpipe" else min(pp - r - 1, m))
+            if name == "zb-h1":
+                # ZB-H1 (Qi et al., 2024, Sec. 2.1, Fig. 3 top): keep 1F1B's F/B order and delay
+                # rank r's Ws by r microbatches, the warm-up it has less than rank 0. Its Bs then
+                # run as soon as the gradient arrives, the owed Ws fill the drain, and every rank
+                # holds at most (pp - r) + r = pp microbatches whose W is pending: rank 0's 1F1B
+                # peak. With unit F = B = W this meets the paper's (p-1)(F+B-W) bubble exactly;
+                # a greedy "B, else F, else W" list scheduler either defers every W to the end
+                # (memory grows with m) or, with a pp cap on pending Ws, loses 1-4 units
+                # at pp <= 8.
+                order = _defer_weights(order, r)
+            out.append(order)
             continue
         # Megatron-LM interleaved 1F1B: local step k touches chunk (k // pp) % v for a group of
         # pp microbatches; backwards visit the chunks in reverse. The extra (v - 1) * pp warm-up
@@ -124,6 +157,8 @@ def _message(a: Action, pp: int) -> tuple[tuple[int, int], Action]:
 
 def _send_after(a: Action, pp: int, n_stages: int) -> Action | None:
     """The send that follows compute `a`: only where the neighbour stage is on another rank."""
+    if a.op not in (Op.FORWARD, Op.BACKWARD):
+        return None  # W only accumulates into local weight gradients
     op, t = (Op.SEND_F, a.stage + 1) if a.op is Op.FORWARD else (Op.SEND_B, a.stage - 1)
     if 0 <= t < n_stages and stage_rank(t, pp) != stage_rank(a.stage, pp):
         return Action(a.stage, op, a.microbatch)
@@ -195,6 +230,8 @@ def _prerequisites(a: Action, pp: int, n_stages: int) -> list[Action]:
         need.append(Action(s - 1, Op.FORWARD, m))
         if stage_rank(s - 1, pp) != stage_rank(s, pp):
             need += [Action(s - 1, Op.SEND_F, m), Action(s, Op.RECV_F, m)]
+    elif a.op is Op.WEIGHT:
+        need.append(Action(s, Op.BACKWARD, m))  # same stage, hence same rank: no message
     elif a.op is Op.BACKWARD:
         need.append(Action(s, Op.FORWARD, m))
         if s + 1 < n_stages:
@@ -271,17 +308,25 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
             if a in where:
                 fail(f"rank {r}: {a} appears twice (positions {where[a][1]} and {i})")
             where[a] = (r, i)
-    required = {Action(s, op, m) for s in range(n_stages)
-                for m in range(microbatches) for op in COMPUTE_OPS}
+    # Splitting the backward is all-or-nothing: once any W appears, every B needs its W.
+    split = any(a.op is Op.WEIGHT for a in where)
+    ops = COMPUTE_OPS if split else (Op.FORWARD, Op.BACKWARD)
+    required = {Action(s, op, m) for s in range(n_stages) for m in range(microbatches) for op in ops}
     needed = [_send_after(a, pp, n_stages) for a in required]
     required |= {x for send in needed if send is not None for x in (send, _recv_of(send))}
     for a in sorted(required - where.keys(), key=lambda a: (a.microbatch, a.stage, a.op.value)):
-        fail(f"rank {stage_rank(a.stage, pp)}: missing {a}")
+        why = " (the schedule splits backwards into B and W)" if a.op is Op.WEIGHT else ""
+        fail(f"rank {stage_rank(a.stage, pp)}: missing {a}{why}")
     for a, (r, i) in where.items():
         if a not in required:
             fail(f"rank {r}: unexpected {a}: no communication is needed there "
                  "(neighbouring stage absent or on the same rank)")
-        if not a.is_compute:
+        if a.op is Op.WEIGHT:
+            j = where[Action(a.stage, Op.BACKWARD, a.microbatch)][1]
+            if i < j:
+                fail(f"rank {r}: {a} at position {i} comes before its "
+                     f"B{a.stage}.{a.microbatch} at {j} (W needs the output gradient B gets)")
+        elif not a.is_compute:
             c = _compute_of(a)
             j = where[c][1]
             if a.op in (Op.SEND_F, Op.SEND_B) and i < j:
@@ -308,12 +353,28 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
         fail("deadlock: " + "; ".join(stuck))
 
 
-def bubble_fraction_theory(name: str, pp: int, virtual_stages: int, microbatches: int) -> float:
+def bubble_fraction_theory(name: str, pp: int, virtual_stages: int, microbatches: int, *,
+                           t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
     """Idle fraction of the total step time per rank, assuming uniform stage times.
 
     GPipe and 1F1B: bubble (p-1)(t_f+t_b) over total (m+p-1)(t_f+t_b) -> (p-1)/(m+p-1).
     Interleaved: Megatron's bubble is (p-1)/v of a microbatch-time, i.e. ratio (p-1)/(v m)
     relative to ideal; as a fraction of the total step this is (p-1)/(v m + p-1).
+    These ratios do not depend on the costs; t_f, t_b, t_w (B = input-grad half, W = weight
+    half; a full backward is t_b + t_w) only matter for zb-h1.
+
+    ZB-H1: Qi et al. (2024, Sec. 2.1) give the bubble (p-1)(t_f + t_b - t_w), a third of 1F1B's
+    (p-1)(t_f + t_b + t_w) when the three are equal. That needs t_w <= min(t_f, t_b): rank 0
+    owes no W while it waits (p-1) t_b for its first gradient, and the last rank none while it
+    waits (p-1) t_f for its first activation, so the bubble is never below either. We use
+    (p-1) max(t_f + t_b - t_w, t_f, t_b), which tests/test_simulate.py checks against the event
+    simulation of this module's schedule for random costs. Fraction: bubble / (m (t_f + t_b + t_w) + bubble); with unit
+    costs (p-1) / (3 m + p-1).
     """
     _check_args(name, pp, virtual_stages, microbatches)
+    if name == "zb-h1":
+        if min(t_f, t_b, t_w) < 0 or t_f + t_b + t_w <= 0:
+            raise ValueError(f"costs must be >= 0 and not all zero: {t_f}, {t_b}, {t_w}")
+        bubble = (pp - 1) * max(t_f + t_b - t_w, t_f, t_b)
+        return bubble / (microbatches * (t_f + t_b + t_w) + bubble)
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)

@@ -1,0 +1,237 @@
+"""Discrete-event simulation of the action lists the pipeline runtime executes.
+
+It runs ``build_schedule(...)`` output literally (compute and SEND/RECV actions, per rank, in list
+order) under per-action costs and a link model, and predicts the step time, a per-rank timeline
+and the bubble. Pure Python: usable for planning before any GPU is allocated.
+
+Model (chosen to match ``runtime.py`` + ``p2p.py``):
+
+* A rank is one thread running its list in order; it blocks only at a compute action whose input
+  has not arrived (the runtime's ``wait_recv``), never at a send or a receive posting.
+* SEND_x costs ``send_overhead_s`` on the sender; RECV_x costs ``recv_overhead_s`` (posting only).
+* NCCL point-to-point is a rendezvous, so a transfer starts once both its send and its receive are
+  posted; each directed link (src rank -> dst rank) carries one transfer at a time, in send order
+  (NCCL matches per peer pair in posting order). Only the transfer part ``bytes / bandwidth``
+  occupies the link; the latency is pipelined (a later message may start while an earlier one is
+  still in flight), i.e. ``arrival = max(send, recv, link free) + latency + bytes / bandwidth``.
+* A compute action begins at max(rank free, its inputs ready); its event spans the dispatch
+  overhead ``compute_overhead_s`` followed by its cost. Only the cost counts as busy time, so
+  overheads show up in the bubble, as they do on a real GPU.
+
+Messages are matched by identity, not by posting order: run ``validate_schedule`` (as
+``build_schedule`` does) to catch receive orders NCCL would mismatch.
+"""
+from __future__ import annotations
+
+import math
+from collections import defaultdict, deque
+from dataclasses import dataclass, field
+from typing import Sequence
+
+from hybridpar.pipeline.schedules import Action, Op, ScheduleError, stage_rank
+from hybridpar.report.trace import Slice, chrome_trace
+
+_SENDS = (Op.SEND_F, Op.SEND_B)
+_RECVS = (Op.RECV_F, Op.RECV_B)
+
+
+@dataclass(frozen=True)
+class Costs:
+    """Seconds per action; a per-stage cost is a float (same for every stage) or one per stage."""
+    forward_s: float | Sequence[float]
+    backward_s: float | Sequence[float]  # the input-grad half when the schedule has W, else all of B
+    weight_s: float | Sequence[float] = 0.0  # W actions
+    latency_s: float = 0.0  # per message, from the transfer's start to arrival, before transfer time
+    bandwidth_Bps: float = float("inf")
+    message_bytes: int = 0  # bytes of one activation / gradient message
+    send_overhead_s: float = 0.0  # CPU time the sender spends posting a send (blocks its rank)
+    recv_overhead_s: float = 0.0  # CPU time to post a receive
+    compute_overhead_s: float = 0.0  # fixed per-compute-action dispatch cost on the rank
+
+    def __post_init__(self) -> None:
+        for label in ("latency_s", "message_bytes", "send_overhead_s", "recv_overhead_s",
+                      "compute_overhead_s"):
+            value = getattr(self, label)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
+                raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
+        if not self.bandwidth_Bps > 0:
+            raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+
+    def per_stage(self, n_stages: int) -> dict[Op, list[float]]:
+        """Cost of each compute op at each stage."""
+        out: dict[Op, list[float]] = {}
+        for op, label, value in ((Op.FORWARD, "forward_s", self.forward_s),
+                                 (Op.BACKWARD, "backward_s", self.backward_s),
+                                 (Op.WEIGHT, "weight_s", self.weight_s)):
+            vals = [float(value)] * n_stages if isinstance(value, (int, float)) else list(value)
+            if len(vals) != n_stages:
+                raise ValueError(f"{label} has {len(vals)} entries for {n_stages} stages")
+            if not all(math.isfinite(x) and x >= 0 for x in vals):
+                raise ValueError(f"{label} must be finite and >= 0, got {vals}")
+            out[op] = vals
+        return out
+
+    def transfer_s(self) -> float:
+        return 0.0 if self.message_bytes == 0 else self.message_bytes / self.bandwidth_Bps
+
+
+@dataclass
+class SimEvent:
+    rank: int
+    action: Action
+    start: float  # when the rank began the action (after waiting; includes dispatch overhead)
+    end: float
+    wait_s: float  # time the rank sat blocked before this action could start
+
+
+@dataclass
+class SimResult:
+    step_time_s: float
+    events: list[SimEvent]
+    busy_s: list[float]  # compute time per rank (overheads excluded)
+    bubble_fraction: float  # 1 - sum(busy) / (n_ranks * step_time)
+    arrivals: dict[Action, float] = field(default_factory=dict)  # send action -> arrival time
+
+
+def _send_of(a: Action) -> Action:
+    """The SEND action of the message that RECV `a` receives."""
+    if a.op is Op.RECV_F:
+        return Action(a.stage - 1, Op.SEND_F, a.microbatch)
+    return Action(a.stage + 1, Op.SEND_B, a.microbatch)
+
+
+def _link(send: Action, pp: int) -> tuple[int, int]:
+    dst = send.stage + 1 if send.op is Op.SEND_F else send.stage - 1
+    return stage_rank(send.stage, pp), stage_rank(dst, pp)
+
+
+def _inputs(a: Action, pp: int, n_stages: int) -> list[tuple[str, Action]]:
+    """What `a` waits for: ("done", compute) on its own rank or ("arrive", send) from another."""
+    s, m = a.stage, a.microbatch
+    if a.op in _SENDS:  # the producer; on the sender's rank, so earlier in a valid list
+        return [("done", Action(s, Op.FORWARD if a.op is Op.SEND_F else Op.BACKWARD, m))]
+    if a.op is Op.WEIGHT:
+        return [("done", Action(s, Op.BACKWARD, m))]
+    need: list[tuple[str, Action]] = []
+    if a.op is Op.FORWARD and s > 0:
+        prev = Action(s - 1, Op.FORWARD, m)
+        remote = stage_rank(s - 1, pp) != stage_rank(s, pp)
+        need.append(("arrive", Action(s - 1, Op.SEND_F, m)) if remote else ("done", prev))
+    elif a.op is Op.BACKWARD:
+        need.append(("done", Action(s, Op.FORWARD, m)))
+        if s + 1 < n_stages:
+            remote = stage_rank(s + 1, pp) != stage_rank(s, pp)
+            need.append(("arrive", Action(s + 1, Op.SEND_B, m)) if remote
+                        else ("done", Action(s + 1, Op.BACKWARD, m)))
+    return need
+
+
+def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) -> SimResult:
+    """Run per-rank action lists (as from ``build_schedule``) under `costs`.
+
+    Event-driven: a rank runs until it needs a time that is not known yet, then sleeps on that key
+    until it is resolved, so each action is handled O(1) times. Raises ScheduleError when some
+    action can never start (deadlock) or a message has no partner.
+    """
+    if len(actions) != pp:
+        raise ValueError(f"expected {pp} rank lists, got {len(actions)}")
+    cost = costs.per_stage(n_stages)
+    xfer = costs.transfer_s()
+    known: dict[tuple[str, Action], float] = {}  # resolved keys -> time
+    sleepers: dict[tuple[str, Action], list[int]] = defaultdict(list)
+    ptr, free = [0] * pp, [0.0] * pp
+    busy = [0.0] * pp
+    events: list[SimEvent] = []
+    # Per link: sends in posting order, the next one to transfer, and when the link frees up.
+    queue: dict[tuple[int, int], list[Action]] = defaultdict(list)
+    head: dict[tuple[int, int], int] = defaultdict(int)
+    link_free: dict[tuple[int, int], float] = defaultdict(float)
+    posted: dict[tuple[str, Action], float] = {}  # ("send"|"recv", send action) -> post time
+    runnable = deque(range(pp))
+
+    def resolve(key: tuple[str, Action], t: float) -> None:
+        known[key] = t
+        runnable.extend(sleepers.pop(key, ()))
+
+    def pump(link: tuple[int, int]) -> None:
+        # Transfers leave strictly in send order; one whose receive is not posted holds up the
+        # rest of the link (head-of-line blocking, as NCCL's in-order matching does).
+        q = queue[link]
+        while head[link] < len(q) and ("recv", q[head[link]]) in posted:
+            send = q[head[link]]
+            start = max(posted["send", send], posted["recv", send], link_free[link])
+            link_free[link] = start + xfer
+            resolve(("arrive", send), start + costs.latency_s + xfer)
+            head[link] += 1
+
+    while runnable:
+        r = runnable.popleft()
+        acts = actions[r]
+        while ptr[r] < len(acts):
+            a = acts[ptr[r]]
+            if stage_rank(a.stage, pp) != r or not 0 <= a.stage < n_stages:
+                raise ScheduleError(f"rank {r}: {a} does not belong on this rank")
+            need = _inputs(a, pp, n_stages)
+            missing = next((k for k in need if k not in known), None)
+            if missing is not None:
+                sleepers[missing].append(r)
+                break
+            begin = max([free[r]] + [known[k] for k in need])
+            if a.op in _SENDS:
+                end = begin + costs.send_overhead_s
+                if ("send", a) in posted:
+                    raise ScheduleError(f"rank {r}: {a} posted twice")
+                posted["send", a] = end
+                queue[_link(a, pp)].append(a)
+                pump(_link(a, pp))
+            elif a.op in _RECVS:
+                end = begin + costs.recv_overhead_s
+                send = _send_of(a)
+                if ("recv", send) in posted:
+                    raise ScheduleError(f"rank {r}: {a} posted twice")
+                posted["recv", send] = end
+                pump(_link(send, pp))
+            else:
+                c = cost[a.op][a.stage]
+                end = begin + costs.compute_overhead_s + c
+                busy[r] += c
+                if ("done", a) in known:
+                    raise ScheduleError(f"rank {r}: {a} runs twice")
+                resolve(("done", a), end)
+            events.append(SimEvent(r, a, begin, end, begin - free[r]))
+            free[r] = end
+            ptr[r] += 1
+
+    def describe(kind: str, a: Action) -> str:
+        src = stage_rank(a.stage, pp)
+        return f"message {a} from rank {src}" if kind == "arrive" else f"{a} (rank {src})"
+
+    stuck = [f"rank {r} at {actions[r][p]} waits for "
+             + ", ".join(describe(*k) for k in _inputs(actions[r][p], pp, n_stages)
+                         if k not in known)
+             for r, p in enumerate(ptr) if p < len(actions[r])]
+    if stuck:
+        raise ScheduleError("deadlock: " + "; ".join(stuck))
+    unmatched = sorted({str(a) for kind, a in posted
+                        if ("send" if kind == "recv" else "recv", a) not in posted})
+    if unmatched:
+        raise ScheduleError("messages without a matching send/receive: " + ", ".join(unmatched))
+    arrivals = {a: t for (kind, a), t in known.items() if kind == "arrive"}
+    # The step ends when every rank is done and its sends have drained (p2p.wait_sends).
+    step = max([free[r] for r in range(pp)] + list(arrivals.values()), default=0.0)
+    frac = 1.0 - sum(busy) / (pp * step) if step > 0 else 0.0
+    return SimResult(step, events, busy, frac, arrivals)
+
+
+def sim_trace(result: SimResult, process_name: str = "simulated", pid: int = 1) -> dict:
+    """Chrome/Perfetto trace of a simulation: a track per rank, a slice per action, and each
+    blocked interval as its own "wait" slice right before the action it delayed."""
+    slices: list[Slice] = []
+    for e in result.events:
+        if e.wait_s > 0:
+            slices.append(Slice(e.rank, "wait", e.start - e.wait_s, e.start, cat="wait",
+                                args={"before": str(e.action)}))
+        cat = "comm" if e.action.op in _SENDS + _RECVS else "compute"
+        slices.append(Slice(e.rank, str(e.action), e.start, e.end, cat=cat,
+                            args={"stage": e.action.stage, "microbatch": e.action.microbatch}))
+    return chrome_trace(slices, process_name=process_name, pid=pid)

@@ -1,0 +1,63 @@
+"""Split backward for zero-bubble schedules (Qi et al. 2023, "Zero Bubble Pipeline Parallelism").
+
+B computes only what the previous stage is waiting for — the input gradient — plus the gradients of
+parameters outside linear layers (norm gains, embedding). W, scheduled later into what would be pipeline
+bubble, computes each linear weight's gradient dW = g^T x from the layer input x and output gradient g
+captured during F and B. Nothing is computed twice: autograd skips the dW matmuls in B because the
+weights are not among the requested inputs.
+"""
+
+from __future__ import annotations
+
+from typing import Hashable
+
+import torch
+from torch import nn
+
+
+def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
+    if p.grad is None:
+        p.grad = g.clone()
+    else:
+        p.grad.add_(g)
+
+
+class WeightGradDeferral:
+    def __init__(self, stage: nn.Module) -> None:
+        embed = getattr(getattr(stage, "model", None), "embed_tokens", None)
+        tied = getattr(embed, "weight", None)
+        # A head tied to the embedding in the same stage shares one leaf: autograd handles both uses in B.
+        self.linears = [m for m in stage.modules() if isinstance(m, nn.Linear) and m.weight is not tied]
+        deferred = {id(m.weight) for m in self.linears}
+        self.others = [p for p in stage.parameters() if id(p) not in deferred]
+        self.key: Hashable | None = None
+        self.captured: dict[Hashable, list[list]] = {}
+        for m in self.linears:
+            # prepend: see the raw linear output, before any tensor-parallel hook reduces or gathers it.
+            m.register_forward_hook(self._capture, prepend=True)
+
+    def _capture(self, mod: nn.Linear, args: tuple, out: torch.Tensor) -> None:
+        if self.key is None or not torch.is_grad_enabled():
+            return
+        entry = [mod, args[0].detach(), None]
+        self.captured.setdefault(self.key, []).append(entry)
+
+        def keep_grad(g: torch.Tensor) -> None:
+            entry[2] = g
+
+        out.register_hook(keep_grad)
+
+    def backward_input(self, y: torch.Tensor, grad_y: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
+        """B: gradient of the stage input (returned) and of non-linear parameters (accumulated)."""
+        inputs = ([x] if x is not None else []) + self.others
+        grads = torch.autograd.grad(y, inputs, grad_outputs=grad_y, allow_unused=True)
+        for p, g in zip(self.others, grads[1:] if x is not None else grads):
+            if g is not None:
+                _accumulate(p, g)
+        return grads[0] if x is not None else None
+
+    def weight(self, key: Hashable) -> None:
+        """W: accumulate dW = g^T x for every linear used by microbatch `key`."""
+        for mod, x, g in self.captured.pop(key):
+            assert g is not None, "W before its B: the output gradient was never computed"
+            _accumulate(mod.weight, g.flatten(0, -2).t() @ x.flatten(0, -2))
