@@ -15,6 +15,8 @@ USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DI
 Trains on the embedded default (the Python standard library's source, byte-level) with tp=2 x pp=2
 unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node-rank,
 --rdzv-endpoint and --max-restarts are passed to torch.distributed.run.
+
+       hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
 """
 
 
@@ -107,7 +109,11 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE + "\n" + help_text())
             return 0
         return launch_train(rest)
-    print(f"hybridpar: unknown command {cmd!r}; commands: train\n\n{USAGE}", file=sys.stderr)
+    if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
+        from hybridpar.bench import main as bench_main
+
+        return bench_main(rest)
+    print(f"hybridpar: unknown command {cmd!r}; commands: train, bench\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

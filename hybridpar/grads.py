@@ -21,30 +21,77 @@ from hybridpar.topology.mesh import Topology
 
 
 class DataParallelGrads:
-    """Per-stage bucketed all-reduce over dp, started as soon as a stage's last backward is done (so a
-    chunk's reduction overlaps the backward of chunks still running) and finished before the step."""
+    """Bucketed all-reduce of gradients over dp, overlapped with the backward (as DDP does).
 
-    def __init__(self, topo: Topology, stages: dict[int, LlamaStage]) -> None:
-        self.topo, self.stages = topo, stages
+    Each stage's parameters are grouped, in reverse definition order (the order backward produces
+    them), into buckets of about `bucket_bytes`. A parameter's gradient is final once its
+    post-accumulate hook has fired for every microbatch; a bucket whose gradients are all final starts
+    its async all-reduce at once, while earlier layers are still in backward. Whatever a hook cannot
+    see — gradients written outside autograd's accumulation, as the zero-bubble W actions do — is
+    reduced when the runtime reports the stage done. `finish()` waits and writes the sums back."""
+
+    def __init__(self, topo: Topology, stages: dict[int, LlamaStage], microbatches: int | None = None,
+                 bucket_bytes: int = 4 << 20) -> None:
+        self.topo, self.stages, self.m = topo, stages, microbatches
         self.group = topo.group("dp") if topo.dims.dp > 1 else None
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
+        self._buckets: dict[int, list[list[nn.Parameter]]] = {}
+        self._bucket_of: dict[int, tuple[int, int]] = {}
+        self._fired: dict[int, int] = {}
+        self._ready: dict[tuple[int, int], int] = {}
+        self._launched: set[tuple[int, int]] = set()
+        self.overlapped = 0  # buckets whose reduction started from a hook, i.e. during backward
+        if self.group is None:
+            return
+        for s, stage in stages.items():
+            buckets: list[list[nn.Parameter]] = [[]]
+            size = 0
+            for p in reversed(list(stage.parameters())):
+                if size >= bucket_bytes:
+                    buckets.append([])
+                    size = 0
+                buckets[-1].append(p)
+                size += p.numel() * p.element_size()
+                self._bucket_of[id(p)] = (s, len(buckets) - 1)
+                if microbatches:
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+            self._buckets[s] = buckets
+
+    def _on_grad(self, p: torch.Tensor) -> None:
+        n = self._fired.get(id(p), 0) + 1
+        self._fired[id(p)] = n
+        if n == self.m:
+            key = self._bucket_of[id(p)]
+            self._ready[key] = self._ready.get(key, 0) + 1
+            if self._ready[key] == len(self._buckets[key[0]][key[1]]):
+                self._launch(key)
+                self.overlapped += 1
+
+    def _launch(self, key: tuple[int, int]) -> None:
+        self._launched.add(key)
+        grads = [p.grad for p in self._buckets[key[0]][key[1]]]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def stage_done(self, s: int) -> None:
         if self.group is None:
             return
-        grads = [p.grad for p in self.stages[s].parameters()]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        for b in range(len(self._buckets[s])):
+            if (s, b) not in self._launched:
+                self._launch((s, b))
 
     def finish(self) -> None:
-        timeout = self.topo.timeout_s
+        timeout = timedelta(seconds=self.topo.timeout_s)
         for grads, flat, work in self._pending:
-            work.wait(timedelta(seconds=timeout))
+            work.wait(timeout)
             offset = 0
             for g in grads:
                 g.copy_(flat[offset:offset + g.numel()].view_as(g))
                 offset += g.numel()
         self._pending.clear()
+        self._fired.clear()
+        self._ready.clear()
+        self._launched.clear()
 
 
 def sync_tied_embeddings(topo: Topology, stages: dict[int, LlamaStage], n_stages: int) -> None:

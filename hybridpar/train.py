@@ -80,7 +80,7 @@ class Trainer:
                                        cfg.model.dim)
         named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
         self.opt = make_optimizer(named, t)
-        self.dp_grads = DataParallelGrads(topo, self.stages)
+        self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
         self.plan: BatchPlan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes)
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None

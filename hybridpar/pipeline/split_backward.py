@@ -58,6 +58,6 @@ class WeightGradDeferral:
 
     def weight(self, key: Hashable) -> None:
         """W: accumulate dW = g^T x for every linear used by microbatch `key`."""
-        for mod, x, g in self.captured.pop(key):
+        for mod, x, g in self.captured.pop(key, []):  # a stage without linear layers defers nothing
             assert g is not None, "W before its B: the output gradient was never computed"
             _accumulate(mod.weight, g.flatten(0, -2).t() @ x.flatten(0, -2))

@@ -1,0 +1,357 @@
+"""hybridpar's pipeline runtime side by side with torch.distributed.pipelining, in one invocation.
+
+    hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
+        [--schedules gpipe,1f1b,interleaved-1f1b] [--virtual-stages 2] [--repeats 5] [--steps 4]
+        [--f-ms 20 --b-ms 40] [--act-kb 256] [--global-batch N] [--json FILE]   (or python -m hybridpar.bench.pipeline)
+
+Per case (mode, schedule, pp) the ranks start once (dp = tp = 1, world = pp); each builds both
+implementations over the same process group from the same seed: our `PipelineRuntime` on
+`build_schedule(...)`, and torch's `PipelineStage` with `ScheduleGPipe` / `Schedule1F1B` /
+`ScheduleInterleaved1F1B` (same stage placement, s on rank s % pp). After a loss and gradient check and
+warm-up, timed repeats alternate (ours, torch, ours, ...) so machine noise hits both; a repeat is
+`--steps` forward+backward steps (gradients zeroed between steps, no optimizer). Reported: median
+steps/s, ratio hybridpar/torch (> 1: ours is faster), bubble 1 - busy / (pp * wall) with busy timed by
+one instrumentation on both (`emulated.Timed`), and the theoretical bubble.
+
+`compute` runs real Llama stages (uniform partition, default ModelConfig); `emulated` replaces each
+stage's compute by sleeps (labelled emulation, emulated.py) while real activations of about `--act-kb`
+KiB per microbatch travel. `--f-ms`/`--b-ms` are one microbatch's forward/backward time on one rank:
+with v virtual stages each stage sleeps f/v and b/v, so every schedule does the same work per rank.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from hybridpar.batching.split import split_evenly
+from hybridpar.bench.emulated import BusyTimer, EmulatedStage, Timed
+from hybridpar.config import ModelConfig
+from hybridpar.pipeline.schedules import SCHEDULES, build_schedule, bubble_fraction_theory
+from hybridpar.testing import run_ranks
+
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+EMULATED_VOCAB = 16
+LOSS_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str  # "compute" | "emulated"
+    schedule: str
+    pp: int
+    v: int  # virtual stages per rank
+    m: int  # microbatches
+    global_batch: int
+    seq_len: int
+    steps: int
+    repeats: int
+    warmup: int
+    f_ms: float | None
+    b_ms: float | None
+    act_kb: float | None
+    layers: int | None
+    seed: int
+    timeout_s: float
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.v
+
+    @property
+    def hidden(self) -> int:
+        if self.mode == "compute":
+            return ModelConfig().dim
+        b = math.ceil(self.global_batch / self.m)  # the largest microbatch carries act_kb
+        return max(1, round(self.act_kb * 1024 / 4 / (b * self.seq_len)))
+
+
+def _build(c: Case, s: int, device: torch.device) -> nn.Module:
+    first, last = s == 0, s == c.n_stages - 1
+    if c.mode == "emulated":
+        return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, c.f_ms / 1e3 / c.v, c.b_ms / 1e3 / c.v,
+                             seed=c.seed * 1000 + s).to(device)
+    from hybridpar.model.llama import build_stage
+    from hybridpar.pipeline.partition import partition_uniform
+
+    cfg = ModelConfig(n_layers=c.layers)
+    return build_stage(cfg, partition_uniform(c.layers, c.n_stages)[s], first, last, c.seed, device)
+
+
+def _batch(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = EMULATED_VOCAB if c.mode == "emulated" else ModelConfig().vocab_size
+    tok = torch.randint(vocab, (c.global_batch, c.seq_len + 1), generator=torch.Generator().manual_seed(c.seed))
+    return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()  # (B, T) inputs, (B, T) targets
+
+
+def _torch_schedule(c: Case, stages: dict[int, nn.Module], group: dist.ProcessGroup, device: torch.device,
+                    loss_fn) -> tuple[object | None, str | None]:
+    """torch's schedule over this rank's stages, or (None, why torch cannot run this case)."""
+    if c.schedule not in TORCH_SCHEDULES:
+        return None, f"torch.distributed.pipelining has no {c.schedule!r} schedule"
+    if c.global_batch % c.m:
+        # torch splits the batch itself (tensor_split) and infers every message shape from the first
+        # microbatch, so unequal microbatches are not supported.
+        return None, f"global batch {c.global_batch} is not divisible by {c.m} microbatches"
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    pstages = [PipelineStage(stages[s], s, c.n_stages, device, group=group) for s in sorted(stages)]
+    cls = getattr(ts, TORCH_SCHEDULES[c.schedule])
+    multi = issubclass(cls, ts.PipelineScheduleMulti)
+    try:
+        # scale_grads=False: our loss is already sum-CE / tokens-in-batch (torch's default divides by m).
+        return cls(pstages if multi else pstages[0], c.m, loss_fn=loss_fn, scale_grads=False), None
+    except (ValueError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _case_worker(cd: dict) -> dict:
+    """One rank of a case: build both implementations, check them, time alternating repeats."""
+    from hybridpar.pipeline.p2p import P2P
+    from hybridpar.pipeline.runtime import PipelineRuntime
+    from hybridpar.topology.mesh import build_topology
+
+    c = Case(**cd)
+    topo = build_topology(1, c.pp, 1, "gloo", c.timeout_s)
+    r, dev, n = topo.pp_rank, topo.device, c.n_stages
+    local = [k * c.pp + r for k in range(c.v)]  # stage s lives on pp rank s % pp (both implementations)
+    timer = BusyTimer()
+    ours = {s: Timed(_build(c, s, dev), timer) for s in local}
+    theirs = {s: Timed(_build(c, s, dev), timer) for s in local}  # same seed: identical parameters
+    x, y = _batch(c)
+    sizes = split_evenly(c.global_batch, c.m)
+    xs, ys = list(torch.split(x, sizes)), list(torch.split(y, sizes))
+    scale = 1.0 / (c.global_batch * c.seq_len)
+
+    actions = build_schedule(c.schedule, c.pp, c.v, c.m, 1)[r]
+    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), P2P(dev, torch.float32, c.timeout_s),
+                              c.hidden)
+    timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
+
+    def step_ours() -> float | None:
+        out = runtime.run(actions, xs, ys, scale)
+        timeline_busy[0] += (sum(t.end - t.start for t in out.timeline if t.action.is_compute)
+                             - sum(w.end - w.start for w in out.waits))
+        # W (zero-bubble weight gradients) runs outside autograd, where Timed cannot see it: add its time.
+        timeline_busy[1] += sum(t.end - t.start for t in out.timeline if t.action.op.value == "W")
+        return None if out.loss is None else float(out.loss)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the runtime's loss, verbatim
+        return F.cross_entropy(out.flatten(0, 1).float(), target.flatten(), reduction="sum") * scale
+
+    sched, torch_error = _torch_schedule(c, theirs, topo.group("pp"), dev, loss_fn)
+    first, last = 0 in local, n - 1 in local
+
+    def step_torch() -> float | None:
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": y, "losses": losses} if last else {}
+        sched.step(*((x,) if first else ()), return_outputs=False, **kwargs)
+        return float(sum(l.detach() for l in losses)) if last else None
+
+    def zero(mods: dict[int, nn.Module]) -> None:
+        for mod in mods.values():
+            for p in mod.parameters():
+                p.grad = None
+
+    def measure(step_fn, mods) -> list[float]:
+        dist.barrier()
+        timer.reset()
+        timeline_busy[:] = [0.0, 0.0]
+        t0 = time.perf_counter()
+        for _ in range(c.steps):
+            zero(mods)
+            step_fn()
+        timer.close()
+        busy = timer.busy + timeline_busy[1]
+        dist.barrier()
+        return [time.perf_counter() - t0, busy, timeline_busy[0]]
+
+    res: dict = {"rank": r, "torch_error": torch_error, "loss_ours": None, "loss_torch": None,
+                 "grad_rel_diff": None, "ours": [], "torch": []}
+    zero(ours)
+    res["loss_ours"] = step_ours()
+    if sched is not None:
+        zero(theirs)
+        res["loss_torch"] = step_torch()
+        diff = ref = 0.0
+        for s in local:
+            for po, pt in zip(ours[s].parameters(), theirs[s].parameters()):
+                diff = max(diff, float((po.grad - pt.grad).abs().max()))
+                ref = max(ref, float(po.grad.abs().max()))
+        res["grad_rel_diff"] = diff / max(ref, 1e-30)
+    for _ in range(c.warmup - 1):
+        step_ours()
+        if sched is not None:
+            step_torch()
+    for _ in range(c.repeats):
+        res["ours"].append(measure(step_ours, ours))
+        if sched is not None:
+            res["torch"].append(measure(step_torch, theirs))
+    return res
+
+
+def _stats(c: Case, ranks: list[dict], key: str) -> tuple[float | None, float | None, float | None, list[float]]:
+    """Median steps/s, bubble (busy timer) and bubble (our timeline) over repeats; steps/s per repeat."""
+    reps = list(zip(*(rk[key] for rk in ranks)))  # per repeat: one [wall, busy, timeline busy] per rank
+    if not reps:
+        return None, None, None, []
+    walls = [max(x[0] for x in rep) for rep in reps]
+    sps = [c.steps / w for w in walls]
+    bub = [1 - sum(x[1] for x in rep) / (c.pp * w) for rep, w in zip(reps, walls)]
+    tl = [1 - sum(x[2] for x in rep) / (c.pp * w) for rep, w in zip(reps, walls)]
+    return statistics.median(sps), statistics.median(bub), statistics.median(tl), sps
+
+
+def _case_timeout(c: Case) -> float:
+    steps = 2 * (c.warmup + c.repeats * c.steps)
+    if c.mode == "compute":
+        return 120 + steps * 5.0
+    step_s = (c.m * c.v + c.pp - 1) * (c.f_ms + c.b_ms) / c.v / 1e3 + 0.05
+    return 120 + 3 * steps * step_s
+
+
+def run_case(c: Case) -> dict:
+    ranks = run_ranks(_case_worker, c.pp, asdict(c), timeout_s=_case_timeout(c))
+    ours_sps, ours_bub, ours_tl, ours_all = _stats(c, ranks, "ours")
+    t_sps, t_bub, _, t_all = _stats(c, ranks, "torch")
+    lo, lt = ranks[-1]["loss_ours"], ranks[-1]["loss_torch"]  # rank pp-1 holds the last stage
+    rel = abs(lo - lt) / max(abs(lo), 1e-30) if lt is not None else None
+    grads = [rk["grad_rel_diff"] for rk in ranks if rk["grad_rel_diff"] is not None]
+    try:
+        theory = bubble_fraction_theory(c.schedule, c.pp, c.v, c.m)
+    except ValueError:
+        theory = None
+    return {
+        "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
+        "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
+        "f_ms": c.f_ms, "b_ms": c.b_ms, "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
+                                                  if c.mode == "emulated" else None),
+        "layers": c.layers,
+        "hybridpar_steps_per_s": ours_sps, "torch_steps_per_s": t_sps,
+        "ratio": ours_sps / t_sps if t_sps else None,
+        "bubble_measured": ours_bub, "hybridpar_bubble_timeline": ours_tl, "torch_bubble_measured": t_bub,
+        "bubble_theory": theory,
+        "loss_hybridpar": lo, "loss_torch": lt, "loss_rel_diff": rel,
+        "loss_match": None if rel is None else rel <= LOSS_RTOL,
+        "grad_rel_diff": max(grads) if grads else None,
+        "torch_error": ranks[0]["torch_error"],
+        "hybridpar_steps_per_s_repeats": ours_all, "torch_steps_per_s_repeats": t_all,
+    }
+
+
+def format_table(records: list[dict]) -> str:
+    def f(v, spec: str) -> str:
+        return "-" if v is None else format(v, spec)
+
+    head = (f"{'mode':<9}{'schedule':<18}{'pp':>3}{'v':>3}{'m':>4}{'ours st/s':>11}{'torch st/s':>12}"
+            f"{'ratio':>8}{'bubble ours':>13}{'torch':>8}{'theory':>8}  loss match")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        match = "-" if r["loss_match"] is None else f"{r['loss_match']} ({r['loss_rel_diff']:.1e})"
+        lines.append(f"{r['mode']:<9}{r['schedule']:<18}{r['pp']:>3}{r['virtual_stages']:>3}{r['microbatches']:>4}"
+                     f"{f(r['hybridpar_steps_per_s'], '.3f'):>11}{f(r['torch_steps_per_s'], '.3f'):>12}"
+                     f"{f(r['ratio'], '.3f'):>8}{f(r['bubble_measured'], '.3f'):>13}"
+                     f"{f(r['torch_bubble_measured'], '.3f'):>8}{f(r['bubble_theory'], '.3f'):>8}  {match}")
+        if r["torch_error"]:
+            lines.append(f"{'':<9}torch not run: {r['torch_error']}")
+    return "\n".join(lines)
+
+
+def make_cases(a: argparse.Namespace) -> list[Case]:
+    """Every case of the invocation, validated (ValueError naming the problem) before any process starts."""
+    modes = ["compute", "emulated"] if a.mode == "both" else [a.mode]
+    scheds = [s for s in a.schedules.split(",") if s]
+    for name, val in (("--repeats", a.repeats), ("--steps", a.steps), ("--warmup", a.warmup),
+                      ("--microbatches", a.microbatches), ("--virtual-stages", a.virtual_stages)):
+        if val < 1:
+            raise ValueError(f"{name} must be at least 1, got {val}")
+    if any(p < 2 for p in a.pp):
+        raise ValueError(f"--pp values must be at least 2 (a pipeline), got {a.pp}")
+    if a.f_ms < 0 or a.b_ms < 0 or a.act_kb <= 0:
+        raise ValueError(f"--f-ms/--b-ms must be >= 0 and --act-kb > 0, got {a.f_ms}/{a.b_ms}/{a.act_kb}")
+    gb = a.global_batch or 2 * a.microbatches
+    if gb < a.microbatches:
+        raise ValueError(f"--global-batch {gb} is smaller than --microbatches {a.microbatches}")
+    vs = {s: (a.virtual_stages if s == "interleaved-1f1b" else 1) for s in scheds}
+    layers = a.layers or max([ModelConfig().n_layers] + [p * v for p in a.pp for v in vs.values()])
+    cases = []
+    for mode in modes:
+        for pp in a.pp:
+            for s in scheds:
+                acts = build_schedule(s, pp, vs[s], a.microbatches)  # raises ValueError for a bad combination
+                if mode == "emulated" and any(x.op.value == "W" for x in acts[0]):
+                    # The split backward defers nn.Linear weight gradients (split_backward.py); an
+                    # emulated stage has no linear layer whose W could carry emulated time.
+                    print(f"hybridpar: skipping emulated {s}: its W actions need real linear layers "
+                          "(use --mode compute)", file=sys.stderr)
+                    continue
+                if mode == "compute" and layers < pp * vs[s]:
+                    raise ValueError(f"--layers {layers} is fewer than the {pp * vs[s]} stages of {s} with pp={pp}")
+                em = mode == "emulated"
+                cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
+                                  a.f_ms if em else None, a.b_ms if em else None, a.act_kb if em else None,
+                                  None if em else layers, a.seed, a.timeout))
+    return cases
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="hybridpar bench pipeline", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--mode", choices=("compute", "emulated", "both"), default="emulated")
+    ap.add_argument("--pp", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 4], help="pipeline sizes, comma-separated")
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {SCHEDULES}")
+    ap.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (median)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per repeat")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation (first one checked)")
+    ap.add_argument("--f-ms", type=float, default=20.0, help="emulated forward ms per microbatch per rank")
+    ap.add_argument("--b-ms", type=float, default=40.0, help="emulated backward ms per microbatch per rank")
+    ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
+    ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=None,
+                    help="compute mode: decoder layers (default: ModelConfig's, raised to the most stages)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every collective / P2P wait")
+    ap.add_argument("--json", default=None, help="write the records to FILE ('-': stdout)")
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        cases = make_cases(a)
+    except ValueError as e:
+        print(f"hybridpar: error: {e}", file=sys.stderr)
+        return 2
+    if not cases:
+        print("hybridpar: error: no case to run", file=sys.stderr)
+        return 2
+    records = []
+    for i, c in enumerate(cases):
+        print(f"[{i + 1}/{len(cases)}] {c.mode} {c.schedule} pp={c.pp} v={c.v} m={c.m} ...", file=sys.stderr, flush=True)
+        records.append(run_case(c))
+    print(format_table(records))
+    if a.json == "-":
+        print(json.dumps(records, indent=1))
+    elif a.json:
+        Path(a.json).write_text(json.dumps(records, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    from hybridpar.bench.pipeline import main as _main  # workers must pickle as hybridpar.bench.pipeline.*
+
+    sys.exit(_main())
