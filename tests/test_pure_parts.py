@@ -1,0 +1,95 @@
+"""Pure pieces of the engine: process layout, batch splitting, LR schedule, params digest."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from hybridpar.batching.split import plan_batch, split_evenly
+from hybridpar.config import TrainConfig
+from hybridpar.export import params_digest, stage_of_param
+from hybridpar.optim import lr_at
+from hybridpar.topology.mesh import ParallelDims
+
+
+def test_parallel_dims_coordinates_round_trip():
+    dims = ParallelDims(dp=2, pp=3, tp=2, world_size=12)
+    seen = set()
+    for r in range(12):
+        c = dims.coords(r)
+        assert dims.rank_of(*c) == r
+        seen.add(c)
+    assert len(seen) == 12
+    assert dims.coords(1) == (0, 0, 1)  # tp is the fastest axis: tp peers are neighbours
+    assert dims.coords(2) == (0, 1, 0)
+
+
+@pytest.mark.parametrize("kw,match", [
+    (dict(dp=2, pp=2, tp=2, world_size=4), "2 × 2 × 2 = 8 does not equal the world size 4"),
+    (dict(dp=0, pp=2, tp=2, world_size=0), "dp must be a positive integer"),
+])
+def test_parallel_dims_rejects_bad_layouts(kw, match):
+    with pytest.raises(ValueError, match=match):
+        ParallelDims(**kw)
+
+
+def test_parallel_dims_is_frozen():
+    dims = ParallelDims(1, 1, 1, 1)
+    with pytest.raises(Exception):
+        dims.tp = 2  # type: ignore[misc]
+
+
+def test_split_evenly_sums_and_orders():
+    assert split_evenly(10, 4) == [3, 3, 2, 2]
+    for total in range(1, 40):
+        for parts in range(1, total + 1):
+            s = split_evenly(total, parts)
+            assert sum(s) == total and max(s) - min(s) <= 1 and len(s) == parts
+    with pytest.raises(ValueError, match="cannot split 2 samples into 3"):
+        split_evenly(2, 3)
+
+
+def test_plan_batch_replicas_and_offsets():
+    plan = plan_batch(11, 2, 4)
+    assert plan.sizes == ((2, 2, 1, 1), (2, 1, 1, 1))
+    assert plan.global_batch == 11 and plan.replica_offset(1) == 6
+    explicit = plan_batch(10, 1, 4, microbatch_sizes=[4, 1, 2, 3])
+    assert explicit.sizes == ((4, 1, 2, 3),)
+    uneven = plan_batch(10, 2, 2, replica_sizes=[7, 3])
+    assert uneven.sizes == ((4, 3), (2, 1)) and uneven.replica_offset(1) == 7
+    with pytest.raises(ValueError, match="summing to 10"):
+        plan_batch(10, 2, 2, replica_sizes=[6, 3])
+    with pytest.raises(ValueError, match="4 positive sizes summing to 10"):
+        plan_batch(10, 1, 4, microbatch_sizes=[4, 4, 1, 2])
+
+
+def test_lr_schedule_warmup_then_cosine_to_min():
+    t = TrainConfig(steps=100, warmup_steps=10, lr=1e-3, min_lr=1e-4)
+    assert lr_at(0, t) == pytest.approx(1e-4)
+    assert lr_at(9, t) == pytest.approx(1e-3)
+    assert lr_at(10, t) == pytest.approx(1e-3)
+    assert lr_at(99, t) == pytest.approx(1e-4)
+    mid = lr_at(10 + 89 // 2, t)
+    assert 1e-4 < mid < 1e-3
+    lrs = [lr_at(s, t) for s in range(10, 100)]
+    assert all(a >= b for a, b in zip(lrs, lrs[1:])), "cosine decay must not increase"
+    assert not any(math.isnan(x) for x in lrs)
+
+
+def test_params_digest_sensitive_to_values_names_and_order():
+    a = [("x", torch.ones(3)), ("y", torch.zeros(2))]
+    base = params_digest(a)
+    assert base == params_digest([("x", torch.ones(3)), ("y", torch.zeros(2))])
+    assert base != params_digest([("x", torch.ones(3)), ("y", torch.tensor([0.0, 1e-30]))])
+    assert base != params_digest([("y", torch.zeros(2)), ("x", torch.ones(3))])
+    assert base != params_digest([("x2", torch.ones(3)), ("y", torch.zeros(2))])
+
+
+def test_stage_of_param():
+    parts = [range(0, 2), range(2, 3), range(3, 4)]
+    assert stage_of_param("model.embed_tokens.weight", parts) == 0
+    assert stage_of_param("model.layers.2.mlp.up_proj.weight", parts) == 1
+    assert stage_of_param("model.layers.3.input_layernorm.weight", parts) == 2
+    assert stage_of_param("lm_head.weight", parts) == 2 and stage_of_param("model.norm.weight", parts) == 2
