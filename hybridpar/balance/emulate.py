@@ -1,0 +1,107 @@
+"""Slow-device emulation: a named testing/benchmark mode that stretches chosen ranks' compute.
+
+On one machine (CPU, or a node of identical GPUs) the balancer has no slow device to react to, so a
+benchmark or test can *emulate* one: ``rank=2:2.0@step=10`` makes rank 2 take twice its measured
+compute time from step 10 on. The mode is off by default (an empty spec means no slowdown) and is
+always labelled as emulation, never a silent default (DESIGN.md, "Emulation is labelled").
+
+Grammar (whitespace around tokens is ignored)::
+
+    spec  := "" | entry ("," entry)*
+    entry := "rank=" INT ":" FACTOR ["@step=" INT]      # no "@step" means from step 0
+
+For each rank, the entry with the largest step <= the current step wins, so
+``rank=2:2.0@step=10,rank=2:1.0@step=50`` slows rank 2 for steps 10..49 and then lets it recover.
+
+Factors must be >= 1.0: emulation can only *add* time to what a device really takes (the rank
+sleeps for ``(factor - 1) x`` its measured compute), it cannot make a device faster. A faster
+device is emulated by slowing down all the others.
+"""
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+
+EXPECTED_FORM = "rank=<int>:<factor>@step=<int>, e.g. 'rank=2:2.0@step=10'"
+# Signs are allowed by the pattern so that "-1" gets the precise "must be >= 0" message rather than
+# the generic "malformed" one.
+_ENTRY = re.compile(r"rank=([+-]?\d+):([^@]+?)(?:@step=([+-]?\d+))?")
+
+
+@dataclass(frozen=True)
+class Slowdown:
+    """From `step` on, `rank`'s compute takes `factor` times its measured time."""
+
+    rank: int
+    factor: float
+    step: int = 0
+
+
+@dataclass(frozen=True)
+class SlowdownPlan:
+    """Parsed emulation spec; entries are sorted by (rank, step) and unique per (rank, step)."""
+
+    entries: tuple[Slowdown, ...] = ()
+
+    @classmethod
+    def parse(cls, spec: str) -> SlowdownPlan:
+        """Parse ``"rank=2:2.0@step=10,rank=0:1.5"``; raise ValueError naming the bad token."""
+        entries: dict[tuple[int, int], Slowdown] = {}
+        for raw in spec.split(",") if spec.strip() else []:
+            token = raw.strip()
+            m = _ENTRY.fullmatch(token)
+            if m is None:
+                raise ValueError(f"slowdown token {token!r} in {spec!r} is malformed: "
+                                 f"expected {EXPECTED_FORM}")
+            rank, step = int(m.group(1)), int(m.group(3) or 0)
+            try:
+                factor = float(m.group(2))
+            except ValueError:
+                raise ValueError(f"slowdown token {token!r}: factor {m.group(2)!r} is not a "
+                                 f"number; expected {EXPECTED_FORM}") from None
+            if rank < 0 or step < 0:
+                raise ValueError(f"slowdown token {token!r}: rank and step must be >= 0, "
+                                 f"got rank={rank}, step={step}")
+            if not math.isfinite(factor) or factor < 1.0:
+                raise ValueError(f"slowdown token {token!r}: factor must be a finite number "
+                                 f">= 1.0 (emulation can only add time), got {factor}")
+            if (rank, step) in entries:
+                raise ValueError(f"slowdown token {token!r}: rank {rank} already has a factor "
+                                 f"at step {step}; give each (rank, step) once")
+            entries[(rank, step)] = Slowdown(rank, factor, step)
+        return cls(tuple(entries[k] for k in sorted(entries)))
+
+    def __bool__(self) -> bool:
+        return bool(self.entries)
+
+    @property
+    def ranks(self) -> frozenset[int]:
+        return frozenset(e.rank for e in self.entries)
+
+    def validate(self, world_size: int) -> None:
+        """Refuse ranks that do not exist, before any process starts."""
+        if world_size < 1:
+            raise ValueError(f"world_size must be >= 1, got {world_size}")
+        bad = sorted(r for r in self.ranks if r >= world_size)
+        if bad:
+            raise ValueError(f"slowdown names rank(s) {bad} but world size is {world_size} "
+                             f"(ranks are 0..{world_size - 1})")
+
+    def factor(self, rank: int, step: int) -> float:
+        """Compute stretch for `rank` at `step`: 1.0 unless an entry with step <= `step` applies."""
+        current = 1.0
+        for e in self.entries:  # sorted by step within a rank: the last match is the latest
+            if e.rank == rank and e.step <= step:
+                current = e.factor
+        return current
+
+    def extra_delay_s(self, rank: int, step: int, compute_s: float) -> float:
+        """Seconds to sleep after `compute_s` of real compute so that it takes factor x as long."""
+        if compute_s < 0:
+            raise ValueError(f"compute_s must be >= 0, got {compute_s}")
+        return (self.factor(rank, step) - 1.0) * compute_s
+
+    def to_spec(self) -> str:
+        """Canonical text form; ``SlowdownPlan.parse(p.to_spec()) == p``."""
+        return ",".join(f"rank={e.rank}:{e.factor!r}@step={e.step}" for e in self.entries)
