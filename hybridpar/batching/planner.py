@@ -1,0 +1,372 @@
+"""Microbatch policies: how one replica's share of the step's batch is cut into microbatches.
+
+The real form of the tutorial's `MicrobatchScheduler`: its ideas (size from device memory, adapt to
+performance history, a latency target) stay; its made-up constants (`memory_per_token = 0.001`) give
+way to what the trainer measures and feeds in each step:
+
+    sizes = policy.propose(step)            # before the step; sums exactly to the replica batch
+    ...run the step (on OOM: sizes = policy.on_oom(step, sizes), retry)...
+    policy.observe(step, sizes, step_time_s, peak_activation_bytes, tokens)
+
+Policies are deterministic in their observations (no clock, no randomness): every rank of a pipeline
+fed the same ones (step time and peak reduced over the pipeline) proposes the same split, which the
+runtime needs (each message's shape comes from the split).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from statistics import fmean, median
+from typing import Any, Protocol, Sequence
+
+from hybridpar.batching.split import BatchPlan, split_evenly
+
+
+@dataclass(frozen=True)
+class Observation:
+    step: int
+    sizes: tuple[int, ...]
+    step_time_s: float
+    peak_activation_bytes: int | None  # peak during the step minus memory resident before it
+    tokens: int
+
+    @property
+    def throughput(self) -> float:
+        return self.tokens / self.step_time_s
+
+
+class MicrobatchPolicy(Protocol):
+    def propose(self, step: int) -> list[int]: ...
+    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
+                peak_activation_bytes: int | None, tokens: int) -> None: ...
+    def statistics(self) -> dict[str, Any]: ...
+
+
+def split_by_size(total: int, size: int) -> list[int]:
+    """The fewest balanced microbatches of at most `size`: 10 by 4 -> [4, 3, 3], not [4, 4, 2] — an
+    uneven last microbatch would not save memory and would idle the pipeline while the others run."""
+    if size < 1:
+        raise ValueError(f"microbatch size must be >= 1, got {size}")
+    return split_evenly(total, math.ceil(total / size))
+
+
+class _Recorder:
+    """Running totals (not a growing log: the trainer calls this every step for days) and the
+    statistics every policy reports."""
+
+    def __init__(self, batch: int) -> None:
+        self.batch = batch
+        self.steps, self._sum_time, self._sum_thr = 0, 0.0, 0.0
+        self.history: list[dict[str, Any]] = []  # one entry per measured (split, throughput) block
+        self.converged_step: int | None = None
+        self.steps_to_converge: int | None = None
+
+    def _record(self, step: int, sizes: Sequence[int], step_time_s: float,
+                peak: int | None, tokens: int) -> Observation:
+        if sum(sizes) != self.batch or min(sizes, default=0) < 1 or not step_time_s > 0 or tokens < 0:
+            raise ValueError(f"observed sizes {list(sizes)} must be positive and sum to {self.batch}, "
+                             f"step_time_s={step_time_s} > 0, tokens={tokens} >= 0")
+        obs = Observation(step, tuple(sizes), float(step_time_s), peak, tokens)
+        self.steps, self._sum_time, self._sum_thr = self.steps + 1, self._sum_time + obs.step_time_s, \
+            self._sum_thr + obs.throughput
+        return obs
+
+    def _converge(self, step: int) -> None:
+        if self.converged_step is None:
+            self.converged_step, self.steps_to_converge = step, self.steps
+
+    def _stats(self, name: str, split: list[int], converged: bool) -> dict[str, Any]:
+        n = self.steps
+        return {"policy": name, "current_split": split, "history": list(self.history),
+                "mean_latency_s": self._sum_time / n if n else None,
+                "mean_throughput": self._sum_thr / n if n else None,
+                "steps_observed": n, "converged": converged, "steps_to_converge": self.steps_to_converge}
+
+
+class FixedPolicy(_Recorder):
+    """A fixed split: `count` balanced microbatches, or the fewest balanced ones of at most `size`."""
+
+    def __init__(self, replica_batch: int, *, count: int | None = None, size: int | None = None) -> None:
+        if (count is None) == (size is None):
+            raise ValueError(f"give exactly one of count={count} and size={size}")
+        super().__init__(replica_batch)
+        self.split = split_evenly(replica_batch, count) if count is not None else split_by_size(replica_batch, size)
+        self.steps_to_converge = 0
+
+    def propose(self, step: int) -> list[int]:
+        return list(self.split)
+
+    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
+                peak_activation_bytes: int | None, tokens: int) -> None:
+        self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
+
+    def statistics(self) -> dict[str, Any]:
+        out = self._stats("fixed", self.propose(0), True)
+        out["history"] = [{"split": self.split, "mean_throughput": out["mean_throughput"], "steps": self.steps}]
+        return out
+
+
+class AdaptivePolicy(_Recorder):
+    """Measure candidate microbatch counts, keep the fastest that fits the activation budget.
+
+    Memory: the activation peak is taken as linear in the samples alive at once, the `in_flight`
+    largest microbatches (1: one stage; pp: stage 0 under 1F1B; None: all, GPipe), and estimated
+    conservatively: the larger of the max bytes/sample seen and the least-squares line through the
+    per-size maxima. A candidate predicted over the budget is never proposed; before any peak is seen
+    only the first candidate (the smallest microbatches) is.
+    Throughput: every candidate runs `warmup_steps` unmeasured (allocator growth, autotuning), then
+    `steps_per_candidate` measured, smallest microbatches first so memory is learnt before big ones
+    run. The whole set is scanned: with unequal splits throughput need not be unimodal in the count
+    (under 1F1B costs, 64 samples in 15 microbatches run slower than in 14 or 16).
+    Hysteresis: a re-scan starts only when the current split's throughput drifts by more than
+    `drift_margin`, at least `cooldown_steps` after the last decision, and replaces the incumbent only
+    if beaten by more than `switch_margin`. Memory does not wait: a split that stops fitting (OOM, a
+    higher peak, a lower budget) is left at once for the best measured split that fits."""
+
+    def __init__(self, global_batch: int, dp: int = 1, *, dp_rank: int = 0,
+                 memory_budget_bytes: int | None = None, memory_fraction: float | None = None,
+                 memory_total_bytes: int | None = None, memory_baseline_bytes: int = 0,
+                 min_microbatches: int = 1, count_multiple: int = 1,
+                 candidates: Sequence[int] | None = None, in_flight: int | None = 1,
+                 steps_per_candidate: int = 3, warmup_steps: int = 1, switch_margin: float = 0.03,
+                 drift_margin: float = 0.10, drift_window: int = 8, cooldown_steps: int = 50) -> None:
+        if dp < 1 or not 0 <= dp_rank < dp:
+            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
+        self.replicas = split_evenly(global_batch, dp)
+        super().__init__(self.replicas[dp_rank])
+        n, hi = self.batch, min(self.replicas)  # every replica must be able to run the same count
+        if not 1 <= min_microbatches <= hi or count_multiple < 1 or (in_flight is not None and in_flight < 1):
+            raise ValueError(f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
+                             f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None")
+        if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus the schedule's minimum
+            candidates = {math.ceil(n / 2 ** k) for k in range(n.bit_length() + 1)} | {min_microbatches}
+        cands = sorted({m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0},
+                       reverse=True)  # most microbatches (smallest, safest) first
+        if not cands:
+            raise ValueError(f"no candidate count in {sorted(candidates)} lies in [{min_microbatches}, {hi}] "
+                             f"and is a multiple of {count_multiple}")
+        if min(steps_per_candidate, drift_window) < 1 or min(warmup_steps, cooldown_steps) < 0 \
+                or not 0 <= switch_margin < 1 or not 0 < drift_margin < 1:
+            raise ValueError(f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window} >= 1, "
+                             f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
+                             f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1)")
+        self.candidates, self.in_flight, self.count_multiple = cands, in_flight, count_multiple
+        self.k, self.warmup, self.margin = steps_per_candidate, warmup_steps, switch_margin
+        self.drift_margin, self.drift_window, self.cooldown = drift_margin, drift_window, cooldown_steps
+        self.budget: float | None = None
+        if memory_budget_bytes is not None or memory_fraction is not None:
+            self.set_memory_budget(memory_budget_bytes, memory_fraction, memory_total_bytes, memory_baseline_bytes)
+        self._peak_at: dict[int, int] = {}  # samples in flight -> max activation peak seen
+        self._oom_x: int | None = None  # samples in flight at which an OOM happened: never again
+        self.ooms: list[tuple[int, list[int]]] = []
+        self.rounds, self._last_decision = 0, -(10 ** 9)
+        self._scan(-1, self.candidates)
+
+    def set_memory_budget(self, budget_bytes: float | None = None, fraction: float | None = None,
+                          total_bytes: int | None = None, baseline_bytes: int = 0) -> None:
+        """Activation budget: bytes, or fraction x device total minus what stays resident anyway
+        (weights, gradients, optimizer state: `baseline_bytes`). None: no budget, OOMs only."""
+        if fraction is not None:
+            if budget_bytes is not None or total_bytes is None or not 0 < fraction <= 1:
+                raise ValueError(f"memory_fraction={fraction} needs memory_total_bytes and no explicit budget")
+            budget_bytes = fraction * total_bytes - baseline_bytes
+        if budget_bytes is not None and budget_bytes <= 0:
+            raise ValueError(f"activation memory budget {budget_bytes} bytes must be > 0")
+        self.budget = budget_bytes
+
+    def samples_in_flight(self, sizes: Sequence[int]) -> int:
+        k = len(sizes) if self.in_flight is None else min(self.in_flight, len(sizes))
+        return sum(sorted(sizes, reverse=True)[:k])
+
+    def predict_peak(self, sizes: Sequence[int]) -> float | None:
+        if not self._peak_at:
+            return None
+        x = self.samples_in_flight(sizes)
+        pred = max(p / xi for xi, p in self._peak_at.items()) * x
+        if len(self._peak_at) >= 2:
+            xs, ps = list(self._peak_at), list(self._peak_at.values())
+            mx, mp = fmean(xs), fmean(ps)
+            slope = sum((a - mx) * (b - mp) for a, b in zip(xs, ps)) / sum((a - mx) ** 2 for a in xs)
+            pred = max(pred, mp + slope * (x - mx))
+        return pred
+
+    def fits(self, m: int) -> bool:
+        sizes = split_evenly(self.batch, m)
+        if self._oom_x is not None and self.samples_in_flight(sizes) >= self._oom_x:
+            return False
+        pred = self.predict_peak(sizes)
+        return self.budget is None or pred is None or pred <= self.budget
+
+    def _scan(self, step: int, queue: Sequence[int], incumbent: int | None = None,
+              measured: dict[int, list[float]] | None = None, new_round: bool = True) -> None:
+        """(Re)start or continue a scan over `queue`, keeping what is measured and still fits."""
+        self.rounds += int(new_round)
+        self.exploring, self.incumbent = True, incumbent
+        self._measured = {m: v for m, v in (measured or {}).items() if self.fits(m)}
+        self._queue = [m for m in queue if self.fits(m) and m not in self._measured]
+        if self._queue:
+            self._set(self._queue[0])
+        elif self._measured:
+            self._decide(step)
+        else:  # nothing fits the budget: run the smallest microbatches (statistics flag over_budget)
+            self._queue = [self.candidates[0]]
+            self._set(self.candidates[0])
+
+    def _refit(self, step: int, first: int | None = None) -> None:
+        """The split in use no longer fits. Measured throughputs stay valid under the new cap: a scan
+        goes on with what fits; once converged, take the best measured split that fits, re-scanning
+        (from `first`, the gentlest shrink) only if none does."""
+        measured = {m: v for m, v in self._measured.items() if self.fits(m)}
+        scan = self.exploring or not measured
+        rest = (self._queue[1:] if self.exploring else self.candidates) if scan else []
+        queue = list(dict.fromkeys(([first] if first is not None and scan else []) + rest))
+        inc = self.incumbent if self.exploring and self.incumbent in measured else None
+        self._scan(step, queue, inc, measured, new_round=not self.exploring and not measured)
+
+    def _set(self, m: int) -> None:
+        self.current, self._since_change, self._window = m, 0, []
+
+    def _finish_candidate(self, step: int) -> None:
+        m, thr = self.current, self._measured[self.current]
+        self.history.append({"split": split_evenly(self.batch, m), "mean_throughput": fmean(thr),
+                             "median_throughput": median(thr), "steps": len(thr), "round": self.rounds})
+        self._scan(step, self._queue[1:], self.incumbent, self._measured, new_round=False)
+
+    def _decide(self, step: int) -> None:
+        med = {m: median(v) for m, v in self._measured.items()}
+        best = max(med, key=lambda m: (med[m], m))  # ties: more microbatches (less memory)
+        inc = self.incumbent
+        if inc in med and best != inc and med[best] <= med[inc] * (1 + self.margin):
+            best = inc  # hysteresis: a close call never moves us
+        self.exploring, self._ref, self._last_decision = False, med[best], step
+        if best != self.current:
+            self._set(best)  # a real change: warm up again
+        self._window = []
+        self._converge(step)
+
+    def propose(self, step: int) -> list[int]:
+        return split_evenly(self.batch, self.current)
+
+    def batch_plan(self, step: int) -> BatchPlan:
+        """Every replica's split for this step, all with the current count (replica shares differ by
+        at most one sample; dp_rank 0 holds the largest, the conservative one to fit memory on)."""
+        return BatchPlan(tuple(tuple(split_evenly(r, self.current)) for r in self.replicas))
+
+    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
+                peak_activation_bytes: int | None, tokens: int) -> None:
+        obs = self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
+        if peak_activation_bytes is not None:  # the warm-up step's peak counts too: it really happened
+            x = self.samples_in_flight(sizes)
+            self._peak_at[x] = max(self._peak_at.get(x, 0), peak_activation_bytes)
+        if list(sizes) != self.propose(step):
+            return  # not the split under test: memory evidence only
+        self._since_change += 1
+        if not self.fits(self.current) and any(map(self.fits, self.candidates)):
+            self._refit(step)  # its own peak rules out the split we run, and a smaller one exists
+            return
+        if self._since_change <= self.warmup:
+            return
+        if self.exploring:
+            self._measured.setdefault(self.current, []).append(obs.throughput)
+            if len(self._measured[self.current]) >= self.k:
+                self._finish_candidate(step)
+            return
+        self._window = (self._window + [obs.throughput])[-self.drift_window:]
+        drifted = len(self._window) == self.drift_window and \
+            abs(median(self._window) / self._ref - 1) > self.drift_margin
+        if drifted and step - self._last_decision >= self.cooldown:
+            self._scan(step, self.candidates, incumbent=self.current)
+
+    def on_oom(self, step: int, sizes: Sequence[int]) -> list[int]:
+        """`sizes` ran out of memory at `step`: cap the samples in flight below it and return the split
+        to retry the same step with (same replica batch). Raises if one sample per microbatch fails."""
+        if sum(sizes) != self.batch:
+            raise ValueError(f"OOM sizes {list(sizes)} do not sum to the replica batch {self.batch}")
+        x = self.samples_in_flight(sizes)
+        self._oom_x = x if self._oom_x is None else min(self._oom_x, x)
+        self.ooms.append((step, list(sizes)))
+        fitting = [m for m in self.candidates if self.fits(m)]
+        if not fitting:  # no candidate below: halve the largest microbatch
+            half, hi = max(sizes) // 2, min(self.replicas)
+            m = math.ceil(self.batch / max(half, 1))
+            m = max(m + -m % self.count_multiple, self.candidates[-1])  # the schedule's minimum count
+            if half < 1 or m > hi or not self.fits(m):
+                raise RuntimeError(f"out of memory with microbatches {list(sizes)} and no smaller split of "
+                                   f"{self.batch} samples (at most {hi} microbatches) exists")
+            self.candidates = sorted(set(self.candidates) | {m}, reverse=True)
+            fitting = [m]
+        self._refit(step, max(fitting, key=lambda q: (self.samples_in_flight(split_evenly(self.batch, q)), -q)))
+        return self.propose(step)
+
+    def statistics(self) -> dict[str, Any]:
+        out = self._stats("adaptive", self.propose(0), not self.exploring)
+        pred = self.predict_peak(self.propose(0))
+        per_sample = max((p / x for x, p in self._peak_at.items()), default=None)
+        out.update(rounds=self.rounds, candidates=list(self.candidates), memory_budget_bytes=self.budget,
+                   predicted_peak_bytes=pred, bytes_per_sample=per_sample, ooms=list(self.ooms),
+                   over_budget=None not in (self.budget, pred) and pred > self.budget)
+        return out
+
+
+class TargetLatencyPolicy(_Recorder):
+    """Serving: the largest microbatch whose measured latency (the `step_time_s` observed: whatever
+    latency is bounded, e.g. a request's end to end) meets `target_s`. Sizes are tried smallest first,
+    `samples_per_size` measured steps each after `warmup_steps`; the first over the target ends the
+    scan at the one before. A chosen size that drifts over the target gives way to the next smaller
+    one, never back up: a latency bound is not something to probe in production."""
+
+    def __init__(self, target_s: float, batch: int, *, sizes: Sequence[int] | None = None,
+                 samples_per_size: int = 3, warmup_steps: int = 1) -> None:
+        if not target_s > 0 or samples_per_size < 1 or warmup_steps < 0:
+            raise ValueError(f"target_s={target_s} > 0, samples_per_size={samples_per_size} >= 1, "
+                             f"warmup_steps={warmup_steps} >= 0")
+        super().__init__(batch)
+        wanted = sizes if sizes is not None else [2 ** k for k in range(batch.bit_length())] + [batch]
+        # Keep sizes by the largest microbatch they really produce (64 by 48 gives [32, 32]).
+        self.sizes = sorted({max(split_by_size(batch, s)) for s in wanted if 1 <= s <= batch})
+        if not self.sizes:
+            raise ValueError(f"no microbatch size in {list(wanted)} lies in [1, {batch}]")
+        self.target, self.k, self.warmup = target_s, samples_per_size, warmup_steps
+        self.idx, self.exploring, self.met = 0, True, False
+        self._recent: list[Observation] = []
+        self._since_change = 0
+
+    def split_for(self, n: int) -> list[int]:
+        """The chosen size applied to a batch of n requests (serving batches vary by step)."""
+        return split_by_size(n, min(self.sizes[self.idx], n))
+
+    def propose(self, step: int) -> list[int]:
+        return self.split_for(self.batch)
+
+    def _move(self, idx: int) -> None:
+        self.idx, self._recent, self._since_change = idx, [], 0
+
+    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
+                peak_activation_bytes: int | None, tokens: int) -> None:
+        obs = self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
+        self._since_change += list(sizes) == self.propose(step)
+        if list(sizes) != self.propose(step) or self._since_change <= self.warmup:
+            return
+        self._recent = (self._recent + [obs])[-self.k:]
+        if len(self._recent) < self.k:
+            return
+        lat = median(o.step_time_s for o in self._recent)
+        if not self.exploring:
+            if lat > self.target and self.idx > 0:
+                self._move(self.idx - 1)
+            return
+        self.history.append({"split": self.propose(step), "median_latency_s": lat,
+                             "mean_throughput": fmean(o.throughput for o in self._recent)})
+        if lat <= self.target and self.idx + 1 < len(self.sizes):
+            self._move(self.idx + 1)
+            return
+        self.exploring, self.met = False, lat <= self.target or self.idx > 0
+        if lat > self.target and self.idx > 0:
+            self._move(self.idx - 1)  # the size before was measured within the target
+        self._converge(step)
+
+    def statistics(self) -> dict[str, Any]:
+        out = self._stats("target_latency", self.propose(0), not self.exploring)
+        out.update(target_s=self.target, microbatch_size=self.sizes[self.idx], target_met=self.met)
+        return out

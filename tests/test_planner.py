@@ -1,0 +1,251 @@
+"""Microbatch policies against synthetic measurements (pure: no processes, no clocks)."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+
+import pytest
+
+from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy, TargetLatencyPolicy, split_by_size
+from hybridpar.batching.split import split_evenly
+
+TOKENS_PER_SAMPLE = 128
+
+
+def pipeline_time(sizes: list[int], pp: int = 4, a: float = 1e-3, b: float = 2.5e-4) -> float:
+    """1F1B step time: (m + pp - 1) slots of the slowest microbatch, each a + b * size seconds — the
+    per-microbatch overhead favours few microbatches, the bubble (pp - 1) / m favours many."""
+    return (len(sizes) + pp - 1) * (a + b * max(sizes))
+
+
+def drive(policy: AdaptivePolicy, steps: int, time_fn, peak_fn=lambda s: None, noise: float = 0.0,
+          seed: int = 0, start: int = 0) -> list[list[int]]:
+    rng = random.Random(seed)
+    proposed = []
+    for step in range(start, start + steps):
+        sizes = policy.propose(step)
+        proposed.append(sizes)
+        t = time_fn(sizes) * (1 + rng.uniform(-noise, noise))
+        policy.observe(step, sizes, t, peak_fn(sizes), sum(sizes) * TOKENS_PER_SAMPLE)
+    return proposed
+
+
+@pytest.mark.parametrize("n,count", [(7, 3), (13, 5), (1, 1), (64, 7), (9, 9)])
+def test_fixed_count_sums_exactly(n: int, count: int) -> None:
+    sizes = FixedPolicy(n, count=count).propose(0)
+    assert sum(sizes) == n and len(sizes) == count and max(sizes) - min(sizes) <= 1
+
+
+@pytest.mark.parametrize("n,size", [(10, 4), (7, 7), (7, 100), (13, 1), (63, 8), (65, 8)])
+def test_fixed_size_sums_exactly(n: int, size: int) -> None:
+    sizes = FixedPolicy(n, size=size).propose(0)
+    assert sum(sizes) == n and max(sizes) <= size and len(sizes) == math.ceil(n / size)
+    assert max(sizes) - min(sizes) <= 1  # balanced: 10 by 4 is [4, 3, 3], not [4, 4, 2]
+
+
+def test_fixed_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="exactly one"):
+        FixedPolicy(8, count=2, size=4)
+    with pytest.raises(ValueError, match="exactly one"):
+        FixedPolicy(8)
+    with pytest.raises(ValueError, match="cannot split 3 samples into 4"):
+        FixedPolicy(3, count=4)
+    p = FixedPolicy(8, count=2)
+    with pytest.raises(ValueError, match="sum to 8"):
+        p.observe(0, [4, 3], 1.0, None, 10)
+
+
+def best_count(n: int, counts, time_fn) -> int:
+    return min(counts, key=lambda m: time_fn(split_evenly(n, m)))
+
+
+def test_adaptive_converges_to_true_best_noise_free() -> None:
+    n, counts = 64, range(4, 17)  # 5, 6, 7, 9, ... do not divide 64: unequal sizes
+    p = AdaptivePolicy(n, 1, min_microbatches=4, candidates=counts, in_flight=4)
+    proposed = drive(p, 120, pipeline_time)
+    st = p.statistics()
+    assert st["converged"] and len(st["current_split"]) == best_count(n, counts, pipeline_time) == 8
+    # 13 candidates x (1 warm-up + 3 measured steps); the scan cannot be shorter than that.
+    assert st["steps_to_converge"] == 52
+    assert all(len(s) == 8 for s in proposed[52:])
+    assert all(sum(s) == n for s in proposed)
+    json.dumps(st)  # goes to metrics.jsonl
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_adaptive_noisy_converges_and_never_oscillates(seed: int) -> None:
+    n, counts = 64, range(4, 17)
+    p = AdaptivePolicy(n, 1, min_microbatches=4, candidates=counts, in_flight=4)
+    proposed = drive(p, 60 + 200, pipeline_time, noise=0.03, seed=seed)
+    st = p.statistics()
+    assert st["converged"] and st["steps_to_converge"] <= 52 and st["rounds"] == 1
+    after = proposed[st["steps_to_converge"]:]
+    assert len(after) >= 200 and all(s == after[0] for s in after)  # 200+ steps, one split
+    best = pipeline_time(split_evenly(n, best_count(n, counts, pipeline_time)))
+    assert pipeline_time(after[0]) <= best * 1.03  # within the noise of the true best
+
+
+def test_adaptive_default_candidates_respect_min_microbatches() -> None:
+    p = AdaptivePolicy(64, 1, min_microbatches=4, in_flight=4)
+    assert p.candidates == [64, 32, 16, 8, 4]
+    drive(p, 40, pipeline_time)
+    assert p.statistics()["current_split"] == [8] * 8
+    with pytest.raises(ValueError, match=r"min_microbatches=9 must be in \[1, 8\]"):
+        AdaptivePolicy(16, 2, min_microbatches=9)
+    with pytest.raises(ValueError, match="multiple of 3"):
+        AdaptivePolicy(8, 1, candidates=[4, 8], count_multiple=3)
+
+
+def test_hysteresis_keeps_incumbent_against_a_close_candidate() -> None:
+    # Phase 1: 4 microbatches clearly best. Phase 2 (a slowdown of 20% on every split forces a re-scan):
+    # 2 microbatches become 2% better than 4 — within the 3% margin, so no switch; with margin 0 it would.
+    def phase1(s): return 1.0 if len(s) == 4 else 1.2
+    def phase2(s): return 1.2 / 1.02 if len(s) == 2 else 1.2
+    for margin, expect in ((0.03, 4), (0.0, 2)):
+        p = AdaptivePolicy(8, 1, candidates=[2, 4], switch_margin=margin, cooldown_steps=0)
+        drive(p, 20, phase1)
+        assert len(p.propose(20)) == 4 and p.rounds == 1
+        drive(p, 60, phase2, start=20)
+        assert p.rounds == 2 and p.statistics()["converged"]
+        assert len(p.propose(80)) == expect
+
+
+def test_drift_rescans_after_cooldown_and_adapts() -> None:
+    # A stage slows down for large microbatches: the former best (4 x 16) loses by far; the policy
+    # re-scans, but not before the cooldown since its decision.
+    def before(s): return pipeline_time(s)
+    def after(s): return pipeline_time(s) * (3.0 if max(s) >= 8 else 1.0)
+    p = AdaptivePolicy(64, 1, min_microbatches=4, in_flight=4, cooldown_steps=50)
+    drive(p, 30, before)
+    decided = p.statistics()["steps_to_converge"]
+    assert p.propose(0) == [8] * 8
+    proposed = drive(p, 150, after, start=30)
+    rescan_at = 30 + next(i for i, s in enumerate(proposed) if s != [8] * 8)
+    assert rescan_at >= decided + 50
+    assert p.rounds == 2 and p.propose(0) == [4] * 16
+
+
+@pytest.mark.parametrize("base,expect", [(0, 2), (100_000, 1)])
+def test_budget_just_above_one_small_microbatch_is_never_exceeded(base: int, expect: int) -> None:
+    per_sample = 1_000_000
+    budget = base + 2 * per_sample + 50_000  # just above a microbatch of 2 samples
+
+    def peak(s): return base + per_sample * max(s)
+    def no_pipeline(s): return len(s) * (1e-3 + 1e-4 * max(s))  # bigger microbatches always faster
+
+    free = AdaptivePolicy(32, 1)
+    drive(free, 60, no_pipeline, peak)
+    assert max(free.propose(0)) == 32  # without the budget it would go big: the budget binds
+    p = AdaptivePolicy(32, 1, memory_budget_bytes=budget)
+    for step in range(100):
+        s = p.propose(step)
+        pred = p.predict_peak(s)  # what the policy believed when it proposed s
+        assert (pred is None and step == 0) or pred <= budget
+        assert peak(s) <= budget
+        p.observe(step, s, no_pipeline(s), peak(s), sum(s) * TOKENS_PER_SAMPLE)
+    st = p.statistics()
+    # With a fixed overhead (base > 0) one observation at size 1 gives 1.1 MB/sample, so size 2 is
+    # predicted at 2.2 MB > budget and never tried: conservative by design.
+    assert st["converged"] and max(st["current_split"]) == expect and not st["over_budget"]
+    assert st["bytes_per_sample"] >= per_sample
+
+
+def test_budget_counts_microbatches_in_flight() -> None:
+    # 1F1B on stage 0 keeps pp = 4 microbatches alive: 16 samples in flight fit, 32 do not.
+    budget = 17 * 1_000_000
+    def peak(s): return 1_000_000 * sum(sorted(s, reverse=True)[:4])
+    p = AdaptivePolicy(64, 1, min_microbatches=4, in_flight=4, memory_budget_bytes=budget)
+    proposed = drive(p, 60, pipeline_time, peak)
+    assert all(peak(s) <= budget for s in proposed)
+    assert p.propose(0) == [4] * 16  # 8 x 8 (the unconstrained best) holds 32 samples in flight
+
+
+def test_budget_from_fraction_and_bad_budgets() -> None:
+    p = AdaptivePolicy(8, 1, memory_fraction=0.5, memory_total_bytes=1000, memory_baseline_bytes=100)
+    assert p.budget == 400
+    with pytest.raises(ValueError, match="needs memory_total_bytes"):
+        AdaptivePolicy(8, 1, memory_fraction=0.5)
+    with pytest.raises(ValueError, match="must be > 0"):
+        AdaptivePolicy(8, 1, memory_fraction=0.1, memory_total_bytes=1000, memory_baseline_bytes=100)
+
+
+def test_on_oom_shrinks_and_keeps_the_sum() -> None:
+    p = AdaptivePolicy(32, 1)  # no budget: only OOMs teach it
+    drive(p, 60, lambda s: len(s) * (1e-3 + 1e-4 * max(s)))
+    assert p.propose(60) == [32]
+    seen = []
+    for step in range(60, 70):
+        old = p.propose(step)
+        if max(old) == 1:
+            with pytest.raises(RuntimeError, match="no smaller split"):
+                p.on_oom(step, old)
+            break
+        new = p.on_oom(step, old)
+        assert sum(new) == 32 and max(new) < max(old) and new == p.propose(step)
+        seen.append(max(new))
+        drive(p, 12, lambda s: len(s) * (1e-3 + 1e-4 * max(s)), start=step)
+        assert max(p.propose(step)) <= max(new)  # never grows back past an OOM
+    assert seen == [16, 8, 4, 2, 1]
+    with pytest.raises(ValueError, match="do not sum"):
+        p.on_oom(99, [1, 2])
+
+
+def test_on_oom_halves_when_no_candidate_is_below() -> None:
+    p = AdaptivePolicy(12, 1, candidates=[1])
+    assert p.on_oom(0, [12]) == [6, 6]
+    assert p.on_oom(0, [6, 6]) == [3, 3, 3, 3]
+    assert p.on_oom(1, [3, 3, 3, 3]) == [1] * 12
+    with pytest.raises(RuntimeError):
+        p.on_oom(2, [1] * 12)
+
+
+def test_adaptive_is_deterministic_and_plans_every_replica() -> None:
+    runs = []
+    for _ in range(2):
+        p = AdaptivePolicy(64, 1, min_microbatches=4, candidates=range(4, 17), in_flight=4)
+        runs.append((drive(p, 80, pipeline_time, noise=0.03, seed=7), p.statistics()["history"]))
+    assert runs[0] == runs[1]
+    q = AdaptivePolicy(20, 3, dp_rank=2, candidates=[2])
+    plan = q.batch_plan(0)
+    assert plan.sizes == ((4, 3), (4, 3), (3, 3)) and plan.global_batch == 20 and q.propose(0) == [3, 3]
+
+
+def test_target_latency_picks_largest_size_meeting_target() -> None:
+    def latency(s): return 2e-3 + 1e-3 * max(s)
+    for target, expect in ((0.020, 16), (0.0345, 32), (0.5, 64)):
+        p = TargetLatencyPolicy(target, 64)
+        drive(p, 40, latency)
+        st = p.statistics()
+        assert st["converged"] and st["microbatch_size"] == expect and st["target_met"]
+        assert max(p.propose(0)) == expect and sum(p.propose(0)) == 64
+        assert latency(p.propose(0)) <= target
+    p = TargetLatencyPolicy(0.001, 64)  # unreachable: smallest size, flagged
+    drive(p, 20, latency)
+    assert p.statistics()["microbatch_size"] == 1 and not p.statistics()["target_met"]
+    assert TargetLatencyPolicy(0.02, 64).split_for(5) == [1] * 5
+
+
+def test_target_latency_steps_down_when_latency_drifts_over() -> None:
+    p = TargetLatencyPolicy(0.020, 64)
+    drive(p, 40, lambda s: 2e-3 + 1e-3 * max(s))
+    assert p.statistics()["microbatch_size"] == 16
+    drive(p, 10, lambda s: 2 * (2e-3 + 1e-3 * max(s)), start=40)  # the device got 2x slower
+    assert p.statistics()["microbatch_size"] == 8
+
+
+def test_split_by_size_rejects_zero() -> None:
+    with pytest.raises(ValueError, match=">= 1"):
+        split_by_size(8, 0)
+
+
+def test_memory_model_is_the_more_conservative_of_ratio_and_fit() -> None:
+    p = AdaptivePolicy(8, 1)
+    assert p.predict_peak([4, 4]) is None  # nothing measured: no guess
+    p.observe(0, [1] * 8, 1.0, 100, 8)
+    assert p.predict_peak([4, 4]) == pytest.approx(400)  # 100 bytes/sample
+    p.observe(1, [2] * 4, 1.0, 250, 8)  # grows faster than linear from 0: the fit (slope 150) wins
+    assert p.predict_peak([4, 4]) == pytest.approx(550)
+    p.observe(2, [2] * 4, 1.0, 200, 8)  # a lower peak at the same size never lowers the estimate
+    assert p.predict_peak([4, 4]) == pytest.approx(550)
