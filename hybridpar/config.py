@@ -6,6 +6,7 @@ and so every rank can validate the layout before touching a process group.
 
 import dataclasses
 import difflib
+import os
 import sys
 import types
 import typing
@@ -101,25 +102,35 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    every: int = _f(0, "save a checkpoint every N steps (0 = off)")
+    keep: int = _f(3, "committed checkpoints kept; older ones are deleted after each new commit")
+    dir: str | None = _f(None, "checkpoint directory (none = <run_dir>/checkpoints)")
+    resume: str = _f("off", "'off', 'auto' (the newest checkpoint in checkpoint.dir that verifies) or the path "
+                            "of one checkpoint directory; also --resume")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(ModelConfig, "model shape")
     parallel: ParallelConfig = _f(ParallelConfig, "parallel layout")
     train: TrainConfig = _f(TrainConfig, "optimisation")
     data: DataConfig = _f(DataConfig, "corpus")
+    checkpoint: CheckpointConfig = _f(CheckpointConfig, "sharded checkpoints and resume")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
     trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field (dotted key), its numbers and what would be right."""
-        m, p, t, d = self.model, self.parallel, self.train, self.data
+        m, p, t, d, c = self.model, self.parallel, self.train, self.data, self.checkpoint
         # Ranges first: every later rule divides by or compares against these numbers.
         count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
         ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
             ("model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
              "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
-             "train.seq_len train.val_batches data.max_bytes", count, "a positive integer"),
+             "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
             ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
-            ("train.warmup_steps train.val_every train.sample_tokens parallel.recv_lookahead",
+            ("train.warmup_steps train.val_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
              non_negative, "a non-negative integer"),
             ("train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
              lambda v: _is_num(v) and v > 0, "> 0"),  # `v > 0` is False for NaN, so NaN is rejected too
@@ -130,6 +141,9 @@ class Config:
         for keys, ok, what in ranges:
             for key in keys.split():
                 _require(ok(value := getattr(*_owner(self, key))), f"{key} must be {what}, got {value!r}")
+        _require(isinstance(c.resume, str) and (c.resume in ("off", "auto") or os.path.isdir(c.resume)),
+                 f"checkpoint.resume={c.resume!r} must be 'off', 'auto' or an existing checkpoint directory")
+        _require(c.dir is None or isinstance(c.dir, str), f"checkpoint.dir must be a path or none, got {c.dir!r}")
         _require(_is_num(t.min_lr) and 0 <= t.min_lr <= t.lr,
                  f"train.min_lr must be between 0 and train.lr={t.lr!r}, got {t.min_lr!r}")
         for key, f in _known_keys().items():
@@ -222,7 +236,7 @@ class Config:
 
 
 def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config ([model] [parallel] [train] [data] sections, top-level run_dir) as a raw dict."""
+    """Read a TOML config ([model] [parallel] [train] [data] [checkpoint] sections, top-level run_dir) as a raw dict."""
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
@@ -252,6 +266,7 @@ def parse_args(argv: list[str]) -> Config:
             i += 1
         i += 1
         key = name.replace("-", "_")  # --train.global-batch and --run-dir are spelled like the fields
+        key = _ALIASES.get(key, key)
         if key == "config":
             if config_file is not None:
                 raise ValueError(f"--config given twice ({config_file!r} and {value!r}); pass one file")
@@ -266,9 +281,13 @@ def parse_args(argv: list[str]) -> Config:
     return cfg
 
 
+_ALIASES = {"resume": "checkpoint.resume"}  # short flags for common dotted keys (flag -> key)
+
+
 def help_text() -> str:
     """Every flag with its type, default and help, grouped by section."""
-    rows = [(None, "--config <file>", "TOML file with [model] [parallel] [train] [data] sections, applied first")]
+    rows = [(None, "--config <file>",
+             "TOML file with [model] [parallel] [train] [data] [checkpoint] sections, applied first")]
     for key, f in _known_keys().items():
         extra = f"; one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
         rows.append((key.rpartition(".")[0] or None, f"{_flag(key)} <{_type_name(f.type)}>",

@@ -33,6 +33,7 @@ from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
+from hybridpar.resilience.checkpoint import resume, save_checkpoint
 from hybridpar.topology.mesh import Topology, build_topology
 
 
@@ -55,6 +56,7 @@ class TrainResult:
     losses: list[float] = field(default_factory=list)
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     digest: str | None = None  # rank 0 only
+    start_step: int = 0  # > 0 when resumed from a checkpoint: `losses` then start at this step
     state: dict[str, torch.Tensor] | None = None  # rank 0 only: the full trained model
 
 
@@ -136,6 +138,17 @@ class Trainer:
         return self._global_sum(total)
 
 
+def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
+    """What a checkpoint records besides tensors (JSON). The data cursor is `done` itself: sample order
+    depends only on (seed, step)."""
+    p = cfg.parallel
+    return {"step": done, "config": cfg.to_dict(), "partition": [[r.start, r.stop] for r in trainer.parts],
+            "batch_plan": [list(s) for s in trainer.plan.sizes],
+            "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages,
+                       "world_size": trainer.topo.dims.world_size},
+            "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)}}
+
+
 def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> TrainResult:
     """Train per `cfg` on the current world (created from torchrun's environment if needed)."""
     p, t = cfg.parallel, cfg.train
@@ -145,10 +158,15 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     trainer = Trainer(cfg, topo)
     res = TrainResult()
     rank0 = topo.rank == 0
-    writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl") if rank0 else None
+    ck = cfg.checkpoint
+    ck_dir = Path(ck.dir) if ck.dir else Path(cfg.run_dir) / "checkpoints"
+    if ck.resume != "off":
+        saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict())
+        res.start_step = saved["step"] if saved else 0
+    writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl", append=res.start_step > 0) if rank0 else None
     progress = Progress(t.steps) if rank0 and log else None
     trace_rows: list[dict] = []
-    for step in range(t.steps):
+    for step in range(res.start_step, t.steps):
         rec = trainer.step(step)
         if cfg.trace and step in TRACE_STEPS:
             trace_rows += step_slices(trainer.last_output, topo.rank, step)
@@ -164,6 +182,9 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
         if progress:
             extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
             progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
+        if ck.every and (step + 1) % ck.every == 0:
+            save_checkpoint(topo, trainer.stages, trainer.opt, ck_dir, step + 1, trainer_state(cfg, trainer, step + 1),
+                            ck.keep)
     if cfg.trace:
         write_run_trace(cfg.trace, topo.rank, topo.dims.world_size, trace_rows, dist.barrier)
     state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model)

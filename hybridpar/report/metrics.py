@@ -11,9 +11,9 @@ from typing import Any, TextIO
 
 
 class MetricsWriter:
-    def __init__(self, path: Path) -> None:
+    def __init__(self, path: Path, append: bool = False) -> None:
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("w", encoding="utf-8")
+        self._f = path.open("a" if append else "w", encoding="utf-8")  # append: a resumed run continues the file
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")

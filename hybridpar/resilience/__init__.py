@@ -1,0 +1,1 @@
+"""Fault tolerance: sharded, atomically committed checkpoints and resume (`checkpoint.py`)."""

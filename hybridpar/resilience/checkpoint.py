@@ -1,0 +1,338 @@
+"""Sharded checkpoints through torch.distributed.checkpoint (DCP), committed atomically, and resume.
+
+Layout-independent: tensors are stored under full-model names (`model.layers.3.mlp.up_proj.weight`,
+`optim/<name>/exp_avg`), a tp shard as a DTensor over the tp sub-mesh (`Shard(p.tp_dim)`), so DCP records
+where each shard sits in the full tensor and any (tp, pp, dp) can read it back. Stages hold disjoint names;
+replicas (dp, and tp for norm gains) present identical tensors under one (key, offset), and DCP's
+DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A head tied across stages
+(`holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys.
+
+Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
+fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
+file), and renames the directory: the rename is the commit. Old commits go only after a newer one exists.
+Resume verifies the manifest before anything is read, so DCP's pickled `.metadata` is opened only if its
+bytes are the ones written. Several nodes need a shared filesystem: rank 0 hashes what every rank wrote.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import secrets
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any, Callable, Iterator
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Shard
+
+from hybridpar.config import ModelConfig
+from hybridpar.model.llama import LlamaStage
+from hybridpar.topology.mesh import Topology
+
+MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
+FORMAT = "hybridpar-checkpoint/1"
+EMBED = "model.embed_tokens.weight"
+_COMMITTED = re.compile(r"step-(\d{6,})")
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as fh:
+        while chunk := fh.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    with path.open("w", encoding="utf-8") as fh:
+        json.dump(obj, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+
+
+def write_manifest(ckpt: Path, step: int) -> dict[str, Any]:
+    """Write `ckpt/manifest.json` listing size and sha256 of every other file in `ckpt` (call it last)."""
+    files = {f.relative_to(ckpt).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+             for f in sorted(ckpt.rglob("*")) if f.is_file() and f.relative_to(ckpt).as_posix() != MANIFEST}
+    manifest = {"format": FORMAT, "step": step, "files": files}
+    _write_json(ckpt / MANIFEST, manifest)
+    _fsync_dir(ckpt)
+    return manifest
+
+
+def _read_json(path: Path) -> tuple[Any, str | None]:
+    try:
+        return json.loads(path.read_text(encoding="utf-8")), None
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        return None, f"{path} is not valid JSON ({e})"
+
+
+def verify_checkpoint(ckpt: Path, step: int | None = None) -> str | None:
+    """None if `ckpt` is a complete checkpoint (of `step`, if given); otherwise why not, naming the file.
+    Reads only manifest.json and trainer_state.json as JSON; every other file is only hashed."""
+    ckpt = Path(ckpt)
+    mpath = ckpt / MANIFEST
+    if not mpath.is_file():
+        return f"{mpath} is missing (never committed, or damaged)"
+    m, bad = _read_json(mpath)
+    if bad:
+        return bad
+    files = m.get("files") if isinstance(m, dict) else None
+    if not isinstance(files, dict) or m.get("format") != FORMAT or not isinstance(m.get("step"), int):
+        return f"{mpath} is not a {FORMAT} manifest"
+    for need in (STATE, DCP_METADATA):
+        if need not in files:
+            return f"{ckpt / need} is not listed in {MANIFEST}"
+    for rel, meta in files.items():
+        f = ckpt / rel
+        if rel == MANIFEST or Path(rel).is_absolute() or ".." in Path(rel).parts or not isinstance(meta, dict):
+            return f"{mpath} has an invalid entry {rel!r}"
+        if f.is_symlink() or not f.is_file():
+            return f"{f} is missing"
+        if (size := f.stat().st_size) != meta.get("size"):
+            return f"{f} has {size} bytes, {MANIFEST} says {meta.get('size')}"
+        if _sha256(f) != meta.get("sha256"):
+            return f"{f} does not match its sha256 in {MANIFEST} (corrupted or replaced)"
+    for f in sorted(ckpt.rglob("*")):
+        if not f.is_dir() and f.relative_to(ckpt).as_posix() not in (*files, MANIFEST):
+            return f"{f} is not listed in {MANIFEST}"
+    state, bad = _read_json(ckpt / STATE)
+    if bad:
+        return bad
+    if not isinstance(state, dict) or state.get("step") != m["step"] or (step is not None and m["step"] != step):
+        return f"{ckpt / STATE} does not record step {m['step'] if step is None else step}"
+    return None
+
+
+def committed(root: Path) -> list[tuple[int, Path]]:
+    """Committed checkpoint directories under `root`, newest first (`.tmp-*` ones never match)."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if p.is_dir() and (m := _COMMITTED.fullmatch(p.name))]
+    return sorted(found, reverse=True)
+
+
+def find_latest(root: Path) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint under `root` that verifies, and a reason for each newer one skipped."""
+    skipped: list[str] = []
+    for step, path in committed(root):
+        why = verify_checkpoint(path, step)
+        if why is None:
+            return path, skipped
+        skipped.append(f"skipped checkpoint {path.name}: {why}")
+    return None, skipped
+
+
+def prune(root: Path, keep: int) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints, and leftovers of interrupted saves."""
+    gone = [path for _, path in committed(root)[keep:]]
+    gone += [p for p in Path(root).iterdir() if p.is_dir() and p.name.startswith((".tmp-step-", ".old-step-"))]
+    for path in gone:
+        shutil.rmtree(path, ignore_errors=True)
+    return gone
+
+
+def _commit(tmp: Path, final: Path) -> None:
+    old = None
+    if final.exists():  # this step from an abandoned attempt: replaced, and deleted only after the commit
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        os.rename(final, old)
+    os.rename(tmp, final)
+    _fsync_dir(final.parent)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def _tensors(stages: dict[int, LlamaStage], opt: torch.optim.Optimizer,
+             tied_copy: bool) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+    """(key, local tensor, tp_dim or None) for parameters and their optimizer state on this rank."""
+    for stage in stages.values():
+        for name, p in stage.named_parameters():
+            if name == "lm_head.weight" and stage.holds_tied_copy:
+                if not tied_copy:
+                    continue
+                name = EMBED  # the same weight, with the same optimizer state, as the first stage's embedding
+            dim = getattr(p, "tp_dim", None)
+            yield name, p.detach(), dim
+            state = opt.state[p]
+            assert state, f"{name} has no optimizer state: checkpoints are taken after a step"
+            for k in sorted(state):
+                t = state[k]
+                yield f"optim/{name}/{k}", t, (dim if t.shape == p.shape else None)
+
+
+def _for_dcp(t: torch.Tensor, dim: int | None, topo: Topology) -> torch.Tensor:
+    if dim is None:
+        return t  # replicated: every holder presents the same tensor under one key; DCP writes it once
+    return DTensor.from_local(t, topo.mesh["tp"], [Shard(dim)], run_check=False)
+
+
+def _ensure_adam_state(opt: torch.optim.Optimizer) -> None:
+    """Create AdamW's state as its first step would (torch/optim/adam.py `_init_group`), without stepping."""
+    scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    for group in opt.param_groups:
+        for p in (p for p in group["params"] if not opt.state[p]):
+            fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
+            step = torch.zeros((), dtype=torch.float32 if fused else scalar, device=p.device if on_device else "cpu")
+            moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+            opt.state[p] = {"step": step, **{k: torch.zeros_like(p, memory_format=torch.preserve_format)
+                                             for k in moments}}
+
+
+def _broadcast_json(topo: Topology, obj: Any) -> Any:
+    """Rank 0's JSON value on every rank, as bytes in a tensor (nothing is pickled on the wire)."""
+    data = list(json.dumps(obj).encode()) if topo.rank == 0 else []
+    n = torch.tensor([len(data)], dtype=torch.int64, device=topo.device)
+    dist.broadcast(n, src=0)
+    buf = (torch.tensor(data, dtype=torch.uint8, device=topo.device) if topo.rank == 0
+           else torch.empty(int(n), dtype=torch.uint8, device=topo.device))
+    dist.broadcast(buf, src=0)
+    return json.loads(bytes(buf.cpu().tolist()).decode())
+
+
+def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exception]) -> Any:
+    """Run `work` on rank 0 only; every rank returns its JSON result, or raises `fail(rank 0's error)`."""
+    out = None
+    if topo.rank == 0:
+        try:
+            out = {"ok": work()}
+        except Exception as e:  # every rank must hear of it: a rank 0 that just raised would leave them waiting
+            out = {"error": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"}
+    out = _broadcast_json(topo, out)
+    if "error" in out:
+        raise fail(out["error"])
+    return out["ok"]
+
+
+def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, root: Path,
+                    step: int, trainer_state: dict[str, Any], keep: int) -> Path:
+    """Collective: write this rank's shards, commit `root/step-NNNNNN` atomically, keep the newest `keep`."""
+    root, final = Path(root), Path(root) / f"step-{step:06d}"
+
+    def fail(error: str) -> Exception:
+        return RuntimeError(f"saving the checkpoint of step {step} to {final} failed on rank 0: {error} "
+                            f"(earlier checkpoints in {root} are intact)")
+
+    def make_tmp() -> str:
+        tmp = root / f".tmp-{final.name}-{secrets.token_hex(6)}"
+        tmp.mkdir(parents=True)
+        return str(tmp)
+
+    def commit() -> None:
+        _write_json(tmp / STATE, trainer_state)
+        write_manifest(tmp, step)
+        _commit(tmp, final)
+        prune(root, keep)
+
+    tmp = Path(_on_rank0(topo, make_tmp, fail))  # the broadcast also tells every rank that it exists
+    state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
+    dcp.save(state, checkpoint_id=str(tmp))  # DCP reports a failure on any rank to every rank
+    dist.barrier()  # every rank's files are written and synced
+    _on_rank0(topo, commit, fail)
+    return final
+
+
+def choose_checkpoint(topo: Topology, resume: str, root: Path, log: Callable[[str], None] = print) -> Path | None:
+    """Collective: rank 0 picks the checkpoint (`resume` = 'auto' or a path) and every rank gets its choice.
+    'auto' with none usable gives None; a given path that does not verify raises ValueError on every rank."""
+    def pick() -> str | None:
+        if resume != "auto":
+            if (why := verify_checkpoint(Path(resume))) is not None:
+                raise ValueError(f"checkpoint.resume={resume!r} cannot be used: {why}")
+            return resume
+        path, skipped = find_latest(Path(root))
+        for line in skipped:
+            log(f"hybridpar: {line}")
+        if path is None:
+            log(f"hybridpar: no usable checkpoint in {root}: starting from step 0")
+        return None if path is None else str(path)
+
+    path = _on_rank0(topo, pick, ValueError)
+    return None if path is None else Path(path)
+
+
+def load_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, path: Path,
+                    model_cfg: dict[str, Any]) -> dict[str, Any]:
+    """Collective: restore parameters and AdamW state from a verified checkpoint; returns its trainer state."""
+    state = json.loads((Path(path) / STATE).read_text(encoding="utf-8"))
+    saved = state.get("config", {}).get("model", {})
+    if saved != model_cfg:
+        diff = ", ".join(f"model.{k}={model_cfg.get(k)!r} (checkpoint: {saved.get(k)!r})"
+                         for k in sorted({*saved, *model_cfg}) if saved.get(k) != model_cfg.get(k))
+        raise ValueError(f"checkpoint {path} holds another model: {diff}")
+    _ensure_adam_state(opt)
+    targets: dict[str, list[torch.Tensor]] = {}
+    bufs: dict[str, torch.Tensor] = {}
+    for key, t, dim in _tensors(stages, opt, tied_copy=True):
+        if key not in bufs:
+            bufs[key] = _for_dcp(torch.empty_like(t), dim, topo)
+        targets.setdefault(key, []).append(t)
+    dcp.load(bufs, checkpoint_id=str(path))
+    with torch.no_grad():
+        for key, dests in targets.items():
+            src = bufs[key].to_local() if isinstance(bufs[key], DTensor) else bufs[key]
+            for t in dests:
+                t.copy_(src)
+    return state
+
+
+def abandon_newer(root: Path, step: int) -> list[Path]:
+    """Rename committed checkpoints newer than the one resumed from out of the way (`abandoned-step-*`), so
+    a later 'auto' cannot mix this run with the timeline it left. Nothing is deleted."""
+    moved = []
+    for s, path in committed(root):
+        if s > step:
+            dest = path.with_name(f"abandoned-{path.name}-{secrets.token_hex(4)}")
+            os.rename(path, dest)
+            moved.append(dest)
+    return moved
+
+
+def read_full_model(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
+    """The full fp32 model (HF names, definition order) from a checkpoint of any layout, in one process."""
+    if (why := verify_checkpoint(Path(path))) is not None:
+        raise ValueError(f"checkpoint {path} cannot be used: {why}")
+    with torch.device("meta"):
+        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
+    state = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in full.named_parameters()}
+    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+    return state
+
+
+def resume(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, which: str, root: Path,
+           cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """Collective: choose (`which`: 'auto' or a path; rank 0 verifies, all agree), load, set aside newer
+    checkpoints. `cfg` is this run's Config.to_dict(). Returns the trainer state, or None if 'auto' found none."""
+    path = choose_checkpoint(topo, which, root, log)
+    if path is None:
+        return None
+    state = load_checkpoint(topo, stages, opt, path, cfg["model"])
+    if topo.rank == 0:
+        try:
+            for moved in abandon_newer(Path(root), state["step"]):
+                log(f"hybridpar: set aside {moved.name}: newer than the checkpoint resumed from")
+        except OSError as e:
+            log(f"hybridpar: warning: could not set aside newer checkpoints in {root}: {e}")
+        saved = state["config"].get("train", {})
+        changed = [f"train.{k}={v!r} (checkpoint: {saved.get(k)!r})" for k, v in cfg["train"].items()
+                   if saved.get(k) != v]
+        log(f"hybridpar: resumed from {path} after step {state['step']}"
+            + (f"; changed since: {', '.join(changed)}" if changed else ""))
+    return state
