@@ -9,12 +9,34 @@ import time
 import pytest
 import torch
 
-from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepScale, Timed
+from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, SleepScale, Timed
+from hybridpar.bench.latency import StepSamples, posted_lists, posting_points, summarize
 from hybridpar.bench.pipeline import main
 from hybridpar.cli import main as cli_main
+from hybridpar.pipeline.runtime import ActionTime
+from hybridpar.pipeline.schedules import Action, Op, build_schedule
+from hybridpar.pipeline.split_backward import WeightGradDeferral
 
 FIELDS = ("mode", "schedule", "pp", "microbatches", "f_ms", "b_ms", "hybridpar_steps_per_s", "torch_steps_per_s",
           "ratio", "bubble_measured", "torch_bubble_measured", "bubble_theory", "loss_match", "repeats")
+# Measured per-hop costs and the simulator's prediction from them.
+SIM_FIELDS = ("hop_latency_s", "hop_latency_per_link_s", "compute_overhead_s", "compute_overhead_median_s",
+              "send_overhead_s", "recv_overhead_s", "sleep_overshoot_s", "step_gap_s", "measured_step_time_s",
+              "sim_step_time_s", "sim_ideal_step_time_s", "sim_bubble", "sim_error", "sim_breakdown_s",
+              "load_avg_before", "load_avg_after", "trace_file")
+
+
+def check_prediction(rec: dict) -> None:
+    for f in SIM_FIELDS:
+        assert f in rec, f
+    assert rec["sim_step_time_s"] > 0 and rec["sim_ideal_step_time_s"] > 0 and rec["hop_latency_s"] > 0
+    assert 0 <= rec["sim_bubble"] < 1
+    assert rec["sim_error"] == pytest.approx(rec["sim_step_time_s"] / rec["measured_step_time_s"] - 1)
+    # The breakdown adds up to the prediction: ideal + every measured term.
+    assert sum(rec["sim_breakdown_s"].values()) == pytest.approx(rec["sim_step_time_s"])
+    assert set(rec["sim_breakdown_s"]) == {"ideal", "hop_latency", "sleep_overshoot", "action_overhead",
+                                           "posting_delay", "step_gap"}
+    assert set(rec["compute_overhead_s"]) >= {"F", "B"} and set(rec["sleep_overshoot_s"]) >= {"F", "B"}
 
 
 def test_sleep_scale_sleeps_and_has_exact_gradients():
@@ -76,6 +98,95 @@ def test_smoke_emulated_against_torch(tmp_path):
     assert rec["hybridpar_steps_per_s"] > 0 and rec["torch_steps_per_s"] > 0 and rec["ratio"] > 0
     for key in ("bubble_measured", "torch_bubble_measured", "bubble_theory"):
         assert 0 <= rec[key] < 1, (key, rec[key])
+    check_prediction(rec)
+    assert rec["trace_file"] is None and rec["w_ms"] is None
+    assert list(rec["hop_latency_per_link_s"]) == ["0->1"]
+
+
+@pytest.mark.timeout(120)
+def test_smoke_zb_h1_emulated_against_torch(tmp_path):
+    out = tmp_path / "bench.json"
+    rc = main(["--mode", "emulated", "--pp", "2", "--microbatches", "4", "--schedules", "zb-h1",
+               "--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--ping-pongs", "10",
+               "--trace-dir", str(tmp_path / "traces"), "--json", str(out)])
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["schedule"] == "zb-h1" and rec["w_ms"] == 1.0  # half of --b-ms by default
+    # torch's ScheduleInterleavedZeroBubble with one stage per rank is the peer; same loss and gradients
+    # through both split backwards (torch's graph-based one, ours via the stage's W hooks).
+    assert rec["torch_error"] is None and rec["loss_match"] is True and rec["grad_rel_diff"] <= 1e-5
+    assert rec["torch_steps_per_s"] > 0 and 0 <= rec["torch_bubble_measured"] < 1
+    check_prediction(rec)
+    assert set(rec["sleep_overshoot_s"]) == {"F", "B", "W"} and "W" in rec["compute_overhead_s"]
+    trace = json.loads((tmp_path / "traces" / "emulated-zb-h1-pp2-v1-m4.json").read_text())
+    assert rec["trace_file"].endswith("emulated-zb-h1-pp2-v1-m4.json")
+    names = {(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
+    for pid in (0, 1):  # measured beside simulated, every action of both ranks in each
+        assert {n for p, n in names if p == pid} >= {str(a) for acts in build_schedule("zb-h1", 2, 1, 4)
+                                                      for a in acts}
+    procs = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
+    assert any("measured" in p for p in procs) and any("simulated" in p for p in procs)
+
+
+def _grads(stage) -> list[torch.Tensor]:
+    return [p.grad.clone() for p in stage.parameters()]
+
+
+def test_emulated_split_backward_sleeps_b_then_w_and_is_exact():
+    tok = torch.randint(16, (2, 5))
+    tgt = torch.randn(2, 5, 16)
+    ref = EmulatedStage(True, True, 16, 8, 0.0, 0.0, seed=1)  # one backward, no split
+    (ref(tok) * tgt).sum().backward()
+    # Split stage under a full backward (torch's GPipe/1F1B path): B and W both sleep, same gradients.
+    log = SleepLog()
+    full = EmulatedStage(True, True, 16, 8, 0.001, 0.002, seed=1, w_s=0.003, log=log)
+    (full(tok) * tgt).sum().backward()
+    assert sorted(op for op, *_ in log.entries) == ["B", "F", "W"]
+    assert all(end - start >= req for _, req, start, end in log.entries)
+    # Split stage under our runtime's split backward: B (input side) sleeps B, W (the hook) sleeps W.
+    log2 = SleepLog()
+    split = EmulatedStage(True, True, 16, 8, 0.001, 0.002, seed=1, w_s=0.003, log=log2)
+    deferral = WeightGradDeferral(split)
+    deferral.key = (0, 0)
+    y = (split(tok) * tgt).sum()
+    deferral.key = None
+    deferral.backward_input(y, None, None)
+    assert split.scale.grad is None and [op for op, *_ in log2.entries] == ["F", "B"]
+    deferral.weight((0, 0))
+    assert [op for op, *_ in log2.entries] == ["F", "B", "W"]
+    for g_ref, g_full, g_split in zip(_grads(ref), _grads(full), _grads(split)):
+        torch.testing.assert_close(g_full, g_ref)
+        torch.testing.assert_close(g_split, g_ref)
+    deferral.weight((0, 1))  # a key that never ran defers nothing
+    assert len(log2.entries) == 3
+
+
+def _at(action: Action, start: float, end: float) -> ActionTime:
+    return ActionTime(action, start, end)
+
+
+def test_step_samples_and_posting_points_from_a_timeline():
+    F0, S, W0, F1 = Action(0, Op.FORWARD, 0), Action(0, Op.SEND_F, 0), Action(0, Op.WEIGHT, 0), Action(0, Op.FORWARD, 1)
+    timeline = [_at(F0, 0.0, 10.0), _at(S, 10.0, 10.5), _at(W0, 10.5, 14.0), _at(F1, 14.0, 20.0)]
+    waits = [ActionTime(Action(0, Op.RECV_F, 1), 15.0, 17.0)]  # inside F1
+    sleeps = [("F", 8.0, 1.0, 9.0), ("W", 3.0, 11.0, 13.5), ("F", 2.0, 17.5, 19.8)]
+    smp = StepSamples()
+    smp.add_step(timeline, waits, sleeps, -1.0, 21.0)
+    d = smp.to_dict()
+    assert d["overhead"]["F0"] == pytest.approx([10.0 - 8.0, 6.0 - 2.3 - 2.0])
+    assert d["overhead"]["W0"] == pytest.approx([3.5 - 2.5])
+    assert d["comm"]["SEND"] == pytest.approx([0.5])
+    assert d["overshoot"]["F"] == pytest.approx([0.0, 0.3]) and d["overshoot"]["W"] == pytest.approx([-0.5])
+    assert d["gap"] == pytest.approx([22.0 - 20.0])
+    # The send was posted by the flush at the start of F1 (not during W): it moves past W0.
+    pts = posting_points(timeline, [14.1])
+    assert pts == [None, 3, None, None]
+    assert posted_lists([[F0, S, W0, F1]], [pts]) == [[F0, W0, S, F1]]
+    assert posting_points(timeline, []) == [None, 4, None, None]  # posted at the step's end
+    assert posted_lists([[F0, S, W0, F1]], [[None, 4, None, None]]) == [[F0, W0, F1, S]]
+    s = summarize([d], [{"0->1": [2.0, 4.0, 100.0]}])
+    assert s["hop_latency_s"] == pytest.approx(2.0) and s["hop_latency_per_link_s"] == {"0->1": 2.0}
+    assert s["compute_overhead_s"]["F"] == pytest.approx((2.0 + 1.7) / 2) and s["send_overhead_s"] == 0.5
 
 
 @pytest.mark.timeout(120)
@@ -96,6 +207,8 @@ def test_uneven_batch_measures_ours_without_torch(tmp_path):
     (["--repeats", "0"], "--repeats must be at least 1"),
     (["--microbatches", "6", "--pp", "4", "--schedules", "interleaved-1f1b"], "divisible by pp"),
     (["--mode", "compute", "--layers", "2", "--pp", "4", "--schedules", "1f1b"], "fewer than the 4 stages"),
+    (["--schedules", "zb-h1", "--b-ms", "4", "--w-ms", "5"], "--w-ms must be between 0 and --b-ms"),
+    (["--ping-pongs", "0"], "--ping-pongs must be at least 1"),
 ])
 def test_bad_inputs_are_refused_before_any_process(args, msg, capsys):
     assert cli_main(["bench", "pipeline", *args]) == 2

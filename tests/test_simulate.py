@@ -273,3 +273,18 @@ def test_sim_trace_has_waits_and_tracks() -> None:
     assert {e["cat"] for e in xs} == {"compute", "comm", "wait"}
     names = {e["args"].get("name") for e in trace["traceEvents"] if e["ph"] == "M"}
     assert {"simulated", "rank 0", "rank 1"} <= names
+
+
+def test_late_posting_delays_arrival_hand_computed() -> None:
+    # zb-h1, pp=2, m=2, unit F/B/W: rank 1 runs F1.0 [1,2] B1.0 [2,3] F1.1 [3,4] B1.1 [4,5] W1.0 W1.1
+    # [5,7]; rank 0's B0.1 starts when SEND_B1.1 arrives (5), and the step ends at 7. Posted only
+    # after the two Ws (a runtime that flushes its queue at the step's end), it arrives at 7: rank 0
+    # runs B0.1 [7,8] and W0.1 [8,9].
+    acts = build_schedule("zb-h1", 2, 1, 2)
+    assert simulate(acts, 2, 2, Costs(1.0, 1.0, 1.0)).step_time_s == pytest.approx(7.0)
+    late = Action(1, Op.SEND_B, 1)
+    moved = [acts[0], [a for a in acts[1] if a != late] + [late]]
+    res = simulate(moved, 2, 2, Costs(1.0, 1.0, 1.0))
+    assert res.step_time_s == pytest.approx(9.0)
+    assert ev(res, "B0.1") == pytest.approx((7.0, 8.0))
+    assert res.arrivals[late] == pytest.approx(7.0)

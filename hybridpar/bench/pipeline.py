@@ -1,22 +1,36 @@
 """hybridpar's pipeline runtime side by side with torch.distributed.pipelining, in one invocation.
 
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
-        [--schedules gpipe,1f1b,interleaved-1f1b] [--virtual-stages 2] [--repeats 5] [--steps 4]
-        [--f-ms 20 --b-ms 40] [--act-kb 256] [--global-batch N] [--json FILE]   (or python -m hybridpar.bench.pipeline)
+        [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1] [--virtual-stages 2] [--repeats 5] [--steps 4]
+        [--f-ms 20 --b-ms 40 [--w-ms 20]] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
+        [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
 Per case (mode, schedule, pp) the ranks start once (dp = tp = 1, world = pp); each builds both
 implementations over the same process group from the same seed: our `PipelineRuntime` on
 `build_schedule(...)`, and torch's `PipelineStage` with `ScheduleGPipe` / `Schedule1F1B` /
-`ScheduleInterleaved1F1B` (same stage placement, s on rank s % pp). After a loss and gradient check and
+`ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble` (zb-h1: with one stage per rank it is
+ZB-H1, see TORCH_SCHEDULES), same stage placement, s on rank s % pp. After a loss and gradient check and
 warm-up, timed repeats alternate (ours, torch, ours, ...) so machine noise hits both; a repeat is
 `--steps` forward+backward steps (gradients zeroed between steps, no optimizer). Reported: median
-steps/s, ratio hybridpar/torch (> 1: ours is faster), bubble 1 - busy / (pp * wall) with busy timed by
-one instrumentation on both (`emulated.Timed`), and the theoretical bubble.
+steps/s, ratio hybridpar/torch (> 1: ours is faster), bubble 1 - busy / (pp * wall) and the theoretical
+bubble. Busy is measured by one instrumentation on both: in emulated mode the time the stages actually
+slept (`emulated.SleepLog`), in compute mode the time inside the stage modules (`emulated.Timed`; it
+cannot see torch's zero-bubble W, so that bubble is not reported).
 
 `compute` runs real Llama stages (uniform partition, default ModelConfig); `emulated` replaces each
 stage's compute by sleeps (labelled emulation, emulated.py) while real activations of about `--act-kb`
 KiB per microbatch travel. `--f-ms`/`--b-ms` are one microbatch's forward/backward time on one rank:
 with v virtual stages each stage sleeps f/v and b/v, so every schedule does the same work per rank.
+Zero-bubble schedules (zb-h1) split the backward: B sleeps b - w (the input gradient) and W sleeps w
+(the weight gradient), w = `--w-ms`, by default b / 2; other schedules sleep b in one backward.
+
+Prediction (latency.py): in the same ranks and run, the case measures its per-hop costs (hop latency
+by ping-pong through the runtime's P2P class; per-action overhead, send/recv posting time, sleep
+overshoot, step gap and message posting points from our timed steps), simulates the action lists our
+runtime executed under them (pipeline/simulate.py) and reports `sim_step_time_s`, `sim_error`
+(sim / measured - 1), the ideal `sim_ideal_step_time_s` and `sim_breakdown_s` (what each term adds).
+`--trace-dir DIR` writes DIR/<case>.json per case: one timed step of ours, every rank, beside its
+simulation (open in ui.perfetto.dev).
 """
 
 from __future__ import annotations
@@ -24,6 +38,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -36,12 +51,22 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.batching.split import split_evenly
-from hybridpar.bench.emulated import BusyTimer, EmulatedStage, Timed
+from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed
+from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
+                                     predict, round_trips, summarize)
 from hybridpar.config import ModelConfig
-from hybridpar.pipeline.schedules import SCHEDULES, build_schedule, bubble_fraction_theory
+from hybridpar.pipeline.schedules import SCHEDULES, Action, build_schedule, bubble_fraction_theory
+from hybridpar.pipeline.simulate import sim_trace
+from hybridpar.report.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.testing import run_ranks
 
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B"}
+# zb-h1's peer: torch's ScheduleInterleavedZeroBubble ("ZB1P") with one stage per rank is our ZB-H1
+# action for action: `_get_warmup_ops` gives rank r the 1F1B warm-up pp - 1 - r, and
+# `_get_1f1b_rank_ops(enable_zero_bubble=True, num_1f1b_microbatches=r)` puts W(j) right after B(j + r)
+# (torch 2.13 schedules.py), which is `schedules._defer_weights(order, r)`. One difference remains, in
+# torch: stage 0 (whose input needs no gradient) runs nothing at B and its full backward at W.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble"}
 EMULATED_VOCAB = 16
 LOSS_RTOL = 1e-5
 
@@ -60,10 +85,12 @@ class Case:
     warmup: int
     f_ms: float | None
     b_ms: float | None
+    w_ms: float | None  # zb-h1 only: the W share of b_ms (B sleeps b_ms - w_ms)
     act_kb: float | None
     layers: int | None
     seed: int
     timeout_s: float
+    ping_pongs: int = 200  # round trips per link for the hop latency
 
     @property
     def n_stages(self) -> int:
@@ -77,11 +104,25 @@ class Case:
         return max(1, round(self.act_kb * 1024 / 4 / (b * self.seq_len)))
 
 
-def _build(c: Case, s: int, device: torch.device) -> nn.Module:
+def _nominal_s(c: Case) -> dict[str, float]:
+    """What one F / B / W action sleeps (0 in compute mode): f/v, (b - w)/v, w/v."""
+    if c.mode != "emulated":
+        return {"F": 0.0, "B": 0.0, "W": 0.0}
+    w = c.w_ms or 0.0
+    return {"F": c.f_ms / 1e3 / c.v, "B": (c.b_ms - w) / 1e3 / c.v, "W": w / 1e3 / c.v}
+
+
+def _actions(c: Case) -> list[list[Action]]:
+    """Every rank's action list, as the runtime executes it and the simulator replays it."""
+    return build_schedule(c.schedule, c.pp, c.v, c.m, 1)
+
+
+def _build(c: Case, s: int, device: torch.device, log: SleepLog | None = None) -> nn.Module:
     first, last = s == 0, s == c.n_stages - 1
     if c.mode == "emulated":
-        return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, c.f_ms / 1e3 / c.v, c.b_ms / 1e3 / c.v,
-                             seed=c.seed * 1000 + s).to(device)
+        t = _nominal_s(c)
+        return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, t["F"], t["B"], seed=c.seed * 1000 + s,
+                             w_s=t["W"], log=log).to(device)
     from hybridpar.model.llama import build_stage
     from hybridpar.pipeline.partition import partition_uniform
 
@@ -118,27 +159,36 @@ def _torch_schedule(c: Case, stages: dict[int, nn.Module], group: dist.ProcessGr
 
 
 def _case_worker(cd: dict) -> dict:
-    """One rank of a case: build both implementations, check them, time alternating repeats."""
+    """One rank of a case: build both implementations, check them, measure the per-hop costs, time
+    alternating repeats."""
     from hybridpar.pipeline.p2p import P2P
     from hybridpar.pipeline.runtime import PipelineRuntime
+    from hybridpar.report.step_trace import step_slices
     from hybridpar.topology.mesh import build_topology
 
     c = Case(**cd)
     topo = build_topology(1, c.pp, 1, "gloo", c.timeout_s)
     r, dev, n = topo.pp_rank, topo.device, c.n_stages
     local = [k * c.pp + r for k in range(c.v)]  # stage s lives on pp rank s % pp (both implementations)
-    timer = BusyTimer()
-    ours = {s: Timed(_build(c, s, dev), timer) for s in local}
-    theirs = {s: Timed(_build(c, s, dev), timer) for s in local}  # same seed: identical parameters
+    emulated = c.mode == "emulated"
+    timer, log = BusyTimer(), SleepLog()
+    # Emulated: busy time is the time slept (SleepLog), for both implementations alike; compute: the
+    # Timed instrumentation around each stage module.
+    wrap = (lambda mod: mod) if emulated else (lambda mod: Timed(mod, timer))
+    ours = {s: wrap(_build(c, s, dev, log)) for s in local}
+    theirs = {s: wrap(_build(c, s, dev, log)) for s in local}  # same seed: identical parameters
     x, y = _batch(c)
     sizes = split_evenly(c.global_batch, c.m)
     xs, ys = list(torch.split(x, sizes)), list(torch.split(y, sizes))
     scale = 1.0 / (c.global_batch * c.seq_len)
 
-    actions = build_schedule(c.schedule, c.pp, c.v, c.m, 1)[r]
-    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), P2P(dev, torch.float32, c.timeout_s),
-                              c.hidden)
+    actions = _actions(c)[r]
+    p2p = RecordingP2P(dev, torch.float32, c.timeout_s)
+    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), p2p, c.hidden)
     timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
+    samples = StepSamples()
+    last_out: list = [None]  # StepOutput of our latest step
+    posted_at: list = [None]  # posting_points of our latest timed step
 
     def step_ours() -> float | None:
         out = runtime.run(actions, xs, ys, scale)
@@ -146,6 +196,7 @@ def _case_worker(cd: dict) -> dict:
                              - sum(w.end - w.start for w in out.waits))
         # W (zero-bubble weight gradients) runs outside autograd, where Timed cannot see it: add its time.
         timeline_busy[1] += sum(t.end - t.start for t in out.timeline if t.action.op.value == "W")
+        last_out[0] = out
         return None if out.loss is None else float(out.loss)
 
     def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the runtime's loss, verbatim
@@ -165,16 +216,23 @@ def _case_worker(cd: dict) -> dict:
             for p in mod.parameters():
                 p.grad = None
 
-    def measure(step_fn, mods) -> list[float]:
+    def measure(step_fn, mods, collect: bool) -> list[float]:
         dist.barrier()
         timer.reset()
+        log.clear()
         timeline_busy[:] = [0.0, 0.0]
         t0 = time.perf_counter()
         for _ in range(c.steps):
+            n0, k0, ts = len(log.entries), len(p2p.posts), time.perf_counter()
             zero(mods)
             step_fn()
+            if collect:  # ours: per-action costs of this step (the step's own sleeps and waits)
+                out = last_out[0]
+                samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, time.perf_counter())
+                posted_at[0] = posting_points(out.timeline, p2p.posts[k0:])
+            p2p.posts.clear()
         timer.close()
-        busy = timer.busy + timeline_busy[1]
+        busy = log.busy_s() if emulated else timer.busy + timeline_busy[1]
         dist.barrier()
         return [time.perf_counter() - t0, busy, timeline_busy[0]]
 
@@ -195,10 +253,18 @@ def _case_worker(cd: dict) -> dict:
         step_ours()
         if sched is not None:
             step_torch()
+    # Per-hop latency on the live group with the runtime's P2P class: a slice before each timed repeat.
+    shape = (max(sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
+    probe, rtts = P2P(dev, torch.float32, c.timeout_s), {}
     for _ in range(c.repeats):
-        res["ours"].append(measure(step_ours, ours))
+        round_trips(probe, r, neighbour_links(c.pp, c.v), topo.pp_peer, shape, dist.barrier,
+                    max(1, c.ping_pongs // c.repeats), into=rtts)
+        res["ours"].append(measure(step_ours, ours, True))
         if sched is not None:
-            res["torch"].append(measure(step_torch, theirs))
+            res["torch"].append(measure(step_torch, theirs, False))
+    res["round_trips"], res["posted_at"] = rtts, posted_at[0]
+    res["samples"] = samples.to_dict()
+    res["trace"] = step_slices(last_out[0], r, 0)  # the last timed step of ours
     return res
 
 
@@ -216,56 +282,114 @@ def _stats(c: Case, ranks: list[dict], key: str) -> tuple[float | None, float | 
 
 def _case_timeout(c: Case) -> float:
     steps = 2 * (c.warmup + c.repeats * c.steps)
+    probe = 60 + c.pp * c.ping_pongs * 0.01  # hop latency: a round trip well under 10 ms
     if c.mode == "compute":
-        return 120 + steps * 5.0
+        return 120 + probe + steps * 5.0
     step_s = (c.m * c.v + c.pp - 1) * (c.f_ms + c.b_ms) / c.v / 1e3 + 0.05
-    return 120 + 3 * steps * step_s
+    return 120 + probe + 3 * steps * step_s
 
 
-def run_case(c: Case) -> dict:
+def _theory(c: Case) -> float | None:
+    try:
+        if c.schedule == "zb-h1" and c.mode == "emulated":
+            t = _nominal_s(c)
+            return bubble_fraction_theory(c.schedule, c.pp, c.v, c.m, t_f=t["F"], t_b=t["B"], t_w=t["W"])
+        return bubble_fraction_theory(c.schedule, c.pp, c.v, c.m)
+    except ValueError:
+        return None
+
+
+def case_name(c: Case) -> str:
+    return f"{c.mode}-{c.schedule}-pp{c.pp}-v{c.v}-m{c.m}"
+
+
+def _write_trace(c: Case, ranks: list[dict], sim, trace_dir: str) -> str:
+    """One timed step of ours (every rank's slices, returned through run_ranks) beside its simulation."""
+    measured = chrome_trace([Slice(**row) for rk in ranks for row in rk["trace"]],
+                            process_name="measured (hybridpar runtime, one timed step)", pid=0)
+    path = Path(trace_dir) / f"{case_name(c)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(merge_traces(measured, sim_trace(sim, "simulated (measured costs)", pid=1)), str(path))
+    return str(path)
+
+
+def run_case(c: Case, trace_dir: str | None = None) -> dict:
+    load_before = os.getloadavg()  # the machine's load: other jobs on few cores bend every timing
     ranks = run_ranks(_case_worker, c.pp, asdict(c), timeout_s=_case_timeout(c))
+    load_after = os.getloadavg()
     ours_sps, ours_bub, ours_tl, ours_all = _stats(c, ranks, "ours")
     t_sps, t_bub, _, t_all = _stats(c, ranks, "torch")
+    if c.schedule == "zb-h1" and c.mode == "compute":
+        t_bub = None  # Timed cannot see torch's W (autograd.grad from saved intermediates, no output mark)
     lo, lt = ranks[-1]["loss_ours"], ranks[-1]["loss_torch"]  # rank pp-1 holds the last stage
     rel = abs(lo - lt) / max(abs(lo), 1e-30) if lt is not None else None
     grads = [rk["grad_rel_diff"] for rk in ranks if rk["grad_rel_diff"] is not None]
-    try:
-        theory = bubble_fraction_theory(c.schedule, c.pp, c.v, c.m)
-    except ValueError:
-        theory = None
-    return {
+    costs = summarize([rk["samples"] for rk in ranks], [rk["round_trips"] for rk in ranks])
+    acts = _actions(c)
+    pred, sim = predict(acts, c.pp, c.n_stages, _nominal_s(c), costs,
+                        posted_lists(acts, [rk["posted_at"] for rk in ranks]))
+    if c.mode != "emulated":
+        pred["sim_bubble"] = None  # busy is the compute itself: nothing to set apart from overhead
+    measured = 1 / ours_sps
+    rec = {
         "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
         "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
-        "f_ms": c.f_ms, "b_ms": c.b_ms, "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
-                                                  if c.mode == "emulated" else None),
+        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms,
+        "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
+                   if c.mode == "emulated" else None),
         "layers": c.layers,
         "hybridpar_steps_per_s": ours_sps, "torch_steps_per_s": t_sps,
         "ratio": ours_sps / t_sps if t_sps else None,
         "bubble_measured": ours_bub, "hybridpar_bubble_timeline": ours_tl, "torch_bubble_measured": t_bub,
-        "bubble_theory": theory,
+        "bubble_theory": _theory(c),
         "loss_hybridpar": lo, "loss_torch": lt, "loss_rel_diff": rel,
         "loss_match": None if rel is None else rel <= LOSS_RTOL,
         "grad_rel_diff": max(grads) if grads else None,
         "torch_error": ranks[0]["torch_error"],
         "hybridpar_steps_per_s_repeats": ours_all, "torch_steps_per_s_repeats": t_all,
+        "load_avg_before": list(load_before), "load_avg_after": list(load_after),
+        "measured_step_time_s": measured,
+        **costs, **pred,
+        "sim_error": pred["sim_step_time_s"] / measured - 1,
+        "trace_file": _write_trace(c, ranks, sim, trace_dir) if trace_dir else None,
     }
+    return rec
+
+
+def _f(v, spec: str) -> str:
+    return "-" if v is None else format(v, spec)
 
 
 def format_table(records: list[dict]) -> str:
-    def f(v, spec: str) -> str:
-        return "-" if v is None else format(v, spec)
-
     head = (f"{'mode':<9}{'schedule':<18}{'pp':>3}{'v':>3}{'m':>4}{'ours st/s':>11}{'torch st/s':>12}"
             f"{'ratio':>8}{'bubble ours':>13}{'torch':>8}{'theory':>8}  loss match")
     lines = [head, "-" * len(head)]
     for r in records:
         match = "-" if r["loss_match"] is None else f"{r['loss_match']} ({r['loss_rel_diff']:.1e})"
         lines.append(f"{r['mode']:<9}{r['schedule']:<18}{r['pp']:>3}{r['virtual_stages']:>3}{r['microbatches']:>4}"
-                     f"{f(r['hybridpar_steps_per_s'], '.3f'):>11}{f(r['torch_steps_per_s'], '.3f'):>12}"
-                     f"{f(r['ratio'], '.3f'):>8}{f(r['bubble_measured'], '.3f'):>13}"
-                     f"{f(r['torch_bubble_measured'], '.3f'):>8}{f(r['bubble_theory'], '.3f'):>8}  {match}")
+                     f"{_f(r['hybridpar_steps_per_s'], '.3f'):>11}{_f(r['torch_steps_per_s'], '.3f'):>12}"
+                     f"{_f(r['ratio'], '.3f'):>8}{_f(r['bubble_measured'], '.3f'):>13}"
+                     f"{_f(r['torch_bubble_measured'], '.3f'):>8}{_f(r['bubble_theory'], '.3f'):>8}  {match}")
         if r["torch_error"]:
             lines.append(f"{'':<9}torch not run: {r['torch_error']}")
+    return "\n".join(lines)
+
+
+def format_prediction(records: list[dict]) -> str:
+    """The simulator fed with the measured per-hop costs vs. the measured step (ours), in ms / us."""
+    head = (f"{'schedule':<18}{'pp':>3}{'m':>4}{'meas ms':>9}{'sim ms':>9}{'err %':>7}{'ideal':>8}"
+            f"{'+lat':>7}{'+shoot':>7}{'+ovh':>7}{'+post':>7}{'+gap':>7}{'hop us':>8}  overshoot us F/B/W  overhead us F/B/W"
+            f"  send/recv us")
+    lines = [head, "-" * len(head)]
+    us = lambda d: "/".join(f"{d[k] * 1e6:.0f}" if k in d else "-" for k in "FBW")  # noqa: E731
+    for r in records:
+        bd = r["sim_breakdown_s"]
+        lines.append(f"{r['schedule']:<18}{r['pp']:>3}{r['microbatches']:>4}{r['measured_step_time_s'] * 1e3:>9.1f}"
+                     f"{r['sim_step_time_s'] * 1e3:>9.1f}{r['sim_error'] * 100:>7.1f}{bd['ideal'] * 1e3:>8.1f}"
+                     + "".join(f"{bd[k] * 1e3:>7.2f}" for k in ("hop_latency", "sleep_overshoot", "action_overhead",
+                                                               "posting_delay", "step_gap"))
+                     + f"{r['hop_latency_s'] * 1e6:>8.0f}  {us(r['sleep_overshoot_s']):>18}"
+                       f"  {us(r['compute_overhead_s']):>17}  {r['send_overhead_s'] * 1e6:.0f}/{r['recv_overhead_s'] * 1e6:.0f}")
     return "\n".join(lines)
 
 
@@ -274,13 +398,17 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
     modes = ["compute", "emulated"] if a.mode == "both" else [a.mode]
     scheds = [s for s in a.schedules.split(",") if s]
     for name, val in (("--repeats", a.repeats), ("--steps", a.steps), ("--warmup", a.warmup),
-                      ("--microbatches", a.microbatches), ("--virtual-stages", a.virtual_stages)):
+                      ("--microbatches", a.microbatches), ("--virtual-stages", a.virtual_stages),
+                      ("--ping-pongs", a.ping_pongs)):
         if val < 1:
             raise ValueError(f"{name} must be at least 1, got {val}")
     if any(p < 2 for p in a.pp):
         raise ValueError(f"--pp values must be at least 2 (a pipeline), got {a.pp}")
     if a.f_ms < 0 or a.b_ms < 0 or a.act_kb <= 0:
         raise ValueError(f"--f-ms/--b-ms must be >= 0 and --act-kb > 0, got {a.f_ms}/{a.b_ms}/{a.act_kb}")
+    w_ms = a.b_ms / 2 if a.w_ms is None else a.w_ms
+    if not 0 <= w_ms <= a.b_ms:
+        raise ValueError(f"--w-ms must be between 0 and --b-ms {a.b_ms}, got {w_ms}")
     gb = a.global_batch or 2 * a.microbatches
     if gb < a.microbatches:
         raise ValueError(f"--global-batch {gb} is smaller than --microbatches {a.microbatches}")
@@ -291,18 +419,14 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
         for pp in a.pp:
             for s in scheds:
                 acts = build_schedule(s, pp, vs[s], a.microbatches)  # raises ValueError for a bad combination
-                if mode == "emulated" and any(x.op.value == "W" for x in acts[0]):
-                    # The split backward defers nn.Linear weight gradients (split_backward.py); an
-                    # emulated stage has no linear layer whose W could carry emulated time.
-                    print(f"hybridpar: skipping emulated {s}: its W actions need real linear layers "
-                          "(use --mode compute)", file=sys.stderr)
-                    continue
                 if mode == "compute" and layers < pp * vs[s]:
                     raise ValueError(f"--layers {layers} is fewer than the {pp * vs[s]} stages of {s} with pp={pp}")
                 em = mode == "emulated"
+                split = any(x.op.value == "W" for x in acts[0])
                 cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
-                                  a.f_ms if em else None, a.b_ms if em else None, a.act_kb if em else None,
-                                  None if em else layers, a.seed, a.timeout))
+                                  a.f_ms if em else None, a.b_ms if em else None, w_ms if em and split else None,
+                                  a.act_kb if em else None, None if em else layers, a.seed, a.timeout,
+                                  a.ping_pongs))
     return cases
 
 
@@ -318,6 +442,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation (first one checked)")
     ap.add_argument("--f-ms", type=float, default=20.0, help="emulated forward ms per microbatch per rank")
     ap.add_argument("--b-ms", type=float, default=40.0, help="emulated backward ms per microbatch per rank")
+    ap.add_argument("--w-ms", type=float, default=None,
+                    help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
+                         "(default: half of --b-ms)")
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -325,6 +452,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                     help="compute mode: decoder layers (default: ModelConfig's, raised to the most stages)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every collective / P2P wait")
+    ap.add_argument("--ping-pongs", type=int, default=200,
+                    help="round trips per link for the hop latency (spread over the repeats)")
+    ap.add_argument("--trace-dir", default=None,
+                    help="write per case DIR/<case>.json: one timed step of ours beside its simulation (Perfetto)")
     ap.add_argument("--json", default=None, help="write the records to FILE ('-': stdout)")
     return ap.parse_args(argv)
 
@@ -342,11 +473,14 @@ def main(argv: list[str] | None = None) -> int:
     records = []
     for i, c in enumerate(cases):
         print(f"[{i + 1}/{len(cases)}] {c.mode} {c.schedule} pp={c.pp} v={c.v} m={c.m} ...", file=sys.stderr, flush=True)
-        records.append(run_case(c))
+        records.append(run_case(c, a.trace_dir))
     print(format_table(records))
+    print()
+    print(format_prediction(records))
     if a.json == "-":
         print(json.dumps(records, indent=1))
     elif a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(records, indent=1) + "\n")
     return 0
 

@@ -107,6 +107,7 @@ class PipelineRuntime:
             elif op == Op.BACKWARD:
                 self._backward(st, s, m)
             elif op == Op.WEIGHT:
+                p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
                 self._split(s).weight((s, m))
             else:
                 raise ValueError(f"runtime cannot execute {a}")

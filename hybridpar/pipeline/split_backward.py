@@ -5,6 +5,12 @@ parameters outside linear layers (norm gains, embedding). W, scheduled later int
 bubble, computes each linear weight's gradient dW = g^T x from the layer input x and output gradient g
 captured during F and B. Nothing is computed twice: autograd skips the dW matmuls in B because the
 weights are not among the requested inputs.
+
+A module of the stage that is not a linear layer may take part by defining two methods:
+`defer_weight_grad(key)`, called before each of its forwards that runs under microbatch `key` (it then
+keeps its deferred weights out of the graph B differentiates), and `weight_grad(key)`, called at W to
+accumulate those weights' gradients. The benchmark's emulated stage uses them (bench/emulated.py); a
+stage without such modules (every Llama stage) is unaffected.
 """
 
 from __future__ import annotations
@@ -35,6 +41,14 @@ class WeightGradDeferral:
         for m in self.linears:
             # prepend: see the raw linear output, before any tensor-parallel hook reduces or gathers it.
             m.register_forward_hook(self._capture, prepend=True)
+        self.custom = [m for m in stage.modules() if callable(getattr(m, "defer_weight_grad", None))
+                       and callable(getattr(m, "weight_grad", None))]
+        for m in self.custom:
+            m.register_forward_pre_hook(self._announce)
+
+    def _announce(self, mod: nn.Module, args: tuple) -> None:
+        if self.key is not None and torch.is_grad_enabled():
+            mod.defer_weight_grad(self.key)
 
     def _capture(self, mod: nn.Linear, args: tuple, out: torch.Tensor) -> None:
         if self.key is None or not torch.is_grad_enabled():
@@ -61,3 +75,5 @@ class WeightGradDeferral:
         for mod, x, g in self.captured.pop(key, []):  # a stage without linear layers defers nothing
             assert g is not None, "W before its B: the output gradient was never computed"
             _accumulate(mod.weight, g.flatten(0, -2).t() @ x.flatten(0, -2))
+        for mod in self.custom:
+            mod.weight_grad(key)
