@@ -122,7 +122,7 @@ class Config:
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field (dotted key), its numbers and what would be right."""
-        m, p, t, d, c = self.model, self.parallel, self.train, self.data, self.checkpoint
+        m, p, t, c = self.model, self.parallel, self.train, self.checkpoint
         # Ranges first: every later rule divides by or compares against these numbers.
         count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
         ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
