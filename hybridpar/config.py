@@ -89,6 +89,8 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
     seed: int = _f(0, "random seed")
     val_every: int = _f(50, "validate every N steps (0 disables)")
+    monitor_every: int = _f(10, "every N steps, gather each rank's measured memory, stage times and "
+                               "link counters into metrics.jsonl (0 disables)")
     val_batches: int = _f(4, "batches per validation")
     sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
     sample_prompt: str = _f("def ", "prompt for the final sample")
@@ -130,7 +132,7 @@ class Config:
              "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
              "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
             ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
-            ("train.warmup_steps train.val_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
+            ("train.warmup_steps train.val_every train.monitor_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
              non_negative, "a non-negative integer"),
             ("train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
              lambda v: _is_num(v) and v > 0, "> 0"),  # `v > 0` is False for NaN, so NaN is rejected too

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridpar.balance.monitor import DeviceMonitor, aggregate
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config, parse_args
 from hybridpar.data import TokenData, decode, encode, load_tokens
@@ -34,6 +35,7 @@ from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience.checkpoint import resume, save_checkpoint
+from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology, build_topology
 
 
@@ -83,6 +85,7 @@ class Trainer:
         named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
         self.opt = make_optimizer(named, t)
         self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
+        self.monitor = DeviceMonitor(topo.device)
         self.plan: BatchPlan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes)
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
@@ -168,6 +171,10 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     trace_rows: list[dict] = []
     for step in range(res.start_step, t.steps):
         rec = trainer.step(step)
+        if t.monitor_every and (step + 1) % t.monitor_every == 0:
+            ranks = all_gather_json(trainer.monitor.record(trainer.last_output, trainer.p2p), topo.device)
+            rec["monitor"] = aggregate(ranks)
+            trainer.monitor.reset_peak()
         if cfg.trace and step in TRACE_STEPS:
             trace_rows += step_slices(trainer.last_output, topo.rank, step)
         if not math.isfinite(rec["loss"]):

@@ -136,10 +136,17 @@ def test_plain_torchrun_module(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "hybridpar-loopback",
            "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1", "-m", "hybridpar.train", "--parallel.tp", "1", "--parallel.pp", "1",
-           "--parallel.dp", "2", *TINY, "--run-dir", str(run_dir), "--trace", str(tmp_path / "trace.json")]
+           "--parallel.dp", "2", *TINY, "--run-dir", str(run_dir), "--trace", str(tmp_path / "trace.json"),
+           "--train.monitor_every", "2"]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     _check_run(run_dir, 3)
+    monitored = [r["monitor"] for r in _records(run_dir) if "monitor" in r]
+    assert len(monitored) == 1 and monitored[0]["ranks"] == 2  # step 2 of 3
+    mon = monitored[0]
+    assert all(v > 0 for v in mon["memory_used_bytes"]) and all(v > 0 for v in mon["memory_total_bytes"])
+    assert mon["utilization_pct"] == [None, None] and mon["power_w"] == [None, None]  # no sensor: null
+    assert all(len(st["F0"]) == 2 and min(st["F0"]) > 0 for st in mon["stage_times_s"])  # 2 microbatches
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in slices} == {0, 1}, "one track per rank"
