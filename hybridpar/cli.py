@@ -70,6 +70,10 @@ def launch_train(argv: list[str]) -> int:
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
         cfg.validate(world_size=world)
+        if world is not None:
+            from hybridpar.balance.emulate import SlowdownPlan
+
+            SlowdownPlan.from_config(cfg.emulate.slowdown, world)
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2

@@ -113,12 +113,19 @@ class CheckpointConfig:
 
 
 @dataclass
+class EmulateConfig:
+    slowdown: str = _f("", "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
+                           "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)")
+
+
+@dataclass
 class Config:
     model: ModelConfig = _f(ModelConfig, "model shape")
     parallel: ParallelConfig = _f(ParallelConfig, "parallel layout")
     train: TrainConfig = _f(TrainConfig, "optimisation")
     data: DataConfig = _f(DataConfig, "corpus")
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "sharded checkpoints and resume")
+    emulate: EmulateConfig = _f(EmulateConfig, "emulated slow devices (testing and benchmarks only)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
     trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
 

@@ -37,6 +37,10 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+    # The result is on disk and the group destroyed: skip interpreter finalisation, where gloo's worker
+    # threads can still abort the process ("terminate called without an active exception",
+    # pytorch/pytorch#190489) after everything succeeded.
+    os._exit(0)
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from hybridpar.balance.emulate import SlowdownPlan
 from hybridpar.balance.monitor import DeviceMonitor, aggregate
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config, parse_args
@@ -86,6 +87,7 @@ class Trainer:
         self.opt = make_optimizer(named, t)
         self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
         self.monitor = DeviceMonitor(topo.device)
+        self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
         self.plan: BatchPlan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes)
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
@@ -109,6 +111,7 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
+        self.runtime.stretch = self.slowdown.factor(topo.rank, step)
         start = self.plan.replica_offset(topo.dp_rank)
         x, y = self.data.step_samples(step, t.global_batch, start, sum(self.plan.sizes[topo.dp_rank]))
         xs, ys = self._microbatches(x, y)

@@ -38,6 +38,8 @@ def no_launch(monkeypatch):
     (["--train.microbatches", "1"], "needs train.microbatches"),
     (["--train.global_batch", "2", "--train.microbatches", "4", "--parallel.schedule", "gpipe"], "exceeds"),
     (["--train.seq_len", "0"], "train.seq_len"),
+    (["--emulate.slowdown", "rank=7:2.0@step=1"], "emulate.slowdown='rank=7:2.0@step=1': slowdown names rank"),
+    (["--emulate.slowdown", "rank=1:fast"], "emulate.slowdown='rank=1:fast'"),
 ])
 def test_bad_config_refused_before_launch(argv, match, no_launch, capsys):
     assert cli.main(["train", *argv]) == 2

@@ -187,3 +187,34 @@ def test_aggregate_makes_per_rank_lists_and_record_is_json() -> None:
 def test_maxrss_is_none_without_getrusage(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(sys.modules, "resource", None)
     assert mon._maxrss_bytes() is None
+
+
+def _slowed_stage_times(cfg_dict: dict) -> dict:
+    from hybridpar.config import Config
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.train import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60))
+    out = {}
+    for step in range(4):
+        tr.step(step)
+        out[step] = tr.monitor.record(tr.last_output)["stage_times_s"]
+    return out
+
+
+def test_emulated_slow_rank_shows_longer_measured_stage_times():
+    """Two data-parallel replicas run identical work; rank 1 is emulated 4x slower from step 2.
+    The monitor's measured forward times must show it — and only from that step."""
+    import statistics
+
+    from test_equivalence import tiny_config
+
+    from hybridpar.testing import run_ranks
+
+    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=2, schedule="1f1b"), emulate=dict(slowdown="rank=1:4.0@step=2"))
+    r0, r1 = run_ranks(_slowed_stage_times, 2, cfg.to_dict())
+    med = lambda rec, step: statistics.median(rec[str(step)]["F0"] + rec[str(step)]["B0"])  # noqa: E731
+    assert med(r1, 3) > 2.0 * med(r0, 3), (r0, r1)  # slowed 4x: a wide margin for noise on 2 cores
+    assert med(r1, 1) < 2.0 * med(r0, 1), (r0, r1)  # not yet slowed at step 1

@@ -79,6 +79,16 @@ class SlowdownPlan:
     def ranks(self) -> frozenset[int]:
         return frozenset(e.rank for e in self.entries)
 
+    @staticmethod
+    def from_config(spec: str, world_size: int) -> "SlowdownPlan":
+        """Parse and check `emulate.slowdown`; errors name the config key."""
+        try:
+            plan = SlowdownPlan.parse(spec)
+            plan.validate(world_size)
+        except ValueError as e:
+            raise ValueError(f"emulate.slowdown={spec!r}: {e}") from None
+        return plan
+
     def validate(self, world_size: int) -> None:
         """Refuse ranks that do not exist, before any process starts."""
         if world_size < 1:

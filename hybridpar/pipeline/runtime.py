@@ -66,6 +66,9 @@ class PipelineRuntime:
         self.stages, self.n_stages = stages, n_stages
         self.stage_peer, self.p2p, self.hidden = stage_peer, p2p, hidden
         self._deferral: dict[int, WeightGradDeferral] = {}
+        # Emulation only (balance/emulate.py): after each compute action, sleep (stretch - 1) x its own
+        # compute time, so this rank behaves like a device `stretch` times slower. 1.0 = off.
+        self.stretch = 1.0
 
     def _remote(self, a: int, b: int) -> bool:
         return self.stage_peer(a) != self.stage_peer(b)
@@ -102,13 +105,18 @@ class PipelineRuntime:
                 p2p.queue_send(st.to_send.pop(("F", s, m)), self.stage_peer(s + 1))
             elif op == Op.SEND_B:
                 p2p.queue_send(st.to_send.pop(("B", s, m)), self.stage_peer(s - 1))
-            elif op == Op.FORWARD:
-                self._forward(st, s, m)
-            elif op == Op.BACKWARD:
-                self._backward(st, s, m)
-            elif op == Op.WEIGHT:
-                p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
-                self._split(s).weight((s, m))
+            elif op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
+                n_waits = len(st.waits)
+                if op == Op.FORWARD:
+                    self._forward(st, s, m)
+                elif op == Op.BACKWARD:
+                    self._backward(st, s, m)
+                else:
+                    p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
+                    self._split(s).weight((s, m))
+                if self.stretch > 1.0:
+                    waited = sum(w.end - w.start for w in st.waits[n_waits:])
+                    time.sleep((self.stretch - 1.0) * max(0.0, time.perf_counter() - t0 - waited))
             else:
                 raise ValueError(f"runtime cannot execute {a}")
             if on_stage_done is not None and done_at.get(s) == i and train:
