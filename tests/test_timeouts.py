@@ -9,6 +9,24 @@ from pathlib import Path
 from hybridpar.testing import run_ranks
 
 
+def _idle_until(flag: str) -> None:
+    deadline = time.monotonic() + 60
+    while not Path(flag).exists() and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
+def _seconds_until_failure(op, flag: str) -> float:
+    """Seconds `op` took to raise (-1 if it completed); then tell the idle ranks they may exit."""
+    t0 = time.monotonic()
+    try:
+        op()
+        return -1.0
+    except RuntimeError:
+        return time.monotonic() - t0
+    finally:
+        Path(flag).write_text("done")
+
+
 def _stuck_recv(timeout_s: float, flag: str) -> float | None:
     import torch
 
@@ -17,20 +35,10 @@ def _stuck_recv(timeout_s: float, flag: str) -> float | None:
 
     topo = build_topology(1, 2, 1, "gloo", timeout_s)
     if topo.rank == 0:  # never sends; stays alive (so no connection error) until rank 1 has given up
-        deadline = time.monotonic() + 60
-        while not Path(flag).exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return None
+        return _idle_until(flag)
     p2p = P2P(topo.device, torch.float32, timeout_s)
     p2p.queue_recv("x", (4,), peer=0)
-    t0 = time.monotonic()
-    try:
-        p2p.wait_recv("x")
-        return -1.0
-    except RuntimeError:
-        return time.monotonic() - t0
-    finally:
-        Path(flag).write_text("done")
+    return _seconds_until_failure(lambda: p2p.wait_recv("x"), flag)
 
 
 def test_recv_without_sender_times_out(tmp_path):
@@ -47,18 +55,8 @@ def _stuck_collective(timeout_s: float, flag: str) -> float | None:
 
     topo = build_topology(2, 2, 1, "gloo", timeout_s)  # dp groups {0, 2} and {1, 3}
     if topo.rank != 2:  # rank 0 never joins rank 2's all-reduce; everyone stays alive meanwhile
-        deadline = time.monotonic() + 60
-        while not Path(flag).exists() and time.monotonic() < deadline:
-            time.sleep(0.1)
-        return None
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(torch.ones(3), group=topo.group("dp"))
-        return -1.0
-    except RuntimeError:
-        return time.monotonic() - t0
-    finally:
-        Path(flag).write_text("done")
+        return _idle_until(flag)
+    return _seconds_until_failure(lambda: dist.all_reduce(torch.ones(3), group=topo.group("dp")), flag)
 
 
 def test_subgroup_collective_without_peer_times_out(tmp_path):

@@ -181,28 +181,19 @@ class BusyTimer:
             self._last = time.perf_counter()
 
 
-class _OutputMark(torch.autograd.Function):
+class _Mark(torch.autograd.Function):
+    """Identity whose backward calls `event` on the timer: marks where a stage's backward begins (on
+    its output) and where it ends (on its input)."""
+
     @staticmethod
-    def forward(ctx, y: torch.Tensor, timer: BusyTimer) -> torch.Tensor:
-        ctx.timer = timer
-        return y.view_as(y)
+    def forward(ctx, t: torch.Tensor, timer: BusyTimer, event: str) -> torch.Tensor:
+        ctx.timer, ctx.event = timer, event
+        return t.view_as(t)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        ctx.timer.backward_begins()
-        return g, None
-
-
-class _InputMark(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x: torch.Tensor, timer: BusyTimer) -> torch.Tensor:
-        ctx.timer = timer
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g: torch.Tensor):
-        ctx.timer.backward_event()
-        return g, None
+        getattr(ctx.timer, ctx.event)()
+        return g, None, None
 
 
 class Timed(nn.Module):
@@ -221,9 +212,9 @@ class Timed(nn.Module):
         t.close()
         t0 = time.perf_counter()
         if x.requires_grad:
-            x = _InputMark.apply(x, t)
+            x = _Mark.apply(x, t, "backward_event")
         y = self.inner(x)
         if y.requires_grad:
-            y = _OutputMark.apply(y, t)
+            y = _Mark.apply(y, t, "backward_begins")
         t.busy += time.perf_counter() - t0
         return y
