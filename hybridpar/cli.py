@@ -69,11 +69,19 @@ def launch_train(argv: list[str]) -> int:
         world = None
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
-        cfg.validate(world_size=world)
         if world is not None:
             from hybridpar.balance.emulate import SlowdownPlan
+            from hybridpar.resilience.chaos import parse_faults
+            from hybridpar.resilience.elastic import layout_for_world
 
+            planned, note = layout_for_world(cfg, world, 0)  # resuming on another world size: re-plan
+            planned.validate(world_size=world)
+            if note:
+                print(note)
             SlowdownPlan.from_config(cfg.emulate.slowdown, world)
+            parse_faults(cfg.emulate.fault, world)
+        else:
+            cfg.validate()
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
@@ -83,6 +91,8 @@ def launch_train(argv: list[str]) -> int:
 
     if nproc is None:
         theirs = ["--nproc-per-node", str(cfg.parallel.world_size)] + theirs
+    if _flag(theirs, "--max-restarts", "--max_restarts") is None:  # restarted workers resume (train.py)
+        theirs = ["--max-restarts", str(cfg.resilience.max_restarts)] + theirs
     # Ranks on one machine share its cores: one intra-op thread each unless the user says otherwise
     # (this also answers torchrun's warning about OMP_NUM_THREADS).
     os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(nproc or cfg.parallel.world_size))))

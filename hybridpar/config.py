@@ -110,12 +110,31 @@ class CheckpointConfig:
     dir: str | None = _f(None, "checkpoint directory (none = <run_dir>/checkpoints)")
     resume: str = _f("off", "'off', 'auto' (the newest checkpoint in checkpoint.dir that verifies) or the path "
                             "of one checkpoint directory; also --resume")
+    async_save: bool = _f(False, "snapshot to host memory and write in the background while training goes on "
+                                 "(committed only once complete)")
+
+
+@dataclass
+class ResilienceConfig:
+    hang_timeout_s: float = _f(60.0, "a rank that stops beating, or a run where no rank progresses, for this long "
+                                     "is named and the run aborted (0 disables the watchdog)")
+    slow_phase_timeout_s: float = _f(600.0, "allowance for phases that may legitimately take long without progress "
+                                            "(checkpoint write, validation); a frozen rank is still named after "
+                                            "hang_timeout_s")
+    heartbeat_s: float = _f(1.0, "seconds between heartbeats (and watchdog checks)")
+    max_restarts: int = _f(3, "restarts of all workers by the elastic agent after a failure (hybridpar train "
+                              "and launch(); torchrun's --max-restarts overrides)")
+    resume_on_restart: bool = _f(True, "after a restart by the elastic agent, resume as with checkpoint.resume=auto")
+    replan: str = _f("auto", "when resuming with a world size other than tp*pp*dp: 'auto' picks a new layout "
+                             "(keep tp, then pp; dp takes the rest), 'off' refuses", choices=("auto", "off"))
 
 
 @dataclass
 class EmulateConfig:
     slowdown: str = _f("", "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
                            "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)")
+    fault: str = _f("", "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
+                        "'rank=1:kill@step=3:phase=forward' (see hybridpar/resilience/chaos.py)")
 
 
 @dataclass
@@ -125,7 +144,8 @@ class Config:
     train: TrainConfig = _f(TrainConfig, "optimisation")
     data: DataConfig = _f(DataConfig, "corpus")
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "sharded checkpoints and resume")
-    emulate: EmulateConfig = _f(EmulateConfig, "emulated slow devices (testing and benchmarks only)")
+    resilience: ResilienceConfig = _f(ResilienceConfig, "hang detection, restarts, elastic re-plan")
+    emulate: EmulateConfig = _f(EmulateConfig, "emulated slow devices and injected faults (testing and benchmarks only)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
     trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
 
@@ -138,6 +158,9 @@ class Config:
             ("model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
              "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
              "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
+            ("resilience.max_restarts", non_negative, "a non-negative integer"),
+            ("resilience.hang_timeout_s", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables the watchdog)"),
+            ("resilience.heartbeat_s resilience.slow_phase_timeout_s", lambda v: _is_num(v) and v > 0, "> 0"),
             ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
             ("train.warmup_steps train.val_every train.monitor_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
              non_negative, "a non-negative integer"),
@@ -153,6 +176,12 @@ class Config:
         _require(isinstance(c.resume, str) and (c.resume in ("off", "auto") or os.path.isdir(c.resume)),
                  f"checkpoint.resume={c.resume!r} must be 'off', 'auto' or an existing checkpoint directory")
         _require(c.dir is None or isinstance(c.dir, str), f"checkpoint.dir must be a path or none, got {c.dir!r}")
+        r = self.resilience
+        _require(not r.hang_timeout_s or r.hang_timeout_s >= 2 * r.heartbeat_s,
+                 f"resilience.hang_timeout_s={r.hang_timeout_s} must be at least twice resilience.heartbeat_s="
+                 f"{r.heartbeat_s} (or 0 to disable the watchdog), or a healthy rank could look hung")
+        _require(r.slow_phase_timeout_s >= r.hang_timeout_s, f"resilience.slow_phase_timeout_s="
+                 f"{r.slow_phase_timeout_s} must be at least resilience.hang_timeout_s={r.hang_timeout_s}")
         _require(_is_num(t.min_lr) and 0 <= t.min_lr <= t.lr,
                  f"train.min_lr must be between 0 and train.lr={t.lr!r}, got {t.min_lr!r}")
         for key, f in _known_keys().items():

@@ -35,7 +35,9 @@ from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
-from hybridpar.resilience.checkpoint import resume, save_checkpoint
+from hybridpar.resilience.checkpoint import resume
+from hybridpar.resilience.elastic import layout_for_world
+from hybridpar.resilience.session import Session
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology, build_topology
 
@@ -60,6 +62,7 @@ class TrainResult:
     val_losses: list[tuple[int, float]] = field(default_factory=list)
     digest: str | None = None  # rank 0 only
     start_step: int = 0  # > 0 when resumed from a checkpoint: `losses` then start at this step
+    preempted_at: int | None = None  # steps done when a SIGTERM stopped the run (checkpointed there)
     state: dict[str, torch.Tensor] | None = None  # rank 0 only: the full trained model
 
 
@@ -155,8 +158,19 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
             "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)}}
 
 
-def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> TrainResult:
-    """Train per `cfg` on the current world (created from torchrun's environment if needed)."""
+def train(cfg: Config, topo: Topology | None = None, *, log: bool = True, restart_count: int = 0) -> TrainResult:
+    """Train per `cfg` on the current world (created from torchrun's environment if needed).
+    `restart_count`: restarts by the elastic agent so far (TORCHELASTIC_RESTART_COUNT), for the record."""
+    sessions: list[Session] = []
+    try:
+        return _train(cfg, topo, log, restart_count, sessions)
+    except BaseException:
+        for s in sessions:  # stop the watchdog: a caller may go on (tests), this run's silence is no hang
+            s.close(ok=False)
+        raise
+
+
+def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, sessions: list[Session]) -> TrainResult:
     p, t = cfg.parallel, cfg.train
     if topo is None:
         topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
@@ -166,13 +180,18 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     rank0 = topo.rank == 0
     ck = cfg.checkpoint
     ck_dir = Path(ck.dir) if ck.dir else Path(cfg.run_dir) / "checkpoints"
+    session = Session(cfg, topo, trainer, ck_dir, restart_count)
+    sessions.append(session)
+    saved = None
     if ck.resume != "off":
         saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict())
         res.start_step = saved["step"] if saved else 0
+    session.resumed(saved)
     writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl", append=res.start_step > 0) if rank0 else None
     progress = Progress(t.steps) if rank0 and log else None
     trace_rows: list[dict] = []
     for step in range(res.start_step, t.steps):
+        session.probe("step-begin", step)
         rec = trainer.step(step)
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
             ranks = all_gather_json(trainer.monitor.record(trainer.last_output, trainer.p2p), topo.device)
@@ -183,24 +202,36 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")
         res.losses.append(rec["loss"])
+        session.step_done(step)
         last = step == t.steps - 1
         if t.val_every and ((step + 1) % t.val_every == 0 or step == 0 or last):
-            rec["val_loss"] = trainer.evaluate()
+            with session.probe.slow("validate"):
+                rec["val_loss"] = trainer.evaluate()
             res.val_losses.append((step, rec["val_loss"]))
         if writer:
             writer.write(rec)
         if progress:
             extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
             progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
-        if ck.every and (step + 1) % ck.every == 0:
-            save_checkpoint(topo, trainer.stages, trainer.opt, ck_dir, step + 1, trainer_state(cfg, trainer, step + 1),
-                            ck.keep)
+        saved_now = bool(ck.every and (step + 1) % ck.every == 0)
+        if saved_now:
+            session.save(step + 1, trainer_state(cfg, trainer, step + 1))
+        if session.should_stop():  # SIGTERM on any rank: checkpoint this step, exit cleanly
+            if not saved_now:
+                session.save(step + 1, trainer_state(cfg, trainer, step + 1), wait=True)
+            session.close()
+            res.preempted_at = step + 1
+            if rank0:
+                print(f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with "
+                      f"--resume auto", flush=True)
+            return res
     if cfg.trace:
         write_run_trace(cfg.trace, topo.rank, topo.dims.world_size, trace_rows, dist.barrier)
+    session.close()
     state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model)
     if rank0:
         res.state, res.digest = state, params_digest(state.items())
-        writer.write({"final": True, "params_digest": res.digest, "steps": t.steps,
+        writer.write({"final": True, "params_digest": res.digest, "steps": t.steps, "samples_applied": session.applied,
                       "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()}})
         writer.close()
         torch.save(state, Path(cfg.run_dir) / "final_model.pt")
@@ -213,8 +244,12 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
 
 
 def main(argv: list[str] | None = None) -> int:
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torch's elastic agent
     try:
         cfg = parse_args(sys.argv[1:] if argv is None else argv)
+        cfg, note = layout_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts)
+        if note and int(os.environ.get("RANK", "0")) == 0:
+            print(note, flush=True)
         cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
@@ -222,7 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))  # ranks share the cores
     try:
-        train(cfg)
+        train(cfg, restart_count=restarts)
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -194,18 +194,21 @@ def _ensure_adam_state(opt: torch.optim.Optimizer) -> None:
                                              for k in moments}}
 
 
-def _broadcast_json(topo: Topology, obj: Any) -> Any:
-    """Rank 0's JSON value on every rank, as bytes in a tensor (nothing is pickled on the wire)."""
+def _broadcast_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> Any:
+    """Rank 0's JSON value on every rank, as bytes in a tensor (nothing is pickled on the wire). A `group`
+    of our own (the async writer's gloo group) carries CPU tensors."""
+    device = topo.device if group is None else torch.device("cpu")
     data = list(json.dumps(obj).encode()) if topo.rank == 0 else []
-    n = torch.tensor([len(data)], dtype=torch.int64, device=topo.device)
-    dist.broadcast(n, src=0)
-    buf = (torch.tensor(data, dtype=torch.uint8, device=topo.device) if topo.rank == 0
-           else torch.empty(int(n), dtype=torch.uint8, device=topo.device))
-    dist.broadcast(buf, src=0)
+    n = torch.tensor([len(data)], dtype=torch.int64, device=device)
+    dist.broadcast(n, src=0, group=group)
+    buf = (torch.tensor(data, dtype=torch.uint8, device=device) if topo.rank == 0
+           else torch.empty(int(n), dtype=torch.uint8, device=device))
+    dist.broadcast(buf, src=0, group=group)
     return json.loads(bytes(buf.cpu().tolist()).decode())
 
 
-def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exception]) -> Any:
+def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exception],
+              group: dist.ProcessGroup | None = None) -> Any:
     """Run `work` on rank 0 only; every rank returns its JSON result, or raises `fail(rank 0's error)`."""
     out = None
     if topo.rank == 0:
@@ -213,15 +216,31 @@ def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exc
             out = {"ok": work()}
         except Exception as e:  # every rank must hear of it: a rank 0 that just raised would leave them waiting
             out = {"error": str(e) if isinstance(e, ValueError) else f"{type(e).__name__}: {e}"}
-    out = _broadcast_json(topo, out)
+    out = _broadcast_json(topo, out, group)
     if "error" in out:
         raise fail(out["error"])
     return out["ok"]
 
 
 def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, root: Path,
-                    step: int, trainer_state: dict[str, Any], keep: int) -> Path:
-    """Collective: write this rank's shards, commit `root/step-NNNNNN` atomically, keep the newest `keep`."""
+                    step: int, trainer_state: dict[str, Any], keep: int,
+                    on_phase: Callable[[str], None] = lambda phase: None) -> Path:
+    """Collective: write this rank's shards, commit `root/step-NNNNNN` atomically, keep the newest `keep`.
+    `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
+    ckpt-done) for the watchdog and fault injection."""
+    state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
+    return write_committed(topo, state, root, step, trainer_state, keep, on_phase)
+
+
+def snapshot(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
+    """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input)."""
+    return {k: _for_dcp(t.detach().clone(), dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
+
+
+def write_committed(topo: Topology, state: dict[str, torch.Tensor], root: Path, step: int,
+                    trainer_state: dict[str, Any], keep: int, on_phase: Callable[[str], None],
+                    group: dist.ProcessGroup | None = None) -> Path:
+    """Collective over `group`: write `state` (DCP) to a fresh directory and commit it as `root/step-NNNNNN`."""
     root, final = Path(root), Path(root) / f"step-{step:06d}"
 
     def fail(error: str) -> Exception:
@@ -235,15 +254,19 @@ def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.op
 
     def commit() -> None:
         _write_json(tmp / STATE, trainer_state)
+        on_phase("ckpt-manifest")
         write_manifest(tmp, step)
+        on_phase("ckpt-rename")
         _commit(tmp, final)
+        on_phase("ckpt-done")
         prune(root, keep)
 
-    tmp = Path(_on_rank0(topo, make_tmp, fail))  # the broadcast also tells every rank that it exists
-    state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
-    dcp.save(state, checkpoint_id=str(tmp))  # DCP reports a failure on any rank to every rank
-    dist.barrier()  # every rank's files are written and synced
-    _on_rank0(topo, commit, fail)
+    tmp = Path(_on_rank0(topo, make_tmp, fail, group))  # the broadcast also tells every rank that it exists
+    on_phase("ckpt-write")
+    dcp.save(state, checkpoint_id=str(tmp), process_group=group)  # DCP reports a failure on any rank to all
+    on_phase("ckpt-barrier")
+    dist.barrier(group=group)  # every rank's files are written and synced
+    _on_rank0(topo, commit, fail, group)
     return final
 
 

@@ -13,27 +13,44 @@ from hybridpar.config import Config
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     import torch
 
+    from hybridpar.resilience.elastic import layout_for_world
     from hybridpar.train import train
 
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
-    res = train(Config.from_dict(cfg_dict))
+    restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
+    cfg, note = layout_for_world(Config.from_dict(cfg_dict), int(os.environ["WORLD_SIZE"]), restarts)
+    if note and os.environ.get("RANK") == "0":
+        print(note, flush=True)
+    res = train(cfg, restart_count=restarts)
     if res.digest is None:
         return None
-    return {"losses": res.losses, "val_losses": res.val_losses, "params_digest": res.digest}
+    return {"losses": res.losses, "val_losses": res.val_losses, "params_digest": res.digest,
+            "start_step": res.start_step, "restarts": restarts}
 
 
-def launch(cfg: Config, *, max_restarts: int = 0) -> dict[str, Any]:
-    """Validate `cfg`, run it on tp*pp*dp local processes (rendezvous on loopback), and return rank 0's
-    summary: per-step losses, validation losses and the final params digest."""
-    cfg.validate(world_size=cfg.parallel.world_size)
+def launch(cfg: Config, *, max_restarts: int | None = None, nproc: int | None = None,
+           start_method: str = "spawn") -> dict[str, Any] | None:
+    """Validate `cfg`, run it on `nproc` (default tp*pp*dp) local processes (rendezvous on loopback), and
+    return rank 0's summary: per-step losses of the last attempt, validation losses, the final params digest
+    (None if the run was preempted). The elastic agent restarts all workers up to `max_restarts` times
+    (default resilience.max_restarts); restarted workers resume from the newest verified checkpoint.
+    `nproc` other than tp*pp*dp with a resume re-plans the layout (resilience.replan). `start_method`
+    'fork' starts workers faster (CPU only: CUDA cannot be forked once initialised)."""
+    from hybridpar.resilience.chaos import parse_faults
+    from hybridpar.resilience.elastic import layout_for_world
+
+    world = nproc or cfg.parallel.world_size
+    layout_for_world(cfg, world, 0)[0].validate(world_size=world)  # a re-plan that cannot work fails here
+    parse_faults(cfg.emulate.fault, world)
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
 
     register_loopback_rendezvous()
-    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=cfg.parallel.world_size,
+    lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world,
                       rdzv_backend=LOOPBACK_BACKEND, rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
                       run_id=uuid.uuid4().hex,
-                      max_restarts=max_restarts, monitor_interval=0.5, start_method="spawn")
+                      max_restarts=cfg.resilience.max_restarts if max_restarts is None else max_restarts,
+                      monitor_interval=0.2, start_method=start_method)
     results = elastic_launch(lc, _worker)(cfg.to_dict())
     return results[0]

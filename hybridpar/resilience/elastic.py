@@ -1,0 +1,87 @@
+"""Elastic restarts (pure): what a worker does differently when the elastic agent restarted it, and how a
+run resumed on a different number of processes picks its new (tp, pp, dp).
+
+Re-plan policy (`replan`), for a world of W processes:
+1. tp: keep it if it divides W; otherwise the largest divisor of W below it that still divides the
+   heads, kv heads, FFN and vocabulary (tensor-parallel peers must hold equal shards).
+2. pp: keep it if it divides W / tp and the model has enough layers; otherwise the largest such divisor
+   below it. The schedule stays if it is valid for the new pp (interleaved needs pp >= 2 and
+   microbatches divisible by pp; 1F1B needs microbatches >= pp), else 1F1B (GPipe if even that fails);
+   virtual stages are kept only for interleaved.
+3. dp = W / (tp * pp) takes the rest. train.global_batch never changes, and sample order depends only on
+   (seed, step), so the run sees the same samples in the same order; microbatches per replica are kept
+   if each replica still has that many samples, else lowered; explicit microbatch_sizes are dropped
+   when dp changes (they were sized for the old replica share).
+The result is checked with Config.validate(world_size=W); the checkpoint is loaded through DCP, which
+reshards tp shards and stages by name into the new layout.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from hybridpar.config import Config
+
+
+def resume_mode(cfg: Config, restart_count: int) -> Config:
+    """The config a worker runs after `restart_count` restarts by the elastic agent: with
+    resilience.resume_on_restart, a restarted worker resumes as with checkpoint.resume=auto (a fresh run,
+    restart_count 0, is unchanged)."""
+    if restart_count > 0 and cfg.resilience.resume_on_restart and cfg.checkpoint.resume == "off":
+        cfg = copy.deepcopy(cfg)
+        cfg.checkpoint.resume = "auto"
+    return cfg
+
+
+def _divisors_desc(n: int, at_most: int) -> list[int]:
+    return [d for d in range(min(n, at_most), 0, -1) if n % d == 0]
+
+
+def replan(cfg: Config, world: int) -> Config:
+    """A copy of `cfg` laid out for `world` processes by the policy above; ValueError if none is valid."""
+    if world < 1:
+        raise ValueError(f"cannot re-plan for a world of {world} processes")
+    m, p, t = cfg.model, cfg.parallel, cfg.train
+    out = copy.deepcopy(cfg)
+    q, tr = out.parallel, out.train
+    shards = (m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size)
+    tps = [d for d in _divisors_desc(world, p.tp) if all(s % d == 0 for s in shards)]
+    if not tps:
+        raise ValueError(f"no tensor-parallel degree divides world={world} and the model")
+    q.tp = tps[0]
+    rest = world // q.tp
+    for pp in _divisors_desc(rest, p.pp):
+        v = p.virtual_stages if p.schedule == "interleaved-1f1b" else 1
+        if m.n_layers >= pp * v and rest // pp <= t.global_batch:
+            q.pp = pp
+            break
+    else:
+        raise ValueError(f"no pipeline degree fits world={world} with tp={q.tp}: model.n_layers={m.n_layers}, "
+                         f"train.global_batch={t.global_batch}")
+    q.dp = rest // q.pp
+    per_replica = t.global_batch // q.dp
+    tr.microbatches = min(t.microbatches, per_replica)
+    if q.dp != p.dp:
+        tr.microbatch_sizes = None
+    if p.schedule == "interleaved-1f1b" and (q.pp < 2 or tr.microbatches % q.pp or m.n_layers < q.pp * q.virtual_stages):
+        q.schedule, q.virtual_stages = "1f1b", 1
+    if q.schedule != "gpipe" and tr.microbatches < q.pp:
+        q.schedule, q.virtual_stages = "gpipe", 1
+    if q.partition == "cost" and q.layer_costs is not None and len(q.layer_costs) != m.n_layers:
+        q.partition, q.layer_costs = "params", None
+    out.validate(world_size=world)
+    return out
+
+
+def layout_for_world(cfg: Config, world: int, restart_count: int) -> tuple[Config, str | None]:
+    """What an entry point runs on `world` processes: `cfg` after a restart's resume mode and, when
+    resuming on another world size with resilience.replan=auto, re-planned; plus a line saying so."""
+    cfg = resume_mode(cfg, restart_count)
+    if cfg.parallel.world_size == world or cfg.checkpoint.resume == "off" or cfg.resilience.replan == "off":
+        return cfg, None
+    new = replan(cfg, world)
+    p, q = cfg.parallel, new.parallel
+    note = (f"hybridpar: elastic re-plan for {world} processes: tp={p.tp} pp={p.pp} dp={p.dp} -> "
+            f"tp={q.tp} pp={q.pp} dp={q.dp} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
+            f"global batch {new.train.global_batch})")
+    return new, note

@@ -1,0 +1,73 @@
+"""The trainer's phase probe: one call per phase change feeds the watchdog (progress, phase, step) and the
+fault injector (chaos testing mode). `install` attaches it to a live trainer's pieces with hooks — module
+forward pre-hooks, wrappers on this trainer's P2P and gradient-reduction objects, an optimizer step
+pre-hook — so the pipeline runtime and the layers below need no knowledge of it."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+from typing import Any, Iterator
+
+from hybridpar.resilience.chaos import Injector
+from hybridpar.resilience.watchdog import Watchdog
+
+
+class Probe:
+    def __init__(self, watchdog: Watchdog | None = None, injector: Injector | None = None) -> None:
+        self.watchdog, self.injector = watchdog, injector
+        if watchdog is not None and injector is not None:
+            injector.before_fault = watchdog.publish
+        self.step = -1
+        self._slow: str | None = None  # inside a slow section (validation): inner phases count as progress
+
+    def __call__(self, phase: str, step: int | None = None) -> None:
+        """Main thread: entering `phase` (of `step`, default the current one)."""
+        if step is not None:
+            self.step = step
+        if self._slow is not None and phase == "forward":
+            phase = self._slow
+        if self.watchdog is not None:
+            slow = self._slow is not None or phase.startswith("ckpt-")
+            self.watchdog.mark(phase, self.step, slow=slow)
+        self.inject(phase)
+
+    def inject(self, phase: str) -> None:
+        """Any thread: fire a fault planned for `phase` at the current step (no watchdog mark)."""
+        if self.injector is not None:
+            self.injector.check(phase, self.step)
+
+    @contextlib.contextmanager
+    def slow(self, phase: str) -> Iterator[None]:
+        """A section that may take long while progressing (validation): watched with slow_phase_timeout_s."""
+        self._slow = phase
+        self(phase)
+        try:
+            yield
+        finally:
+            self._slow = None
+
+    def stop(self, finished: bool = True) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop(finished)
+
+
+def _wrap(obj: Any, name: str, probe: Probe, phase: str) -> None:
+    method = getattr(obj, name)
+
+    @functools.wraps(method)
+    def probed(*args: Any, **kwargs: Any) -> Any:
+        probe(phase)
+        return method(*args, **kwargs)
+
+    setattr(obj, name, probed)  # on this instance only
+
+
+def install(probe: Probe, trainer: Any) -> None:
+    """Attach `probe` to a Trainer's stages (forward), P2P (p2p), gradient reduction (all-reduce), optimizer."""
+    for stage in trainer.stages.values():
+        stage.register_forward_pre_hook(lambda module, args: probe("forward"))
+    _wrap(trainer.p2p, "flush", probe, "p2p")
+    _wrap(trainer.p2p, "wait_recv", probe, "p2p")
+    _wrap(trainer.dp_grads, "finish", probe, "all-reduce")
+    trainer.opt.register_step_pre_hook(lambda opt, args, kwargs: probe("optimizer"))
