@@ -106,13 +106,16 @@ def test_fault_spec(tmp_path: Path) -> None:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_faults(spec, 4)
     # Fired faults are recorded and skipped by the next attempt (a torn last line is ignored).
-    (tmp_path / "chaos.jsonl").write_text(json.dumps({"id": 0}) + "\n{\"id\": ")
-    assert fired_ids(tmp_path / "chaos.jsonl") == {0}
+    first = "0:rank=0:sleep=0@step=1:phase=forward"
+    (tmp_path / "chaos.jsonl").write_text(json.dumps({"id": first}) + "\n{\"id\": ")
+    assert fired_ids(tmp_path / "chaos.jsonl") == {first}
     inj = Injector(parse_faults("rank=0:sleep=0@step=1,rank=0:sleep=0@step=2,rank=1:kill@step=1"), 0, tmp_path,
                    tmp_path / "ck")
     assert sorted(inj.pending) == [1]
     inj.check("forward", 2)
-    assert fired_ids(tmp_path / "chaos.jsonl") == {0, 1} and not inj.pending
+    assert fired_ids(tmp_path / "chaos.jsonl") == {first, "1:rank=0:sleep=0@step=2:phase=forward"}
+    assert not inj.pending
+    assert sorted(Injector(parse_faults("rank=0:sleep=0@step=2"), 0, tmp_path, tmp_path).pending) == [0]  # a new spec
 
 
 def _views(*rows: tuple[float, float, bool]) -> list[RankView]:

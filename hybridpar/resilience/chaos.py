@@ -94,14 +94,20 @@ def parse_faults(spec: str, world_size: int | None = None) -> list[Fault]:
     return faults
 
 
-def fired_ids(ledger: Path) -> set[int]:
-    """Indices (into the spec) of the faults already fired in this run directory."""
+def fault_id(index: int, fault: Fault) -> str:
+    """A fault's identity in the ledger: its position in the spec and the fault itself (so another spec
+    used in the same run directory later does not inherit what an earlier one fired)."""
+    return f"{index}:{fault}"
+
+
+def fired_ids(ledger: Path) -> set[str]:
+    """Ids (`fault_id`) of the faults already fired in this run directory."""
     if not ledger.is_file():
         return set()
     out = set()
     for line in ledger.read_text(encoding="utf-8").splitlines():
         try:
-            out.add(int(json.loads(line)["id"]))
+            out.add(str(json.loads(line)["id"]))
         except (ValueError, KeyError, TypeError):
             continue  # a line cut by a kill while being written: that fault had not acted yet
     return out
@@ -113,7 +119,7 @@ class Injector:
     def __init__(self, faults: list[Fault], rank: int, run_dir: Path, ckpt_dir: Path) -> None:
         self.ledger, self.ckpt_dir, self.rank = Path(run_dir) / "chaos.jsonl", Path(ckpt_dir), rank
         done = fired_ids(self.ledger)
-        self.pending = {i: f for i, f in enumerate(faults) if f.rank == rank and i not in done}
+        self.pending = {i: f for i, f in enumerate(faults) if f.rank == rank and fault_id(i, f) not in done}
         # Called just before a fault acts (the probe publishes a heartbeat), so that what the watchdog
         # reports as the rank's last phase is the phase the fault was injected in, not one beat earlier.
         self.before_fault: Callable[[], None] = lambda: None
@@ -128,7 +134,7 @@ class Injector:
 
     def _record(self, i: int, f: Fault) -> None:
         self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"id": i, "fault": str(f), "rank": self.rank, "pid": os.getpid(), "time": time.time()})
+        line = json.dumps({"id": fault_id(i, f), "fault": str(f), "rank": self.rank, "pid": os.getpid(), "time": time.time()})
         fd = os.open(self.ledger, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, ("\n" + line + "\n").encode())  # the leading newline ends a line torn by a kill

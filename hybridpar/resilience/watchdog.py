@@ -14,7 +14,7 @@ clocks of different machines are never compared. Two rules, checked in this orde
   breaking ties (the one the others wait on, e.g. the rank that never joined a collective), and this
   rank aborts.
 
-Aborting = a JSON report `<report_dir>/watchdog-rank<R>.json`, one line on stderr naming the rank, its
+Aborting = a JSON line appended to `<report_dir>/watchdog.jsonl`, one line on stderr naming the rank, its
 last phase and step, and `os._exit(EXIT_CODE)`: the elastic agent sees a failed worker and restarts the
 group (resilience.max_restarts), which resumes from the newest verified checkpoint.
 
@@ -168,7 +168,11 @@ class Watchdog:
                   "time": time.time(), "message": msg}
         try:
             self.report_dir.mkdir(parents=True, exist_ok=True)
-            (self.report_dir / f"watchdog-rank{self.rank}.json").write_text(json.dumps(report))
+            fd = os.open(self.report_dir / "watchdog.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            try:
+                os.write(fd, ("\n" + json.dumps(report) + "\n").encode())  # one write: lines never interleave
+            finally:
+                os.close(fd)
         except OSError:
             pass
         print(msg, file=sys.stderr, flush=True)
