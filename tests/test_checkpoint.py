@@ -291,3 +291,35 @@ def _check_written_once(path: Path, tied: bool) -> None:
     for key, m in keys.items():
         assert isinstance(m, TensorStorageMetadata)
         assert sum(math.prod(c.sizes) for c in m.chunks) == math.prod(m.size), key
+
+
+# ---- asynchronous saves -----------------------------------------------------------------------------------------
+
+
+def _async_worker(base: dict, root: str) -> dict:
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.train import train
+
+    out = {}
+    for name, async_save, fault in [("sync", False, ""),
+                                    # the background write of step 2's checkpoint stalls while training
+                                    # goes on: it must still hold step 2's values, not later ones
+                                    ("async", True, "rank=0:sleep=1.5@step=1:phase=ckpt-write")]:
+        cfg = Config.from_dict(base)
+        cfg.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep = f"{root}/{name}", 1, 10
+        cfg.checkpoint.async_save, cfg.emulate.fault = async_save, fault
+        p = cfg.parallel
+        res = train(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", p.timeout_s), log=False)
+        out[name] = {"losses": res.losses, "digest": res.digest}
+    return out
+
+
+def test_async_checkpoints_hold_their_own_step(tmp_path: Path) -> None:
+    cfg = tiny_config(train=dict(steps=4, val_every=0, monitor_every=0), parallel=dict(tp=1, pp=2, dp=1))
+    r = run_ranks(_async_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]
+    assert r["async"] == r["sync"]
+    assert json.loads((tmp_path / "async" / "chaos.jsonl").read_text().split("\n")[1])["fault"].startswith("rank=0:sleep")
+    for step in range(1, 5):
+        a, s = (tmp_path / d / "checkpoints" / f"step-{step:06d}" for d in ("async", "sync"))
+        assert verify_checkpoint(a, step) is None
+        assert params_digest(read_full_model(a, cfg.model).items()) == params_digest(read_full_model(s, cfg.model).items())

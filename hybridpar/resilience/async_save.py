@@ -21,7 +21,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybridpar.resilience.checkpoint import snapshot, write_committed
+from hybridpar.resilience.checkpoint import as_dcp_state, snapshot, write_committed
 from hybridpar.topology.mesh import Topology
 
 
@@ -38,14 +38,15 @@ class AsyncCheckpointer:
              keep: int, on_phase: Callable[[str], None] = lambda phase: None) -> None:
         t0 = time.perf_counter()
         self.wait()
-        state = snapshot(self.topo, stages, opt)
+        snap = snapshot(stages, opt)
         if self.topo.device.type == "cuda":
             torch.cuda.current_stream().synchronize()  # the copies are complete before the step goes on
 
         def write() -> None:
             t1 = time.perf_counter()
             try:
-                write_committed(self.topo, state, root, step, trainer_state, keep, on_phase, self.group)
+                write_committed(self.topo, as_dcp_state(self.topo, snap), root, step, trainer_state, keep, on_phase,
+                                self.group)
             except BaseException as e:  # re-raised on the main thread by wait()
                 self._error = e
             self.write_s.append(time.perf_counter() - t1)

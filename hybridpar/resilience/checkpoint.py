@@ -232,9 +232,14 @@ def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.op
     return write_committed(topo, state, root, step, trainer_state, keep, on_phase)
 
 
-def snapshot(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer) -> dict[str, torch.Tensor]:
-    """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input)."""
-    return {k: _for_dcp(t.detach().clone(), dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
+def snapshot(stages: dict[int, LlamaStage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int | None]]:
+    """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input;
+    `as_dcp_state` turns it into DCP's state dict, off the training thread)."""
+    return [(k, t.detach().clone(), dim) for k, t, dim in _tensors(stages, opt, tied_copy=False)]
+
+
+def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, int | None]]) -> dict[str, torch.Tensor]:
+    return {k: _for_dcp(t, dim, topo) for k, t, dim in snap}
 
 
 def write_committed(topo: Topology, state: dict[str, torch.Tensor], root: Path, step: int,

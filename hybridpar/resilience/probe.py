@@ -32,10 +32,10 @@ class Probe:
             self.watchdog.mark(phase, self.step, slow=slow)
         self.inject(phase)
 
-    def inject(self, phase: str) -> None:
-        """Any thread: fire a fault planned for `phase` at the current step (no watchdog mark)."""
+    def inject(self, phase: str, step: int | None = None) -> None:
+        """Any thread: fire a fault planned for `phase` at `step` (default the current one); no watchdog mark."""
         if self.injector is not None:
-            self.injector.check(phase, self.step)
+            self.injector.check(phase, self.step if step is None else step)
 
     @contextlib.contextmanager
     def slow(self, phase: str) -> Iterator[None]:

@@ -56,7 +56,6 @@ class Session:
         self.cfg, self.topo, self.trainer, self.ck_dir = cfg, topo, trainer, ck_dir
         self.run_dir = Path(cfg.run_dir)
         self.applied: list[list[int]] = []
-        self.sync_save_s: list[float] = []
         # One id per run attempt, agreed by every rank: the watchdog's keys never meet an earlier attempt's.
         run_id = all_gather_json(secrets.token_hex(6) if topo.rank == 0 else None, topo.device)[0]
         faults = parse_faults(cfg.emulate.fault, topo.dims.world_size)
@@ -103,14 +102,19 @@ class Session:
         """Checkpoint after `step` steps (async if configured; `wait` makes it durable before returning)."""
         tr, ck = self.trainer, self.cfg.checkpoint
         state = self.state(trainer_state)
+        t0 = time.perf_counter()
         if self.writer is not None:
-            self.writer.save(tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe.inject)
+            at = self.probe.step  # the background write's phases belong to this step, however far training gets
+            self.writer.save(tr.stages, tr.opt, self.ck_dir, step, state, ck.keep,
+                             lambda phase: self.probe.inject(phase, at))
             if wait:
                 self.writer.wait()
-            return
-        t0 = time.perf_counter()
-        save_checkpoint(self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe)
-        self.sync_save_s.append(time.perf_counter() - t0)
+        else:
+            save_checkpoint(self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe)
+        # Seconds the training loop stood still for this save (async: the snapshot, plus waiting for the
+        # previous write if it was still running).
+        self.event("checkpoint", step=step, mode="async" if self.writer else "sync", stall_s=time.perf_counter() - t0,
+                   last_write_s=self.writer.write_s[-1] if self.writer and self.writer.write_s else None)
 
     def should_stop(self) -> bool:
         """Collective, after each step: did any rank get SIGTERM?"""
