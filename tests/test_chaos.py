@@ -154,3 +154,28 @@ def test_faults_preemption_corruption_shrink_grow(tmp_path: Path, reference: dic
     grown = _model(ela)
     for name, t in reference["model"].items():
         assert (grown[name] - t).abs().max().item() <= TOL, name
+
+
+def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:
+    """`hybridpar train` as a user runs it (default resilience settings, torchrun in a subprocess): a killed
+    rank is restarted by the agent and the run resumes by itself, ending with the fault-free model."""
+    import os
+    import subprocess
+
+    from hybridpar.config import parse_args
+
+    flags = ["--parallel.tp", "1", "--parallel.pp", "2", "--model.dim", "32", "--model.n_layers", "2",
+             "--model.n_heads", "2", "--model.ffn_dim", "64", "--train.steps", "4", "--train.global_batch", "4",
+             "--train.microbatches", "2", "--train.seq_len", "16", "--train.val_every", "0",
+             "--train.sample_tokens", "0", "--data.max_bytes", "100000", "--checkpoint.every", "1"]
+    ref = parse_args(flags + ["--run-dir", str(tmp_path / "ref")])
+    expected = _run(ref)["params_digest"]
+    run = tmp_path / "run"
+    exe = Path(sys.executable).with_name("hybridpar")
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    out = subprocess.run([str(exe), "train", *flags, "--run-dir", str(run), "--emulate.fault",
+                          "rank=1:kill@step=2:phase=forward"], capture_output=True, text=True, timeout=240, env=env)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "resumed from" in out.stdout and "step-000002" in out.stdout
+    assert [r["restart"] for r in _records(run, "resilience.jsonl") if r["event"] == "start"] == [0, 1]
+    assert _records(run, "metrics.jsonl")[-1]["params_digest"] == expected

@@ -145,3 +145,20 @@ def test_watchdog_names_the_computing_rank_not_its_waiting_peers() -> None:
     views = _views((99, 92, False), (99, 93, False))
     views[0].info["phase"], views[1].info["phase"] = "p2p", "forward"  # rank 1 hung computing, rank 0 waits on it
     assert judge(views, 100.0, 5.0, 50.0)[0] == 1
+
+
+@pytest.mark.parametrize("argv,match", [
+    (["--emulate.fault", "rank=4:kill@step=1"], "rank 4 does not exist in a world of 4"),
+    (["--emulate.fault", "rank=1:kill@step=1:phase=nap"], "phase 'nap' is not one of"),
+    (["--nproc-per-node", "3", "--resume", "auto", "--train.global_batch", "2", "--train.microbatches", "1",
+      "--parallel.schedule", "gpipe"], "no pipeline degree fits world=3"),  # no valid re-plan: refused up front
+    (["--nproc-per-node", "2"], "= 4, but 2 processes"),  # a fresh run on another world is still refused
+])
+def test_cli_refuses_bad_resilience_input_before_launch(argv, match, monkeypatch, capsys) -> None:
+    import torch.distributed.run as tdr
+
+    from hybridpar import cli
+
+    monkeypatch.setattr(tdr, "run", lambda *a, **k: pytest.fail("a worker was launched for an invalid config"))
+    assert cli.main(["train", *argv]) == 2
+    assert match in capsys.readouterr().err
