@@ -10,6 +10,13 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules import build_schedule, max_in_flight
 
 
+def count_rules(cfg: Config) -> tuple[int, int]:
+    """(fewest microbatches, required multiple) the schedule accepts; config.validate checks the same
+    for fixed counts: 1F1B-type warmups need one microbatch per pipeline rank, interleaving whole rounds."""
+    p = cfg.parallel
+    return (1 if p.schedule == "gpipe" else p.pp), (p.pp if p.schedule == "interleaved-1f1b" else 1)
+
+
 def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
                 resident_bytes: int) -> FixedPolicy | AdaptivePolicy:
     """Every rank builds the same policy for its replica; fed the same (world-reduced) observations,
@@ -22,9 +29,7 @@ def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
             return FixedPolicy(mine, sizes=t.microbatch_sizes)
         return FixedPolicy(mine, count=cfg.microbatch_count())
     most = min(replicas)  # every replica runs the same count
-    # The schedules' own constraints on the count (config.validate checks the same for fixed counts).
-    least = 1 if p.schedule == "gpipe" else p.pp
-    multiple = p.pp if p.schedule == "interleaved-1f1b" else 1
+    least, multiple = count_rules(cfg)
     in_flight = None  # GPipe: every microbatch's activations are alive before the first backward
     if p.schedule != "gpipe":
         top = most - most % multiple
