@@ -213,6 +213,18 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
             "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)}}
 
 
+def summary_line(stats: dict, oom_retries: int) -> str:
+    """End-of-run microbatching summary (the full statistics are in the final metrics record)."""
+    thr = stats["mean_throughput"]
+    line = f"microbatching: {stats['policy']}, split {stats['current_split']}, mean {stats['mean_latency_s']:.3f} s/step" \
+           f" ({thr:,.0f} tok/s)" if thr else f"microbatching: {stats['policy']}, split {stats['current_split']}"
+    if stats["policy"] == "adaptive":
+        done = stats["steps_to_converge"]
+        line += f"; {len(stats['history'])} splits measured, " + \
+            (f"converged after {done} steps" if done is not None else "still exploring")
+    return line + (f"; {oom_retries} step(s) redone after running out of memory" if oom_retries else "")
+
+
 def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> TrainResult:
     """Train per `cfg` on the current world (created from torchrun's environment if needed)."""
     p, t = cfg.parallel, cfg.train
@@ -264,6 +276,8 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
                       "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()}})
         writer.close()
         torch.save(state, Path(cfg.run_dir) / "final_model.pt")
+        if log:
+            print(summary_line(trainer.policy.statistics(), trainer.oom_retries))
         if log and t.sample_tokens:
             model = build_full_model(cfg.model, t.seed)
             model.load_state_dict(state, strict=False)
