@@ -245,7 +245,9 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     for step in range(res.start_step, t.steps):
         rec = trainer.step(step)
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
-            ranks = all_gather_json(trainer.monitor.record(trainer.last_output, trainer.p2p), topo.device)
+            mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
+            mine["activation_peak_bytes"] = trainer.runtime.meter.peak  # this rank's, for this step
+            ranks = all_gather_json(mine, topo.device)
             rec["monitor"] = aggregate(ranks)
             rec["batching"] = trainer.policy.statistics()
             trainer.monitor.reset_peak()
