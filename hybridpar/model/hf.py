@@ -33,6 +33,9 @@ def config_from_hf(d: dict[str, Any], where: str = "config.json") -> ModelConfig
                           ("attention_bias", lambda v: not v, "false"), ("mlp_bias", lambda v: not v, "false")):
         if not ok(d.get(key)):
             raise ValueError(f"{where}: {key}={d.get(key)!r} is not supported: it must be {want}")
+    rope_type = (d.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope_parameters.rope_type={rope_type!r} is not supported: it must be 'default'")
     dim, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     if d.get("head_dim") not in (None, dim // heads):
         raise ValueError(f"{where}: head_dim={d['head_dim']} differs from hidden_size / num_attention_heads = "
