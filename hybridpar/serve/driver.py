@@ -191,6 +191,7 @@ class Driver:
         busy = self.busy_s + (now - self._busy_mark if self._busy_mark is not None else 0.0)
         return {"type": "status", "kv_used_tokens": self.kv_used(), "kv_capacity_tokens": self.lim.kv_tokens,
                 "kv_bytes": self.r.kv_bytes(), "queue_depth": len(self.pending),
+                "queued_tokens": sum(len(r.req["prompt"]) + int(r.req["max_tokens"]) for r in self.pending),
                 "running": sum(len(g.rows) for g in self.groups.values()), "busy_s": busy,
                 "completed": self.completed, "max_in_flight": self.max_in_flight, "time": now}
 
