@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 
-BENCHES = ("pipeline",)
+BENCHES = ("pipeline", "serve")
 
 
 def main(argv: list[str]) -> int:
@@ -13,6 +13,10 @@ def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
         print(f"usage: hybridpar bench {{{','.join(BENCHES)}}} [--help] [args ...]", file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
+    if argv[0] == "serve":  # request placement strategies under Poisson load (hybridpar.bench.serve)
+        from hybridpar.bench.serve import main as serve_main
+
+        return serve_main(argv[1:])
     if argv[0] != "pipeline":
         print(f"hybridpar: unknown benchmark {argv[0]!r}; benchmarks: {', '.join(BENCHES)}", file=sys.stderr)
         return 2

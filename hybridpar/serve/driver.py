@@ -193,6 +193,7 @@ class Driver:
                 "kv_bytes": self.r.kv_bytes(), "queue_depth": len(self.pending),
                 "queued_tokens": sum(len(r.req["prompt"]) + int(r.req["max_tokens"]) for r in self.pending),
                 "running": sum(len(g.rows) for g in self.groups.values()), "busy_s": busy,
+                "slots": self.lim.max_batch * self.lim.max_groups,
                 "completed": self.completed, "max_in_flight": self.max_in_flight, "time": now}
 
     # -- main loop ---------------------------------------------------------------------------------

@@ -74,6 +74,7 @@ class ReplicaState:
     # Reported by the replica (None until its first report):
     kv_used: int = 0
     kv_capacity: int | None = None
+    slots: int = 1  # sequences it runs at once (reported; 1 until then)
     queued_tokens: int = 0
     queue_depth: int = 0
     utilisation: float | None = None  # busy fraction between its last two reports
@@ -146,9 +147,10 @@ class Router:
         return self._drain()
 
     def report(self, replica: int, kv_used: int, kv_capacity: int, queue_depth: int, queued_tokens: int,
-               busy_s: float, now: float) -> None:
+               busy_s: float, now: float, slots: int = 1) -> None:
         """A replica's measured status."""
         rep = self.replicas[replica]
+        rep.slots = max(1, int(slots))
         rep.kv_used, rep.kv_capacity, rep.queue_depth, rep.queued_tokens = kv_used, kv_capacity, queue_depth, queued_tokens
         rep.sent_since_status = 0
         if rep._busy is not None and now > rep._busy[1]:
@@ -224,9 +226,10 @@ class Router:
     def _load_balanced(self, req: Request, choices: list[int]) -> int:
         return min(choices, key=lambda i: (self.replicas[i].outstanding_tokens, len(self.replicas[i].outstanding), i))
 
-    def seconds_per_token(self, i: int, req: Request) -> float:
-        """Replica i's measured cost per token for `req`'s mix of prompt and output tokens. A replica not
-        measured yet is taken as the mean of those measured (so it gets traffic and a measurement)."""
+    def _costs(self, i: int) -> tuple[float, float] | None:
+        """Replica i's measured (prefill s per prompt token, decode s per output token). A replica not
+        measured yet is taken as the mean of those measured (so it gets traffic and a measurement);
+        None when nothing is measured anywhere yet."""
         def known(attr: str) -> float | None:
             own = getattr(self.replicas[i], attr)
             if own is not None:
@@ -236,12 +239,24 @@ class Router:
 
         pf, dc = known("prefill_s"), known("decode_s")
         if pf is None and dc is None:
-            return 1.0  # nothing measured anywhere yet: all replicas equal, i.e. load-balanced
-        pf, dc = (pf if pf is not None else dc), (dc if dc is not None else pf)
-        return (req.prompt_tokens * pf + req.max_tokens * dc) / req.tokens
+            return None
+        return (pf if pf is not None else dc), (dc if dc is not None else pf)  # type: ignore[return-value]
+
+    def service_s(self, i: int, req: Request) -> float:
+        """Estimated seconds replica i needs for `req` alone: its prompt at the measured prefill cost
+        plus its output at the measured decode cost, so prefill-heavy and decode-heavy requests are
+        weighed by what each replica is actually fast at."""
+        c = self._costs(i)
+        if c is None:
+            return float(req.tokens)  # nothing measured: every replica equal, i.e. balance tokens
+        return req.prompt_tokens * c[0] + req.max_tokens * c[1]
 
     def _estimate(self, i: int, req: Request) -> float:
-        return (self.replicas[i].outstanding_tokens + req.tokens) * self.seconds_per_token(i, req)
+        # Completion estimate: the work already placed there, shared among the sequences the replica
+        # runs concurrently (it reports its slots), then this request's own service time.
+        rep = self.replicas[i]
+        backlog = sum(self.service_s(i, q) for q in rep.outstanding.values()) / rep.slots
+        return backlog + self.service_s(i, req)
 
     def _performance_optimized(self, req: Request, choices: list[int]) -> int:
         return min(choices, key=lambda i: (self._estimate(i, req), i))

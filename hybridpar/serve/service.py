@@ -55,6 +55,7 @@ class Service:
         self.inflight: dict[str, Pending] = {}
         self.counters: Counter = Counter()
         self.closing = False
+        self.replica_status: dict[int, dict[str, Any]] = {}  # each replica's latest measured status
         limits = {"max_batch": cfg.max_batch, "max_groups": cfg.max_groups, "kv_tokens": cfg.kv_tokens,
                   "max_seq_len": cfg.max_seq_len}
         spec = WorkerSpec(model=dataclasses.asdict(model), source=source, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
@@ -117,8 +118,9 @@ class Service:
             self._send(placed)
         elif kind == "status":
             with self.lock:
+                self.replica_status[rep] = ev
                 self.router.report(rep, ev["kv_used_tokens"], ev["kv_capacity_tokens"], ev["queue_depth"],
-                                   ev["queued_tokens"], ev["busy_s"], time.monotonic())
+                                   ev["queued_tokens"], ev["busy_s"], time.monotonic(), ev["slots"])
         elif kind == "replica_failed" and not self.closing:
             with self.lock:
                 lost = [rid for rid, r in self.router.where.items() if r == rep]
