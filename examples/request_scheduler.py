@@ -22,17 +22,22 @@ if __name__ == "__main__":
                       max_seq_len=256, emulate_slowdown="1:2.0")
     svc = Service(cfg, model, cfg.source)
     rng = random.Random(0)
+    waves = []
     try:
-        pend = []
-        for i in range(40):
-            prompt = [rng.randrange(256) for _ in range(rng.choice([12, 120]))]  # chat-like or document-like
-            pend.append(svc.submit(prompt, rng.choice([8, 48]), 0.0, 1.0, 0))
-        for p in pend:
-            while p.events.get(timeout=300)[0] == "token":
-                pass
-        stats = svc.statistics()
+        # Wave 1: nothing is measured yet, so both replicas look equal. Wave 2: the router has measured
+        # per-token latencies from wave 1's completions and places by them.
+        for n in (8, 40):
+            before = [sum(r["routed"].values()) for r in svc.statistics()["replicas"]]
+            pend = []
+            for _ in range(n):
+                prompt = [rng.randrange(256) for _ in range(rng.choice([12, 120]))]  # chat-like or document-like
+                pend.append(svc.submit(prompt, rng.choice([8, 48]), 0.0, 1.0, 0))
+            for p in pend:
+                while p.events.get(timeout=300)[0] == "token":
+                    pass
+            stats = svc.statistics()
+            waves.append([sum(r["routed"].values()) - b for r, b in zip(stats["replicas"], before)])
     finally:
         svc.close()
-    routed = [sum(r["routed"].values()) for r in stats["replicas"]]
-    print(f"requests per replica (replica 1 emulated 2x slower): {routed}")
+    print(f"requests per replica (replica 1 emulated 2x slower): wave 1 {waves[0]}, wave 2 {waves[1]}")
     print(json.dumps({k: stats[k] for k in ("strategy_usage", "latency_s", "replicas")}, indent=1))
