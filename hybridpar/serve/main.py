@@ -19,9 +19,9 @@ def prepare(argv: list[str]) -> tuple[ServeConfig, "object", str]:
     from hybridpar.serve.worker import resolve_source
 
     cfg, model = parse_serve_args(argv)
-    explicit_model = any(a.startswith("--model.") for a in argv)
-    source, model_cfg = resolve_source(cfg.source, model if (explicit_model or cfg.source.startswith("init:")
-                                                             or cfg.source.endswith(".pt")) else None)
+    # `model` (the training defaults plus any --model.* flags) is used only by sources without a config
+    # of their own; a final_model.pt of another shape fails at load with the tensor and both shapes named.
+    source, model_cfg = resolve_source(cfg.source, model)
     cfg.validate(model_cfg)
     return cfg, model_cfg, source
 
