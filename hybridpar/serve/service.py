@@ -87,11 +87,12 @@ class Service:
     def _fail(self, rid: str, why: str) -> None:
         with self.lock:
             p = self.inflight.pop(rid, None)
-            if rid in self.router.where:
-                self.router.finished(rid, time.monotonic())
+            # Freeing its place may place waiting requests: they must be sent, not forgotten.
+            placed = self.router.finished(rid, time.monotonic()) if rid in self.router.where else []
             self.counters["requests_failed"] += 1
         if p is not None:
             p.events.put(("done", {"reason": "error", "error": why}))
+        self._send(placed)
 
     def cancel(self, rid: str) -> None:
         """A client gave up (timeout): stop tracking it; its replica still finishes the work."""
