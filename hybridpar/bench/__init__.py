@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("pipeline", "microbatch")
+BENCHES = ("pipeline", "microbatch", "serve")
 
 
 def main(argv: list[str]) -> int:
