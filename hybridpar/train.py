@@ -97,7 +97,7 @@ class Trainer:
         # Every replica's partition and share of the batch; changed only by the load balancer.
         self.layout = Layout.uniform(self.parts, [sum(s) for s in self.plan.sizes])
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
-        self.plane = plane_groups(topo) if cfg.balance.mode == "auto" else None
+        self.plane = None  # the (dp x pp) plane group, made on the first layout whose replicas differ
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
 
@@ -163,6 +163,7 @@ class Trainer:
             if layout.shared_partition or p.dp == 1:
                 self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
             else:  # replicas now hold different layers: reduce over the (dp x pp) plane
+                self.plane = self.plane or plane_groups(topo)  # collective: every rank applies this layout
                 self.dp_grads = PlaneGrads(topo, self.stages, self.cfg.model.n_layers, self.plane)
         self.layout, self.parts = layout, list(layout.parts[d])
         self.plan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes, list(layout.split))
