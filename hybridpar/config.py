@@ -128,6 +128,7 @@ class BalanceConfig:
     interval: int = _f(20, "never decide a rebalance more often than every N steps")
     min_gain: float = _f(0.05, "act only if the predicted step time falls by at least this fraction")
     threshold: float = _f(1.25, "straggler: smoothed time per unit of work above this x the others' median")
+    skip_steps: int = _f(2, "first steps of a run not measured (allocation and lazy-init warm-up)")
     window: int = _f(5, "measurements in each rank's smoothing median")
     patience: int = _f(3, "consecutive measurements beyond the threshold before a straggler (or its "
                           "recovery) counts")
@@ -243,6 +244,8 @@ class Config:
                  f"emulate.layer_ms must be >= 0 (0 = off), got {self.emulate.layer_ms!r}")
         for key in ("interval", "window", "patience"):
             _require(_is_int(v := getattr(b, key)) and v >= 1, f"balance.{key} must be a positive integer, got {v!r}")
+        _require(_is_int(b.skip_steps) and b.skip_steps >= 0,
+                 f"balance.skip_steps must be a non-negative integer, got {b.skip_steps!r}")
         _require(_is_num(b.min_gain) and 0 <= b.min_gain < 1, f"balance.min_gain must be in [0, 1), got {b.min_gain!r}")
         _require(_is_num(b.threshold) and b.threshold > 1, f"balance.threshold must be > 1 (a ratio to the "
                  f"others' median time), got {b.threshold!r}")

@@ -76,6 +76,7 @@ class LiveBalancer:
                                min_per_replica=t.microbatches)
         self.step_times: deque[float] = deque(maxlen=cfg.balance.window)
         self._follow: list[dict[str, Any]] = []  # applied decisions awaiting their measured step time
+        self._start: int | None = None  # first step of this process (a resumed run warms up too)
 
     def _local(self, output: Any, step_time_s: float, memory: tuple[int, int]) -> dict[str, float]:
         compute = sum(sum(v) for v in stage_times(output).values())
@@ -106,6 +107,9 @@ class LiveBalancer:
                    memory: tuple[int, int]) -> list[dict[str, Any]]:
         """Collective over the world, once per step: returns the records to log for this step."""
         events: list[dict[str, Any]] = []
+        self._start = step if self._start is None else self._start
+        if step - self._start < self.cfg.balance.skip_steps:
+            return events  # warm-up: allocations and lazy initialisation, not the device's speed
         self.step_times.append(step_time_s)
         for f in list(self._follow):
             if step - f["step"] >= self.cfg.balance.window:
