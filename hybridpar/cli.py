@@ -17,6 +17,7 @@ unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node
 --rdzv-endpoint and --max-restarts are passed to torch.distributed.run.
 
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
+       hybridpar bench balance [--help] [args ...]    (static layout vs live load balancing, one rank 2x slow)
 """
 
 
