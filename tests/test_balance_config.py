@@ -50,3 +50,18 @@ def test_layouts_refused_before_launch() -> None:
     with pytest.raises(ValueError, match="emulate.layer_ms must be >= 0"):
         cfg.emulate.layer_ms = -1.0
         cfg.validate()
+
+
+def test_bench_scenarios_are_valid_configs() -> None:
+    from hybridpar.bench.balance import SCENARIOS, parse_args, scenario_config
+
+    for name in SCENARIOS:
+        for mode in ("emulated", "compute"):
+            cfg = scenario_config(name, mode, 1.0, 40, True, "auto")
+            cfg.validate(world_size=4)
+            assert cfg.model.n_layers == 24 and cfg.emulate.slowdown == "rank=2:2.0@step=10"
+            assert cfg.emulate.layer_ms == (1.0 if mode == "emulated" else 0.0)
+    assert parse_args([]).clean_steps == 200
+    for bad in (["--scenarios", "pp8"], ["--modes", "fast"], ["--steps", "15"], ["--layer-ms", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
