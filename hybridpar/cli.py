@@ -16,7 +16,9 @@ Trains on the embedded default (the Python standard library's source, byte-level
 unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node-rank,
 --rdzv-endpoint and --max-restarts are passed to torch.distributed.run.
 
+       hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
+       hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench balance [--help] [args ...]    (static layout vs live load balancing, one rank 2x slow)
 """
 
@@ -114,11 +116,15 @@ def main(argv: list[str] | None = None) -> int:
             print(USAGE + "\n" + help_text())
             return 0
         return launch_train(rest)
+    if cmd == "serve":
+        from hybridpar.serve.main import main as serve_main
+
+        return serve_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    print(f"hybridpar: unknown command {cmd!r}; commands: train, bench\n\n{USAGE}", file=sys.stderr)
+    print(f"hybridpar: unknown command {cmd!r}; commands: train, serve, bench\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

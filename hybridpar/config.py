@@ -113,11 +113,29 @@ class CheckpointConfig:
 
 
 @dataclass
+class BatchingConfig:
+    policy: str = _f("fixed", "how each replica's batch is cut into microbatches: 'fixed' (train.microbatches "
+                              "or batching.microbatch_size) or 'adaptive' (measured throughput under a memory "
+                              "budget, re-planned at run time)", choices=("fixed", "adaptive"))
+    microbatch_size: int | None = _f(None, "fixed policy: the fewest balanced microbatches of at most this many "
+                                           "samples, instead of train.microbatches")
+    memory_budget: float | None = _f(None, "adaptive policy: activation memory per rank, in bytes (> 1) or as a "
+                                           "fraction of the device's memory (<= 1) minus what is resident anyway")
+    steps_per_candidate: int = _f(3, "adaptive: measured steps per candidate split")
+    warmup_steps: int = _f(1, "adaptive: unmeasured steps after each change of split")
+    switch_margin: float = _f(0.03, "adaptive: a candidate must beat the current split by this fraction")
+    drift_margin: float = _f(0.10, "adaptive: re-scan when throughput drifts by more than this fraction")
+    cooldown_steps: int = _f(50, "adaptive: at least this many steps between re-scans")
+
+
+@dataclass
 class EmulateConfig:
     slowdown: str = _f("", "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
                            "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)")
     layer_ms: float = _f(0.0, "BENCHMARK MODE, off by default (0): every decoder layer's forward also sleeps this "
                               "many ms per sample and its backward twice that, so compute is a fixed duration")
+    memory_limit: int | None = _f(None, "TESTING MODE, off by default: raise an out-of-memory error when a rank's "
+                                        "activations held for backward would exceed this many bytes")
 
 
 @dataclass
@@ -144,6 +162,7 @@ class Config:
     train: TrainConfig = _f(TrainConfig, "optimisation")
     data: DataConfig = _f(DataConfig, "corpus")
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "sharded checkpoints and resume")
+    batching: BatchingConfig = _f(BatchingConfig, "microbatch policy")
     emulate: EmulateConfig = _f(EmulateConfig, "emulated slow devices (testing and benchmarks only)")
     balance: BalanceConfig = _f(BalanceConfig, "dynamic load balancing (stage re-partition, uneven data-parallel split)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
@@ -159,6 +178,14 @@ class Config:
              "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
              "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
             ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
+            ("batching.microbatch_size emulate.memory_limit", lambda v: v is None or count(v),
+             "a positive integer or none"),
+            ("batching.steps_per_candidate", count, "a positive integer"),
+            ("batching.warmup_steps batching.cooldown_steps", non_negative, "a non-negative integer"),
+            ("batching.memory_budget", lambda v: v is None or (_is_num(v) and v > 0),
+             "> 0 (bytes if > 1, a fraction of device memory if <= 1) or none"),
+            ("batching.switch_margin", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)"),
+            ("batching.drift_margin", lambda v: _is_num(v) and 0 < v < 1, "in (0, 1)"),
             ("train.warmup_steps train.val_every train.monitor_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
              non_negative, "a non-negative integer"),
             ("train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
@@ -227,6 +254,23 @@ class Config:
             _require(sum(sizes) == per_replica, f"train.microbatch_sizes sums to {sum(sizes)}, but each "
                      f"data-parallel replica has {per_replica} samples {over}")
 
+        b = self.batching
+        if b.microbatch_size is not None:
+            _require(b.policy == "fixed" and t.microbatch_sizes is None, "batching.microbatch_size is a fixed "
+                     f"split: it needs batching.policy=fixed (got {b.policy!r}) and no train.microbatch_sizes")
+            n, largest = self.microbatch_count(), -(-t.global_batch // p.dp)
+            what = f"batching.microbatch_size={b.microbatch_size} cuts the {largest} samples per replica {over} " \
+                   f"into {n} microbatches"
+            _require(n <= per_replica, f"{what}, more than the smallest replica's {per_replica} samples")
+            _require(p.schedule == "gpipe" or n >= p.pp, f"{what}; parallel.schedule={p.schedule} needs ≥ "
+                     f"parallel.pp={p.pp}: use a size ≤ {largest // p.pp}")
+            _require(p.schedule != "interleaved-1f1b" or n % p.pp == 0,
+                     f"{what}; parallel.schedule=interleaved-1f1b needs a multiple of parallel.pp={p.pp}")
+        _require(b.policy != "adaptive" or t.microbatch_sizes is None, "train.microbatch_sizes fixes the split, "
+                 "but batching.policy=adaptive chooses it: drop one of them")
+        _require(b.memory_budget is None or b.policy == "adaptive", f"batching.memory_budget={b.memory_budget} "
+                 f"is used by batching.policy=adaptive only (got {b.policy!r})")
+
         if p.partition == "cost" or p.layer_costs is not None:
             _require(p.partition == "cost", f"parallel.layer_costs is set but parallel.partition="
                      f"{p.partition!r}: set parallel.partition=\"cost\" to use it, or drop layer_costs")
@@ -260,6 +304,20 @@ class Config:
                  f"one stage per rank, got {p.schedule} with virtual_stages={p.virtual_stages}")
         _require(p.dp == 1 or t.microbatch_sizes is None, f"balance.mode={b.mode} re-splits the batch among "
                  "data-parallel replicas, which fixed train.microbatch_sizes would contradict: drop them")
+        # The adaptive planner sizes microbatches for an even replica share; an uneven one would escape
+        # its memory model.
+        _require(p.dp == 1 or self.batching.policy == "fixed", f"balance.mode={b.mode} with parallel.dp="
+                 f"{p.dp} re-splits the batch among replicas and needs batching.policy=fixed, got "
+                 f"{self.batching.policy!r}")
+
+    def microbatch_count(self) -> int | None:
+        """Microbatches per replica under the fixed policy (None: the adaptive policy chooses per step)."""
+        if self.batching.policy == "adaptive":
+            return None
+        if self.batching.microbatch_size is None:
+            return self.train.microbatches
+        largest = -(-self.train.global_batch // self.parallel.dp)  # every replica runs the same count
+        return -(-largest // self.batching.microbatch_size)
 
     def to_dict(self) -> dict[str, Any]:
         """Nested plain dict (JSON-serialisable); properties are derived, so they are left out."""

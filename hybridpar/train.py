@@ -25,6 +25,8 @@ from hybridpar.balance.live import LiveBalancer, plane_groups
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor, aggregate
 from hybridpar.balance.plan import Layout
+from hybridpar.batching.memory import ActivationMeter
+from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config, parse_args
 from hybridpar.data import TokenData, decode, encode, load_tokens
@@ -36,7 +38,7 @@ from hybridpar.optim import lr_at, make_optimizer, set_lr
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
-from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.schedules import Action, build_schedule
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience.checkpoint import resume, save_checkpoint
@@ -83,8 +85,7 @@ class Trainer:
             st = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed, topo.device)
             self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
-        self.actions = build_schedule(p.schedule, p.pp, p.virtual_stages, t.microbatches, p.recv_lookahead)[topo.pp_rank]
-        self.eval_actions = forward_actions(self.actions)
+        self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self.p2p = P2P(topo.device, torch.float32, p.timeout_s)
         self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(s % p.pp), self.p2p,
                                        cfg.model.dim)
@@ -93,13 +94,26 @@ class Trainer:
         self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
         self.monitor = DeviceMonitor(topo.device)
         self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
-        self.plan: BatchPlan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes)
+        self.runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
+        sample = self.monitor.sample()
+        self.policy = make_policy(cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes,
+                                  resident_bytes=sample.memory_used_bytes)
+        self.plan: BatchPlan = plan_for(cfg, len(self.policy.propose(0)))
+        self.oom_retries = 0  # steps redone after running out of memory, over the run
         # Every replica's partition and share of the batch; changed only by the load balancer.
         self.layout = Layout.uniform(self.parts, [sum(s) for s in self.plan.sizes])
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
         self.plane = None  # the (dp x pp) plane group, made on the first layout whose replicas differ
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
+
+    def actions(self, count: int, train: bool = True) -> list[Action]:
+        """This rank's action list for `count` microbatches (built once per count: adaptive plans vary it)."""
+        if count not in self._actions:
+            p = self.cfg.parallel
+            acts = build_schedule(p.schedule, p.pp, p.virtual_stages, count, p.recv_lookahead)[self.topo.pp_rank]
+            self._actions[count] = (acts, forward_actions(acts))
+        return self._actions[count][0 if train else 1]
 
     def _microbatches(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
         sizes = self.plan.sizes[self.topo.dp_rank]
@@ -115,30 +129,76 @@ class Trainer:
         dist.all_reduce(v)
         return float(v)
 
+    def _run_pipeline(self, step: int) -> tuple[float, float, int]:
+        """Forward and backward of the step under the current plan, data-parallel sums included.
+        Returns (loss, seconds, activation peak bytes), the last two the max over ranks; raises
+        torch.OutOfMemoryError on every rank if any rank ran out of memory (gradients then garbage)."""
+        t, topo = self.cfg.train, self.topo
+        t0 = time.perf_counter()
+        sizes = self.plan.sizes[topo.dp_rank]
+        x, y = self.data.step_samples(step, t.global_batch, self.plan.replica_offset(topo.dp_rank), sum(sizes))
+        xs, ys = self._microbatches(x, y)
+        meter = self.runtime.meter
+        meter.reset(q for st in self.stages.values() for q in st.parameters())
+        if topo.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(topo.device)
+            resident = torch.cuda.memory_allocated(topo.device)
+        self.dp_grads.m = len(sizes)
+        out = self.runtime.run(self.actions(len(sizes)), xs, ys, 1.0 / (t.global_batch * t.seq_len),
+                               on_stage_done=self.dp_grads.stage_done)
+        self.dp_grads.finish()
+        self.last_output = out
+        peak = meter.peak
+        if topo.device.type == "cuda":  # the allocator also sees temporaries the meter does not
+            peak = max(peak, torch.cuda.max_memory_allocated(topo.device) - resident)
+        # One reduction tells every rank the loss, whether anyone ran out of memory, and the step's
+        # time and peak (max over ranks: what the planner needs, identical everywhere).
+        local = 0.0 if out.loss is None or topo.tp_rank != 0 else float(out.loss)
+        v = torch.tensor([local, float(out.out_of_memory is not None)], dtype=torch.float64, device=topo.device)
+        dist.all_reduce(v)
+        w = torch.tensor([time.perf_counter() - t0, float(peak)], dtype=torch.float64, device=topo.device)
+        dist.all_reduce(w, op=dist.ReduceOp.MAX)
+        if v[1] > 0:
+            self.opt.zero_grad(set_to_none=True)
+            raise torch.OutOfMemoryError(out.out_of_memory or f"{int(v[1])} rank(s) ran out of memory")
+        return float(v[0]), float(w[0]), int(w[1])
+
     def step(self, step: int) -> dict[str, float]:
         t, topo = self.cfg.train, self.topo
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
         self.runtime.stretch = self.slowdown.factor(topo.rank, step)
-        start = self.plan.replica_offset(topo.dp_rank)
-        x, y = self.data.step_samples(step, t.global_batch, start, sum(self.plan.sizes[topo.dp_rank]))
-        xs, ys = self._microbatches(x, y)
-        out = self.runtime.run(self.actions, xs, ys, 1.0 / (t.global_batch * t.seq_len),
-                               on_stage_done=self.dp_grads.stage_done)
-        self.dp_grads.finish()
+        rec: dict = {}
+        while True:
+            sizes = self.policy.propose(step)
+            self.plan = self._plan(len(sizes))
+            assert self.balancer is not None or list(self.plan.sizes[topo.dp_rank]) == sizes, (self.plan.sizes, sizes)
+            try:
+                loss, run_s, peak = self._run_pipeline(step)
+                break
+            except torch.OutOfMemoryError as e:
+                # Nothing was applied: redo the same step (same samples, same lr) with smaller microbatches.
+                if not hasattr(self.policy, "on_oom"):
+                    raise RuntimeError(f"out of memory at step {step} with microbatches {sizes} ({e}): use "
+                                       f"more microbatches or --batching.policy adaptive") from None
+                self.policy.on_oom(step, sizes)
+                self.oom_retries += 1
+                rec.setdefault("oom", []).append({"microbatches": sizes, "error": str(e)})
+        tokens = t.global_batch * t.seq_len
+        self.policy.observe(step, sizes, run_s, peak, tokens)
         sync_tied_embeddings(topo, self.stages, self.n_stages)
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
-        self.last_output = out
-        loss = self._global_sum(out.loss)
         dt = time.perf_counter() - t0
-        rec = {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-               "tokens_per_s": t.global_batch * t.seq_len / dt}
+        rec.update({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+                    "tokens_per_s": tokens / dt, "microbatches": list(self.plan.sizes[topo.dp_rank]),
+                    "activation_peak_bytes": peak})
         if self.balancer is not None:  # after the update: a move carries the stepped weights and state
             mem = self.monitor.sample()
-            events = self.balancer.after_step(self, step, out, dt, (mem.memory_used_bytes, mem.memory_total_bytes))
+            events = self.balancer.after_step(self, step, self.last_output, dt,
+                                              (mem.memory_used_bytes, mem.memory_total_bytes))
             if events:
                 rec["balance"] = events
         return rec
@@ -166,8 +226,16 @@ class Trainer:
                 self.plane = self.plane or plane_groups(topo)  # collective: every rank applies this layout
                 self.dp_grads = PlaneGrads(topo, self.stages, self.cfg.model.n_layers, self.plane)
         self.layout, self.parts = layout, list(layout.parts[d])
-        self.plan = plan_batch(t.global_batch, p.dp, t.microbatches, t.microbatch_sizes, list(layout.split))
+        self.plan = self._plan(len(self.plan.sizes[d]))
         return info
+
+    def _plan(self, count: int) -> BatchPlan:
+        """The step's batch plan: the microbatch policy's, with the load balancer's replica shares."""
+        plan = plan_for(self.cfg, count)
+        if tuple(sum(s) for s in plan.sizes) != self.layout.split:
+            t = self.cfg.train
+            plan = plan_batch(t.global_batch, self.cfg.parallel.dp, count, None, list(self.layout.split))
+        return plan
 
     @torch.no_grad()
     def evaluate(self) -> float:
@@ -179,7 +247,7 @@ class Trainer:
             lo = b * t.global_batch + self.plan.replica_offset(topo.dp_rank)
             hi = lo + sum(self.plan.sizes[topo.dp_rank])
             xs, ys = self._microbatches(vx[lo:hi], vy[lo:hi])
-            out = self.runtime.run(self.eval_actions, xs, ys, 1.0 / (n * t.seq_len), train=False)
+            out = self.runtime.run(self.actions(len(self.plan.sizes[0]), train=False), xs, ys, 1.0 / (n * t.seq_len), train=False)
             if out.loss is not None:
                 total = out.loss if total is None else total + out.loss
         return self._global_sum(total)
@@ -194,6 +262,18 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
             "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages,
                        "world_size": trainer.topo.dims.world_size},
             "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)}}
+
+
+def summary_line(stats: dict, oom_retries: int) -> str:
+    """End-of-run microbatching summary (the full statistics are in the final metrics record)."""
+    thr = stats["mean_throughput"]
+    line = f"microbatching: {stats['policy']}, split {stats['current_split']}, mean {stats['mean_latency_s']:.3f} s/step" \
+           f" ({thr:,.0f} tok/s)" if thr else f"microbatching: {stats['policy']}, split {stats['current_split']}"
+    if stats["policy"] == "adaptive":
+        done = stats["steps_to_converge"]
+        line += f"; {len(stats['history'])} splits measured, " + \
+            (f"converged after {done} steps" if done is not None else "still exploring")
+    return line + (f"; {oom_retries} step(s) redone after running out of memory" if oom_retries else "")
 
 
 def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> TrainResult:
@@ -216,8 +296,11 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     for step in range(res.start_step, t.steps):
         rec = trainer.step(step)
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
-            ranks = all_gather_json(trainer.monitor.record(trainer.last_output, trainer.p2p), topo.device)
+            mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
+            mine["activation_peak_bytes"] = trainer.runtime.meter.peak  # this rank's, for this step
+            ranks = all_gather_json(mine, topo.device)
             rec["monitor"] = aggregate(ranks)
+            rec["batching"] = trainer.policy.statistics()
             trainer.monitor.reset_peak()
         if cfg.trace and step in TRACE_STEPS:
             trace_rows += step_slices(trainer.last_output, topo.rank, step)
@@ -242,9 +325,12 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True) -> Tra
     if rank0:
         res.state, res.digest = state, params_digest(state.items())
         writer.write({"final": True, "params_digest": res.digest, "steps": t.steps,
+                      "batching": trainer.policy.statistics(), "oom_retries": trainer.oom_retries,
                       "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()}})
         writer.close()
         torch.save(state, Path(cfg.run_dir) / "final_model.pt")
+        if log:
+            print(summary_line(trainer.policy.statistics(), trainer.oom_retries))
         if log and t.sample_tokens:
             model = build_full_model(cfg.model, t.seed)
             model.load_state_dict(state, strict=False)

@@ -501,3 +501,38 @@ def test_help_lists_every_flag_with_type_and_default() -> None:
     assert "<int or none>" in line and "default: none" in line and "grouped-query" in line
     line = next(ln for ln in text.splitlines() if "--parallel.layer_costs" in ln)
     assert "<list[float] or none>" in line
+
+
+# ---- validate: microbatch policy ---------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ({"batching__policy": "adaptiv"}, "batching.policy='adaptiv' is not one of fixed, adaptive (did you mean 'adaptive'?)"),
+    ({"batching__memory_budget": 0.0}, "batching.memory_budget must be > 0 (bytes if > 1, a fraction of device "
+                                       "memory if <= 1) or none, got 0.0"),
+    ({"batching__memory_budget": 1e9}, "batching.memory_budget=1000000000.0 is used by batching.policy=adaptive only"),
+    ({"batching__policy": "adaptive", "train__microbatch_sizes": [4, 4, 4, 4]},
+     "train.microbatch_sizes fixes the split, but batching.policy=adaptive chooses it: drop one of them"),
+    ({"batching__microbatch_size": 0}, "batching.microbatch_size must be a positive integer or none, got 0"),
+    ({"batching__microbatch_size": 4, "batching__policy": "adaptive"}, "batching.microbatch_size is a fixed split"),
+    ({"batching__microbatch_size": 16}, "batching.microbatch_size=16 cuts the 16 samples per replica "
+                                       "(train.global_batch=16 over parallel.dp=1) into 1 microbatches; "
+                                       "parallel.schedule=1f1b needs ≥ parallel.pp=2: use a size ≤ 8"),
+    ({"batching__microbatch_size": 1, "parallel__dp": 3, "parallel__tp": 1, "parallel__pp": 1},
+     "into 6 microbatches, more than the smallest replica's 5 samples"),
+    ({"batching__microbatch_size": 6, "parallel__schedule": "interleaved-1f1b", "parallel__virtual_stages": 2},
+     "into 3 microbatches; parallel.schedule=interleaved-1f1b needs a multiple of parallel.pp=2"),
+    ({"batching__steps_per_candidate": 0}, "batching.steps_per_candidate must be a positive integer, got 0"),
+    ({"batching__switch_margin": 1.0}, "batching.switch_margin must be in [0, 1), got 1.0"),
+    ({"batching__drift_margin": 0.0}, "batching.drift_margin must be in (0, 1), got 0.0"),
+    ({"emulate__memory_limit": -5}, "emulate.memory_limit must be a positive integer or none, got -5"),
+])
+def test_batching_rules(dotted: dict[str, Any], message: str) -> None:
+    invalid(make(**dotted), message)
+
+
+def test_microbatch_size_gives_the_count() -> None:
+    cfg = make(batching__microbatch_size=3)  # 16 samples by at most 3: 6 microbatches
+    cfg.validate(4)
+    assert cfg.microbatch_count() == 6
+    assert make(batching__policy="adaptive", batching__memory_budget=0.5).microbatch_count() is None

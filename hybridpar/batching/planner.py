@@ -85,13 +85,20 @@ class _Recorder:
 
 
 class FixedPolicy(_Recorder):
-    """A fixed split: `count` balanced microbatches, or the fewest balanced ones of at most `size`."""
+    """A fixed split: `count` balanced microbatches, the fewest balanced ones of at most `size`, or
+    explicit `sizes`."""
 
-    def __init__(self, replica_batch: int, *, count: int | None = None, size: int | None = None) -> None:
-        if (count is None) == (size is None):
-            raise ValueError(f"give exactly one of count={count} and size={size}")
+    def __init__(self, replica_batch: int, *, count: int | None = None, size: int | None = None,
+                 sizes: Sequence[int] | None = None) -> None:
+        if [count, size, sizes].count(None) != 2:
+            raise ValueError(f"give exactly one of count={count}, size={size} and sizes={sizes}")
         super().__init__(replica_batch)
-        self.split = split_evenly(replica_batch, count) if count is not None else split_by_size(replica_batch, size)
+        if sizes is not None:
+            if sum(sizes) != replica_batch or min(sizes, default=0) < 1:
+                raise ValueError(f"microbatch sizes {list(sizes)} must be positive and sum to {replica_batch}")
+            self.split = list(sizes)
+        else:
+            self.split = split_evenly(replica_batch, count) if count is not None else split_by_size(replica_batch, size)
         self.steps_to_converge = 0
 
     def propose(self, step: int) -> list[int]:

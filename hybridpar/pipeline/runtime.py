@@ -10,6 +10,7 @@ split each backward into B (input gradient) and W (weight gradient), see split_b
 
 from __future__ import annotations
 
+import contextlib
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
@@ -18,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpar.batching.memory import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.split_backward import WeightGradDeferral
@@ -37,6 +39,7 @@ class StepOutput:
     loss: torch.Tensor | None  # sum over this rank's microbatches of scaled token losses (last stage only)
     timeline: list[ActionTime] = field(default_factory=list)
     waits: list[ActionTime] = field(default_factory=list)  # time blocked on a message, inside F/B actions
+    out_of_memory: str | None = None  # this rank ran out of memory: the step's gradients are garbage
 
 
 @dataclass
@@ -55,6 +58,7 @@ class _Step:
     local_grad: dict[Key, torch.Tensor] = field(default_factory=dict)
     loss: torch.Tensor | None = None
     waits: list[ActionTime] = field(default_factory=list)
+    failed: str | None = None  # out of memory: the rest of the step only keeps messages flowing
 
 
 class PipelineRuntime:
@@ -69,6 +73,7 @@ class PipelineRuntime:
         # Emulation only (balance/emulate.py): after each compute action, sleep (stretch - 1) x its own
         # compute time, so this rank behaves like a device `stretch` times slower. 1.0 = off.
         self.stretch = 1.0
+        self.meter: ActivationMeter | None = None  # counts the activations forward passes save
 
     def _remote(self, a: int, b: int) -> bool:
         return self.stage_peer(a) != self.stage_peer(b)
@@ -111,9 +116,9 @@ class PipelineRuntime:
                     self._forward(st, s, m)
                 elif op == Op.BACKWARD:
                     self._backward(st, s, m)
-                else:
+                elif st.failed is None:
                     p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
-                    self._split(s).weight((s, m))
+                    self._compute(st, lambda: self._split(s).weight((s, m)))
                 if self.stretch > 1.0:
                     waited = sum(w.end - w.start for w in st.waits[n_waits:])
                     time.sleep((self.stretch - 1.0) * max(0.0, time.perf_counter() - t0 - waited))
@@ -124,7 +129,23 @@ class PipelineRuntime:
             timeline.append(ActionTime(a, t0, time.perf_counter()))
         p2p.wait_sends()
         assert not (st.saved or st.to_send or st.local_act or st.local_grad), f"unfinished work: {sorted(st.saved)}"
-        return StepOutput(loss=st.loss, timeline=timeline, waits=st.waits)
+        return StepOutput(loss=st.loss, timeline=timeline, waits=st.waits, out_of_memory=st.failed)
+
+    def _compute(self, st: _Step, work: Callable[[], None]) -> None:
+        """Run `work`; on out-of-memory drop the step's graphs and go on without computing: peers
+        still get every message they wait for (zeros), so no rank hangs, and the trainer, told through
+        the step's result, throws the step away and redoes it with smaller microbatches."""
+        try:
+            work()
+        except torch.OutOfMemoryError as e:
+            st.failed = str(e).splitlines()[0] if str(e) else "out of memory"
+            st.saved.clear()
+            for d in self._deferral.values():
+                d.captured.clear()
+            if self.meter is not None:
+                self.meter.clear()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def _recv(self, st: _Step, kind: str, s: int, m: int) -> torch.Tensor:
         t0 = time.perf_counter()
@@ -144,30 +165,53 @@ class PipelineRuntime:
             else:
                 x = st.local_act.pop((s, m))
             x.requires_grad_(st.train)
+        out: list[torch.Tensor] = []
+        if st.failed is None:
+            self._compute(st, lambda: out.append(self._forward_compute(st, s, m, x, buf)))
+        if s == self.n_stages - 1:
+            return
+        y = out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)  # failed: keep peers going
+        if self._remote(s, s + 1):
+            st.to_send[("F", s, m)] = y
+        else:
+            st.local_act[(s + 1, m)] = y
+
+    def _forward_compute(self, st: _Step, s: int, m: int, x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         if st.split and st.train:
             self._split(s).key = (s, m)
-        with torch.set_grad_enabled(st.train):
-            y = self.stages[s](x)
-            if s == self.n_stages - 1:
-                y = F.cross_entropy(y.flatten(0, 1).float(), st.targets[m].flatten(), reduction="sum") * st.loss_scale
-                st.loss = y.detach() if st.loss is None else st.loss + y.detach()
-            elif self._remote(s, s + 1):
-                st.to_send[("F", s, m)] = y.detach()
-            else:
-                st.local_act[(s + 1, m)] = y.detach()
-        if st.split and st.train:
-            self._split(s).key = None
+        with torch.set_grad_enabled(st.train), \
+                self.meter.measuring() if self.meter is not None and st.train else contextlib.nullcontext():
+            try:
+                y = self.stages[s](x)
+                if s == self.n_stages - 1:
+                    y = F.cross_entropy(y.flatten(0, 1).float(), st.targets[m].flatten(), reduction="sum") * st.loss_scale
+                    st.loss = y.detach() if st.loss is None else st.loss + y.detach()
+            finally:
+                if st.split and st.train:
+                    self._split(s).key = None
         if st.train:
             st.saved[(s, m)] = (x if s > 0 else None, y, buf)
         elif buf is not None:
             self.p2p.release(buf)
+        return y.detach()
 
     def _backward(self, st: _Step, s: int, m: int) -> None:
         self.p2p.flush()
-        x, y, buf = st.saved.pop((s, m))
         g = None
         if s < self.n_stages - 1:
             g = self._recv(st, "B", s, m) if self._remote(s, s + 1) else st.local_grad.pop((s, m))
+        out: list[torch.Tensor | None] = []
+        if st.failed is None:
+            self._compute(st, lambda: out.append(self._backward_compute(st, s, m, g)))
+        if s > 0:
+            dx = out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)
+            if self._remote(s - 1, s):
+                st.to_send[("B", s, m)] = dx
+            else:
+                st.local_grad[(s - 1, m)] = dx
+
+    def _backward_compute(self, st: _Step, s: int, m: int, g: torch.Tensor | None) -> torch.Tensor | None:
+        x, y, buf = st.saved.pop((s, m))
         if st.split:
             dx = self._split(s).backward_input(y, g, x)
         else:
@@ -181,11 +225,7 @@ class PipelineRuntime:
                 self.p2p.release(g)
             if buf is not None:
                 self.p2p.release(buf)
-        if s > 0:
-            if self._remote(s - 1, s):
-                st.to_send[("B", s, m)] = dx
-            else:
-                st.local_grad[(s - 1, m)] = dx
+        return dx
 
 
 def forward_actions(actions: Sequence[Action]) -> list[Action]:

@@ -378,3 +378,16 @@ def bubble_fraction_theory(name: str, pp: int, virtual_stages: int, microbatches
         bubble = (pp - 1) * max(t_f + t_b - t_w, t_f, t_b)
         return bubble / (microbatches * (t_f + t_b + t_w) + bubble)
     return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+
+
+def max_in_flight(actions: list[list[Action]]) -> int:
+    """Most microbatch activations any rank holds at once: a forward's saved tensors live until its
+    backward (B) frees the graph. The microbatch planner's memory model multiplies bytes per sample
+    by the samples of this many (largest) microbatches."""
+    peak = 0
+    for rank in actions:
+        alive = 0
+        for a in rank:
+            alive += (a.op == Op.FORWARD) - (a.op == Op.BACKWARD)
+            peak = max(peak, alive)
+    return peak

@@ -1,0 +1,55 @@
+"""The trainer's microbatch policy, built from the validated config and the schedule's constraints."""
+
+from __future__ import annotations
+
+import math
+
+from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy
+from hybridpar.batching.split import BatchPlan, plan_batch, split_evenly
+from hybridpar.config import Config
+from hybridpar.pipeline.schedules import build_schedule, max_in_flight
+
+
+def count_rules(cfg: Config) -> tuple[int, int]:
+    """(fewest microbatches, required multiple) the schedule accepts; config.validate checks the same
+    for fixed counts: 1F1B-type warmups need one microbatch per pipeline rank, interleaving whole rounds."""
+    p = cfg.parallel
+    return (1 if p.schedule == "gpipe" else p.pp), (p.pp if p.schedule == "interleaved-1f1b" else 1)
+
+
+def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
+                resident_bytes: int) -> FixedPolicy | AdaptivePolicy:
+    """Every rank builds the same policy for its replica; fed the same (world-reduced) observations,
+    all ranks of all replicas propose the same microbatch count each step."""
+    p, t, b = cfg.parallel, cfg.train, cfg.batching
+    replicas = split_evenly(t.global_batch, p.dp)
+    mine = replicas[dp_rank]
+    if b.policy == "fixed":
+        if t.microbatch_sizes is not None:
+            return FixedPolicy(mine, sizes=t.microbatch_sizes)
+        return FixedPolicy(mine, count=cfg.microbatch_count())
+    most = min(replicas)  # every replica runs the same count
+    least, multiple = count_rules(cfg)
+    in_flight = None  # GPipe: every microbatch's activations are alive before the first backward
+    if p.schedule != "gpipe":
+        top = most - most % multiple
+        # An interleaved rank holds pp x v chunks' worth of (stage, microbatch) pairs, each about 1/v of
+        # its layers: count them in whole-rank microbatches.
+        in_flight = math.ceil(max_in_flight(build_schedule(p.schedule, p.pp, p.virtual_stages, top)) / p.virtual_stages)
+    budget = fraction = None
+    if b.memory_budget is not None:
+        budget, fraction = (b.memory_budget, None) if b.memory_budget > 1 else (None, b.memory_budget)
+    return AdaptivePolicy(t.global_batch, p.dp, dp_rank=dp_rank, memory_budget_bytes=budget,
+                          memory_fraction=fraction, memory_total_bytes=memory_total_bytes,
+                          memory_baseline_bytes=resident_bytes if fraction is not None else 0,
+                          min_microbatches=least, count_multiple=multiple, in_flight=in_flight,
+                          steps_per_candidate=b.steps_per_candidate, warmup_steps=b.warmup_steps,
+                          switch_margin=b.switch_margin, drift_margin=b.drift_margin,
+                          cooldown_steps=b.cooldown_steps)
+
+
+def plan_for(cfg: Config, count: int) -> BatchPlan:
+    """Every replica's microbatch sizes when each runs `count` microbatches."""
+    t = cfg.train
+    explicit = t.microbatch_sizes if cfg.batching.policy == "fixed" else None
+    return plan_batch(t.global_batch, cfg.parallel.dp, count, explicit)

@@ -1,0 +1,160 @@
+"""`hybridpar bench serve`: request placement strategies under open-loop Poisson load.
+
+Two (or more) real replicas of a small Llama (worker processes, KV-cached engine) serve a mix of
+short and long prompts and outputs; replica 1 runs in the named EMULATION MODE `--slow 2.0` (its
+ranks sleep once more their measured compute: a device 2x slower; off with --slow 1). First the
+system's capacity is measured (a burst of requests, completed requests per second); the nominal
+arrival rate is `--load` times that. Then every strategy serves the *same* arrival trace (same seed:
+arrival times, lengths), each with a fresh router that learns the replicas' speeds from its own
+measurements. Reported per strategy: p50/p99 latency (arrival to last token), throughput in
+generated tokens per second, completed and failed (refused or timed out) requests, and the share
+sent to the slow replica; plus hybrid's p99 over round_robin's, measured in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import random
+import sys
+import threading
+import time
+from collections import Counter
+from typing import Any
+
+from hybridpar.config import ModelConfig
+from hybridpar.serve.config import ServeConfig
+from hybridpar.serve.router import STRATEGIES, Overloaded, Router, percentile
+
+
+def make_trace(n: int, rate: float, seed: int) -> list[dict[str, Any]]:
+    """Poisson arrivals at `rate` per second; prompts and outputs each short or long at random."""
+    rng = random.Random(seed)
+    t, out = 0.0, []
+    for i in range(n):
+        t += rng.expovariate(rate) if rate > 0 else 0.0
+        prompt = rng.randint(8, 24) if rng.random() < 0.5 else rng.randint(64, 160)
+        gen = rng.randint(4, 12) if rng.random() < 0.5 else rng.randint(24, 64)
+        out.append({"t": t, "prompt": [rng.randrange(256) for _ in range(prompt)], "max_tokens": gen})
+    return out
+
+
+def run_trace(svc: Any, trace: list[dict[str, Any]], strategy: str, timeout_s: float) -> dict[str, Any]:
+    """Replay `trace` open-loop (each request at its time, whatever the backlog) under `strategy`."""
+    with svc.lock:
+        svc.router = Router(svc.cfg.dp, dataclasses.replace(svc.cfg.router(), strategy=strategy))
+    lat: list[float] = []  # seconds, arrival to last token, of each completed request
+    tokens = failed = 0
+    lock = threading.Lock()
+    waiters = []
+
+    def wait(p: Any, t_arrive: float) -> None:
+        nonlocal tokens, failed
+        deadline = t_arrive + timeout_s
+        while True:
+            try:
+                kind, val = p.events.get(timeout=max(0.01, deadline - time.perf_counter()))
+            except Exception:  # queue.Empty: timed out
+                svc.cancel(p.id)
+                with lock:
+                    failed += 1
+                return
+            if kind == "done":
+                with lock:
+                    if val.get("reason") == "error":
+                        failed += 1
+                    else:
+                        lat.append(time.perf_counter() - t_arrive)
+                        tokens += val["completion_tokens"]
+                return
+
+    t0 = time.perf_counter()
+    for req in trace:
+        time.sleep(max(0.0, t0 + req["t"] - time.perf_counter()))
+        t_arrive = time.perf_counter()
+        try:
+            p = svc.submit(req["prompt"], req["max_tokens"], 0.0, 1.0, 0)
+        except Overloaded:
+            failed += 1
+            continue
+        w = threading.Thread(target=wait, args=(p, t_arrive), daemon=True)
+        w.start()
+        waiters.append(w)
+    for w in waiters:
+        w.join()
+    wall = time.perf_counter() - t0
+    stats = svc.statistics()
+    routed = [sum(r["routed"].values()) for r in stats["replicas"]]
+    return {"strategy": strategy, "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
+            "tokens_per_s": tokens / wall, "completed": len(lat), "failed": failed, "wall_s": wall,
+            "tokens": tokens, "latencies": lat, "routed_per_replica": routed, "strategy_usage": stats["strategy_usage"]}
+
+
+def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """One strategy's repeats together: percentiles over all their requests, throughput over all their time."""
+    lat = [x for r in runs for x in r["latencies"]]
+    usage: Counter = Counter()
+    for r in runs:
+        usage.update(r["strategy_usage"])
+    return {"strategy": runs[0]["strategy"], "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
+            "mean_s": sum(lat) / len(lat) if lat else None,
+            "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
+            "completed": sum(r["completed"] for r in runs), "failed": sum(r["failed"] for r in runs),
+            "repeats": len(runs), "p99_s_per_repeat": [r["p99_s"] for r in runs],
+            "routed_per_replica": [sum(x) for x in zip(*(r["routed_per_replica"] for r in runs))],
+            "strategy_usage": dict(usage)}
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench serve", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--replicas", type=int, default=2)
+    ap.add_argument("--slow", type=float, default=2.0, help="EMULATION: replica 1 this many times slower (1 = off)")
+    ap.add_argument("--requests", type=int, default=160, help="requests per strategy")
+    ap.add_argument("--load", type=float, default=0.65, help="arrival rate as a fraction of the measured capacity")
+    ap.add_argument("--strategies", default=",".join(STRATEGIES))
+    ap.add_argument("--repeats", type=int, default=2, help="passes over the strategies, alternating (pooled)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--timeout-s", type=float, default=120.0, help="a request not done by then counts as failed")
+    ap.add_argument("--json", default=None, help="also write the results to this file")
+    a = ap.parse_args(argv)
+    strategies = [s for s in a.strategies.split(",") if s]
+    bad = [s for s in strategies if s not in STRATEGIES]
+    if bad or a.replicas < 2 or a.slow < 1 or not 0 < a.load or a.requests < 1 or a.repeats < 1:
+        print(f"hybridpar bench serve: error: need --replicas >= 2, --slow >= 1, --load > 0, --requests >= 1 and "
+              f"strategies among {', '.join(STRATEGIES)} (got {bad or ''})", file=sys.stderr)
+        return 2
+    from hybridpar.serve.service import Service
+
+    model = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_dim=176)
+    cfg = ServeConfig(source="init:0", dp=a.replicas, max_batch=4, max_groups=2, kv_tokens=4096, max_seq_len=256,
+                      max_outstanding=64, max_pending=512, emulate_slowdown=f"1:{a.slow}" if a.slow > 1 else "")
+    cfg.validate(model)
+    svc = Service(cfg, model, cfg.source)
+    try:
+        burst = make_trace(48, 0.0, a.seed + 1)  # all at t=0: the replicas stay saturated until done
+        run_trace(svc, burst[:8], "load_balanced", a.timeout_s)  # warm-up (allocations, first measurements)
+        cal = run_trace(svc, burst, "performance_optimized", a.timeout_s)
+        capacity = cal["completed"] / cal["wall_s"]
+        rate = a.load * capacity
+        trace = make_trace(a.requests, rate, a.seed)
+        runs = [run_trace(svc, trace, s, a.timeout_s) for _ in range(a.repeats) for s in strategies]
+        results = [pool_runs([r for r in runs if r["strategy"] == s]) for s in strategies]
+    finally:
+        svc.close()
+    by = {r["strategy"]: r for r in results}
+    ratio = (by["hybrid"]["p99_s"] / by["round_robin"]["p99_s"]
+             if "hybrid" in by and "round_robin" in by and by["round_robin"]["p99_s"] else None)
+    out = {"bench": "serve", "mode": f"emulated: replica 1 {a.slow}x slower" if a.slow > 1 else "real",
+           "model": dataclasses.asdict(model), "replicas": a.replicas, "capacity_rps": capacity,
+           "load": a.load, "rate_rps": rate, "requests": a.requests, "repeats": a.repeats, "results": results,
+           "hybrid_p99_over_round_robin_p99": ratio}
+    print(json.dumps(out, indent=1))
+    if a.json:
+        with open(a.json, "w", encoding="utf-8") as fh:
+            json.dump(out, fh, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,119 @@
+"""`hybridpar serve` configuration: one validated dataclass (fields carry their help, as in
+hybridpar/config.py), parsed from `--key value` flags; the model shape for sources without a config
+of their own (init:SEED, final_model.pt) comes from the training flags `--model.*`."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from hybridpar.config import ModelConfig, _f, parse_args
+from hybridpar.serve.router import STRATEGIES, RouterConfig
+
+
+@dataclass
+class ServeConfig:
+    source: str = _f("runs/latest", "model: a Hugging Face checkpoint dir (config.json + *.safetensors), a hybridpar "
+                                    "run dir, checkpoint dir or final_model.pt, or init:SEED (random init)")
+    model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
+    tp: int = _f(1, "tensor-parallel degree of each replica")
+    pp: int = _f(1, "pipeline stages of each replica")
+    dp: int = _f(1, "replicas")
+    host: str = _f("127.0.0.1", "address to bind (loopback by default)")
+    port: int = _f(8000, "port to bind (0 = any free port)")
+    strategy: str = _f("hybrid", "request placement over replicas", choices=STRATEGIES)
+    memory_pressure: float = _f(0.8, "hybrid: KV-cache use above this -> memory_aware")
+    performance_pressure: float = _f(0.8, "hybrid: replica utilisation above this -> performance_optimized")
+    imbalance: float = _f(0.5, "hybrid: outstanding-token imbalance above this -> load_balanced")
+    max_batch: int = _f(8, "sequences per request group")
+    max_groups: int = _f(4, "request groups holding a KV cache at once, per replica")
+    kv_tokens: int = _f(16384, "KV-cache budget per replica, in token slots")
+    max_seq_len: int = _f(1024, "longest prompt + completion, in tokens")
+    max_outstanding: int = _f(32, "requests placed on one replica before it counts as busy")
+    max_pending: int = _f(64, "requests waiting for a replica before new ones get 429")
+    request_timeout_s: float = _f(300.0, "a request not finished after this gets 503")
+    timeout_s: float = _f(120.0, "bound on every collective and point-to-point wait between ranks")
+    backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    emulate_slowdown: str = _f("", "BENCHMARK/TEST MODE, off by default: 'REPLICA:FACTOR,...' makes a replica's "
+                                   "ranks sleep (FACTOR-1) x their measured compute, e.g. '1:2.0'")
+
+    def slowdowns(self) -> list[float]:
+        out = [1.0] * self.dp
+        for part in filter(None, (p.strip() for p in self.emulate_slowdown.split(","))):
+            rep, _, fac = part.partition(":")
+            try:
+                r, f = int(rep), float(fac)
+            except ValueError:
+                raise ValueError(f"emulate_slowdown entry {part!r} must look like REPLICA:FACTOR, e.g. 1:2.0") from None
+            if not 0 <= r < self.dp or not (math.isfinite(f) and f >= 1.0):
+                raise ValueError(f"emulate_slowdown entry {part!r}: replica must be in 0..{self.dp - 1} "
+                                 f"and factor a number >= 1")
+            out[r] = f
+        return out
+
+    def router(self) -> RouterConfig:
+        return RouterConfig(self.strategy, self.memory_pressure, self.performance_pressure, self.imbalance,
+                            self.max_outstanding, self.max_pending)
+
+    def validate(self, model: ModelConfig | None = None) -> None:
+        for name in ("tp", "pp", "dp", "max_batch", "max_groups", "kv_tokens", "max_seq_len", "max_outstanding",
+                     "max_pending"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
+                raise ValueError(f"serve {name} must be a positive integer, got {v!r}")
+        if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
+            raise ValueError(f"serve port must be in 0..65535, got {self.port!r}")
+        for name in ("request_timeout_s", "timeout_s"):
+            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
+                raise ValueError(f"serve {name} must be > 0, got {getattr(self, name)!r}")
+        for f in fields(self):
+            if (ch := f.metadata.get("choices")) and getattr(self, f.name) not in ch:
+                raise ValueError(f"serve {f.name}={getattr(self, f.name)!r} is not one of {', '.join(ch)}")
+        self.router().validate()
+        self.slowdowns()
+        if model is not None:
+            for key, v in {"n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "ffn_dim": model.ffn_dim,
+                           "vocab_size": model.vocab_size}.items():
+                if v % self.tp:
+                    raise ValueError(f"serve tp={self.tp} does not divide model {key}={v}")
+            if model.n_layers < self.pp:
+                raise ValueError(f"serve pp={self.pp} exceeds the model's n_layers={model.n_layers}")
+
+
+def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
+    """`--key value` (or --key=value) for ServeConfig fields; `--model.*` flags give the model shape."""
+    cfg, model_args = ServeConfig(), []
+    known = {f.name: f for f in fields(ServeConfig)}
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else (arg, "", "")
+        if not arg.startswith("--") or (not eq and i + 1 >= len(argv)):
+            raise ValueError(f"unexpected argument {arg!r}: options look like --key VALUE")
+        if not eq:
+            value, i = argv[i + 1], i + 1
+        i += 1
+        if name.startswith("model."):
+            model_args += [f"--{name}", value]
+            continue
+        key = name.replace("-", "_")
+        if key not in known:
+            raise ValueError(f"unknown serve option --{name}; options: {', '.join('--' + k for k in known)}")
+        typ = type(getattr(cfg, key))
+        try:
+            setattr(cfg, key, typ(value) if typ is not bool else value.lower() in ("1", "true", "yes"))
+        except ValueError:
+            raise ValueError(f"--{name} expects a {typ.__name__}, got {value!r}") from None
+    return cfg, parse_args(model_args).model
+
+
+def help_text() -> str:
+    rows = [f"  --{f.name.replace('_', '-'):<22} {f.metadata['help']} (default {f.default!r})" for f in fields(ServeConfig)]
+    return "\n".join(rows + ["  --model.KEY VALUE        model shape for init:SEED and final_model.pt sources "
+                             "(as in `hybridpar train --help`)"])
+
+
+def as_dict(cfg: ServeConfig) -> dict[str, Any]:
+    return dataclasses.asdict(cfg)

@@ -1,0 +1,172 @@
+"""The inference engine of one replica: its tp × pp ranks each hold one stage (sharded over tp) and
+run *ticks*. A tick is one forward step of one request group: a prefill of its prompts or a decode
+of one token per row. The replica's driver (pp=0, tp=0, see `driver.py`) issues ticks; each stage
+computes its slice and passes the tick on, and the last stage returns the logits to the driver. A
+stage is done with a tick as soon as it has sent it on, so while stage 1 works on group A's step,
+stage 0 already runs group B's: up to pp groups are in flight, one per stage, which is the
+tutorial's AsyncPipeline with real messages (`pipeline/p2p.py`).
+
+Wire format of a tick (all on the P2P links of the training runtime, same tp coordinate):
+header int64 (8,) = [op, group, B, T, seq, max_len, 0, 0]; then, for prefill/decode, meta int64
+(2, B) = (start position, real tokens) per row, and the payload: token ids (B, T) broadcast from
+the driver to stage 0's tp peers, hidden states (B, T, d) between stages, logits (B, V) back to the
+driver. An idle driver sends NOOP ticks so that every wait stays bounded by the timeout.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.model.llama import LlamaStage
+from hybridpar.pipeline.p2p import P2P
+from hybridpar.serve.kvcache import CachedStage, GroupCache
+from hybridpar.topology.mesh import Topology
+
+OP_NOOP, OP_PREFILL, OP_DECODE, OP_FREE, OP_STOP = range(5)
+HEADER = 8
+
+
+@dataclass
+class Tick:
+    op: int
+    group: int = 0
+    seq: int = 0
+    max_len: int = 0
+    meta: torch.Tensor | None = None  # (2, B) int64: start position and real tokens per row
+    x: torch.Tensor | None = None  # ids (B, T) or hidden (B, T, d)
+
+    def header(self, device: torch.device) -> torch.Tensor:
+        B, T = (self.x.shape[0], self.x.shape[1]) if self.x is not None else (0, 0)
+        return torch.tensor([self.op, self.group, B, T, self.seq, self.max_len, 0, 0], dtype=torch.int64,
+                            device=device)
+
+
+class StageRunner:
+    """This rank's stage: receives ticks, runs them over the group's KV cache, passes them on."""
+
+    def __init__(self, stage: LlamaStage, topo: Topology, slowdown: float = 1.0) -> None:
+        self.stage, self.topo = stage, topo
+        self.cached = CachedStage(stage)
+        self.caches: dict[int, GroupCache] = {}
+        self.device = topo.device
+        self.dtype = next(stage.parameters()).dtype
+        self.pp, self.pp_rank, self.tp_rank = topo.dims.pp, topo.pp_rank, topo.tp_rank
+        self.tp_group = topo.group("tp") if topo.dims.tp > 1 else None
+        self.driver_rank = topo.dims.rank_of(topo.dp_rank, 0, 0)
+        self.ctl = P2P(self.device, torch.int64, topo.timeout_s)
+        self.act = P2P(self.device, self.dtype, topo.timeout_s)
+        # EMULATION MODE (benchmarks only, off by default): a factor f > 1 sleeps (f - 1) times each
+        # tick's measured compute, so this rank behaves like a device f times slower.
+        self.slowdown = slowdown
+        self.compute_s = 0.0
+        self.ticks = 0
+        self._recv_seq = 0
+
+    @property
+    def is_driver(self) -> bool:
+        return self.pp_rank == 0 and self.tp_rank == 0
+
+    def kv_bytes(self) -> int:
+        return sum(c.nbytes() for c in self.caches.values())
+
+    # -- messages --------------------------------------------------------------------------------
+    def _recv(self, p2p: P2P, shape: tuple[int, ...], peer: int) -> torch.Tensor:
+        self._recv_seq += 1
+        key = ("serve", self._recv_seq)
+        p2p.queue_recv(key, shape, peer)
+        buf = p2p.wait_recv(key)
+        out = buf.clone()
+        p2p.release(buf)
+        return out
+
+    def broadcast_tick(self, tick: Tick) -> None:
+        """Driver side: hand the tick to stage 0's other tp ranks (they need the same token ids)."""
+        if self.tp_group is None:
+            return
+        dist.broadcast(tick.header(self.device), src=self.driver_rank, group=self.tp_group)
+        if tick.op in (OP_PREFILL, OP_DECODE):
+            dist.broadcast(tick.meta.contiguous(), src=self.driver_rank, group=self.tp_group)
+            dist.broadcast(tick.x.contiguous(), src=self.driver_rank, group=self.tp_group)
+
+    def receive(self) -> Tick:
+        """Non-driver ranks: the next tick, from the driver (stage 0) or the previous stage."""
+        if self.pp_rank == 0:
+            h = torch.empty(HEADER, dtype=torch.int64, device=self.device)
+            dist.broadcast(h, src=self.driver_rank, group=self.tp_group)
+        else:
+            prev = self.topo.pp_peer(self.pp_rank - 1)
+            h = self._recv(self.ctl, (HEADER,), prev)
+        op, group, B, T, seq, max_len = (int(v) for v in h[:6].tolist())
+        tick = Tick(op, group, seq, max_len)
+        if op in (OP_PREFILL, OP_DECODE):
+            if self.pp_rank == 0:
+                tick.meta = torch.empty(2, B, dtype=torch.int64, device=self.device)
+                tick.x = torch.empty(B, T, dtype=torch.int64, device=self.device)
+                dist.broadcast(tick.meta, src=self.driver_rank, group=self.tp_group)
+                dist.broadcast(tick.x, src=self.driver_rank, group=self.tp_group)
+            else:
+                tick.meta = self._recv(self.ctl, (2, B), prev)
+                tick.x = self._recv(self.act, (B, T, self.stage.cfg.dim), prev)
+        return tick
+
+    def post_logits_recv(self, seq: int, batch: int) -> None:
+        """Driver side (pp > 1): post the receive of a tick's logits from the last stage."""
+        last = self.topo.pp_peer(self.pp - 1)
+        self.act.queue_recv(("logits", seq), (batch, self.stage.cfg.vocab_size), last)
+        self.act.flush()
+
+    def wait_logits(self, seq: int) -> torch.Tensor:
+        buf = self.act.wait_recv(("logits", seq))
+        out = buf.float().clone()
+        self.act.release(buf)
+        return out
+
+    # -- compute ---------------------------------------------------------------------------------
+    def run(self, tick: Tick) -> torch.Tensor | None:
+        """Execute `tick` on this stage and pass it on. Returns the logits on the last stage."""
+        out = None
+        if tick.op == OP_PREFILL:
+            self.caches[tick.group] = GroupCache(self.stage, tick.x.shape[0], tick.max_len, self.device, self.dtype)
+        if tick.op in (OP_PREFILL, OP_DECODE):
+            t0 = time.perf_counter()
+            out = self.cached.forward(tick.x, self.caches[tick.group], tick.meta[0], tick.meta[1])
+            dt = time.perf_counter() - t0
+            if self.slowdown > 1.0:
+                time.sleep((self.slowdown - 1.0) * dt)
+            self.compute_s += dt
+            self.ticks += 1
+        elif tick.op == OP_FREE:
+            self.caches.pop(tick.group, None)
+        if self.pp_rank < self.pp - 1:
+            nxt = self.topo.pp_peer(self.pp_rank + 1)
+            fwd = Tick(tick.op, tick.group, tick.seq, tick.max_len, tick.meta, out)
+            self.ctl.queue_send(fwd.header(self.device), nxt)
+            if out is not None:
+                self.ctl.queue_send(tick.meta, nxt)
+                self.act.queue_send(out, nxt)
+            self.ctl.flush()
+            self.act.flush()
+            return None
+        if out is not None and self.pp > 1 and self.tp_rank == 0:
+            self.act.queue_send(out.to(self.dtype), self.driver_rank)
+            self.act.flush()
+        return out
+
+    def drain(self) -> None:
+        self.ctl.wait_sends()
+        self.act.wait_sends()
+
+    def serve_forever(self) -> None:
+        """Loop of every rank except the driver: run ticks until STOP has passed through."""
+        while True:
+            tick = self.receive()
+            self.run(tick)
+            if tick.op == OP_STOP:
+                break
+            if self.ctl.pending() > 64 or self.act.pending() > 64:  # sends finish in order: keep few in flight
+                self.drain()
+        self.drain()

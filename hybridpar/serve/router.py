@@ -1,0 +1,269 @@
+"""Request placement over replicas (the dp groups, each a tp × pp engine): the real form of the
+tutorial's IntelligentScheduler. Pure Python: it sees only what the replicas measured and reported
+(per-token latencies of finished requests, KV-cache slots in use, queue depth, busy time) and its
+own accounting of the requests it placed. Time is passed in, so it is unit-tested without processes.
+
+Strategies: `round_robin` (the baseline), `load_balanced` (fewest outstanding tokens),
+`performance_optimized` (smallest estimated completion: outstanding tokens × the replica's measured
+seconds per token, weighted for this request's mix — a prefill-heavy request weighs the measured
+prefill cost, a decode-heavy one the decode cost), `memory_aware` (most KV headroom), `hybrid`
+(chooses one of them from the measured state, tutorial thresholds by default, else a blend).
+
+No request is lost: a replica at its outstanding-request limit is skipped; when all are, requests
+wait in the router's FIFO and are placed as replicas finish work. Only past `max_pending` waiting
+does `submit` refuse, with `Overloaded` (the server answers 429 then).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from typing import Any
+
+STRATEGIES = ("round_robin", "load_balanced", "performance_optimized", "memory_aware", "hybrid")
+
+
+class Overloaded(Exception):
+    """Every replica is at its limit and the router's waiting queue is full."""
+
+
+@dataclass
+class RouterConfig:
+    strategy: str = "hybrid"
+    memory_pressure: float = 0.8  # hybrid: above this → memory_aware
+    performance_pressure: float = 0.8  # hybrid: above this → performance_optimized
+    imbalance: float = 0.5  # hybrid: above this → load_balanced
+    max_outstanding: int = 64  # requests per replica before it counts as busy
+    max_pending: int = 256  # requests waiting in the router before submit refuses
+    ewma: float = 0.3  # weight of a new latency measurement
+    window: int = 2048  # completed requests kept for latency percentiles
+
+    def validate(self) -> None:
+        if self.strategy not in STRATEGIES:
+            raise ValueError(f"router strategy={self.strategy!r} is not one of {', '.join(STRATEGIES)}")
+        for name in ("memory_pressure", "performance_pressure", "imbalance", "ewma"):
+            v = getattr(self, name)
+            if not (isinstance(v, (int, float)) and 0 < v <= 1):
+                raise ValueError(f"router {name}={v!r} must be in (0, 1]")
+        for name in ("max_outstanding", "max_pending", "window"):
+            v = getattr(self, name)
+            if not (isinstance(v, int) and v >= 1):
+                raise ValueError(f"router {name}={v!r} must be a positive integer")
+
+
+@dataclass
+class Request:
+    id: str
+    prompt_tokens: int
+    max_tokens: int
+
+    @property
+    def tokens(self) -> int:
+        return self.prompt_tokens + self.max_tokens
+
+    @property
+    def prefill_heavy(self) -> bool:
+        return self.prompt_tokens >= self.max_tokens
+
+
+@dataclass
+class ReplicaState:
+    outstanding: dict[str, Request] = field(default_factory=dict)
+    sent_since_status: int = 0  # tokens placed after the replica's last status (not yet in its report)
+    # Reported by the replica (None until its first report):
+    kv_used: int = 0
+    kv_capacity: int | None = None
+    slots: int = 1  # sequences it runs at once (reported; 1 until then)
+    queued_tokens: int = 0
+    queue_depth: int = 0
+    utilisation: float | None = None  # busy fraction between its last two reports
+    _busy: tuple[float, float] | None = None  # (busy_s, time) of the last report
+    # Measured per-token latencies (EWMA over finished requests):
+    prefill_s: float | None = None
+    decode_s: float | None = None
+    routed: Counter = field(default_factory=Counter)
+
+    @property
+    def outstanding_tokens(self) -> int:
+        return sum(r.tokens for r in self.outstanding.values())
+
+    def kv_pressure(self) -> float:
+        if not self.kv_capacity:
+            return 0.0
+        return (self.kv_used + self.queued_tokens + self.sent_since_status) / self.kv_capacity
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in [0, 100]); None for no values."""
+    if not values:
+        return None
+    s = sorted(values)
+    return s[max(0, math.ceil(q / 100 * len(s)) - 1)]
+
+
+class Router:
+    def __init__(self, n_replicas: int, cfg: RouterConfig | None = None) -> None:
+        if not isinstance(n_replicas, int) or n_replicas < 1:
+            raise ValueError(f"n_replicas={n_replicas!r} must be a positive integer")
+        self.cfg = cfg or RouterConfig()
+        self.cfg.validate()
+        self.replicas = [ReplicaState() for _ in range(n_replicas)]
+        self.pending: deque[tuple[Request, float]] = deque()
+        self.where: dict[str, int] = {}
+        self.submitted_at: dict[str, float] = {}
+        self.usage: Counter = Counter()
+        self.latencies: deque[float] = deque(maxlen=self.cfg.window)
+        self.completed = 0
+        self._rr = 0
+
+    # -- public API ----------------------------------------------------------------------------------
+    def submit(self, req: Request, now: float) -> list[tuple[Request, int]]:
+        """Place `req` (or queue it). Returns the placements made, in order: (request, replica)."""
+        if req.id in self.where or any(r.id == req.id for r, _ in self.pending):
+            raise ValueError(f"request id {req.id!r} is already in flight")
+        if self.pending or not self._available():
+            if len(self.pending) >= self.cfg.max_pending:
+                raise Overloaded(f"all {len(self.replicas)} replicas are at max_outstanding="
+                                 f"{self.cfg.max_outstanding} and {len(self.pending)} requests are waiting")
+            self.pending.append((req, now))
+            return self._drain()
+        self.submitted_at[req.id] = now
+        return [(req, self._place(req))]
+
+    def finished(self, req_id: str, now: float, prefill_s_per_token: float | None = None,
+                 decode_s_per_token: float | None = None) -> list[tuple[Request, int]]:
+        """A replica finished `req_id` (its measured costs, if any). Returns waiting requests now placed."""
+        r = self.where.pop(req_id)
+        rep = self.replicas[r]
+        rep.outstanding.pop(req_id)
+        a = self.cfg.ewma
+        if prefill_s_per_token is not None:
+            rep.prefill_s = prefill_s_per_token if rep.prefill_s is None else (1 - a) * rep.prefill_s + a * prefill_s_per_token
+        if decode_s_per_token is not None:
+            rep.decode_s = decode_s_per_token if rep.decode_s is None else (1 - a) * rep.decode_s + a * decode_s_per_token
+        self.latencies.append(now - self.submitted_at.pop(req_id))
+        self.completed += 1
+        return self._drain()
+
+    def report(self, replica: int, kv_used: int, kv_capacity: int, queue_depth: int, queued_tokens: int,
+               busy_s: float, now: float, slots: int = 1) -> None:
+        """A replica's measured status."""
+        rep = self.replicas[replica]
+        rep.slots = max(1, int(slots))
+        rep.kv_used, rep.kv_capacity, rep.queue_depth, rep.queued_tokens = kv_used, kv_capacity, queue_depth, queued_tokens
+        rep.sent_since_status = 0
+        if rep._busy is not None and now > rep._busy[1]:
+            rep.utilisation = min(1.0, max(0.0, (busy_s - rep._busy[0]) / (now - rep._busy[1])))
+        rep._busy = (busy_s, now)
+
+    def state(self) -> dict[str, float]:
+        """The measured state hybrid decides on (all in [0, 1])."""
+        loads = [r.outstanding_tokens for r in self.replicas]
+        hi, lo = max(loads), min(loads)
+        return {"memory_pressure": max(r.kv_pressure() for r in self.replicas),
+                "performance_pressure": max((r.utilisation or 0.0) for r in self.replicas),
+                "load_imbalance": (hi - lo) / (hi + lo) if hi + lo else 0.0}
+
+    def statistics(self) -> dict[str, Any]:
+        lat = list(self.latencies)
+        return {
+            "strategy": self.cfg.strategy, "strategy_usage": dict(self.usage), "completed": self.completed,
+            "pending": len(self.pending), "state": self.state(),
+            "latency_s": {"p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": percentile(lat, 99),
+                          "n": len(lat)},
+            "replicas": [{"queue_depth": r.queue_depth, "outstanding_requests": len(r.outstanding),
+                          "outstanding_tokens": r.outstanding_tokens, "kv_used_tokens": r.kv_used,
+                          "kv_capacity_tokens": r.kv_capacity, "utilisation": r.utilisation,
+                          "prefill_s_per_token": r.prefill_s, "decode_s_per_token": r.decode_s,
+                          "routed": dict(r.routed)} for r in self.replicas],
+        }
+
+    # -- placement -----------------------------------------------------------------------------------
+    def _available(self) -> list[int]:
+        return [i for i, r in enumerate(self.replicas) if len(r.outstanding) < self.cfg.max_outstanding]
+
+    def _drain(self) -> list[tuple[Request, int]]:
+        placed = []
+        while self.pending and self._available():
+            req, t = self.pending.popleft()
+            self.submitted_at[req.id] = t  # latency counts the time it waited here
+            placed.append((req, self._place(req)))
+        return placed
+
+    def _place(self, req: Request) -> int:
+        choices = self._available()
+        name = self.cfg.strategy
+        if name == "hybrid":
+            st = self.state()
+            if st["memory_pressure"] > self.cfg.memory_pressure:
+                name = "memory_aware"
+            elif st["performance_pressure"] > self.cfg.performance_pressure:
+                name = "performance_optimized"
+            elif st["load_imbalance"] > self.cfg.imbalance:
+                name = "load_balanced"
+            else:
+                name = "blend"
+            self.usage[f"hybrid:{name}"] += 1
+        self.usage[name] += 1
+        r = getattr(self, f"_{name}")(req, choices)
+        rep = self.replicas[r]
+        rep.outstanding[req.id] = req
+        rep.sent_since_status += req.tokens
+        rep.routed["prefill_heavy" if req.prefill_heavy else "decode_heavy"] += 1
+        self.where[req.id] = r
+        return r
+
+    def _round_robin(self, req: Request, choices: list[int]) -> int:
+        n = len(self.replicas)
+        for k in range(n):  # the next replica in turn that is not busy
+            i = (self._rr + k) % n
+            if i in choices:
+                self._rr = i + 1
+                return i
+        raise AssertionError("no available replica")  # callers check availability first
+
+    def _load_balanced(self, req: Request, choices: list[int]) -> int:
+        return min(choices, key=lambda i: (self.replicas[i].outstanding_tokens, len(self.replicas[i].outstanding), i))
+
+    def _costs(self, i: int) -> tuple[float, float] | None:
+        """Replica i's measured (prefill s per prompt token, decode s per output token). A replica not
+        measured yet is taken as the mean of those measured (so it gets traffic and a measurement);
+        None when nothing is measured anywhere yet."""
+        def known(attr: str) -> float | None:
+            own = getattr(self.replicas[i], attr)
+            if own is not None:
+                return own
+            vals = [getattr(r, attr) for r in self.replicas if getattr(r, attr) is not None]
+            return sum(vals) / len(vals) if vals else None
+
+        pf, dc = known("prefill_s"), known("decode_s")
+        if pf is None and dc is None:
+            return None
+        return (pf if pf is not None else dc), (dc if dc is not None else pf)  # type: ignore[return-value]
+
+    def service_s(self, i: int, req: Request) -> float:
+        """Estimated seconds replica i needs for `req` alone: its prompt at the measured prefill cost
+        plus its output at the measured decode cost, so prefill-heavy and decode-heavy requests are
+        weighed by what each replica is actually fast at."""
+        c = self._costs(i)
+        if c is None:
+            return float(req.tokens)  # nothing measured: every replica equal, i.e. balance tokens
+        return req.prompt_tokens * c[0] + req.max_tokens * c[1]
+
+    def _estimate(self, i: int, req: Request) -> float:
+        # Completion estimate: the work already placed there, shared among the sequences the replica
+        # runs concurrently (it reports its slots), then this request's own service time.
+        rep = self.replicas[i]
+        backlog = sum(self.service_s(i, q) for q in rep.outstanding.values()) / rep.slots
+        return backlog + self.service_s(i, req)
+
+    def _performance_optimized(self, req: Request, choices: list[int]) -> int:
+        return min(choices, key=lambda i: (self._estimate(i, req), i))
+
+    def _memory_aware(self, req: Request, choices: list[int]) -> int:
+        return min(choices, key=lambda i: (self.replicas[i].kv_pressure(), self.replicas[i].outstanding_tokens, i))
+
+    def _blend(self, req: Request, choices: list[int]) -> int:
+        # Estimated completion, stretched as the replica's KV cache fills (a full cache means waiting).
+        return min(choices, key=lambda i: (self._estimate(i, req) / max(0.05, 1 - self.replicas[i].kv_pressure()), i))

@@ -1,0 +1,141 @@
+"""The serving core between HTTP and the replicas: tokenises, places each request with the router,
+forwards it to its replica's driver, and turns the replica's events back into per-request streams.
+Measured replica status and completion costs feed the router; counters feed /metrics."""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import queue
+import threading
+import time
+import uuid
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridpar.config import ModelConfig
+from hybridpar.data import encode
+from hybridpar.serve.config import ServeConfig
+from hybridpar.serve.pool import ReplicaPool
+from hybridpar.serve.router import Request, Router
+from hybridpar.serve.worker import WorkerSpec
+
+
+class ByteDetokenizer:
+    """Incremental byte-level decoding: a UTF-8 character split over tokens is emitted once complete."""
+
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token: int) -> str:
+        return self._dec.decode(bytes([token if 0 <= token < 256 else 0xFF]))
+
+    def flush(self) -> str:
+        return self._dec.decode(b"", final=True)
+
+
+@dataclass
+class Pending:
+    """One request in flight: its events arrive on `events` (('token', id) ..., ('done', info))."""
+
+    id: str
+    prompt_tokens: int
+    max_tokens: int
+    msg: dict[str, Any] = field(default_factory=dict)  # what the replica's driver is sent
+    created: float = field(default_factory=time.time)
+    events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
+
+
+class Service:
+    def __init__(self, cfg: ServeConfig, model: ModelConfig, source: str) -> None:
+        self.cfg, self.model = cfg, model
+        self.router = Router(cfg.dp, cfg.router())
+        self.lock = threading.Lock()
+        self.inflight: dict[str, Pending] = {}
+        self.counters: Counter = Counter()
+        self.closing = False
+        self.replica_status: dict[int, dict[str, Any]] = {}  # each replica's latest measured status
+        limits = {"max_batch": cfg.max_batch, "max_groups": cfg.max_groups, "kv_tokens": cfg.kv_tokens,
+                  "max_seq_len": cfg.max_seq_len}
+        spec = WorkerSpec(model=dataclasses.asdict(model), source=source, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
+                          limits=limits, slowdown=cfg.slowdowns(), timeout_s=cfg.timeout_s, backend=cfg.backend)
+        self.pool = ReplicaPool(spec, self._on_event)
+
+    def tokenize(self, prompt: str | list[int]) -> list[int]:
+        return encode(prompt) if isinstance(prompt, str) else list(prompt)
+
+    def submit(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
+               seed: int | None, stop_tokens: list[int] | None = None) -> Pending:
+        """Place a request (raises Overloaded when every replica and the waiting queue are full)."""
+        p = Pending(f"cmpl-{uuid.uuid4().hex[:24]}", len(prompt), max_tokens)
+        p.msg = {"type": "generate", "id": p.id, "prompt": prompt, "max_tokens": max_tokens,
+               "temperature": temperature, "top_p": top_p, "seed": seed, "stop_tokens": stop_tokens or []}
+        with self.lock:
+            placed = self.router.submit(Request(p.id, len(prompt), max_tokens), time.monotonic())
+            self.inflight[p.id] = p
+            self.counters["requests_total"] += 1
+        self._send(placed)
+        return p
+
+    def _send(self, placed: list[tuple[Request, int]]) -> None:
+        for req, rep in placed:
+            p = self.inflight.get(req.id)
+            if p is not None and not self.pool.send(rep, p.msg):
+                self._fail(req.id, f"replica {rep} is down")
+
+    def _fail(self, rid: str, why: str) -> None:
+        with self.lock:
+            p = self.inflight.pop(rid, None)
+            # Freeing its place may place waiting requests: they must be sent, not forgotten.
+            placed = self.router.finished(rid, time.monotonic()) if rid in self.router.where else []
+            self.counters["requests_failed"] += 1
+        if p is not None:
+            p.events.put(("done", {"reason": "error", "error": why}))
+        self._send(placed)
+
+    def cancel(self, rid: str) -> None:
+        """A client gave up (timeout): stop tracking it; its replica still finishes the work."""
+        with self.lock:
+            self.inflight.pop(rid, None)
+
+    def _on_event(self, rep: int, ev: dict[str, Any]) -> None:
+        kind = ev.get("type")
+        if kind == "token":
+            p = self.inflight.get(ev["id"])
+            if p is not None:
+                p.events.put(("token", ev["token"]))
+        elif kind == "done":
+            with self.lock:
+                p = self.inflight.pop(ev["id"], None)
+                placed = self.router.finished(ev["id"], time.monotonic(), ev.get("prefill_s_per_token"),
+                                              ev.get("decode_s_per_token")) if ev["id"] in self.router.where else []
+                ok = ev.get("reason") != "error"
+                self.counters["requests_completed" if ok else "requests_failed"] += 1
+                self.counters["prompt_tokens_total"] += ev.get("prompt_tokens", 0)
+                self.counters["completion_tokens_total"] += ev.get("completion_tokens", 0)
+            if p is not None:
+                p.events.put(("done", ev))
+            self._send(placed)
+        elif kind == "status":
+            with self.lock:
+                self.replica_status[rep] = ev
+                self.router.report(rep, ev["kv_used_tokens"], ev["kv_capacity_tokens"], ev["queue_depth"],
+                                   ev["queued_tokens"], ev["busy_s"], time.monotonic(), ev["slots"])
+        elif kind == "replica_failed" and not self.closing:
+            with self.lock:
+                lost = [rid for rid, r in self.router.where.items() if r == rep]
+            for rid in lost:
+                self._fail(rid, f"replica {rep} stopped")
+
+    def alive(self) -> int:
+        return sum(self.pool.alive)
+
+    def statistics(self) -> dict[str, Any]:
+        with self.lock:
+            return {**self.router.statistics(), "counters": dict(self.counters), "replicas_alive": self.alive()}
+
+    def close(self) -> None:
+        self.closing = True
+        self.pool.close()
+

@@ -1,0 +1,143 @@
+"""One serving rank: build this rank's stage (sharded over tp) from a model source, then run the
+replica's driver (pp=0, tp=0) or the stage loop. Used by the server's worker pool, the benchmark and
+the multi-process tests alike.
+
+Model sources: `init:SEED` (hybridpar's deterministic init, for tests and benchmarks), a Hugging Face
+checkpoint directory (config.json + *.safetensors), hybridpar's `final_model.pt` (full state dict,
+loaded with weights_only and mmap) or a committed hybridpar DCP checkpoint directory (only this
+stage's tensors are read).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridpar.config import ModelConfig
+from hybridpar.model.hf import SafetensorsDir, TensorGetter, getter_from_state, load_stage_, read_hf_config
+from hybridpar.model.llama import LlamaStage, build_stage
+from hybridpar.model.tp import apply_tp
+from hybridpar.pipeline.partition import partition_uniform
+from hybridpar.serve.driver import Channel, Driver, Limits
+from hybridpar.serve.engine import StageRunner
+from hybridpar.topology.mesh import ParallelDims, Topology, build_topology
+
+
+@dataclass
+class WorkerSpec:
+    """Everything a serving rank needs (JSON-able, so it crosses process boundaries without pickle)."""
+
+    model: dict[str, Any]  # ModelConfig fields
+    source: str
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    limits: dict[str, Any] = field(default_factory=dict)
+    slowdown: list[float] = field(default_factory=list)  # per replica; EMULATION MODE, empty = off
+    timeout_s: float = 120.0
+    backend: str = "auto"
+
+    def model_config(self) -> ModelConfig:
+        return ModelConfig(**self.model)
+
+
+def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelConfig]:
+    """(normalised source, its ModelConfig). A hybridpar run directory resolves to its newest
+    committed checkpoint, else its final_model.pt; `model` is needed only where the source has no
+    config of its own (init:, final_model.pt)."""
+    if source.startswith("init:"):
+        if model is None:
+            raise ValueError("source 'init:SEED' needs a model config")
+        return source, model
+    p = Path(source)
+    if p.is_dir() and (p / "config.json").is_file():
+        return str(p), read_hf_config(p)
+    if p.is_dir() and (p / "trainer_state.json").is_file():
+        state = json.loads((p / "trainer_state.json").read_text(encoding="utf-8"))
+        return str(p), ModelConfig(**state["config"]["model"])
+    if p.is_dir():
+        from hybridpar.resilience.checkpoint import find_latest
+
+        ck, _ = find_latest(p / "checkpoints")
+        if ck is not None:
+            return resolve_source(str(ck), model)
+        if (p / "final_model.pt").is_file():
+            return resolve_source(str(p / "final_model.pt"), model)
+    if p.is_file() and p.suffix == ".pt":
+        if model is None:
+            raise ValueError(f"{p} holds tensors only: give the model shape (--model.* options as in training)")
+        return str(p), model
+    raise ValueError(f"model source {source!r} is not init:SEED, a Hugging Face checkpoint directory "
+                     "(config.json + *.safetensors), a hybridpar run directory, checkpoint directory or final_model.pt")
+
+
+def _getter(source: str, cfg: ModelConfig, stage: LlamaStage) -> TensorGetter:
+    p = Path(source)
+    if (p / "config.json").is_file():
+        return SafetensorsDir(p).get
+    if p.is_file():
+        return getter_from_state(torch.load(p, map_location="cpu", weights_only=True, mmap=True))
+    from torch.distributed import checkpoint as dcp
+
+    from hybridpar.resilience.checkpoint import verify_checkpoint
+
+    if (why := verify_checkpoint(p)) is not None:
+        raise ValueError(f"checkpoint {p} cannot be used: {why}")
+    # Only this stage's tensors, at full size (DCP reshards on load); TP slicing happens in the getter.
+    names = {("model.embed_tokens.weight" if (n == "lm_head.weight" and cfg.tie_embeddings) else n)
+             for n, _ in stage.named_parameters()}
+    with torch.device("meta"):
+        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
+    state = {n: torch.empty(q.shape, dtype=torch.float32) for n, q in full.named_parameters() if n in names}
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        dcp.load(state, checkpoint_id=str(p), no_dist=True)
+    return getter_from_state(state)
+
+
+def build_serving_stage(spec: WorkerSpec, topo: Topology) -> LlamaStage:
+    cfg = spec.model_config()
+    parts = partition_uniform(cfg.n_layers, spec.pp)
+    s = topo.pp_rank
+    tp_group = topo.group("tp") if spec.tp > 1 else None
+    if spec.source.startswith("init:"):
+        stage = build_stage(cfg, parts[s], s == 0, s == spec.pp - 1, int(spec.source[5:]), topo.device)
+        return apply_tp(stage, tp_group).eval()
+    with torch.device("meta"):
+        stage = LlamaStage(cfg, parts[s], s == 0, s == spec.pp - 1)
+    stage.to_empty(device=topo.device)
+    if cfg.tie_embeddings and stage.first and stage.last:
+        stage.lm_head.weight = stage.model.embed_tokens.weight
+    stage = apply_tp(stage, tp_group)  # shards the (empty) parameters: loading then reads only our slices
+    load_stage_(stage, _getter(spec.source, cfg, stage), topo.tp_rank, spec.tp)
+    return stage.eval()
+
+
+def local_topology(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> Topology:
+    """The layout of a single-device replica run inside this process (no process group needed)."""
+    return Topology(ParallelDims(1, 1, 1, 1), 0, None, torch.device(device), "none", timeout_s)  # type: ignore[arg-type]
+
+
+def serve_rank(spec_d: dict[str, Any], channel: Channel | None) -> dict[str, Any] | None:
+    """Entry of one rank (torch.distributed environment already set). The driver of each replica
+    needs `channel`; returns its final status, other ranks None."""
+    spec = WorkerSpec(**spec_d)
+    topo = build_topology(spec.dp, spec.pp, spec.tp, spec.backend, spec.timeout_s)
+    stage = build_serving_stage(spec, topo)
+    slow = spec.slowdown[topo.dp_rank] if topo.dp_rank < len(spec.slowdown) else 1.0
+    runner = StageRunner(stage, topo, slowdown=slow)
+    if runner.is_driver:
+        assert channel is not None, "a replica driver needs a channel"
+        return Driver(runner, channel, Limits(**spec.limits)).run()
+    runner.serve_forever()
+    return None
+
+
+def spec_dict(spec: WorkerSpec) -> dict[str, Any]:
+    return dataclasses.asdict(spec)

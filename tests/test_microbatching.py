@@ -1,0 +1,99 @@
+"""The adaptive microbatch policy inside the trainer: measured activation memory under a budget, an
+(emulated) out-of-memory redone with smaller microbatches, and the math unchanged throughout."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from test_equivalence import check_layouts, tiny_config
+
+from hybridpar.batching.memory import ActivationMeter
+from hybridpar.config import Config
+from hybridpar.testing import run_ranks
+
+STEPS = 10
+
+
+def _records(run_dir: str) -> list[dict]:
+    return [r for r in map(json.loads, open(Path(run_dir) / "metrics.jsonl")) if "final" not in r]
+
+
+def _budget_and_oom_runs(base: dict, out: str) -> dict:
+    from hybridpar.train import train
+
+    def run(name: str, **batching) -> list[dict]:
+        cfg = Config.from_dict(base)
+        cfg.run_dir = f"{out}/{name}"
+        for k, v in batching.items():
+            setattr(cfg.emulate if k == "memory_limit" else cfg.batching, k, v)
+        train(cfg, log=False)
+        dist.barrier()  # rank 0 has closed metrics.jsonl
+        return _records(cfg.run_dir)
+
+    fixed = run("fixed")  # 2 microbatches of 4 under 1F1B, pp=2: stage 0 holds both, 8 samples
+    per_sample = max(r["activation_peak_bytes"] for r in fixed) / 8
+    # Smallest split (8 x 1): 2 samples in flight; 4 x 2: 4 samples; 2 x 4: 8 samples.
+    budget = int(4.5 * per_sample)  # just above the second-smallest split
+    budgeted = run("budget", policy="adaptive", memory_budget=float(budget))
+    oom = run("oom", policy="adaptive", memory_limit=int(5 * per_sample))
+    return {"fixed": fixed, "budget": budgeted, "budget_bytes": budget, "oom": oom}
+
+
+def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(tmp_path: Path) -> None:
+    cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
+                      train=dict(global_batch=8, microbatches=2, steps=STEPS, val_every=0))
+    res = run_ranks(_budget_and_oom_runs, 2, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
+    fixed, budgeted, oom, budget = res["fixed"], res["budget"], res["oom"], res["budget_bytes"]
+    for name, recs in (("budget", budgeted), ("oom", oom)):
+        assert [r["step"] for r in recs] == list(range(STEPS)), f"{name}: a step was skipped or repeated"
+        for a, b in zip(recs, fixed):
+            assert abs(a["loss"] - b["loss"]) <= 1e-6, f"{name} step {a['step']}: {a['loss']} vs fixed {b['loss']}"
+    # The budget: never exceeded, and the policy did move past the smallest microbatches.
+    assert max(r["activation_peak_bytes"] for r in budgeted) <= budget
+    splits = [tuple(r["microbatches"]) for r in budgeted]
+    assert splits[0] == (1,) * 8 and (2,) * 4 in splits and (4, 4) not in splits, splits
+    # Measured, not modelled: more samples per microbatch hold more activation bytes.
+    peak = {tuple(r["microbatches"]): r["activation_peak_bytes"] for r in budgeted}
+    assert peak[(1,) * 8] < peak[(2,) * 4] < fixed[0]["activation_peak_bytes"]
+    # The emulated limit: 2 x 4 runs out of memory once; the step is redone with the best measured split
+    # that fits (8 x 1 or 4 x 2), and 2 x 4 is never tried again.
+    failed = [r for r in oom if "oom" in r]
+    assert len(failed) == 1 and failed[0]["oom"][0]["microbatches"] == [4, 4], failed
+    assert tuple(failed[0]["microbatches"]) in ((1,) * 8, (2,) * 4)
+    assert all(tuple(r["microbatches"]) != (4, 4) for r in oom)
+
+
+def test_adaptive_split_changing_every_step_matches_single_device(tmp_path: Path) -> None:
+    """dp=2 x pp=2, unequal replicas (6/5): every step runs another microbatch count."""
+    cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b"),
+                      batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0))
+    check_layouts([cfg], tmp_path)
+
+
+def test_meter_counts_storages_once_and_releases_with_the_graph() -> None:
+    w = torch.nn.Parameter(torch.randn(8, 8))
+    meter = ActivationMeter()
+    meter.reset([w])
+    x = torch.randn(4, 8, requires_grad=True)
+    with meter.measuring():
+        y = (x @ w).tanh()  # saves x (matmul; w excluded) and y (tanh)
+        z = y * y  # saves y again: same storage
+    assert meter.live == meter.peak == 2 * 4 * 8 * 4
+    z.sum().backward()
+    assert meter.live == 0 and meter.peak == 2 * 4 * 8 * 4
+
+
+def test_meter_limit_raises_out_of_memory() -> None:
+    meter = ActivationMeter(limit_bytes=100)
+    x = torch.randn(64, requires_grad=True)
+    with meter.measuring():
+        try:
+            x.tanh()
+        except torch.OutOfMemoryError as e:
+            assert "memory_limit=100" in str(e)
+        else:
+            raise AssertionError("a 256-byte save under a 100-byte limit must fail")

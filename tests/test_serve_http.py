@@ -1,0 +1,150 @@
+"""The HTTP server: each bad input gets the right 4xx with a message naming the parameter, overload
+gets 429, and the official `openai` client completes and streams the tokens the model generates."""
+
+from __future__ import annotations
+
+import http.client
+import json
+import threading
+from collections import Counter
+from typing import Any, Iterator
+
+import pytest
+
+from hybridpar.config import ModelConfig
+from hybridpar.data import decode
+from hybridpar.model.llama import build_full_model, generate
+from hybridpar.serve.config import ServeConfig
+from hybridpar.serve.http import make_server
+from hybridpar.serve.router import Overloaded
+
+MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[tuple[int, Any]]:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60)
+    svc = Service(cfg, MODEL, cfg.source)
+    srv = make_server(svc, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        yield srv.server_address[1], svc
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        svc.close()
+
+
+def call(port: int, method: str, path: str, body: bytes | None = None,
+         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    conn.request(method, path, body=body, headers=headers or {})
+    resp = conn.getresponse()
+    data = resp.read()
+    conn.close()
+    try:
+        return resp.status, json.loads(data)
+    except json.JSONDecodeError:
+        return resp.status, data.decode()
+
+
+def post(port: int, obj: Any) -> tuple[int, Any]:
+    return call(port, "POST", "/v1/completions", json.dumps(obj).encode(), {"Content-Type": "application/json"})
+
+
+GOOD = {"model": "hybridpar", "prompt": "def ", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.mark.parametrize("body,status,param", [
+    (b"{not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({**GOOD, "model": "gpt-9"}, 404, "model"),
+    ({**GOOD, "prompt": "x" * 70}, 400, "prompt"),  # 70 + 4 > max_seq_len = 64
+    ({**GOOD, "prompt": ""}, 400, "prompt"),
+    ({**GOOD, "prompt": [1, 2, 999]}, 400, "prompt"),  # token id outside the vocabulary
+    ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+    ({**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
+    ({**GOOD, "temperature": -1}, 400, "temperature"),
+    ({**GOOD, "temperature": "hot"}, 400, "temperature"),
+    ({**GOOD, "top_p": 0}, 400, "top_p"),
+    ({**GOOD, "top_p": 1.5}, 400, "top_p"),
+    ({**GOOD, "n": 3}, 400, "n"),
+    ({**GOOD, "seed": -2}, 400, "seed"),
+    ({**GOOD, "stream": "yes"}, 400, "stream"),
+])
+def test_bad_requests_get_4xx(server: tuple[int, Any], body: Any, status: int, param: str | None) -> None:
+    port, _ = server
+    raw = body if isinstance(body, bytes) else json.dumps(body).encode()
+    got, resp = call(port, "POST", "/v1/completions", raw)
+    assert got == status, resp
+    assert resp["error"]["param"] == param and resp["error"]["message"]
+
+
+def test_routes_and_headers(server: tuple[int, Any]) -> None:
+    port, _ = server
+    assert call(port, "GET", "/nope")[0] == 404
+    assert call(port, "POST", "/v1/chat")[0] == 404
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)  # no Content-Length
+    conn.putrequest("POST", "/v1/completions")
+    conn.endheaders()
+    assert conn.getresponse().status == 411
+    assert call(port, "POST", "/v1/completions", b"x", {"Content-Length": str(1 << 21)})[0] == 413
+    status, health = call(port, "GET", "/health")
+    assert status == 200 and health["replicas_alive"] == 1
+    assert call(port, "GET", "/v1/models")[1]["data"][0]["id"] == "hybridpar"
+
+
+def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
+    openai = pytest.importorskip("openai")
+    port, _ = server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0)
+    want = decode(generate(build_full_model(MODEL, 7), list(b"def "), 8, temperature=0))
+    out = client.completions.create(model="hybridpar", prompt="def ", max_tokens=8, temperature=0)
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "length"
+    assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (4, 8)
+    chunks = list(client.completions.create(model="hybridpar", prompt="def ", max_tokens=8, temperature=0, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
+    a, b = (client.completions.create(model="hybridpar", prompt="def ", max_tokens=8, temperature=0.9, top_p=0.9,
+                                      seed=11).choices[0].text for _ in range(2))
+    assert a == b  # seeded sampling repeats
+    with pytest.raises(openai.NotFoundError):
+        client.completions.create(model="other", prompt="x", max_tokens=2)
+    status, text = call(port, "GET", "/metrics")
+    assert status == 200 and "hybridpar_requests_completed_total" in text and 'replica="0"' in text
+
+
+class _Full:
+    """A service whose router refuses everything (as `Router.submit` does when full)."""
+
+    def __init__(self) -> None:
+        self.cfg = ServeConfig(model_name="m")
+        self.model = MODEL
+        self.counters: Counter = Counter()
+
+    def alive(self) -> int:
+        return 1
+
+    def tokenize(self, prompt: Any) -> list[int]:
+        return list(prompt.encode()) if isinstance(prompt, str) else prompt
+
+    def submit(self, *args: Any) -> None:
+        raise Overloaded("all 1 replicas are at max_outstanding=32 and 64 requests are waiting")
+
+
+def test_overload_is_429_with_retry_after() -> None:
+    svc = _Full()
+    srv = make_server(svc, "127.0.0.1", 0)  # type: ignore[arg-type]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        port = srv.server_address[1]
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({**GOOD, "model": "m"}))
+        resp = conn.getresponse()
+        body = json.loads(resp.read())
+        assert resp.status == 429 and resp.getheader("Retry-After") == "1"
+        assert "overloaded" in body["error"]["message"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
