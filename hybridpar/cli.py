@@ -19,7 +19,9 @@ unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
+       hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
        hybridpar bench chaos [--help] [args ...]      (random-fault soak; sync vs async checkpoint cost)
+       hybridpar bench balance [--help] [args ...]    (static layout vs live load balancing, one rank 2x slow)
 """
 
 

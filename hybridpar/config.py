@@ -151,8 +151,27 @@ class EmulateConfig:
                            "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)")
     fault: str = _f("", "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
                         "'rank=1:kill@step=3:phase=forward' (see hybridpar/resilience/chaos.py)")
+    layer_ms: float = _f(0.0, "BENCHMARK MODE, off by default (0): every decoder layer's forward also sleeps this "
+                              "many ms per sample and its backward twice that, so compute is a fixed duration")
     memory_limit: int | None = _f(None, "TESTING MODE, off by default: raise an out-of-memory error when a rank's "
                                         "activations held for backward would exceed this many bytes")
+
+
+@dataclass
+class BalanceConfig:
+    mode: str = _f("off", "dynamic load balancing: 'off'; 'detect' (log decisions, change nothing); 'auto' "
+                          "(re-partition stages live and re-split the batch among replicas)",
+                   choices=("off", "detect", "auto"))
+    interval: int = _f(20, "never decide a rebalance more often than every N steps")
+    min_gain: float = _f(0.05, "act only if the predicted step time falls by at least this fraction")
+    threshold: float = _f(1.25, "straggler: smoothed time per unit of work above this x the others' median")
+    skip_steps: int = _f(2, "first steps of a run not measured (allocation and lazy-init warm-up)")
+    window: int = _f(5, "measurements in each rank's smoothing median")
+    patience: int = _f(3, "consecutive measurements beyond the threshold before a straggler (or its "
+                          "recovery) counts")
+    weight_memory: float = _f(0.4, "load-score weight of memory pressure (tutorial: 0.4)")
+    weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work (tutorial: 0.4)")
+    weight_network: float = _f(0.2, "load-score weight of communication wait (tutorial: 0.2)")
 
 
 @dataclass
@@ -165,6 +184,7 @@ class Config:
     resilience: ResilienceConfig = _f(ResilienceConfig, "hang detection, restarts, elastic re-plan")
     batching: BatchingConfig = _f(BatchingConfig, "microbatch policy")
     emulate: EmulateConfig = _f(EmulateConfig, "emulated slow devices and injected faults (testing and benchmarks only)")
+    balance: BalanceConfig = _f(BalanceConfig, "dynamic load balancing (stage re-partition, uneven data-parallel split)")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
     trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
 
@@ -215,6 +235,7 @@ class Config:
             choices = f.metadata.get("choices", ())
             if choices and (v := getattr(*_owner(self, key))) not in choices:
                 raise ValueError(f"{key}={v!r} is not one of {', '.join(choices)}{_suggest(str(v), choices)}")
+        self._validate_balance()
 
         if world_size is not None and p.world_size != world_size:
             raise ValueError(f"parallel.tp × parallel.pp × parallel.dp = {p.tp} × {p.pp} × {p.dp} = "
@@ -289,6 +310,34 @@ class Config:
                      f"but model.n_layers={m.n_layers}")
             for i, c in enumerate(costs):
                 _require(_is_num(c) and c > 0, f"parallel.layer_costs[{i}]={c!r} must be > 0")
+
+    def _validate_balance(self) -> None:
+        b, p, t = self.balance, self.parallel, self.train
+        _require(_is_num(self.emulate.layer_ms) and self.emulate.layer_ms >= 0,
+                 f"emulate.layer_ms must be >= 0 (0 = off), got {self.emulate.layer_ms!r}")
+        for key in ("interval", "window", "patience"):
+            _require(_is_int(v := getattr(b, key)) and v >= 1, f"balance.{key} must be a positive integer, got {v!r}")
+        _require(_is_int(b.skip_steps) and b.skip_steps >= 0,
+                 f"balance.skip_steps must be a non-negative integer, got {b.skip_steps!r}")
+        _require(_is_num(b.min_gain) and 0 <= b.min_gain < 1, f"balance.min_gain must be in [0, 1), got {b.min_gain!r}")
+        _require(_is_num(b.threshold) and b.threshold > 1, f"balance.threshold must be > 1 (a ratio to the "
+                 f"others' median time), got {b.threshold!r}")
+        weights = (b.weight_memory, b.weight_compute, b.weight_network)
+        for key, w in zip(("weight_memory", "weight_compute", "weight_network"), weights):
+            _require(_is_num(w) and w >= 0, f"balance.{key} must be a number >= 0, got {w!r}")
+        _require(sum(weights) > 0, f"balance.weight_memory + weight_compute + weight_network must be > 0, got {weights}")
+        if b.mode == "off":
+            return
+        _require(p.pp == 1 or (p.schedule in ("gpipe", "1f1b") and p.virtual_stages == 1),
+                 f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule gpipe or 1f1b with "
+                 f"one stage per rank, got {p.schedule} with virtual_stages={p.virtual_stages}")
+        _require(p.dp == 1 or t.microbatch_sizes is None, f"balance.mode={b.mode} re-splits the batch among "
+                 "data-parallel replicas, which fixed train.microbatch_sizes would contradict: drop them")
+        # The adaptive planner sizes microbatches for an even replica share; an uneven one would escape
+        # its memory model.
+        _require(p.dp == 1 or self.batching.policy == "fixed", f"balance.mode={b.mode} with parallel.dp="
+                 f"{p.dp} re-splits the batch among replicas and needs batching.policy=fixed, got "
+                 f"{self.batching.policy!r}")
 
     def microbatch_count(self) -> int | None:
         """Microbatches per replica under the fixed policy (None: the adaptive policy chooses per step)."""

@@ -41,6 +41,7 @@ class DataParallelGrads:
         self._ready: dict[tuple[int, int], int] = {}
         self._launched: set[tuple[int, int]] = set()
         self.overlapped = 0  # buckets whose reduction started from a hook, i.e. during backward
+        self._hooks: list = []  # removed by close(), when the stages change (live re-partition)
         if self.group is None:
             return
         for s, stage in stages.items():
@@ -54,7 +55,7 @@ class DataParallelGrads:
                 size += p.numel() * p.element_size()
                 self._bucket_of[id(p)] = (s, len(buckets) - 1)
                 if microbatches:
-                    p.register_post_accumulate_grad_hook(self._on_grad)
+                    self._hooks.append(p.register_post_accumulate_grad_hook(self._on_grad))
             self._buckets[s] = buckets
 
     def _on_grad(self, p: torch.Tensor) -> None:
@@ -84,14 +85,70 @@ class DataParallelGrads:
         timeout = timedelta(seconds=self.topo.timeout_s)
         for grads, flat, work in self._pending:
             work.wait(timeout)
-            offset = 0
-            for g in grads:
-                g.copy_(flat[offset:offset + g.numel()].view_as(g))
-                offset += g.numel()
+            _unflatten(flat, grads)
         self._pending.clear()
         self._fired.clear()
         self._ready.clear()
         self._launched.clear()
+
+    def close(self) -> None:
+        """Detach from the parameters (before the stages are rebuilt and a new reducer made)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+
+class PlaneGrads:
+    """Data-parallel reduction when replicas hold different pipeline partitions (after a live
+    rebalance that moved layers in one replica only): a layer's copies then sit on different pipeline
+    ranks, so its gradient is summed over the whole (dp x pp) plane of ranks sharing our tp rank.
+    Each rank lays every layer's gradient out at a fixed offset of one flat buffer (zeros for layers
+    it does not hold; adding zeros is exact) and all-reduces it once after the backward. The
+    embedding, final norm and head never move: they are reduced over the dp group as usual."""
+
+    def __init__(self, topo: Topology, stages: dict[int, LlamaStage], n_layers: int,
+                 plane: dist.ProcessGroup) -> None:
+        self.topo, self.stages, self.n_layers, self.plane = topo, stages, n_layers, plane
+        self.dp_group = topo.group("dp")
+        self.overlapped = 0
+
+    def stage_done(self, s: int) -> None:
+        pass  # everything is reduced in finish(): the buffer spans layers of several stages
+
+    def close(self) -> None:
+        pass
+
+    def finish(self) -> None:
+        timeout = timedelta(seconds=self.topo.timeout_s)
+        layer_grads: dict[int, list[torch.Tensor]] = {}
+        other: list[torch.Tensor] = []
+        for stage in self.stages.values():
+            for i, layer in stage.model.layers.items():
+                layer_grads[int(i)] = [p.grad for p in layer.parameters()]
+            ids = {id(p) for layer in stage.model.layers.values() for p in layer.parameters()}
+            other += [p.grad for p in stage.parameters() if id(p) not in ids]
+        per_layer = sum(g.numel() for g in next(iter(layer_grads.values())))
+        ref = next(iter(layer_grads.values()))[0]
+        flat = torch.zeros(self.n_layers * per_layer, dtype=ref.dtype, device=ref.device)
+        for i, grads in layer_grads.items():
+            flat[i * per_layer:(i + 1) * per_layer] = torch.cat([g.reshape(-1) for g in grads])
+        works = [(flat, dist.all_reduce(flat, group=self.plane, async_op=True))]
+        if other:  # stage 0 and the last stage hold them in every replica: the dp group has them all
+            rest = torch.cat([g.reshape(-1) for g in other])
+            works.append((rest, dist.all_reduce(rest, group=self.dp_group, async_op=True)))
+        for _, w in works:
+            w.wait(timeout)
+        for i, grads in layer_grads.items():
+            _unflatten(flat[i * per_layer:(i + 1) * per_layer], grads)
+        if other:
+            _unflatten(works[1][0], other)
+
+
+def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
+    offset = 0
+    for g in grads:
+        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        offset += g.numel()
 
 
 def sync_tied_embeddings(topo: Topology, stages: dict[int, LlamaStage], n_stages: int) -> None:

@@ -20,14 +20,18 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.balance.emulate import SlowdownPlan
+from hybridpar.balance.layer_cost import attach_layer_cost
+from hybridpar.balance.live import LiveBalancer, plane_groups
+from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor, aggregate
+from hybridpar.balance.plan import Layout
 from hybridpar.batching.memory import ActivationMeter
 from hybridpar.batching.policy import make_policy, plan_for
-from hybridpar.batching.split import BatchPlan
+from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config, parse_args
 from hybridpar.data import TokenData, decode, encode, load_tokens
 from hybridpar.export import gather_full_state, params_digest
-from hybridpar.grads import DataParallelGrads, clip_grad_norm, sync_tied_embeddings
+from hybridpar.grads import DataParallelGrads, PlaneGrads, clip_grad_norm, sync_tied_embeddings
 from hybridpar.model.llama import LlamaStage, build_full_model, build_stage, generate
 from hybridpar.model.tp import apply_tp
 from hybridpar.optim import lr_at, make_optimizer, set_lr
@@ -83,6 +87,7 @@ class Trainer:
             s = chunk * p.pp + topo.pp_rank
             st = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed, topo.device)
             self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
+            attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self.p2p = P2P(topo.device, torch.float32, p.timeout_s)
         self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(s % p.pp), self.p2p,
@@ -98,6 +103,10 @@ class Trainer:
                                   resident_bytes=sample.memory_used_bytes)
         self.plan: BatchPlan = plan_for(cfg, len(self.policy.propose(0)))
         self.oom_retries = 0  # steps redone after running out of memory, over the run
+        # Every replica's partition and share of the batch; changed only by the load balancer.
+        self.layout = Layout.uniform(self.parts, [sum(s) for s in self.plan.sizes])
+        self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
+        self.plane = None  # the (dp x pp) plane group, made on the first layout whose replicas differ
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
 
@@ -166,8 +175,9 @@ class Trainer:
         rec: dict = {}
         while True:
             sizes = self.policy.propose(step)
-            self.plan = plan_for(self.cfg, len(sizes))
-            assert list(self.plan.sizes[topo.dp_rank]) == sizes, (self.plan.sizes, sizes)
+            self.plan = self._plan(len(sizes))
+            mine = list(self.plan.sizes[topo.dp_rank])  # differs only where the balancer moved samples
+            assert mine == sizes or sum(mine) != sum(sizes), (self.plan.sizes, sizes)
             try:
                 loss, run_s, peak = self._run_pipeline(step)
                 break
@@ -186,8 +196,50 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        return {"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                "tokens_per_s": tokens / dt, "microbatches": sizes, "activation_peak_bytes": peak, **rec}
+        rec.update({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
+                    "tokens_per_s": tokens / dt, "microbatches": list(self.plan.sizes[topo.dp_rank]),
+                    "activation_peak_bytes": peak})
+        if self.balancer is not None:  # after the update: a move carries the stepped weights and state
+            mem = self.monitor.sample()
+            events = self.balancer.after_step(self, step, self.last_output, dt,
+                                              (mem.memory_used_bytes, mem.memory_total_bytes))
+            if events:
+                rec["balance"] = events
+        return rec
+
+    def apply_layout(self, layout: Layout) -> dict:
+        """Adopt the balancer's layout (collective): move layers with their optimizer state between this
+        replica's pipeline ranks, rebuild what caches parameters, and re-split the global batch."""
+        topo, p, t = self.topo, self.cfg.parallel, self.cfg.train
+        old, d, s = self.layout, topo.dp_rank, topo.pp_rank
+        info: dict = {}
+        if layout.parts != old.parts:
+            self.dp_grads.close()
+            tp_group = topo.group("tp") if p.tp > 1 else None
+            stats = move_layers(topo, self.stages[s], s, self.opt.state, old.parts[d], layout.parts[d],
+                                default_layer_builder(self.stages[s], tp_group, topo.device), topo.pp_peer)
+            info = stats.to_dict()
+            state = self.opt.state
+            named = [(f"{k}.{n}", q) for k, st in self.stages.items() for n, q in st.named_parameters()]
+            self.opt = make_optimizer(named, t)
+            for _, q in named:
+                self.opt.state[q] = state[q]
+            if layout.shared_partition or p.dp == 1:
+                self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
+            else:  # replicas now hold different layers: reduce over the (dp x pp) plane
+                self.plane = self.plane or plane_groups(topo)  # collective: every rank applies this layout
+                self.dp_grads = PlaneGrads(topo, self.stages, self.cfg.model.n_layers, self.plane)
+        self.layout, self.parts = layout, list(layout.parts[d])
+        self.plan = self._plan(len(self.plan.sizes[d]))
+        return info
+
+    def _plan(self, count: int) -> BatchPlan:
+        """The step's batch plan: the microbatch policy's, with the load balancer's replica shares."""
+        plan = plan_for(self.cfg, count)
+        if tuple(sum(s) for s in plan.sizes) != self.layout.split:
+            t = self.cfg.train
+            plan = plan_batch(t.global_batch, self.cfg.parallel.dp, count, None, list(self.layout.split))
+        return plan
 
     @torch.no_grad()
     def evaluate(self) -> float:

@@ -1,5 +1,5 @@
-"""Tests for hybridpar.balance.balancer: load scores, straggler hysteresis, exact DP splits,
-re-partition decisions and the controller's policy (modes, interval, give-back on recovery)."""
+"""Tests for hybridpar.balance (pure parts): load scores, straggler hysteresis, exact DP splits,
+layout planning and the controller's policy (modes, interval, give-back on recovery)."""
 from __future__ import annotations
 
 import json
@@ -10,17 +10,18 @@ from fractions import Fraction
 import numpy as np
 import pytest
 
-from hybridpar.balance.balancer import (
-    Balancer,
-    BalancerConfig,
-    RankSample,
-    StragglerDetector,
-    load_scores,
-    plan_repartition,
+from hybridpar.balance.control import Balancer
+from hybridpar.balance.detect import StragglerDetector
+from hybridpar.balance.plan import (
+    CostModel,
+    Layout,
+    plan_layout,
     predicted_pipeline_step,
-    relative_speeds,
+    predicted_step,
     split_by_speed,
 )
+from hybridpar.balance.scores import RankSample, load_scores, relative_speeds
+from hybridpar.config import BalanceConfig
 from hybridpar.batching.split import plan_batch, split_evenly
 from hybridpar.pipeline.partition import partition_uniform
 from hybridpar.pipeline.schedules import build_schedule
@@ -260,35 +261,43 @@ def test_split_errors() -> None:
         split_by_speed(4.0, [1.0])  # type: ignore[arg-type]
 
 
-# --- pipeline re-partition ---------------------------------------------------------------------
+# --- layout planning ---------------------------------------------------------------------------
+
+def plan_pp(speeds: list[float], parts: list[range], n: int = 12) -> tuple[Layout, float, float]:
+    cost = CostModel((1.0,) * n)
+    cur = Layout.uniform(parts, [4])
+    new = plan_layout(cur, cost, [speeds], repartition=True, resplit=True)
+    return new, predicted_step(cur, cost, [speeds], 4), predicted_step(new, cost, [speeds], 4)
+
 
 def test_repartition_moves_work_off_slow_stage_and_gives_it_back() -> None:
-    costs = [1.0] * 12
     uniform = partition_uniform(12, 4)
-    same = plan_repartition(costs, [1.0] * 4, uniform)
-    assert not same.apply and same.gain == 0.0 and "already optimal" in same.reason
-
-    slow = plan_repartition(costs, [1.0, 1.0, 0.5, 1.0], uniform)
-    assert slow.apply and slow.before_s == pytest.approx(6.0)
-    assert len(slow.new_parts[2]) < 3 and slow.after_s < slow.before_s
-    assert slow.gain == pytest.approx(1 - slow.after_s / slow.before_s) and slow.gain >= 0.05
-
-    back = plan_repartition(costs, [1.0] * 4, list(slow.new_parts))
-    assert back.apply and back.new_parts == tuple(uniform)
-    assert len(back.new_parts[2]) > len(slow.new_parts[2])
+    same, before, after = plan_pp([1.0] * 4, uniform)
+    assert same.parts[0] == tuple(uniform) and before == after
+    slow, before, after = plan_pp([1.0, 1.0, 0.5, 1.0], uniform)
+    assert before == pytest.approx(7 * 6.0) and len(slow.parts[0][2]) < 3 and after < before
+    back, _, _ = plan_pp([1.0] * 4, list(slow.parts[0]))
+    assert back.parts[0] == tuple(uniform)
 
 
-def test_repartition_min_gain_blocks_small_moves() -> None:
-    costs = [1.0] * 16
-    uniform = partition_uniform(16, 2)
-    # Stage 1 at 0.85: 8/8 -> 9.41, best 9/7 -> 9.0, a gain of 4.4%: worth it only below 5%.
-    small = plan_repartition(costs, [1.0, 0.85], uniform)
-    assert small.new_parts == (range(0, 9), range(9, 16))
-    assert small.gain == pytest.approx(1 - 9.0 / (8 / 0.85))
-    assert not small.apply and "below min_gain 5%" in small.reason
-    assert plan_repartition(costs, [1.0, 0.85], uniform, min_gain=0.04).apply
-    with pytest.raises(ValueError, match="min_gain must be in"):
-        plan_repartition(costs, [1.0, 1.0], uniform, min_gain=1.5)
+def test_joint_plan_reaches_capacity_bound() -> None:
+    # dp=2 x pp=2, 24 layers, replica 0's stage 1 at half speed: capacity 3.5 ranks. A shared
+    # partition caps the step at 3/3.5 of the bound; per-replica partitions (16/8 and 12/12) with a
+    # 12/16 split reach it exactly.
+    cost = CostModel((1.0,) * 24)
+    speeds = [[1.0, 0.5], [1.0, 1.0]]
+    cur = Layout.uniform(partition_uniform(24, 2), [14, 14])
+    new = plan_layout(cur, cost, speeds, repartition=True, resplit=True, min_per_replica=4)
+    assert [[len(r) for r in p] for p in new.parts] == [[16, 8], [12, 12]] and new.split == (12, 16)
+    m = 4
+    bound = 28 * 24 / 3.5 * (m + 2 - 1) / m
+    assert predicted_step(new, cost, speeds, m) == pytest.approx(bound)
+    assert predicted_step(cur, cost, speeds, m) == pytest.approx(14 * 12 / 0.5 * (m + 1) / m)
+    # Split only (no re-partition) and re-partition only both stay above the bound.
+    only_split = plan_layout(cur, cost, speeds, repartition=False, resplit=True, min_per_replica=4)
+    assert only_split.parts == cur.parts and predicted_step(only_split, cost, speeds, m) > bound * 1.1
+    with pytest.raises(ValueError, match="replica partitions"):
+        Layout((tuple(partition_uniform(4, 2)),), (2, 2))
 
 
 def test_predicted_step_matches_simulator() -> None:
@@ -308,52 +317,60 @@ def test_predicted_step_matches_simulator() -> None:
 
 # --- controller --------------------------------------------------------------------------------
 
+def cfg(**kw: object) -> BalanceConfig:
+    return BalanceConfig(**{"mode": "auto", **kw})  # type: ignore[arg-type]
+
+
+def data_balancer(c: BalanceConfig) -> Balancer:
+    return Balancer(c, CostModel((1.0,)), microbatches=1)
+
+
 def drive(bal: Balancer, series: list[list[float]], split: list[int]) -> list:
-    """Data-parallel trainer loop: apply every applied decision to the split."""
+    """Data-parallel trainer loop (pp=1, one unit of cost per sample): apply applied decisions."""
+    layout = Layout.uniform([range(0, 1)], split)
     decisions = []
     for step, times in enumerate(series):
-        d = bal.update(step, group(step, times), current_split=split)
+        d = bal.update(step, group(step, times), layout)
         if d is not None:
             decisions.append(d)
             if d.applied:
-                split = list(d.new)
+                layout = d.new
     return decisions
 
 
 def test_off_mode_does_nothing() -> None:
-    bal = Balancer(BalancerConfig(mode="off"))
+    bal = data_balancer(cfg(mode="off"))
     series = [[1.0, 3.0] for _ in range(100)]
     assert drive(bal, series, [8, 8]) == [] and bal.detector.smoothed() == {}
 
 
 def test_data_rebalance_detect_vs_auto_and_give_back() -> None:
     series = [[1.0, 2.0 if 10 <= s < 80 else 1.0, 1.0, 1.0] for s in range(160)]
-    auto = drive(Balancer(BalancerConfig(mode="auto")), series, [8, 8, 8, 8])
+    auto = drive(data_balancer(cfg()), series, [8, 8, 8, 8])
     assert [d.kind for d in auto] == ["data", "data"] and all(d.applied for d in auto)
     first, back = auto
-    assert first.old == (8, 8, 8, 8) and first.new == (9, 5, 9, 9) and first.stragglers == (1,)
+    assert first.old.split == (8, 8, 8, 8) and first.new.split == (9, 5, 9, 9) and first.stragglers == (1,)
     assert first.predicted_step_before_s == pytest.approx(16.0)
     assert first.predicted_step_after_s == pytest.approx(10.0)
-    assert back.old == (9, 5, 9, 9) and back.new == (8, 8, 8, 8) and back.stragglers == ()
+    assert back.old.split == (9, 5, 9, 9) and back.new.split == (8, 8, 8, 8) and back.stragglers == ()
     assert "recovered" in back.reason and "straggles" in first.reason
 
-    detect = drive(Balancer(BalancerConfig(mode="detect")), series, [8, 8, 8, 8])
+    detect = drive(data_balancer(cfg(mode="detect")), series, [8, 8, 8, 8])
     # Reported, not applied: the split never changes, so the recovery needs no decision.
-    assert [(d.new, d.applied) for d in detect] == [((9, 5, 9, 9), False)]
+    assert [(d.new.split, d.applied) for d in detect] == [((9, 5, 9, 9), False)]
 
 
 def test_interval_respected() -> None:
     # Rank 0 slows down and recovers every 12 steps: faster than the interval allows.
     series = [[2.0 if (s // 12) % 2 else 1.0, 1.0, 1.0] for s in range(400)]
     for interval in (1, 20, 50):
-        decisions = drive(Balancer(BalancerConfig(mode="auto", min_interval_steps=interval)),
-                          series, [5, 5, 5])
+        decisions = drive(data_balancer(cfg(interval=interval)), series, [5, 5, 5])
         steps = [d.step for d in decisions]
         assert len(steps) >= 2
         assert all(b - a >= interval for a, b in zip(steps, steps[1:]))
     # The recovery that arrives inside the interval is acted on as soon as it ends.
     series = [[1.0, 2.0 if 5 <= s < 15 else 1.0] for s in range(100)]
-    steps = [d.step for d in drive(Balancer(BalancerConfig(mode="auto")), series, [6, 6])]
+    steps = [d.step for d in drive(data_balancer(cfg()), series, [6, 6])]
     assert len(steps) == 2 and steps[1] == steps[0] + 20
 
 
@@ -362,62 +379,62 @@ def test_steady_after_rebalance_and_initial_heterogeneity() -> None:
     # Replica 1 is 20% slower from the start: below the straggler threshold, but the first full
     # window still rebalances it once, and jitter afterwards never triggers another move.
     series = [[rng.uniform(0.97, 1.03), 1.2 * rng.uniform(0.97, 1.03)] for _ in range(300)]
-    decisions = drive(Balancer(BalancerConfig(mode="auto")), series, [10, 10])
+    decisions = drive(data_balancer(cfg()), series, [10, 10])
     assert len(decisions) == 1 and decisions[0].step == 4 and decisions[0].stragglers == ()
-    assert decisions[0].new == (11, 9)
+    assert decisions[0].new.split == (11, 9)
 
 
 def test_waits_for_every_replica_to_report() -> None:
-    bal = Balancer(BalancerConfig(mode="auto"))
+    bal = data_balancer(cfg())
+    layout = Layout.uniform([range(0, 1)], [4, 4, 4])
     for step in range(10):  # replica 2 silent: the due evaluation waits
-        assert bal.update(step, group(step, [1.0, 2.0]), current_split=[4, 4, 4]) is None
-    d = bal.update(10, group(10, [1.0, 2.0, 1.0]), current_split=[4, 4, 4])
-    assert d is not None and d.new == (5, 2, 5)
+        assert bal.update(step, group(step, [1.0, 2.0]), layout) is None
+    d = bal.update(10, group(10, [1.0, 2.0, 1.0]), layout)
+    assert d is not None and d.new.split == (5, 2, 5)
 
 
 def test_data_min_gain() -> None:
     # Replica 1 is 10% slower: 50/50 -> 52/48 cuts the step from 55 to 52.8, a 4% gain.
     series = [[1.0, 1.1] for _ in range(30)]
-    assert drive(Balancer(BalancerConfig(mode="auto")), series, [50, 50]) == []
-    (d,) = drive(Balancer(BalancerConfig(mode="auto", min_gain=0.03)), series, [50, 50])
-    assert d.new == (52, 48) and d.gain == pytest.approx(1 - 52.8 / 55)
+    assert drive(data_balancer(cfg()), series, [50, 50]) == []
+    (d,) = drive(data_balancer(cfg(min_gain=0.03)), series, [50, 50])
+    assert d.new.split == (52, 48) and d.gain == pytest.approx(1 - 52.8 / 55)
 
 
 @pytest.mark.parametrize("scale", [1.0, 3.0])
 def test_pipeline_decision_and_record(scale: float) -> None:
-    costs = [1.0] * 8
-    parts = partition_uniform(8, 4)
-    bal = Balancer(BalancerConfig(mode="auto", microbatches=4, min_interval_steps=5))
+    layout = Layout.uniform(partition_uniform(8, 4), [4])
+    bal = Balancer(cfg(interval=5), CostModel((1.0,) * 8), microbatches=4)
     decisions = []
     for step in range(120):
         slow = 10 <= step < 60
         # Seconds per unit of modelled cost: all devices `scale` x slower only scales the times.
         times = [scale * t for t in (1.0, 1.0, 2.0 if slow else 1.0, 1.0)]
-        d = bal.update(step, group(step, times), layer_costs=costs, current_parts=parts)
+        d = bal.update(step, group(step, times), layout)
         if d is not None:
             decisions.append(d)
-            parts = list(d.new)  # type: ignore[arg-type]
+            layout = d.new
     assert [d.kind for d in decisions] == ["pipeline", "pipeline"]
     first, back = decisions
-    assert len(first.new[2]) == 1 and back.new == tuple(partition_uniform(8, 4))  # type: ignore
+    assert len(first.new.parts[0][2]) == 1 and back.new.parts[0] == tuple(partition_uniform(8, 4))
     assert first.predicted_step_before_s == pytest.approx((4 + 4 - 1) * 4.0 * scale)
     assert first.predicted_step_after_s == pytest.approx((4 + 4 - 1) * 3.0 * scale)
     rec = json.loads(json.dumps(first.to_record()))
     assert rec["event"] == "rebalance" and rec["kind"] == "pipeline" and rec["applied"] is True
-    assert rec["old"] == [[0, 2], [2, 4], [4, 6], [6, 8]]
+    assert rec["old"] == {"parts": [[[0, 2], [2, 4], [4, 6], [6, 8]]], "split": [4]}
     assert rec["gain"] == pytest.approx(first.gain) and rec["speeds"][2] == pytest.approx(0.5)
+    assert len(rec["load_scores"]) == 4 and rec["load_scores"][2] == max(rec["load_scores"])
 
 
 def test_controller_errors() -> None:
-    with pytest.raises(ValueError, match="balance mode 'on' is not one of off, detect, auto"):
-        Balancer(BalancerConfig(mode="on"))  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="balance.mode='on' is not one of off, detect, auto"):
+        data_balancer(cfg(mode="on"))
     with pytest.raises(ValueError, match="threshold must be > 1.0"):
-        Balancer(BalancerConfig(threshold=0.9))
-    bal = Balancer(BalancerConfig(mode="detect"))
-    with pytest.raises(ValueError, match="exactly one of current_parts"):
-        bal.update(0, group(0, [1.0]), current_split=[1], current_parts=[range(0, 1)])
-    with pytest.raises(ValueError, match="needs layer_costs"):
-        bal.update(0, group(0, [1.0]), current_parts=[range(0, 1)])
-    bal.update(3, group(3, [1.0]), current_split=[1])
+        data_balancer(cfg(threshold=0.9))
+    with pytest.raises(ValueError, match="not one the balancer models"):
+        Balancer(cfg(), CostModel((1.0,)), schedule="zb-h1")
+    bal = data_balancer(cfg(mode="detect"))
+    layout = Layout.uniform([range(0, 1)], [1])
+    bal.update(3, group(3, [1.0]), layout)
     with pytest.raises(ValueError, match="step 3 does not follow step 3"):
-        bal.update(3, group(3, [1.0]), current_split=[1])
+        bal.update(3, group(3, [1.0]), layout)

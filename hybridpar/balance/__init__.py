@@ -1,25 +1,4 @@
-"""Dynamic load balancing: measured load scores, straggler detection, stage re-partition and uneven
-data-parallel splits (`balancer`), and the labelled slow-device emulation mode (`emulate`)."""
-from hybridpar.balance.balancer import (
-    DEFAULT_WEIGHTS,
-    Balancer,
-    BalancerConfig,
-    Decision,
-    RankSample,
-    RepartitionDecision,
-    StragglerDetector,
-    StragglerState,
-    load_scores,
-    plan_repartition,
-    predicted_pipeline_step,
-    relative_speeds,
-    split_by_speed,
-)
-from hybridpar.balance.emulate import Slowdown, SlowdownPlan
-
-__all__ = [
-    "DEFAULT_WEIGHTS", "Balancer", "BalancerConfig", "Decision", "RankSample",
-    "RepartitionDecision", "Slowdown", "SlowdownPlan", "StragglerDetector", "StragglerState",
-    "load_scores", "plan_repartition", "predicted_pipeline_step", "relative_speeds",
-    "split_by_speed",
-]
+"""Dynamic load balancing: measured load scores (`scores`), straggler detection with hysteresis
+(`detect`), speed-fitted stage partitions and data-parallel splits (`plan`), the policy (`control`),
+live moves of layers and optimizer state between running ranks (`migrate`, `live`), and the labelled
+emulation modes (`emulate`)."""

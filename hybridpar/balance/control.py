@@ -1,0 +1,132 @@
+"""The balancing policy: measurements in, at most one rebalance per `interval` steps out (pure Python).
+
+A decision is due once the detector has a full window (devices unequal from the start) and after
+every straggler change (a slowdown, or a recovery that should get its work back); a change seen
+inside the interval waits for it to end. Each position (replica d, stage s) of the (dp, pp) grid is
+one "rank" of the detector (`RankSample.rank = d * pp + s`; tensor-parallel peers of a stage move
+together, so the caller reports their slowest). The planner (`plan.plan_layout`) then re-partitions
+each replica's stages and re-splits the batch; the move is proposed only if the predicted step time
+falls by at least `min_gain` (moving layers costs a weight and optimizer-state transfer).
+"""
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from hybridpar.balance.detect import StragglerDetector
+from hybridpar.balance.plan import SCHEDULES, CostModel, Layout, plan_layout, predicted_step
+from hybridpar.balance.scores import RankSample, load_scores
+from hybridpar.config import BalanceConfig
+
+MODES: tuple[str, ...] = ("off", "detect", "auto")
+
+
+@dataclass(frozen=True)
+class Decision:
+    """A rebalance the policy proposes; `applied` is False in "detect" mode."""
+
+    kind: Literal["pipeline", "data", "pipeline+data"]
+    step: int
+    applied: bool
+    reason: str
+    old: Layout
+    new: Layout
+    predicted_step_before_s: float
+    predicted_step_after_s: float
+    speeds: tuple[float, ...]  # smoothed relative speed per position d * pp + s, fastest = 1
+    scores: tuple[float, ...]  # load score per position (memory, compute, network weighted)
+    stragglers: tuple[int, ...]
+
+    @property
+    def gain(self) -> float:
+        return 1.0 - self.predicted_step_after_s / self.predicted_step_before_s
+
+    def to_record(self) -> dict[str, object]:
+        """JSON row for metrics.jsonl (layer ranges become [start, stop])."""
+        return {"event": "rebalance", "kind": self.kind, "step": self.step, "applied": self.applied,
+                "reason": self.reason, "old": self.old.to_record(), "new": self.new.to_record(),
+                "predicted_step_before_s": self.predicted_step_before_s,
+                "predicted_step_after_s": self.predicted_step_after_s, "gain": self.gain,
+                "speeds": list(self.speeds), "load_scores": list(self.scores),
+                "stragglers": list(self.stragglers)}
+
+    @classmethod
+    def from_record(cls, rec: dict) -> Decision:
+        return cls(rec["kind"], rec["step"], rec["applied"], rec["reason"], Layout.from_record(rec["old"]),
+                   Layout.from_record(rec["new"]), rec["predicted_step_before_s"],
+                   rec["predicted_step_after_s"], tuple(rec["speeds"]), tuple(rec["load_scores"]),
+                   tuple(rec["stragglers"]))
+
+
+def _sizes(layout: Layout) -> list[list[int]]:
+    return [[len(r) for r in p] for p in layout.parts]
+
+
+class Balancer:
+    """Turns per-step measurements of every (replica, stage) position into decisions."""
+
+    def __init__(self, config: BalanceConfig, cost: CostModel, microbatches: int = 1,
+                 schedule: str = "1f1b", min_per_replica: int = 1) -> None:
+        c = config
+        if c.mode not in MODES:
+            raise ValueError(f"balance.mode={c.mode!r} is not one of {', '.join(MODES)}")
+        if c.interval < 1 or not 0.0 <= c.min_gain < 1.0:
+            raise ValueError(f"balance.interval={c.interval} must be >= 1 and balance.min_gain="
+                             f"{c.min_gain} in [0, 1)")
+        if schedule not in SCHEDULES:
+            raise ValueError(f"schedule {schedule!r} is not one the balancer models: {', '.join(SCHEDULES)}")
+        if microbatches < 1 or min_per_replica < 1:
+            raise ValueError(f"microbatches={microbatches} and min_per_replica={min_per_replica} must be >= 1")
+        self.config, self.cost = c, cost
+        self.microbatches, self.schedule, self.min_per_replica = microbatches, schedule, min_per_replica
+        self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
+        self.detector = StragglerDetector(c.threshold, c.window, c.patience)
+        self._updates = 0
+        self._last_step: int | None = None
+        self._last_decision: int | None = None
+        self._pending: str | None = None  # why an evaluation is due
+
+    def update(self, step: int, samples: Sequence[RankSample], layout: Layout) -> Decision | None:
+        c = self.config
+        if c.mode == "off":
+            return None
+        if self._last_step is not None and step <= self._last_step:
+            raise ValueError(f"step {step} does not follow step {self._last_step}")
+        self._last_step = step
+        state = self.detector.update(samples)
+        self._updates += 1
+        if state.changed:
+            self._pending = state.reason
+        elif self._updates == c.window:
+            self._pending = f"first full window of {c.window} measurements"
+        if self._pending is None or (self._last_decision is not None
+                                     and step - self._last_decision < c.interval):
+            return None
+        n = layout.dp * layout.pp
+        smooth = self.detector.smoothed()
+        if any(r not in smooth for r in range(n)):
+            return None  # some position has not reported yet: stay pending
+        # Absolute speeds (units of work per second) so that predicted steps come out in seconds.
+        speeds = [[1.0 / smooth[d * layout.pp + s] for s in range(layout.pp)] for d in range(layout.dp)]
+        why, self._pending = self._pending, None
+        new = plan_layout(layout, self.cost, speeds, repartition=True, resplit=True,
+                          min_per_replica=self.min_per_replica)
+        before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule)
+        after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule)
+        if new == layout or 1.0 - after / before < c.min_gain:
+            return None
+        moved, resplit = new.parts != layout.parts, new.split != layout.split
+        kind: Literal["pipeline", "data", "pipeline+data"] = (
+            "pipeline+data" if moved and resplit else "pipeline" if moved else "data")
+        if moved:
+            why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
+        if resplit:
+            why += f"; samples per replica {list(layout.split)} -> {list(new.split)}"
+        why += f"; predicted step {before:.4g} s -> {after:.4g} s (-{1 - after / before:.1%})"
+        self._last_decision = step
+        fastest = min(smooth[r] for r in range(n))
+        scores = load_scores(samples, self.weights)
+        return Decision(kind, step, c.mode == "auto", why, layout, new, before, after,
+                        tuple(fastest / smooth[r] for r in range(n)),
+                        tuple(scores.get(r, 0.0) for r in range(n)), tuple(sorted(state.stragglers)))

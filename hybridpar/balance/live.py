@@ -1,0 +1,136 @@
+"""The balancer inside a running job: after every step each rank reports what it measured, rank 0
+decides (`control.Balancer`) and every rank applies rank 0's decision, so all ranks always hold the
+same layout. Measurements and decisions travel as JSON in tensors (`all_gather_json`, no pickle).
+
+What each rank reports: its compute seconds this step (forward and backward actions with message
+waits taken out, `monitor.stage_times`), its message waits and memory. A position's time per unit
+of work is compute / (its replica's samples x its stage's modelled cost); tensor-parallel peers of a
+stage run in lock-step, so the position reports the slowest of them.
+
+Every decision is logged (why, old and new layout, predicted step time before and after), and once
+`window` steps have run on an applied layout a second record gives the step time measured before
+and after it, beside the prediction.
+"""
+from __future__ import annotations
+
+import statistics
+from collections import deque
+from datetime import timedelta
+from typing import Any, Protocol
+
+import torch.distributed as dist
+
+from hybridpar.balance.control import Balancer, Decision
+from hybridpar.balance.monitor import stage_times
+from hybridpar.balance.plan import CostModel, Layout
+from hybridpar.balance.scores import RankSample
+from hybridpar.config import Config
+from hybridpar.topology.collectives import all_gather_json
+from hybridpar.topology.mesh import Topology
+
+
+def cost_model(cfg: Config) -> CostModel:
+    """Per-sample work of each layer, the embedding and the head, in units the measured speeds share.
+
+    Emulated layer cost (`emulate.layer_ms`): every layer costs the same and nothing else is
+    emulated. Otherwise `parallel.layer_costs` if given, else matmul FLOPs: a layer's projections
+    (2 x parameters per token) and attention (2 x 2 x T x d per token), the head's 2 x d x vocab."""
+    m, T = cfg.model, cfg.train.seq_len
+    if cfg.emulate.layer_ms > 0:
+        return CostModel((1.0,) * m.n_layers)
+    if cfg.parallel.layer_costs is not None:
+        return CostModel(tuple(float(c) for c in cfg.parallel.layer_costs))
+    proj = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.kv_heads) + 3 * m.dim * m.ffn_dim
+    layer = T * (2.0 * proj + 4.0 * T * m.dim)
+    return CostModel((layer,) * m.n_layers, first_extra=T * m.dim, last_extra=T * 2.0 * m.dim * m.vocab_size)
+
+
+def plane_groups(topo: Topology) -> dist.ProcessGroup | None:
+    """The (dp x pp) plane of ranks sharing our tp rank, for replicas with different partitions.
+    Collective: every rank creates every plane, in the same order."""
+    d = topo.dims
+    if d.dp == 1 or d.pp == 1:
+        return None
+    mine = None
+    for t in range(d.tp):
+        ranks = [d.rank_of(a, b, t) for a in range(d.dp) for b in range(d.pp)]
+        g = dist.new_group(ranks, timeout=timedelta(seconds=topo.timeout_s))
+        if t == topo.tp_rank:
+            mine = g
+    return mine
+
+
+class _Trainer(Protocol):
+    layout: Layout
+
+    def apply_layout(self, layout: Layout) -> dict[str, Any]: ...
+
+
+class LiveBalancer:
+    def __init__(self, cfg: Config, topo: Topology) -> None:
+        self.cfg, self.topo = cfg, topo
+        t = cfg.train
+        self.cost = cost_model(cfg)
+        # Every replica keeps `microbatches` samples at least: it splits its share into that many.
+        self.policy = Balancer(cfg.balance, self.cost, t.microbatches, cfg.parallel.schedule,
+                               min_per_replica=t.microbatches)
+        self.step_times: deque[float] = deque(maxlen=cfg.balance.window)
+        self._follow: list[dict[str, Any]] = []  # applied decisions awaiting their measured step time
+        self._start: int | None = None  # first step of this process (a resumed run warms up too)
+
+    def _local(self, output: Any, step_time_s: float, memory: tuple[int, int]) -> dict[str, float]:
+        compute = sum(sum(v) for v in stage_times(output).values())
+        waits = sum(w.end - w.start for w in output.waits)
+        return {"compute_s": compute, "comm_wait_s": waits, "step_time_s": step_time_s,
+                "memory_used_bytes": memory[0], "memory_total_bytes": memory[1]}
+
+    def samples(self, step: int, ranks: list[dict[str, float]], layout: Layout) -> list[RankSample]:
+        """One sample per (replica, stage) position from every rank's report (rank order)."""
+        dims = self.topo.dims
+        by_pos: dict[int, list[dict[str, float]]] = {}
+        for r, rep in enumerate(ranks):
+            d, s, _ = dims.coords(r)
+            by_pos.setdefault(d * dims.pp + s, []).append(rep)
+        out = []
+        for pos, reps in sorted(by_pos.items()):
+            d, s = divmod(pos, dims.pp)
+            work = layout.split[d] * self.cost.stage_costs(layout.parts[d])[s]
+            out.append(RankSample(
+                rank=pos, step=step, compute_s=max(max(x["compute_s"] for x in reps), 1e-9) / work,
+                memory_used_bytes=max(int(x["memory_used_bytes"]) for x in reps),
+                memory_total_bytes=min(int(x["memory_total_bytes"]) for x in reps) or None,
+                comm_wait_s=max(x["comm_wait_s"] for x in reps),
+                step_time_s=max(max(x["step_time_s"] for x in reps), 1e-9)))
+        return out
+
+    def after_step(self, trainer: _Trainer, step: int, output: Any, step_time_s: float,
+                   memory: tuple[int, int]) -> list[dict[str, Any]]:
+        """Collective over the world, once per step: returns the records to log for this step."""
+        events: list[dict[str, Any]] = []
+        self._start = step if self._start is None else self._start
+        if step - self._start < self.cfg.balance.skip_steps:
+            return events  # warm-up: allocations and lazy initialisation, not the device's speed
+        self.step_times.append(step_time_s)
+        for f in list(self._follow):
+            if step - f["step"] >= self.cfg.balance.window:
+                f["measured_step_after_s"] = statistics.median(self.step_times)
+                events.append(f)
+                self._follow.remove(f)
+        ranks = all_gather_json(self._local(output, step_time_s, memory), self.topo.device)
+        decision = None
+        if self.topo.rank == 0:
+            d = self.policy.update(step, self.samples(step, ranks, trainer.layout), trainer.layout)
+            decision = d.to_record() if d is not None else None
+        rec = all_gather_json(decision, self.topo.device)[0]  # rank 0's decision, on every rank
+        if rec is None:
+            return events
+        events.append(rec)
+        if rec["applied"]:
+            rec["move"] = trainer.apply_layout(Decision.from_record(rec).new)
+            self._follow.append({"event": "rebalance_measured", "step": step,
+                                 "predicted_step_before_s": rec["predicted_step_before_s"],
+                                 "predicted_step_after_s": rec["predicted_step_after_s"],
+                                 "measured_step_before_s": statistics.median(self.step_times)})
+            self.step_times.clear()
+        return events
+

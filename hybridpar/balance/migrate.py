@@ -1,0 +1,160 @@
+"""Move decoder layers between the pipeline stages of running processes: parameters and their
+optimizer state (AdamW's exp_avg, exp_avg_sq, step) travel by point-to-point messages, the stages are
+rebuilt in place, and the training math is untouched (the same tensors, bit for bit, only elsewhere).
+
+Each data-parallel replica moves its own copy between its own pipeline ranks, and under tensor
+parallelism each tp rank sends its own shard to the same tp rank of the receiving stage, so every
+transfer is between two ranks with the same (dp, tp) coordinates and no shard is ever re-cut. Per
+pair of ranks one flat buffer carries all moved tensors (layers in order, parameters in definition
+order, then their state), and a second carries the step counters in float64 (exact for any count).
+Only layers move: the embedding stays on stage 0 and the final norm and head on the last stage,
+which is why stage boundaries alone describe a move.
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.model.llama import LlamaStage
+from hybridpar.model.tp import apply_tp
+from hybridpar.topology.mesh import Topology
+
+
+def layer_moves(old: Sequence[range], new: Sequence[range]) -> list[tuple[int, int, int]]:
+    """(layer, from stage, to stage) for every layer whose stage changes, in layer order."""
+    if sum(map(len, old)) != sum(map(len, new)):
+        raise ValueError(f"partitions {list(old)} and {list(new)} cover different numbers of layers")
+    owner_old = {i: s for s, r in enumerate(old) for i in r}
+    owner_new = {i: s for s, r in enumerate(new) for i in r}
+    return [(i, owner_old[i], owner_new[i]) for i in sorted(owner_old) if owner_old[i] != owner_new[i]]
+
+
+@dataclass
+class MoveStats:
+    layers_sent: int = 0
+    layers_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    seconds: float = 0.0
+
+    def to_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+def _state_keys(state: dict[str, torch.Tensor], p: torch.Tensor) -> tuple[list[str], list[str]]:
+    """Optimizer state of one parameter: (moment keys shaped like p, scalar keys such as step)."""
+    if not state:
+        raise ValueError("a layer can move only after the optimizer has stepped (its state is empty)")
+    keys = sorted(state)
+    return ([k for k in keys if torch.is_tensor(state[k]) and state[k].shape == p.shape],
+            [k for k in keys if torch.is_tensor(state[k]) and state[k].numel() == 1 and state[k].shape != p.shape])
+
+
+def _pack(layers: list[nn.Module], opt_state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    tensors: list[torch.Tensor] = []
+    scalars: list[torch.Tensor] = []
+    for layer in layers:
+        for p in layer.parameters():
+            st = opt_state[p]
+            moments, counters = _state_keys(st, p)
+            tensors += [p.detach().reshape(-1)] + [st[k].reshape(-1) for k in moments]
+            scalars += [st[k].reshape(1).to(device=p.device, dtype=torch.float64) for k in counters]
+    return torch.cat(tensors), torch.cat(scalars)
+
+
+def default_layer_builder(stage: LlamaStage, tp_group: dist.ProcessGroup | None,
+                          device: torch.device) -> Callable[[int], nn.Module]:
+    """Empty decoder layer `i` with this rank's tensor-parallel shard shapes and hooks (its values
+    are overwritten by the received ones)."""
+    def build(i: int) -> nn.Module:
+        with torch.device("meta"):
+            shell = LlamaStage(stage.cfg, [i], False, False)
+        shell.to_empty(device=device)
+        return apply_tp(shell, tp_group).model.layers[str(i)]
+    return build
+
+
+def move_layers(topo: Topology, stage: LlamaStage, stage_index: int, opt_state: dict,
+                old: Sequence[range], new: Sequence[range], build_layer: Callable[[int], nn.Module],
+                peer: Callable[[int], int]) -> MoveStats:
+    """Collective over this replica's pipeline ranks (call on all of them, with the same `old` and
+    `new`): after it, `stage` holds the layers `new[stage_index]`, with their parameters and their
+    entries in `opt_state` (the optimizer's `state`, keyed by parameter) brought from the rank that
+    held them; entries of layers that left are deleted. `peer(s)` is the global rank of stage s.
+    The caller rebuilds whatever caches parameters (optimizer groups, gradient hooks)."""
+    t0 = time.perf_counter()
+    stats = MoveStats()
+    moves = layer_moves(old, new)
+    me = stage_index
+    out: dict[int, list[int]] = {}
+    inc: dict[int, list[int]] = {}
+    for i, src, dst in moves:
+        if src == me:
+            out.setdefault(dst, []).append(i)
+        elif dst == me:
+            inc.setdefault(src, []).append(i)
+    layers = dict(stage.model.layers.items())
+    template = next(iter(layers.values()))
+    # Sizes of an incoming layer's buffers, from a layer we hold: every decoder layer has the same
+    # parameter shapes on a given tp rank, and the same optimizer state.
+    n_flat, n_scalar = (t.numel() for t in _pack([template], opt_state))
+    ops: list[dist.P2POp] = []
+    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for dst, ids in sorted(out.items()):
+        flat, scalars = _pack([layers[str(i)] for i in ids], opt_state)
+        ops += [dist.P2POp(dist.isend, flat, peer(dst)), dist.P2POp(dist.isend, scalars, peer(dst))]
+        stats.layers_sent += len(ids)
+        stats.bytes_sent += flat.numel() * flat.element_size() + scalars.numel() * 8
+    for src, ids in sorted(inc.items()):
+        flat = torch.empty(n_flat * len(ids), dtype=template_dtype(template), device=topo.device)
+        scalars = torch.empty(n_scalar * len(ids), dtype=torch.float64, device=topo.device)
+        ops += [dist.P2POp(dist.irecv, flat, peer(src)), dist.P2POp(dist.irecv, scalars, peer(src))]
+        received[src] = (flat, scalars)
+        stats.layers_received += len(ids)
+        stats.bytes_received += flat.numel() * flat.element_size() + scalars.numel() * 8
+    if ops:
+        timeout = timedelta(seconds=topo.timeout_s)
+        for w in dist.batch_isend_irecv(ops):
+            w.wait(timeout)
+    tmpl_keys = {id(p): _state_keys(opt_state[p], p) for p in template.parameters()}
+    tmpl_params = list(template.parameters())
+    for src, ids in sorted(inc.items()):
+        flat, scalars = received[src]
+        fo = so = 0
+        for i in ids:
+            layer = build_layer(i)
+            for p, tp_ in zip(layer.parameters(), tmpl_params):
+                moments, counters = tmpl_keys[id(tp_)]
+                tmpl_state = opt_state[tp_]
+                with torch.no_grad():
+                    p.copy_(flat[fo:fo + p.numel()].view_as(p))
+                fo += p.numel()
+                st: dict[str, torch.Tensor] = {}
+                for k in moments:
+                    st[k] = flat[fo:fo + p.numel()].view_as(p).clone()
+                    fo += p.numel()
+                for k in counters:
+                    ref = tmpl_state[k]
+                    st[k] = scalars[so].to(device=ref.device, dtype=ref.dtype).reshape(ref.shape).clone()
+                    so += 1
+                opt_state[p] = st
+            layers[str(i)] = layer
+    for ids in out.values():
+        for i in ids:
+            for p in layers.pop(str(i)).parameters():
+                opt_state.pop(p, None)
+    keep = new[me]
+    stage.model.layers = nn.ModuleDict({str(i): layers[str(i)] for i in keep})
+    stage.layer_ids = list(keep)
+    stats.seconds = time.perf_counter() - t0
+    return stats
+
+
+def template_dtype(layer: nn.Module) -> torch.dtype:
+    return next(layer.parameters()).dtype

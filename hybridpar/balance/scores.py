@@ -1,0 +1,92 @@
+"""Measured load of each rank: `RankSample` (one rank's measurements for one step), load scores with
+the tutorial's weights, relative speeds.
+
+The tutorial's DynamicLoadBalancer scores each device by memory, compute and network load (weights
+0.4/0.4/0.2) from random numbers; here every input is a measurement the trainer feeds in. Pure Python.
+"""
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DEFAULT_WEIGHTS: tuple[float, float, float] = (0.4, 0.4, 0.2)  # memory, compute, network (tutorial)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RankSample:
+    """One rank's measurements for one step.
+
+    `compute_s` is pure compute seconds per unit of work, waits excluded: in a pipeline every stage
+    waits for the slowest one, so wall time would make all of them look slow. Choose the unit so
+    that equal devices report equal values: for a pipeline stage, its compute time divided by its
+    modelled cost for the samples it processed (`plan.CostModel`). `rank` is the index within the
+    group being balanced: for the trainer's (dp, pp) grid, replica d's stage s is d * pp + s.
+    """
+
+    rank: int
+    step: int
+    compute_s: float
+    memory_used_bytes: int = 0
+    memory_total_bytes: int | None = None  # None when the device does not report it (CPU)
+    comm_wait_s: float = 0.0  # time blocked on communication this step
+    step_time_s: float
+
+    def __post_init__(self) -> None:
+        if self.rank < 0 or self.step < 0:
+            raise ValueError(f"rank and step must be >= 0, got rank={self.rank}, step={self.step}")
+        for label in ("compute_s", "step_time_s"):
+            v = getattr(self, label)
+            if not (math.isfinite(v) and v > 0):
+                raise ValueError(f"rank {self.rank}: {label} must be finite and > 0, got {v!r}")
+        if not (math.isfinite(self.comm_wait_s) and self.comm_wait_s >= 0):
+            raise ValueError(f"rank {self.rank}: comm_wait_s must be >= 0, got {self.comm_wait_s!r}")
+        if self.memory_used_bytes < 0 or (self.memory_total_bytes is not None
+                                          and self.memory_total_bytes <= 0):
+            raise ValueError(f"rank {self.rank}: memory_used_bytes must be >= 0 and "
+                             f"memory_total_bytes > 0 or None, got {self.memory_used_bytes}, "
+                             f"{self.memory_total_bytes}")
+
+
+def by_rank(samples: Sequence[RankSample]) -> dict[int, RankSample]:
+    out: dict[int, RankSample] = {}
+    for s in samples:
+        if s.rank in out:
+            raise ValueError(f"two samples for rank {s.rank} in one update")
+        out[s.rank] = s
+    if not out:
+        raise ValueError("no samples: need at least one rank's measurements")
+    return out
+
+
+def load_scores(samples: Sequence[RankSample],
+                weights: Sequence[float] = DEFAULT_WEIGHTS) -> dict[int, float]:
+    """Load of each rank in [0, 1], higher = more loaded, as weighted (memory, compute, network).
+
+    Each component is a fraction so that none dominates by scale: memory = used / total (0 when
+    unknown); compute = 1 - fastest / own time per unit, the share of its compute the rank spends
+    beyond what the fastest rank would need (0 for the fastest, 0.5 at 2x slower; the plain ratio
+    own / fastest is unbounded and would swamp the other two); network = comm wait / step time.
+    Weights are normalised by their sum, so (2, 2, 1) equals the tutorial's (0.4, 0.4, 0.2).
+    """
+    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) \
+            or sum(weights) <= 0:
+        raise ValueError(f"weights must be three finite numbers >= 0 (memory, compute, network) "
+                         f"with a positive sum, got {tuple(weights)}")
+    w_mem, w_comp, w_net = (w / sum(weights) for w in weights)
+    by = by_rank(samples)
+    fastest = min(s.compute_s for s in by.values())
+    scores: dict[int, float] = {}
+    for r, s in sorted(by.items()):
+        memory = min(s.memory_used_bytes / s.memory_total_bytes, 1.0) if s.memory_total_bytes else 0.0
+        compute = 1.0 - fastest / s.compute_s
+        network = min(s.comm_wait_s / s.step_time_s, 1.0)
+        scores[r] = w_mem * memory + w_comp * compute + w_net * network
+    return scores
+
+
+def relative_speeds(samples: Sequence[RankSample]) -> dict[int, float]:
+    """1 / time per unit, normalised so that the fastest rank is 1.0."""
+    by = by_rank(samples)
+    fastest = min(s.compute_s for s in by.values())
+    return {r: fastest / s.compute_s for r, s in sorted(by.items())}

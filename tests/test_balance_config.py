@@ -1,0 +1,67 @@
+"""The `balance` config section: defaults (the tutorial's load-score weights), validation errors
+that name the field, and the layouts the live balancer refuses before any process starts."""
+from __future__ import annotations
+
+import pytest
+
+from hybridpar.config import Config, parse_args
+
+
+def test_defaults_and_cli() -> None:
+    b = Config().balance
+    assert (b.mode, b.interval, b.min_gain, b.threshold) == ("off", 20, 0.05, 1.25)
+    assert (b.weight_memory, b.weight_compute, b.weight_network) == (0.4, 0.4, 0.2)
+    cfg = parse_args(["--balance.mode", "auto", "--balance.interval", "7", "--parallel.tp", "1"])
+    assert cfg.balance.mode == "auto" and cfg.balance.interval == 7
+    cfg.validate(world_size=2)
+
+
+@pytest.mark.parametrize("over,fragment", [
+    (dict(mode="on"), "balance.mode='on' is not one of off, detect, auto"),
+    (dict(interval=0), "balance.interval must be a positive integer, got 0"),
+    (dict(window=0), "balance.window must be a positive integer"),
+    (dict(skip_steps=-1), "balance.skip_steps must be a non-negative integer"),
+    (dict(min_gain=1.0), "balance.min_gain must be in [0, 1), got 1.0"),
+    (dict(threshold=1.0), "balance.threshold must be > 1"),
+    (dict(weight_network=-0.1), "balance.weight_network must be a number >= 0"),
+    (dict(weight_memory=0.0, weight_compute=0.0, weight_network=0.0), "must be > 0"),
+])
+def test_bad_values(over: dict, fragment: str) -> None:
+    cfg = Config()
+    for k, v in over.items():
+        setattr(cfg.balance, k, v)
+    with pytest.raises(ValueError) as e:
+        cfg.validate()
+    assert fragment in str(e.value)
+
+
+def test_layouts_refused_before_launch() -> None:
+    cfg = Config()
+    cfg.balance.mode = "auto"
+    cfg.parallel.schedule = "zb-h1"
+    with pytest.raises(ValueError, match="re-partitions pipeline stages for parallel.schedule gpipe or 1f1b"):
+        cfg.validate()
+    cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.dp = "1f1b", 1, 2
+    cfg.train.microbatch_sizes = [2, 2, 2, 2]
+    with pytest.raises(ValueError, match="drop them"):
+        cfg.validate()
+    cfg.balance.mode = "off"  # off: anything goes
+    cfg.validate()
+    with pytest.raises(ValueError, match="emulate.layer_ms must be >= 0"):
+        cfg.emulate.layer_ms = -1.0
+        cfg.validate()
+
+
+def test_bench_scenarios_are_valid_configs() -> None:
+    from hybridpar.bench.balance import SCENARIOS, parse_args, scenario_config
+
+    for name in SCENARIOS:
+        for mode in ("emulated", "compute"):
+            cfg = scenario_config(name, mode, 1.0, 40, True, "auto")
+            cfg.validate(world_size=4)
+            assert cfg.model.n_layers == 24 and cfg.emulate.slowdown == "rank=2:2.0@step=10"
+            assert cfg.emulate.layer_ms == (1.0 if mode == "emulated" else 0.0)
+    assert parse_args([]).clean_steps == 200
+    for bad in (["--scenarios", "pp8"], ["--modes", "fast"], ["--steps", "15"], ["--layer-ms", "0"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)

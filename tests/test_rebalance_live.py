@@ -1,0 +1,60 @@
+"""The balancer in a running job (`--balance.mode auto`): an emulated slow rank loses layers within a
+few steps, gets them back when it recovers, every decision and its measured outcome are logged in
+metrics.jsonl, and the model trained is still the one-device model (<= 1e-5)."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from hybridpar.config import Config
+from hybridpar.testing import run_ranks
+from tests.test_equivalence import TOL, ref_for, tiny_config
+
+
+def _worker(cfg_dict: dict, out: str) -> list[float]:
+    from hybridpar.train import train
+
+    res = train(Config.from_dict(cfg_dict), log=False)
+    if res.state is not None:
+        torch.save(res.state, Path(out) / "state.pt")
+    return res.losses
+
+
+def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
+    onset, recovery, steps = 7, 16, 25
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b", partition="uniform"),
+        train=dict(steps=steps, val_every=steps, monitor_every=0),
+        # Emulated fixed layer cost (benchmark mode) so that timing on shared cores is steady, and
+        # rank 1 three times slower for steps onset..recovery-1.
+        emulate=dict(layer_ms=2.0, slowdown=f"rank=1:3.0@step={onset},rank=1:1.0@step={recovery}"),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6))
+    cfg.run_dir = str(tmp_path / "run")
+    losses = run_ranks(_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    events = [e for r in rows if "balance" in r for e in r["balance"]]
+    decisions = [e for e in events if e["event"] == "rebalance"]
+    assert len(decisions) == 2, decisions
+    away, back = decisions
+    assert away["applied"] and away["stragglers"] == [1] and "straggles" in away["reason"]
+    assert onset < away["step"] <= onset + 6  # window // 2 + patience observations, plus slack
+    sizes = [[b - a for a, b in p] for p in away["new"]["parts"]]
+    assert sizes[0][1] < 4 and away["old"]["parts"] == [[[0, 4], [4, 8]]]
+    assert away["predicted_step_after_s"] < away["predicted_step_before_s"]
+    assert back["applied"] and back["stragglers"] == [] and "recovered" in back["reason"]
+    assert recovery < back["step"] and back["new"]["parts"] == [[[0, 4], [4, 8]]]
+    assert back["step"] - away["step"] >= 4  # never more often than balance.interval
+    assert away["move"]["layers_sent"] > 0 or away["move"]["layers_received"] > 0
+    measured = [e for e in events if e["event"] == "rebalance_measured"]
+    # Each applied decision is followed, balance.window steps later, by its measured step time.
+    assert [m["step"] for m in measured] == [d["step"] for d in decisions if d["step"] + 3 < steps]
+    # Moving work off the 3x slow rank shortened the measured step, as predicted.
+    assert measured[0]["measured_step_after_s"] < measured[0]["measured_step_before_s"]
+
+    ref_losses, _, ref_state = ref_for(cfg)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    for name, ref in ref_state.items():
+        assert (state[name] - ref).abs().max().item() <= TOL, name
