@@ -249,3 +249,15 @@ def test_memory_model_is_the_more_conservative_of_ratio_and_fit() -> None:
     assert p.predict_peak([4, 4]) == pytest.approx(550)
     p.observe(2, [2] * 4, 1.0, 200, 8)  # a lower peak at the same size never lowers the estimate
     assert p.predict_peak([4, 4]) == pytest.approx(550)
+
+
+def test_faster_incumbent_rebaselines_instead_of_rescanning() -> None:
+    """Throughput of the chosen split rising (a quieter machine) is no reason to probe slower splits."""
+    state = {"speedup": 1.0}
+    p = AdaptivePolicy(64, 1, min_microbatches=4, in_flight=4, cooldown_steps=5)
+    drive(p, 60, lambda s: pipeline_time(s) / state["speedup"])
+    assert p.rounds == 1 and not p.exploring
+    chosen = p.propose(0)
+    state["speedup"] = 1.5
+    drive(p, 60, lambda s: pipeline_time(s) / state["speedup"], start=60)
+    assert p.rounds == 1 and p.propose(0) == chosen

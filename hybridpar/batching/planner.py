@@ -126,9 +126,9 @@ class AdaptivePolicy(_Recorder):
     `steps_per_candidate` measured, smallest microbatches first so memory is learnt before big ones
     run. The whole set is scanned: with unequal splits throughput need not be unimodal in the count
     (under 1F1B costs, 64 samples in 15 microbatches run slower than in 14 or 16).
-    Hysteresis: a re-scan starts only when the current split's throughput drifts by more than
-    `drift_margin`, at least `cooldown_steps` after the last decision, and replaces the incumbent only
-    if beaten by more than `switch_margin`. Memory does not wait: a split that stops fitting (OOM, a
+    Hysteresis: a re-scan starts only when the current split's throughput falls by more than
+    `drift_margin` (a rise only re-baselines), at least `cooldown_steps` after the last decision, and
+    replaces the incumbent only if beaten by more than `switch_margin`. Memory does not wait: a split that stops fitting (OOM, a
     higher peak, a lower budget) is left at once for the best measured split that fits."""
 
     def __init__(self, global_batch: int, dp: int = 1, *, dp_rank: int = 0,
@@ -280,9 +280,14 @@ class AdaptivePolicy(_Recorder):
                 self._finish_candidate(step)
             return
         self._window = (self._window + [obs.throughput])[-self.drift_window:]
-        drifted = len(self._window) == self.drift_window and \
-            abs(median(self._window) / self._ref - 1) > self.drift_margin
-        if drifted and step - self._last_decision >= self.cooldown:
+        if len(self._window) < self.drift_window:
+            return
+        now = median(self._window)
+        if now > self._ref * (1 + self.drift_margin):
+            # Faster than when chosen (warm caches, a quieter machine): nothing argues against the
+            # split, and a re-scan would spend steps on the slower ones. Re-baseline instead.
+            self._ref = now
+        elif now < self._ref * (1 - self.drift_margin) and step - self._last_decision >= self.cooldown:
             self._scan(step, self.candidates, incumbent=self.current)
 
     def on_oom(self, step: int, sizes: Sequence[int]) -> list[int]:
