@@ -30,26 +30,16 @@ from torch import nn
 
 class SleepLog:
     """The emulated compute of one rank: every sleep as (op "F" | "B" | "W", requested s, start, end),
-    times from `time.perf_counter` (comparable with the runtime's timeline).
+    times from `time.perf_counter` (comparable with the runtime's timeline)."""
 
-    `spin_s`: the last part of each emulated duration is a busy-wait instead of a sleep. A device that
-    really computes keeps its host thread awake; a thread waking from a 20 ms sleep on this VM runs the
-    next milliseconds of Python several times slower (measured: 0.6-1.1 ms of runtime overhead per
-    action with plain sleeps, for torch's runtime and ours alike), which is an artefact of emulating
-    by sleeping. Spinning the tail pays the wake-up inside the emulated duration."""
-
-    def __init__(self, spin_s: float = 0.0) -> None:
+    def __init__(self) -> None:
         self.entries: list[tuple[str, float, float, float]] = []
-        self.spin_s = spin_s
 
     def sleep(self, op: str, seconds: float) -> None:
         if seconds <= 0:
             return
         t0 = time.perf_counter()
-        if seconds > self.spin_s:
-            time.sleep(seconds - self.spin_s)
-        while time.perf_counter() - t0 < seconds:
-            pass
+        time.sleep(seconds)
         self.entries.append((op, seconds, t0, time.perf_counter()))
 
     def clear(self) -> None:

@@ -91,7 +91,6 @@ class Case:
     seed: int
     timeout_s: float
     ping_pongs: int = 200  # round trips per link for the hop latency
-    spin_ms: float = 0.0  # emulated: busy-wait tail of every emulated duration (emulated.SleepLog)
 
     @property
     def n_stages(self) -> int:
@@ -172,7 +171,7 @@ def _case_worker(cd: dict) -> dict:
     r, dev, n = topo.pp_rank, topo.device, c.n_stages
     local = [k * c.pp + r for k in range(c.v)]  # stage s lives on pp rank s % pp (both implementations)
     emulated = c.mode == "emulated"
-    timer, log = BusyTimer(), SleepLog((c.spin_ms or 0.0) / 1e3)
+    timer, log = BusyTimer(), SleepLog()
     # Emulated: busy time is the time slept (SleepLog), for both implementations alike; compute: the
     # Timed instrumentation around each stage module.
     wrap = (lambda mod: mod) if emulated else (lambda mod: Timed(mod, timer))
@@ -335,7 +334,7 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
     rec = {
         "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
         "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
-        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms, "spin_ms": c.spin_ms,
+        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms,
         "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
                    if c.mode == "emulated" else None),
         "layers": c.layers,
@@ -427,7 +426,7 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
                 cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
                                   a.f_ms if em else None, a.b_ms if em else None, w_ms if em and split else None,
                                   a.act_kb if em else None, None if em else layers, a.seed, a.timeout,
-                                  a.ping_pongs, a.spin_ms if em else 0.0))
+                                  a.ping_pongs))
     return cases
 
 
@@ -446,8 +445,6 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--w-ms", type=float, default=None,
                     help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
                          "(default: half of --b-ms)")
-    ap.add_argument("--spin-ms", type=float, default=0.0,
-                    help="emulated: busy-wait the last MS of every emulated duration (0: plain sleep)")
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
     ap.add_argument("--seq-len", type=int, default=128)
