@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from hybridpar.serve.router import Overloaded, Request, Router, RouterConfig, percentile
+from hybridpar.serve.router import Overloaded, Request, Router, RouterConfig, Unavailable, percentile
 
 
 def req(i: int, prompt: int = 10, out: int = 10) -> Request:
@@ -112,6 +112,45 @@ def test_no_request_is_lost_when_replicas_are_busy() -> None:
     assert st["completed"] == 5 and st["pending"] == 0
     # q_i was submitted at t=i and finished at t=10+i: the time spent waiting in the router counts
     assert sorted(rt.latencies) == [10.0] * 5
+
+
+@pytest.mark.parametrize("strategy", ["round_robin", "load_balanced", "hybrid"])
+def test_dead_replica_gets_nothing_and_its_unsent_requests_move(strategy: str) -> None:
+    rt = Router(3, RouterConfig(strategy, max_outstanding=2, max_pending=8))
+    out = [p for i in range(8) for p in rt.submit(req(i), float(i))]
+    assert len(out) == 6 and rt.statistics()["pending"] == 2
+    on1 = [r.id for r, rep in out if rep == 1]
+    assert rt.down(1) == on1 and rt.down(1) == on1  # idempotent
+    # Say the first was sent (it fails, freeing its place) and the second was not (it moves).
+    more = rt.finished(on1[0], 10.0)
+    assert more == []  # a dead replica's freed place takes nothing from the queue
+    assert rt.requeue(on1[1]) == [] and rt.requeue(on1[1]) == []  # live replicas full: it waits, first
+    assert [r.id for r, _ in rt.pending] == [on1[1], "q6", "q7"]
+    freed = next(r.id for r, rep in out if rep == 0)
+    (moved, rep), = rt.finished(freed, 11.0)
+    assert (moved.id, rep) == (on1[1], 0)  # placed again, on a live replica, before newer requests
+    assert rt.submitted_at[on1[1]] == float(int(on1[1][1:]))  # its latency still counts from submission
+    # Finish everything: each waiting request lands on a live replica, none is lost.
+    todo = [(r.id, p) for r, p in out if p != 1 and r.id != freed] + [(moved.id, rep)]
+    while todo:
+        rid, p = todo.pop(0)
+        assert p != 1
+        todo += [(r.id, p) for r, p in rt.finished(rid, 12.0)]
+    assert rt.completed == 8 and not rt.pending and not rt.where
+    st = rt.statistics()
+    assert [r["alive"] for r in st["replicas"]] == [True, False, True] and st["replicas"][1]["outstanding_requests"] == 0
+    assert rt.abandon() == []  # replicas live: the queue is kept
+
+
+def test_no_live_replica_refuses_and_abandons_the_queue() -> None:
+    rt = Router(2, RouterConfig("round_robin", max_outstanding=1))
+    out = [p for i in range(4) for p in rt.submit(req(i), 0.0)]
+    assert [rep for _, rep in out] == [0, 1]
+    assert rt.down(0) == ["q0"] and rt.down(1) == ["q1"]
+    assert rt.requeue("q0") == [] and rt.requeue("q1") == []  # nowhere to go: back in the queue
+    assert [r.id for r in rt.abandon()] == ["q1", "q0", "q2", "q3"] and rt.statistics()["pending"] == 0
+    with pytest.raises(Unavailable, match="no replica is alive"):
+        rt.submit(req(9), 1.0)
 
 
 def test_statistics_and_percentiles() -> None:

@@ -14,7 +14,7 @@ import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
-from hybridpar.serve.router import Overloaded
+from hybridpar.serve.router import Overloaded, Unavailable
 from hybridpar.serve.service import ByteDetokenizer, Service
 
 MAX_BODY = 1 << 20
@@ -170,6 +170,8 @@ def make_handler(svc: Service) -> type[BaseHTTPRequestHandler]:
                     p = svc.submit(req["prompt"], req["max_tokens"], req["temperature"], req["top_p"], req["seed"])
                 except Overloaded as e:
                     raise ApiError(429, f"server overloaded: {e}; retry later", kind="rate_limit_error") from None
+                except Unavailable as e:
+                    raise ApiError(503, str(e), kind="server_error") from None
                 (self._stream if req["stream"] else self._complete)(p)
             except ApiError as e:
                 self._error(e)

@@ -12,6 +12,10 @@ prefill cost, a decode-heavy one the decode cost), `memory_aware` (most KV headr
 No request is lost: a replica at its outstanding-request limit is skipped; when all are, requests
 wait in the router's FIFO and are placed as replicas finish work. Only past `max_pending` waiting
 does `submit` refuse, with `Overloaded` (the server answers 429 then).
+
+A replica reported dead (`down`) gets no new placements; a request placed on it but never sent is
+put back at the head of the queue (`requeue`) and placed on a live replica. With no replica alive,
+`submit` refuses with `Unavailable` (503) and `abandon` hands back the waiting requests to fail.
 """
 
 from __future__ import annotations
@@ -26,6 +30,10 @@ STRATEGIES = ("round_robin", "load_balanced", "performance_optimized", "memory_a
 
 class Overloaded(Exception):
     """Every replica is at its limit and the router's waiting queue is full."""
+
+
+class Unavailable(Exception):
+    """No replica is alive."""
 
 
 @dataclass
@@ -69,6 +77,7 @@ class Request:
 
 @dataclass
 class ReplicaState:
+    alive: bool = True
     outstanding: dict[str, Request] = field(default_factory=dict)
     sent_since_status: int = 0  # tokens placed after the replica's last status (not yet in its report)
     # Reported by the replica (None until its first report):
@@ -122,6 +131,8 @@ class Router:
         """Place `req` (or queue it). Returns the placements made, in order: (request, replica)."""
         if req.id in self.where or any(r.id == req.id for r, _ in self.pending):
             raise ValueError(f"request id {req.id!r} is already in flight")
+        if not self.live():
+            raise Unavailable(f"no replica is alive (all {len(self.replicas)} stopped)")
         if self.pending or not self._available():
             if len(self.pending) >= self.cfg.max_pending:
                 raise Overloaded(f"all {len(self.replicas)} replicas are at max_outstanding="
@@ -157,12 +168,42 @@ class Router:
             rep.utilisation = min(1.0, max(0.0, (busy_s - rep._busy[0]) / (now - rep._busy[1])))
         rep._busy = (busy_s, now)
 
+    def live(self) -> list[int]:
+        return [i for i, r in enumerate(self.replicas) if r.alive]
+
+    def down(self, replica: int) -> list[str]:
+        """Replica `replica` stopped: it gets no more placements. Returns the ids placed on it (the
+        caller fails those it had sent and `requeue`s the others). Idempotent."""
+        self.replicas[replica].alive = False
+        return [rid for rid, r in self.where.items() if r == replica]
+
+    def requeue(self, req_id: str) -> list[tuple[Request, int]]:
+        """`req_id`, placed on a dead replica but never sent there, goes back to the head of the queue
+        (keeping its submission time) and is placed again if a live replica has room. A no-op when the
+        request is not on a dead replica (already moved, or finished), so racing callers are safe."""
+        r = self.where.get(req_id)
+        if r is None or self.replicas[r].alive:
+            return []
+        del self.where[req_id]
+        req = self.replicas[r].outstanding.pop(req_id)
+        self.pending.appendleft((req, self.submitted_at.pop(req_id)))
+        return self._drain()
+
+    def abandon(self) -> list[Request]:
+        """With no replica alive: empties the waiting queue and returns what was in it (to be failed)."""
+        if self.live():
+            return []
+        out = [req for req, _ in self.pending]
+        self.pending.clear()
+        return out
+
     def state(self) -> dict[str, float]:
-        """The measured state hybrid decides on (all in [0, 1])."""
-        loads = [r.outstanding_tokens for r in self.replicas]
+        """The measured state hybrid decides on (all in [0, 1]), over the live replicas."""
+        reps = [self.replicas[i] for i in self.live()] or self.replicas
+        loads = [r.outstanding_tokens for r in reps]
         hi, lo = max(loads), min(loads)
-        return {"memory_pressure": max(r.kv_pressure() for r in self.replicas),
-                "performance_pressure": max((r.utilisation or 0.0) for r in self.replicas),
+        return {"memory_pressure": max(r.kv_pressure() for r in reps),
+                "performance_pressure": max((r.utilisation or 0.0) for r in reps),
                 "load_imbalance": (hi - lo) / (hi + lo) if hi + lo else 0.0}
 
     def statistics(self) -> dict[str, Any]:
@@ -172,7 +213,7 @@ class Router:
             "pending": len(self.pending), "state": self.state(),
             "latency_s": {"p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": percentile(lat, 99),
                           "n": len(lat)},
-            "replicas": [{"queue_depth": r.queue_depth, "outstanding_requests": len(r.outstanding),
+            "replicas": [{"alive": r.alive, "queue_depth": r.queue_depth, "outstanding_requests": len(r.outstanding),
                           "outstanding_tokens": r.outstanding_tokens, "kv_used_tokens": r.kv_used,
                           "kv_capacity_tokens": r.kv_capacity, "utilisation": r.utilisation,
                           "prefill_s_per_token": r.prefill_s, "decode_s_per_token": r.decode_s,
@@ -181,7 +222,7 @@ class Router:
 
     # -- placement -----------------------------------------------------------------------------------
     def _available(self) -> list[int]:
-        return [i for i, r in enumerate(self.replicas) if len(r.outstanding) < self.cfg.max_outstanding]
+        return [i for i, r in enumerate(self.replicas) if r.alive and len(r.outstanding) < self.cfg.max_outstanding]
 
     def _drain(self) -> list[tuple[Request, int]]:
         placed = []

@@ -1,6 +1,9 @@
 """The serving core between HTTP and the replicas: tokenises, places each request with the router,
 forwards it to its replica's driver, and turns the replica's events back into per-request streams.
-Measured replica status and completion costs feed the router; counters feed /metrics."""
+Measured replica status and completion costs feed the router; counters feed /metrics.
+
+When a replica dies, the requests it had been sent fail (their tokens may be half-streamed); those
+placed on it but not yet sent are placed again on a live replica, so none is lost while one lives."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from hybridpar.config import ModelConfig
 from hybridpar.data import encode
@@ -44,11 +47,13 @@ class Pending:
     max_tokens: int
     msg: dict[str, Any] = field(default_factory=dict)  # what the replica's driver is sent
     created: float = field(default_factory=time.time)
+    sent: bool = False  # handed to its replica's driver (from then on the replica's death fails it)
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig, model: ModelConfig, source: str) -> None:
+    def __init__(self, cfg: ServeConfig, model: ModelConfig, source: str,
+                 pool: Callable[[WorkerSpec, Callable[[int, dict[str, Any]], None]], Any] = ReplicaPool) -> None:
         self.cfg, self.model = cfg, model
         self.router = Router(cfg.dp, cfg.router())
         self.lock = threading.Lock()
@@ -60,14 +65,15 @@ class Service:
                   "max_seq_len": cfg.max_seq_len}
         spec = WorkerSpec(model=dataclasses.asdict(model), source=source, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
                           limits=limits, slowdown=cfg.slowdowns(), timeout_s=cfg.timeout_s, backend=cfg.backend)
-        self.pool = ReplicaPool(spec, self._on_event)
+        self.pool = pool(spec, self._on_event)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return encode(prompt) if isinstance(prompt, str) else list(prompt)
 
     def submit(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
                seed: int | None, stop_tokens: list[int] | None = None) -> Pending:
-        """Place a request (raises Overloaded when every replica and the waiting queue are full)."""
+        """Place a request (raises Overloaded when every replica and the waiting queue are full,
+        Unavailable when no replica is alive)."""
         p = Pending(f"cmpl-{uuid.uuid4().hex[:24]}", len(prompt), max_tokens)
         p.msg = {"type": "generate", "id": p.id, "prompt": prompt, "max_tokens": max_tokens,
                "temperature": temperature, "top_p": top_p, "seed": seed, "stop_tokens": stop_tokens or []}
@@ -79,10 +85,31 @@ class Service:
         return p
 
     def _send(self, placed: list[tuple[Request, int]]) -> None:
-        for req, rep in placed:
+        placed = list(placed)
+        while placed:
+            req, rep = placed.pop(0)
             p = self.inflight.get(req.id)
-            if p is not None and not self.pool.send(rep, p.msg):
-                self._fail(req.id, f"replica {rep} is down")
+            if p is None:
+                continue
+            if self.pool.send(rep, p.msg):
+                p.sent = True
+            else:  # the replica died before it got the request: place it again
+                placed += self._replica_down(rep)
+
+    def _replica_down(self, rep: int) -> list[tuple[Request, int]]:
+        """Replica `rep` is dead: fail what it had been sent, re-place what it had not (returns those
+        placements, to be sent); with no replica left, fail the waiting requests too."""
+        with self.lock:
+            held = self.router.down(rep)
+            unsent = [rid for rid in held if rid in self.inflight and not self.inflight[rid].sent]
+            placed = [pl for rid in unsent for pl in self.router.requeue(rid)]
+            stranded = self.router.abandon()
+        for rid in held:
+            if rid not in unsent:
+                self._fail(rid, f"replica {rep} stopped")
+        for req in stranded:
+            self._fail(req.id, f"no replica is running (replica {rep} stopped before this request was sent)")
+        return placed
 
     def _fail(self, rid: str, why: str) -> None:
         with self.lock:
@@ -123,10 +150,7 @@ class Service:
                 self.router.report(rep, ev["kv_used_tokens"], ev["kv_capacity_tokens"], ev["queue_depth"],
                                    ev["queued_tokens"], ev["busy_s"], time.monotonic(), ev["slots"])
         elif kind == "replica_failed" and not self.closing:
-            with self.lock:
-                lost = [rid for rid, r in self.router.where.items() if r == rep]
-            for rid in lost:
-                self._fail(rid, f"replica {rep} stopped")
+            self._send(self._replica_down(rep))
 
     def alive(self) -> int:
         return sum(self.pool.alive)
