@@ -148,3 +148,41 @@ def test_overload_is_429_with_retry_after() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+
+
+class _Pool:
+    """Stands in for ReplicaPool: records what each replica is sent; a dead replica's send fails."""
+
+    def __init__(self, spec: Any, on_event: Any) -> None:
+        self.alive = [True] * spec.dp
+        self.sent: list[tuple[int, str]] = []
+
+    def send(self, d: int, msg: dict[str, Any]) -> bool:
+        if self.alive[d]:
+            self.sent.append((d, msg["id"]))
+        return self.alive[d]
+
+
+def test_dead_replica_requests_are_placed_again_or_failed_clearly() -> None:
+    from hybridpar.serve.router import Unavailable
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin", max_outstanding=1)
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    pool = svc.pool
+    a, b, c, d = (svc.submit([1, 2], 4, 0.0, 1.0, None) for _ in range(4))  # a on 0, b on 1, c and d wait
+    assert pool.sent == [(0, a.id), (1, b.id)]
+    pool.alive[1] = False  # replica 1's pipe broke; its reader has not reported it yet
+    svc._on_event(1, {"type": "done", "id": b.id, "reason": "length"})  # c is placed on 1: its send fails
+    svc._on_event(1, {"type": "replica_failed"})
+    assert c.events.empty() and svc.router.statistics()["pending"] == 2  # c waits again, ahead of d
+    svc._on_event(0, {"type": "done", "id": a.id, "reason": "length"})
+    assert pool.sent[2:] == [(0, c.id)]  # c runs on the live replica
+    pool.alive[0] = False
+    svc._on_event(0, {"type": "replica_failed"})  # c was sent to 0: it fails; d has nowhere to go
+    assert [p.events.get_nowait()[1]["reason"] for p in (a, b)] == ["length", "length"]
+    assert c.events.get_nowait()[1] == {"reason": "error", "error": "replica 0 stopped"}
+    assert "no replica is running" in d.events.get_nowait()[1]["error"]
+    with pytest.raises(Unavailable):
+        svc.submit([1], 4, 0.0, 1.0, None)
+    assert svc.counters["requests_failed"] == 2 and not svc.inflight
