@@ -186,3 +186,47 @@ def test_dead_replica_requests_are_placed_again_or_failed_clearly() -> None:
     with pytest.raises(Unavailable):
         svc.submit([1], 4, 0.0, 1.0, None)
     assert svc.counters["requests_failed"] == 2 and not svc.inflight
+
+
+def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
+    from hybridpar.serve.service import Service
+
+    # One replica that takes one request and queues one more: a burst of long requests fills it.
+    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, max_outstanding=1, max_pending=1,
+                      timeout_s=60, request_timeout_s=60)
+    svc = Service(cfg, MODEL, cfg.source)
+    srv = make_server(svc, "127.0.0.1", 0)
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    port = srv.server_address[1]
+    long = {**GOOD, "max_tokens": 60}
+    results: list[tuple[int, str | None, Any]] = []
+
+    def one() -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps(long), {"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        results.append((resp.status, resp.getheader("Retry-After"), json.loads(resp.read())))
+        conn.close()
+
+    try:
+        for _ in range(3):  # a burst normally fills it at once; retried in case the replica outpaced it
+            threads = [threading.Thread(target=one) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(30)
+            if any(s != 200 for s, _, _ in results):
+                break
+        refused = [(s, ra, body) for s, ra, body in results if s != 200]
+        assert refused, "the server never refused a request"
+        for s, ra, body in refused:
+            assert s in (429, 503) and ra == "1" and body["error"]["message"], (s, body)
+        done = [body for s, _, body in results if s == 200]
+        assert done and all(b["usage"]["completion_tokens"] == 60 for b in done)  # accepted ones finish whole
+        status, body = post(port, GOOD)  # and it serves again
+        assert status == 200 and body["usage"]["completion_tokens"] == 4
+        assert svc.counters["requests_rejected"] == len(refused) and svc.counters["requests_failed"] == 0
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        svc.close()
