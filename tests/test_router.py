@@ -149,7 +149,7 @@ def test_no_live_replica_refuses_and_abandons_the_queue() -> None:
     assert rt.down(0) == ["q0"] and rt.down(1) == ["q1"]
     assert rt.requeue("q0") == [] and rt.requeue("q1") == []  # nowhere to go: back in the queue
     assert [r.id for r in rt.abandon()] == ["q1", "q0", "q2", "q3"] and rt.statistics()["pending"] == 0
-    with pytest.raises(Unavailable, match="no replica is alive"):
+    with pytest.raises(Unavailable, match="no replica is running"):
         rt.submit(req(9), 1.0)
 
 

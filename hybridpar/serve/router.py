@@ -132,7 +132,7 @@ class Router:
         if req.id in self.where or any(r.id == req.id for r, _ in self.pending):
             raise ValueError(f"request id {req.id!r} is already in flight")
         if not self.live():
-            raise Unavailable(f"no replica is alive (all {len(self.replicas)} stopped)")
+            raise Unavailable(f"no replica is running (all {len(self.replicas)} stopped)")
         if self.pending or not self._available():
             if len(self.pending) >= self.cfg.max_pending:
                 raise Overloaded(f"all {len(self.replicas)} replicas are at max_outstanding="
