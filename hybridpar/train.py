@@ -154,8 +154,9 @@ class Trainer:
         peak = meter.peak
         if topo.device.type == "cuda":  # the allocator also sees temporaries the meter does not
             peak = max(peak, torch.cuda.max_memory_allocated(topo.device) - resident)
-        # One reduction tells every rank the loss, whether anyone ran out of memory, and the step's
-        # time and peak (max over ranks: what the planner needs, identical everywhere).
+        # Two scalar reductions tell every rank the loss and whether anyone ran out of memory (sum),
+        # and the step's time and activation peak (max over ranks: what the planner needs, identical
+        # everywhere, so every rank proposes the same next split).
         local = 0.0 if out.loss is None or topo.tp_rank != 0 else float(out.loss)
         v = torch.tensor([local, float(out.out_of_memory is not None)], dtype=torch.float64, device=topo.device)
         dist.all_reduce(v)
