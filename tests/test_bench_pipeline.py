@@ -9,7 +9,7 @@ import time
 import pytest
 import torch
 
-from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, SleepScale, Timed
+from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed
 from hybridpar.bench.latency import StepSamples, posted_lists, posting_points, summarize
 from hybridpar.bench.pipeline import main
 from hybridpar.cli import main as cli_main
@@ -39,23 +39,39 @@ def check_prediction(rec: dict) -> None:
     assert set(rec["compute_overhead_s"]) >= {"F", "B"} and set(rec["sleep_overshoot_s"]) >= {"F", "B"}
 
 
-def test_sleep_scale_sleeps_and_has_exact_gradients():
+def test_emulated_windows_last_their_duration_and_gradients_are_exact():
+    log = SleepLog()
+    mid = EmulatedStage(False, False, 16, 4, 0.02, 0.04, seed=2, log=log)
     x = torch.randn(2, 3, 4, requires_grad=True)
-    scale = torch.tensor([1.5], requires_grad=True)
     t0 = time.perf_counter()
-    y = SleepScale.apply(x, scale, 0.02, 0.04)
+    y = mid(x)
     t_f = time.perf_counter() - t0
     g = torch.randn_like(y)
     t0 = time.perf_counter()
     y.backward(g)
     t_b = time.perf_counter() - t0
-    assert t_f >= 0.02 and t_b >= 0.04
-    torch.testing.assert_close(y, x.detach() * 1.5)
-    torch.testing.assert_close(x.grad, g * 1.5)
-    torch.testing.assert_close(scale.grad, (g * x.detach()).sum().reshape(1))
-    xd = torch.randn(2, 3, dtype=torch.float64, requires_grad=True)
-    sd = torch.tensor([0.7], dtype=torch.float64, requires_grad=True)
-    assert torch.autograd.gradcheck(lambda a, b: SleepScale.apply(a, b, 0.0, 0.0), (xd, sd))
+    # The tensor work runs inside the windows: each lasts its duration, not duration + work.
+    assert [op for op, *_ in log.entries] == ["F", "B"]
+    for (op, req, start, end), took in zip(log.entries, (t_f, t_b)):
+        assert req <= end - start <= took
+    scale = mid.scale.detach()
+    torch.testing.assert_close(y, x.detach() * scale)
+    torch.testing.assert_close(x.grad, g * scale)
+    torch.testing.assert_close(mid.scale.grad, (g * x.detach()).sum().reshape(1))
+    xd = torch.randn(2, 3, 4, dtype=torch.float64, requires_grad=True)
+    last = EmulatedStage(False, True, 16, 4, 0.0, 0.0, seed=2).double()
+    assert torch.autograd.gradcheck(last, (xd,))
+
+
+def test_full_backward_of_a_split_stage_lasts_b_plus_w():
+    log = SleepLog()
+    stage = EmulatedStage(False, False, 16, 4, 0.0, 0.01, seed=2, w_s=0.02, log=log)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    t0 = time.perf_counter()
+    stage(x).sum().backward()
+    assert time.perf_counter() - t0 >= 0.03
+    assert sorted(op for op, *_ in log.entries) == ["B", "W"]
+    assert all(end - start >= req for _, req, start, end in log.entries)
 
 
 def test_emulated_stage_is_deterministic_and_timed_wrapper_is_exact():

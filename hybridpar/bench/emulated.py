@@ -2,14 +2,14 @@
 the wire) and, for compute mode, one busy-time instrumentation applied identically to every stage
 module, ours or torch's (`Timed`).
 
-Emulation is labelled (see DESIGN.md): a stage's forward and backward *sleep* for fixed durations
-instead of computing, so that 4 ranks on 2 cores do not contend for the CPU and the measured step time
-is the schedule's own (bubble + communication + runtime overhead), not the machine's. Every sleep is
-logged (`SleepLog`: requested vs. actual seconds): the emulated ranks' busy time is the time they
-actually slept, and the overshoot (wake-up latency) is one of the measured per-action costs the
-simulator is fed with (latency.py).
+Emulation is labelled (see DESIGN.md): a stage's forward and backward last fixed durations, their few
+tensor operations done at the start and the rest of the window slept, so that 4 ranks on 2 cores do
+not contend for the CPU and the measured step time is the schedule's own (bubble + communication +
+runtime overhead), not the machine's. Every window is logged (`SleepLog`: requested vs. actual
+seconds): the emulated ranks' busy time is the windows' actual length, and the overshoot (wake-up
+latency) is one of the measured per-action costs the simulator is fed with (latency.py).
 
-Split backward (zero-bubble schedules): with `w_s > 0` a stage's backward is two sleeps, `b_s` on the
+Split backward (zero-bubble schedules): with `w_s > 0` a stage's backward is two windows, `b_s` on the
 activation path (B: what the previous stage waits for) and `w_s` on the path to the stage's weight
 (`scale`, W). Under a full backward both run (b_s + w_s); torch's split backward
 (`stage_backward_input` / `stage_backward_weight`) separates them through the autograd graph; our
@@ -29,18 +29,20 @@ from torch import nn
 
 
 class SleepLog:
-    """The emulated compute of one rank: every sleep as (op "F" | "B" | "W", requested s, start, end),
-    times from `time.perf_counter` (comparable with the runtime's timeline)."""
+    """The emulated compute of one rank: every compute window as (op "F" | "B" | "W", requested s,
+    start, end), times from `time.perf_counter` (comparable with the runtime's timeline)."""
 
     def __init__(self) -> None:
         self.entries: list[tuple[str, float, float, float]] = []
 
-    def sleep(self, op: str, seconds: float) -> None:
+    def until(self, op: str, seconds: float, start: float) -> None:
+        """Close the window of `seconds` opened at `start`: sleep for what is left of it."""
         if seconds <= 0:
             return
-        t0 = time.perf_counter()
-        time.sleep(seconds)
-        self.entries.append((op, seconds, t0, time.perf_counter()))
+        left = start + seconds - time.perf_counter()
+        if left > 0:
+            time.sleep(left)
+        self.entries.append((op, seconds, start, time.perf_counter()))
 
     def clear(self) -> None:
         self.entries.clear()
@@ -49,46 +51,72 @@ class SleepLog:
         return sum(end - start for _, _, start, end in self.entries)
 
 
-def _sleep(log: SleepLog | None, op: str, seconds: float) -> None:
+def _until(log: SleepLog | None, op: str, seconds: float, start: float) -> None:
     if log is not None:
-        log.sleep(op, seconds)
+        log.until(op, seconds, start)
     elif seconds > 0:
-        time.sleep(seconds)
+        time.sleep(max(0.0, start + seconds - time.perf_counter()))
 
 
-class SleepScale(torch.autograd.Function):
-    """y = x * scale, sleeping `f_s` seconds in forward and `b_s` in backward. `scale` is a 1-element
-    learnable parameter, so the stage has a real parameter with a real gradient: d scale = sum(g * x)."""
+class _Window:
+    """The open backward window of one forward call: set when the gradient reaches the stage output."""
+
+    __slots__ = ("start", "closed")
+
+    def __init__(self) -> None:
+        self.start, self.closed = 0.0, False
+
+
+class WindowClose(torch.autograd.Function):
+    """On the stage output. Forward: the forward window, opened at `f_start`, lasts `f_s` (sleep for
+    what the stage's tensor work left of it). Backward: the gradient has reached the output, so the
+    backward window opens now."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, scale: torch.Tensor, f_s: float, b_s: float,
-                log: SleepLog | None = None) -> torch.Tensor:
-        _sleep(log, "F", f_s)
-        ctx.save_for_backward(x, scale)
-        ctx.b_s, ctx.log = b_s, log
-        return x * scale
+    def forward(ctx, y: torch.Tensor, win: _Window, f_start: float, f_s: float, log: SleepLog | None) -> torch.Tensor:
+        _until(log, "F", f_s, f_start)
+        ctx.win = win
+        return y.view_as(y)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        _sleep(ctx.log, "B", ctx.b_s)
-        x, scale = ctx.saved_tensors
-        return g * scale, (g * x).sum().reshape(scale.shape), None, None, None
+        ctx.win.start = time.perf_counter()
+        return g, None, None, None, None
 
 
-class SleepPath(torch.autograd.Function):
-    """Identity that sleeps `f_s` in forward and `b_s` (logged as `op`) in backward: one path of a
-    split backward (the activation path: B; the weight path: W)."""
+class WindowOpen(torch.autograd.Function):
+    """On the stage input (after the embedding on the first stage): the last backward node of the
+    activation path, where the backward window of `b_s` closes (logged as `op`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, f_s: float, b_s: float, op: str, log: SleepLog | None) -> torch.Tensor:
-        _sleep(log, "F", f_s)
-        ctx.b_s, ctx.op, ctx.log = b_s, op, log
+    def forward(ctx, x: torch.Tensor, win: _Window, b_s: float, op: str, log: SleepLog | None) -> torch.Tensor:
+        ctx.win, ctx.b_s, ctx.op, ctx.log = win, b_s, op, log
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        _sleep(ctx.log, ctx.op, ctx.b_s)
+        _until(ctx.log, ctx.op, ctx.b_s, ctx.win.start)
+        ctx.win.closed = True
         return g, None, None, None, None
+
+
+class WeightPath(torch.autograd.Function):
+    """Identity on the stage's weight whose backward is a window of `w_s` (W). Run inside a full
+    backward before the activation path's window closed, it moves that window's start later by its own
+    length, so that the whole backward lasts b_s + w_s whichever order autograd runs the two paths in."""
+
+    @staticmethod
+    def forward(ctx, w: torch.Tensor, win: _Window, w_s: float, log: SleepLog | None) -> torch.Tensor:
+        ctx.win, ctx.w_s, ctx.log = win, w_s, log
+        return w.view_as(w)
+
+    @staticmethod
+    def backward(ctx, g: torch.Tensor):
+        t0 = time.perf_counter()
+        _until(ctx.log, "W", ctx.w_s, t0)
+        if not ctx.win.closed:
+            ctx.win.start += time.perf_counter() - t0
+        return g, None, None, None
 
 
 class EmulatedStage(nn.Module):
@@ -96,8 +124,12 @@ class EmulatedStage(nn.Module):
 
     Input: token ids (b, T) on the first stage, activations (b, T, hidden) elsewhere.
     Output: logits (b, T, vocab) on the last stage, activations (b, T, hidden) elsewhere.
-    `b_s` is the whole backward, or with `w_s > 0` its input-gradient share (B) beside the weight
-    share `w_s` (W).
+    The forward lasts `f_s` and the backward `b_s` (or, with `w_s > 0`, `b_s` for its input-gradient
+    share B beside `w_s` for the weight share W), the stage's few tensor operations included: they run
+    inside these windows, which sleep for what is left. Sleeping first and computing after would add the
+    tensor work's time to every window, and on a shared VM that time is not small: the first tensor
+    operations after a sleep of tens of milliseconds run on cold caches (measured here: an op that takes
+    7 us warm takes ~185 us after a 20 ms sleep), so the "fixed" durations would not be fixed.
     """
 
     def __init__(self, first: bool, last: bool, vocab: int, hidden: int, f_s: float, b_s: float,
@@ -112,20 +144,22 @@ class EmulatedStage(nn.Module):
         self._deferred: dict[Hashable, list] = {}  # key -> [stage activation h, gradient of h * scale]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        start, win = time.perf_counter(), _Window()
         h = F.embedding(x, self.embed) if self.first else x  # (b, T, hidden)
+        h = WindowOpen.apply(h, win, self.b_s, "B", self.log)
         if self.w_s <= 0:
-            h = SleepScale.apply(h, self.scale, self.f_s, self.b_s, self.log)
+            h = h * self.scale
         else:
-            h = SleepPath.apply(h, self.f_s, self.b_s, "B", self.log)
             key, self._defer = self._defer, None
             if key is None:  # full backward, or torch's graph-based split: W is the path to `scale`
-                h = h * SleepPath.apply(self.scale, 0.0, self.w_s, "W", self.log)
+                h = h * WeightPath.apply(self.scale, win, self.w_s, self.log)
             else:  # our runtime's split: keep `scale` out of B's graph, weight_grad(key) is its W
                 entry: list = [h.detach(), None]
                 self._deferred[key] = entry
                 h = h * self.scale.detach()
                 h.register_hook(_keep(entry))
-        return F.linear(h, self.proj) if self.last else h  # (b, T, vocab) | (b, T, hidden)
+        y = F.linear(h, self.proj) if self.last else h  # (b, T, vocab) | (b, T, hidden)
+        return WindowClose.apply(y, win, start, self.f_s, self.log)
 
     # The WeightGradDeferral hooks (split_backward.py).
     def defer_weight_grad(self, key: Hashable) -> None:
@@ -137,7 +171,7 @@ class EmulatedStage(nn.Module):
             return
         h, g = self._deferred.pop(key)
         assert g is not None, "W before its B: the output gradient was never computed"
-        _sleep(self.log, "W", self.w_s)
+        _until(self.log, "W", self.w_s, time.perf_counter())
         d = (g * h).sum().reshape(self.scale.shape)
         self.scale.grad = d if self.scale.grad is None else self.scale.grad + d
 

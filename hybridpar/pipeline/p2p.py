@@ -8,6 +8,8 @@ nothing is ever served from a stale buffer: a buffer goes back to the pool only 
 
 from __future__ import annotations
 
+import queue
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass
@@ -31,58 +33,124 @@ class LinkStats:
         return dict(self.__dict__)
 
 
-class P2P:
-    """Messages to and from peers given as global ranks. Keys name receives ("F", stage, mb)."""
+class _Batch:
+    """The messages of one flush: `works[i]` is op i's work once batch `seq` is posted."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float) -> None:
-        self.device, self.dtype = device, dtype
+    __slots__ = ("ops", "seq", "works", "error")
+
+    def __init__(self, ops: list[tuple[str, Hashable, torch.Tensor, int]], seq: int) -> None:
+        self.ops, self.seq = ops, seq
+        self.works: list[dist.Work] = []
+        self.error: BaseException | None = None
+
+
+class P2P:
+    """Messages to and from peers given as global ranks. Keys name receives ("F", stage, mb).
+
+    Ops are queued and then posted together by flush(), so that one action's sends and the receives
+    posted ahead of the next actions go out together. On CUDA (NCCL) the batch is one group call from
+    the caller's thread, enqueued on the stream that produced the tensors. On CPU (gloo) posting does
+    real work in the calling thread (about 0.15 ms per message here, more right after a long compute,
+    when caches are cold) while the pipeline's next compute waits behind it, so a posting thread posts
+    the batches instead, in queue order (the only order gloo matches messages by), and the compute
+    goes on at once. The thread only posts; completion is still waited for where the data is needed.
+    Each P2P object has its own thread, so two objects that talk to the same peer must use different
+    `tag`s (gloo matches a receive with the first message of its sender and tag): between threads there
+    is no posting order.
+    """
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float,
+                 post_from_thread: bool | None = None, tag: int = 0) -> None:
+        self.device, self.dtype, self.tag = device, dtype, tag
+        self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self.stats: dict[int, LinkStats] = defaultdict(LinkStats)
         self._pool: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
-        self._recvs: dict[Hashable, tuple[list[dist.Work], torch.Tensor, int]] = {}
-        self._sends: list[tuple[list[dist.Work], torch.Tensor, int]] = []
-        self._ops: list[dist.P2POp] = []
-        self._op_keys: list[tuple[str, Hashable, torch.Tensor, int]] = []
+        self._recvs: dict[Hashable, tuple[_Batch, int, torch.Tensor, int]] = {}
+        self._sends: list[tuple[_Batch, int, torch.Tensor, int]] = []
+        self._ops: list[tuple[str, Hashable, torch.Tensor, int]] = []
+        self._threaded = device.type == "cpu" if post_from_thread is None else post_from_thread
+        # Batches are posted in order, so "batch n is posted" is "posted >= n": no per-batch event
+        # to build on the caller's side, which runs right after a compute, when that costs most.
+        self._queue: queue.SimpleQueue[_Batch | None] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+        self._flushes = self._posted = 0
+        self._cond = threading.Condition()
+        self._world, self._rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (None, None)
 
-    # Ops are queued and then posted together by flush(), so that one action's sends and the receives
-    # posted ahead of the next actions go out as one batch (one NCCL group call on GPU).
+    def _check_peer(self, peer: int) -> None:
+        # The posting thread calls the process group directly, which does not check ranks (gloo
+        # crashes on one out of range): check here, where the caller's frame names the mistake.
+        if self._world is not None and not (0 <= peer < self._world and peer != self._rank):
+            raise ValueError(f"P2P peer {peer} is not another rank of this world (ranks 0..{self._world - 1}, "
+                             f"this is rank {self._rank})")
+
     def queue_send(self, tensor: torch.Tensor, peer: int) -> None:
-        t = tensor.detach().contiguous()
-        self._ops.append(dist.P2POp(dist.isend, t, peer))
-        self._op_keys.append(("send", None, t, peer))
+        self._check_peer(peer)
+        self._ops.append(("send", None, tensor.detach().contiguous(), peer))
 
     def queue_recv(self, key: Hashable, shape: tuple[int, ...], peer: int) -> None:
         assert key not in self._recvs, f"receive {key} posted twice"
+        self._check_peer(peer)
         buf = self._pool[shape].pop() if self._pool[shape] else torch.empty(shape, dtype=self.dtype, device=self.device)
-        self._ops.append(dist.P2POp(dist.irecv, buf, peer))
-        self._op_keys.append(("recv", key, buf, peer))
+        self._ops.append(("recv", key, buf, peer))
 
     def flush(self) -> None:
         if not self._ops:
             return
         # Forget sends that already completed, so their tensors can be freed before the step ends.
-        self._sends = [s for s in self._sends if not all(w.is_completed() for w in s[0])]
-        works = dist.batch_isend_irecv(self._ops)
-        # gloo returns one work per op; NCCL coalesces the batch into a single work that covers all.
-        per_op = len(works) == len(self._ops)
-        for i, (kind, key, t, peer) in enumerate(self._op_keys):
-            w = [works[i]] if per_op else works
-            nbytes = t.numel() * t.element_size()
+        self._sends = [s for s in self._sends if not (s[0].seq <= self._posted and s[0].works
+                                                      and s[0].works[s[1]].is_completed())]
+        self._flushes += 1
+        batch = _Batch(self._ops, self._flushes)
+        self._ops = []
+        if self._threaded:
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._post_loop, name="hybridpar-p2p-post", daemon=True)
+                self._thread.start()
+            self._queue.put(batch)
+        else:
+            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer,
+                                                       tag=self.tag) for kind, _, t, peer in batch.ops])
+            # NCCL coalesces the batch into a single work that covers all its ops.
+            batch.works = works if len(works) == len(batch.ops) else works * len(batch.ops)
+            self._posted = batch.seq
+        for i, (kind, key, t, peer) in enumerate(batch.ops):
             if kind == "send":
-                self._sends.append((w, t, peer))
-                self.stats[peer].sent_bytes += nbytes
+                self._sends.append((batch, i, t, peer))
+                self.stats[peer].sent_bytes += t.numel() * t.element_size()
                 self.stats[peer].sent_msgs += 1
             else:
-                self._recvs[key] = (w, t, peer)
-        self._ops, self._op_keys = [], []
+                self._recvs[key] = (batch, i, t, peer)
+
+    def _post_loop(self) -> None:
+        pg = dist.group.WORLD  # peers are global ranks: their ranks in the default group
+        while (batch := self._queue.get()) is not None:
+            try:
+                batch.works = [pg.send([t], peer, self.tag) if kind == "send" else pg.recv([t], peer, self.tag)
+                               for kind, _, t, peer in batch.ops]
+            except BaseException as e:  # re-raised where the caller waits for one of these messages
+                batch.error = e
+            with self._cond:
+                self._posted = batch.seq
+                self._cond.notify_all()
+
+    def _wait(self, batch: _Batch, i: int, what: str) -> None:
+        if self._posted < batch.seq:
+            with self._cond:
+                if not self._cond.wait_for(lambda: self._posted >= batch.seq, self.timeout_s):
+                    raise TimeoutError(f"P2P: {what} was not posted within {self.timeout_s:g} s "
+                                       "(the posting thread is stuck)")
+        if batch.error is not None:
+            raise RuntimeError(f"P2P: posting {what} failed: {batch.error}") from batch.error
+        batch.works[i].wait(self.timeout)
 
     def wait_recv(self, key: Hashable) -> torch.Tensor:
         """Block until receive `key` has landed and return its buffer (owned by the caller until release)."""
         self.flush()
-        works, buf, peer = self._recvs.pop(key)
+        batch, i, buf, peer = self._recvs.pop(key)
         t0 = time.perf_counter()
-        for w in works:
-            w.wait(self.timeout)
+        self._wait(batch, i, f"receive {key} from rank {peer}")
         st = self.stats[peer]
         st.recv_wait_s += time.perf_counter() - t0
         st.recv_bytes += buf.numel() * buf.element_size()
@@ -95,12 +163,18 @@ class P2P:
     def wait_sends(self) -> None:
         """Drain all outstanding sends (end of a step): their tensors may then be freed or reused."""
         self.flush()
-        for works, _, peer in self._sends:
+        for batch, i, _, peer in self._sends:
             t0 = time.perf_counter()
-            for w in works:
-                w.wait(self.timeout)
+            self._wait(batch, i, f"a send to rank {peer}")
             self.stats[peer].send_wait_s += time.perf_counter() - t0
         self._sends.clear()
+
+    def close(self) -> None:
+        """Stop the posting thread (after the messages already queued)."""
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(self.timeout_s)
+            self._thread = None
 
     def pending(self) -> int:
         return len(self._recvs) + len(self._sends) + len(self._ops)

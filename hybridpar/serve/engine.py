@@ -57,8 +57,9 @@ class StageRunner:
         self.pp, self.pp_rank, self.tp_rank = topo.dims.pp, topo.pp_rank, topo.tp_rank
         self.tp_group = topo.group("tp") if topo.dims.tp > 1 else None
         self.driver_rank = topo.dims.rank_of(topo.dp_rank, 0, 0)
-        self.ctl = P2P(self.device, torch.int64, topo.timeout_s)
-        self.act = P2P(self.device, self.dtype, topo.timeout_s)
+        # Two message streams to the same peers: distinct tags, since each posts from its own thread.
+        self.ctl = P2P(self.device, torch.int64, topo.timeout_s, tag=1)
+        self.act = P2P(self.device, self.dtype, topo.timeout_s, tag=2)
         # EMULATION MODE (benchmarks only, off by default): a factor f > 1 sleeps (f - 1) times each
         # tick's measured compute, so this rank behaves like a device f times slower.
         self.slowdown = slowdown
