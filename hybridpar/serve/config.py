@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hybridpar.config import ModelConfig, _f, parse_args
+from hybridpar.config import ModelConfig, parse_args
+from hybridpar.config.config import _f
 from hybridpar.serve.router import STRATEGIES, RouterConfig
 
 
