@@ -1,5 +1,5 @@
 """`hybridpar serve` configuration: one validated dataclass (fields carry their help, as in
-hybridpar/config.py), parsed from `--key value` flags; the model shape for sources without a config
+hybridpar/config/sections.py), parsed from `--key value` flags; the model shape for sources without a config
 of their own (init:SEED, final_model.pt) comes from the training flags `--model.*`."""
 
 from __future__ import annotations
@@ -9,7 +9,8 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hybridpar.config import ModelConfig, _f, parse_args
+from hybridpar.config import ModelConfig, parse_args
+from hybridpar.config.sections import _f
 from hybridpar.serve.router import STRATEGIES, RouterConfig
 
 

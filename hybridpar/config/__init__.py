@@ -1,0 +1,43 @@
+"""Typed run configuration: dataclasses with help text, validation, TOML files and CLI overrides.
+
+Pure Python on purpose (no torch import) so `hybridpar train --help` and config errors are instant,
+and so every rank can validate the layout before touching a process group.
+
+    sections.py  one dataclass per TOML table; each field carries its help (and choices) via `_f`
+    config.py    Config: the sections plus top-level keys; strict dict round trip (from_dict/to_dict)
+    validate.py  every rule Config.validate checks, in the order they run
+    parse.py     load_toml, parse_args (--config then --section.key VALUE), help_text
+    keys.py      dotted keys ('train.lr') and field types, shared by the three above
+
+Every public name is re-exported here, so importers write `from hybridpar.config import Config`.
+"""
+
+from hybridpar.config.config import Config
+from hybridpar.config.parse import help_text, load_toml, parse_args
+from hybridpar.config.sections import (
+    BalanceConfig,
+    BatchingConfig,
+    CheckpointConfig,
+    DataConfig,
+    EmulateConfig,
+    ModelConfig,
+    ParallelConfig,
+    ResilienceConfig,
+    TrainConfig,
+)
+
+__all__ = [
+    "BalanceConfig",
+    "BatchingConfig",
+    "CheckpointConfig",
+    "Config",
+    "DataConfig",
+    "EmulateConfig",
+    "ModelConfig",
+    "ParallelConfig",
+    "ResilienceConfig",
+    "TrainConfig",
+    "help_text",
+    "load_toml",
+    "parse_args",
+]

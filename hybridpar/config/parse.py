@@ -1,0 +1,112 @@
+"""Reading a Config from TOML files and `--section.key VALUE` flags, and the --help that lists them."""
+
+import sys
+import typing
+from typing import Any
+
+from hybridpar.config.config import Config
+from hybridpar.config.keys import _known_keys, _owner, _suggest, _type_name, _unwrap
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised only on 3.10
+    import tomli as tomllib
+
+
+def load_toml(path: str) -> dict[str, Any]:
+    """Read a TOML config ([model] [parallel] [train] [data] [checkpoint] sections, top-level run_dir) as a raw dict."""
+    try:
+        with open(path, "rb") as fh:
+            return tomllib.load(fh)
+    except OSError as e:  # missing file, a directory, no permission: all a bad --config argument
+        raise ValueError(f"cannot read config file {path!r}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+
+
+def parse_args(argv: list[str]) -> Config:
+    """Build a Config from `--config FILE` (applied first) then `--section.key VALUE` overrides in order.
+    Does not validate: the caller knows the world size."""
+    known = _known_keys(Config)
+    config_file: str | None = None
+    overrides: list[tuple[str, str, str]] = []  # (flag as typed, dotted key, raw value)
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or arg == "--":
+            raise ValueError(f"unexpected argument {arg!r}: options look like --section.key VALUE")
+        name, has_eq, value = arg[2:].partition("=")
+        if not has_eq:
+            # A following flag is not a value: `--train.steps --train.lr 1` forgot the steps.
+            if i + 1 >= len(argv) or argv[i + 1].startswith("--"):
+                raise ValueError(f"missing value for --{name}")
+            value = argv[i + 1]
+            i += 1
+        i += 1
+        key = name.replace("-", "_")  # --train.global-batch and --run-dir are spelled like the fields
+        key = _ALIASES.get(key, key)
+        if key == "config":
+            if config_file is not None:
+                raise ValueError(f"--config given twice ({config_file!r} and {value!r}); pass one file")
+            config_file = value
+        elif key in known:
+            overrides.append((f"--{name}", key, value))
+        else:
+            raise ValueError(f"unknown option --{name}{_suggest(key, ['config', *known], _flag)}")
+    cfg = Config.from_dict(load_toml(config_file)) if config_file is not None else Config()
+    for flag, key, value in overrides:
+        setattr(*_owner(cfg, key), _parse_text(flag, value, known[key].type))
+    return cfg
+
+
+_ALIASES = {"resume": "checkpoint.resume"}  # short flags for common dotted keys (flag -> key)
+
+
+def help_text() -> str:
+    """Every flag with its type, default and help, grouped by section."""
+    rows = [(None, "--config <file>",
+             "TOML file with [model] [parallel] [train] [data] [checkpoint] sections, applied first")]
+    for key, f in _known_keys(Config).items():
+        extra = f"; one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
+        rows.append((key.rpartition(".")[0] or None, f"{_flag(key)} <{_type_name(f.type)}>",
+                     f"{f.metadata['help']} (default: {_format(f.default)}{extra})"))
+    rows.sort(key=lambda r: r[0] is not None)  # stable: top-level flags (--run-dir) join --config up front
+    width = max(len(usage) for _, usage, _ in rows) + 2
+    lines = ["options: --section.key VALUE or --section.key=VALUE, applied after --config in order "
+             "('-' and '_' are interchangeable)"]
+    section = None
+    for sec, usage, text in rows:
+        if sec != section:
+            section = sec
+            lines += ["", f"[{sec}]"]
+        lines.append(f"  {usage:<{width}}{text}")
+    return "\n".join(lines)
+
+
+def _flag(key: str) -> str:
+    # Top-level keys read like ordinary CLI flags (--run-dir); dotted keys keep the field spelling.
+    return f"--{key}" if "." in key else f"--{key.replace('_', '-')}"
+
+
+def _format(value: Any) -> str:
+    """A default written the way parse_args reads it back (strings quoted to show spaces, e.g. 'def ')."""
+    if value is None or isinstance(value, bool):
+        return str(value).lower()
+    return ",".join(map(str, value)) if isinstance(value, list) else repr(value)
+
+
+def _parse_text(flag: str, text: str, tp: Any) -> Any:
+    """Parse a command-line string by the field's type."""
+    base, optional = _unwrap(tp)
+    if optional and text.strip().lower() in ("none", "null"):
+        return None
+    try:
+        if typing.get_origin(base) is list:
+            elem = typing.get_args(base)[0]
+            return [elem(s) for s in text.split(",")] if text.strip() else []
+        if base is bool:
+            words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+            return words[text.strip().lower()]
+        return base(text)
+    except (ValueError, KeyError):
+        raise ValueError(f"{flag} expects {_type_name(tp)}, got {text!r}") from None

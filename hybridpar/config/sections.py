@@ -1,0 +1,165 @@
+"""The sections of a run configuration: one dataclass per TOML table ([model], [parallel], ...).
+
+Fields only declare their type, default and help here; the rules that relate fields (tp divides
+n_heads, enough microbatches for the schedule, ...) are in validate.py.
+"""
+
+# No `from __future__ import annotations`: keys.py and the parsers read each field's `type` as a real
+# type (int | None, list[float]), not as a string.
+from dataclasses import dataclass, field
+from typing import Any
+
+
+def _f(default: Any, help: str, **meta: Any) -> Any:
+    """A field carrying its help text (and optional `choices`) in metadata, so help and validation
+    read one source. A class default becomes a default_factory: each Config owns its sections."""
+    metadata = {"help": help, **meta}
+    if isinstance(default, type):
+        return field(default_factory=default, metadata=metadata)
+    return field(default=default, metadata=metadata)
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = _f(256, "vocabulary size (256 = raw bytes)")
+    dim: int = _f(128, "hidden size")
+    n_layers: int = _f(4, "number of transformer blocks")
+    n_heads: int = _f(4, "attention (query) heads")
+    n_kv_heads: int | None = _f(None, "key/value heads (none = n_heads; fewer = grouped-query attention)")
+    ffn_dim: int = _f(352, "SwiGLU feed-forward inner size")
+    rope_theta: float = _f(10000.0, "rotary embedding base")
+    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
+    tie_embeddings: bool = _f(False, "share the input embedding with the output projection")
+    init_std: float = _f(0.02, "standard deviation of the normal weight init")
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads or self.n_heads
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = _f(2, "tensor-parallel degree")
+    pp: int = _f(2, "pipeline-parallel degree (pipeline ranks)")
+    dp: int = _f(1, "data-parallel degree (replicas)")
+    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
+    virtual_stages: int = _f(1, "model chunks per pipeline rank (>1 only with interleaved-1f1b)")
+    partition: str = _f("params", "how layers are split into stages", choices=("uniform", "params", "cost"))
+    layer_costs: list[float] | None = _f(None, "per-layer cost, comma-separated (required iff partition=cost)")
+    timeout_s: float = _f(120.0, "bound in seconds on every collective and point-to-point wait")
+    backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    recv_lookahead: int = _f(1, "compute actions ahead of use that receives are posted (>=0)")
+
+    @property
+    def world_size(self) -> int:
+        return self.tp * self.pp * self.dp
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.virtual_stages
+
+
+@dataclass
+class TrainConfig:
+    steps: int = _f(250, "optimizer steps")
+    global_batch: int = _f(16, "sequences per step, summed over data-parallel replicas")
+    microbatches: int = _f(4, "microbatches per data-parallel replica per step")
+    microbatch_sizes: list[int] | None = _f(None, "explicit, possibly unequal split of each replica's batch")
+    seq_len: int = _f(128, "tokens per sequence")
+    lr: float = _f(3e-3, "peak learning rate")
+    min_lr: float = _f(3e-4, "learning rate at the end of cosine decay")
+    warmup_steps: int = _f(20, "linear warmup steps")
+    weight_decay: float = _f(0.1, "AdamW weight decay")
+    beta1: float = _f(0.9, "AdamW beta1")
+    beta2: float = _f(0.95, "AdamW beta2")
+    eps: float = _f(1e-8, "AdamW epsilon")
+    grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
+    seed: int = _f(0, "random seed")
+    val_every: int = _f(50, "validate every N steps (0 disables)")
+    monitor_every: int = _f(10, "every N steps, gather each rank's measured memory, stage times and "
+                               "link counters into metrics.jsonl (0 disables)")
+    val_batches: int = _f(4, "batches per validation")
+    sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
+    sample_prompt: str = _f("def ", "prompt for the final sample")
+
+
+@dataclass
+class DataConfig:
+    path: str | None = _f(None, "text file, folder of text files or nanoGPT uint16 .bin (none = stdlib .py files)")
+    val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
+    max_bytes: int = _f(16_000_000, "cap on corpus bytes read")
+
+
+@dataclass
+class CheckpointConfig:
+    every: int = _f(0, "save a checkpoint every N steps (0 = off)")
+    keep: int = _f(3, "committed checkpoints kept; older ones are deleted after each new commit")
+    dir: str | None = _f(None, "checkpoint directory (none = <run_dir>/checkpoints)")
+    resume: str = _f("off", "'off', 'auto' (the newest checkpoint in checkpoint.dir that verifies) or the path "
+                            "of one checkpoint directory; also --resume")
+    async_save: bool = _f(False, "snapshot to host memory and write in the background while training goes on "
+                                 "(committed only once complete)")
+
+
+@dataclass
+class ResilienceConfig:
+    hang_timeout_s: float = _f(60.0, "a rank that stops beating, or a run where no rank progresses, for this long "
+                                     "is named and the run aborted (0 disables the watchdog)")
+    slow_phase_timeout_s: float = _f(600.0, "allowance for phases that may legitimately take long without progress "
+                                            "(checkpoint write, validation); a frozen rank is still named after "
+                                            "hang_timeout_s")
+    heartbeat_s: float = _f(1.0, "seconds between heartbeats (and watchdog checks)")
+    max_restarts: int = _f(3, "restarts of all workers by the elastic agent after a failure (hybridpar train "
+                              "and launch(); torchrun's --max-restarts overrides)")
+    resume_on_restart: bool = _f(True, "after a restart by the elastic agent, resume as with checkpoint.resume=auto")
+    replan: str = _f("auto", "when resuming with a world size other than tp*pp*dp: 'auto' picks a new layout "
+                             "(keep tp, then pp; dp takes the rest), 'off' refuses", choices=("auto", "off"))
+
+
+@dataclass
+class BatchingConfig:
+    policy: str = _f("fixed", "how each replica's batch is cut into microbatches: 'fixed' (train.microbatches "
+                              "or batching.microbatch_size) or 'adaptive' (measured throughput under a memory "
+                              "budget, re-planned at run time)", choices=("fixed", "adaptive"))
+    microbatch_size: int | None = _f(None, "fixed policy: the fewest balanced microbatches of at most this many "
+                                           "samples, instead of train.microbatches")
+    memory_budget: float | None = _f(None, "adaptive policy: activation memory per rank, in bytes (> 1) or as a "
+                                           "fraction of the device's memory (<= 1) minus what is resident anyway")
+    steps_per_candidate: int = _f(3, "adaptive: measured steps per candidate split")
+    warmup_steps: int = _f(1, "adaptive: unmeasured steps after each change of split")
+    switch_margin: float = _f(0.03, "adaptive: a candidate must beat the current split by this fraction")
+    drift_margin: float = _f(0.10, "adaptive: re-scan when throughput drifts by more than this fraction")
+    cooldown_steps: int = _f(50, "adaptive: at least this many steps between re-scans")
+
+
+@dataclass
+class EmulateConfig:
+    slowdown: str = _f("", "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
+                           "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)")
+    fault: str = _f("", "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
+                        "'rank=1:kill@step=3:phase=forward' (see hybridpar/resilience/chaos.py)")
+    layer_ms: float = _f(0.0, "BENCHMARK MODE, off by default (0): every decoder layer's forward also sleeps this "
+                              "many ms per sample and its backward twice that, so compute is a fixed duration")
+    memory_limit: int | None = _f(None, "TESTING MODE, off by default: raise an out-of-memory error when a rank's "
+                                        "activations held for backward would exceed this many bytes")
+
+
+@dataclass
+class BalanceConfig:
+    mode: str = _f("off", "dynamic load balancing: 'off'; 'detect' (log decisions, change nothing); 'auto' "
+                          "(re-partition stages live and re-split the batch among replicas)",
+                   choices=("off", "detect", "auto"))
+    interval: int = _f(20, "never decide a rebalance more often than every N steps")
+    min_gain: float = _f(0.05, "act only if the predicted step time falls by at least this fraction")
+    threshold: float = _f(1.25, "straggler: smoothed time per unit of work above this x the others' median")
+    skip_steps: int = _f(2, "first steps of a run not measured (allocation and lazy-init warm-up)")
+    window: int = _f(5, "measurements in each rank's smoothing median")
+    patience: int = _f(3, "consecutive measurements beyond the threshold before a straggler (or its "
+                          "recovery) counts")
+    weight_memory: float = _f(0.4, "load-score weight of memory pressure (tutorial: 0.4)")
+    weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work (tutorial: 0.4)")
+    weight_network: float = _f(0.2, "load-score weight of communication wait (tutorial: 0.2)")

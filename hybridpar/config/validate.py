@@ -1,0 +1,222 @@
+"""`Config.validate`: every rule checked before any process group starts. Each failure raises one
+ValueError naming the dotted key, its numbers and what would be right.
+
+The rules run in a fixed order and the first failure wins, so the order is part of the behaviour: value
+ranges first (every later rule divides by or compares against those numbers), then checkpoint,
+resilience, learning rate, choices and load balancing, then the layout against the world size and the
+rules that relate sections (model shape x tp, schedule x microbatches, batch split, microbatch policy,
+layer costs).
+"""
+
+from __future__ import annotations
+
+import os
+import typing
+from typing import TYPE_CHECKING, Any
+
+from hybridpar.config.keys import _is_int, _is_num, _known_keys, _owner, _suggest
+from hybridpar.config.sections import CheckpointConfig, ModelConfig, ParallelConfig, ResilienceConfig, TrainConfig
+
+if TYPE_CHECKING:  # config.py imports this module; the name is needed for annotations only
+    from hybridpar.config.config import Config
+
+
+def validate(cfg: Config, world_size: int | None = None) -> None:
+    """Raise ValueError naming the first bad field (dotted key), its numbers and what would be right."""
+    _check_ranges(cfg)
+    _check_checkpoint(cfg.checkpoint)
+    _check_resilience(cfg.resilience)
+    _check_lr(cfg.train)
+    _check_choices(cfg)
+    _check_balance(cfg)
+    _check_world_size(cfg.parallel, world_size)
+    _check_model(cfg.model, cfg.parallel)
+    _check_schedule(cfg.model, cfg.parallel, cfg.train)
+    _check_batch_split(cfg.train, cfg.parallel)
+    _check_batching(cfg)
+    _check_layer_costs(cfg.parallel, cfg.model)
+
+
+def _require(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_ranges(cfg: Config) -> None:
+    # Ranges first: every later rule divides by or compares against these numbers.
+    count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
+    ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
+        ("model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
+         "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
+         "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
+        ("resilience.max_restarts", non_negative, "a non-negative integer"),
+        ("resilience.hang_timeout_s", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables the watchdog)"),
+        ("resilience.heartbeat_s resilience.slow_phase_timeout_s", lambda v: _is_num(v) and v > 0, "> 0"),
+        ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
+        ("batching.microbatch_size emulate.memory_limit", lambda v: v is None or count(v),
+         "a positive integer or none"),
+        ("batching.steps_per_candidate", count, "a positive integer"),
+        ("batching.warmup_steps batching.cooldown_steps", non_negative, "a non-negative integer"),
+        ("batching.memory_budget", lambda v: v is None or (_is_num(v) and v > 0),
+         "> 0 (bytes if > 1, a fraction of device memory if <= 1) or none"),
+        ("batching.switch_margin", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)"),
+        ("batching.drift_margin", lambda v: _is_num(v) and 0 < v < 1, "in (0, 1)"),
+        ("train.warmup_steps train.val_every train.monitor_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
+         non_negative, "a non-negative integer"),
+        ("train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
+         lambda v: _is_num(v) and v > 0, "> 0"),  # `v > 0` is False for NaN, so NaN is rejected too
+        ("train.grad_clip", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables clipping)"),
+        ("train.beta1 train.beta2", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)"),
+        ("data.val_fraction", lambda v: _is_num(v) and 0 < v < 0.5, "in (0, 0.5)"),
+    ]
+    for keys, ok, what in ranges:
+        for key in keys.split():
+            _require(ok(value := getattr(*_owner(cfg, key))), f"{key} must be {what}, got {value!r}")
+
+
+def _check_checkpoint(c: CheckpointConfig) -> None:
+    _require(isinstance(c.resume, str) and (c.resume in ("off", "auto") or os.path.isdir(c.resume)),
+             f"checkpoint.resume={c.resume!r} must be 'off', 'auto' or an existing checkpoint directory")
+    _require(c.dir is None or isinstance(c.dir, str), f"checkpoint.dir must be a path or none, got {c.dir!r}")
+
+
+def _check_resilience(r: ResilienceConfig) -> None:
+    _require(not r.hang_timeout_s or r.hang_timeout_s >= 2 * r.heartbeat_s,
+             f"resilience.hang_timeout_s={r.hang_timeout_s} must be at least twice resilience.heartbeat_s="
+             f"{r.heartbeat_s} (or 0 to disable the watchdog), or a healthy rank could look hung")
+    _require(r.slow_phase_timeout_s >= r.hang_timeout_s, f"resilience.slow_phase_timeout_s="
+             f"{r.slow_phase_timeout_s} must be at least resilience.hang_timeout_s={r.hang_timeout_s}")
+
+
+def _check_lr(t: TrainConfig) -> None:
+    _require(_is_num(t.min_lr) and 0 <= t.min_lr <= t.lr,
+             f"train.min_lr must be between 0 and train.lr={t.lr!r}, got {t.min_lr!r}")
+
+
+def _check_choices(cfg: Config) -> None:
+    for key, f in _known_keys(type(cfg)).items():
+        choices = f.metadata.get("choices", ())
+        if choices and (v := getattr(*_owner(cfg, key))) not in choices:
+            raise ValueError(f"{key}={v!r} is not one of {', '.join(choices)}{_suggest(str(v), choices)}")
+
+
+def _check_balance(cfg: Config) -> None:
+    b, p, t = cfg.balance, cfg.parallel, cfg.train
+    _require(_is_num(cfg.emulate.layer_ms) and cfg.emulate.layer_ms >= 0,
+             f"emulate.layer_ms must be >= 0 (0 = off), got {cfg.emulate.layer_ms!r}")
+    for key in ("interval", "window", "patience"):
+        _require(_is_int(v := getattr(b, key)) and v >= 1, f"balance.{key} must be a positive integer, got {v!r}")
+    _require(_is_int(b.skip_steps) and b.skip_steps >= 0,
+             f"balance.skip_steps must be a non-negative integer, got {b.skip_steps!r}")
+    _require(_is_num(b.min_gain) and 0 <= b.min_gain < 1, f"balance.min_gain must be in [0, 1), got {b.min_gain!r}")
+    _require(_is_num(b.threshold) and b.threshold > 1, f"balance.threshold must be > 1 (a ratio to the "
+             f"others' median time), got {b.threshold!r}")
+    weights = (b.weight_memory, b.weight_compute, b.weight_network)
+    for key, w in zip(("weight_memory", "weight_compute", "weight_network"), weights):
+        _require(_is_num(w) and w >= 0, f"balance.{key} must be a number >= 0, got {w!r}")
+    _require(sum(weights) > 0, f"balance.weight_memory + weight_compute + weight_network must be > 0, got {weights}")
+    if b.mode == "off":
+        return
+    _require(p.pp == 1 or (p.schedule in ("gpipe", "1f1b") and p.virtual_stages == 1),
+             f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule gpipe or 1f1b with "
+             f"one stage per rank, got {p.schedule} with virtual_stages={p.virtual_stages}")
+    _require(p.dp == 1 or t.microbatch_sizes is None, f"balance.mode={b.mode} re-splits the batch among "
+             "data-parallel replicas, which fixed train.microbatch_sizes would contradict: drop them")
+    # The adaptive planner sizes microbatches for an even replica share; an uneven one would escape
+    # its memory model.
+    _require(p.dp == 1 or cfg.batching.policy == "fixed", f"balance.mode={b.mode} with parallel.dp="
+             f"{p.dp} re-splits the batch among replicas and needs batching.policy=fixed, got "
+             f"{cfg.batching.policy!r}")
+
+
+def _check_world_size(p: ParallelConfig, world_size: int | None) -> None:
+    if world_size is not None and p.world_size != world_size:
+        raise ValueError(f"parallel.tp × parallel.pp × parallel.dp = {p.tp} × {p.pp} × {p.dp} = "
+                         f"{p.world_size}, but {world_size} processes were started: "
+                         f"start {p.world_size} processes or change the layout")
+
+
+def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
+    _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
+    _require(m.head_dim % 2 == 0, f"model.head_dim = model.dim // model.n_heads = {m.dim} // {m.n_heads} = "
+                                  f"{m.head_dim} must be even for rotary embeddings (RoPE)")
+    _require(m.n_heads % m.kv_heads == 0,
+             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}")
+    # Tensor parallelism shards heads, the FFN and the vocabulary evenly across tp ranks.
+    for key, v in {"model.n_heads": m.n_heads, "model.n_kv_heads": m.kv_heads,
+                   "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}.items():
+        _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide {key}={v}")
+
+
+def _check_schedule(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    _require(m.n_layers >= p.n_stages, f"model.n_layers={m.n_layers} is fewer than parallel.pp × "
+             f"parallel.virtual_stages = {p.pp} × {p.virtual_stages} = {p.n_stages} stages")
+    _require(p.virtual_stages == 1 or p.schedule == "interleaved-1f1b",
+             f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved-1f1b, "
+             f"got {p.schedule}; set parallel.virtual_stages=1 or switch the schedule")
+    _require(p.schedule != "interleaved-1f1b" or p.pp >= 2,
+             f"parallel.schedule=interleaved-1f1b needs parallel.pp >= 2, got {p.pp}")
+    # 1F1B's warmup fills the pipeline with one microbatch per rank before steady state.
+    _require(p.schedule == "gpipe" or t.microbatches >= p.pp, f"parallel.schedule={p.schedule} needs "
+             f"train.microbatches ≥ parallel.pp={p.pp}, got {t.microbatches}")
+    _require(p.schedule != "interleaved-1f1b" or t.microbatches % p.pp == 0,
+             f"parallel.schedule=interleaved-1f1b needs train.microbatches divisible by "
+             f"parallel.pp={p.pp}, got {t.microbatches}")
+
+
+def _replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:
+    """(samples of the smallest replica, the words that explain where that number comes from)."""
+    per_replica = t.global_batch // p.dp  # the smallest replica's share; replicas differ by at most one
+    over = f"(train.global_batch={t.global_batch} over parallel.dp={p.dp})"
+    return per_replica, over
+
+
+def _check_batch_split(t: TrainConfig, p: ParallelConfig) -> None:
+    _require(t.global_batch >= p.dp, f"train.global_batch={t.global_batch} is smaller than "
+             f"parallel.dp={p.dp}: every data-parallel replica needs at least one sample")
+    per_replica, over = _replica_share(t, p)
+    _require(t.microbatches <= per_replica, f"train.microbatches={t.microbatches} exceeds the "
+             f"{per_replica} samples per data-parallel replica {over}")
+    if t.microbatch_sizes is not None:
+        sizes = t.microbatch_sizes
+        _require(t.global_batch % p.dp == 0, f"train.microbatch_sizes needs train.global_batch="
+                 f"{t.global_batch} divisible by parallel.dp={p.dp} so every replica splits the same batch")
+        _require(len(sizes) == t.microbatches, f"train.microbatch_sizes has {len(sizes)} entries "
+                 f"but train.microbatches={t.microbatches}")
+        for i, n in enumerate(sizes):
+            _require(_is_int(n) and n >= 1, f"train.microbatch_sizes[{i}]={n!r} must be a positive integer")
+        _require(sum(sizes) == per_replica, f"train.microbatch_sizes sums to {sum(sizes)}, but each "
+                 f"data-parallel replica has {per_replica} samples {over}")
+
+
+def _check_batching(cfg: Config) -> None:
+    b, p, t = cfg.batching, cfg.parallel, cfg.train
+    per_replica, over = _replica_share(t, p)
+    if b.microbatch_size is not None:
+        _require(b.policy == "fixed" and t.microbatch_sizes is None, "batching.microbatch_size is a fixed "
+                 f"split: it needs batching.policy=fixed (got {b.policy!r}) and no train.microbatch_sizes")
+        n, largest = cfg.microbatch_count(), -(-t.global_batch // p.dp)
+        what = f"batching.microbatch_size={b.microbatch_size} cuts the {largest} samples per replica {over} " \
+               f"into {n} microbatches"
+        _require(n <= per_replica, f"{what}, more than the smallest replica's {per_replica} samples")
+        _require(p.schedule == "gpipe" or n >= p.pp, f"{what}; parallel.schedule={p.schedule} needs ≥ "
+                 f"parallel.pp={p.pp}: use a size ≤ {largest // p.pp}")
+        _require(p.schedule != "interleaved-1f1b" or n % p.pp == 0,
+                 f"{what}; parallel.schedule=interleaved-1f1b needs a multiple of parallel.pp={p.pp}")
+    _require(b.policy != "adaptive" or t.microbatch_sizes is None, "train.microbatch_sizes fixes the split, "
+             "but batching.policy=adaptive chooses it: drop one of them")
+    _require(b.memory_budget is None or b.policy == "adaptive", f"batching.memory_budget={b.memory_budget} "
+             f"is used by batching.policy=adaptive only (got {b.policy!r})")
+
+
+def _check_layer_costs(p: ParallelConfig, m: ModelConfig) -> None:
+    if p.partition == "cost" or p.layer_costs is not None:
+        _require(p.partition == "cost", f"parallel.layer_costs is set but parallel.partition="
+                 f"{p.partition!r}: set parallel.partition=\"cost\" to use it, or drop layer_costs")
+        _require(p.layer_costs is not None, f"parallel.partition='cost' needs parallel.layer_costs "
+                 f"(one positive cost per layer, model.n_layers={m.n_layers})")
+        costs: list[float] = p.layer_costs or []
+        _require(len(costs) == m.n_layers, f"parallel.layer_costs has {len(costs)} entries "
+                 f"but model.n_layers={m.n_layers}")
+        for i, c in enumerate(costs):
+            _require(_is_num(c) and c > 0, f"parallel.layer_costs[{i}]={c!r} must be > 0")
