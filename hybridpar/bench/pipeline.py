@@ -13,8 +13,8 @@ ZB-H1, see TORCH_SCHEDULES), same stage placement, s on rank s % pp. After a los
 warm-up, timed repeats alternate (ours, torch, ours, ...) so machine noise hits both; a repeat is
 `--steps` forward+backward steps (gradients zeroed between steps, no optimizer). Reported: median
 steps/s, ratio hybridpar/torch (> 1: ours is faster), bubble 1 - busy / (pp * wall) and the theoretical
-bubble. Busy is measured by one instrumentation on both: in emulated mode the time the stages actually
-slept (`emulated.SleepLog`), in compute mode the time inside the stage modules (`emulated.Timed`; it
+bubble. Busy is measured by one instrumentation on both: in emulated mode the length of the stages'
+compute windows (`emulated.SleepLog`), in compute mode the time inside the stage modules (`emulated.Timed`; it
 cannot see torch's zero-bubble W, so that bubble is not reported).
 
 `compute` runs real Llama stages (uniform partition, default ModelConfig); `emulated` replaces each
