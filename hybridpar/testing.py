@@ -74,8 +74,11 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                 p.join(5)
         errors = sorted(Path(out).glob("rank*.err"))
         if errors:
-            first = errors[0]
-            raise RuntimeError(f"{first.stem} failed:\n{first.read_text()}")
+            # The error written first is the cause; the others are usually peers losing their connection to it.
+            first = min(errors, key=lambda e: e.stat().st_mtime_ns)
+            also = [e.stem for e in errors if e != first]
+            raise RuntimeError(f"{first.stem} failed" + (f" (then {', '.join(also)})" if also else "")
+                               + f":\n{first.read_text()}")
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"ranks exited abnormally (rank, exit code): {bad}")

@@ -237,3 +237,41 @@ def test_cli_bench_dispatch(capsys):
     with pytest.raises(SystemExit) as e:
         cli_main(["bench", "pipeline", "--help"])
     assert e.value.code == 0 and "--act-kb" in capsys.readouterr().out
+
+
+def test_loss_in_window_runs_the_loss_inside_the_last_stage_windows():
+    from hybridpar.bench.emulated import windowed_loss
+    from hybridpar.pipeline.runtime import token_cross_entropy
+
+    log = SleepLog()
+    last = EmulatedStage(False, True, 16, 4, 0.02, 0.03, seed=2, log=log, loss_in_window=True)
+    ref = EmulatedStage(False, True, 16, 4, 0.0, 0.0, seed=2)
+    x = torch.randn(2, 3, 4, requires_grad=True)
+    xr = x.detach().clone().requires_grad_()
+    tgt = torch.randint(16, (2, 3))
+    loss_fn = windowed_loss(last, token_cross_entropy)
+    t0 = time.perf_counter()
+    loss = loss_fn(last(x), tgt, 0.5)
+    t_f = time.perf_counter() - t0
+    loss.backward()
+    ref_loss = token_cross_entropy(ref(xr), tgt, 0.5)
+    ref_loss.backward()
+    # Same numbers as the stage without windows; the F window closed on the loss, after it was computed.
+    torch.testing.assert_close(loss, ref_loss, rtol=0, atol=0)
+    torch.testing.assert_close(x.grad, xr.grad, rtol=0, atol=0)
+    assert [op for op, *_ in log.entries] == ["F", "B"]
+    (_, f_req, f_start, f_end), (_, b_req, b_start, b_end) = log.entries
+    assert f_req <= f_end - f_start <= t_f and b_req <= b_end - b_start
+    with pytest.raises(RuntimeError, match="no forward window is open"):
+        loss_fn(torch.zeros(2, 3, 16), tgt, 0.5)
+    with pytest.raises(ValueError, match="last stage"):
+        EmulatedStage(False, False, 16, 4, 0.0, 0.0, seed=2, loss_in_window=True)
+
+
+def test_sleep_until_returns_on_time():
+    from hybridpar.bench.emulated import sleep_until
+
+    for d in (0.0001, 0.002, 0.01):
+        end = time.perf_counter() + d
+        sleep_until(end)
+        assert time.perf_counter() >= end

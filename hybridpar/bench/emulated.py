@@ -3,11 +3,14 @@ the wire) and, for compute mode, one busy-time instrumentation applied identical
 module, ours or torch's (`Timed`).
 
 Emulation is labelled (see DESIGN.md): a stage's forward and backward last fixed durations, their few
-tensor operations done at the start and the rest of the window slept, so that 4 ranks on 2 cores do
+tensor operations done inside the window and the rest of it slept, so that 4 ranks on 2 cores do
 not contend for the CPU and the measured step time is the schedule's own (bubble + communication +
-runtime overhead), not the machine's. Every window is logged (`SleepLog`: requested vs. actual
-seconds): the emulated ranks' busy time is the windows' actual length, and the overshoot (wake-up
-latency) is one of the measured per-action costs the simulator is fed with (latency.py).
+runtime overhead), not the machine's. A window ends on time: it sleeps to `SPIN_S` before its end
+and spins the rest (`sleep_until`). On the last stage the loss runs inside the windows too
+(`loss_in_window`, `windowed_loss`): both runtimes get the same loss function. Every window is logged
+(`SleepLog`: requested vs. actual seconds): the emulated ranks' busy time is the windows' actual
+length, and the overshoot is one of the measured per-action costs the simulator is fed with
+(latency.py).
 
 Split backward (zero-bubble schedules): with `w_s > 0` a stage's backward is two windows, `b_s` on the
 activation path (B: what the previous stage waits for) and `w_s` on the path to the stage's weight
@@ -27,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpar.pipeline.runtime import LossFn
+
 
 class SleepLog:
     """The emulated compute of one rank: every compute window as (op "F" | "B" | "W", requested s,
@@ -39,9 +44,7 @@ class SleepLog:
         """Close the window of `seconds` opened at `start`: sleep for what is left of it."""
         if seconds <= 0:
             return
-        left = start + seconds - time.perf_counter()
-        if left > 0:
-            time.sleep(left)
+        sleep_until(start + seconds)
         self.entries.append((op, seconds, start, time.perf_counter()))
 
     def clear(self) -> None:
@@ -51,11 +54,26 @@ class SleepLog:
         return sum(end - start for _, _, start, end in self.entries)
 
 
+# time.sleep wakes up late here, by 0.17-0.19 ms at the median and up to 0.8 ms (the VM's timer
+# wake-up), which would lengthen every "fixed" window. So a window sleeps until this much before its
+# end and spins the rest: a spin of at most this long per window, ~2% of a core at 20 ms windows.
+SPIN_S = 0.0004
+
+
+def sleep_until(deadline: float) -> None:
+    """Return at `deadline` (time.perf_counter), within microseconds: sleep, then spin the end."""
+    left = deadline - SPIN_S - time.perf_counter()
+    if left > 0:
+        time.sleep(left)
+    while time.perf_counter() < deadline:
+        pass
+
+
 def _until(log: SleepLog | None, op: str, seconds: float, start: float) -> None:
     if log is not None:
         log.until(op, seconds, start)
     elif seconds > 0:
-        time.sleep(max(0.0, start + seconds - time.perf_counter()))
+        sleep_until(start + seconds)
 
 
 class _Window:
@@ -68,20 +86,21 @@ class _Window:
 
 
 class WindowClose(torch.autograd.Function):
-    """On the stage output. Forward: the forward window, opened at `f_start`, lasts `f_s` (sleep for
-    what the stage's tensor work left of it). Backward: the gradient has reached the output, so the
-    backward window opens now."""
+    """On the stage output: the backward window opens when the gradient reaches it. (The forward
+    window closes after this node is built, in the stage's forward: building an autograd node right
+    after a sleep costs ~0.14 ms of cold caches here, and that is emulation work, not the runtime's.)"""
 
     @staticmethod
-    def forward(ctx, y: torch.Tensor, win: _Window, f_start: float, f_s: float, log: SleepLog | None) -> torch.Tensor:
-        _until(log, "F", f_s, f_start)
+    def forward(ctx, y: torch.Tensor, win: _Window) -> torch.Tensor:
         ctx.win = win
-        return y.view_as(y)
+        # On a loss (a scalar) a copy: torch's split backward detaches the loss in place, which a view
+        # does not allow.
+        return y.view_as(y) if y.dim() else y.clone()
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         ctx.win.start = time.perf_counter()
-        return g, None, None, None, None
+        return g, None
 
 
 class WindowOpen(torch.autograd.Function):
@@ -130,12 +149,20 @@ class EmulatedStage(nn.Module):
     tensor work's time to every window, and on a shared VM that time is not small: the first tensor
     operations after a sleep of tens of milliseconds run on cold caches (measured here: an op that takes
     7 us warm takes ~185 us after a 20 ms sleep), so the "fixed" durations would not be fixed.
+
+    With `loss_in_window` (last stage only) the forward window stays open until `close_window(loss)`
+    closes it on the loss, so that the loss, part of the last stage's compute in any pipeline, runs
+    inside the F window and its backward inside the B window (see `windowed_loss`).
     """
 
     def __init__(self, first: bool, last: bool, vocab: int, hidden: int, f_s: float, b_s: float,
-                 seed: int, *, w_s: float = 0.0, log: SleepLog | None = None) -> None:
+                 seed: int, *, w_s: float = 0.0, log: SleepLog | None = None, loss_in_window: bool = False) -> None:
         super().__init__()
+        if loss_in_window and not last:
+            raise ValueError("loss_in_window is for the last stage, the one whose output is the loss's input")
         self.first, self.last, self.f_s, self.b_s, self.w_s, self.log = first, last, f_s, b_s, w_s, log
+        self.loss_in_window = loss_in_window
+        self._open: tuple[_Window, float] | None = None  # loss_in_window: the latest forward's window
         g = torch.Generator().manual_seed(seed)
         self.embed = nn.Parameter(torch.randn(vocab, hidden, generator=g)) if first else None
         self.scale = nn.Parameter(1.0 + 0.1 * torch.randn(1, generator=g))
@@ -159,7 +186,23 @@ class EmulatedStage(nn.Module):
                 h = h * self.scale.detach()
                 h.register_hook(_keep(entry))
         y = F.linear(h, self.proj) if self.last else h  # (b, T, vocab) | (b, T, hidden)
-        return WindowClose.apply(y, win, start, self.f_s, self.log)
+        if self.loss_in_window:
+            self._open = (win, start)
+            return y
+        return self._close(y, win, start)
+
+    def _close(self, y: torch.Tensor, win: _Window, start: float) -> torch.Tensor:
+        y = WindowClose.apply(y, win)
+        _until(self.log, "F", self.f_s, start)
+        return y
+
+    def close_window(self, loss: torch.Tensor) -> torch.Tensor:
+        """loss_in_window: close the latest forward's window on its loss (both runtimes compute the
+        loss right after the last stage's forward)."""
+        if self._open is None:
+            raise RuntimeError("close_window: no forward window is open (a loss without its forward?)")
+        (win, start), self._open = self._open, None
+        return self._close(loss, win, start)
 
     # The WeightGradDeferral hooks (split_backward.py).
     def defer_weight_grad(self, key: Hashable) -> None:
@@ -174,6 +217,11 @@ class EmulatedStage(nn.Module):
         _until(self.log, "W", self.w_s, time.perf_counter())
         d = (g * h).sum().reshape(self.scale.shape)
         self.scale.grad = d if self.scale.grad is None else self.scale.grad + d
+
+
+def windowed_loss(stage: EmulatedStage, loss_fn: LossFn) -> LossFn:
+    """loss_fn, computed inside the forward window of `stage` (built with loss_in_window)."""
+    return lambda out, target, scale: stage.close_window(loss_fn(out, target, scale))
 
 
 def _keep(entry: list) -> Callable[[torch.Tensor], None]:

@@ -47,14 +47,14 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.batching.split import split_evenly
-from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed
+from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
 from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
                                      predict, round_trips, summarize)
 from hybridpar.config import ModelConfig
+from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
 from hybridpar.pipeline.schedules import SCHEDULES, Action, build_schedule, bubble_fraction_theory
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.report.trace import Slice, chrome_trace, merge_traces, write_trace
@@ -122,7 +122,7 @@ def _build(c: Case, s: int, device: torch.device, log: SleepLog | None = None) -
     if c.mode == "emulated":
         t = _nominal_s(c)
         return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, t["F"], t["B"], seed=c.seed * 1000 + s,
-                             w_s=t["W"], log=log).to(device)
+                             w_s=t["W"], log=log, loss_in_window=last).to(device)
     from hybridpar.model.llama import build_stage
     from hybridpar.pipeline.partition import partition_uniform
 
@@ -162,7 +162,6 @@ def _case_worker(cd: dict) -> dict:
     """One rank of a case: build both implementations, check them, measure the per-hop costs, time
     alternating repeats."""
     from hybridpar.pipeline.p2p import P2P
-    from hybridpar.pipeline.runtime import PipelineRuntime
     from hybridpar.report.step_trace import step_slices
     from hybridpar.topology.mesh import build_topology
 
@@ -184,7 +183,11 @@ def _case_worker(cd: dict) -> dict:
 
     actions = _actions(c)[r]
     p2p = RecordingP2P(dev, torch.float32, c.timeout_s)
-    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), p2p, c.hidden)
+    # One loss for both, the runtime's; emulated, it runs inside the last stage's windows.
+    loss_ours = loss_theirs = token_cross_entropy
+    if emulated and n - 1 in local:
+        loss_ours, loss_theirs = windowed_loss(ours[n - 1], loss_ours), windowed_loss(theirs[n - 1], loss_theirs)
+    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), p2p, c.hidden, loss_ours)
     timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
     samples = StepSamples()
     last_out: list = [None]  # StepOutput of our latest step
@@ -199,8 +202,8 @@ def _case_worker(cd: dict) -> dict:
         last_out[0] = out
         return None if out.loss is None else float(out.loss)
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:  # the runtime's loss, verbatim
-        return F.cross_entropy(out.flatten(0, 1).float(), target.flatten(), reduction="sum") * scale
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_theirs(out, target, scale)
 
     sched, torch_error = _torch_schedule(c, theirs, topo.group("pp"), dev, loss_fn)
     first, last = 0 in local, n - 1 in local

@@ -25,6 +25,13 @@ from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 
 Key = tuple[int, int]  # (stage, microbatch)
+# loss_fn(last stage output, targets, scale) -> the microbatch's loss, a scalar with its graph.
+LossFn = Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor]
+
+
+def token_cross_entropy(logits: torch.Tensor, targets: torch.Tensor, scale: float) -> torch.Tensor:
+    """Sum of the token cross-entropies of logits (b, T, vocab) against targets (b, T), times scale."""
+    return F.cross_entropy(logits.flatten(0, 1).float(), targets.flatten(), reduction="sum") * scale
 
 
 @dataclass
@@ -63,11 +70,11 @@ class _Step:
 
 class PipelineRuntime:
     """Runs actions for the stages this rank holds. `stage_peer(s)` is the global rank holding stage s
-    (same dp and tp coordinates as us)."""
+    (same dp and tp coordinates as us). `loss_fn` turns the last stage's output into the loss."""
 
     def __init__(self, stages: dict[int, nn.Module], n_stages: int, stage_peer: Callable[[int], int],
-                 p2p: P2P, hidden: int) -> None:
-        self.stages, self.n_stages = stages, n_stages
+                 p2p: P2P, hidden: int, loss_fn: LossFn = token_cross_entropy) -> None:
+        self.stages, self.n_stages, self.loss_fn = stages, n_stages, loss_fn
         self.stage_peer, self.p2p, self.hidden = stage_peer, p2p, hidden
         self._deferral: dict[int, WeightGradDeferral] = {}
         # Emulation only (balance/emulate.py): after each compute action, sleep (stretch - 1) x its own
@@ -87,7 +94,7 @@ class PipelineRuntime:
             targets: Sequence[torch.Tensor | None], loss_scale: float, *, train: bool = True,
             on_stage_done: Callable[[int], None] | None = None) -> StepOutput:
         """Execute one step. inputs[m]/targets[m]: token ids (b_m, T) of microbatch m. The loss of
-        microbatch m is sum(token CE) * loss_scale, so that with loss_scale = 1 / tokens-in-global-batch
+        microbatch m is loss_fn(output, targets[m], loss_scale), by default sum(token CE) * loss_scale, so that with loss_scale = 1 / tokens-in-global-batch
         the gradients summed over every replica and microbatch are exactly those of the global token
         mean. `on_stage_done(s)` fires once stage s's gradients are complete on this rank (its last
         backward or weight action), where the data-parallel reduction of them can start."""
@@ -184,7 +191,7 @@ class PipelineRuntime:
             try:
                 y = self.stages[s](x)
                 if s == self.n_stages - 1:
-                    y = F.cross_entropy(y.flatten(0, 1).float(), st.targets[m].flatten(), reduction="sum") * st.loss_scale
+                    y = self.loss_fn(y, st.targets[m], st.loss_scale)
                     st.loss = y.detach() if st.loss is None else st.loss + y.detach()
             finally:
                 if st.split and st.train:
