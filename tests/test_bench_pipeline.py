@@ -268,10 +268,28 @@ def test_loss_in_window_runs_the_loss_inside_the_last_stage_windows():
         EmulatedStage(False, False, 16, 4, 0.0, 0.0, seed=2, loss_in_window=True)
 
 
-def test_sleep_until_returns_on_time():
+@pytest.mark.parametrize("tail", ["autograd", "spin"])
+def test_sleep_until_returns_on_time(tail):
     from hybridpar.bench.emulated import sleep_until
 
     for d in (0.0001, 0.002, 0.01):
         end = time.perf_counter() + d
-        sleep_until(end)
+        sleep_until(end, tail)
         assert time.perf_counter() >= end
+
+
+def test_window_tail_inside_backward_keeps_gradients():
+    # The autograd tail runs inside the stage's backward (a reentrant autograd.grad): the gradients
+    # must be those of a stage without it.
+    ref = EmulatedStage(False, False, 16, 4, 0.0, 0.0, seed=5, tail="spin").double()
+    emu = EmulatedStage(False, False, 16, 4, 0.002, 0.004, seed=5, tail="autograd").double()
+    x = torch.randn(2, 3, 4, dtype=torch.float64)
+    xs = [x.clone().requires_grad_(), x.clone().requires_grad_()]
+    for stage, xi in zip((ref, emu), xs):
+        (stage(xi) ** 2).sum().backward()
+    assert torch.equal(xs[0].grad, xs[1].grad) and torch.equal(ref.scale.grad, emu.scale.grad)
+
+
+def test_window_tail_is_checked():
+    with pytest.raises(ValueError, match="window tail must be one of"):
+        EmulatedStage(False, False, 16, 4, 0.0, 0.0, seed=2, tail="sleep")

@@ -5,8 +5,9 @@ module, ours or torch's (`Timed`).
 Emulation is labelled (see DESIGN.md): a stage's forward and backward last fixed durations, their few
 tensor operations done inside the window and the rest of it slept, so that 4 ranks on 2 cores do
 not contend for the CPU and the measured step time is the schedule's own (bubble + communication +
-runtime overhead), not the machine's. A window ends on time: it sleeps to `SPIN_S` before its end
-and spins the rest (`sleep_until`). On the last stage the loss runs inside the windows too
+runtime overhead), not the machine's. A window ends on time: it sleeps to `TAIL_S` before its end
+and works the rest out on the CPU, by default with tiny autograd work that leaves the caches as real
+compute would (`sleep_until`, `TAILS`). On the last stage the loss runs inside the windows too
 (`loss_in_window`, `windowed_loss`): both runtimes get the same loss function. Every window is logged
 (`SleepLog`: requested vs. actual seconds): the emulated ranks' busy time is the windows' actual
 length, and the overshoot is one of the measured per-action costs the simulator is fed with
@@ -40,13 +41,6 @@ class SleepLog:
     def __init__(self) -> None:
         self.entries: list[tuple[str, float, float, float]] = []
 
-    def until(self, op: str, seconds: float, start: float) -> None:
-        """Close the window of `seconds` opened at `start`: sleep for what is left of it."""
-        if seconds <= 0:
-            return
-        sleep_until(start + seconds)
-        self.entries.append((op, seconds, start, time.perf_counter()))
-
     def clear(self) -> None:
         self.entries.clear()
 
@@ -56,24 +50,51 @@ class SleepLog:
 
 # time.sleep wakes up late here, by 0.17-0.19 ms at the median and up to 0.8 ms (the VM's timer
 # wake-up), which would lengthen every "fixed" window. So a window sleeps until this much before its
-# end and spins the rest: a spin of at most this long per window, ~2% of a core at 20 ms windows.
-SPIN_S = 0.0004
+# end and works the rest out on the CPU (its tail).
+TAIL_S = 0.001
+
+# What a window's tail runs. "autograd" (default): tiny autograd forwards and backwards, as the end
+# of a real stage computation would. A process that slept leaves the runtime's code paths cold on
+# this VM: a small op and its backward take 62 us warm, 340-550 us right after a 20 ms sleep, ~270 us
+# after a 20 ms Python spin, but 84-89 us after 20 ms of real Linear forward+backward and ~120-150 us
+# after a sleep whose last ms ran tiny backwards. So with that tail the runtime's work after a window
+# (its sends, the next action) runs as warm as after real compute, for both runtimes alike (measured,
+# 20/40 ms pp=2: per-action overhead F/B 253/678 -> 161/375 us). "spin": a bare busy-wait.
+TAILS = ("autograd", "spin")
 
 
-def sleep_until(deadline: float) -> None:
-    """Return at `deadline` (time.perf_counter), within microseconds: sleep, then spin the end."""
-    left = deadline - SPIN_S - time.perf_counter()
+def sleep_until(deadline: float, tail: str = "autograd") -> None:
+    """Return at `deadline` (time.perf_counter): sleep, then run the tail up to it. The first tail
+    iteration after the sleep runs cold and may end the window some tens of us late (SleepLog has it)."""
+    left = deadline - TAIL_S - time.perf_counter()
     if left > 0:
         time.sleep(left)
-    while time.perf_counter() < deadline:
-        pass
+    if tail == "spin":
+        while time.perf_counter() < deadline:
+            pass
+        return
+    w = torch.ones(8, requires_grad=True)
+    with torch.enable_grad():
+        while time.perf_counter() < deadline:
+            # autograd.grad, not backward: it touches no .grad, and runs inside a running backward.
+            torch.autograd.grad((w * 2.0).sum(), w)
 
 
-def _until(log: SleepLog | None, op: str, seconds: float, start: float) -> None:
-    if log is not None:
-        log.until(op, seconds, start)
-    elif seconds > 0:
-        sleep_until(start + seconds)
+class Clock:
+    """Closes one rank's compute windows on time (`tail`: see TAILS) and logs them into `log`."""
+
+    def __init__(self, log: SleepLog | None = None, tail: str = "autograd") -> None:
+        if tail not in TAILS:
+            raise ValueError(f"window tail must be one of {TAILS}, got {tail!r}")
+        self.log, self.tail = log, tail
+
+    def until(self, op: str, seconds: float, start: float) -> None:
+        """Close the window of `seconds` opened at `start`: sleep for what is left of it."""
+        if seconds <= 0:
+            return
+        sleep_until(start + seconds, self.tail)
+        if self.log is not None:
+            self.log.entries.append((op, seconds, start, time.perf_counter()))
 
 
 class _Window:
@@ -108,13 +129,13 @@ class WindowOpen(torch.autograd.Function):
     activation path, where the backward window of `b_s` closes (logged as `op`)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, win: _Window, b_s: float, op: str, log: SleepLog | None) -> torch.Tensor:
-        ctx.win, ctx.b_s, ctx.op, ctx.log = win, b_s, op, log
+    def forward(ctx, x: torch.Tensor, win: _Window, b_s: float, op: str, clock: Clock) -> torch.Tensor:
+        ctx.win, ctx.b_s, ctx.op, ctx.clock = win, b_s, op, clock
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
-        _until(ctx.log, ctx.op, ctx.b_s, ctx.win.start)
+        ctx.clock.until(ctx.op, ctx.b_s, ctx.win.start)
         ctx.win.closed = True
         return g, None, None, None, None
 
@@ -125,14 +146,14 @@ class WeightPath(torch.autograd.Function):
     length, so that the whole backward lasts b_s + w_s whichever order autograd runs the two paths in."""
 
     @staticmethod
-    def forward(ctx, w: torch.Tensor, win: _Window, w_s: float, log: SleepLog | None) -> torch.Tensor:
-        ctx.win, ctx.w_s, ctx.log = win, w_s, log
+    def forward(ctx, w: torch.Tensor, win: _Window, w_s: float, clock: Clock) -> torch.Tensor:
+        ctx.win, ctx.w_s, ctx.clock = win, w_s, clock
         return w.view_as(w)
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
         t0 = time.perf_counter()
-        _until(ctx.log, "W", ctx.w_s, t0)
+        ctx.clock.until("W", ctx.w_s, t0)
         if not ctx.win.closed:
             ctx.win.start += time.perf_counter() - t0
         return g, None, None, None
@@ -156,11 +177,13 @@ class EmulatedStage(nn.Module):
     """
 
     def __init__(self, first: bool, last: bool, vocab: int, hidden: int, f_s: float, b_s: float,
-                 seed: int, *, w_s: float = 0.0, log: SleepLog | None = None, loss_in_window: bool = False) -> None:
+                 seed: int, *, w_s: float = 0.0, log: SleepLog | None = None, loss_in_window: bool = False,
+                 tail: str = "autograd") -> None:
         super().__init__()
         if loss_in_window and not last:
             raise ValueError("loss_in_window is for the last stage, the one whose output is the loss's input")
-        self.first, self.last, self.f_s, self.b_s, self.w_s, self.log = first, last, f_s, b_s, w_s, log
+        self.first, self.last, self.f_s, self.b_s, self.w_s = first, last, f_s, b_s, w_s
+        self.clock = Clock(log, tail)
         self.loss_in_window = loss_in_window
         self._open: tuple[_Window, float] | None = None  # loss_in_window: the latest forward's window
         g = torch.Generator().manual_seed(seed)
@@ -173,13 +196,13 @@ class EmulatedStage(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         start, win = time.perf_counter(), _Window()
         h = F.embedding(x, self.embed) if self.first else x  # (b, T, hidden)
-        h = WindowOpen.apply(h, win, self.b_s, "B", self.log)
+        h = WindowOpen.apply(h, win, self.b_s, "B", self.clock)
         if self.w_s <= 0:
             h = h * self.scale
         else:
             key, self._defer = self._defer, None
             if key is None:  # full backward, or torch's graph-based split: W is the path to `scale`
-                h = h * WeightPath.apply(self.scale, win, self.w_s, self.log)
+                h = h * WeightPath.apply(self.scale, win, self.w_s, self.clock)
             else:  # our runtime's split: keep `scale` out of B's graph, weight_grad(key) is its W
                 entry: list = [h.detach(), None]
                 self._deferred[key] = entry
@@ -193,7 +216,7 @@ class EmulatedStage(nn.Module):
 
     def _close(self, y: torch.Tensor, win: _Window, start: float) -> torch.Tensor:
         y = WindowClose.apply(y, win)
-        _until(self.log, "F", self.f_s, start)
+        self.clock.until("F", self.f_s, start)
         return y
 
     def close_window(self, loss: torch.Tensor) -> torch.Tensor:
@@ -214,7 +237,7 @@ class EmulatedStage(nn.Module):
             return
         h, g = self._deferred.pop(key)
         assert g is not None, "W before its B: the output gradient was never computed"
-        _until(self.log, "W", self.w_s, time.perf_counter())
+        self.clock.until("W", self.w_s, time.perf_counter())
         d = (g * h).sum().reshape(self.scale.shape)
         self.scale.grad = d if self.scale.grad is None else self.scale.grad + d
 

@@ -2,7 +2,7 @@
 
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
         [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1] [--virtual-stages 2] [--repeats 5] [--steps 4]
-        [--f-ms 20 --b-ms 40 [--w-ms 20]] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
+        [--f-ms 20 --b-ms 40 [--w-ms 20]] [--window-tail autograd|spin] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
         [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
 Per case (mode, schedule, pp) the ranks start once (dp = tp = 1, world = pp); each builds both
@@ -50,7 +50,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.batching.split import split_evenly
-from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
+from hybridpar.bench.emulated import TAILS, BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
 from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
                                      predict, round_trips, summarize)
 from hybridpar.config import ModelConfig
@@ -91,6 +91,7 @@ class Case:
     seed: int
     timeout_s: float
     ping_pongs: int = 200  # round trips per link for the hop latency
+    window_tail: str = "autograd"  # emulated: how a window ends (emulated.TAILS)
 
     @property
     def n_stages(self) -> int:
@@ -122,7 +123,7 @@ def _build(c: Case, s: int, device: torch.device, log: SleepLog | None = None) -
     if c.mode == "emulated":
         t = _nominal_s(c)
         return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, t["F"], t["B"], seed=c.seed * 1000 + s,
-                             w_s=t["W"], log=log, loss_in_window=last).to(device)
+                             w_s=t["W"], log=log, loss_in_window=last, tail=c.window_tail).to(device)
     from hybridpar.model.llama import build_stage
     from hybridpar.pipeline.partition import partition_uniform
 
@@ -337,7 +338,7 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
     rec = {
         "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
         "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
-        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms,
+        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms, "window_tail": c.window_tail if c.mode == "emulated" else None,
         "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
                    if c.mode == "emulated" else None),
         "layers": c.layers,
@@ -429,7 +430,7 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
                 cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
                                   a.f_ms if em else None, a.b_ms if em else None, w_ms if em and split else None,
                                   a.act_kb if em else None, None if em else layers, a.seed, a.timeout,
-                                  a.ping_pongs))
+                                  a.ping_pongs, a.window_tail))
     return cases
 
 
@@ -448,6 +449,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--w-ms", type=float, default=None,
                     help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
                          "(default: half of --b-ms)")
+    ap.add_argument("--window-tail", choices=TAILS, default="autograd",
+                    help="emulated: what a window's last ms runs: tiny autograd work (caches as warm as "
+                         "after real compute) or a bare spin (see emulated.TAILS)")
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
     ap.add_argument("--seq-len", type=int, default=128)
