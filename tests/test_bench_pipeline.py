@@ -122,7 +122,8 @@ def test_smoke_emulated_against_torch(tmp_path):
 @pytest.mark.timeout(120)
 def test_smoke_zb_h1_emulated_against_torch(tmp_path):
     out = tmp_path / "bench.json"
-    rc = main(["--mode", "emulated", "--pp", "2", "--microbatches", "4", "--schedules", "zb-h1",
+    # pp=3: a middle stage, whose output torch's split backward detaches in place.
+    rc = main(["--mode", "emulated", "--pp", "3", "--microbatches", "4", "--schedules", "zb-h1",
                "--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--ping-pongs", "10",
                "--trace-dir", str(tmp_path / "traces"), "--json", str(out)])
     assert rc == 0
@@ -134,11 +135,11 @@ def test_smoke_zb_h1_emulated_against_torch(tmp_path):
     assert rec["torch_steps_per_s"] > 0 and 0 <= rec["torch_bubble_measured"] < 1
     check_prediction(rec)
     assert set(rec["sleep_overshoot_s"]) == {"F", "B", "W"} and "W" in rec["compute_overhead_s"]
-    trace = json.loads((tmp_path / "traces" / "emulated-zb-h1-pp2-v1-m4.json").read_text())
-    assert rec["trace_file"].endswith("emulated-zb-h1-pp2-v1-m4.json")
+    trace = json.loads((tmp_path / "traces" / "emulated-zb-h1-pp3-v1-m4.json").read_text())
+    assert rec["trace_file"].endswith("emulated-zb-h1-pp3-v1-m4.json")
     names = {(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     for pid in (0, 1):  # measured beside simulated, every action of both ranks in each
-        assert {n for p, n in names if p == pid} >= {str(a) for acts in build_schedule("zb-h1", 2, 1, 4)
+        assert {n for p, n in names if p == pid} >= {str(a) for acts in build_schedule("zb-h1", 3, 1, 4)
                                                       for a in acts}
     procs = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert any("measured" in p for p in procs) and any("simulated" in p for p in procs)

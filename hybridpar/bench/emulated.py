@@ -114,9 +114,9 @@ class WindowClose(torch.autograd.Function):
     @staticmethod
     def forward(ctx, y: torch.Tensor, win: _Window) -> torch.Tensor:
         ctx.win = win
-        # On a loss (a scalar) a copy: torch's split backward detaches the loss in place, which a view
-        # does not allow.
-        return y.view_as(y) if y.dim() else y.clone()
+        # A copy, not a view: torch's split backward (stage_backward_input) detaches every stage
+        # output in place, which a view does not allow. It runs inside the window.
+        return y.clone()
 
     @staticmethod
     def backward(ctx, g: torch.Tensor):
