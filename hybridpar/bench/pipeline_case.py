@@ -1,0 +1,326 @@
+"""One case of `hybridpar bench pipeline` (see pipeline.py): the ranks build both implementations,
+check that they agree, measure the per-hop costs and time alternating repeats; `run_case` gathers the
+ranks' results into one record with its simulation."""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.batching.split import split_evenly
+from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
+from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
+                                     predict, round_trips, summarize)
+from hybridpar.config import ModelConfig
+from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
+from hybridpar.pipeline.schedules import Action, build_schedule, bubble_fraction_theory
+from hybridpar.pipeline.simulate import sim_trace
+from hybridpar.report.trace import Slice, chrome_trace, merge_traces, write_trace
+from hybridpar.testing import run_ranks
+
+# zb-h1's peer: torch's ScheduleInterleavedZeroBubble ("ZB1P") with one stage per rank is our ZB-H1
+# action for action: `_get_warmup_ops` gives rank r the 1F1B warm-up pp - 1 - r, and
+# `_get_1f1b_rank_ops(enable_zero_bubble=True, num_1f1b_microbatches=r)` puts W(j) right after B(j + r)
+# (torch 2.13 schedules.py), which is `schedules._defer_weights(order, r)`. One difference remains, in
+# torch: stage 0 (whose input needs no gradient) runs nothing at B and its full backward at W.
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zb-h1": "ScheduleInterleavedZeroBubble"}
+EMULATED_VOCAB = 16
+LOSS_RTOL = 1e-5
+
+
+@dataclass(frozen=True)
+class Case:
+    mode: str  # "compute" | "emulated"
+    schedule: str
+    pp: int
+    v: int  # virtual stages per rank
+    m: int  # microbatches
+    global_batch: int
+    seq_len: int
+    steps: int
+    repeats: int
+    warmup: int
+    f_ms: float | None
+    b_ms: float | None
+    w_ms: float | None  # zb-h1 only: the W share of b_ms (B sleeps b_ms - w_ms)
+    act_kb: float | None
+    layers: int | None
+    seed: int
+    timeout_s: float
+    ping_pongs: int = 200  # round trips per link for the hop latency
+    window_tail: str = "autograd"  # emulated: how a window ends (emulated.TAILS)
+
+    @property
+    def n_stages(self) -> int:
+        return self.pp * self.v
+
+    @property
+    def hidden(self) -> int:
+        if self.mode == "compute":
+            return ModelConfig().dim
+        b = math.ceil(self.global_batch / self.m)  # the largest microbatch carries act_kb
+        return max(1, round(self.act_kb * 1024 / 4 / (b * self.seq_len)))
+
+
+def _nominal_s(c: Case) -> dict[str, float]:
+    """What one F / B / W action sleeps (0 in compute mode): f/v, (b - w)/v, w/v."""
+    if c.mode != "emulated":
+        return {"F": 0.0, "B": 0.0, "W": 0.0}
+    w = c.w_ms or 0.0
+    return {"F": c.f_ms / 1e3 / c.v, "B": (c.b_ms - w) / 1e3 / c.v, "W": w / 1e3 / c.v}
+
+
+def _actions(c: Case) -> list[list[Action]]:
+    """Every rank's action list, as the runtime executes it and the simulator replays it."""
+    return build_schedule(c.schedule, c.pp, c.v, c.m, 1)
+
+
+def _build(c: Case, s: int, device: torch.device, log: SleepLog | None = None) -> nn.Module:
+    first, last = s == 0, s == c.n_stages - 1
+    if c.mode == "emulated":
+        t = _nominal_s(c)
+        return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, t["F"], t["B"], seed=c.seed * 1000 + s,
+                             w_s=t["W"], log=log, loss_in_window=last, tail=c.window_tail).to(device)
+    from hybridpar.model.llama import build_stage
+    from hybridpar.pipeline.partition import partition_uniform
+
+    cfg = ModelConfig(n_layers=c.layers)
+    return build_stage(cfg, partition_uniform(c.layers, c.n_stages)[s], first, last, c.seed, device)
+
+
+def _batch(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
+    vocab = EMULATED_VOCAB if c.mode == "emulated" else ModelConfig().vocab_size
+    tok = torch.randint(vocab, (c.global_batch, c.seq_len + 1), generator=torch.Generator().manual_seed(c.seed))
+    return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()  # (B, T) inputs, (B, T) targets
+
+
+def _torch_schedule(c: Case, stages: dict[int, nn.Module], group: dist.ProcessGroup, device: torch.device,
+                    loss_fn) -> tuple[object | None, str | None]:
+    """torch's schedule over this rank's stages, or (None, why torch cannot run this case)."""
+    if c.schedule not in TORCH_SCHEDULES:
+        return None, f"torch.distributed.pipelining has no {c.schedule!r} schedule"
+    if c.global_batch % c.m:
+        # torch splits the batch itself (tensor_split) and infers every message shape from the first
+        # microbatch, so unequal microbatches are not supported.
+        return None, f"global batch {c.global_batch} is not divisible by {c.m} microbatches"
+    from torch.distributed.pipelining import PipelineStage
+    from torch.distributed.pipelining import schedules as ts
+
+    pstages = [PipelineStage(stages[s], s, c.n_stages, device, group=group) for s in sorted(stages)]
+    cls = getattr(ts, TORCH_SCHEDULES[c.schedule])
+    multi = issubclass(cls, ts.PipelineScheduleMulti)
+    try:
+        # scale_grads=False: our loss is already sum-CE / tokens-in-batch (torch's default divides by m).
+        return cls(pstages if multi else pstages[0], c.m, loss_fn=loss_fn, scale_grads=False), None
+    except (ValueError, RuntimeError) as e:
+        return None, f"{type(e).__name__}: {e}"
+
+
+def _case_worker(cd: dict) -> dict:
+    """One rank of a case: build both implementations, check them, measure the per-hop costs, time
+    alternating repeats."""
+    from hybridpar.pipeline.p2p import P2P
+    from hybridpar.report.step_trace import step_slices
+    from hybridpar.topology.mesh import build_topology
+
+    c = Case(**cd)
+    topo = build_topology(1, c.pp, 1, "gloo", c.timeout_s)
+    r, dev, n = topo.pp_rank, topo.device, c.n_stages
+    local = [k * c.pp + r for k in range(c.v)]  # stage s lives on pp rank s % pp (both implementations)
+    emulated = c.mode == "emulated"
+    timer, log = BusyTimer(), SleepLog()
+    # Emulated: busy time is the time slept (SleepLog), for both implementations alike; compute: the
+    # Timed instrumentation around each stage module.
+    wrap = (lambda mod: mod) if emulated else (lambda mod: Timed(mod, timer))
+    ours = {s: wrap(_build(c, s, dev, log)) for s in local}
+    theirs = {s: wrap(_build(c, s, dev, log)) for s in local}  # same seed: identical parameters
+    x, y = _batch(c)
+    sizes = split_evenly(c.global_batch, c.m)
+    xs, ys = list(torch.split(x, sizes)), list(torch.split(y, sizes))
+    scale = 1.0 / (c.global_batch * c.seq_len)
+
+    actions = _actions(c)[r]
+    p2p = RecordingP2P(dev, torch.float32, c.timeout_s)
+    # One loss for both, the runtime's; emulated, it runs inside the last stage's windows.
+    loss_ours = loss_theirs = token_cross_entropy
+    if emulated and n - 1 in local:
+        loss_ours, loss_theirs = windowed_loss(ours[n - 1], loss_ours), windowed_loss(theirs[n - 1], loss_theirs)
+    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), p2p, c.hidden, loss_ours)
+    timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
+    samples = StepSamples()
+    last_out: list = [None]  # StepOutput of our latest step
+    posted_at: list = [None]  # posting_points of our latest timed step
+
+    def step_ours() -> float | None:
+        out = runtime.run(actions, xs, ys, scale)
+        timeline_busy[0] += (sum(t.end - t.start for t in out.timeline if t.action.is_compute)
+                             - sum(w.end - w.start for w in out.waits))
+        # W (zero-bubble weight gradients) runs outside autograd, where Timed cannot see it: add its time.
+        timeline_busy[1] += sum(t.end - t.start for t in out.timeline if t.action.op.value == "W")
+        last_out[0] = out
+        return None if out.loss is None else float(out.loss)
+
+    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return loss_theirs(out, target, scale)
+
+    sched, torch_error = _torch_schedule(c, theirs, topo.group("pp"), dev, loss_fn)
+    first, last = 0 in local, n - 1 in local
+
+    def step_torch() -> float | None:
+        losses: list[torch.Tensor] = []
+        kwargs = {"target": y, "losses": losses} if last else {}
+        sched.step(*((x,) if first else ()), return_outputs=False, **kwargs)
+        return float(sum(l.detach() for l in losses)) if last else None
+
+    def zero(mods: dict[int, nn.Module]) -> None:
+        for mod in mods.values():
+            for p in mod.parameters():
+                p.grad = None
+
+    def measure(step_fn, mods, collect: bool) -> list[float]:
+        dist.barrier()
+        timer.reset()
+        log.clear()
+        timeline_busy[:] = [0.0, 0.0]
+        t0 = time.perf_counter()
+        for _ in range(c.steps):
+            n0, k0, ts = len(log.entries), len(p2p.posts), time.perf_counter()
+            zero(mods)
+            step_fn()
+            if collect:  # ours: per-action costs of this step (the step's own sleeps and waits)
+                out = last_out[0]
+                samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, time.perf_counter())
+                posted_at[0] = posting_points(out.timeline, p2p.posts[k0:])
+            p2p.posts.clear()
+        timer.close()
+        busy = log.busy_s() if emulated else timer.busy + timeline_busy[1]
+        dist.barrier()
+        return [time.perf_counter() - t0, busy, timeline_busy[0]]
+
+    res: dict = {"rank": r, "torch_error": torch_error, "loss_ours": None, "loss_torch": None,
+                 "grad_rel_diff": None, "ours": [], "torch": []}
+    zero(ours)
+    res["loss_ours"] = step_ours()
+    if sched is not None:
+        zero(theirs)
+        res["loss_torch"] = step_torch()
+        diff = ref = 0.0
+        for s in local:
+            for po, pt in zip(ours[s].parameters(), theirs[s].parameters()):
+                diff = max(diff, float((po.grad - pt.grad).abs().max()))
+                ref = max(ref, float(po.grad.abs().max()))
+        res["grad_rel_diff"] = diff / max(ref, 1e-30)
+    for _ in range(c.warmup - 1):
+        step_ours()
+        if sched is not None:
+            step_torch()
+    # Per-hop latency on the live group with the runtime's P2P class: a slice before each timed repeat.
+    shape = (max(sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
+    probe, rtts = P2P(dev, torch.float32, c.timeout_s), {}
+    for _ in range(c.repeats):
+        round_trips(probe, r, neighbour_links(c.pp, c.v), topo.pp_peer, shape, dist.barrier,
+                    max(1, c.ping_pongs // c.repeats), into=rtts)
+        res["ours"].append(measure(step_ours, ours, True))
+        if sched is not None:
+            res["torch"].append(measure(step_torch, theirs, False))
+    res["round_trips"], res["posted_at"] = rtts, posted_at[0]
+    res["samples"] = samples.to_dict()
+    res["trace"] = step_slices(last_out[0], r, 0)  # the last timed step of ours
+    return res
+
+
+def _stats(c: Case, ranks: list[dict], key: str) -> tuple[float | None, float | None, float | None, list[float]]:
+    """Median steps/s, bubble (busy timer) and bubble (our timeline) over repeats; steps/s per repeat."""
+    reps = list(zip(*(rk[key] for rk in ranks)))  # per repeat: one [wall, busy, timeline busy] per rank
+    if not reps:
+        return None, None, None, []
+    walls = [max(x[0] for x in rep) for rep in reps]
+    sps = [c.steps / w for w in walls]
+    bub = [1 - sum(x[1] for x in rep) / (c.pp * w) for rep, w in zip(reps, walls)]
+    tl = [1 - sum(x[2] for x in rep) / (c.pp * w) for rep, w in zip(reps, walls)]
+    return statistics.median(sps), statistics.median(bub), statistics.median(tl), sps
+
+
+def _case_timeout(c: Case) -> float:
+    steps = 2 * (c.warmup + c.repeats * c.steps)
+    probe = 60 + c.pp * c.ping_pongs * 0.01  # hop latency: a round trip well under 10 ms
+    if c.mode == "compute":
+        return 120 + probe + steps * 5.0
+    step_s = (c.m * c.v + c.pp - 1) * (c.f_ms + c.b_ms) / c.v / 1e3 + 0.05
+    return 120 + probe + 3 * steps * step_s
+
+
+def _theory(c: Case) -> float | None:
+    try:
+        if c.schedule == "zb-h1" and c.mode == "emulated":
+            t = _nominal_s(c)
+            return bubble_fraction_theory(c.schedule, c.pp, c.v, c.m, t_f=t["F"], t_b=t["B"], t_w=t["W"])
+        return bubble_fraction_theory(c.schedule, c.pp, c.v, c.m)
+    except ValueError:
+        return None
+
+
+def case_name(c: Case) -> str:
+    return f"{c.mode}-{c.schedule}-pp{c.pp}-v{c.v}-m{c.m}"
+
+
+def _write_trace(c: Case, ranks: list[dict], sim, trace_dir: str) -> str:
+    """One timed step of ours (every rank's slices, returned through run_ranks) beside its simulation."""
+    measured = chrome_trace([Slice(**row) for rk in ranks for row in rk["trace"]],
+                            process_name="measured (hybridpar runtime, one timed step)", pid=0)
+    path = Path(trace_dir) / f"{case_name(c)}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    write_trace(merge_traces(measured, sim_trace(sim, "simulated (measured costs)", pid=1)), str(path))
+    return str(path)
+
+
+def run_case(c: Case, trace_dir: str | None = None) -> dict:
+    load_before = os.getloadavg()  # the machine's load: other jobs on few cores bend every timing
+    ranks = run_ranks(_case_worker, c.pp, asdict(c), timeout_s=_case_timeout(c))
+    load_after = os.getloadavg()
+    ours_sps, ours_bub, ours_tl, ours_all = _stats(c, ranks, "ours")
+    t_sps, t_bub, _, t_all = _stats(c, ranks, "torch")
+    if c.schedule == "zb-h1" and c.mode == "compute":
+        t_bub = None  # Timed cannot see torch's W (autograd.grad from saved intermediates, no output mark)
+    lo, lt = ranks[-1]["loss_ours"], ranks[-1]["loss_torch"]  # rank pp-1 holds the last stage
+    rel = abs(lo - lt) / max(abs(lo), 1e-30) if lt is not None else None
+    grads = [rk["grad_rel_diff"] for rk in ranks if rk["grad_rel_diff"] is not None]
+    costs = summarize([rk["samples"] for rk in ranks], [rk["round_trips"] for rk in ranks])
+    acts = _actions(c)
+    pred, sim = predict(acts, c.pp, c.n_stages, _nominal_s(c), costs,
+                        posted_lists(acts, [rk["posted_at"] for rk in ranks]))
+    if c.mode != "emulated":
+        pred["sim_bubble"] = None  # busy is the compute itself: nothing to set apart from overhead
+    measured = 1 / ours_sps
+    rec = {
+        "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
+        "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
+        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms, "window_tail": c.window_tail if c.mode == "emulated" else None,
+        "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
+                   if c.mode == "emulated" else None),
+        "layers": c.layers,
+        "hybridpar_steps_per_s": ours_sps, "torch_steps_per_s": t_sps,
+        "ratio": ours_sps / t_sps if t_sps else None,
+        "bubble_measured": ours_bub, "hybridpar_bubble_timeline": ours_tl, "torch_bubble_measured": t_bub,
+        "bubble_theory": _theory(c),
+        "loss_hybridpar": lo, "loss_torch": lt, "loss_rel_diff": rel,
+        "loss_match": None if rel is None else rel <= LOSS_RTOL,
+        "grad_rel_diff": max(grads) if grads else None,
+        "torch_error": ranks[0]["torch_error"],
+        "hybridpar_steps_per_s_repeats": ours_all, "torch_steps_per_s_repeats": t_all,
+        "load_avg_before": list(load_before), "load_avg_after": list(load_after),
+        "measured_step_time_s": measured,
+        **costs, **pred,
+        "sim_error": pred["sim_step_time_s"] / measured - 1,
+        "trace_file": _write_trace(c, ranks, sim, trace_dir) if trace_dir else None,
+    }
+    return rec
