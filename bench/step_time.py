@@ -19,7 +19,7 @@ from hybridpar.testing import run_ranks
 
 def _worker(cfg_dict: dict, steps: int) -> float:
     from hybridpar.topology.mesh import build_topology
-    from hybridpar.train import Trainer
+    from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel

@@ -160,7 +160,8 @@ def _worker(base: dict, root: str, kill_at: int, other_layout: dict) -> dict:
     import torch.distributed as dist
 
     import hybridpar.resilience.checkpoint as ckpt
-    from hybridpar.train import Trainer, train
+    from hybridpar.train import train
+    from hybridpar.trainer import Trainer
 
     def run(name: str, kill: int | None = None, layout: dict | None = None, **ck) -> dict:
         cfg = Config.from_dict(base)

@@ -12,7 +12,7 @@ def _buckets(cfg_dict: dict, bucket_bytes: int | None) -> dict:
     from hybridpar.export import gather_full_state, params_digest
     from hybridpar.grads import DataParallelGrads
     from hybridpar.topology.mesh import build_topology
-    from hybridpar.train import Trainer
+    from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel

@@ -192,7 +192,7 @@ def test_maxrss_is_none_without_getrusage(monkeypatch: pytest.MonkeyPatch) -> No
 def _slowed_stage_times(cfg_dict: dict) -> dict:
     from hybridpar.config import Config
     from hybridpar.topology.mesh import build_topology
-    from hybridpar.train import Trainer
+    from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel

@@ -36,7 +36,7 @@ def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
     those steps. Rank 0 returns both loss series; both full states are saved."""
     from hybridpar.export import gather_full_state
     from hybridpar.topology.mesh import build_topology
-    from hybridpar.train import Trainer
+    from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel

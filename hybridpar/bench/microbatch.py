@@ -25,7 +25,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     from hybridpar.batching.policy import count_rules, make_policy
     from hybridpar.config import Config
     from hybridpar.topology.mesh import build_topology
-    from hybridpar.train import Trainer
+    from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p, t = cfg.parallel, cfg.train
