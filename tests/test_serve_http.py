@@ -178,14 +178,39 @@ def test_dead_replica_requests_are_placed_again_or_failed_clearly() -> None:
     assert c.events.empty() and svc.router.statistics()["pending"] == 2  # c waits again, ahead of d
     svc._on_event(0, {"type": "done", "id": a.id, "reason": "length"})
     assert pool.sent[2:] == [(0, c.id)]  # c runs on the live replica
+    svc._on_event(0, {"type": "token", "id": c.id, "token": 5})  # c's client now holds a token
     pool.alive[0] = False
-    svc._on_event(0, {"type": "replica_failed"})  # c was sent to 0: it fails; d has nowhere to go
+    svc._on_event(0, {"type": "replica_failed"})  # c was half-streamed on 0: it fails; d has nowhere to go
     assert [p.events.get_nowait()[1]["reason"] for p in (a, b)] == ["length", "length"]
+    assert c.events.get_nowait() == ("token", 5)
     assert c.events.get_nowait()[1] == {"reason": "error", "error": "replica 0 stopped"}
     assert "no replica is running" in d.events.get_nowait()[1]["error"]
     with pytest.raises(Unavailable):
         svc.submit([1], 4, 0.0, 1.0, None)
     assert svc.counters["requests_failed"] == 2 and not svc.inflight
+
+
+def test_a_sent_request_whose_client_saw_nothing_starts_over_on_a_live_replica() -> None:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin", max_outstanding=1)
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    pool = svc.pool
+    a, b, c = (svc.submit([1, 2], 4, 0.0, 1.0, 3) for _ in range(3))  # a on 0, b on 1, c waits
+    svc._on_event(1, {"type": "token", "id": b.id, "token": 9})  # b is half-streamed
+    pool.alive[0] = False
+    svc._on_event(0, {"type": "replica_failed"})  # a was sent to 0 but streamed nothing: it waits again
+    assert a.events.empty() and svc.counters["requests_retried"] == 1
+    svc._on_event(0, {"type": "token", "id": a.id, "token": 7})  # late from the dead replica: dropped
+    assert a.events.empty()
+    svc._on_event(1, {"type": "done", "id": b.id, "reason": "length"})
+    assert pool.sent[-1] == (1, a.id)  # a starts over on replica 1, ahead of c (same message, seed kept)
+    svc._on_event(1, {"type": "token", "id": a.id, "token": 8})
+    svc._on_event(0, {"type": "done", "id": a.id, "reason": "length"})  # the dead replica's: ignored
+    assert a.events.get_nowait() == ("token", 8) and a.events.empty()
+    svc._on_event(1, {"type": "done", "id": a.id, "reason": "length"})
+    assert a.events.get_nowait()[1]["reason"] == "length" and pool.sent[-1] == (1, c.id)
+    assert svc.counters["requests_failed"] == 0 and svc.counters["requests_completed"] == 2
 
 
 def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
@@ -229,4 +254,34 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
     finally:
         srv.shutdown()
         srv.server_close()
+        svc.close()
+
+
+@pytest.mark.timeout(180)
+def test_killed_replica_request_completes_on_the_live_one() -> None:
+    from hybridpar.serve.service import Service
+
+    # Replica 0 is emulated 2000x slow, so its first token is seconds away when its process is killed:
+    # the request, sent there but unseen by its client, must start over on replica 1 and give the
+    # greedy tokens that replica 1 gives it directly.
+    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin", max_seq_len=64, kv_tokens=512, timeout_s=60,
+                      request_timeout_s=60, emulate_slowdown="0:2000")
+    svc = Service(cfg, MODEL, cfg.source)
+    try:
+        def tokens(p) -> tuple[list[int], dict]:
+            out = []
+            while True:
+                kind, v = p.events.get(timeout=60)
+                if kind == "done":
+                    return out, v
+                out.append(v)
+
+        a = svc.submit([1, 2, 3], 6, 0.0, 1.0, None)  # round robin: replica 0
+        assert svc.router.where[a.id] == 0 and a.sent
+        svc.pool.procs[0].kill()
+        got, info = tokens(a)
+        assert info["reason"] == "length" and len(got) == 6 and svc.counters["requests_retried"] == 1
+        ref, _ = tokens(svc.submit([1, 2, 3], 6, 0.0, 1.0, None))  # replica 1, the only one alive
+        assert got == ref and svc.counters["requests_failed"] == 0
+    finally:
         svc.close()

@@ -91,8 +91,10 @@ def metrics_text(stats: dict[str, Any]) -> str:
 
     c = stats["counters"]
     for key, help_ in (("requests_total", "requests accepted"), ("requests_completed", "requests finished"),
-                       ("requests_failed", "requests failed"), ("prompt_tokens_total", "prompt tokens processed"),
-                       ("completion_tokens_total", "tokens generated"), ("requests_rejected", "requests refused (429/503)")):
+                       ("requests_failed", "requests failed"),
+                       ("requests_retried", "requests started over on another replica after theirs died"),
+                       ("prompt_tokens_total", "prompt tokens processed"), ("completion_tokens_total", "tokens generated"),
+                       ("requests_rejected", "requests refused (429/503)")):
         metric(key if key.endswith("total") else key + "_total", "counter", help_, [("", c.get(key, 0))])
     metric("pending_requests", "gauge", "requests waiting in the router", [("", stats["pending"])])
     metric("replicas_alive", "gauge", "replicas running", [("", stats["replicas_alive"])])

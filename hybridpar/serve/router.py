@@ -13,8 +13,9 @@ No request is lost: a replica at its outstanding-request limit is skipped; when 
 wait in the router's FIFO and are placed as replicas finish work. Only past `max_pending` waiting
 does `submit` refuse, with `Overloaded` (the server answers 429 then).
 
-A replica reported dead (`down`) gets no new placements; a request placed on it but never sent is
-put back at the head of the queue (`requeue`) and placed on a live replica. With no replica alive,
+A replica reported dead (`down`) gets no new placements; a request placed on it that can start over
+(the caller decides: its client has seen nothing yet) is put back at the head of the queue
+(`requeue`) and placed on a live replica. With no replica alive,
 `submit` refuses with `Unavailable` (503) and `abandon` hands back the waiting requests to fail.
 """
 
@@ -173,12 +174,12 @@ class Router:
 
     def down(self, replica: int) -> list[str]:
         """Replica `replica` stopped: it gets no more placements. Returns the ids placed on it (the
-        caller fails those it had sent and `requeue`s the others). Idempotent."""
+        caller `requeue`s those that can start over and fails the others). Idempotent."""
         self.replicas[replica].alive = False
         return [rid for rid, r in self.where.items() if r == replica]
 
     def requeue(self, req_id: str) -> list[tuple[Request, int]]:
-        """`req_id`, placed on a dead replica but never sent there, goes back to the head of the queue
+        """`req_id`, placed on a dead replica and able to start over, goes back to the head of the queue
         (keeping its submission time) and is placed again if a live replica has room. A no-op when the
         request is not on a dead replica (already moved, or finished), so racing callers are safe."""
         r = self.where.get(req_id)

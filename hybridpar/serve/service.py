@@ -2,8 +2,11 @@
 forwards it to its replica's driver, and turns the replica's events back into per-request streams.
 Measured replica status and completion costs feed the router; counters feed /metrics.
 
-When a replica dies, the requests it had been sent fail (their tokens may be half-streamed); those
-placed on it but not yet sent are placed again on a live replica, so none is lost while one lives."""
+When a replica dies, each request on it whose client has seen nothing yet (not sent there, or sent
+but no token streamed) is placed again on a live replica and starts over there: none of those is lost
+while a replica lives. Only a request already half-streamed fails, since its client holds tokens the
+retry could not be guaranteed to reproduce. Events are taken only from the replica a request is
+placed on now, so a dead replica's late ones cannot leak into a moved request's stream."""
 
 from __future__ import annotations
 
@@ -47,7 +50,8 @@ class Pending:
     max_tokens: int
     msg: dict[str, Any] = field(default_factory=dict)  # what the replica's driver is sent
     created: float = field(default_factory=time.time)
-    sent: bool = False  # handed to its replica's driver (from then on the replica's death fails it)
+    sent: bool = False  # handed to its replica's driver
+    streamed: int = 0  # tokens handed to the client: from the first on, the replica's death fails it
     events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
 
 
@@ -97,15 +101,20 @@ class Service:
                 placed += self._replica_down(rep)
 
     def _replica_down(self, rep: int) -> list[tuple[Request, int]]:
-        """Replica `rep` is dead: fail what it had been sent, re-place what it had not (returns those
-        placements, to be sent); with no replica left, fail the waiting requests too."""
+        """Replica `rep` is dead: re-place what its clients have seen nothing of (returns those
+        placements, to be sent), fail the half-streamed rest; with no replica left, fail the waiting
+        requests too."""
         with self.lock:
             held = self.router.down(rep)
-            unsent = [rid for rid in held if rid in self.inflight and not self.inflight[rid].sent]
-            placed = [pl for rid in unsent for pl in self.router.requeue(rid)]
+            again = [rid for rid in held if rid in self.inflight and self.inflight[rid].streamed == 0]
+            for rid in again:
+                if self.inflight[rid].sent:
+                    self.inflight[rid].sent = False
+                    self.counters["requests_retried"] += 1
+            placed = [pl for rid in again for pl in self.router.requeue(rid)]
             stranded = self.router.abandon()
         for rid in held:
-            if rid not in unsent:
+            if rid not in again:
                 self._fail(rid, f"replica {rep} stopped")
         for req in stranded:
             self._fail(req.id, f"no replica is running (replica {rep} stopped before this request was sent)")
@@ -128,9 +137,12 @@ class Service:
 
     def _on_event(self, rep: int, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
+        if kind in ("token", "done") and self.router.where.get(ev["id"]) != rep:
+            return  # from a replica the request is no longer on (it died and the request moved)
         if kind == "token":
             p = self.inflight.get(ev["id"])
             if p is not None:
+                p.streamed += 1
                 p.events.put(("token", ev["token"]))
         elif kind == "done":
             with self.lock:
