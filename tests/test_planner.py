@@ -261,3 +261,19 @@ def test_faster_incumbent_rebaselines_instead_of_rescanning() -> None:
     state["speedup"] = 1.5
     drive(p, 60, lambda s: pipeline_time(s) / state["speedup"], start=60)
     assert p.rounds == 1 and p.propose(0) == chosen
+
+
+@pytest.mark.parametrize("global_batch,dp", [(11, 2), (10, 3), (7, 2), (16, 2)])
+def test_unequal_replicas_propose_the_same_count_every_step(global_batch: int, dp: int) -> None:
+    # Each replica's ranks build their own policy from its (unequal) batch; fed the same world-reduced
+    # observations they must keep proposing one count, or the replicas' scans measure each other.
+    pols = [AdaptivePolicy(global_batch, dp, dp_rank=r, steps_per_candidate=1, warmup_steps=0, cooldown_steps=0)
+            for r in range(dp)]
+    assert len({tuple(p.candidates) for p in pols}) == 1
+    rng = random.Random(global_batch)
+    for step in range(40):
+        counts = {len(p.propose(step)) for p in pols}
+        assert len(counts) == 1, (step, [p.propose(step) for p in pols])
+        t, peak = rng.uniform(0.5, 1.5), rng.randrange(1000, 2000)
+        for p in pols:
+            p.observe(step, p.propose(step), t, peak, global_batch * 8)

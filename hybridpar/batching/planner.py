@@ -142,12 +142,14 @@ class AdaptivePolicy(_Recorder):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
         self.replicas = split_evenly(global_batch, dp)
         super().__init__(self.replicas[dp_rank])
-        n, hi = self.batch, min(self.replicas)  # every replica must be able to run the same count
+        hi = min(self.replicas)  # every replica must be able to run the same count
         if not 1 <= min_microbatches <= hi or count_multiple < 1 or (in_flight is not None and in_flight < 1):
             raise ValueError(f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
                              f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None")
         if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus the schedule's minimum
-            candidates = {math.ceil(n / 2 ** k) for k in range(n.bit_length() + 1)} | {min_microbatches}
+            # From the smallest replica's batch, not this one's: every replica must hold the same list
+            # to propose the same count each step (6 and 5 samples would give 6, 3, 2, 1 and 5, 3, 2, 1).
+            candidates = {math.ceil(hi / 2 ** k) for k in range(hi.bit_length() + 1)} | {min_microbatches}
         cands = sorted({m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0},
                        reverse=True)  # most microbatches (smallest, safest) first
         if not cands:
