@@ -52,7 +52,10 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
             "batch_plan": [list(s) for s in trainer.plan.sizes],
             "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages,
                        "world_size": trainer.topo.dims.world_size},
-            "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)}}
+            "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
+            # The adaptive microbatch policy's measurements: a resumed run goes on from them instead of
+            # scanning every split again (the same on every rank, see batching/policy.py).
+            "batching_policy": trainer.policy.state_dict() if hasattr(trainer.policy, "state_dict") else None}
 
 
 def summary_line(stats: dict, oom_retries: int) -> str:
@@ -95,6 +98,12 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     if ck.resume != "off":
         saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict())
         res.start_step = saved["step"] if saved else 0
+        if saved and saved.get("batching_policy") and hasattr(trainer.policy, "load_state_dict"):
+            try:
+                trainer.policy.load_state_dict(saved["batching_policy"])
+            except ValueError as e:  # another batch or schedule: measurements of other splits
+                if topo.rank == 0:
+                    print(f"hybridpar: microbatch policy starts afresh: {e}", flush=True)
     session.resumed(saved)
     writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl", append=res.start_step > 0) if rank0 else None
     progress = Progress(t.steps) if rank0 and log else None

@@ -97,3 +97,36 @@ def test_meter_limit_raises_out_of_memory() -> None:
             assert "memory_limit=100" in str(e)
         else:
             raise AssertionError("a 256-byte save under a 100-byte limit must fail")
+
+
+def _resume_runs(base: dict, out: str) -> dict:
+    from hybridpar.train import train
+
+    def run(steps: int, **ck) -> None:
+        cfg = Config.from_dict(base)
+        cfg.run_dir, cfg.train.steps, cfg.checkpoint.every = out, steps, 3
+        for k, v in ck.items():
+            setattr(cfg.checkpoint, k, v)
+        train(cfg, log=False)
+        dist.barrier()
+
+    run(3)  # checkpoint after step 3, mid-scan
+    state = json.loads((Path(out) / "checkpoints" / "step-000003" / "trainer_state.json").read_text())
+    run(7, resume="auto")
+    final = [r for r in map(json.loads, open(Path(out) / "metrics.jsonl")) if "final" in r][-1]
+    return {"policy": state["batching_policy"], "records": _records(out), "final": final}
+
+
+def test_resume_goes_on_with_the_adaptive_policy_measurements(tmp_path: Path) -> None:
+    """dp=2 with unequal replicas (6/5): both model the largest replica, so the checkpoint's one policy
+    state is every rank's; the resumed run proposes the split the policy was at and keeps its history."""
+    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=2, schedule="gpipe"), train=dict(val_every=0),
+                      batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0))
+    r = run_ranks(_resume_runs, 2, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
+    saved, recs = r["policy"], r["records"]
+    assert saved["replicas"] == [6, 5] and len(saved["recorder"]["history"]) == 3
+    assert [x["step"] for x in recs] == [0, 1, 2, 3, 4, 5, 6]
+    first_resumed = recs[3]["microbatches"]  # rank 0's replica: 6 samples
+    assert len(first_resumed) == saved["current"] and saved["current"] not in [len(x["microbatches"]) for x in recs[:3]]
+    hist = r["final"]["batching"]["history"]
+    assert hist[:3] == saved["recorder"]["history"] and len(hist) > 3

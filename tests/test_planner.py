@@ -277,3 +277,36 @@ def test_unequal_replicas_propose_the_same_count_every_step(global_batch: int, d
         t, peak = rng.uniform(0.5, 1.5), rng.randrange(1000, 2000)
         for p in pols:
             p.observe(step, p.propose(step), t, peak, global_batch * 8)
+
+
+def _feed(pols: list[AdaptivePolicy], steps: range, seed: int) -> list[list[int]]:
+    rng, proposed = random.Random(seed), []
+    for step in steps:
+        t, peak = rng.uniform(0.5, 1.5), rng.randrange(1000, 2000)
+        proposed.append([len(p.propose(step)) for p in pols])
+        for p in pols:
+            p.observe(step, p.propose(step), t, peak, 64 * 8)
+    return proposed
+
+
+def test_policy_state_round_trips_through_json_and_goes_on_identically() -> None:
+    kw = dict(min_microbatches=2, in_flight=2, steps_per_candidate=2, warmup_steps=0, cooldown_steps=3,
+              drift_margin=0.05, memory_budget_bytes=60_000)
+    a = AdaptivePolicy(64, 2, **kw)
+    _feed([a], range(0, 13), seed=1)
+    b = AdaptivePolicy(64, 2, **kw)
+    b.load_state_dict(json.loads(json.dumps(a.state_dict())))
+    assert json.loads(json.dumps(b.state_dict())) == json.loads(json.dumps(a.state_dict()))
+    seq = _feed([a, b], range(13, 60), seed=2)
+    assert all(x == y for x, y in seq), seq
+    assert a.statistics() == b.statistics()
+
+
+def test_policy_state_of_another_run_is_refused_by_name() -> None:
+    state = AdaptivePolicy(16, 1).state_dict()
+    with pytest.raises(ValueError, match=r"replica batches \[16\], this run has \[12\]"):
+        AdaptivePolicy(12, 1).load_state_dict(state)
+    with pytest.raises(ValueError, match="does not allow"):  # an interleaved schedule wants multiples of 4
+        AdaptivePolicy(16, 1, min_microbatches=4, count_multiple=4).load_state_dict(state)
+    with pytest.raises(ValueError, match="version"):
+        AdaptivePolicy(16, 1).load_state_dict({**state, "version": 9})

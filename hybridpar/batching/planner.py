@@ -161,6 +161,7 @@ class AdaptivePolicy(_Recorder):
                              f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
                              f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1)")
         self.candidates, self.in_flight, self.count_multiple = cands, in_flight, count_multiple
+        self.min_microbatches = min_microbatches
         self.k, self.warmup, self.margin = steps_per_candidate, warmup_steps, switch_margin
         self.drift_margin, self.drift_window, self.cooldown = drift_margin, drift_window, cooldown_steps
         self.budget: float | None = None
@@ -170,6 +171,7 @@ class AdaptivePolicy(_Recorder):
         self._oom_x: int | None = None  # samples in flight at which an OOM happened: never again
         self.ooms: list[tuple[int, list[int]]] = []
         self.rounds, self._last_decision = 0, -(10 ** 9)
+        self._ref: float | None = None  # throughput of the split chosen last (set by each decision)
         self._scan(-1, self.candidates)
 
     def set_memory_budget(self, budget_bytes: float | None = None, fraction: float | None = None,
@@ -312,6 +314,48 @@ class AdaptivePolicy(_Recorder):
             fitting = [m]
         self._refit(step, max(fitting, key=lambda q: (self.samples_in_flight(split_evenly(self.batch, q)), -q)))
         return self.propose(step)
+
+    def state_dict(self) -> dict[str, Any]:
+        """What a checkpoint keeps of the policy (JSON): what it measured and where its scan stands."""
+        return {"version": 1, "batch": self.batch, "replicas": self.replicas, "candidates": self.candidates,
+                "peak_at": sorted(self._peak_at.items()), "oom_x": self._oom_x, "ooms": self.ooms,
+                "rounds": self.rounds, "last_decision": self._last_decision, "exploring": self.exploring,
+                "incumbent": self.incumbent, "measured": sorted(self._measured.items()), "queue": self._queue,
+                "current": self.current, "window": self._window, "ref": self._ref,
+                "recorder": {"steps": self.steps, "sum_time": self._sum_time, "sum_thr": self._sum_thr,
+                             "history": self.history, "converged_step": self.converged_step,
+                             "steps_to_converge": self.steps_to_converge}}
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        """Continue from `state_dict()` of a policy over the same batch and replicas (ValueError, naming
+        the difference, otherwise: start afresh then). The current split warms up again, unmeasured:
+        a restarted process runs its first steps on cold caches and a fresh allocator."""
+        if d.get("version") != 1:
+            raise ValueError(f"policy state version {d.get('version')!r}, this build reads version 1")
+        if d["batch"] != self.batch or list(d["replicas"]) != self.replicas:
+            raise ValueError(f"policy state is for replica batches {d['replicas']}, this run has {self.replicas}")
+        cands = [int(m) for m in d["candidates"]]
+        # A different schedule or pp changes the counts that may run: candidates must all still be allowed.
+        least = self.min_microbatches
+        bad = [m for m in cands if not least <= m <= min(self.replicas) or m % self.count_multiple]
+        if bad or int(d["current"]) not in cands:
+            raise ValueError(f"policy state proposes microbatch counts {bad or [d['current']]} that this run's "
+                             f"schedule does not allow (counts from {least} to {min(self.replicas)}, "
+                             f"multiples of {self.count_multiple})")
+        self.candidates = cands
+        self._peak_at = {int(x): int(p) for x, p in d["peak_at"]}
+        self._oom_x = d["oom_x"]
+        self.ooms = [(int(s), list(z)) for s, z in d["ooms"]]
+        self.rounds, self._last_decision, self.exploring = d["rounds"], d["last_decision"], d["exploring"]
+        self.incumbent = d["incumbent"]
+        self._measured = {int(m): list(v) for m, v in d["measured"]}
+        self._queue = [int(m) for m in d["queue"]]
+        self._set(int(d["current"]))
+        self._window = list(d["window"])
+        self._ref = d["ref"]
+        r = d["recorder"]
+        self.steps, self._sum_time, self._sum_thr = r["steps"], r["sum_time"], r["sum_thr"]
+        self.history, self.converged_step, self.steps_to_converge = r["history"], r["converged_step"], r["steps_to_converge"]
 
     def statistics(self) -> dict[str, Any]:
         out = self._stats("adaptive", self.propose(0), not self.exploring)

@@ -19,8 +19,11 @@ def count_rules(cfg: Config) -> tuple[int, int]:
 
 def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
                 resident_bytes: int) -> FixedPolicy | AdaptivePolicy:
-    """Every rank builds the same policy for its replica; fed the same (world-reduced) observations,
-    all ranks of all replicas propose the same microbatch count each step."""
+    """Every rank builds the same policy; fed the same (world-reduced) observations, all ranks of all
+    replicas propose the same microbatch count each step. An adaptive policy models the largest
+    replica (dp rank 0) on every rank, whatever its own: the count is one decision for the world,
+    memory must fit where the microbatches are largest, and so the policy's state is the same on every
+    rank (a checkpoint keeps rank 0's)."""
     p, t, b = cfg.parallel, cfg.train, cfg.batching
     replicas = split_evenly(t.global_batch, p.dp)
     mine = replicas[dp_rank]
@@ -39,7 +42,7 @@ def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
     budget = fraction = None
     if b.memory_budget is not None:
         budget, fraction = (b.memory_budget, None) if b.memory_budget > 1 else (None, b.memory_budget)
-    return AdaptivePolicy(t.global_batch, p.dp, dp_rank=dp_rank, memory_budget_bytes=budget,
+    return AdaptivePolicy(t.global_batch, p.dp, dp_rank=0, memory_budget_bytes=budget,
                           memory_fraction=fraction, memory_total_bytes=memory_total_bytes,
                           memory_baseline_bytes=resident_bytes if fraction is not None else 0,
                           min_microbatches=least, count_multiple=multiple, in_flight=in_flight,
