@@ -69,3 +69,38 @@ def test_sharded_greedy_matches_generate(tp: int, pp: int) -> None:
         sampled = local_engine([{**r, "id": "s" + r["id"], "temperature": 0.9, "top_p": 0.8} for r in requests()])
         assert {k: v for k, v in got.items() if k.startswith("s")} == sampled
         assert any(sampled[f"sr{i}"] != want[f"r{i}"] for i in range(len(PROMPTS)))  # it did sample
+
+
+class _CancellingChannel(ListChannel):
+    """Cancels r1 on the driver's second receive (its group launched, no token yet), r5 while it
+    waits, and r0 once it has streamed 2 tokens."""
+
+    def __init__(self, reqs: list[dict]) -> None:
+        super().__init__(reqs)
+        self.calls, self.sent_r0 = 0, False
+        self._todo.pop()  # the stop comes last, after the cancels
+
+    def recv(self, timeout_s: float) -> list[dict]:
+        self.calls += 1
+        out, self._todo = self._todo, []
+        if self.calls == 2:
+            out += [{"type": "cancel", "id": "r1"}, {"type": "cancel", "id": "r5"}, {"type": "cancel", "id": "nope"}]
+        r0 = [e for e in self.events if e["type"] == "token" and e["id"] == "r0"]
+        if len(r0) >= 2 and not self.sent_r0:
+            self.sent_r0 = True
+            out += [{"type": "cancel", "id": "r0"}, {"type": "stop"}]
+        return out
+
+
+def test_cancel_stops_waiting_and_running_requests_and_spares_the_rest() -> None:
+    model = build_full_model(CFG, SEED)
+    want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
+    ch = _CancellingChannel(requests())
+    Driver(StageRunner(model.eval(), local_topology()), ch, Limits(**{**LIMITS, "max_groups": 1})).run()
+    done = {e["id"]: e for e in ch.events if e["type"] == "done"}
+    assert {k: done[k]["reason"] for k in ("r0", "r1", "r5")} == {"r0": "cancelled", "r1": "cancelled", "r5": "cancelled"}
+    assert done["r1"]["tokens"] == [] and done["r5"]["tokens"] == []  # before its first token / while waiting
+    r0 = done["r0"]["tokens"]
+    assert 2 <= len(r0) < N_TOKENS[0] and r0 == want["r0"][: len(r0)]
+    for k in ("r2", "r3", "r4"):  # the others, r2 and r3 in a group formed after the cancels, are untouched
+        assert done[k]["reason"] == "length" and done[k]["tokens"] == want[k], k

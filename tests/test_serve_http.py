@@ -6,6 +6,7 @@ from __future__ import annotations
 import http.client
 import json
 import threading
+import time
 from collections import Counter
 from typing import Any, Iterator
 
@@ -73,6 +74,9 @@ GOOD = {"model": "hybridpar", "prompt": "def ", "max_tokens": 4, "temperature": 
     ({**GOOD, "n": 3}, 400, "n"),
     ({**GOOD, "seed": -2}, 400, "seed"),
     ({**GOOD, "stream": "yes"}, 400, "stream"),
+    ({**GOOD, "stop": ""}, 400, "stop"),
+    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),  # at most 4
+    ({**GOOD, "stop": [3]}, 400, "stop"),
 ])
 def test_bad_requests_get_4xx(server: tuple[int, Any], body: Any, status: int, param: str | None) -> None:
     port, _ = server
@@ -113,6 +117,44 @@ def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
         client.completions.create(model="other", prompt="x", max_tokens=2)
     status, text = call(port, "GET", "/metrics")
     assert status == 200 and "hybridpar_requests_completed_total" in text and 'replica="0"' in text
+
+
+def test_stop_strings_cut_the_text_and_stop_the_replica(server: tuple[int, Any]) -> None:
+    openai = pytest.importorskip("openai")
+    port, svc = server
+    client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0)
+    want = decode(generate(build_full_model(MODEL, 7), list(b"def "), 16, temperature=0))
+    # A stop string from the middle of what greedy decoding gives (not a replacement character).
+    at = next(i for i in range(2, len(want) - 1) if "\ufffd" not in want[i:i + 2])
+    stop = want[at:at + 2]
+    cut = want[: want.find(stop)]
+    for stream in (False, True):
+        out = client.completions.create(model="hybridpar", prompt="def ", max_tokens=16, temperature=0,
+                                        stop=[stop, "never-generated"], stream=stream)
+        chunks = list(out) if stream else [out]
+        assert "".join(c.choices[0].text for c in chunks) == cut, (stream, want, stop)
+        assert chunks[-1].choices[0].finish_reason == "stop"
+    deadline = time.monotonic() + 10
+    while svc.router.where and time.monotonic() < deadline:  # the replica's "cancelled" frees the place
+        time.sleep(0.05)
+    assert not svc.router.where and not svc.inflight
+    out = client.completions.create(model="hybridpar", prompt="def ", max_tokens=16, temperature=0, stop="@@@@")
+    assert out.choices[0].text == want and out.choices[0].finish_reason == "length"
+
+
+def test_stop_text_holds_back_what_may_become_a_stop() -> None:
+    from hybridpar.serve.text import StopText
+
+    s = StopText(["abc", "xy"])
+    assert [s.feed(p) for p in ("12a", "b", "d", "ab", "c", "zzz")] == ["12", "", "abd", "", "", ""]
+    assert s.hit and s.flush() == ""
+    s = StopText(["abc", "xy"])
+    assert s.feed("1x") == "1" and s.feed("2") == "x2" and s.feed("ab") == "" and s.flush() == "ab"
+    s = StopText(["cd", "b"])  # the earliest match wins, whichever string it is
+    assert s.feed("abcd") == "a" and s.hit
+    assert StopText([]).feed("anything") == "anything"
+    with pytest.raises(ValueError, match="non-empty"):
+        StopText([""])
 
 
 class _Full:

@@ -42,6 +42,7 @@ class _Row:
     arrived: float
     out: list[int] = field(default_factory=list)
     done: bool = False
+    cancelled: bool = False  # the server no longer wants it: finished at its group's next step
 
 
 @dataclass
@@ -81,6 +82,9 @@ class Driver:
         if msg.get("type") == "stop":
             self._stopping = True
             return
+        if msg.get("type") == "cancel":  # a stop string matched, or the client left
+            self._cancel(msg["id"])
+            return
         prompt, n = list(msg["prompt"]), int(msg["max_tokens"])
         limit = min(self.lim.max_seq_len, self.lim.kv_tokens)
         if not prompt or n < 1 or len(prompt) + n > limit:
@@ -91,6 +95,21 @@ class Driver:
         seed = msg.get("seed")
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else int(seed)
         self.pending.append(_Row(msg, make_generator(seed), time.perf_counter()))
+
+    def _cancel(self, rid: str) -> None:
+        """Stop generating `rid`: a waiting request ends now; a running one ends at its group's next
+        completed step (rows only finish there, where the group's cache is freed with its last row).
+        Unknown ids (already finished) are ignored."""
+        for row in self.pending:
+            if row.req["id"] == rid:
+                self.pending.remove(row)
+                self.ch.send({"type": "done", "id": rid, "reason": "cancelled", "tokens": [],
+                              "prompt_tokens": len(row.req["prompt"]), "completion_tokens": 0})
+                return
+        for g in self.groups.values():
+            for row in g.rows:
+                if row.req["id"] == rid and not row.done:
+                    row.cancelled = True
 
     def kv_used(self) -> int:
         return sum(g.slots for g in self.groups.values())
@@ -129,7 +148,8 @@ class Driver:
             meta = torch.stack([torch.zeros(B, dtype=torch.int64), g.lens])
             op = OP_PREFILL
         else:
-            x = torch.tensor([[r.out[-1]] for r in g.rows], dtype=torch.int64)
+            # (A row cancelled before its first token has no last token: any id does, its output is ignored.)
+            x = torch.tensor([[r.out[-1] if r.out else 0] for r in g.rows], dtype=torch.int64)
             # A finished row keeps rewriting its last slot: its output is ignored, its cache stays in bounds.
             pos = torch.tensor([int(g.lens[i]) - (1 if r.done else 0) for i, r in enumerate(g.rows)])
             meta = torch.stack([pos, torch.ones(B, dtype=torch.int64)])
@@ -162,6 +182,10 @@ class Driver:
             g.lens += torch.tensor([0 if r.done else 1 for r in g.rows])
         for i, row in enumerate(g.rows):
             if row.done:
+                continue
+            if row.cancelled:
+                row.done = True
+                self._finish(g, row, "cancelled", now)
                 continue
             q = row.req
             tok = sample_token(logits[i], float(q.get("temperature", 0.0)), float(q.get("top_p", 1.0)), row.gen)

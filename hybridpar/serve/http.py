@@ -15,9 +15,11 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from hybridpar.serve.router import Overloaded, Unavailable
-from hybridpar.serve.service import ByteDetokenizer, Service
+from hybridpar.serve.service import Service
+from hybridpar.serve.text import ByteDetokenizer, StopText
 
 MAX_BODY = 1 << 20
+MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's API takes up to 4 stop sequences
 
 
 class ApiError(Exception):
@@ -68,17 +70,23 @@ def parse_completion(raw: bytes, model_name: str, max_seq_len: int, vocab_size: 
         raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens={max_tokens} exceeds this model's "
                             f"maximum of {max_seq_len} tokens", "prompt", code="context_length_exceeded")
     for key, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None,)),
-                         ("stop", (None, [])), ("suffix", (None,))):
+                         ("suffix", (None,))):
         if body.get(key) not in allowed:
             raise ApiError(400, f"{key}={body.get(key)!r} is not supported by this server", key)
     seed = body.get("seed")
     if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
         raise ApiError(400, f"seed must be a non-negative integer, got {seed!r}", "seed")
+    stop = body.get("stop")
+    stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
+    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
+            and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
+        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings, each 1 to "
+                            f"{MAX_STOP_CHARS} characters, got {body.get('stop')!r}", "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {stream!r}", "stream")
     return {"prompt": ids, "max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0), "seed": seed, "stream": stream}
+            "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0), "seed": seed, "stream": stream, "stop": stop}
 
 
 def metrics_text(stats: dict[str, Any]) -> str:
@@ -174,7 +182,7 @@ def make_handler(svc: Service) -> type[BaseHTTPRequestHandler]:
                     raise ApiError(429, f"server overloaded: {e}; retry later", kind="rate_limit_error") from None
                 except Unavailable as e:
                     raise ApiError(503, str(e), kind="server_error") from None
-                (self._stream if req["stream"] else self._complete)(p)
+                (self._stream if req["stream"] else self._complete)(p, StopText(req["stop"]))
             except ApiError as e:
                 self._error(e)
             except (BrokenPipeError, ConnectionResetError):
@@ -202,16 +210,28 @@ def make_handler(svc: Service) -> type[BaseHTTPRequestHandler]:
                                 "total_tokens": p.prompt_tokens + n_out}
             return out
 
-        def _complete(self, p: Any) -> None:
-            det, text = ByteDetokenizer(), []
+        def _stopped(self, p: Any, n_tokens: int) -> dict[str, Any]:
+            """A stop string matched: the replica is told to stop; the request ends here."""
+            svc.cancel(p.id)
+            return {"reason": "stop", "completion_tokens": n_tokens}
+
+        def _complete(self, p: Any, stop: StopText) -> None:
+            det, text, n = ByteDetokenizer(), [], 0
             for kind, val in self._events(p):
                 if kind == "token":
-                    text.append(det.feed(val))
+                    n += 1
+                    text.append(stop.feed(det.feed(val)))
+                    if stop.hit:
+                        val = self._stopped(p, n)
+                        break
             if val.get("reason") == "error":
                 raise ApiError(503, f"generation failed: {val.get('error')}", kind="server_error")
-            self._json(200, self._response(p, "".join(text) + det.flush(), val["reason"], val["completion_tokens"]))
+            if not stop.hit:
+                text += [stop.feed(det.flush()), stop.flush()]
+            self._json(200, self._response(p, "".join(text), "stop" if stop.hit else val["reason"],
+                                           val["completion_tokens"]))
 
-        def _stream(self, p: Any) -> None:
+        def _stream(self, p: Any, stop: StopText) -> None:
             events = self._events(p)
             kind, val = next(events)  # wait for the first token so that failures still get a status code
             if kind == "done" and val.get("reason") == "error":
@@ -228,11 +248,17 @@ def make_handler(svc: Service) -> type[BaseHTTPRequestHandler]:
                 self.wfile.flush()
 
             try:
+                n = 0
                 while kind == "token":
-                    if piece := det.feed(val):
+                    n += 1
+                    if piece := stop.feed(det.feed(val)):
                         send(self._response(p, piece, None, None))
+                    if stop.hit:
+                        kind, val = "done", self._stopped(p, n)
+                        break
                     kind, val = next(events)
-                send(self._response(p, det.flush(), val.get("reason"), val.get("completion_tokens")))
+                tail = "" if stop.hit else stop.feed(det.flush()) + stop.flush()
+                send(self._response(p, tail, "stop" if stop.hit else val.get("reason"), val.get("completion_tokens")))
             except ApiError as e:  # deadline passed mid-stream: the status is sent, so say it in the stream
                 send(e.body())
             send(b"[DONE]")

@@ -10,7 +10,6 @@ placed on now, so a dead replica's late ones cannot leak into a moved request's 
 
 from __future__ import annotations
 
-import codecs
 import dataclasses
 import queue
 import threading
@@ -26,19 +25,6 @@ from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.pool import ReplicaPool
 from hybridpar.serve.router import Request, Router
 from hybridpar.serve.worker import WorkerSpec
-
-
-class ByteDetokenizer:
-    """Incremental byte-level decoding: a UTF-8 character split over tokens is emitted once complete."""
-
-    def __init__(self) -> None:
-        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
-
-    def feed(self, token: int) -> str:
-        return self._dec.decode(bytes([token if 0 <= token < 256 else 0xFF]))
-
-    def flush(self) -> str:
-        return self._dec.decode(b"", final=True)
 
 
 @dataclass
@@ -93,7 +79,9 @@ class Service:
         while placed:
             req, rep = placed.pop(0)
             p = self.inflight.get(req.id)
-            if p is None:
+            if p is None:  # cancelled while it waited: free the place it was just given
+                with self.lock:
+                    placed += self.router.finished(req.id, time.monotonic()) if req.id in self.router.where else []
                 continue
             if self.pool.send(rep, p.msg):
                 p.sent = True
@@ -131,9 +119,14 @@ class Service:
         self._send(placed)
 
     def cancel(self, rid: str) -> None:
-        """A client gave up (timeout): stop tracking it; its replica still finishes the work."""
+        """The request is over for its client (it timed out, or a stop string matched): stop tracking
+        it and tell its replica to stop generating it. The replica's `done` (reason "cancelled") then
+        frees its place in the router."""
         with self.lock:
-            self.inflight.pop(rid, None)
+            p = self.inflight.pop(rid, None)
+            rep = self.router.where.get(rid)
+        if p is not None and p.sent and rep is not None:
+            self.pool.send(rep, {"type": "cancel", "id": rid})
 
     def _on_event(self, rep: int, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
