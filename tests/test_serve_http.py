@@ -142,6 +142,30 @@ def test_stop_strings_cut_the_text_and_stop_the_replica(server: tuple[int, Any])
     assert out.choices[0].text == want and out.choices[0].finish_reason == "length"
 
 
+def test_cancel_tells_the_replica_frees_the_place_and_counts_it() -> None:
+    from hybridpar.serve.service import Service
+
+    class Pool(_Pool):
+        def send(self, d: int, msg: dict[str, Any]) -> bool:
+            if msg["type"] == "cancel":
+                self.sent.append((d, "cancel " + msg["id"]))
+                return True
+            return super().send(d, msg)
+
+    cfg = ServeConfig(source="init:7", dp=1, max_outstanding=1)
+    svc = Service(cfg, MODEL, cfg.source, pool=Pool)
+    a, b, c = (svc.submit([1, 2], 4, 0.0, 1.0, None) for _ in range(3))  # a runs, b and c wait
+    svc.cancel(b.id)  # b's client timed out while it waited: nothing to tell a replica
+    svc.cancel(a.id)  # a's timed out while running: its replica is told
+    assert svc.pool.sent == [(0, a.id), (0, "cancel " + a.id)]
+    svc._on_event(0, {"type": "done", "id": a.id, "reason": "cancelled"})
+    assert svc.pool.sent[2:] == [(0, c.id)]  # b's turn came and went: c runs
+    svc.cancel(c.id, completed=True)  # a stop string matched
+    svc._on_event(0, {"type": "done", "id": c.id, "reason": "cancelled"})
+    assert a.events.empty() and b.events.empty() and c.events.empty() and not svc.router.where
+    assert (svc.counters["requests_cancelled"], svc.counters["requests_completed"], svc.counters["requests_failed"]) == (2, 1, 0)
+
+
 def test_stop_text_holds_back_what_may_become_a_stop() -> None:
     from hybridpar.serve.text import StopText
 

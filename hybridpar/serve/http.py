@@ -101,6 +101,7 @@ def metrics_text(stats: dict[str, Any]) -> str:
     for key, help_ in (("requests_total", "requests accepted"), ("requests_completed", "requests finished"),
                        ("requests_failed", "requests failed"),
                        ("requests_retried", "requests started over on another replica after theirs died"),
+                       ("requests_cancelled", "requests given up by their client (timed out) before the end"),
                        ("prompt_tokens_total", "prompt tokens processed"), ("completion_tokens_total", "tokens generated"),
                        ("requests_rejected", "requests refused (429/503)")):
         metric(key if key.endswith("total") else key + "_total", "counter", help_, [("", c.get(key, 0))])
@@ -212,7 +213,7 @@ def make_handler(svc: Service) -> type[BaseHTTPRequestHandler]:
 
         def _stopped(self, p: Any, n_tokens: int) -> dict[str, Any]:
             """A stop string matched: the replica is told to stop; the request ends here."""
-            svc.cancel(p.id)
+            svc.cancel(p.id, completed=True)
             return {"reason": "stop", "completion_tokens": n_tokens}
 
         def _complete(self, p: Any, stop: StopText) -> None:

@@ -48,6 +48,7 @@ class Service:
         self.router = Router(cfg.dp, cfg.router())
         self.lock = threading.Lock()
         self.inflight: dict[str, Pending] = {}
+        self._cancelled: dict[str, bool] = {}  # cancelled, awaiting the replica's done: completed?
         self.counters: Counter = Counter()
         self.closing = False
         self.replica_status: dict[int, dict[str, Any]] = {}  # each replica's latest measured status
@@ -82,6 +83,8 @@ class Service:
             if p is None:  # cancelled while it waited: free the place it was just given
                 with self.lock:
                     placed += self.router.finished(req.id, time.monotonic()) if req.id in self.router.where else []
+                    if self._cancelled.pop(req.id, None) is False:
+                        self.counters["requests_cancelled"] += 1
                 continue
             if self.pool.send(rep, p.msg):
                 p.sent = True
@@ -111,6 +114,7 @@ class Service:
     def _fail(self, rid: str, why: str) -> None:
         with self.lock:
             p = self.inflight.pop(rid, None)
+            self._cancelled.pop(rid, None)
             # Freeing its place may place waiting requests: they must be sent, not forgotten.
             placed = self.router.finished(rid, time.monotonic()) if rid in self.router.where else []
             self.counters["requests_failed"] += 1
@@ -118,13 +122,15 @@ class Service:
             p.events.put(("done", {"reason": "error", "error": why}))
         self._send(placed)
 
-    def cancel(self, rid: str) -> None:
-        """The request is over for its client (it timed out, or a stop string matched): stop tracking
-        it and tell its replica to stop generating it. The replica's `done` (reason "cancelled") then
-        frees its place in the router."""
+    def cancel(self, rid: str, completed: bool = False) -> None:
+        """The request is over for its client: a stop string matched (`completed`), or it timed out.
+        Stop tracking it and tell its replica to stop generating it; the replica's `done` (reason
+        "cancelled") then frees its place in the router and counts it as completed or cancelled."""
         with self.lock:
             p = self.inflight.pop(rid, None)
             rep = self.router.where.get(rid)
+            if p is not None:
+                self._cancelled[rid] = completed
         if p is not None and p.sent and rep is not None:
             self.pool.send(rep, {"type": "cancel", "id": rid})
 
@@ -142,8 +148,9 @@ class Service:
                 p = self.inflight.pop(ev["id"], None)
                 placed = self.router.finished(ev["id"], time.monotonic(), ev.get("prefill_s_per_token"),
                                               ev.get("decode_s_per_token")) if ev["id"] in self.router.where else []
-                ok = ev.get("reason") != "error"
-                self.counters["requests_completed" if ok else "requests_failed"] += 1
+                done_by_client = self._cancelled.pop(ev["id"], None)
+                self.counters["requests_failed" if ev.get("reason") == "error" else
+                              "requests_cancelled" if done_by_client is False else "requests_completed"] += 1
                 self.counters["prompt_tokens_total"] += ev.get("prompt_tokens", 0)
                 self.counters["completion_tokens_total"] += ev.get("completion_tokens", 0)
             if p is not None:
