@@ -63,7 +63,7 @@ class Trainer:
             self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
-        self.p2p = P2P(topo.device, torch.float32, p.timeout_s)
+        self.p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
         self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(s % p.pp), self.p2p,
                                        cfg.model.dim)
         named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]

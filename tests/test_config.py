@@ -140,6 +140,14 @@ def test_unknown_partition_and_backend() -> None:
         make(parallel__backend="mpi").validate()
 
 
+def test_p2p_transport_is_a_choice_and_shared_memory_needs_cpu() -> None:
+    invalid(make(parallel__p2p="shm"), "parallel.p2p='shm' is not one of auto, process_group, shared_memory")
+    invalid(make(parallel__p2p="shared_memory", parallel__backend="nccl"),
+            "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
+            "use parallel.p2p=auto or process_group")
+    make(parallel__p2p="shared_memory", parallel__backend="gloo").validate(4)
+
+
 def test_world_size_mismatch_names_the_layout() -> None:
     invalid(Config(), "parallel.tp × parallel.pp × parallel.dp = 2 × 2 × 1 = 4, but 3 processes were started: "
                       "start 4 processes or change the layout", world_size=3)

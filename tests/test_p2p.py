@@ -8,7 +8,7 @@ import pytest
 from hybridpar.testing import run_ranks
 
 
-def _exchange(threaded: bool) -> dict:
+def _exchange(threaded: bool | None, transport: str) -> dict:
     import torch
 
     from hybridpar.pipeline.p2p import P2P
@@ -16,8 +16,8 @@ def _exchange(threaded: bool) -> dict:
 
     topo = build_topology(1, 2, 1, "gloo", 20.0)
     me, peer = topo.rank, 1 - topo.rank
-    p2p = P2P(topo.device, torch.float32, 20.0, post_from_thread=threaded)
-    got = []
+    p2p = P2P(topo.device, torch.float32, 20.0, post_from_thread=threaded, transport=transport)
+    got = {}
     # Both ranks send and receive in every flush; shapes vary so a message matched out of order
     # would land in a buffer of the wrong size or carry the wrong values.
     for i in range(24):
@@ -26,26 +26,29 @@ def _exchange(threaded: bool) -> dict:
         p2p.queue_recv(i, shape, peer)
         if i % 4 == 3:
             p2p.flush()
-            for j in range(i - 3, i + 1):
+            for j in (i, i - 2, i - 3, i - 1):  # not in the order sent: each lands in its own buffer
                 buf = p2p.wait_recv(j)
-                got.append((tuple(buf.shape), float(buf.min()), float(buf.max())))
+                got[j] = (tuple(buf.shape), float(buf.min()), float(buf.max()))
                 p2p.release(buf)
     p2p.wait_sends()
     alive = p2p._thread is not None and p2p._thread.is_alive()
     p2p.close()
     st = p2p.stats[peer]
-    return {"got": got, "thread_alive_before_close": alive, "closed": p2p._thread is None,
-            "sent": st.sent_msgs, "received": st.recv_msgs, "pending": p2p.pending()}
+    return {"got": [got[i] for i in range(24)], "thread_alive_before_close": alive, "closed": p2p._thread is None,
+            "sent": st.sent_msgs, "received": st.recv_msgs, "pending": p2p.pending(), "transport": p2p.transport}
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("threaded", [True, False])
-def test_messages_arrive_whole_and_in_order(threaded):
-    for rank, res in enumerate(run_ranks(_exchange, 2, threaded, timeout_s=90)):
+@pytest.mark.parametrize("threaded,transport", [(True, "process_group"), (False, "process_group"),
+                                                (None, "shared_memory")])
+def test_messages_arrive_whole_and_in_order(threaded, transport):
+    for rank, res in enumerate(run_ranks(_exchange, 2, threaded, transport, timeout_s=90)):
         other = 100.0 * (1 - rank)
         assert res["got"] == [[[1 + i % 3, 5], other + i, other + i] for i in range(24)]
         assert res["sent"] == res["received"] == 24 and res["pending"] == 0
-        assert res["thread_alive_before_close"] is threaded and res["closed"]
+        assert res["transport"] == transport and res["closed"]
+        # Shared memory: the process group carries only the link's descriptor, from the posting thread.
+        assert res["thread_alive_before_close"] is (threaded is not False)
 
 
 def _bad_peer() -> str | None:
@@ -77,7 +80,7 @@ def test_a_message_the_posting_thread_cannot_post_fails_at_its_wait():
     from hybridpar.pipeline.p2p import P2P
 
     assert not dist.is_initialized()  # no process group: the posting thread's send itself fails
-    p2p = P2P(torch.device("cpu"), torch.float32, 5.0, post_from_thread=True)
+    p2p = P2P(torch.device("cpu"), torch.float32, 5.0, post_from_thread=True, transport="process_group")
     p2p.queue_send(torch.ones(3), 1)
     p2p.queue_recv("x", (3,), 1)
     with pytest.raises(RuntimeError, match="P2P: posting receive x from rank 1 failed"):
@@ -85,3 +88,113 @@ def test_a_message_the_posting_thread_cannot_post_fails_at_its_wait():
     with pytest.raises(RuntimeError, match="P2P: posting a send to rank 1 failed"):
         p2p.wait_sends()
     p2p.close()
+
+
+# --- shared-memory links (shm.py): both ends in this process, the receiver opening through /proc ---
+
+def _link_pair(first_bytes: int = 64):
+    from hybridpar.pipeline.shm import RecvLink, SendLink
+
+    tx = SendLink(first_bytes)
+    return tx, RecvLink(tx.descriptor(), peer=0)
+
+
+def test_shared_memory_link_carries_every_dtype_in_order_through_wraps_and_growth():
+    import torch
+
+    from hybridpar.pipeline import shm
+
+    tx, rx = _link_pair()
+    cap = tx._ring.capacity
+    g = torch.Generator().manual_seed(0)
+    # Unread messages well past the first ring's capacity (it must grow, not overwrite), then
+    # read/write in lockstep with odd sizes (the position wraps around the end many times).
+    msgs = [torch.randn(1 + i % 7, 4099, generator=g) for i in range(3 * cap // (4 * 4099 * 4) + 8)]
+    msgs += [torch.randint(-9, 9, (i % 5 + 1, 333), generator=g) for i in range(40)]  # int64
+    msgs += [torch.randn(17, generator=g).to(torch.bfloat16), torch.tensor([True, False, True])]
+    for t in msgs[:-45]:
+        tx.send(t)
+    assert tx._ring.capacity > cap, "the ring did not grow although the receiver read nothing"
+    got = []
+    for t in msgs[:-45]:
+        buf = torch.empty_like(t)
+        rx.recv_into(buf, 5.0, "test")
+        got.append(buf)
+    for t in msgs[-45:]:
+        tx.send(t)
+        buf = torch.empty_like(t)
+        rx.recv_into(buf, 5.0, "test")
+        got.append(buf)
+    for t, b in zip(msgs, got):
+        assert b.dtype == t.dtype and torch.equal(b, t)
+    tx.send(torch.ones(3))  # the retired rings are dropped once the receiver left them
+    assert tx._retired == [] and shm._align(100) == 128
+    tx.close()
+    rx.close()
+
+
+def test_shared_memory_link_names_a_shape_mismatch_a_timeout_and_a_closed_sender():
+    import time
+
+    import torch
+
+    tx, rx = _link_pair()
+    with pytest.raises(RuntimeError, match=r"expected 16 bytes \(shape \(4,\), torch.float32\), the sender sent 24"):
+        tx.send(torch.ones(2, 3))
+        rx.recv_into(torch.empty(4), 5.0, "receive y")
+    tx.close()
+    rx.close()
+    tx, rx = _link_pair()
+    t0 = time.monotonic()
+    with pytest.raises(TimeoutError, match=r"P2P: receive z from rank 0 did not arrive within 0.3 s"):
+        rx.recv_into(torch.empty(4), 0.3, "receive z from rank 0")
+    assert time.monotonic() - t0 < 3.0
+    tx.send(torch.full((4,), 7.0))
+    tx.close()  # what was sent before closing is still delivered; then the end of the link is named
+    buf = torch.empty(4)
+    rx.recv_into(buf, 5.0, "receive w")
+    assert buf.tolist() == [7.0] * 4
+    with pytest.raises(ConnectionError, match="rank 0 closed its shared-memory link"):
+        rx.recv_into(buf, 5.0, "receive v")
+    rx.close()
+
+
+def test_shared_memory_link_refuses_a_wrong_descriptor_and_leaves_no_files():
+    import os
+
+
+    from hybridpar.pipeline.shm import RecvLink, SendLink, _directory
+
+    before = set(os.listdir(_directory()))
+    tx = SendLink(64)
+    assert set(os.listdir(_directory())) == before, "the link left a file where other processes see it"
+    d = tx.descriptor().clone()
+    d[3] += 1
+    with pytest.raises(ConnectionError, match="is not the ring its descriptor names"):
+        RecvLink(d, peer=3)
+    d = tx.descriptor().clone()
+    d[0] = 2**22 + 12345  # no such process
+    with pytest.raises(ConnectionError, match="the sending process .* is gone"):
+        RecvLink(d, peer=3)
+    tx.close()
+
+
+def test_transport_choice_is_validated(monkeypatch):
+    import torch
+
+    from hybridpar.pipeline.shm import transport_for
+
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    cpu = torch.device("cpu")
+    assert transport_for("auto", cpu) == "shared_memory"
+    assert transport_for("process_group", cpu) == "process_group"
+    assert transport_for("auto", torch.device("cuda", 0)) == "process_group"
+    with pytest.raises(ValueError, match="shared_memory cannot be used: it carries CPU tensors, the device is cuda:0"):
+        transport_for("shared_memory", torch.device("cuda", 0))
+    with pytest.raises(ValueError, match=r"must be one of \('auto', 'process_group', 'shared_memory'\), got 'shm'"):
+        transport_for("shm", cpu)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two hosts
+    assert transport_for("auto", cpu) == "process_group"
+    with pytest.raises(ValueError, match="every rank must be on this host"):
+        transport_for("shared_memory", cpu)

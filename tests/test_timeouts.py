@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+import pytest
 
 from hybridpar.testing import run_ranks
 
@@ -21,28 +22,37 @@ def _seconds_until_failure(op, flag: str) -> float:
     try:
         op()
         return -1.0
-    except RuntimeError:
+    except (RuntimeError, TimeoutError):
         return time.monotonic() - t0
     finally:
         Path(flag).write_text("done")
 
 
-def _stuck_recv(timeout_s: float, flag: str) -> float | None:
+def _stuck_recv(timeout_s: float, flag: str, transport: str, first: bool) -> float | None:
     import torch
 
     from hybridpar.pipeline.p2p import P2P
     from hybridpar.topology.mesh import build_topology
 
     topo = build_topology(1, 2, 1, "gloo", timeout_s)
-    if topo.rank == 0:  # never sends; stays alive (so no connection error) until rank 1 has given up
+    p2p = P2P(topo.device, torch.float32, timeout_s, transport=transport)
+    if topo.rank == 0:  # sends `first` at most; stays alive (so no connection error) until rank 1 gave up
+        if first:
+            p2p.queue_send(torch.ones(4), 1)
+            p2p.flush()
         return _idle_until(flag)
-    p2p = P2P(topo.device, torch.float32, timeout_s)
+    if first:
+        p2p.queue_recv("first", (4,), peer=0)
+        p2p.wait_recv("first")
     p2p.queue_recv("x", (4,), peer=0)
     return _seconds_until_failure(lambda: p2p.wait_recv("x"), flag)
 
 
-def test_recv_without_sender_times_out(tmp_path):
-    _, waited = run_ranks(_stuck_recv, 2, 2.0, str(tmp_path / "flag"), timeout_s=90)
+@pytest.mark.parametrize("transport,first", [("process_group", False), ("shared_memory", False),
+                                             ("shared_memory", True)])
+def test_recv_without_sender_times_out(tmp_path, transport, first):
+    """`first`: the link is open (one message went through) before the receive that never comes."""
+    _, waited = run_ranks(_stuck_recv, 2, 2.0, str(tmp_path / "flag"), transport, first, timeout_s=90)
     assert waited is not None and waited >= 0, "the receive completed although nothing was sent"
     assert waited < 2.0 + 5.0, f"the 2 s P2P timeout fired only after {waited:.1f} s"
 

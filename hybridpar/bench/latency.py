@@ -94,8 +94,8 @@ def round_trips(p2p: P2P, me: int, links: Sequence[tuple[int, int]], peer: Calla
 class RecordingP2P(P2P):
     """The runtime's P2P, recording the time of every flush that posts queued messages."""
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float) -> None:
-        super().__init__(device, dtype, timeout_s)
+    def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float, transport: str = "auto") -> None:
+        super().__init__(device, dtype, timeout_s, transport=transport)
         self.posts: list[float] = []
         self._queued = False
 

@@ -58,6 +58,7 @@ class Case:
     timeout_s: float
     ping_pongs: int = 200  # round trips per link for the hop latency
     window_tail: str = "autograd"  # emulated: how a window ends (emulated.TAILS)
+    p2p: str = "auto"  # our runtime's message transport (pipeline/shm.py transport_for)
 
     @property
     def n_stages(self) -> int:
@@ -149,7 +150,7 @@ def _case_worker(cd: dict) -> dict:
     scale = 1.0 / (c.global_batch * c.seq_len)
 
     actions = _actions(c)[r]
-    p2p = RecordingP2P(dev, torch.float32, c.timeout_s)
+    p2p = RecordingP2P(dev, torch.float32, c.timeout_s, transport=c.p2p)
     # One loss for both, the runtime's; emulated, it runs inside the last stage's windows.
     loss_ours = loss_theirs = token_cross_entropy
     if emulated and n - 1 in local:
@@ -225,14 +226,16 @@ def _case_worker(cd: dict) -> dict:
             step_torch()
     # Per-hop latency on the live group with the runtime's P2P class: a slice before each timed repeat.
     shape = (max(sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
-    probe, rtts = P2P(dev, torch.float32, c.timeout_s), {}
+    probe, rtts = P2P(dev, torch.float32, c.timeout_s, transport=c.p2p), {}
     for _ in range(c.repeats):
         round_trips(probe, r, neighbour_links(c.pp, c.v), topo.pp_peer, shape, dist.barrier,
                     max(1, c.ping_pongs // c.repeats), into=rtts)
         res["ours"].append(measure(step_ours, ours, True))
         if sched is not None:
             res["torch"].append(measure(step_torch, theirs, False))
-    res["round_trips"], res["posted_at"] = rtts, posted_at[0]
+    res["round_trips"], res["posted_at"], res["p2p"] = rtts, posted_at[0], p2p.transport
+    probe.close()
+    p2p.close()
     res["samples"] = samples.to_dict()
     res["trace"] = step_slices(last_out[0], r, 0)  # the last timed step of ours
     return res
@@ -305,6 +308,7 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
         "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
         "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
         "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms, "window_tail": c.window_tail if c.mode == "emulated" else None,
+        "p2p": ranks[0]["p2p"],
         "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
                    if c.mode == "emulated" else None),
         "layers": c.layers,

@@ -53,6 +53,9 @@ class ParallelConfig:
     timeout_s: float = _f(120.0, "bound in seconds on every collective and point-to-point wait")
     backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     recv_lookahead: int = _f(1, "compute actions ahead of use that receives are posted (>=0)")
+    p2p: str = _f("auto", "pipeline message transport: auto = shared memory between CPU ranks on one host "
+                          "(x86-64 Linux), else the process group (gloo/NCCL)",
+                  choices=("auto", "process_group", "shared_memory"))
 
     @property
     def world_size(self) -> int:

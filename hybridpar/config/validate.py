@@ -98,6 +98,10 @@ def _check_choices(cfg: Config) -> None:
         choices = f.metadata.get("choices", ())
         if choices and (v := getattr(*_owner(cfg, key))) not in choices:
             raise ValueError(f"{key}={v!r} is not one of {', '.join(choices)}{_suggest(str(v), choices)}")
+    p = cfg.parallel
+    _require(not (p.p2p == "shared_memory" and p.backend == "nccl"),
+             "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
+             "use parallel.p2p=auto or process_group")
 
 
 def _check_balance(cfg: Config) -> None:

@@ -11,13 +11,15 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from collections import defaultdict
+from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Hashable
 
 import torch
 import torch.distributed as dist
+
+from hybridpar.pipeline.shm import DESCRIPTOR, RecvLink, SendLink, transport_for
 
 
 @dataclass
@@ -31,6 +33,13 @@ class LinkStats:
 
     def to_dict(self) -> dict[str, float]:
         return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class _LinkKey:
+    """The receive of a shared-memory link's descriptor from `peer` (never a caller's key)."""
+
+    peer: int
 
 
 class _Batch:
@@ -57,16 +66,26 @@ class P2P:
     Each P2P object has its own thread, so two objects that talk to the same peer must use different
     `tag`s (gloo matches a receive with the first message of its sender and tag): between threads there
     is no posting order.
+
+    `transport`: between CPU ranks on one host (`auto`, see shm.py) messages go through shared memory
+    instead: a send is copied into its link's ring at flush and is then complete; a receive is copied
+    out when it is waited for. The process group then only carries each link's descriptor, once.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float,
-                 post_from_thread: bool | None = None, tag: int = 0) -> None:
+                 post_from_thread: bool | None = None, tag: int = 0, transport: str = "auto") -> None:
         self.device, self.dtype, self.tag = device, dtype, tag
+        self.transport = transport_for(transport, device)  # "shared_memory" | "process_group"
+        self._out: dict[int, SendLink] = {}
+        self._in: dict[int, RecvLink] = {}
+        self._in_order: dict[int, deque[tuple[Hashable, torch.Tensor]]] = defaultdict(deque)
+        self._landed: set[Hashable] = set()
+        self._linking: set[int] = set()  # peers whose link descriptor is being received
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
         self.stats: dict[int, LinkStats] = defaultdict(LinkStats)
         self._pool: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
-        self._recvs: dict[Hashable, tuple[_Batch, int, torch.Tensor, int]] = {}
+        self._recvs: dict[Hashable, tuple[_Batch | None, int, torch.Tensor, int]] = {}  # batch None: shared memory
         self._sends: list[tuple[_Batch, int, torch.Tensor, int]] = []
         self._ops: list[tuple[str, Hashable, torch.Tensor, int]] = []
         self._threaded = device.type == "cpu" if post_from_thread is None else post_from_thread
@@ -101,9 +120,13 @@ class P2P:
         # Forget sends that already completed, so their tensors can be freed before the step ends.
         self._sends = [s for s in self._sends if not (s[0].seq <= self._posted and s[0].works
                                                       and s[0].works[s[1]].is_completed())]
+        ops, self._ops = self._ops, []
+        if self.transport == "shared_memory":
+            ops = self._through_shared_memory(ops)
+            if not ops:
+                return
         self._flushes += 1
-        batch = _Batch(self._ops, self._flushes)
-        self._ops = []
+        batch = _Batch(ops, self._flushes)
         if self._threaded:
             if self._thread is None:
                 self._thread = threading.Thread(target=self._post_loop, name="hybridpar-p2p-post", daemon=True)
@@ -118,10 +141,35 @@ class P2P:
         for i, (kind, key, t, peer) in enumerate(batch.ops):
             if kind == "send":
                 self._sends.append((batch, i, t, peer))
-                self.stats[peer].sent_bytes += t.numel() * t.element_size()
-                self.stats[peer].sent_msgs += 1
+                if not isinstance(key, _LinkKey):
+                    self._count_send(peer, t)
             else:
                 self._recvs[key] = (batch, i, t, peer)
+
+    def _count_send(self, peer: int, t: torch.Tensor) -> None:
+        self.stats[peer].sent_bytes += t.numel() * t.element_size()
+        self.stats[peer].sent_msgs += 1
+
+    def _through_shared_memory(self, ops: list[tuple[str, Hashable, torch.Tensor, int]]
+                               ) -> list[tuple[str, Hashable, torch.Tensor, int]]:
+        """Send over (and register receives on) the shared-memory links; returns what the process group
+        still carries: each link's descriptor, its sender's first message on the link."""
+        pg_ops = []
+        for kind, key, t, peer in ops:
+            if kind == "send":
+                link = self._out.get(peer)
+                if link is None:
+                    link = self._out[peer] = SendLink(t.numel() * t.element_size())
+                    pg_ops.append(("send", _LinkKey(peer), link.descriptor(), peer))
+                link.send(t)  # complete once copied: nothing to wait for
+                self._count_send(peer, t)
+            else:
+                if peer not in self._in and peer not in self._linking:
+                    self._linking.add(peer)
+                    pg_ops.append(("recv", _LinkKey(peer), torch.empty(DESCRIPTOR, dtype=torch.int64), peer))
+                self._in_order[peer].append((key, t))
+                self._recvs[key] = (None, 0, t, peer)
+        return pg_ops
 
     def _post_loop(self) -> None:
         pg = dist.group.WORLD  # peers are global ranks: their ranks in the default group
@@ -150,12 +198,31 @@ class P2P:
         self.flush()
         batch, i, buf, peer = self._recvs.pop(key)
         t0 = time.perf_counter()
-        self._wait(batch, i, f"receive {key} from rank {peer}")
+        if batch is None:
+            self._wait_shared_memory(key, peer)
+        else:
+            self._wait(batch, i, f"receive {key} from rank {peer}")
         st = self.stats[peer]
         st.recv_wait_s += time.perf_counter() - t0
         st.recv_bytes += buf.numel() * buf.element_size()
         st.recv_msgs += 1
         return buf
+
+    def _wait_shared_memory(self, key: Hashable, peer: int) -> None:
+        link = self._in.get(peer)
+        if link is None:
+            batch, i, desc, _ = self._recvs.pop(_LinkKey(peer))
+            self._linking.discard(peer)
+            self._wait(batch, i, f"the shared-memory link from rank {peer}")
+            link = self._in[peer] = RecvLink(desc, peer)
+        # A link delivers in send order, which is the order its receives were queued in: land the ones
+        # queued before `key` on the way (each into its own buffer).
+        order = self._in_order[peer]
+        while key not in self._landed:
+            k, buf = order.popleft()
+            link.recv_into(buf, self.timeout_s, f"receive {k} from rank {peer}")
+            self._landed.add(k)
+        self._landed.remove(key)
 
     def release(self, buf: torch.Tensor) -> None:
         self._pool[tuple(buf.shape)].append(buf)
@@ -170,11 +237,15 @@ class P2P:
         self._sends.clear()
 
     def close(self) -> None:
-        """Stop the posting thread (after the messages already queued)."""
+        """Stop the posting thread (after the messages already queued) and close the shared-memory links."""
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(self.timeout_s)
             self._thread = None
+        for link in [*self._out.values(), *self._in.values()]:
+            link.close()
+        self._out.clear()
+        self._in.clear()
 
     def pending(self) -> int:
         return len(self._recvs) + len(self._sends) + len(self._ops)
