@@ -37,6 +37,12 @@ def check_prediction(rec: dict) -> None:
     assert set(rec["sim_breakdown_s"]) == {"ideal", "hop_latency", "sleep_overshoot", "action_overhead",
                                            "posting_delay", "step_gap"}
     assert set(rec["compute_overhead_s"]) >= {"F", "B"} and set(rec["sleep_overshoot_s"]) >= {"F", "B"}
+    # The critical path of the measured steps adds up to their time per step.
+    cp = rec["critical_path_s"]
+    parts = ("work_s", "overshoot_s", "hops_s", "intra_s", "start_s", "end_s")
+    assert sum(cp[k] for k in parts) == pytest.approx(cp["step_s"])
+    assert cp["work_s"] > 0 and cp["n_hops"] >= 1 and cp["runs"] == rec["repeats"]
+    assert rec["p2p"] in ("shared_memory", "process_group")
 
 
 def test_emulated_windows_last_their_duration_and_gradients_are_exact():
@@ -117,6 +123,7 @@ def test_smoke_emulated_against_torch(tmp_path):
     check_prediction(rec)
     assert rec["trace_file"] is None and rec["w_ms"] is None
     assert list(rec["hop_latency_per_link_s"]) == ["0->1"]
+    assert rec["p2p"] == "shared_memory"  # auto, CPU ranks on one host
 
 
 @pytest.mark.timeout(120)

@@ -85,6 +85,22 @@ def format_prediction(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def format_critical(records: list[dict]) -> str:
+    """The critical path of our timed steps (emulated records), per step, in ms."""
+    head = (f"{'schedule':<18}{'pp':>3}{'m':>4}{'step ms':>9}{'work':>8}{'shoot':>7}{'hops':>7}{'n':>4}{'per hop us':>11}"
+            f"{'intra':>7}{'n':>4}{'start':>7}{'end':>7}")
+    lines = [head, "-" * len(head)]
+    for r in records:
+        cp = r.get("critical_path_s")
+        if not cp:
+            continue
+        lines.append(f"{r['schedule']:<18}{r['pp']:>3}{r['microbatches']:>4}{cp['step_s'] * 1e3:>9.1f}"
+                     f"{cp['work_s'] * 1e3:>8.1f}{cp['overshoot_s'] * 1e3:>7.2f}{cp['hops_s'] * 1e3:>7.2f}"
+                     f"{cp['n_hops']:>4.0f}{cp['hop_s'] * 1e6:>11.0f}{cp['intra_s'] * 1e3:>7.2f}{cp['n_intra']:>4.0f}"
+                     f"{cp['start_s'] * 1e3:>7.2f}{cp['end_s'] * 1e3:>7.2f}")
+    return "\n".join(lines) if len(lines) > 2 else ""
+
+
 def make_cases(a: argparse.Namespace) -> list[Case]:
     """Every case of the invocation, validated (ValueError naming the problem) before any process starts."""
     modes = ["compute", "emulated"] if a.mode == "both" else [a.mode]
@@ -175,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     print(format_table(records))
     print()
     print(format_prediction(records))
+    if crit := format_critical(records):
+        print()
+        print(crit)
     if a.json == "-":
         print(json.dumps(records, indent=1))
     elif a.json:

@@ -16,12 +16,13 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.batching.split import split_evenly
+from hybridpar.bench.critical_path import Window, critical_path, per_step, windows_of
 from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
 from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
                                      predict, round_trips, summarize)
 from hybridpar.config import ModelConfig
 from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
-from hybridpar.pipeline.schedules import Action, build_schedule, bubble_fraction_theory
+from hybridpar.pipeline.schedules import Action, Op, build_schedule, bubble_fraction_theory
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.report.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.testing import run_ranks
@@ -160,6 +161,7 @@ def _case_worker(cd: dict) -> dict:
     samples = StepSamples()
     last_out: list = [None]  # StepOutput of our latest step
     posted_at: list = [None]  # posting_points of our latest timed step
+    path_steps: list = []  # ours, every timed step: (start, end, windows, waits) for critical_path
 
     def step_ours() -> float | None:
         out = runtime.run(actions, xs, ys, scale)
@@ -199,7 +201,12 @@ def _case_worker(cd: dict) -> dict:
             step_fn()
             if collect:  # ours: per-action costs of this step (the step's own sleeps and waits)
                 out = last_out[0]
-                samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, time.perf_counter())
+                te = time.perf_counter()
+                samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, te)
+                if emulated:
+                    k = len(path_steps)
+                    path_steps.append((ts, te, [_row(w) for w in windows_of(out.timeline, log.entries[n0:], k)],
+                                       [_row(Window(w.action, 0.0, w.start, w.end, k)) for w in out.waits]))
                 posted_at[0] = posting_points(out.timeline, p2p.posts[k0:])
             p2p.posts.clear()
         timer.close()
@@ -236,9 +243,31 @@ def _case_worker(cd: dict) -> dict:
     res["round_trips"], res["posted_at"], res["p2p"] = rtts, posted_at[0], p2p.transport
     probe.close()
     p2p.close()
-    res["samples"] = samples.to_dict()
+    res["samples"], res["path_steps"] = samples.to_dict(), path_steps
     res["trace"] = step_slices(last_out[0], r, 0)  # the last timed step of ours
     return res
+
+
+def _row(w: Window) -> list:
+    return [w.action.stage, w.action.op.value, w.action.microbatch, w.requested, w.start, w.end, w.step]
+
+
+def _window(row: list) -> Window:
+    return Window(Action(row[0], Op(row[1]), row[2]), *row[3:])
+
+
+def _critical(c: Case, ranks: list[dict]) -> dict | None:
+    """Our timed steps' critical path (emulated) per step: one walk per repeat, over all its steps."""
+    steps = list(zip(*(rk["path_steps"] for rk in ranks)))  # steps[k][r]: rank r's step k
+    if not steps:
+        return None
+    paths = []
+    for j in range(0, len(steps), c.steps):
+        run = steps[j: j + c.steps]
+        paths.append(critical_path([[_window(x) for st in run for x in st[r][2]] for r in range(c.pp)],
+                                   [[_window(x) for st in run for x in st[r][3]] for r in range(c.pp)],
+                                   min(st[0] for st in run[0]), max(st[1] for st in run[-1])))
+    return per_step(paths, c.steps)
 
 
 def _stats(c: Case, ranks: list[dict], key: str) -> tuple[float | None, float | None, float | None, list[float]]:
@@ -325,6 +354,7 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
         "measured_step_time_s": measured,
         **costs, **pred,
         "sim_error": pred["sim_step_time_s"] / measured - 1,
+        "critical_path_s": _critical(c, ranks),
         "trace_file": _write_trace(c, ranks, sim, trace_dir) if trace_dir else None,
     }
     return rec
