@@ -31,7 +31,10 @@ overshoot, step gap and message posting points from our timed steps), simulates 
 runtime executed under them (pipeline/simulate.py) and reports `sim_step_time_s`, `sim_error`
 (sim / measured - 1), the ideal `sim_ideal_step_time_s` and `sim_breakdown_s` (what each term adds).
 `--trace-dir DIR` writes DIR/<case>.json per case: one timed step of ours, every rank, beside its
-simulation (open in ui.perfetto.dev).
+simulation (open in ui.perfetto.dev). Emulated, `critical_path_s` splits our measured steps along
+their critical path (critical_path.py): work, window overshoot, hops, intra-rank gaps; it adds up to
+the step. `--p2p` picks our runtime's message transport (torch's schedules always use the process
+group): `auto` is shared memory between the CPU ranks of this host (pipeline/shm.py).
 """
 
 from __future__ import annotations
