@@ -72,6 +72,7 @@ class Trainer:
         self.monitor = DeviceMonitor(topo.device)
         self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
         self.runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
+        self.runtime.meter.lent = self.p2p.lent
         sample = self.monitor.sample()
         self.policy = make_policy(cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes,
                                   resident_bytes=sample.memory_used_bytes)

@@ -70,6 +70,15 @@ def _worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
     return all_losses
 
 
+def _tight_rings_worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
+    """_worker with shared-memory rings of 4 messages at first: they wrap and grow all the time, so
+    a message released while something still reads it would be overwritten (and the result wrong)."""
+    from hybridpar.pipeline import shm
+
+    shm._MIN_CAPACITY = 0
+    return _worker(cfg_dicts, out_dir)
+
+
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 2)]
 
 
@@ -90,9 +99,9 @@ def ref_for(cfg: Config) -> tuple:
     return _REF[key]
 
 
-def check_layouts(cfgs: list[Config], tmp_path: Path) -> None:
+def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
     world = cfgs[0].parallel.world_size
-    results = run_ranks(_worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)
+    results = run_ranks(worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)
     for i, cfg in enumerate(cfgs):
         ref_losses, ref_val, ref_state = ref_for(cfg)
         p = cfg.parallel
@@ -115,6 +124,12 @@ def test_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path)
     cfgs = [tiny_config(parallel=dict(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v))
             for s, v in schedules_for(pp)]
     check_layouts(cfgs, tmp_path)
+
+
+def test_pipelines_over_tight_shared_memory_rings(tmp_path: Path) -> None:
+    cfgs = [tiny_config(parallel=dict(tp=1, pp=4, dp=1, schedule=s, virtual_stages=v, p2p="shared_memory"))
+            for s, v in schedules_for(4)]
+    check_layouts(cfgs, tmp_path, _tight_rings_worker)
 
 
 def test_tied_embeddings_across_stages(tmp_path: Path) -> None:

@@ -198,3 +198,66 @@ def test_transport_choice_is_validated(monkeypatch):
     assert transport_for("auto", cpu) == "process_group"
     with pytest.raises(ValueError, match="every rank must be on this host"):
         transport_for("shared_memory", cpu)
+
+
+def test_shared_memory_link_lends_messages_in_place_and_frees_them_in_arrival_order():
+    import torch
+
+    tx, rx = _link_pair(4 << 10)
+    cap = tx._ring.capacity
+    for i in range(3):
+        tx.send(torch.full((1024,), float(i)))  # 4 KiB each
+    views = [rx.take(4096, 5.0, f"m{i}") for i in range(3)]
+    assert [float(v.view(torch.float32)[0]) for v, _ in views] == [0.0, 1.0, 2.0]  # no copy: in the ring
+    rx.free(views[1][1])  # out of order: the ring's tail may not pass the first, still held
+    assert tx._ring.tail() == 0
+    rx.free(views[0][1])
+    assert tx._ring.tail() == 2 * (64 + 4096)  # both freed records, the third still held
+    rx.free(views[2][1])
+    # Lent records held across a ring switch keep the old ring until they are freed.
+    held = []
+    for i in range(2 * cap // 4160 + 4):
+        tx.send(torch.full((1024,), float(i)))
+        held.append(rx.take(4096, 5.0, "m"))
+    assert tx._ring.capacity > cap and len(tx._retired) == 1
+    assert all(float(v.view(torch.float32)[0]) == i for i, (v, _) in enumerate(held))
+    for _, token in held:
+        rx.free(token)
+    tx.send(torch.ones(3))
+    assert tx._retired == []
+    tx.close()
+    rx.close()
+
+
+def _borrowing(transport: str) -> dict:
+    import torch
+
+    from hybridpar.pipeline.p2p import P2P
+    from hybridpar.topology.mesh import build_topology
+
+    topo = build_topology(1, 2, 1, "gloo", 20.0)
+    me, peer = topo.rank, 1 - topo.rank
+    p2p = P2P(topo.device, torch.float32, 20.0, transport=transport)
+    seen, kept, at_release = [], [], []
+    for i in range(40):
+        p2p.queue_send(torch.full((2, 3), 100.0 * me + i), peer)
+        p2p.queue_recv(i, (2, 3), peer, borrow=True)
+        buf = p2p.wait_recv(i)
+        seen.append(buf.tolist())
+        kept.append(buf)
+        if len(kept) == 3:  # hold a few, as a pipeline holds activations until their backward
+            at_release.append(kept[0].tolist())  # not overwritten by the messages since
+            p2p.release(kept.pop(0))
+    p2p.wait_sends()
+    p2p.close()
+    return {"seen": seen, "at_release": at_release, "borrowed": len(p2p._borrowed)}
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
+def test_borrowed_receives_hold_their_message_until_released(transport):
+    for rank, res in enumerate(run_ranks(_borrowing, 2, transport, timeout_s=90)):
+        other = 100.0 * (1 - rank)
+        assert res["seen"] == [[[other + i] * 3] * 2 for i in range(40)]
+        assert res["at_release"] == res["seen"][:38]
+        assert res["borrowed"] == (2 if transport == "shared_memory" else 0)  # the two never released

@@ -16,7 +16,7 @@ out-of-memory recovery runs on CPU.
 from __future__ import annotations
 
 import contextlib
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -42,6 +42,9 @@ class ActivationMeter:
         self._storages: dict[int, list[int]] = {}  # data_ptr -> [references, bytes]
         self._excluded: set[int] = set()
         self.generation = 0
+        # Tensors whose storage is not theirs (a message lent in place from a transport's ring, see
+        # P2P.lent): they hold only their own bytes, counted under their own address.
+        self.lent: Callable[[torch.Tensor], bool] | None = None
 
     def clear(self) -> None:
         """Forget everything held (after a failed step: its graph may linger in a traceback; whatever
@@ -62,9 +65,12 @@ class ActivationMeter:
         key = storage.data_ptr()
         if key in self._excluded or key == 0:
             return _Held(t, None, self)
+        lent = self.lent is not None and self.lent(t)
+        if lent:
+            key = t.data_ptr()
         entry = self._storages.get(key)
         if entry is None:
-            size = storage.nbytes()
+            size = t.numel() * t.element_size() if lent else storage.nbytes()
             if self.limit is not None and self.live + size > self.limit:
                 raise torch.OutOfMemoryError(
                     f"emulated out of memory (--emulate.memory_limit={self.limit}): holding {self.live} bytes "

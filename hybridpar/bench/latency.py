@@ -103,9 +103,9 @@ class RecordingP2P(P2P):
         self._queued = True
         super().queue_send(tensor, peer)
 
-    def queue_recv(self, key, shape: tuple[int, ...], peer: int) -> None:
+    def queue_recv(self, key, shape: tuple[int, ...], peer: int, borrow: bool = False) -> None:
         self._queued = True
-        super().queue_recv(key, shape, peer)
+        super().queue_recv(key, shape, peer, borrow)
 
     def flush(self) -> None:
         if self._queued:

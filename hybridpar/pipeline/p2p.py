@@ -36,6 +36,13 @@ class LinkStats:
 
 
 @dataclass(frozen=True)
+class _Borrow:
+    """A shared-memory receive that hands out the message in the ring instead of a buffer."""
+
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class _LinkKey:
     """The receive of a shared-memory link's descriptor from `peer` (never a caller's key)."""
 
@@ -79,7 +86,9 @@ class P2P:
         self._out: dict[int, SendLink] = {}
         self._in: dict[int, RecvLink] = {}
         self._in_order: dict[int, deque[tuple[Hashable, torch.Tensor]]] = defaultdict(deque)
-        self._landed: set[Hashable] = set()
+        self._landed: dict[Hashable, torch.Tensor] = {}
+        self._borrowed: dict[int, tuple[RecvLink, list]] = {}  # data_ptr of a handed-out ring view -> its token
+        self._ring_storages: set[int] = set()  # storages of the rings it lent from
         self._linking: set[int] = set()  # peers whose link descriptor is being received
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
@@ -108,9 +117,14 @@ class P2P:
         self._check_peer(peer)
         self._ops.append(("send", None, tensor.detach().contiguous(), peer))
 
-    def queue_recv(self, key: Hashable, shape: tuple[int, ...], peer: int) -> None:
+    def queue_recv(self, key: Hashable, shape: tuple[int, ...], peer: int, borrow: bool = False) -> None:
+        """`borrow`: the caller will `release` the buffer it gets (and nothing reads it after that):
+        over shared memory it is then the message where it lies in the link's ring, no copy."""
         assert key not in self._recvs, f"receive {key} posted twice"
         self._check_peer(peer)
+        if borrow and self.transport == "shared_memory":
+            self._ops.append(("recv", key, _Borrow(shape), peer))
+            return
         buf = self._pool[shape].pop() if self._pool[shape] else torch.empty(shape, dtype=self.dtype, device=self.device)
         self._ops.append(("recv", key, buf, peer))
 
@@ -199,7 +213,7 @@ class P2P:
         batch, i, buf, peer = self._recvs.pop(key)
         t0 = time.perf_counter()
         if batch is None:
-            self._wait_shared_memory(key, peer)
+            buf = self._wait_shared_memory(key, peer)
         else:
             self._wait(batch, i, f"receive {key} from rank {peer}")
         st = self.stats[peer]
@@ -208,7 +222,7 @@ class P2P:
         st.recv_msgs += 1
         return buf
 
-    def _wait_shared_memory(self, key: Hashable, peer: int) -> None:
+    def _wait_shared_memory(self, key: Hashable, peer: int) -> torch.Tensor:
         link = self._in.get(peer)
         if link is None:
             batch, i, desc, _ = self._recvs.pop(_LinkKey(peer))
@@ -220,12 +234,32 @@ class P2P:
         order = self._in_order[peer]
         while key not in self._landed:
             k, buf = order.popleft()
-            link.recv_into(buf, self.timeout_s, f"receive {k} from rank {peer}")
-            self._landed.add(k)
-        self._landed.remove(key)
+            what = f"receive {k} from rank {peer}"
+            if isinstance(buf, _Borrow):
+                n = self.dtype.itemsize
+                for d in buf.shape:
+                    n *= d
+                data, token = link.take(n, self.timeout_s, what)
+                view = data.view(self.dtype).view(buf.shape)
+                self._borrowed[view.data_ptr()] = (link, token)
+                self._ring_storages.add(view.untyped_storage().data_ptr())
+                self._landed[k] = view
+            else:
+                link.recv_into(buf, self.timeout_s, what)
+                self._landed[k] = buf
+        return self._landed.pop(key)
+
+    def lent(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in a ring this P2P lent a message from (its storage is the ring's)."""
+        return bool(self._ring_storages) and t.untyped_storage().data_ptr() in self._ring_storages
 
     def release(self, buf: torch.Tensor) -> None:
-        self._pool[tuple(buf.shape)].append(buf)
+        """Give back a buffer `wait_recv` returned: to the pool, or (borrowed) its ring space."""
+        borrowed = self._borrowed.pop(buf.data_ptr(), None) if self._borrowed else None
+        if borrowed is not None:
+            borrowed[0].free(borrowed[1])
+        else:
+            self._pool[tuple(buf.shape)].append(buf)
 
     def wait_sends(self) -> None:
         """Drain all outstanding sends (end of a step): their tensors may then be freed or reused."""

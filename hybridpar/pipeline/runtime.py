@@ -109,10 +109,12 @@ class PipelineRuntime:
         for i, a in enumerate(actions):
             s, m, op = a.stage, a.microbatch, a.op
             t0 = time.perf_counter()
+            # Borrowed receives (the message where it landed, no copy) are released as soon as
+            # nothing reads them; with a split backward W may read them later, so they are not.
             if op == Op.RECV_F:
-                p2p.queue_recv(("F", s, m), st.shapes[m], self.stage_peer(s - 1))
+                p2p.queue_recv(("F", s, m), st.shapes[m], self.stage_peer(s - 1), borrow=not split)
             elif op == Op.RECV_B:
-                p2p.queue_recv(("B", s, m), st.shapes[m], self.stage_peer(s + 1))
+                p2p.queue_recv(("B", s, m), st.shapes[m], self.stage_peer(s + 1), borrow=not split)
             elif op == Op.SEND_F:
                 p2p.queue_send(st.to_send.pop(("F", s, m)), self.stage_peer(s + 1))
             elif op == Op.SEND_B:
@@ -146,6 +148,10 @@ class PipelineRuntime:
             work()
         except torch.OutOfMemoryError as e:
             st.failed = str(e).splitlines()[0] if str(e) else "out of memory"
+            if not st.split:  # the graphs that read them go with st.saved
+                for _, _, buf in st.saved.values():
+                    if buf is not None:
+                        self.p2p.release(buf)
             st.saved.clear()
             for d in self._deferral.values():
                 d.captured.clear()
@@ -175,6 +181,8 @@ class PipelineRuntime:
         out: list[torch.Tensor] = []
         if st.failed is None:
             self._compute(st, lambda: out.append(self._forward_compute(st, s, m, x, buf)))
+        if buf is not None and (s, m) not in st.saved:  # evaluation, or a failed step: nothing will read it
+            self.p2p.release(buf)
         if s == self.n_stages - 1:
             return
         y = out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)  # failed: keep peers going
@@ -198,18 +206,19 @@ class PipelineRuntime:
                     self._split(s).key = None
         if st.train:
             st.saved[(s, m)] = (x if s > 0 else None, y, buf)
-        elif buf is not None:
-            self.p2p.release(buf)
         return y.detach()
 
     def _backward(self, st: _Step, s: int, m: int) -> None:
         self.p2p.flush()
         g = None
+        remote = s < self.n_stages - 1 and self._remote(s, s + 1)
         if s < self.n_stages - 1:
-            g = self._recv(st, "B", s, m) if self._remote(s, s + 1) else st.local_grad.pop((s, m))
+            g = self._recv(st, "B", s, m) if remote else st.local_grad.pop((s, m))
         out: list[torch.Tensor | None] = []
         if st.failed is None:
             self._compute(st, lambda: out.append(self._backward_compute(st, s, m, g)))
+        if remote and not st.split:  # the graph that read it is gone (or, failed, never ran)
+            self.p2p.release(g)
         if s > 0:
             dx = out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)
             if self._remote(s - 1, s):
@@ -219,20 +228,17 @@ class PipelineRuntime:
 
     def _backward_compute(self, st: _Step, s: int, m: int, g: torch.Tensor | None) -> torch.Tensor | None:
         x, y, buf = st.saved.pop((s, m))
-        if st.split:
-            dx = self._split(s).backward_input(y, g, x)
-        else:
+        # Buffers go back once nothing can read them: after a full backward the graph that saved them is
+        # gone; with a split backward, W may still read tensors that alias them (autograd hands the
+        # incoming gradient through the residual add unchanged), so they are left to the GC.
+        try:
+            if st.split:
+                return self._split(s).backward_input(y, g, x)
             torch.autograd.backward(y, g)
-            dx = x.grad if x is not None else None
-        # Buffers go back to the pool once nothing can read them: after a full backward the graph that
-        # saved them is gone; with a split backward, W may still read tensors that alias them (autograd
-        # hands the incoming gradient through the residual add unchanged), so they are left to the GC.
-        if not st.split:
-            if g is not None and self._remote(s, s + 1):
-                self.p2p.release(g)
-            if buf is not None:
+            return x.grad if x is not None else None
+        finally:
+            if buf is not None and not st.split:
                 self.p2p.release(buf)
-        return dx
 
 
 def forward_actions(actions: Sequence[Action]) -> list[Action]:

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections import deque
 import platform
 import select
 import struct
@@ -220,9 +221,21 @@ class RecvLink:
         self._bell = _open_peer_fd(self._pid, bell_fd, os.O_RDONLY | os.O_NONBLOCK, what)
         self._ring = _Ring.open(self._pid, ring_fd, self._token, what)
         self._tail = 0
+        # Records taken and not yet freed, in arrival order: [ring, end position, freed]. A ring's tail
+        # (what the sender may overwrite) only moves past a freed prefix.
+        self._held: deque[list] = deque()
 
     def recv_into(self, buf: torch.Tensor, timeout_s: float, what: str) -> None:
         """Block until the next message has landed, copy it into contiguous `buf`, free its ring space."""
+        data, token = self.take(buf.numel() * buf.element_size(), timeout_s, what, buf)
+        buf.view(-1).view(torch.uint8).copy_(data)
+        self.free(token)
+
+    def take(self, nbytes: int, timeout_s: float, what: str, like: torch.Tensor | None = None
+             ) -> tuple[torch.Tensor, list]:
+        """Block until the next message has landed; return its bytes where they lie in the ring (uint8,
+        no copy) and the token that `free` takes once nothing reads them any more. `like`: the buffer
+        the message is for, named in a size mismatch."""
         deadline = time.monotonic() + timeout_s
         while True:
             ring = self._ring
@@ -233,21 +246,29 @@ class RecvLink:
                     self._tail += ring.capacity - pos
                     continue
                 at = pos + _HDR
+                self._tail += _HDR + _align(n)
+                token = [ring, self._tail, kind == _SWITCH]
+                self._held.append(token)
                 if kind == _SWITCH:
                     fd = struct.unpack_from("<q", ring.mm, _CTL + at)[0]
-                    self._tail += _HDR + _align(n)
-                    struct.pack_into("<q", ring.mm, 64, self._tail)  # the sender may now drop this ring
+                    self._advance()  # the sender drops this ring once every record in it is freed
                     self._ring, self._tail = _Ring.open(self._pid, fd, self._token, what), 0
                     continue
-                want = buf.numel() * buf.element_size()
-                if n != want:
-                    raise RuntimeError(f"P2P: {what}: expected {want} bytes (shape {tuple(buf.shape)}, {buf.dtype}), "
+                if n != nbytes:
+                    shape = f"shape {tuple(like.shape)}, {like.dtype}" if like is not None else "posted"
+                    raise RuntimeError(f"P2P: {what}: expected {nbytes} bytes ({shape}), "
                                        f"the sender sent {n}: the two ranks disagree on the message's shape")
-                buf.view(-1).view(torch.uint8).copy_(ring.data[at: at + n])
-                self._tail += _HDR + _align(n)
-                struct.pack_into("<q", ring.mm, 64, self._tail)
-                return
+                return ring.data[at: at + n], token
             self._sleep(deadline, timeout_s, what)
+
+    def free(self, token: list) -> None:
+        token[2] = True
+        self._advance()
+
+    def _advance(self) -> None:
+        while self._held and self._held[0][2]:
+            ring, end, _ = self._held.popleft()
+            struct.pack_into("<q", ring.mm, 64, end)
 
     def _sleep(self, deadline: float, timeout_s: float, what: str) -> None:
         """Wait for the doorbell (or drain rings that a message already answered)."""
