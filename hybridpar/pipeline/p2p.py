@@ -8,6 +8,7 @@ nothing is ever served from a stale buffer: a buffer goes back to the pool only 
 
 from __future__ import annotations
 
+import math
 import queue
 import threading
 import time
@@ -236,10 +237,7 @@ class P2P:
             k, buf = order.popleft()
             what = f"receive {k} from rank {peer}"
             if isinstance(buf, _Borrow):
-                n = self.dtype.itemsize
-                for d in buf.shape:
-                    n *= d
-                data, token = link.take(n, self.timeout_s, what)
+                data, token = link.take(self.dtype.itemsize * math.prod(buf.shape), self.timeout_s, what)
                 view = data.view(self.dtype).view(buf.shape)
                 self._borrowed[view.data_ptr()] = (link, token)
                 self._ring_storages.add(view.untyped_storage().data_ptr())

@@ -6,8 +6,9 @@ of idling runs on cold caches: in the middle of an emulated 1F1B step a hop cost
 `pg.send` call alone takes 34 us warm, 168 us after 20 ms idle). A link here is one direction, sender
 -> receiver: a ring buffer in a shared file that the sender copies each message into, and a FIFO
 "doorbell" it writes one byte to after each message, on which a waiting receiver sleeps. The receiver
-copies the message out into its own buffer and frees the ring space at once, so a send is complete as
-soon as it is copied in: there is nothing to post, and no thread.
+copies the message out into its own buffer and frees the ring space at once (`recv_into`), or is lent
+it in place and frees it when done (`take` / `free`, in arrival order). A send is complete as soon as
+it is copied in: there is nothing to post, and no thread.
 
 Setup needs no store and no collective: the sender creates the ring (a file in /dev/shm, unlinked at
 once, so that nothing is left behind however a process ends) and the FIFO, and sends (its pid, their
@@ -171,9 +172,10 @@ class SendLink:
         n = t.numel() * t.element_size()
         rec = _HDR + _align(n)
         ring = self._ring
-        for r, end in [x for x in self._retired if x[0].tail() >= x[1]]:  # the receiver moved on
-            r.release()
-            self._retired.remove((r, end))
+        if self._retired:
+            for r, end in [x for x in self._retired if x[0].tail() >= x[1]]:  # the receiver moved on
+                r.release()
+                self._retired.remove((r, end))
         if not self._fits(ring, rec + _RESERVE):
             bigger = _Ring.create(max(2 * ring.capacity, 4 * rec), self._token)
             self._write(ring, _SWITCH, 8, lambda at: struct.pack_into("<q", ring.mm, _CTL + at, bigger.fd))
@@ -221,6 +223,8 @@ class RecvLink:
         self._bell = _open_peer_fd(self._pid, bell_fd, os.O_RDONLY | os.O_NONBLOCK, what)
         self._ring = _Ring.open(self._pid, ring_fd, self._token, what)
         self._tail = 0
+        self._poll = select.poll()  # not select(): it fails on descriptors past 1023
+        self._poll.register(self._bell, select.POLLIN)
         # Records taken and not yet freed, in arrival order: [ring, end position, freed]. A ring's tail
         # (what the sender may overwrite) only moves past a freed prefix.
         self._held: deque[list] = deque()
@@ -282,9 +286,7 @@ class RecvLink:
         if self._ring.head() > self._tail:
             return
         left = deadline - time.monotonic()
-        poll = select.poll()  # not select(): it fails on descriptors past 1023
-        poll.register(self._bell, select.POLLIN)
-        if left <= 0 or not poll.poll(left * 1e3):
+        if left <= 0 or not self._poll.poll(left * 1e3):
             raise TimeoutError(f"P2P: {what} did not arrive within {timeout_s:g} s")
 
     def close(self) -> None:
