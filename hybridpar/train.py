@@ -26,6 +26,7 @@ from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience.checkpoint import resume
 from hybridpar.resilience.elastic import layout_for_world
 from hybridpar.resilience.session import Session
+from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
@@ -178,8 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
-    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))  # ranks share the cores
+    bind_local_rank(cfg.parallel.cpu_bind)  # ranks share the cores; before any thread starts
     try:
         train(cfg, restart_count=restarts)
     finally:

@@ -2,7 +2,7 @@
 
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
         [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1] [--virtual-stages 2] [--repeats 5] [--steps 4]
-        [--f-ms 20 --b-ms 40 [--w-ms 20]] [--window-tail autograd|spin] [--p2p auto|process_group|shared_memory] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
+        [--f-ms 20 --b-ms 40 [--w-ms 20]] [--window-tail autograd|spin] [--p2p auto|process_group|shared_memory] [--cpu-bind none|cores] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
         [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
 Per case (mode, schedule, pp) the ranks start once (dp = tp = 1, world = pp); each builds both
@@ -49,6 +49,7 @@ from hybridpar.bench.pipeline_case import Case, run_case
 from hybridpar.config import ModelConfig
 from hybridpar.pipeline.schedules import SCHEDULES, build_schedule
 from hybridpar.pipeline.shm import TRANSPORTS
+from hybridpar.topology.cpus import CPU_BINDINGS
 
 
 def _f(v, spec: str) -> str:
@@ -137,7 +138,7 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
                 cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
                                   a.f_ms if em else None, a.b_ms if em else None, w_ms if em and split else None,
                                   a.act_kb if em else None, None if em else layers, a.seed, a.timeout,
-                                  a.ping_pongs, a.window_tail, a.p2p))
+                                  a.ping_pongs, a.window_tail, a.p2p, a.cpu_bind))
     return cases
 
 
@@ -162,6 +163,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--p2p", choices=TRANSPORTS, default="auto",
                     help="our runtime's message transport: auto = shared memory between CPU ranks on one "
                          "host, else the process group (torch's schedules always use the process group)")
+    ap.add_argument("--cpu-bind", choices=CPU_BINDINGS, default="none",
+                    help="each rank's CPU cores, for both implementations: none (the OS schedules) or "
+                         "cores (rank r on its own share; more ranks than cores: core r %% n)")
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
     ap.add_argument("--seq-len", type=int, default=128)

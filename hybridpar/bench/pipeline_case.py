@@ -60,6 +60,7 @@ class Case:
     ping_pongs: int = 200  # round trips per link for the hop latency
     window_tail: str = "autograd"  # emulated: how a window ends (emulated.TAILS)
     p2p: str = "auto"  # our runtime's message transport (pipeline/shm.py transport_for)
+    cpu_bind: str = "none"  # each rank's cores, for both implementations (topology/cpus.py)
 
     @property
     def n_stages(self) -> int:
@@ -132,9 +133,11 @@ def _case_worker(cd: dict) -> dict:
     alternating repeats."""
     from hybridpar.pipeline.p2p import P2P
     from hybridpar.report.step_trace import step_slices
+    from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.topology.mesh import build_topology
 
     c = Case(**cd)
+    bind_local_rank(c.cpu_bind)  # before the process group starts its threads
     topo = build_topology(1, c.pp, 1, "gloo", c.timeout_s)
     r, dev, n = topo.pp_rank, topo.device, c.n_stages
     local = [k * c.pp + r for k in range(c.v)]  # stage s lives on pp rank s % pp (both implementations)
@@ -338,6 +341,7 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
         "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
         "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms, "window_tail": c.window_tail if c.mode == "emulated" else None,
         "p2p": ranks[0]["p2p"],
+        "cpu_bind": c.cpu_bind,
         "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
                    if c.mode == "emulated" else None),
         "layers": c.layers,

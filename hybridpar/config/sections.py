@@ -9,6 +9,8 @@ n_heads, enough microbatches for the schedule, ...) are in validate.py.
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridpar.topology.cpus import CPU_BINDINGS
+
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
     """A field carrying its help text (and optional `choices`) in metadata, so help and validation
@@ -56,6 +58,9 @@ class ParallelConfig:
     p2p: str = _f("auto", "pipeline message transport: auto = shared memory between CPU ranks on one host "
                           "(x86-64 Linux), else the process group (gloo/NCCL)",
                   choices=("auto", "process_group", "shared_memory"))
+    cpu_bind: str = _f("none", "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "
+                               "own share of the cores (more ranks than cores: rank r on core r % n)",
+                       choices=CPU_BINDINGS)
 
     @property
     def world_size(self) -> int:

@@ -23,13 +23,13 @@ from hybridpar.serve.worker import WorkerSpec, spec_dict
 def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Connection | None) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
-    import torch
     import torch.distributed as dist
 
     from hybridpar.serve.channel import PipeChannel
     from hybridpar.serve.worker import serve_rank
+    from hybridpar.topology.cpus import bind_local_rank
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
+    bind_local_rank("none", rank, world)  # the replicas' ranks share the cores
     try:
         serve_rank(spec_d, PipeChannel(conn) if conn is not None else None)
     finally:

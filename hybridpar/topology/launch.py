@@ -11,14 +11,14 @@ from hybridpar.config import Config
 
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
-    import torch
 
     from hybridpar.resilience.elastic import layout_for_world
+    from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.train import train
 
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", "1"))))
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
     cfg, note = layout_for_world(Config.from_dict(cfg_dict), int(os.environ["WORLD_SIZE"]), restarts)
+    bind_local_rank(cfg.parallel.cpu_bind)  # before any thread starts
     if note and os.environ.get("RANK") == "0":
         print(note, flush=True)
     res = train(cfg, restart_count=restarts)

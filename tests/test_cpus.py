@@ -1,0 +1,74 @@
+"""CPU binding of local ranks (topology/cpus.py): the shares as pure code, the binding in real processes."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from hybridpar.testing import run_ranks
+from hybridpar.topology.cpus import bind_local_rank, share_of
+
+
+def test_more_ranks_than_cores_round_robin():
+    # Neighbouring ranks (pipeline stages that message each other) land on different cores.
+    assert [share_of(r, 4, [0, 1]) for r in range(4)] == [[0], [1], [0], [1]]
+    assert [share_of(r, 3, [4, 6]) for r in range(3)] == [[4], [6], [4]]
+
+
+def test_fewer_ranks_than_cores_contiguous_shares():
+    assert [share_of(r, 2, range(8)) for r in range(2)] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    # 7 cores among 3 ranks: 2 each, the seventh unused; cores are taken in sorted order.
+    assert [share_of(r, 3, [6, 0, 5, 1, 4, 2, 3]) for r in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert share_of(0, 1, [3, 9]) == [3, 9]
+
+
+def test_shares_never_overlap_when_cores_suffice():
+    for cores in range(1, 17):
+        for world in range(1, cores + 1):
+            shares = [set(share_of(r, world, range(cores))) for r in range(world)]
+            assert all(shares), (cores, world)
+            assert sum(len(s) for s in shares) == len(set().union(*shares)), (cores, world)
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match="local rank 4 is outside 0..3"):
+        share_of(4, 4, [0, 1])
+    with pytest.raises(ValueError, match="no CPU core"):
+        share_of(0, 1, [])
+    with pytest.raises(ValueError, match=r"CPU binding must be one of \('none', 'cores'\), got 'numa'"):
+        bind_local_rank("numa", 0, 1)
+
+
+def _bound(mode: str, allowed: list[int]) -> dict:
+    import torch
+
+    os.sched_setaffinity(0, allowed)  # the cores the launcher gave this process
+    threads = bind_local_rank(mode)
+    return {"cores": sorted(os.sched_getaffinity(0)), "threads": threads, "torch_threads": torch.get_num_threads()}
+
+
+@pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
+@pytest.mark.parametrize("mode", ["none", "cores"])
+def test_binding_in_processes(mode):
+    allowed = sorted(os.sched_getaffinity(0))
+    world = 3
+    got = run_ranks(_bound, world, mode, allowed, timeout_s=60)
+    for rank, g in enumerate(got):
+        assert g["threads"] == g["torch_threads"]
+        if mode == "cores":
+            assert g["cores"] == share_of(rank, world, allowed)
+            assert g["threads"] == len(g["cores"])
+        else:
+            assert g["cores"] == allowed
+            assert g["threads"] == max(1, len(allowed) // world)
+
+
+def test_config_names_the_bindings():
+    from hybridpar.config import parse_args
+
+    assert parse_args([]).parallel.cpu_bind == "none"
+    assert parse_args(["--parallel.cpu_bind", "cores"]).parallel.cpu_bind == "cores"
+    with pytest.raises((ValueError, SystemExit)) as e:
+        parse_args(["--parallel.cpu_bind", "numa"]).validate(world_size=4)
+    assert "cpu_bind" in str(e.value) and "cores" in str(e.value)
