@@ -207,8 +207,9 @@ def test_shared_memory_link_lends_messages_in_place_and_frees_them_in_arrival_or
     cap = tx._ring.capacity
     for i in range(3):
         tx.send(torch.full((1024,), float(i)))  # 4 KiB each
-    views = [rx.take(4096, 5.0, f"m{i}") for i in range(3)]
-    assert [float(v.view(torch.float32)[0]) for v, _ in views] == [0.0, 1.0, 2.0]  # no copy: in the ring
+    views = [rx.take((1024,), torch.float32, 5.0, f"m{i}") for i in range(3)]
+    assert [float(v[0]) for v, _ in views] == [0.0, 1.0, 2.0]  # no copy: in the ring
+    assert all(v.untyped_storage().data_ptr() in rx.storages for v, _ in views)
     rx.free(views[1][1])  # out of order: the ring's tail may not pass the first, still held
     assert tx._ring.tail() == 0
     rx.free(views[0][1])
@@ -218,9 +219,10 @@ def test_shared_memory_link_lends_messages_in_place_and_frees_them_in_arrival_or
     held = []
     for i in range(2 * cap // 4160 + 4):
         tx.send(torch.full((1024,), float(i)))
-        held.append(rx.take(4096, 5.0, "m"))
+        held.append(rx.take((1024,), torch.float32, 5.0, "m"))
     assert tx._ring.capacity > cap and len(tx._retired) == 1
-    assert all(float(v.view(torch.float32)[0]) == i for i, (v, _) in enumerate(held))
+    assert all(float(v[0]) == i for i, (v, _) in enumerate(held))
+    assert len(rx.storages) == 2  # both rings lent from
     for _, token in held:
         rx.free(token)
     tx.send(torch.ones(3))
@@ -261,3 +263,46 @@ def test_borrowed_receives_hold_their_message_until_released(transport):
         assert res["seen"] == [[[other + i] * 3] * 2 for i in range(40)]
         assert res["at_release"] == res["seen"][:38]
         assert res["borrowed"] == (2 if transport == "shared_memory" else 0)  # the two never released
+
+
+def _eager_sends() -> dict:
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.pipeline.p2p import P2P
+    from hybridpar.topology.mesh import build_topology
+
+    topo = build_topology(1, 2, 1, "gloo", 20.0)
+    p2p = P2P(topo.device, torch.float32, 5.0, transport="shared_memory")
+    out: dict = {}
+    if topo.rank == 0:
+        p2p.queue_send(torch.zeros(4), 1)
+        p2p.flush()  # the first message on a link also carries its descriptor: at the flush
+        p2p.queue_send(torch.ones(4), 1)  # the link is open and nothing is queued: copied at once
+        dist.barrier()  # no flush before it: rank 1 gets the message or times out
+        p2p.queue_recv("g", (4,), 1, borrow=True)
+        g = p2p.wait_recv("g")
+        out["g"] = g.tolist()
+        p2p.release(g)
+        link = p2p._in[1]
+        out["held_after_release"] = len(link._held)  # freed at the next flush, after the sends queued with it
+        p2p.flush()
+        out["held_after_flush"] = len(link._held)
+    else:
+        for k in ("a", "b"):
+            p2p.queue_recv(k, (4,), 0)
+        out["a"], out["b"] = p2p.wait_recv("a").tolist(), p2p.wait_recv("b").tolist()
+        dist.barrier()
+        p2p.queue_send(torch.full((4,), 2.0), 0)
+        p2p.flush()
+    p2p.wait_sends()
+    dist.barrier()  # a receiver opens a new link through its sender's /proc: the sender must still run
+    p2p.close()
+    return out
+
+
+@pytest.mark.timeout(90)
+def test_shared_memory_sends_go_at_once_and_releases_free_at_the_next_flush():
+    r0, r1 = run_ranks(_eager_sends, 2, timeout_s=60)
+    assert r1 == {"a": [0.0] * 4, "b": [1.0] * 4}
+    assert r0 == {"g": [2.0] * 4, "held_after_release": 1, "held_after_flush": 0}

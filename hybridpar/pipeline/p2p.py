@@ -8,7 +8,6 @@ nothing is ever served from a stale buffer: a buffer goes back to the pool only 
 
 from __future__ import annotations
 
-import math
 import queue
 import threading
 import time
@@ -89,7 +88,9 @@ class P2P:
         self._in_order: dict[int, deque[tuple[Hashable, torch.Tensor]]] = defaultdict(deque)
         self._landed: dict[Hashable, torch.Tensor] = {}
         self._borrowed: dict[int, tuple[RecvLink, list]] = {}  # data_ptr of a handed-out ring view -> its token
-        self._ring_storages: set[int] = set()  # storages of the rings it lent from
+        # Released ring records, freed at the next flush: after the sends queued with them, so that
+        # the bookkeeping does not sit between a backward and the gradient it sends.
+        self._to_free: list[tuple[RecvLink, list]] = []
         self._linking: set[int] = set()  # peers whose link descriptor is being received
         self.timeout_s = timeout_s
         self.timeout = timedelta(seconds=timeout_s)
@@ -116,7 +117,13 @@ class P2P:
 
     def queue_send(self, tensor: torch.Tensor, peer: int) -> None:
         self._check_peer(peer)
-        self._ops.append(("send", None, tensor.detach().contiguous(), peer))
+        t = tensor.detach().contiguous()
+        link = self._out.get(peer) if not self._ops else None
+        if link is not None:  # shared memory, nothing queued before it: copied now, not at the flush
+            link.send(t)
+            self._count_send(peer, t)
+            return
+        self._ops.append(("send", None, t, peer))
 
     def queue_recv(self, key: Hashable, shape: tuple[int, ...], peer: int, borrow: bool = False) -> None:
         """`borrow`: the caller will `release` the buffer it gets (and nothing reads it after that):
@@ -130,8 +137,14 @@ class P2P:
         self._ops.append(("recv", key, buf, peer))
 
     def flush(self) -> None:
-        if not self._ops:
-            return
+        if self._ops:
+            self._post()
+        if self._to_free:
+            for link, token in self._to_free:
+                link.free(token)
+            self._to_free.clear()
+
+    def _post(self) -> None:
         # Forget sends that already completed, so their tensors can be freed before the step ends.
         self._sends = [s for s in self._sends if not (s[0].seq <= self._posted and s[0].works
                                                       and s[0].works[s[1]].is_completed())]
@@ -237,10 +250,8 @@ class P2P:
             k, buf = order.popleft()
             what = f"receive {k} from rank {peer}"
             if isinstance(buf, _Borrow):
-                data, token = link.take(self.dtype.itemsize * math.prod(buf.shape), self.timeout_s, what)
-                view = data.view(self.dtype).view(buf.shape)
+                view, token = link.take(buf.shape, self.dtype, self.timeout_s, what)
                 self._borrowed[view.data_ptr()] = (link, token)
-                self._ring_storages.add(view.untyped_storage().data_ptr())
                 self._landed[k] = view
             else:
                 link.recv_into(buf, self.timeout_s, what)
@@ -249,13 +260,16 @@ class P2P:
 
     def lent(self, t: torch.Tensor) -> bool:
         """Whether `t` lies in a ring this P2P lent a message from (its storage is the ring's)."""
-        return bool(self._ring_storages) and t.untyped_storage().data_ptr() in self._ring_storages
+        if not self._in:
+            return False
+        ptr = t.untyped_storage().data_ptr()
+        return any(ptr in link.storages for link in self._in.values())
 
     def release(self, buf: torch.Tensor) -> None:
         """Give back a buffer `wait_recv` returned: to the pool, or (borrowed) its ring space."""
         borrowed = self._borrowed.pop(buf.data_ptr(), None) if self._borrowed else None
         if borrowed is not None:
-            borrowed[0].free(borrowed[1])
+            self._to_free.append(borrowed)
         else:
             self._pool[tuple(buf.shape)].append(buf)
 
@@ -276,6 +290,7 @@ class P2P:
             self._thread = None
         for link in [*self._out.values(), *self._in.values()]:
             link.close()
+        self._to_free.clear()
         self._out.clear()
         self._in.clear()
 

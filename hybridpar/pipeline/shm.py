@@ -27,6 +27,7 @@ a link's memory is what its most messages in flight need.
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections import deque
@@ -95,6 +96,7 @@ class _Ring:
         self.fd, self.capacity = fd, capacity
         self.mm = mmap.mmap(fd, _CTL + capacity)
         self.data = torch.frombuffer(self.mm, dtype=torch.uint8, offset=_CTL, count=capacity)
+        self._typed: dict[torch.dtype, torch.Tensor] = {}  # the data area as each dtype (one view each)
 
     @classmethod
     def create(cls, capacity: int, token: int) -> _Ring:
@@ -119,6 +121,18 @@ class _Ring:
         if struct.unpack_from("<q", ring.mm, 8)[0] != token:
             raise ConnectionError(f"P2P: {what}: /proc/{pid}/fd/{fd} is not the ring its descriptor names")
         return ring
+
+    def view(self, at: int, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        """The contiguous `shape` tensor of `dtype` at byte `at` of the data area (64-byte aligned): one
+        op, since every op counts on a hop (the first ones after an idle run on cold caches)."""
+        flat = self._typed.get(dtype)
+        if flat is None:
+            flat = self._typed[dtype] = self.data.view(dtype)
+        strides, step = [], 1
+        for d in reversed(shape):
+            strides.append(step)
+            step *= d
+        return flat.as_strided(shape, strides[::-1], at // dtype.itemsize)
 
     def head(self) -> int:
         return struct.unpack_from("<q", self.mm, 0)[0]
@@ -181,7 +195,7 @@ class SendLink:
             self._write(ring, _SWITCH, 8, lambda at: struct.pack_into("<q", ring.mm, _CTL + at, bigger.fd))
             self._retired.append((ring, self._head))
             self._ring, self._head, ring = bigger, 0, bigger
-        self._write(ring, _DATA, n, lambda at: ring.data[at: at + n].copy_(t.reshape(-1).view(torch.uint8)))
+        self._write(ring, _DATA, n, lambda at: ring.view(at, t.shape, t.dtype).copy_(t))
         try:
             os.write(self._bell, b"\x01")
         except BlockingIOError:  # 64 KiB of unread rings: the receiver will wake up on those
@@ -223,6 +237,8 @@ class RecvLink:
         self._bell = _open_peer_fd(self._pid, bell_fd, os.O_RDONLY | os.O_NONBLOCK, what)
         self._ring = _Ring.open(self._pid, ring_fd, self._token, what)
         self._tail = 0
+        # Storages of every ring this link lent from: whether a tensor lies in one (P2P.lent).
+        self.storages = {self._ring.data.untyped_storage().data_ptr()}
         self._poll = select.poll()  # not select(): it fails on descriptors past 1023
         self._poll.register(self._bell, select.POLLIN)
         # Records taken and not yet freed, in arrival order: [ring, end position, freed]. A ring's tail
@@ -231,15 +247,15 @@ class RecvLink:
 
     def recv_into(self, buf: torch.Tensor, timeout_s: float, what: str) -> None:
         """Block until the next message has landed, copy it into contiguous `buf`, free its ring space."""
-        data, token = self.take(buf.numel() * buf.element_size(), timeout_s, what, buf)
-        buf.view(-1).view(torch.uint8).copy_(data)
+        data, token = self.take(tuple(buf.shape), buf.dtype, timeout_s, what)
+        buf.copy_(data)
         self.free(token)
 
-    def take(self, nbytes: int, timeout_s: float, what: str, like: torch.Tensor | None = None
+    def take(self, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float, what: str
              ) -> tuple[torch.Tensor, list]:
-        """Block until the next message has landed; return its bytes where they lie in the ring (uint8,
-        no copy) and the token that `free` takes once nothing reads them any more. `like`: the buffer
-        the message is for, named in a size mismatch."""
+        """Block until the next message has landed; return it as a `shape` tensor of `dtype` where it
+        lies in the ring (no copy) and the token that `free` takes once nothing reads it any more."""
+        nbytes = dtype.itemsize * math.prod(shape)
         deadline = time.monotonic() + timeout_s
         while True:
             ring = self._ring
@@ -257,12 +273,12 @@ class RecvLink:
                     fd = struct.unpack_from("<q", ring.mm, _CTL + at)[0]
                     self._advance()  # the sender drops this ring once every record in it is freed
                     self._ring, self._tail = _Ring.open(self._pid, fd, self._token, what), 0
+                    self.storages.add(self._ring.data.untyped_storage().data_ptr())
                     continue
                 if n != nbytes:
-                    shape = f"shape {tuple(like.shape)}, {like.dtype}" if like is not None else "posted"
-                    raise RuntimeError(f"P2P: {what}: expected {nbytes} bytes ({shape}), "
+                    raise RuntimeError(f"P2P: {what}: expected {nbytes} bytes (shape {tuple(shape)}, {dtype}), "
                                        f"the sender sent {n}: the two ranks disagree on the message's shape")
-                return ring.data[at: at + n], token
+                return ring.view(at, shape, dtype), token
             self._sleep(deadline, timeout_s, what)
 
     def free(self, token: list) -> None:
