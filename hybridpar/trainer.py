@@ -20,6 +20,7 @@ from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.plan import Layout
 from hybridpar.batching.memory import ActivationMeter
+from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
@@ -63,6 +64,7 @@ class Trainer:
             self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
+        self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
         self.p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
         self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(s % p.pp), self.p2p,
                                        cfg.model.dim)
@@ -94,9 +96,15 @@ class Trainer:
         return self._actions[count][0 if train else 1]
 
     def _microbatches(self, x: torch.Tensor, y: torch.Tensor) -> tuple[list, list]:
-        sizes = self.plan.sizes[self.topo.dp_rank]
-        xs = list(torch.split(x.to(self.topo.device), list(sizes)))
-        ys = list(torch.split(y.to(self.topo.device), list(sizes)))
+        """The replica's samples cut into the plan's microbatches, in the order the pipeline runs
+        unequal ones fastest (batching/order.py; the same on every rank of the pipeline)."""
+        planned = self.plan.sizes[self.topo.dp_rank]
+        if planned not in self._orders:
+            p = self.cfg.parallel
+            self._orders[planned] = pipeline_order(planned, p.schedule, p.pp, p.virtual_stages)
+        sizes = self._orders[planned]
+        xs = list(torch.split(x.to(self.topo.device), sizes))
+        ys = list(torch.split(y.to(self.topo.device), sizes))
         return xs, ys
 
     def _global_sum(self, local: torch.Tensor | None) -> float:

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.split import split_evenly
 from hybridpar.bench.critical_path import Window, critical_path, per_step, windows_of
 from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
@@ -149,7 +150,8 @@ def _case_worker(cd: dict) -> dict:
     ours = {s: wrap(_build(c, s, dev, log)) for s in local}
     theirs = {s: wrap(_build(c, s, dev, log)) for s in local}  # same seed: identical parameters
     x, y = _batch(c)
-    sizes = split_evenly(c.global_batch, c.m)
+    # The order our runtime runs unequal microbatches in (torch's schedules cannot run them at all).
+    sizes = pipeline_order(split_evenly(c.global_batch, c.m), c.schedule, c.pp, c.v)
     xs, ys = list(torch.split(x, sizes)), list(torch.split(y, sizes))
     scale = 1.0 / (c.global_batch * c.seq_len)
 

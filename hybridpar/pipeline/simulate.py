@@ -47,6 +47,9 @@ class Costs:
     send_overhead_s: float = 0.0  # CPU time the sender spends posting a send (blocks its rank)
     recv_overhead_s: float = 0.0  # CPU time to post a receive
     compute_overhead_s: float = 0.0  # fixed per-compute-action dispatch cost on the rank
+    # Per microbatch, a factor on its compute costs and message bytes (unequal microbatch sizes:
+    # size / reference size); None = every microbatch alike.
+    microbatch_scale: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
         for label in ("latency_s", "message_bytes", "send_overhead_s", "recv_overhead_s",
@@ -56,6 +59,8 @@ class Costs:
                 raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
         if not self.bandwidth_Bps > 0:
             raise ValueError(f"bandwidth_Bps must be > 0, got {self.bandwidth_Bps!r}")
+        if self.microbatch_scale is not None and not all(math.isfinite(x) and x > 0 for x in self.microbatch_scale):
+            raise ValueError(f"microbatch_scale must be finite numbers > 0, got {list(self.microbatch_scale)}")
 
     def per_stage(self, n_stages: int) -> dict[Op, list[float]]:
         """Cost of each compute op at each stage."""
@@ -137,6 +142,11 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) 
         raise ValueError(f"expected {pp} rank lists, got {len(actions)}")
     cost = costs.per_stage(n_stages)
     xfer = costs.transfer_s()
+    scale = costs.microbatch_scale
+    if scale is not None:
+        m = 1 + max((a.microbatch for acts in actions for a in acts), default=-1)
+        if len(scale) != m:
+            raise ValueError(f"microbatch_scale has {len(scale)} entries for {m} microbatches")
     known: dict[tuple[str, Action], float] = {}  # resolved keys -> time
     sleepers: dict[tuple[str, Action], list[int]] = defaultdict(list)
     ptr, free = [0] * pp, [0.0] * pp
@@ -160,8 +170,9 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) 
         while head[link] < len(q) and ("recv", q[head[link]]) in posted:
             send = q[head[link]]
             start = max(posted["send", send], posted["recv", send], link_free[link])
-            link_free[link] = start + xfer
-            resolve(("arrive", send), start + costs.latency_s + xfer)
+            x = xfer if scale is None else xfer * scale[send.microbatch]
+            link_free[link] = start + x
+            resolve(("arrive", send), start + costs.latency_s + x)
             head[link] += 1
 
     while runnable:
@@ -192,7 +203,7 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) 
                 posted["recv", send] = end
                 pump(_link(send, pp))
             else:
-                c = cost[a.op][a.stage]
+                c = cost[a.op][a.stage] if scale is None else cost[a.op][a.stage] * scale[a.microbatch]
                 end = begin + costs.compute_overhead_s + c
                 busy[r] += c
                 if ("done", a) in known:
