@@ -75,8 +75,10 @@ class P2P:
     is no posting order.
 
     `transport`: between CPU ranks on one host (`auto`, see shm.py) messages go through shared memory
-    instead: a send is copied into its link's ring at flush and is then complete; a receive is copied
-    out when it is waited for. The process group then only carries each link's descriptor, once.
+    instead: a send is copied into its link's ring, at once if the link is open and nothing is queued
+    before it, else at the flush, and is then complete; a receive is copied out when it is waited
+    for, or lent in place (`borrow`), its ring space freed at the flush after its release. The
+    process group then only carries each link's descriptor, once.
     """
 
     def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float,
