@@ -54,7 +54,9 @@ def _cfg(run_dir: Path, fault: str = "", **parallel) -> Config:
 
 
 def _run(cfg: Config, nproc: int | None = None) -> dict | None:
-    return launch(cfg, nproc=nproc, start_method="fork")
+    # Spawned, not forked: once a fork-started reference run hung at start-up in CI (its four
+    # workers idle, deaf to SIGTERM) after other tests had run torch in this process.
+    return launch(cfg, nproc=nproc, start_method="spawn")
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:

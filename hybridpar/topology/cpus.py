@@ -2,8 +2,8 @@
 
 Ranks of one host share its cores. Left to the OS scheduler ("none"), a rank woken by a message often
 waits for the core its sender still runs on: on a 2-core VM with 4 pipeline ranks, the wake-up of a
-receiver took 282 us at the median this way, 45 us with rank r bound to core r % 2 (measured,
-session 6). "cores" binds each local rank to its own share of the cores the process may use:
+receiver took 282 us at the median this way, 45 us with rank r bound to core r % 2 (measured with
+timestamps in the links, emulated 1F1B pp=4; see the README's Performance section). "cores" binds each local rank to its own share of the cores the process may use:
 - more ranks than cores: round robin, rank r on core r % n, so neighbouring pipeline stages (which
   hand each other every message) sit on different cores;
 - otherwise contiguous equal shares (cores [r*k, (r+1)*k) for k = n // ranks), which keeps a rank's

@@ -11,7 +11,6 @@ from hybridpar.config import Config
 
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
-
     from hybridpar.resilience.elastic import layout_for_world
     from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.train import train
