@@ -34,7 +34,9 @@ def launch(cfg: Config, *, max_restarts: int | None = None, nproc: int | None = 
     (None if the run was preempted). The elastic agent restarts all workers up to `max_restarts` times
     (default resilience.max_restarts); restarted workers resume from the newest verified checkpoint.
     `nproc` other than tp*pp*dp with a resume re-plans the layout (resilience.replan). `start_method`
-    'fork' starts workers faster (CPU only: CUDA cannot be forked once initialised)."""
+    'fork' starts workers faster (CPU only: CUDA cannot be forked once initialised), but forks
+    whatever threads and locks the caller holds: a fork-started run once hung at start-up in a test
+    process that had run other torch work, so prefer 'spawn' from anything long-lived."""
     from hybridpar.resilience.chaos import parse_faults
     from hybridpar.resilience.elastic import layout_for_world
 
