@@ -10,8 +10,10 @@ DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A he
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
 file), and renames the directory: the rename is the commit. Old commits go only after a newer one exists.
-Resume verifies the manifest before anything is read, so DCP's pickled `.metadata` is opened only if its
-bytes are the ones written. Several nodes need a shared filesystem: rank 0 hashes what every rank wrote.
+Resume verifies the manifest before anything is read (accidents: torn writes, bit flips, files of another
+step). Tampering it does not stop (whoever can replace a file can re-hash it), so nothing read runs code:
+DCP's pickled `.metadata` goes through an allowlisting unpickler (`safe_dcp.py`), tensors through
+`torch.load(weights_only=True)`. Several nodes need a shared filesystem: rank 0 hashes what every rank wrote.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.config import ModelConfig
 from hybridpar.model.llama import LlamaStage
+from hybridpar.resilience import safe_dcp
 from hybridpar.topology.mesh import Topology
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
@@ -310,7 +313,7 @@ def load_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.op
         if key not in bufs:
             bufs[key] = _for_dcp(torch.empty_like(t), dim, topo)
         targets.setdefault(key, []).append(t)
-    dcp.load(bufs, checkpoint_id=str(path))
+    safe_dcp.load(bufs, path)  # DCP's FileSystemReader would unpickle `.metadata` with pickle.load
     with torch.no_grad():
         for key, dests in targets.items():
             src = bufs[key].to_local() if isinstance(bufs[key], DTensor) else bufs[key]
@@ -340,7 +343,7 @@ def read_full_model(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     state = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in full.named_parameters()}
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(path), no_dist=True)
+        safe_dcp.load(state, path, no_dist=True)
     return state
 
 

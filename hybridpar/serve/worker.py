@@ -83,8 +83,7 @@ def _getter(source: str, cfg: ModelConfig, stage: LlamaStage) -> TensorGetter:
         return SafetensorsDir(p).get
     if p.is_file():
         return getter_from_state(torch.load(p, map_location="cpu", weights_only=True, mmap=True))
-    from torch.distributed import checkpoint as dcp
-
+    from hybridpar.resilience import safe_dcp
     from hybridpar.resilience.checkpoint import verify_checkpoint
 
     if (why := verify_checkpoint(p)) is not None:
@@ -97,7 +96,7 @@ def _getter(source: str, cfg: ModelConfig, stage: LlamaStage) -> TensorGetter:
     state = {n: torch.empty(q.shape, dtype=torch.float32) for n, q in full.named_parameters() if n in names}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        dcp.load(state, checkpoint_id=str(p), no_dist=True)
+        safe_dcp.load(state, p, no_dist=True)  # metadata through an allowlisting unpickler, not pickle.load
     return getter_from_state(state)
 
 
