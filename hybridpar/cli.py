@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import Callable
 
-from hybridpar.config import help_text, parse_args
+from hybridpar.config import Config, help_text, parse_args
 
-USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--section.key VALUE ...]
+USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite] [--section.key VALUE ...]
 
 Trains on the embedded default (the Python standard library's source, byte-level) with tp=2 x pp=2
 unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node-rank,
@@ -66,30 +67,43 @@ def _flag(args: list[str], *names: str) -> str | None:
 
 
 def launch_train(argv: list[str]) -> int:
-    theirs, ours = split_argv(argv)
+    from hybridpar.launcher import end_launch, outcome, start_launch, stop_on_permanent_failure
+    from hybridpar.preflight import preflight
+
+    overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
+    theirs, ours = split_argv([a for a in argv if a != "--overwrite"])
+    nproc = _flag(theirs, "--nproc-per-node", "--nproc_per_node")
+    nnodes = _flag(theirs, "--nnodes") or "1"
     try:
         cfg = parse_args(ours)
-        nproc = _flag(theirs, "--nproc-per-node", "--nproc_per_node")
-        nnodes = _flag(theirs, "--nnodes") or "1"
         world = None
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
-        if world is not None:
-            from hybridpar.balance.emulate import SlowdownPlan
-            from hybridpar.resilience.chaos import parse_faults
-            from hybridpar.resilience.elastic import layout_for_world
-
-            planned, note = layout_for_world(cfg, world, 0)  # resuming on another world size: re-plan
-            planned.validate(world_size=world)
-            if note:
-                print(note)
-            SlowdownPlan.from_config(cfg.emulate.slowdown, world)
-            parse_faults(cfg.emulate.fault, world)
-        else:
-            cfg.validate()
+        cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
+        # Several nodes: the run directory and its record live where rank 0 runs, not necessarily here, so
+        # this launcher neither holds nor reads them; rank 0 claims the directory as under plain torchrun.
+        claim = start_launch(cfg, overwrite) if nnodes == "1" else None
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        print(note)
+    if claim is None:
+        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda agent: (
+            {"finished": 0, "signalled": 143}.get(agent, 1), None))
+    watch = stop_on_permanent_failure(cfg, claim)
+    try:
+        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda agent: outcome(cfg, claim))
+    finally:
+        watch.set()
+        end_launch(claim)
+
+
+def _run_agent(theirs: list[str], ours: list[str], cfg: Config, nproc: str | None, nnodes: str,
+               outcome: Callable[[str], tuple[int, str | None]]) -> int:
+    """Run torch's agent; `outcome(how the agent ended: finished, failed or signalled)` gives the exit
+    code and a line to print."""
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
     from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
@@ -107,12 +121,24 @@ def launch_train(argv: list[str]) -> int:
         theirs = ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0",
                   "--local-addr", "127.0.0.1"] + theirs
     args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.train"] + ours)
+    agent = "finished"
     try:
         run(args)
-    except Exception as e:  # ChildFailedError: torch already printed the failing rank's traceback
-        print(f"hybridpar: training failed: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    return 0
+    except SignalException:  # the agent passed the signal to the workers, which checkpoint if they can
+        agent = "signalled"
+    except Exception:  # ChildFailedError: torch already printed the failing rank's traceback
+        agent = "failed"
+    code, line = outcome(agent)
+    if line:
+        print(line, file=sys.stderr if code in (1, 2) else sys.stdout, flush=True)
+    if agent == "signalled":
+        # After a signal torch leaves its rendezvous keep-alive thread running, and its finalizer then
+        # fails at interpreter exit ("cannot join current thread"): the workers are down and everything
+        # is written, so leave without finalizers.
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:

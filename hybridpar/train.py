@@ -17,16 +17,18 @@ import torch.distributed as dist
 
 from hybridpar.balance.monitor import aggregate
 from hybridpar.config import Config, parse_args
+from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.data import decode, encode
 from hybridpar.export import gather_full_state, params_digest
 from hybridpar.model.llama import build_full_model, generate
 from hybridpar.optim import lr_at
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
-from hybridpar.resilience.checkpoint import resume
-from hybridpar.resilience.elastic import layout_for_world
+from hybridpar.resilience import rundir
+from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.session import Session
 from hybridpar.topology.cpus import bind_local_rank
+from hybridpar.topology.lifetime import die_with_parent
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
@@ -42,6 +44,7 @@ class TrainResult:
     digest: str | None = None  # rank 0 only
     start_step: int = 0  # > 0 when resumed from a checkpoint: `losses` then start at this step
     preempted_at: int | None = None  # steps done when a SIGTERM stopped the run (checkpointed there)
+    run_id: str | None = None
     state: dict[str, torch.Tensor] | None = None  # rank 0 only: the full trained model
 
 
@@ -75,29 +78,65 @@ def train(cfg: Config, topo: Topology | None = None, *, log: bool = True, restar
     """Train per `cfg` on the current world (created from torchrun's environment if needed).
     `restart_count`: restarts by the elastic agent so far (TORCHELASTIC_RESTART_COUNT), for the record."""
     sessions: list[Session] = []
+    held: list[rundir.RunClaim] = []
     try:
-        return _train(cfg, topo, log, restart_count, sessions)
-    except BaseException:
+        return _train(cfg, topo, log, restart_count, sessions, held)
+    except BaseException as e:
         for s in sessions:  # stop the watchdog: a caller may go on (tests), this run's silence is no hang
             s.close(ok=False)
+        if is_permanent(e) and (token := os.environ.get(rundir.TOKEN_ENV) or (held[0].token if held else None)):
+            rundir.record_state(Path(cfg.run_dir), token, state="failed", permanent=True, error=str(e))
         raise
+    finally:
+        for c in held:
+            c.release()
 
 
-def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, sessions: list[Session]) -> TrainResult:
+def is_permanent(e: BaseException) -> bool:
+    """A failure that a restart would repeat: our configuration, data and shape errors are ValueErrors,
+    and a loss that turned non-finite does so again from the same checkpoint."""
+    return isinstance(e, (ValueError, FloatingPointError))
+
+
+def own_run(cfg: Config, topo: Topology, held: list[rundir.RunClaim]) -> tuple[str, str]:
+    """Collective: this run's (run id, launch token). Under our launcher the token comes with the
+    environment and rank 0 checks that the launcher still holds the run directory; under plain torchrun
+    rank 0 claims the directory itself, for as long as this process lives (see resilience/rundir.py)."""
+    token = os.environ.get(rundir.TOKEN_ENV)
+    run_dir = Path(cfg.run_dir)
+
+    def pick() -> list[str]:
+        if token:
+            if (why := rundir.lock_holder_ok(run_dir, token)) is not None:
+                raise ValueError(f"run_dir={str(run_dir)!r}: {why}")
+            return [rundir.read_run(run_dir)["run_id"], token]
+        c = rundir.claim(run_dir, checkpoint_dir(cfg), cfg.checkpoint.resume, overwrite=False)
+        held.append(c)
+        return [c.run_id, c.token]
+
+    run_id, tok = _on_rank0(topo, pick, ValueError)
+    return run_id, tok
+
+
+def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, sessions: list[Session],
+           held: list[rundir.RunClaim]) -> TrainResult:
     p, t = cfg.parallel, cfg.train
     if topo is None:
         topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
     cfg.validate(world_size=topo.dims.world_size)
+    run_dir = Path(cfg.run_dir)
+    run_id, token = own_run(cfg, topo, held)
     trainer = Trainer(cfg, topo)
-    res = TrainResult()
+    res = TrainResult(run_id=run_id)
     rank0 = topo.rank == 0
     ck = cfg.checkpoint
-    ck_dir = Path(ck.dir) if ck.dir else Path(cfg.run_dir) / "checkpoints"
-    session = Session(cfg, topo, trainer, ck_dir, restart_count)
+    ck_dir = checkpoint_dir(cfg)
+    session = Session(cfg, topo, trainer, ck_dir, restart_count, run_id,
+                      owner_check=lambda: rundir.lock_holder_ok(run_dir, token))
     sessions.append(session)
     saved = None
     if ck.resume != "off":
-        saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict())
+        saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict(), run_id)
         res.start_step = saved["step"] if saved else 0
         if saved and saved.get("batching_policy") and hasattr(trainer.policy, "load_state_dict"):
             try:
@@ -106,7 +145,7 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
                 if topo.rank == 0:
                     print(f"hybridpar: microbatch policy starts afresh: {e}", flush=True)
     session.resumed(saved)
-    writer = MetricsWriter(Path(cfg.run_dir) / "metrics.jsonl", append=res.start_step > 0) if rank0 else None
+    writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step) if rank0 else None
     progress = Progress(t.steps) if rank0 and log else None
     trace_rows: list[dict] = []
     for step in range(res.start_step, t.steps):
@@ -144,6 +183,9 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
             session.close()
             res.preempted_at = step + 1
             if rank0:
+                rundir.record_state(run_dir, token, state="preempted", step=step + 1)
+                writer.write({"preempted": True, "step": step + 1, "run_id": run_id})
+                writer.close()
                 print(f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with "
                       f"--resume auto", flush=True)
             return res
@@ -153,11 +195,13 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model)
     if rank0:
         res.state, res.digest = state, params_digest(state.items())
-        writer.write({"final": True, "params_digest": res.digest, "steps": t.steps, "samples_applied": session.applied,
+        writer.write({"final": True, "run_id": run_id, "params_digest": res.digest, "steps": t.steps,
+                      "samples_applied": session.applied,
                       "batching": trainer.policy.statistics(), "oom_retries": trainer.oom_retries,
                       "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()}})
         writer.close()
-        torch.save(state, Path(cfg.run_dir) / "final_model.pt")
+        torch.save(state, run_dir / "final_model.pt")
+        rundir.record_state(run_dir, token, state="finished", step=t.steps)
         if log:
             print(summary_line(trainer.policy.statistics(), trainer.oom_retries))
         if log and t.sample_tokens:
@@ -168,17 +212,35 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     return res
 
 
+def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
+    """The start of every worker process (torchrun's and launch()'s): die with the launcher, stop at once
+    if this launch already failed in a way a restart repeats, then the pre-flight check (ValueError)."""
+    token = os.environ.get(rundir.TOKEN_ENV)
+    run_dir = Path(cfg.run_dir)
+    if token:  # started by our launcher, which holds the run directory
+        if not die_with_parent(rundir.lock_info(run_dir).get("pid")):
+            raise SystemExit("hybridpar: worker exits: its launcher is gone")
+        rec = rundir.read_run(run_dir)
+        if rec and rec.get("launch") == token and rec.get("state") == "failed" and rec.get("permanent"):
+            raise SystemExit(2)  # restarted after a failure that would repeat: end now, said once already
+    try:
+        return preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts, verify=False)
+    except ValueError as e:
+        if token:
+            rundir.record_state(run_dir, token, state="failed", permanent=True, error=str(e))
+        raise
+
+
 def main(argv: list[str] | None = None) -> int:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torch's elastic agent
     try:
-        cfg = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg, note = layout_for_world(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts)
-        if note and int(os.environ.get("RANK", "0")) == 0:
-            print(note, flush=True)
-        cfg.validate(world_size=int(os.environ.get("WORLD_SIZE", "1")))
+        cfg, notes = enter_worker(parse_args(sys.argv[1:] if argv is None else argv), restarts)
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
+    if int(os.environ.get("RANK", "0")) == 0:
+        for note in notes:
+            print(note, flush=True)
     bind_local_rank(cfg.parallel.cpu_bind)  # ranks share the cores; before any thread starts
     try:
         train(cfg, restart_count=restarts)

@@ -31,14 +31,14 @@ from test_equivalence import tiny_config  # noqa: E402
 # ---- pure: manifest, verification, selection -------------------------------------------------------------------
 
 
-def fake_checkpoint(root: Path, step: int) -> Path:
+def fake_checkpoint(root: Path, step: int, run_id: str | None = None) -> Path:
     """A committed-looking directory with DCP-like files (no torch.distributed needed)."""
     d = root / f"step-{step:06d}"
     d.mkdir(parents=True)
     (d / ".metadata").write_bytes(b"metadata" * 64)
     (d / "__0_0.distcp").write_bytes(bytes(range(256)) * 4)
-    (d / STATE).write_text(json.dumps({"step": step}))
-    write_manifest(d, step)
+    (d / STATE).write_text(json.dumps({"step": step, "run_id": run_id}))
+    write_manifest(d, step, run_id)
     return d
 
 
@@ -117,19 +117,45 @@ def test_find_latest_skips_bad_and_uncommitted(tmp_path: Path) -> None:
 
 def test_prune_keeps_newest_and_clears_leftovers(tmp_path: Path) -> None:
     for s in (2, 4, 6, 8):
-        fake_checkpoint(tmp_path, s)
-    (tmp_path / ".tmp-step-000010-ff").mkdir()
-    prune(tmp_path, 2)
+        fake_checkpoint(tmp_path, s, "aaaa")
+    (tmp_path / ".tmp-step-000010-aaaa-ff").mkdir()
+    prune(tmp_path, 2, "aaaa")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000006", "step-000008"]
+
+
+def test_prune_and_latest_touch_only_their_own_run(tmp_path: Path) -> None:
+    """Another run's checkpoints (newer ones too) and its interrupted saves are neither counted, deleted nor
+    resumed: the defect was a fresh run pruning its own checkpoints for the old run's higher steps."""
+    for s in (2, 4, 6):
+        fake_checkpoint(tmp_path, s, "mine")
+    for s in (10, 12):
+        fake_checkpoint(tmp_path, s, "other")
+    (tmp_path / ".tmp-step-000014-other-ab12").mkdir()
+    (tmp_path / ".tmp-step-000008-mine-cd34").mkdir()
+    prune(tmp_path, 2, "mine")
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        ".tmp-step-000014-other-ab12", "step-000004", "step-000006", "step-000010", "step-000012"]
+    path, skipped = find_latest(tmp_path, "mine")
+    assert path == tmp_path / "step-000006" and len(skipped) == 2
+    assert all("written by run other, not by this run mine" in s for s in skipped)
 
 
 def test_commit_replaces_an_existing_step(tmp_path: Path) -> None:
     old = fake_checkpoint(tmp_path, 4)
     _flip(old / "__0_0.distcp")
     new = fake_checkpoint(tmp_path / "tmp", 4)
-    _commit(new, old)
+    _commit(new, old, None)
     assert verify_checkpoint(old, 4) is None and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "tmp"]
+
+
+def test_commit_sets_another_runs_step_aside(tmp_path: Path) -> None:
+    old = fake_checkpoint(tmp_path, 4, "other")
+    new = fake_checkpoint(tmp_path / "tmp", 4, "mine")
+    _commit(new, old, "mine")
+    names = sorted(p.name for p in tmp_path.iterdir())
+    assert names[0].startswith("abandoned-step-000004-") and names[1:] == ["step-000004", "tmp"]
+    assert json.loads((tmp_path / names[0] / MANIFEST).read_text())["run_id"] == "other"
 
 
 # ---- config ----------------------------------------------------------------------------------------------------
@@ -213,10 +239,10 @@ def _worker(base: dict, root: str, kill_at: int, other_layout: dict) -> dict:
     # A save that fails on rank 0 after every rank wrote: all ranks raise, earlier commits stay intact.
     manifest = ckpt.write_manifest
 
-    def failing_manifest(path: Path, step: int) -> dict:
+    def failing_manifest(path: Path, step: int, run_id: str | None = None) -> dict:
         if step == 4:
             raise OSError(28, "No space left on device")
-        return manifest(path, step)
+        return manifest(path, step, run_id)
 
     ckpt.write_manifest = failing_manifest
     r["save_fails"] = run("e", kill=None)
@@ -259,9 +285,11 @@ def test_resume_is_bit_exact_and_skips_bad_checkpoints(case: str, tmp_path: Path
     assert r["full_dirs"] == ["step-000004", "step-000006"]
     assert [d for d in r["dirs"] if d.startswith("step-")] == ["step-000002", "step-000004", "step-000006"]
     assert sum(d.startswith("abandoned-step-") for d in r["dirs"]) == 2
-    # metrics.jsonl was appended to: 5 steps of the killed run, 2 + final, then 4 + final.
+    # metrics.jsonl holds each step once: a resume cuts it back to the steps before the checkpoint (the
+    # killed run's 5 steps, cut to 4 then 4, 5, final; cut to 2 by the fallback, then 2..5 and final).
     steps = [m.get("step", "final") for m in r["metrics"]]
-    assert steps == [0, 1, 2, 3, 4, 4, 5, "final", 2, 3, 4, 5, "final"] and r["metrics_before"] == 8
+    assert steps == [0, 1, 2, 3, 4, 5, "final"] and r["metrics_before"] == 7
+    assert [m["loss"] for m in r["metrics"][2:6]] == fallback["losses"][:4]
     # Layout-independent: one process reads the sharded checkpoint into the full model, bit for bit.
     state = read_full_model(tmp_path / "full" / "checkpoints" / "step-000006", cfg.model)
     assert params_digest(state.items()) == full["digest"]

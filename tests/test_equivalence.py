@@ -63,7 +63,9 @@ def _worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
 
     all_losses = []
     for i, d in enumerate(cfg_dicts):
-        res = train(Config.from_dict(d), log=False)
+        cfg = Config.from_dict(d)
+        cfg.run_dir = str(Path(out_dir) / f"run{i}")  # one run per directory
+        res = train(cfg, log=False)
         if res.state is not None:
             torch.save(res.state, Path(out_dir) / f"state{i}.pt")
         all_losses.append((res.losses, res.val_losses))

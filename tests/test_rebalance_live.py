@@ -16,7 +16,9 @@ from tests.test_equivalence import TOL, ref_for, tiny_config
 def _worker(cfg_dict: dict, out: str) -> list[float]:
     from hybridpar.train import train
 
-    res = train(Config.from_dict(cfg_dict), log=False)
+    cfg = Config.from_dict(cfg_dict)
+    cfg.run_dir = str(Path(out) / "run")
+    res = train(cfg, log=False)
     if res.state is not None:
         torch.save(res.state, Path(out) / "state.pt")
     return res.losses

@@ -4,16 +4,44 @@ finished step) and the terminal progress line."""
 from __future__ import annotations
 
 import json
+import os
 import sys
 import time
 from pathlib import Path
 from typing import Any, TextIO
 
 
+def keep_before(path: Path, step: int) -> int:
+    """Rewrite `path` keeping only the records of steps before `step`: a run resumed after `step` steps
+    writes steps `step`, `step`+1, ... again, so each step appears once in the final file. Also drops a
+    final record and a line torn by a crash. Atomic (a new file renamed over the old). Returns the number
+    of lines dropped."""
+    if not path.is_file():
+        return 0
+    kept, dropped = [], 0
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            rec = None
+        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step and not rec.get("final"):
+            kept.append(line)
+        else:
+            dropped += 1
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
+    os.replace(tmp, path)
+    return dropped
+
+
 class MetricsWriter:
-    def __init__(self, path: Path, append: bool = False) -> None:
+    def __init__(self, path: Path, resume_step: int = 0) -> None:
+        """A fresh file, or (`resume_step` > 0) the file of the run being resumed, cut back to the steps
+        before `resume_step`."""
         path.parent.mkdir(parents=True, exist_ok=True)
-        self._f = path.open("a" if append else "w", encoding="utf-8")  # append: a resumed run continues the file
+        if resume_step > 0:
+            keep_before(path, resume_step)
+        self._f = path.open("a" if resume_step > 0 else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")

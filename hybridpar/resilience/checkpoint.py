@@ -36,6 +36,7 @@ from torch.distributed.tensor import DTensor, Shard
 from hybridpar.config import ModelConfig
 from hybridpar.model.llama import LlamaStage
 from hybridpar.resilience import safe_dcp
+from hybridpar.resilience.rundir import checkpoint_run_id
 from hybridpar.topology.mesh import Topology
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
@@ -67,11 +68,12 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(fh.fileno())
 
 
-def write_manifest(ckpt: Path, step: int) -> dict[str, Any]:
-    """Write `ckpt/manifest.json` listing size and sha256 of every other file in `ckpt` (call it last)."""
+def write_manifest(ckpt: Path, step: int, run_id: str | None = None) -> dict[str, Any]:
+    """Write `ckpt/manifest.json` listing size and sha256 of every other file in `ckpt` (call it last),
+    and the id of the run that wrote it (see rundir.py)."""
     files = {f.relative_to(ckpt).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
              for f in sorted(ckpt.rglob("*")) if f.is_file() and f.relative_to(ckpt).as_posix() != MANIFEST}
-    manifest = {"format": FORMAT, "step": step, "files": files}
+    manifest = {"format": FORMAT, "step": step, "run_id": run_id, "files": files}
     _write_json(ckpt / MANIFEST, manifest)
     _fsync_dir(ckpt)
     return manifest
@@ -130,31 +132,42 @@ def committed(root: Path) -> list[tuple[int, Path]]:
     return sorted(found, reverse=True)
 
 
-def find_latest(root: Path) -> tuple[Path | None, list[str]]:
-    """The newest committed checkpoint under `root` that verifies, and a reason for each newer one skipped."""
+def find_latest(root: Path, run_id: str | None = None) -> tuple[Path | None, list[str]]:
+    """The newest committed checkpoint of run `run_id` under `root` that verifies, and a reason for each
+    newer one skipped (another run's checkpoints are skipped, never resumed by 'auto')."""
     skipped: list[str] = []
     for step, path in committed(root):
-        why = verify_checkpoint(path, step)
+        theirs = checkpoint_run_id(path)
+        why = f"written by run {theirs}, not by this run {run_id}" if theirs != run_id else verify_checkpoint(path, step)
         if why is None:
             return path, skipped
         skipped.append(f"skipped checkpoint {path.name}: {why}")
     return None, skipped
 
 
-def prune(root: Path, keep: int) -> list[Path]:
-    """Delete all but the newest `keep` committed checkpoints, and leftovers of interrupted saves."""
-    gone = [path for _, path in committed(root)[keep:]]
-    gone += [p for p in Path(root).iterdir() if p.is_dir() and p.name.startswith((".tmp-step-", ".old-step-"))]
+def _tmp_name(step: int, run_id: str | None) -> str:
+    return f".tmp-step-{step:06d}-{run_id or 'norun'}-{secrets.token_hex(6)}"
+
+
+def prune(root: Path, keep: int, run_id: str | None = None) -> list[Path]:
+    """Delete all but the newest `keep` committed checkpoints of run `run_id`, and leftovers of its
+    interrupted saves. Another run's checkpoints and temporary directories are never touched."""
+    gone = [path for _, path in committed(root) if checkpoint_run_id(path) == run_id][keep:]
+    own_tmp = re.compile(rf"\.tmp-step-\d{{6,}}-{re.escape(run_id or 'norun')}-[0-9a-f]+|\.old-step-.*")
+    gone += [p for p in Path(root).iterdir() if p.is_dir() and own_tmp.fullmatch(p.name)]
     for path in gone:
         shutil.rmtree(path, ignore_errors=True)
     return gone
 
 
-def _commit(tmp: Path, final: Path) -> None:
+def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
     old = None
     if final.exists():  # this step from an abandoned attempt: replaced, and deleted only after the commit
-        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}")
+        mine = checkpoint_run_id(final) == run_id  # another run's is set aside, never deleted
+        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}" if mine
+                              else f"abandoned-{final.name}-{secrets.token_hex(4)}")
         os.rename(final, old)
+        old = old if mine else None
     os.rename(tmp, final)
     _fsync_dir(final.parent)
     if old is not None:
@@ -227,12 +240,14 @@ def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exc
 
 def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, root: Path,
                     step: int, trainer_state: dict[str, Any], keep: int,
-                    on_phase: Callable[[str], None] = lambda phase: None) -> Path:
+                    on_phase: Callable[[str], None] = lambda phase: None,
+                    owner_check: Callable[[], str | None] = lambda: None) -> Path:
     """Collective: write this rank's shards, commit `root/step-NNNNNN` atomically, keep the newest `keep`.
     `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
-    ckpt-done) for the watchdog and fault injection."""
+    ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
+    why this run no longer owns its directory, or None: a refusal leaves the commit undone."""
     state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
-    return write_committed(topo, state, root, step, trainer_state, keep, on_phase)
+    return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
 
 
 def snapshot(stages: dict[int, LlamaStage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int | None]]:
@@ -247,27 +262,31 @@ def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, int | None]
 
 def write_committed(topo: Topology, state: dict[str, torch.Tensor], root: Path, step: int,
                     trainer_state: dict[str, Any], keep: int, on_phase: Callable[[str], None],
-                    group: dist.ProcessGroup | None = None) -> Path:
+                    group: dist.ProcessGroup | None = None,
+                    owner_check: Callable[[], str | None] = lambda: None) -> Path:
     """Collective over `group`: write `state` (DCP) to a fresh directory and commit it as `root/step-NNNNNN`."""
     root, final = Path(root), Path(root) / f"step-{step:06d}"
+    run_id = trainer_state.get("run_id")
 
     def fail(error: str) -> Exception:
         return RuntimeError(f"saving the checkpoint of step {step} to {final} failed on rank 0: {error} "
                             f"(earlier checkpoints in {root} are intact)")
 
     def make_tmp() -> str:
-        tmp = root / f".tmp-{final.name}-{secrets.token_hex(6)}"
+        tmp = root / _tmp_name(step, run_id)
         tmp.mkdir(parents=True)
         return str(tmp)
 
     def commit() -> None:
+        if (why := owner_check()) is not None:
+            raise RuntimeError(f"not committed: {why}")
         _write_json(tmp / STATE, trainer_state)
         on_phase("ckpt-manifest")
-        write_manifest(tmp, step)
+        write_manifest(tmp, step, run_id)
         on_phase("ckpt-rename")
-        _commit(tmp, final)
+        _commit(tmp, final, run_id)
         on_phase("ckpt-done")
-        prune(root, keep)
+        prune(root, keep, run_id)
 
     tmp = Path(_on_rank0(topo, make_tmp, fail, group))  # the broadcast also tells every rank that it exists
     on_phase("ckpt-write")
@@ -278,15 +297,19 @@ def write_committed(topo: Topology, state: dict[str, torch.Tensor], root: Path, 
     return final
 
 
-def choose_checkpoint(topo: Topology, resume: str, root: Path, log: Callable[[str], None] = print) -> Path | None:
-    """Collective: rank 0 picks the checkpoint (`resume` = 'auto' or a path) and every rank gets its choice.
-    'auto' with none usable gives None; a given path that does not verify raises ValueError on every rank."""
+def choose_checkpoint(topo: Topology, resume: str, root: Path, run_id: str | None,
+                      log: Callable[[str], None] = print) -> Path | None:
+    """Collective: rank 0 picks the checkpoint (`resume` = 'auto': the newest of run `run_id`, or a path)
+    and every rank gets its choice. 'auto' with none usable gives None; a given path that does not verify
+    raises ValueError on every rank; a given path of another run is used, with a line saying so."""
     def pick() -> str | None:
         if resume != "auto":
             if (why := verify_checkpoint(Path(resume))) is not None:
                 raise ValueError(f"checkpoint.resume={resume!r} cannot be used: {why}")
+            if (theirs := checkpoint_run_id(Path(resume))) != run_id:
+                log(f"hybridpar: resuming run {run_id} from {resume}, a checkpoint of run {theirs}, as asked")
             return resume
-        path, skipped = find_latest(Path(root))
+        path, skipped = find_latest(Path(root), run_id)
         for line in skipped:
             log(f"hybridpar: {line}")
         if path is None:
@@ -322,12 +345,12 @@ def load_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.op
     return state
 
 
-def abandon_newer(root: Path, step: int) -> list[Path]:
-    """Rename committed checkpoints newer than the one resumed from out of the way (`abandoned-step-*`), so
-    a later 'auto' cannot mix this run with the timeline it left. Nothing is deleted."""
+def abandon_newer(root: Path, step: int, run_id: str | None) -> list[Path]:
+    """Rename this run's committed checkpoints newer than the one resumed from out of the way
+    (`abandoned-step-*`), so a later 'auto' cannot mix this run with the timeline it left. Nothing is deleted."""
     moved = []
     for s, path in committed(root):
-        if s > step:
+        if s > step and checkpoint_run_id(path) == run_id:
             dest = path.with_name(f"abandoned-{path.name}-{secrets.token_hex(4)}")
             os.rename(path, dest)
             moved.append(dest)
@@ -348,16 +371,17 @@ def read_full_model(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def resume(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, which: str, root: Path,
-           cfg: dict[str, Any], log: Callable[[str], None] = print) -> dict[str, Any] | None:
-    """Collective: choose (`which`: 'auto' or a path; rank 0 verifies, all agree), load, set aside newer
-    checkpoints. `cfg` is this run's Config.to_dict(). Returns the trainer state, or None if 'auto' found none."""
-    path = choose_checkpoint(topo, which, root, log)
+           cfg: dict[str, Any], run_id: str | None, log: Callable[[str], None] = print) -> dict[str, Any] | None:
+    """Collective: choose (`which`: 'auto' or a path; rank 0 verifies, all agree), load, set aside this run's
+    newer checkpoints. `cfg` is this run's Config.to_dict(). Returns the trainer state, or None if 'auto'
+    found none."""
+    path = choose_checkpoint(topo, which, root, run_id, log)
     if path is None:
         return None
     state = load_checkpoint(topo, stages, opt, path, cfg["model"])
     if topo.rank == 0:
         try:
-            for moved in abandon_newer(Path(root), state["step"]):
+            for moved in abandon_newer(Path(root), state["step"], run_id):
                 log(f"hybridpar: set aside {moved.name}: newer than the checkpoint resumed from")
         except OSError as e:
             log(f"hybridpar: warning: could not set aside newer checkpoints in {root}: {e}")

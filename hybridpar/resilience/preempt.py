@@ -1,7 +1,9 @@
 """Preemption: SIGTERM (what schedulers and torch's elastic agent send before killing) asks the run to stop
 cleanly. The handler only sets a flag; after the step in flight completes, every rank agrees on the flag
-(one all-reduce of a byte: any rank's SIGTERM stops them all at the same step), checkpoints and exits 0.
-A second SIGTERM restores the default action, so a stuck run can still be terminated."""
+(one all-reduce of a byte: any rank's SIGTERM stops them all at the same step), checkpoints and exits 0,
+so that the elastic agent does not restart it; rank 0 records the preemption in run.json, from which the
+launcher exits 143 (launcher.py). A second SIGTERM restores the default action, so a stuck run can still
+be terminated."""
 
 from __future__ import annotations
 

@@ -16,7 +16,7 @@ import os
 import secrets
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch.distributed as dist
 
@@ -52,8 +52,12 @@ def ledger_stats(runs: list[list[int]], steps: int, global_batch: int) -> dict[s
 
 
 class Session:
-    def __init__(self, cfg: Config, topo: Topology, trainer: Any, ck_dir: Path, restart_count: int = 0) -> None:
+    def __init__(self, cfg: Config, topo: Topology, trainer: Any, ck_dir: Path, restart_count: int = 0,
+                 run_id: str | None = None, owner_check: Callable[[], str | None] = lambda: None) -> None:
+        """`run_id` goes into every checkpoint; `owner_check()` is asked before each commit whether this
+        run still owns its directory (resilience/rundir.py)."""
         self.cfg, self.topo, self.trainer, self.ck_dir = cfg, topo, trainer, ck_dir
+        self.run_id, self.owner_check = run_id, owner_check
         self.run_dir = Path(cfg.run_dir)
         self.applied: list[list[int]] = []
         # One id per run attempt, agreed by every rank: the watchdog's keys never meet an earlier attempt's.
@@ -95,7 +99,7 @@ class Session:
             self.event("first_step", step=step)
 
     def state(self, base: dict[str, Any]) -> dict[str, Any]:
-        return {**base, "samples": {"applied": [list(r) for r in self.applied],
+        return {**base, "run_id": self.run_id, "samples": {"applied": [list(r) for r in self.applied],
                                     "global_batch": self.cfg.train.global_batch}}
 
     def save(self, step: int, trainer_state: dict[str, Any], wait: bool = False) -> None:
@@ -106,11 +110,12 @@ class Session:
         if self.writer is not None:
             at = self.probe.step  # the background write's phases belong to this step, however far training gets
             self.writer.save(tr.stages, tr.opt, self.ck_dir, step, state, ck.keep,
-                             lambda phase: self.probe.inject(phase, at))
+                             lambda phase: self.probe.inject(phase, at), self.owner_check)
             if wait:
                 self.writer.wait()
         else:
-            save_checkpoint(self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe)
+            save_checkpoint(self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe,
+                            self.owner_check)
         # Seconds the training loop stood still for this save (async: the snapshot, plus waiting for the
         # previous write if it was still running).
         self.event("checkpoint", step=step, mode="async" if self.writer else "sync", stall_s=time.perf_counter() - t0,

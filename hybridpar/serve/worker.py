@@ -63,8 +63,10 @@ def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelCo
         return str(p), ModelConfig(**state["config"]["model"])
     if p.is_dir():
         from hybridpar.resilience.checkpoint import find_latest
+        from hybridpar.resilience.rundir import read_run
 
-        ck, _ = find_latest(p / "checkpoints")
+        run = read_run(p)  # only the run's own checkpoints (see resilience/rundir.py)
+        ck, _ = find_latest(p / "checkpoints", run["run_id"] if run else None)
         if ck is not None:
             return resolve_source(str(ck), model)
         if (p / "final_model.pt").is_file():

@@ -1,0 +1,117 @@
+"""The one pre-flight check of a training run, used by `hybridpar train` and `hybridpar.launch` before
+any worker starts, and by every worker before it joins the process group (so plain torchrun gets it too).
+
+Everything that would otherwise fail inside the workers, and fail the same way after every restart, is
+found here and raised as one ValueError naming the key, the value and what would be right: the config
+and its layout for the world size (with the elastic re-plan of a resumed run), the emulation specs, the
+corpus (missing, empty, too short for one window, an odd-length or out-of-vocabulary `.bin`), the run
+and checkpoint directories (a file where a directory belongs), and what a resume would load (a path that
+is no hybridpar checkpoint, such as a Hugging Face model directory, or a checkpoint of another model).
+Nothing here writes: a run directory is created only once the launcher claims it (resilience/rundir.py).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+from hybridpar.config import Config
+from hybridpar.config.keys import _known_keys, _owner
+
+
+def checkpoint_dir(cfg: Config) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
+
+
+def preflight(cfg: Config, world: int | None, restart_count: int = 0, *, verify: bool = True) -> tuple[Config, list[str]]:
+    """The config a worker runs on `world` processes after `restart_count` restarts (re-planned if a
+    resume changes the world size), and lines to print; ValueError for anything that cannot run.
+    `world` None (unknown until the rendezvous, e.g. --nproc-per-node auto) checks the layout without it.
+    `verify` False skips hashing an explicitly named checkpoint (workers: rank 0 verifies it on resume)."""
+    from hybridpar.balance.emulate import SlowdownPlan
+    from hybridpar.resilience.chaos import parse_faults
+    from hybridpar.resilience.elastic import layout_for_world
+
+    _check_finite(cfg)
+    notes: list[str] = []
+    if world is None:
+        cfg.validate()
+    else:
+        cfg, note = layout_for_world(cfg, world, restart_count)
+        cfg.validate(world_size=world)
+        notes += [note] if note else []
+        SlowdownPlan.from_config(cfg.emulate.slowdown, world)
+        parse_faults(cfg.emulate.fault, world)
+    _check_dirs(cfg)
+    _check_data(cfg)
+    _check_resume(cfg, verify)
+    return cfg, notes
+
+
+def _check_finite(cfg: Config) -> None:
+    # Validation compares numbers (lr > 0), which inf passes: a float key must be finite to mean anything.
+    for key in _known_keys(Config):
+        v = getattr(*_owner(cfg, key))
+        if isinstance(v, float) and not math.isfinite(v):
+            raise ValueError(f"{key} must be a finite number, got {v!r}")
+
+
+def _check_dirs(cfg: Config) -> None:
+    from hybridpar.resilience.rundir import check_path_is_dir, read_run
+
+    check_path_is_dir("run_dir", Path(cfg.run_dir))
+    check_path_is_dir("checkpoint.dir", checkpoint_dir(cfg))
+    read_run(Path(cfg.run_dir))  # a damaged run record is refused here, not in every worker
+
+
+def _check_data(cfg: Config) -> None:
+    from hybridpar.data import TokenData, load_tokens
+
+    d, t = cfg.data, cfg.train
+    tokens = load_tokens(d.path, d.max_bytes)
+    data = TokenData(tokens, t.seq_len, t.seed, d.val_fraction)
+    if data.vocab_needed > cfg.model.vocab_size:
+        where = f"data.path={d.path!r}" if d.path else "the default corpus (data.path none)"
+        raise ValueError(f"{where} holds token ids up to {data.vocab_needed - 1}: model.vocab_size="
+                         f"{cfg.model.vocab_size} must be at least {data.vocab_needed}")
+
+
+def _saved_model(ckpt: Path) -> dict | None:
+    try:
+        state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
+        return state["config"]["model"]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
+        return None  # unreadable: resume skips or refuses it itself, with the reason
+
+
+def _check_resume(cfg: Config, verify: bool) -> None:
+    from dataclasses import asdict
+
+    from hybridpar.resilience.checkpoint import committed, verify_checkpoint
+    from hybridpar.resilience.rundir import checkpoint_run_id, read_run
+
+    which = cfg.checkpoint.resume
+    if which == "off":
+        return
+    if which == "auto":
+        run = read_run(Path(cfg.run_dir))
+        mine = [p for _, p in committed(checkpoint_dir(cfg)) if run and checkpoint_run_id(p) == run["run_id"]]
+        candidates = [p for p in mine if _saved_model(p) is not None][:1]  # the one 'auto' would try first
+    else:
+        path = Path(which)
+        if (path / "config.json").is_file() and not (path / "manifest.json").exists():
+            raise ValueError(f"checkpoint.resume={which!r} is a Hugging Face model directory, not a hybridpar "
+                             f"checkpoint (a step-NNNNNN directory with manifest.json): resume takes checkpoints "
+                             f"written by hybridpar train")
+        if verify and (why := verify_checkpoint(path)) is not None:
+            raise ValueError(f"checkpoint.resume={which!r} cannot be used: {why}")
+        candidates = [path]
+    want = asdict(cfg.model)
+    for ckpt in candidates:
+        saved = _saved_model(ckpt) or {}
+        if saved != want:
+            diff = ", ".join(f"model.{k}={want.get(k)!r} (checkpoint: {saved.get(k)!r})"
+                             for k in sorted({*saved, *want}) if saved.get(k) != want.get(k))
+            raise ValueError(f"checkpoint {ckpt} holds another model: {diff}; resume with the model it was "
+                             f"trained with, or start a new run (another --run-dir)")

@@ -1,0 +1,31 @@
+"""Workers never outlive their launcher.
+
+torch's elastic agent starts each worker in a session of its own, so a signal to the launcher's process
+group never reaches them, and a launcher killed outright (SIGKILL, OOM killer) leaves them training into
+a directory that a new launch may already own. On Linux each worker asks the kernel for SIGKILL when its
+parent dies (prctl PR_SET_PDEATHSIG), then checks that the parent is still the launcher it expects: had
+the launcher died before the request, the worker would already be reparented and never get the signal.
+Elsewhere (macOS, Windows) there is no such request: a worker finds out at its next checkpoint commit,
+which checks the run directory's lock (resilience/rundir.py) and refuses to commit for a dead launcher.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import signal
+import sys
+
+PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
+
+
+def die_with_parent(expected_parent: int | None) -> bool:
+    """Linux: SIGKILL this process when its parent dies. Returns False if the parent is already not
+    `expected_parent` (the caller should exit), True otherwise; a no-op returning True elsewhere."""
+    if not sys.platform.startswith("linux"):
+        return True
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
+    return expected_parent is None or os.getppid() == expected_parent
