@@ -1,4 +1,4 @@
-"""The tutorial's AsyncPipeline demo, for real: a 12-layer model over 4 pipeline stages (4 worker
+"""An asynchronous pipeline with real messages: a 12-layer model over 4 pipeline stages (4 worker
 processes), a batch of 16 requests in request groups ("microbatches") of 4. With 4 groups in flight
 every stage works on a different group at once; with 1 group at a time the stages take turns.
 Both runs generate the same tokens (greedy); the numbers printed are measured.

@@ -1,4 +1,4 @@
-"""Adaptive microbatching, the real form of the tutorial's MicrobatchScheduler: train tp=2 x pp=2 with the
+"""Adaptive microbatching: train tp=2 x pp=2 with the
 adaptive policy under an activation-memory budget, then show what it measured and chose.
 
     .venv/bin/python examples/microbatch_planner.py

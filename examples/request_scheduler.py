@@ -1,4 +1,4 @@
-"""The tutorial's IntelligentScheduler, for real: two replicas of a small model (worker processes),
+"""Measured request placement: two replicas of a small model (worker processes),
 replica 1 in the named EMULATION MODE "2x slower" (its ranks sleep once more their measured
 compute). A burst of mixed requests goes through the hybrid router, which learns each replica's
 per-token latency from finished requests; then `statistics()` is printed: strategy usage, queue

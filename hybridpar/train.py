@@ -59,7 +59,7 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
             "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
             # The adaptive microbatch policy's measurements: a resumed run goes on from them instead of
             # scanning every split again (the same on every rank, see batching/policy.py).
-            "batching_policy": trainer.policy.state_dict() if hasattr(trainer.policy, "state_dict") else None}
+            "batching_policy": trainer.policy.state_dict()}
 
 
 def summary_line(stats: dict, oom_retries: int) -> str:
@@ -138,7 +138,7 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     if ck.resume != "off":
         saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict(), run_id)
         res.start_step = saved["step"] if saved else 0
-        if saved and saved.get("batching_policy") and hasattr(trainer.policy, "load_state_dict"):
+        if saved and saved.get("batching_policy"):
             try:
                 trainer.policy.load_state_dict(saved["batching_policy"])
             except ValueError as e:  # another batch or schedule: measurements of other splits

@@ -19,7 +19,7 @@ from hybridpar.balance.live import LiveBalancer, plane_groups
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.plan import Layout
-from hybridpar.batching.memory import ActivationMeter
+from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.split import BatchPlan, plan_batch
@@ -167,10 +167,9 @@ class Trainer:
                 break
             except torch.OutOfMemoryError as e:
                 # Nothing was applied: redo the same step (same samples, same lr) with smaller microbatches.
-                if not hasattr(self.policy, "on_oom"):
+                if self.policy.on_oom(step, sizes) is None:
                     raise RuntimeError(f"out of memory at step {step} with microbatches {sizes} ({e}): use "
                                        f"more microbatches or --batching.policy adaptive") from None
-                self.policy.on_oom(step, sizes)
                 self.oom_retries += 1
                 rec.setdefault("oom", []).append({"microbatches": sizes, "error": str(e)})
         tokens = t.global_batch * t.seq_len

@@ -105,6 +105,7 @@ def test_emulated_stage_is_deterministic_and_timed_wrapper_is_exact():
     assert h.grad is not None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_smoke_emulated_against_torch(tmp_path):
     out = tmp_path / "bench.json"
@@ -128,6 +129,7 @@ def test_smoke_emulated_against_torch(tmp_path):
     assert rec["cpu_bind"] == "cores"  # a core per rank here: both implementations bound alike
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_smoke_zb_h1_emulated_against_torch(tmp_path):
     out = tmp_path / "bench.json"
@@ -215,6 +217,7 @@ def test_step_samples_and_posting_points_from_a_timeline():
     assert s["compute_overhead_s"]["F"] == pytest.approx((2.0 + 1.7) / 2) and s["send_overhead_s"] == 0.5
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_uneven_batch_measures_ours_without_torch(tmp_path):
     out = tmp_path / "bench.json"

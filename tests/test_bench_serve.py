@@ -38,6 +38,7 @@ def test_bad_input_is_refused_before_any_process(args, capsys):
     assert "hybridpar bench serve: error:" in capsys.readouterr().err
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_small_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "serve.json"

@@ -264,6 +264,7 @@ OTHER_LAYOUT = {"tp2-pp2-tied-interleaved": dict(tp=1, pp=2, dp=2, schedule="1f1
                 "tp2-dp2": dict(tp=1, pp=4, dp=1, schedule="gpipe")}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
 def test_resume_is_bit_exact_and_skips_bad_checkpoints(case: str, tmp_path: Path) -> None:
     cfg = tiny_config(train=dict(steps=6, val_every=2), **CASES[case])
@@ -343,6 +344,7 @@ def _async_worker(base: dict, root: str) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_async_checkpoints_hold_their_own_step(tmp_path: Path) -> None:
     cfg = tiny_config(train=dict(steps=4, val_every=0, monitor_every=0), parallel=dict(tp=1, pp=2, dp=1))
     r = run_ranks(_async_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]

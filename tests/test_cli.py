@@ -111,6 +111,7 @@ def _listening(pids: set[int]) -> set[str]:
 LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not Path("/proc/net/tcp").exists(), reason="needs Linux /proc")
 def test_hybridpar_train_launches_through_torchrun_on_loopback(tmp_path):
     run_dir = tmp_path / "run"
@@ -134,6 +135,7 @@ def test_hybridpar_train_launches_through_torchrun_on_loopback(tmp_path):
     assert seen <= LOOPBACK, f"listening on non-loopback addresses: {seen - LOOPBACK}"
 
 
+@pytest.mark.multiprocess
 def test_plain_torchrun_module(tmp_path):
     run_dir = tmp_path / "run"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "hybridpar-loopback",

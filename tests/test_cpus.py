@@ -48,6 +48,7 @@ def _bound(mode: str, allowed: list[int]) -> dict:
     return {"cores": sorted(os.sched_getaffinity(0)), "threads": threads, "torch_threads": torch.get_num_threads()}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not hasattr(os, "sched_setaffinity"), reason="needs Linux CPU affinity")
 @pytest.mark.parametrize("mode", ["none", "cores"])
 def test_binding_in_processes(mode):

@@ -15,6 +15,8 @@ from hybridpar.model.llama import build_full_model
 from hybridpar.optim import lr_at, make_optimizer, set_lr
 from hybridpar.testing import run_ranks
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 TOL = 1e-5
 
 

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from test_equivalence import tiny_config
 
 from hybridpar.testing import run_ranks
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _buckets(cfg_dict: dict, bucket_bytes: int | None) -> dict:

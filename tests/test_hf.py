@@ -65,6 +65,7 @@ def _sharded_rank(spec_d: dict, ids: list[list[int]], reqs: list[dict]) -> dict 
     return {"logits": logits, "results": ch.results() if topo.rank == 0 else None}
 
 
+@pytest.mark.multiprocess
 def test_hf_checkpoint_tp2_pp2(tmp_path: Path) -> None:
     hf = tiny_hf(tmp_path)
     cfg = read_hf_config(tmp_path)
@@ -109,6 +110,7 @@ def _train_rank(cfg_d: dict) -> float:
     return train(Config.from_dict(cfg_d), log=False).losses[-1]
 
 
+@pytest.mark.multiprocess
 def test_trained_checkpoint_is_served(tmp_path: Path) -> None:
     cfg = Config()
     cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)

@@ -18,6 +18,8 @@ import pytest
 
 from hybridpar.cli import main
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 STEPS = 12
 FLAGS = ["--parallel.tp", "1", "--parallel.pp", "2", "--model.dim", "32", "--model.n_layers", "2",
          "--model.n_heads", "2", "--model.ffn_dim", "64", "--train.steps", str(STEPS), "--train.global_batch", "4",

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import torch.distributed as dist
 
 from test_equivalence import check_layouts, tiny_config
 
-from hybridpar.batching.memory import ActivationMeter
+from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.config import Config
 from hybridpar.testing import run_ranks
 
@@ -43,6 +45,7 @@ def _budget_and_oom_runs(base: dict, out: str) -> dict:
     return {"fixed": fixed, "budget": budgeted, "budget_bytes": budget, "oom": oom}
 
 
+@pytest.mark.multiprocess
 def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(tmp_path: Path) -> None:
     cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
                       train=dict(global_batch=8, microbatches=2, steps=STEPS, val_every=0))
@@ -67,6 +70,7 @@ def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(tmp_path: P
     assert all(tuple(r["microbatches"]) != (4, 4) for r in oom)
 
 
+@pytest.mark.multiprocess
 def test_adaptive_split_changing_every_step_matches_single_device(tmp_path: Path) -> None:
     """dp=2 x pp=2, unequal replicas (6/5): every step runs another microbatch count."""
     cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b"),
@@ -117,6 +121,7 @@ def _resume_runs(base: dict, out: str) -> dict:
     return {"policy": state["batching_policy"], "records": _records(out), "final": final}
 
 
+@pytest.mark.multiprocess
 def test_resume_goes_on_with_the_adaptive_policy_measurements(tmp_path: Path) -> None:
     """dp=2 with unequal replicas (6/5): both model the largest replica, so the checkpoint's one policy
     state is every rank's; the resumed run proposes the split the policy was at and keeps its history."""

@@ -204,6 +204,7 @@ def _slowed_stage_times(cfg_dict: dict) -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 def test_emulated_slow_rank_shows_longer_measured_stage_times():
     """Two data-parallel replicas run identical work; rank 1 is emulated 4x slower from step 2.
     The monitor's measured forward times must show it — and only from that step."""

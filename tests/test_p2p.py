@@ -41,6 +41,7 @@ def _exchange(threaded: bool | None, transport: str) -> dict:
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("threaded,transport", [(True, "process_group"), (False, "process_group"),
                                                 (None, "shared_memory")])
+@pytest.mark.multiprocess
 def test_messages_arrive_whole_and_in_order(threaded, transport):
     for rank, res in enumerate(run_ranks(_exchange, 2, threaded, transport, timeout_s=90)):
         other = 100.0 * (1 - rank)
@@ -68,6 +69,7 @@ def _bad_peer() -> str | None:
     return None
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_a_peer_outside_the_world_is_refused_before_posting():
     assert run_ranks(_bad_peer, 2, timeout_s=90) == [None, None]
@@ -255,6 +257,7 @@ def _borrowing(transport: str) -> dict:
     return {"seen": seen, "at_release": at_release, "borrowed": len(p2p._borrowed)}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
 def test_borrowed_receives_hold_their_message_until_released(transport):
@@ -301,6 +304,7 @@ def _eager_sends() -> dict:
     return out
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(90)
 def test_shared_memory_sends_go_at_once_and_releases_free_at_the_next_flush():
     r0, r1 = run_ranks(_eager_sends, 2, timeout_s=60)

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy, TargetLatencyPolicy, split_by_size
+from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy, split_by_size
 from hybridpar.batching.split import split_evenly
 
 TOKENS_PER_SAMPLE = 128
@@ -210,29 +210,6 @@ def test_adaptive_is_deterministic_and_plans_every_replica() -> None:
     q = AdaptivePolicy(20, 3, dp_rank=2, candidates=[2])
     plan = q.batch_plan(0)
     assert plan.sizes == ((4, 3), (4, 3), (3, 3)) and plan.global_batch == 20 and q.propose(0) == [3, 3]
-
-
-def test_target_latency_picks_largest_size_meeting_target() -> None:
-    def latency(s): return 2e-3 + 1e-3 * max(s)
-    for target, expect in ((0.020, 16), (0.0345, 32), (0.5, 64)):
-        p = TargetLatencyPolicy(target, 64)
-        drive(p, 40, latency)
-        st = p.statistics()
-        assert st["converged"] and st["microbatch_size"] == expect and st["target_met"]
-        assert max(p.propose(0)) == expect and sum(p.propose(0)) == 64
-        assert latency(p.propose(0)) <= target
-    p = TargetLatencyPolicy(0.001, 64)  # unreachable: smallest size, flagged
-    drive(p, 20, latency)
-    assert p.statistics()["microbatch_size"] == 1 and not p.statistics()["target_met"]
-    assert TargetLatencyPolicy(0.02, 64).split_for(5) == [1] * 5
-
-
-def test_target_latency_steps_down_when_latency_drifts_over() -> None:
-    p = TargetLatencyPolicy(0.020, 64)
-    drive(p, 40, lambda s: 2e-3 + 1e-3 * max(s))
-    assert p.statistics()["microbatch_size"] == 16
-    drive(p, 10, lambda s: 2 * (2e-3 + 1e-3 * max(s)), start=40)  # the device got 2x slower
-    assert p.statistics()["microbatch_size"] == 8
 
 
 def test_split_by_size_rejects_zero() -> None:

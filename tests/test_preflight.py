@@ -147,6 +147,7 @@ def test_fuzz_bad_command_lines(tmp_path: Path, capsys) -> None:
     assert not failures, "\n".join(failures)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("flags", [["--train.lr", "inf"], ["--data.path", "/no/such/corpus.txt"]])
 def test_bad_command_line_through_the_real_cli(tmp_path: Path, flags: list[str]) -> None:
     """The installed `hybridpar` command: one line, exit 2, no worker, no run directory."""

@@ -14,6 +14,8 @@ from hybridpar.config import Config
 from hybridpar.testing import run_ranks
 from tests.test_equivalence import TOL, ref_for, tiny_config
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 def R(*sizes: int) -> tuple[range, ...]:
     out, start = [], 0

@@ -3,6 +3,8 @@ few steps, gets them back when it recovers, every decision and its measured outc
 metrics.jsonl, and the model trained is still the one-device model (<= 1e-5)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 from pathlib import Path
 
@@ -11,6 +13,8 @@ import torch
 from hybridpar.config import Config
 from hybridpar.testing import run_ranks
 from tests.test_equivalence import TOL, ref_for, tiny_config
+
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _worker(cfg_dict: dict, out: str) -> list[float]:

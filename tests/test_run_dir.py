@@ -126,6 +126,7 @@ def test_metrics_are_cut_back_on_resume(tmp_path: Path) -> None:
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
 
 
+@pytest.mark.multiprocess
 def test_parent_death_signal_is_set(tmp_path: Path) -> None:
     """Linux: the request is accepted and the parent check tells a live parent from another pid."""
     import subprocess

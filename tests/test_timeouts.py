@@ -9,6 +9,8 @@ import pytest
 
 from hybridpar.testing import run_ranks
 
+pytestmark = pytest.mark.multiprocess  # every test here starts processes
+
 
 def _idle_until(flag: str) -> None:
     deadline = time.monotonic() + 60

@@ -1,4 +1,4 @@
-"""Tests for hybridpar.report.trace: Chrome/Perfetto trace JSON structure."""
+"""Tests for hybridpar.pipeline.trace: Chrome/Perfetto trace JSON structure."""
 from __future__ import annotations
 
 import json
@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import pytest
 
 from hybridpar.pipeline.schedules import Action, Op
-from hybridpar.report.trace import Slice, chrome_trace, merge_traces, timeline_slices, write_trace
+from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
 
 
 def sample() -> list[Slice]:
@@ -86,11 +86,3 @@ class Timed:  # the shape of runtime.ActionTime
     end: float
 
 
-def test_timeline_slices_from_runtime_timeline() -> None:
-    tl = [Timed(Action(0, Op.RECV_B, 0), 5.0, 5.001), Timed(Action(0, Op.FORWARD, 0), 5.001, 5.2),
-          Timed(Action(0, Op.WEIGHT, 0), 5.2, 5.3)]
-    slices = timeline_slices(2, tl)
-    assert [(s.track, s.name, s.cat) for s in slices] == [
-        (2, "RECV_B0.0", "comm"), (2, "F0.0", "compute"), (2, "W0.0", "compute")]
-    trace = chrome_trace(slices, process_name="measured")
-    assert meta(trace, "thread_name") == {(0, 2): "rank 2"}

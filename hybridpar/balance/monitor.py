@@ -1,9 +1,7 @@
 """Measured device state for the microbatch planner and the balancer: memory, utilisation, per-stage
 compute times, per-link traffic.
 
-This is the real form of the tutorial's GPU monitor (`DynamicMicrobatchManager._create_gpu_monitor`),
-whose utilisation was derived from memory and whose temperature and power were zeros. Here every
-number is read from the system; a quantity that cannot be read is None, never a placeholder.
+Every number is read from the system; a quantity that cannot be read is None, never a placeholder.
 
 Sources: on CUDA, torch's caching-allocator counters (exact, including the peak) and NVML through
 `pynvml` (package nvidia-ml-py, optional extra `gpu`) for utilisation, temperature and power. On CPU,

@@ -1,8 +1,8 @@
-"""Measured load of each rank: `RankSample` (one rank's measurements for one step), load scores with
-the tutorial's weights, relative speeds.
+"""Measured load of each rank: `RankSample` (one rank's measurements for one step), load scores,
+relative speeds.
 
-The tutorial's DynamicLoadBalancer scores each device by memory, compute and network load (weights
-0.4/0.4/0.2) from random numbers; here every input is a measurement the trainer feeds in. Pure Python.
+A device's load score weighs its memory, compute and network load (0.4/0.4/0.2 by default);
+every input is a measurement the trainer feeds in. Pure Python.
 """
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-DEFAULT_WEIGHTS: tuple[float, float, float] = (0.4, 0.4, 0.2)  # memory, compute, network (tutorial)
+DEFAULT_WEIGHTS: tuple[float, float, float] = (0.4, 0.4, 0.2)  # memory, compute, network
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -67,7 +67,7 @@ def load_scores(samples: Sequence[RankSample],
     unknown); compute = 1 - fastest / own time per unit, the share of its compute the rank spends
     beyond what the fastest rank would need (0 for the fastest, 0.5 at 2x slower; the plain ratio
     own / fastest is unbounded and would swamp the other two); network = comm wait / step time.
-    Weights are normalised by their sum, so (2, 2, 1) equals the tutorial's (0.4, 0.4, 0.2).
+    Weights are normalised by their sum, so (2, 2, 1) equals the default (0.4, 0.4, 0.2).
     """
     if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) \
             or sum(weights) <= 0:

@@ -1,8 +1,7 @@
 """Microbatch policies: how one replica's share of the step's batch is cut into microbatches.
 
-The real form of the tutorial's `MicrobatchScheduler`: its ideas (size from device memory, adapt to
-performance history, a latency target) stay; its made-up constants (`memory_per_token = 0.001`) give
-way to what the trainer measures and feeds in each step:
+Sizes follow device memory and measured performance, from what the trainer measures and feeds in
+each step (no assumed constant such as bytes per token):
 
     sizes = policy.propose(step)            # before the step; sums exactly to the replica batch
     ...run the step (on OOM: sizes = policy.on_oom(step, sizes), retry)...
@@ -37,10 +36,15 @@ class Observation:
 
 
 class MicrobatchPolicy(Protocol):
+    """What the trainer asks of a policy (FixedPolicy, AdaptivePolicy)."""
+
     def propose(self, step: int) -> list[int]: ...
     def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
                 peak_activation_bytes: int | None, tokens: int) -> None: ...
+    def on_oom(self, step: int, sizes: Sequence[int]) -> list[int] | None: ...
     def statistics(self) -> dict[str, Any]: ...
+    def state_dict(self) -> dict[str, Any] | None: ...
+    def load_state_dict(self, d: dict[str, Any]) -> None: ...
 
 
 def split_by_size(total: int, size: int) -> list[int]:
@@ -107,6 +111,15 @@ class FixedPolicy(_Recorder):
     def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
                 peak_activation_bytes: int | None, tokens: int) -> None:
         self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
+
+    def on_oom(self, step: int, sizes: Sequence[int]) -> list[int] | None:
+        return None  # a fixed split has no smaller one to offer: the trainer reports the OOM
+
+    def state_dict(self) -> None:
+        return None  # nothing measured that a resumed run would need
+
+    def load_state_dict(self, d: dict[str, Any]) -> None:
+        pass  # another policy's state (the policy was changed on resume): a fixed split ignores it
 
     def statistics(self) -> dict[str, Any]:
         out = self._stats("fixed", self.propose(0), True)
@@ -364,67 +377,4 @@ class AdaptivePolicy(_Recorder):
         out.update(rounds=self.rounds, candidates=list(self.candidates), memory_budget_bytes=self.budget,
                    predicted_peak_bytes=pred, bytes_per_sample=per_sample, ooms=list(self.ooms),
                    over_budget=None not in (self.budget, pred) and pred > self.budget)
-        return out
-
-
-class TargetLatencyPolicy(_Recorder):
-    """Serving: the largest microbatch whose measured latency (the `step_time_s` observed: whatever
-    latency is bounded, e.g. a request's end to end) meets `target_s`. Sizes are tried smallest first,
-    `samples_per_size` measured steps each after `warmup_steps`; the first over the target ends the
-    scan at the one before. A chosen size that drifts over the target gives way to the next smaller
-    one, never back up: a latency bound is not something to probe in production."""
-
-    def __init__(self, target_s: float, batch: int, *, sizes: Sequence[int] | None = None,
-                 samples_per_size: int = 3, warmup_steps: int = 1) -> None:
-        if not target_s > 0 or samples_per_size < 1 or warmup_steps < 0:
-            raise ValueError(f"target_s={target_s} > 0, samples_per_size={samples_per_size} >= 1, "
-                             f"warmup_steps={warmup_steps} >= 0")
-        super().__init__(batch)
-        wanted = sizes if sizes is not None else [2 ** k for k in range(batch.bit_length())] + [batch]
-        # Keep sizes by the largest microbatch they really produce (64 by 48 gives [32, 32]).
-        self.sizes = sorted({max(split_by_size(batch, s)) for s in wanted if 1 <= s <= batch})
-        if not self.sizes:
-            raise ValueError(f"no microbatch size in {list(wanted)} lies in [1, {batch}]")
-        self.target, self.k, self.warmup = target_s, samples_per_size, warmup_steps
-        self.idx, self.exploring, self.met = 0, True, False
-        self._recent: list[Observation] = []
-        self._since_change = 0
-
-    def split_for(self, n: int) -> list[int]:
-        """The chosen size applied to a batch of n requests (serving batches vary by step)."""
-        return split_by_size(n, min(self.sizes[self.idx], n))
-
-    def propose(self, step: int) -> list[int]:
-        return self.split_for(self.batch)
-
-    def _move(self, idx: int) -> None:
-        self.idx, self._recent, self._since_change = idx, [], 0
-
-    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
-                peak_activation_bytes: int | None, tokens: int) -> None:
-        obs = self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
-        self._since_change += list(sizes) == self.propose(step)
-        if list(sizes) != self.propose(step) or self._since_change <= self.warmup:
-            return
-        self._recent = (self._recent + [obs])[-self.k:]
-        if len(self._recent) < self.k:
-            return
-        lat = median(o.step_time_s for o in self._recent)
-        if not self.exploring:
-            if lat > self.target and self.idx > 0:
-                self._move(self.idx - 1)
-            return
-        self.history.append({"split": self.propose(step), "median_latency_s": lat,
-                             "mean_throughput": fmean(o.throughput for o in self._recent)})
-        if lat <= self.target and self.idx + 1 < len(self.sizes):
-            self._move(self.idx + 1)
-            return
-        self.exploring, self.met = False, lat <= self.target or self.idx > 0
-        if lat > self.target and self.idx > 0:
-            self._move(self.idx - 1)  # the size before was measured within the target
-        self._converge(step)
-
-    def statistics(self) -> dict[str, Any]:
-        out = self._stats("target_latency", self.propose(0), not self.exploring)
-        out.update(target_s=self.target, microbatch_size=self.sizes[self.idx], target_met=self.met)
         return out

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 
-from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy
+from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy, MicrobatchPolicy
 from hybridpar.batching.split import BatchPlan, plan_batch, split_evenly
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import build_schedule, max_in_flight
@@ -18,7 +18,7 @@ def count_rules(cfg: Config) -> tuple[int, int]:
 
 
 def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
-                resident_bytes: int) -> FixedPolicy | AdaptivePolicy:
+                resident_bytes: int) -> MicrobatchPolicy:
     """Every rank builds the same policy; fed the same (world-reduced) observations, all ranks of all
     replicas propose the same microbatch count each step. An adaptive policy models the largest
     replica (dp rank 0) on every rank, whatever its own: the count is one decision for the world,

@@ -1,6 +1,6 @@
 """How a global batch is divided: among data-parallel replicas, then into microbatches.
 
-Sizes always sum exactly to what is divided (the tutorial's `distribute_workload` does not). The
+Sizes always sum exactly to what is divided. The
 order of samples never depends on the division: replica r takes a contiguous slice of the step's
 global batch and its microbatches are contiguous slices of that, so every layout sees the same
 samples and, with token-weighted gradients, trains the same model.

@@ -49,7 +49,7 @@ from hybridpar.bench.pipeline_case import Case, run_case
 from hybridpar.config import ModelConfig
 from hybridpar.pipeline.schedules import SCHEDULES, build_schedule
 from hybridpar.pipeline.shm import TRANSPORTS
-from hybridpar.topology.cpus import CPU_BINDINGS
+from hybridpar.config.sections import CPU_BINDINGS
 
 
 def _f(v, spec: str) -> str:

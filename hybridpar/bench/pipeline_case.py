@@ -25,7 +25,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
 from hybridpar.pipeline.schedules import Action, Op, build_schedule, bubble_fraction_theory
 from hybridpar.pipeline.simulate import sim_trace
-from hybridpar.report.trace import Slice, chrome_trace, merge_traces, write_trace
+from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.testing import run_ranks
 
 # zb-h1's peer: torch's ScheduleInterleavedZeroBubble ("ZB1P") with one stage per rank is our ZB-H1

@@ -9,7 +9,9 @@ n_heads, enough microbatches for the schedule, ...) are in validate.py.
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridpar.topology.cpus import CPU_BINDINGS
+
+
+CPU_BINDINGS = ("none", "cores")  # how topology/cpus.py places local ranks on cores
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -168,6 +170,6 @@ class BalanceConfig:
     window: int = _f(5, "measurements in each rank's smoothing median")
     patience: int = _f(3, "consecutive measurements beyond the threshold before a straggler (or its "
                           "recovery) counts")
-    weight_memory: float = _f(0.4, "load-score weight of memory pressure (tutorial: 0.4)")
-    weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work (tutorial: 0.4)")
-    weight_network: float = _f(0.2, "load-score weight of communication wait (tutorial: 0.2)")
+    weight_memory: float = _f(0.4, "load-score weight of memory pressure")
+    weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")
+    weight_network: float = _f(0.2, "load-score weight of communication wait")

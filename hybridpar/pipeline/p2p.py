@@ -1,7 +1,7 @@
 """Point-to-point messages between pipeline ranks: batched non-blocking isend/irecv, receive buffers
 reused across microbatches and steps, and per-link counters (bytes, messages, time spent waiting).
 
-This is the real form of the tutorial's `OptimizedCommunication`. Unlike its `data_ptr()`-keyed cache,
+Unlike a cache keyed by `data_ptr()` (which hands out stale tensors once memory is reused),
 nothing is ever served from a stale buffer: a buffer goes back to the pool only once its consumer
 (the backward that saved it) is finished with it.
 """

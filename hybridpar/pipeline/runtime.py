@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.batching.memory import ActivationMeter
+from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.split_backward import WeightGradDeferral

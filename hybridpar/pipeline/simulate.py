@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Sequence
 
 from hybridpar.pipeline.schedules import Action, Op, ScheduleError, stage_rank
-from hybridpar.report.trace import Slice, chrome_trace
+from hybridpar.pipeline.trace import Slice, chrome_trace
 
 _SENDS = (Op.SEND_F, Op.SEND_B)
 _RECVS = (Op.RECV_F, Op.RECV_B)

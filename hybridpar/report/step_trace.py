@@ -15,7 +15,7 @@ from typing import Callable
 
 from hybridpar.pipeline.runtime import StepOutput
 from hybridpar.pipeline.schedules import Op
-from hybridpar.report.trace import Slice, chrome_trace, write_trace
+from hybridpar.pipeline.trace import Slice, chrome_trace, write_trace
 
 _COMPUTE = {Op.FORWARD, Op.BACKWARD, Op.WEIGHT}
 

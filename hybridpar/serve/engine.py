@@ -3,8 +3,8 @@ run *ticks*. A tick is one forward step of one request group: a prefill of its p
 of one token per row. The replica's driver (pp=0, tp=0, see `driver.py`) issues ticks; each stage
 computes its slice and passes the tick on, and the last stage returns the logits to the driver. A
 stage is done with a tick as soon as it has sent it on, so while stage 1 works on group A's step,
-stage 0 already runs group B's: up to pp groups are in flight, one per stage, which is the
-tutorial's AsyncPipeline with real messages (`pipeline/p2p.py`).
+stage 0 already runs group B's: up to pp groups are in flight, one per stage, an asynchronous
+pipeline with real messages (`pipeline/p2p.py`).
 
 Wire format of a tick (all on the P2P links of the training runtime, same tp coordinate):
 header int64 (8,) = [op, group, B, T, seq, max_len, 0, 0]; then, for prefill/decode, meta int64

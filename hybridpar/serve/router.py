@@ -1,5 +1,5 @@
-"""Request placement over replicas (the dp groups, each a tp × pp engine): the real form of the
-tutorial's IntelligentScheduler. Pure Python: it sees only what the replicas measured and reported
+"""Request placement over replicas (the dp groups, each a tp × pp engine).
+Pure Python: it sees only what the replicas measured and reported
 (per-token latencies of finished requests, KV-cache slots in use, queue depth, busy time) and its
 own accounting of the requests it placed. Time is passed in, so it is unit-tested without processes.
 
@@ -7,7 +7,7 @@ Strategies: `round_robin` (the baseline), `load_balanced` (fewest outstanding to
 `performance_optimized` (smallest estimated completion: outstanding tokens × the replica's measured
 seconds per token, weighted for this request's mix — a prefill-heavy request weighs the measured
 prefill cost, a decode-heavy one the decode cost), `memory_aware` (most KV headroom), `hybrid`
-(chooses one of them from the measured state, tutorial thresholds by default, else a blend).
+(chooses one of them from the measured state, fixed thresholds by default, else a blend).
 
 No request is lost: a replica at its outstanding-request limit is skipped; when all are, requests
 wait in the router's FIFO and are placed as replicas finish work. Only past `max_pending` waiting

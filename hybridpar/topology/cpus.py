@@ -17,7 +17,7 @@ from __future__ import annotations
 import os
 from typing import Sequence
 
-CPU_BINDINGS = ("none", "cores")
+from hybridpar.config.sections import CPU_BINDINGS
 
 
 def share_of(local_rank: int, local_world: int, allowed: Sequence[int]) -> list[int]:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 import math
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any, Sequence
 
 CATEGORIES: tuple[str, ...] = ("compute", "comm", "wait")
 _US_PER_S = 1e6
@@ -98,14 +98,3 @@ def write_trace(trace: dict, path: str) -> None:
     """Write `trace` as JSON (open it in ui.perfetto.dev or chrome://tracing)."""
     with open(path, "w", encoding="utf-8") as f:
         json.dump(trace, f)
-
-
-def timeline_slices(track: int, timeline: Iterable[Any]) -> list[Slice]:
-    """Slices of a measured runtime timeline: items with ``.action``, ``.start``, ``.end`` (s),
-    such as the runtime's ActionTime. A measured compute slice includes any wait for its input."""
-    out: list[Slice] = []
-    for item in timeline:
-        op = getattr(item.action.op, "value", str(item.action.op))
-        cat = "comm" if str(op).startswith(("SEND", "RECV")) else "compute"
-        out.append(Slice(track, str(item.action), float(item.start), float(item.end), cat=cat))
-    return out

@@ -1,0 +1,23 @@
+"""Test lanes. A test that starts processes (worker ranks, launchers, servers, subprocesses) carries
+`@pytest.mark.multiprocess` (or its module's `pytestmark`); `pytest -m "not multiprocess"` runs the
+rest, the fast pure lane. The mark is enforced: an unmarked test that starts a process fails at once,
+naming the mark, so the fast lane stays fast and honest."""
+
+from __future__ import annotations
+
+import multiprocessing.process
+import subprocess
+
+import pytest
+
+
+@pytest.fixture(autouse=True)
+def _processes_need_the_mark(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("multiprocess") is not None:
+        return
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise RuntimeError(f"{request.node.nodeid} starts a process: mark it @pytest.mark.multiprocess")
+
+    monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
+    monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
