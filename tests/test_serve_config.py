@@ -2,6 +2,11 @@
 
 from __future__ import annotations
 
+import os
+import re
+import signal
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,7 +26,10 @@ def test_parse_and_defaults() -> None:
 
 @pytest.mark.parametrize("argv,match", [
     (["--bogus", "1"], "unknown serve option --bogus"),
-    (["--tp", "two"], "--tp expects a int"),
+    (["--tp", "two"], "--tp expects an integer, got 'two'"),
+    (["--dp", "1.5"], "--dp expects an integer, got '1.5'"),
+    (["--port", "1e3"], "--port expects an integer, got '1e3'"),
+    (["--timeout-s", "soon"], "--timeout-s expects a number, got 'soon'"),
     (["--source", "init:0", "--tp", "3"], "tp=3 does not divide model n_heads=4"),
     (["--source", "init:0", "--pp", "9"], "pp=9 exceeds the model's n_layers=4"),
     (["--source", "init:0", "--strategy", "fastest"], "strategy='fastest' is not one of"),
@@ -33,6 +41,47 @@ def test_parse_and_defaults() -> None:
 def test_bad_options_are_refused(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):
         prepare(argv)
+
+
+SECONDS = ["request_timeout_s", "timeout_s", "client_timeout_s"]
+
+
+@pytest.mark.parametrize("name,value,match", [
+    *((n, v, rf"serve {n}={re.escape(repr(float(v)))} must be a number of seconds in \(0, 604800\]") for n in SECONDS
+      for v in ("inf", "-inf", "nan", "0", "-1", "1e9")),
+    *((n, v, rf"router {n}=.* must be in \(0, 1\]") for n in ("memory_pressure", "performance_pressure", "imbalance")
+      for v in ("nan", "inf", "0", "-0.5")),
+    *((n, v, f"serve {n} must be a positive integer, got {v}") for n in
+      ("tp", "pp", "dp", "max_batch", "max_groups", "kv_tokens", "max_seq_len", "max_outstanding", "max_pending")
+      for v in ("0", "-3")),
+    ("port", "-1", "serve port must be in 0..65535, got -1"),
+    ("port", "65536", "serve port must be in 0..65535, got 65536"),
+    ("emulate_slowdown", "0:inf", "factor a number >= 1"),
+    ("emulate_slowdown", "0:nan", "factor a number >= 1"),
+])
+def test_bad_numbers_are_refused_naming_the_value(name: str, value: str, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        prepare(["--source", "init:0", f"--{name.replace('_', '-')}", value])
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("flag,value", [("--request-timeout-s", "inf"), ("--timeout-s", "nan"),
+                                        ("--client-timeout-s", "0")])
+def test_serve_refuses_a_bad_number_in_one_line_with_exit_2(flag: str, value: str) -> None:
+    """Through the real command: refused before any worker starts (a server that started would still be
+    running when the 60 s bound passes; its whole process group is killed then)."""
+    proc = subprocess.Popen([sys.executable, "-m", "hybridpar.cli", "serve", "--source", "init:0", "--port", "0",
+                             flag, value], stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+    try:
+        out, err = proc.communicate(timeout=60)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.communicate()
+        raise AssertionError(f"hybridpar serve {flag} {value} started serving") from None
+    lines = err.decode().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1 and lines[0].startswith("hybridpar: error: serve "), lines
+    assert value in lines[0] and "seconds in (0, 604800]" in lines[0] and not out
 
 
 def test_cli_exits_2_on_bad_options(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:

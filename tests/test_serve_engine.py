@@ -53,6 +53,7 @@ def test_local_engine_greedy_matches_generate() -> None:
     assert local_engine(requests()) == want
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_greedy_matches_generate(tp: int, pp: int) -> None:
     model = build_full_model(CFG, SEED)

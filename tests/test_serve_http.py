@@ -58,6 +58,7 @@ def post(port: int, obj: Any) -> tuple[int, Any]:
 GOOD = {"model": "hybridpar", "prompt": "def ", "max_tokens": 4, "temperature": 0}
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("body,status,param", [
     (b"{not json", 400, None),
     (b"[1, 2]", 400, None),
@@ -86,6 +87,7 @@ def test_bad_requests_get_4xx(server: tuple[int, Any], body: Any, status: int, p
     assert resp["error"]["param"] == param and resp["error"]["message"]
 
 
+@pytest.mark.multiprocess
 def test_routes_and_headers(server: tuple[int, Any]) -> None:
     port, _ = server
     assert call(port, "GET", "/nope")[0] == 404
@@ -100,6 +102,7 @@ def test_routes_and_headers(server: tuple[int, Any]) -> None:
     assert call(port, "GET", "/v1/models")[1]["data"][0]["id"] == "hybridpar"
 
 
+@pytest.mark.multiprocess
 def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
     openai = pytest.importorskip("openai")
     port, _ = server
@@ -119,6 +122,7 @@ def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
     assert status == 200 and "hybridpar_requests_completed_total" in text and 'replica="0"' in text
 
 
+@pytest.mark.multiprocess
 def test_stop_strings_cut_the_text_and_stop_the_replica(server: tuple[int, Any]) -> None:
     openai = pytest.importorskip("openai")
     port, svc = server
@@ -279,6 +283,7 @@ def test_a_sent_request_whose_client_saw_nothing_starts_over_on_a_live_replica()
     assert svc.counters["requests_failed"] == 0 and svc.counters["requests_completed"] == 2
 
 
+@pytest.mark.multiprocess
 def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
     from hybridpar.serve.service import Service
 
@@ -323,6 +328,7 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
         svc.close()
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(180)
 def test_killed_replica_request_completes_on_the_live_one() -> None:
     from hybridpar.serve.service import Service
@@ -349,5 +355,6 @@ def test_killed_replica_request_completes_on_the_live_one() -> None:
         assert info["reason"] == "length" and len(got) == 6 and svc.counters["requests_retried"] == 1
         ref, _ = tokens(svc.submit([1, 2, 3], 6, 0.0, 1.0, None))  # replica 1, the only one alive
         assert got == ref and svc.counters["requests_failed"] == 0
+        assert [(f["replica"], f["rank"]) for f in svc.pool.failures] == [(0, 0)]  # the killed driver, named
     finally:
         svc.close()

@@ -14,6 +14,10 @@ from hybridpar.config.sections import _f
 from hybridpar.serve.router import STRATEGIES, RouterConfig
 
 
+SECONDS = ("request_timeout_s", "timeout_s", "client_timeout_s")
+MAX_SECONDS = 7 * 24 * 3600
+
+
 @dataclass
 class ServeConfig:
     source: str = _f("runs/latest", "model: a Hugging Face checkpoint dir (config.json + *.safetensors), a hybridpar "
@@ -36,6 +40,9 @@ class ServeConfig:
     max_pending: int = _f(64, "requests waiting for a replica before new ones get 429")
     request_timeout_s: float = _f(300.0, "a request not finished after this gets 503")
     timeout_s: float = _f(120.0, "bound on every collective and point-to-point wait between ranks")
+    client_timeout_s: float = _f(10.0, "a client's request head must arrive within this of its connection (or of "
+                                       "the previous answer), its body within as long again; else it is closed "
+                                       "(408 if a request had begun)")
     backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     emulate_slowdown: str = _f("", "BENCHMARK/TEST MODE, off by default: 'REPLICA:FACTOR,...' makes a replica's "
                                    "ranks sleep (FACTOR-1) x their measured compute, e.g. '1:2.0'")
@@ -66,9 +73,12 @@ class ServeConfig:
                 raise ValueError(f"serve {name} must be a positive integer, got {v!r}")
         if not (isinstance(self.port, int) and 0 <= self.port <= 65535):
             raise ValueError(f"serve port must be in 0..65535, got {self.port!r}")
-        for name in ("request_timeout_s", "timeout_s"):
-            if not (isinstance(getattr(self, name), (int, float)) and getattr(self, name) > 0):
-                raise ValueError(f"serve {name} must be > 0, got {getattr(self, name)!r}")
+        for name in SECONDS:
+            v = getattr(self, name)
+            # Bounded above as well: a wait of 1e300 s overflows (OverflowError inside a running server,
+            # where `inf` made every completion a 500). Written so that NaN, false in every comparison, fails.
+            if not (isinstance(v, (int, float)) and not isinstance(v, bool) and 0 < v <= MAX_SECONDS):
+                raise ValueError(f"serve {name}={v!r} must be a number of seconds in (0, {MAX_SECONDS}] (one week)")
         for f in fields(self):
             if (ch := f.metadata.get("choices")) and getattr(self, f.name) not in ch:
                 raise ValueError(f"serve {f.name}={getattr(self, f.name)!r} is not one of {', '.join(ch)}")
@@ -104,9 +114,10 @@ def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
             raise ValueError(f"unknown serve option --{name}; options: {', '.join('--' + k for k in known)}")
         typ = type(getattr(cfg, key))
         try:
-            setattr(cfg, key, typ(value) if typ is not bool else value.lower() in ("1", "true", "yes"))
+            setattr(cfg, key, typ(value))
         except ValueError:
-            raise ValueError(f"--{name} expects a {typ.__name__}, got {value!r}") from None
+            kind = {int: "an integer", float: "a number"}.get(typ, f"a {typ.__name__}")
+            raise ValueError(f"--{name} expects {kind}, got {value!r}") from None
     return cfg, parse_args(model_args).model
 
 

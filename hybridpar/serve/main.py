@@ -26,6 +26,10 @@ def prepare(argv: list[str]) -> tuple[ServeConfig, "object", str]:
     return cfg, model_cfg, source
 
 
+def _stop(signum: int, frame: object) -> None:
+    raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does: through the cleanup below
+
+
 def main(argv: list[str]) -> int:
     if any(a in ("-h", "--help") for a in argv):
         print(USAGE + "\n" + help_text())
@@ -37,23 +41,38 @@ def main(argv: list[str]) -> int:
         return 2
     from hybridpar.serve.http import make_server
     from hybridpar.serve.service import Service
+    from hybridpar.serve.server import HttpServer
 
-    svc = Service(cfg, model_cfg, source)
+    # Before the first worker starts: a SIGTERM while the replicas start must still stop them (the pool
+    # kills its workers when its start is interrupted; each worker also dies with this process, see
+    # serve/lifeline.py).
+    previous = signal.signal(signal.SIGTERM, _stop)
+    svc: Service | None = None
+    srv: HttpServer | None = None
     try:
-        srv = make_server(svc, cfg.host, cfg.port)
-    except OSError as e:
-        svc.close()
-        print(f"hybridpar: error: cannot bind {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
-        return 2
-    signal.signal(signal.SIGTERM, lambda *_: (_ for _ in ()).throw(KeyboardInterrupt()))
-    host, port = srv.server_address[:2]
-    print(f"hybridpar: serving {cfg.model_name!r} from {source} ({cfg.dp} replica(s) of tp={cfg.tp} x pp={cfg.pp}) "
-          f"on http://{host}:{port}/v1", flush=True)
-    try:
+        try:
+            svc = Service(cfg, model_cfg, source)
+        except RuntimeError as e:  # a replica did not start (its worker's error is on stderr above)
+            print(f"hybridpar: error: {e}", file=sys.stderr)
+            return 1
+        try:  # bound once the replicas are up, so no client meets a half-started server
+            srv = make_server(svc, cfg.host, cfg.port)
+        except OSError as e:
+            print(f"hybridpar: error: cannot bind {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
+            return 2
+        host, port = srv.server_address[:2]
+        print(f"hybridpar: serving {cfg.model_name!r} from {source} ({cfg.dp} replica(s) of tp={cfg.tp} x pp={cfg.pp}) "
+              f"on http://{host}:{port}/v1", flush=True)
         srv.serve_forever()
     except KeyboardInterrupt:
         pass
     finally:
-        srv.server_close()
-        svc.close()
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)  # the cleanup is bounded (pool.close): let it finish
+        try:
+            if srv is not None:
+                srv.server_close()
+            if svc is not None:
+                svc.close()
+        finally:
+            signal.signal(signal.SIGTERM, previous)
     return 0

@@ -27,6 +27,20 @@ from hybridpar.serve.router import Request, Router
 from hybridpar.serve.worker import WorkerSpec
 
 
+class EventQueue(queue.Queue):
+    """A request's events. `listener`, when set, is called after each one is queued (from the queuing
+    thread), so that an asyncio front end can wait for events without a thread per request."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.listener: Callable[[], None] | None = None
+
+    def put(self, item: Any, block: bool = True, timeout: float | None = None) -> None:
+        super().put(item, block, timeout)
+        if (wake := self.listener) is not None:
+            wake()
+
+
 @dataclass
 class Pending:
     """One request in flight: its events arrive on `events` (('token', id) ..., ('done', info))."""
@@ -38,7 +52,7 @@ class Pending:
     created: float = field(default_factory=time.time)
     sent: bool = False  # handed to its replica's driver
     streamed: int = 0  # tokens handed to the client: from the first on, the replica's death fails it
-    events: "queue.Queue[tuple[str, Any]]" = field(default_factory=queue.Queue)
+    events: EventQueue = field(default_factory=EventQueue)
 
 
 class Service:
@@ -166,6 +180,14 @@ class Service:
 
     def alive(self) -> int:
         return sum(self.pool.alive)
+
+    def health(self) -> tuple[int, dict[str, Any]]:
+        """(HTTP status, body) of /health: 200 while every worker of every replica runs, else 503 naming
+        the workers that died (the pool watches each one, pipeline stages and tp shards alike)."""
+        alive = self.alive()
+        ok = alive == self.cfg.dp
+        return (200 if ok else 503), {"status": "ok" if ok else "degraded", "replicas_alive": alive,
+                                      "replicas": self.cfg.dp, "failed_workers": list(self.pool.failures)}
 
     def statistics(self) -> dict[str, Any]:
         with self.lock:
