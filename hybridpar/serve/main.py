@@ -45,7 +45,7 @@ def main(argv: list[str]) -> int:
 
     # Before the first worker starts: a SIGTERM while the replicas start must still stop them (the pool
     # kills its workers when its start is interrupted; each worker also dies with this process, see
-    # serve/lifeline.py).
+    # topology/lifetime.py).
     previous = signal.signal(signal.SIGTERM, _stop)
     svc: Service | None = None
     srv: HttpServer | None = None

@@ -11,7 +11,7 @@ without the dead one; left alone they would sit in their waits until that timeou
 `{"type": "replica_failed"}` is reported once, so the caller fails or re-places that replica's
 requests instead of waiting. `failures` names each dead worker (reported by /health).
 
-Workers never outlive this process (lifeline.py). Create the pool from the main thread: the
+Workers never outlive this process (topology/lifetime.py). Create the pool from the main thread: the
 parent-death signal follows the thread that started a worker.
 """
 
@@ -31,9 +31,10 @@ from hybridpar.serve.worker import WorkerSpec
 
 def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Connection | None,
             parent_pid: int) -> None:
-    from hybridpar.serve.lifeline import die_with_parent
+    from hybridpar.topology.lifetime import die_with_parent
 
-    die_with_parent(parent_pid)  # before anything slow: the server may be killed while we start
+    if not die_with_parent(parent_pid):  # before anything slow: the server may be killed while we start
+        os._exit(1)  # it already was: we were re-parented before asking for the signal
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
     import torch.distributed as dist

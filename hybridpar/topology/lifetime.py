@@ -21,7 +21,10 @@ PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
 def die_with_parent(expected_parent: int | None) -> bool:
     """Linux: SIGKILL this process when its parent dies. Returns False if the parent is already not
-    `expected_parent` (the caller should exit), True otherwise; a no-op returning True elsewhere."""
+    `expected_parent` (the caller should exit), True otherwise; a no-op returning True elsewhere.
+    Call it first thing in the child. The signal follows the parent *thread* that started this process
+    (prctl(2)), so launchers start their workers from a thread that lives as long as they do (the main
+    thread, as torch's elastic agent and the serving pool do)."""
     if not sys.platform.startswith("linux"):
         return True
     libc = ctypes.CDLL(None, use_errno=True)
