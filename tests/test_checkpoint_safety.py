@@ -30,7 +30,7 @@ from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 from hybridpar.resilience.checkpoint import DCP_METADATA, MANIFEST, committed, read_full_model, verify_checkpoint
 from hybridpar.resilience.safe_dcp import (MetadataUnpickler, SafeFileSystemReader, UnsafeCheckpointError,
                                            load_metadata)
-from hybridpar.topology.launch import launch
+from hybridpar.launcher import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import tiny_config  # noqa: E402
@@ -177,6 +177,7 @@ def test_not_metadata_is_refused(tmp_path: Path) -> None:
 # ---- the attack, end to end: training resumes, serving loads ---------------------------------------------------
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_resume_refuses_a_rehashed_malicious_metadata(runs: dict[str, Path], tmp_path: Path,
                                                      capfd: pytest.CaptureFixture[str]) -> None:
