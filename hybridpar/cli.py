@@ -58,6 +58,20 @@ def split_argv(argv: list[str]) -> tuple[list[str], list[str]]:
     return theirs, ours
 
 
+def _ours_by_name(argv: list[str]) -> list[str]:
+    """The options that are surely hybridpar's (`--section.key`, --config, --run-dir, --resume, --trace)
+    with their values, found without torchrun's option table."""
+    out: list[str] = []
+    for i, arg in enumerate(argv):
+        name = arg.split("=", 1)[0]
+        if name.startswith("--") and ("." in name or name in ("--config", "--run-dir", "--run_dir", "--resume",
+                                                              "--trace")):
+            out.append(arg)
+            if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+                out.append(argv[i + 1])
+    return out
+
+
 def _flag(args: list[str], *names: str) -> str | None:
     for i, a in enumerate(args):
         key, _, val = a.partition("=")
@@ -68,10 +82,16 @@ def _flag(args: list[str], *names: str) -> str | None:
 
 def launch_train(argv: list[str]) -> int:
     from hybridpar.launcher import end_launch, outcome, start_launch, stop_on_permanent_failure
-    from hybridpar.preflight import preflight
+    from hybridpar.preflight import preflight, preflight_config
 
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
-    theirs, ours = split_argv([a for a in argv if a != "--overwrite"])
+    argv = [a for a in argv if a != "--overwrite"]
+    try:  # config errors first, before torchrun's option table costs the torch import (seconds)
+        preflight_config(parse_args(_ours_by_name(argv)))
+    except ValueError as e:
+        print(f"hybridpar: error: {e}", file=sys.stderr)
+        return 2
+    theirs, ours = split_argv(argv)
     nproc = _flag(theirs, "--nproc-per-node", "--nproc_per_node")
     nnodes = _flag(theirs, "--nnodes") or "1"
     try:

@@ -33,7 +33,7 @@ def preflight(cfg: Config, world: int | None, restart_count: int = 0, *, verify:
     from hybridpar.resilience.chaos import parse_faults
     from hybridpar.resilience.elastic import layout_for_world
 
-    _check_finite(cfg)
+    preflight_config(cfg)
     notes: list[str] = []
     if world is None:
         cfg.validate()
@@ -47,6 +47,12 @@ def preflight(cfg: Config, world: int | None, restart_count: int = 0, *, verify:
     _check_data(cfg)
     _check_resume(cfg, verify)
     return cfg, notes
+
+
+def preflight_config(cfg: Config) -> None:
+    """The checks that need neither the world size nor any file (the first, fastest part of `preflight`)."""
+    _check_finite(cfg)
+    cfg.validate()
 
 
 def _check_finite(cfg: Config) -> None:
