@@ -181,9 +181,12 @@ class TokenData:
                 f"one validation window of {window} tokens; use a larger corpus (data.path / data.max_bytes), "
                 f"a smaller train.seq_len or a different data.val_fraction"
             )
-        if int(tokens.min()) < 0:
+        # numpy, not torch: torch's reduction would start OpenMP's thread pool, and a launcher that then
+        # forks its workers (launch(start_method="fork") runs this pre-flight) leaves them hanging in it.
+        ids = tokens.numpy()
+        if int(ids.min()) < 0:
             raise ValueError("tokens must be non-negative ids")
-        self.vocab_needed = int(tokens.max()) + 1
+        self.vocab_needed = int(ids.max()) + 1
         self._perms: OrderedDict[int, torch.Tensor] = OrderedDict()
         self._offsets = torch.arange(window, dtype=torch.int64)
 

@@ -1,14 +1,19 @@
-"""Recovery through the real launcher (hybridpar.launch -> torch's elastic agent, workers forked for speed):
-every injected fault ends with the model of the fault-free run, bit for bit (same params_digest, the same
-loss at every step, including every recomputed one, and a sample ledger with each step applied exactly
-once); re-planned runs (shrink 4 -> 2, grow 2 -> 4) match it within the exactness tolerance. The watchdog
-names the SIGSTOPped and the hung rank within hang_timeout_s + 5 s, and raises no alarm anywhere else in
-this, the longest test — not in a checkpoint write or a validation that each take twice its timeout."""
+"""Recovery through the real launcher (hybridpar.launch -> torch's elastic agent): every injected fault ends
+with the model of the fault-free run, bit for bit (same params_digest, the same loss at every step, and a
+sample ledger with each step applied exactly once); re-planned runs (shrink 4 -> 2, grow 2 -> 4) match it
+within the exactness tolerance. The watchdog names the SIGSTOPped and the hung rank within
+hang_timeout_s + 5 s, and raises no alarm anywhere else — not in a checkpoint write or a validation that
+each take twice its timeout.
+
+The faults are spread over several launches (one per group of phases) rather than strung into one: each
+test then stays far inside pytest's timeout on a loaded machine, and a failure names its group. All of
+them are compared with one fault-free reference run (module fixture)."""
 
 from __future__ import annotations
 
 import json
-import shutil
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -18,25 +23,27 @@ import torch
 from hybridpar.config import Config
 from hybridpar.resilience.chaos import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
-from hybridpar.topology.launch import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import TOL, tiny_config  # noqa: E402
 
+pytestmark = pytest.mark.multiprocess  # every test here starts launchers and workers
+
 STEPS = 8
 HANG_S = 2.0
 SLOW = f"sleep={2 * HANG_S}"
-# One launch, every fault of issue 6 that kills or wedges a rank; each fires once (chaos.jsonl), each
-# failure makes the agent restart all workers, which resume from the newest verified checkpoint.
-FAULTS = [f"rank=0:{SLOW}@step=0:phase=ckpt-write",  # slow, not hung
-          "rank=1:kill@step=1:phase=forward", "rank=2:kill@step=1:phase=p2p", "rank=3:kill@step=2:phase=all-reduce",
-          "rank=0:kill@step=2:phase=optimizer", "rank=1:kill@step=2:phase=ckpt-write",
-          f"rank=1:{SLOW}@step=3:phase=validate",  # slow, not hung
-          "rank=2:kill@step=3:phase=ckpt-barrier", "rank=0:kill@step=3:phase=ckpt-manifest",
-          "rank=0:kill@step=3:phase=ckpt-rename", "rank=0:kill@step=3:phase=ckpt-done",
-          "rank=3:raise@step=4:phase=forward", "rank=1:exit0@step=4:phase=optimizer",
+# Each fault fires once (chaos.jsonl); each failure makes the agent restart all workers, which resume
+# from the newest verified checkpoint. Slow phases (twice the hang timeout) ride along: not hangs.
+COMPUTE_KILLS = [f"rank=0:{SLOW}@step=0:phase=ckpt-write",  # slow, not hung
+                 "rank=1:kill@step=1:phase=forward", "rank=2:kill@step=1:phase=p2p",
+                 "rank=3:kill@step=2:phase=all-reduce", "rank=0:kill@step=2:phase=optimizer"]
+CKPT_KILLS = ["rank=1:kill@step=2:phase=ckpt-write",
+              f"rank=1:{SLOW}@step=3:phase=validate",  # slow, not hung
+              "rank=2:kill@step=3:phase=ckpt-barrier", "rank=0:kill@step=3:phase=ckpt-manifest",
+              "rank=0:kill@step=3:phase=ckpt-rename", "rank=0:kill@step=3:phase=ckpt-done"]
+WEDGES = ["rank=3:raise@step=4:phase=forward", "rank=1:exit0@step=4:phase=optimizer",
           "rank=2:stop@step=4:phase=p2p", "rank=1:hang@step=5:phase=forward"]
-PREEMPT = "rank=3:term@step=6:phase=forward"  # SIGTERM last: checkpoint after step 7, exit 0
+PREEMPT = "rank=3:term@step=6:phase=forward"  # SIGTERM on one rank: checkpoint after step 7, stop
 # (culprit, phase, step) the watchdog must name: the SIGSTOPped rank and the hung one. A rank gone by
 # sys.exit(0) may be named too (if its peers do not see the closed connection first), nothing else.
 HUNG = {(2, "p2p", 4): ":stop@", (1, "forward", 5): ":hang@"}
@@ -47,20 +54,45 @@ def _cfg(run_dir: Path, fault: str = "", **parallel) -> Config:
     cfg = tiny_config(train=dict(steps=STEPS, val_every=4, monitor_every=0),
                       parallel={"tp": 1, "pp": 2, "dp": 2, "schedule": "1f1b", "timeout_s": 30.0, **parallel},
                       resilience=dict(hang_timeout_s=HANG_S, heartbeat_s=0.25, slow_phase_timeout_s=30.0,
-                                      max_restarts=len(FAULTS) + 2),
+                                      max_restarts=len(CKPT_KILLS) + 2),
                       checkpoint=dict(every=1, keep=STEPS + 1), emulate=dict(fault=fault))
     cfg.run_dir = str(run_dir)
     return cfg
 
 
-def _run(cfg: Config, nproc: int | None = None) -> dict | None:
-    # Spawned, not forked: once a fork-started reference run hung at start-up in CI (its four
-    # workers idle, deaf to SIGTERM) after other tests had run torch in this process.
-    return launch(cfg, nproc=nproc, start_method="spawn")
+# Each launch runs in a fresh interpreter whose elastic agent forks the workers: a restart then costs a
+# fork, not four interpreters importing torch (~6 s on 2 idle cores, ~50 s at load 13), which is what kept
+# the fault tests far from their timeout on a loaded machine. Never forked from this process: a forked
+# child hangs in libgomp (gomp_team_barrier_wait_end) at its first parallel op once its parent has run one
+# — this test process has, and so does launch()'s pre-flight (the corpus scan) unless the launcher keeps to
+# one intra-op thread, which it does here (workers set their own thread count, the model is unchanged).
+_LAUNCH = """
+import json, sys
+import torch
+from hybridpar.config import Config
+from hybridpar.launcher import launch
+torch.set_num_threads(1)
+cfg, nproc, out = Config.from_dict(json.loads(sys.argv[1])), json.loads(sys.argv[2]), sys.argv[3]
+res = launch(cfg, nproc=nproc, start_method="fork")
+open(out, "w").write(json.dumps(res))
+"""
+LAUNCH_TIMEOUT_S = 240  # one launch; pytest's own timeout (300 s) bounds each test
+
+
+def _run(cfg: Config, nproc: int | None = None) -> tuple[dict | None, str]:
+    """`hybridpar.launch(cfg)` in a fresh interpreter: (its result — None when preempted —, its stdout)."""
+    out = Path(cfg.run_dir).with_name(Path(cfg.run_dir).name + ".result.json")
+    out.unlink(missing_ok=True)
+    # On a timeout (or pytest's) subprocess.run kills the launcher; its workers die with it (PDEATHSIG).
+    p = subprocess.run([sys.executable, "-c", _LAUNCH, json.dumps(cfg.to_dict()), json.dumps(nproc), str(out)],
+                       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    assert p.returncode == 0 and out.is_file(), p.stderr[-4000:]
+    return json.loads(out.read_text()), p.stdout
 
 
 def _records(run_dir: Path, name: str) -> list[dict]:
-    return [json.loads(x) for x in (run_dir / name).read_text().splitlines() if x]
+    path = run_dir / name
+    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.is_file() else []
 
 
 def _model(run_dir: Path) -> dict[str, torch.Tensor]:
@@ -70,17 +102,18 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("reference")
-    r = _run(_cfg(d))
+    r, _ = _run(_cfg(d))
     assert len(r["losses"]) == STEPS
     return {**r, "model": _model(d)}
 
 
 def _same_history(run_dir: Path, ref: dict) -> None:
-    """Every step record ever written (first runs and recomputations) has the fault-free loss, bit for bit;
-    the final record has the fault-free digest and a ledger with each step applied exactly once."""
+    """Every step record in metrics.jsonl has the fault-free loss, bit for bit, each step exactly once
+    (a resume cuts the file back to its restored step); the final record has the fault-free digest and a
+    ledger with each step applied exactly once."""
     recs = _records(run_dir, "metrics.jsonl")
     steps = [r for r in recs if "step" in r and "loss" in r]
-    assert {r["step"] for r in steps} == set(range(STEPS))
+    assert sorted(r["step"] for r in steps) == list(range(STEPS))
     for r in steps:
         assert r["loss"] == ref["losses"][r["step"]], r
     final = recs[-1]
@@ -88,33 +121,64 @@ def _same_history(run_dir: Path, ref: dict) -> None:
     assert final["samples_applied"] == [[0, STEPS]]
 
 
-def test_faults_preemption_corruption_shrink_grow(tmp_path: Path, reference: dict, capfd) -> None:
+def _recovers(run: Path, faults: list[str], ref: dict) -> list[dict]:
+    """One launch with `faults`: every fault fires once, the agent restarts the workers, the run ends with
+    the fault-free model. Returns the watchdog's reports."""
+    r, out = _run(_cfg(run, ",".join(faults)))
+    assert r is not None and r["params_digest"] == ref["params_digest"]
+    assert sorted(f["fault"] for f in _records(run, "chaos.jsonl")) == sorted(faults)  # each happened, once
+    starts = [x for x in _records(run, "resilience.jsonl") if x["event"] == "start"]
+    assert 2 <= len(starts) <= len(faults) + 1  # restarts happened (faults at one step may share one)
+    assert "resumed from" in out
+    _same_history(run, ref)
+    return _records(run, "watchdog.jsonl")
+
+
+def test_kills_in_compute_phases(tmp_path: Path, reference: dict) -> None:
+    """SIGKILL in forward, p2p, all-reduce and optimizer; a checkpoint write twice the hang timeout long
+    is no hang."""
+    assert _recovers(tmp_path / "run", COMPUTE_KILLS, reference) == []
+
+
+def test_kills_in_checkpoint_phases(tmp_path: Path, reference: dict) -> None:
+    """SIGKILL in each phase of a checkpoint write (before, between and after the commit's steps): the
+    restart resumes from the newest checkpoint that verifies; a slow validation is no hang."""
     run = tmp_path / "run"
-    # 1. Every kill/exception/exit/stop in one launch, ended by a SIGTERM on one rank (preemption).
-    assert _run(_cfg(run, ",".join(FAULTS + [PREEMPT]))) is None  # preempted: no final model
-    fired = [r["fault"] for r in _records(run, "chaos.jsonl")]
-    assert sorted(fired) == sorted(FAULTS + [PREEMPT])  # every fault really happened, once
-    starts = [r for r in _records(run, "resilience.jsonl") if r["event"] == "start"]
-    assert 2 <= len(starts) <= len(FAULTS) + 1  # restarts happened (faults at one step may share one)
-    # The watchdog named exactly the frozen and the hung rank, at their fault's phase and step, in time.
-    reports = _records(run, "watchdog.jsonl")
+    assert _recovers(run, CKPT_KILLS, reference) == []
+    for step, path in committed(run / "checkpoints"):
+        assert verify_checkpoint(path, step) is None, path
+
+
+def test_raise_exit0_stop_hang_named_by_watchdog(tmp_path: Path, reference: dict) -> None:
+    """An exception, an early sys.exit(0), a SIGSTOP and a hang: the watchdog names exactly the frozen and
+    the hung rank, at their fault's phase and step, within hang_timeout_s + 5 s."""
+    run = tmp_path / "run"
+    reports = _recovers(run, WEDGES, reference)
     named = {(r["culprit"], r["phase"], r["step"]) for r in reports}
     assert set(HUNG) <= named <= set(HUNG) | set(GONE), named
+    fired = _records(run, "chaos.jsonl")
     for r in reports:
         kind = {**HUNG, **GONE}[(r["culprit"], r["phase"], r["step"])]
-        fault = next(f for f in _records(run, "chaos.jsonl") if f["rank"] == r["culprit"] and kind in f["fault"])
+        fault = next(f for f in fired if f["rank"] == r["culprit"] and kind in f["fault"])
         assert 0 < r["time"] - fault["time"] <= HANG_S + 5, (r, fault)
+
+
+def test_preemption_then_resume_past_corrupt_checkpoints(tmp_path: Path, reference: dict) -> None:
+    run = tmp_path / "run"
+    # 1. SIGTERM on one rank (preemption): the step in flight finishes, is checkpointed, the run stops.
+    r, out = _run(_cfg(run, PREEMPT))
+    assert r is None  # preempted: no final model
+    assert [f["fault"] for f in _records(run, "chaos.jsonl")] == [PREEMPT]
     newest = committed(run / "checkpoints")[0][1]
     assert newest.name == "step-000007" and verify_checkpoint(newest, 7) is None
-    out = capfd.readouterr().out
-    assert "preempted: checkpointed after step 7" in out and "resumed from" in out
-    shutil.copytree(run, tmp_path / "elastic")
+    assert "preempted: checkpointed after step 7" in out
 
     # 2. Resume after the preemption: bit-exact.
     cfg = _cfg(run)
     cfg.checkpoint.resume = "auto"
-    r = _run(cfg)
+    r, out = _run(cfg)
     assert r["start_step"] == 7 and r["losses"] == reference["losses"][7:]
+    assert "resumed from" in out
     _same_history(run, reference)
 
     # 3. Damage the five newest checkpoints, one way each: resume falls back past all of them, naming each.
@@ -126,9 +190,7 @@ def test_faults_preemption_corruption_shrink_grow(tmp_path: Path, reference: dic
         corrupt_newest(ck, kind)
         for held in ck.glob("hold-*"):
             held.rename(ck / held.name[len("hold-"):])
-    capfd.readouterr()
-    r = _run(cfg)
-    out = capfd.readouterr().out
+    r, out = _run(cfg)
     assert r["start_step"] == 3 and r["params_digest"] == reference["params_digest"]
     for step, why in [(8, ".metadata does not match its sha256"), (7, ".distcp does not match its sha256"),
                       (6, ".distcp is missing"), (5, ".distcp has"), (4, ".distcp does not match its sha256")]:
@@ -136,24 +198,26 @@ def test_faults_preemption_corruption_shrink_grow(tmp_path: Path, reference: dic
     assert not (run / "checkpoints" / "PWNED").exists()  # the pickle was never unpickled
     _same_history(run, reference)
 
-    # 4. Shrink: the preempted 4-rank run resumes on 2 processes (tp1 pp2 dp1) and is preempted again...
-    ela = tmp_path / "elastic"
-    for step, path in committed(ela / "checkpoints"):
-        if step > 4:
-            shutil.rmtree(path)  # resume after step 4, so both re-planned layouts train a few steps
-    cfg = _cfg(ela, "rank=1:term@step=5:phase=forward")
+
+def test_shrink_then_grow(tmp_path: Path, reference: dict) -> None:
+    run = tmp_path / "run"
+    # 1. A 4-rank run preempted after step 4 (SIGTERM in step 3)...
+    assert _run(_cfg(run, "rank=3:term@step=3:phase=forward"))[0] is None
+    assert committed(run / "checkpoints")[0][1].name == "step-000004"
+    # 2. ...resumes on 2 processes (tp1 pp2 dp1: shrink) and is preempted again...
+    cfg = _cfg(run, "rank=1:term@step=5:phase=forward")
     cfg.checkpoint.resume = "auto"
-    assert _run(cfg, nproc=2) is None
-    assert "tp=1 pp=2 dp=2 -> tp=1 pp=2 dp=1" in capfd.readouterr().out
-    state = json.loads((ela / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
+    r, out = _run(cfg, nproc=2)
+    assert r is None and "tp=1 pp=2 dp=2 -> tp=1 pp=2 dp=1" in out
+    state = json.loads((run / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["layout"]["world_size"] == 2 and state["samples"]["applied"] == [[0, 6]]
-    # 5. ...and grows back to 4 (tp1 pp2 dp2): the same training within the exactness tolerance.
+    # 3. ...and grows back to 4 (tp1 pp2 dp2): the same training within the exactness tolerance.
     cfg.emulate.fault = ""
-    r = _run(cfg, nproc=4)
+    r, _ = _run(cfg, nproc=4)
     assert r["start_step"] == 6
-    losses = {x["step"]: x["loss"] for x in _records(ela, "metrics.jsonl") if "loss" in x}
+    losses = {x["step"]: x["loss"] for x in _records(run, "metrics.jsonl") if "loss" in x}
     assert max(abs(losses[s] - reference["losses"][s]) for s in range(STEPS)) <= TOL
-    grown = _model(ela)
+    grown = _model(run)
     for name, t in reference["model"].items():
         assert (grown[name] - t).abs().max().item() <= TOL, name
 
@@ -161,9 +225,6 @@ def test_faults_preemption_corruption_shrink_grow(tmp_path: Path, reference: dic
 def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:
     """`hybridpar train` as a user runs it (default resilience settings, torchrun in a subprocess): a killed
     rank is restarted by the agent and the run resumes by itself, ending with the fault-free model."""
-    import os
-    import subprocess
-
     from hybridpar.config import parse_args
 
     flags = ["--parallel.tp", "1", "--parallel.pp", "2", "--model.dim", "32", "--model.n_layers", "2",
@@ -171,7 +232,7 @@ def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:
              "--train.microbatches", "2", "--train.seq_len", "16", "--train.val_every", "0",
              "--train.sample_tokens", "0", "--data.max_bytes", "100000", "--checkpoint.every", "1"]
     ref = parse_args(flags + ["--run-dir", str(tmp_path / "ref")])
-    expected = _run(ref)["params_digest"]
+    expected = _run(ref)[0]["params_digest"]
     run = tmp_path / "run"
     exe = Path(sys.executable).with_name("hybridpar")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

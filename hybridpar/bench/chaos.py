@@ -1,22 +1,36 @@
-"""`hybridpar bench chaos`: a soak of random faults through the real elastic launcher, judged against a
-fault-free run of the same config in the same invocation, plus synchronous vs asynchronous checkpoint cost
-on the default model.
+"""`hybridpar bench chaos`: a soak of random faults through `hybridpar train` (torch's elastic launcher),
+judged against a fault-free run of the same config in the same invocation, plus synchronous vs
+asynchronous checkpoint cost on the default model.
 
-Soak: `--faults` faults (seeded) drawn over the run's steps — SIGKILL in any phase (forward, p2p,
-all-reduce, optimizer, step end, each checkpoint phase), an exception, sys.exit(0), SIGSTOP, a hang, and
-checkpoint damage (bit flip, truncation, deletion, a file from another step, a pickle) followed by a kill
-— each injected once by the chaos testing mode. Every failure makes the agent restart all workers, which
-resume from the newest checkpoint that verifies. Reported, all measured from the run's own records:
+Soak: `--faults` faults (seeded) drawn over the run's steps. Inside the workers, each injected once by the
+chaos testing mode: SIGKILL in any phase (forward, p2p, all-reduce, optimizer, step end, each checkpoint
+phase), an exception, sys.exit(0), SIGSTOP, a hang, checkpoint damage (bit flip, truncation, deletion, a
+file from another step, a pickle) followed by a kill — each makes the agent restart all workers, which
+resume from the newest checkpoint that verifies — and SIGTERM to one worker (preemption: the launch
+checkpoints and exits 143). From outside, as an adversary: SIGKILL to the launcher's whole process group
+at a seeded moment (its workers must all be gone within seconds), and, between launches, a fresh run
+(resume off, another seed) started on the soak's directory, which must be refused (exit 2, naming the
+run) and change nothing. With `--faults` >= 3 each of these three kinds is drawn at least once. So the
+soak is a sequence of launches on one run directory, each after the first with `--resume auto`, until
+one finishes. Reported, all measured from the run's own records:
 
-- faults_injected: faults that really fired (`chaos.jsonl`); recoveries: worker-group restarts;
+- faults_injected: faults that really happened (`chaos.jsonl`, kills sent, fresh runs tried), also by
+  kind; launches: how each launch ended; recoveries: worker-group restarts inside launches;
 - lost_samples / duplicated_samples: from the sample ledger carried through every checkpoint (a step
   never applied to the final model, or applied twice, counts global_batch samples);
-- params_identical / losses_identical: final params_digest, and every per-step loss ever logged
-  (recomputed steps included), equal to the fault-free run's, bit for bit;
+- params_identical / losses_identical: final params_digest, and the loss of every step in metrics.jsonl
+  (each step exactly once: a resume cuts the file back to its checkpoint), equal to the fault-free run's,
+  bit for bit; run_id_kept: the final model belongs to the run the first launch started;
+- exit_codes_honest: every launch's exit code says what its run.json says (0 finished, 143 preempted);
+  orphaned_workers: workers alive 30 s after their launcher was killed (then killed by the bench);
+  mean/max_workers_gone_s: kill -> none of that launch's workers alive (at once for training workers;
+  seconds for one being restarted, which must import torch before it can notice); foreign_run_refused;
 - mean_detect_s: fault -> watchdog verdict, over the faults the watchdog detects (frozen or hung ranks;
   dead ranks are seen by the agent's process monitor, whose latency is not observable from here);
-- mean_restart_s: fault -> the restarted worker group starts; mean_recover_s: fault -> its first
-  completed step; steps_recomputed: step records logged more than once;
+- mean_restart_s: fault -> the restarted worker group starts; mean_recover_s: fault -> its first completed
+  step; committed_steps_redone: checkpointed steps trained again because a restart resumed from an older
+  checkpoint (the newest damaged or not yet committed); load_avg_1m: the machine's load average when the
+  soak started and when it ended (other jobs slow every time here down);
 - ckpt_sync_s: median seconds a synchronous save stops training (default model and layout);
   ckpt_async_stall_s: the same for an asynchronous save (snapshot + waiting for the previous write);
   their ratio, and the background write time.
@@ -26,110 +40,205 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import shutil
 import statistics
 import tempfile
 import time
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridpar.bench.chaos_launches import (Launch, foreign_run_refused, jsonl, run_id_of, run_launch,
+                                            steps_checkpointed)
 from hybridpar.config import Config
 
 KILL_PHASES = ("forward", "p2p", "all-reduce", "optimizer", "step-end", "ckpt-write", "ckpt-barrier")
 RANK0_PHASES = ("ckpt-manifest", "ckpt-rename", "ckpt-done")  # only rank 0 commits
 CORRUPTIONS = ("flip", "truncate", "delete", "mix", "pickle")
+# Fault kinds and their weights; term, launcher (SIGKILL the launcher) and foreign (a fresh run on the
+# directory) each end or follow a launch, so they are rarer than the faults a launch recovers from itself.
+KINDS = {"kill": 8, "raise": 1, "exit0": 1, "stop": 1, "hang": 1, "corrupt": 2, "term": 1, "launcher": 1, "foreign": 1}
+ALWAYS = ("term", "launcher", "foreign")  # drawn first, so that a short soak has each at least once
+SOAK = {"model.dim": 64, "model.n_layers": 4, "model.n_heads": 4, "model.ffn_dim": 128, "train.global_batch": 8,
+        "train.microbatches": 2, "train.seq_len": 64, "train.warmup_steps": 2, "train.val_every": 10,
+        "train.val_batches": 1, "train.sample_tokens": 0, "train.monitor_every": 0, "data.max_bytes": 400_000,
+        "checkpoint.every": 1, "checkpoint.keep": 3, "resilience.hang_timeout_s": 2.0,
+        "resilience.heartbeat_s": 0.25, "resilience.slow_phase_timeout_s": 60.0, "parallel.timeout_s": 30.0}
 
 
-def random_faults(n: int, steps: int, world: int, seed: int) -> list[str]:
-    """`n` fault entries (emulate.fault syntax), seeded; every one lands in a phase its rank executes."""
+@dataclass
+class SoakPlan:
+    worker: list[str] = field(default_factory=list)  # emulate.fault entries, `term` included
+    launcher_kills: list[tuple[int, float]] = field(default_factory=list)  # (after this many steps, of a step)
+    foreign: list[int] = field(default_factory=list)  # try a fresh run once this many steps are checkpointed
+
+
+def _step_of(entry: str) -> int:
+    return int(entry.split("@step=")[1].split(":")[0])
+
+
+def plan_faults(n: int, steps: int, seed: int, world: int = 4) -> SoakPlan:
+    """`n` faults, seeded; every worker fault lands in a phase its rank executes. A SIGTERM gets a step of
+    its own where one is free: a fault later in the same step, or a launcher kill due at its checkpoint,
+    would stop the group before the preemption completes — and a restarted group knows nothing of the
+    SIGTERM, so that launch would not end preempted."""
     rng = random.Random(seed)
-    out = []
-    for _ in range(n):
+    plan = SoakPlan()
+    terms: list[tuple[int, str]] = []
+    kinds = list(ALWAYS[:n]) + rng.choices(list(KINDS), list(KINDS.values()), k=max(0, n - len(ALWAYS)))
+    for kind in kinds:
         step, rank = rng.randrange(1, steps - 1), rng.randrange(world)
-        kind = rng.choices(["kill", "raise", "exit0", "stop", "hang", "corrupt"], [8, 1, 1, 1, 1, 2])[0]
-        if kind == "kill":
+        compute_phase = rng.choice(("forward", "p2p", "optimizer"))
+        if kind == "term":
+            terms.append((rank, compute_phase))  # placed below, once the other faults' steps are known
+        elif kind == "launcher":
+            plan.launcher_kills.append((step, round(rng.random(), 3)))
+        elif kind == "foreign":
+            plan.foreign.append(step)
+        elif kind == "kill":
             phases = KILL_PHASES + (RANK0_PHASES if rank == 0 else ())
-            out.append(f"rank={rank}:kill@step={step}:phase={rng.choice(phases)}")
+            plan.worker.append(f"rank={rank}:kill@step={step}:phase={rng.choice(phases)}")
         elif kind == "corrupt":
-            out.append(f"rank={rank}:corrupt={rng.choice(CORRUPTIONS)}@step={step}:phase=step-end")
-        else:
-            out.append(f"rank={rank}:{kind}@step={step}:phase={rng.choice(('forward', 'p2p', 'optimizer'))}")
-    return out
+            plan.worker.append(f"rank={rank}:corrupt={rng.choice(CORRUPTIONS)}@step={step}:phase=step-end")
+        else:  # raise, exit0, stop, hang
+            plan.worker.append(f"rank={rank}:{kind}@step={step}:phase={compute_phase}")
+    busy = {_step_of(f) for f in plan.worker} | {s + d for s, _ in plan.launcher_kills for d in (-1, 0)}
+    free = [s for s in range(1, steps - 1) if s not in busy]
+    for rank, phase in terms:
+        step = free.pop(rng.randrange(len(free))) if free else rng.randrange(1, steps - 1)
+        plan.worker.append(f"rank={rank}:term@step={step}:phase={phase}")
+    plan.launcher_kills.sort()
+    plan.foreign.sort()
+    return plan
 
 
-def soak_config(run_dir: Path, steps: int, faults: str) -> Config:
-    cfg = Config()  # the default layout (tp2 x pp2) with a small model, so that 30+ restarts take minutes
-    m, t = cfg.model, cfg.train
-    m.dim, m.n_layers, m.n_heads, m.ffn_dim = 64, 4, 4, 128
-    t.steps, t.global_batch, t.microbatches, t.seq_len, t.warmup_steps = steps, 8, 2, 64, 2
-    t.val_every, t.val_batches, t.sample_tokens, t.monitor_every = 10, 1, 0, 0
-    cfg.data.max_bytes = 400_000
-    cfg.checkpoint.every, cfg.checkpoint.keep = 1, 3
-    r = cfg.resilience
-    r.hang_timeout_s, r.heartbeat_s, r.slow_phase_timeout_s = 2.0, 0.25, 60.0
-    cfg.parallel.timeout_s = 30.0
-    cfg.emulate.fault = faults
-    cfg.run_dir = str(run_dir)
-    return cfg
-
-
-def _jsonl(path: Path) -> list[dict[str, Any]]:
-    return [json.loads(x) for x in path.read_text().splitlines() if x] if path.is_file() else []
+def soak_flags(run_dir: Path, steps: int, tp: int, **more: Any) -> list[str]:
+    """`hybridpar train` flags of the soak: tp x pp2 (tp 2: the default layout) with a small model, so that
+    60 faults take minutes; checkpoints every step."""
+    flags = []
+    for key, value in {**SOAK, "parallel.tp": tp, "parallel.pp": 2, "train.steps": steps, **more}.items():
+        flags += [f"--{key}", str(value)]
+    return flags + ["--run-dir", str(run_dir)]
 
 
 def _mean(xs: list[float]) -> float | None:
     return round(statistics.fmean(xs), 3) if xs else None
 
 
-def soak(work: Path, n_faults: int, steps: int, seed: int, start_method: str) -> dict[str, Any]:
-    from hybridpar.resilience.session import ledger_stats
-    from hybridpar.topology.launch import launch
-
-    ref_dir, run_dir = work / "reference", work / "soak"
-    ref = launch(soak_config(ref_dir, steps, ""), start_method=start_method, max_restarts=0)
-    faults = random_faults(n_faults, steps, 4, seed)
-    t0 = time.time()
-    res = launch(soak_config(run_dir, steps, ",".join(faults)), start_method=start_method,
-                 max_restarts=n_faults + 5)
-    wall = time.time() - t0
-    fired, events = _jsonl(run_dir / "chaos.jsonl"), _jsonl(run_dir / "resilience.jsonl")
-    reports, metrics = _jsonl(run_dir / "watchdog.jsonl"), _jsonl(run_dir / "metrics.jsonl")
-    starts = [e["time"] for e in events if e["event"] == "start" and e["restart"] > 0]
+def recovery_times(run_dir: Path) -> dict[str, Any]:
+    """Detect / restart / recover times of the worker faults, and committed steps trained twice, from the
+    run's own records (chaos.jsonl, resilience.jsonl, watchdog.jsonl)."""
+    fired, events = jsonl(run_dir / "chaos.jsonl"), jsonl(run_dir / "resilience.jsonl")
+    reports = jsonl(run_dir / "watchdog.jsonl")
+    starts = [e for e in events if e["event"] == "start"]
     firsts = [e["time"] for e in events if e["event"] == "first_step"]
     restart_s, recover_s, detect_s = [], [], []
     for f in fired:
-        later = [s for s in starts if s > f["time"]]
-        if later:
-            restart_s.append(later[0] - f["time"])
-            after = [x for x in firsts if x > later[0]]
+        nxt = next((s for s in starts if s["time"] > f["time"]), None)
+        if nxt is not None and nxt["restart"] > 0:  # restarted by the agent (not: the launch ended)
+            restart_s.append(nxt["time"] - f["time"])
+            after = [x for x in firsts if x > nxt["time"]]
             if after:
                 recover_s.append(after[0] - f["time"])
         seen = [r["time"] - f["time"] for r in reports if r["culprit"] == f["rank"] and r["time"] > f["time"]
-                and (not later or r["time"] < later[0])]
+                and (nxt is None or r["time"] < nxt["time"])]
         if seen:
             detect_s.append(min(seen))
+    # Attempts in order: where each resumed, how far its checkpoints got; the next one redoes the difference.
+    progress: list[list[int]] = []
+    for e in events:
+        if e["event"] == "start":
+            progress.append([0, 0])
+        elif progress and e["event"] == "resumed":
+            progress[-1] = [e["step"], e["step"]]
+        elif progress and e["event"] == "checkpoint":
+            progress[-1][1] = max(progress[-1][1], e["step"])
+    redone = sum(max(0, a[1] - b[0]) for a, b in zip(progress, progress[1:]))
+    return {"recoveries": sum(1 for s in starts if s["restart"] > 0),
+            "mean_detect_s": _mean(detect_s), "detected_by_watchdog": len(detect_s),
+            "mean_restart_s": _mean(restart_s), "mean_recover_s": _mean(recover_s),
+            "committed_steps_redone": redone}
+
+
+def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeout_s: float) -> dict[str, Any]:
+    from hybridpar.resilience.session import ledger_stats
+
+    ref_dir, run_dir, log = work / "reference", work / "soak", work / "launches.log"
+    work.mkdir(parents=True, exist_ok=True)
+    ref = run_launch(soak_flags(ref_dir, steps, tp), ref_dir, log, launch_timeout_s)
+    ref_metrics = jsonl(ref_dir / "metrics.jsonl")
+    if ref.end != "finished" or not ref_metrics or not ref_metrics[-1].get("final"):
+        raise RuntimeError(f"the fault-free reference run did not finish ({ref.end}, exit {ref.code}): see {log}")
+    ref_losses = {r["step"]: r["loss"] for r in ref_metrics if "loss" in r}
+    plan = plan_faults(n_faults, steps, seed, world=2 * tp)
+    kills, foreign = list(plan.launcher_kills), list(plan.foreign)
+    launches: list[Launch] = []
+    refused = tried = 0
+    load0 = round(os.getloadavg()[0], 2)
+    run_id = None
+    t0 = time.time()
+    # Each launch ends finished, preempted or killed; a failure or a timeout ends the soak (and fails it).
+    while len(launches) < 3 + len(plan.launcher_kills) + sum(":term@" in f for f in plan.worker):
+        kill = kills[0] if kills else (None, 0.0)
+        flags = soak_flags(run_dir, steps, tp, **{"resilience.max_restarts": n_faults + 5,
+                                              "emulate.fault": ",".join(plan.worker),
+                                              "checkpoint.resume": "auto" if launches else "off"})
+        launch = run_launch(flags, run_dir, log, launch_timeout_s, *kill)
+        launches.append(launch)
+        run_id = run_id or run_id_of(run_dir)  # None until a launch got as far as claiming the directory
+        if launch.end == "launcher_killed":
+            kills.pop(0)
+        going_on = launch.end in ("preempted", "launcher_killed")
+        done = steps_checkpointed(run_dir)
+        for f in [f for f in foreign if f <= done or not going_on]:  # between launches (after the last: all)
+            foreign.remove(f)
+            tried += 1
+            other = soak_flags(run_dir, steps, tp, **{"train.seed": Config().train.seed + tried,
+                                                      "checkpoint.resume": "off"})
+            refused += foreign_run_refused(other, run_dir, log)
+        if not going_on:
+            break
+    wall = time.time() - t0
+    metrics = jsonl(run_dir / "metrics.jsonl")
     step_recs = [r for r in metrics if "loss" in r and "step" in r]
-    ref_losses = ref["losses"]
     final = metrics[-1] if metrics and metrics[-1].get("final") else {}
-    ledger = ledger_stats(final.get("samples_applied", []), steps, 8) if final else {}
+    fired = [f["fault"] for f in jsonl(run_dir / "chaos.jsonl")]
+    by_kind = {k: sum(f.split(":")[1].split("@")[0].split("=")[0] == k for f in fired)
+               for k in KINDS if k not in ("launcher", "foreign")}
+    by_kind.update(launcher_kill=sum(x.end == "launcher_killed" for x in launches), foreign_run=tried)
+    ends = [x.end for x in launches]
+    gone = [x.gone_s for x in launches if x.gone_s is not None]
     return {
-        "faults_planned": len(faults), "faults_injected": len(fired), "recoveries": len(starts),
-        **ledger,
-        "params_identical": res is not None and res["params_digest"] == ref["params_digest"],
-        "losses_identical": {r["step"] for r in step_recs} == set(range(steps))
+        "faults_planned": n_faults, "faults_injected": sum(by_kind.values()), "injected_by_kind": by_kind,
+        "launches": len(launches), "launch_ends": {e: ends.count(e) for e in dict.fromkeys(ends)},
+        **(ledger_stats(final.get("samples_applied", []), steps, SOAK["train.global_batch"]) if final else {}),
+        "params_identical": final.get("params_digest") == ref_metrics[-1]["params_digest"],
+        "losses_identical": sorted(r["step"] for r in step_recs) == list(range(steps))
                             and all(r["loss"] == ref_losses[r["step"]] for r in step_recs),
-        "mean_detect_s": _mean(detect_s), "detected_by_watchdog": len(detect_s),
-        "mean_restart_s": _mean(restart_s), "mean_recover_s": _mean(recover_s),
-        "steps_recomputed": len(step_recs) - steps, "soak_wall_s": round(wall, 1),
-        "faults": [f["fault"] for f in fired],
+        "run_id_kept": final.get("run_id") == run_id,
+        "exit_codes_honest": all(x.honest() for x in launches),
+        "orphaned_workers": sum(x.orphans for x in launches),
+        "mean_workers_gone_s": _mean(gone), "max_workers_gone_s": max(gone, default=None),
+        "foreign_run_refused": refused,
+        **recovery_times(run_dir), "soak_wall_s": round(wall, 1),
+        "load_avg_1m": [load0, round(os.getloadavg()[0], 2)],  # at start and end: other jobs slow it all down
+        "faults": fired, "launch_log": [asdict(x) for x in launches],
     }
 
 
 def checkpoint_cost(work: Path, steps: int, start_method: str) -> dict[str, Any]:
     """Sync vs async save on the default model and layout: seconds the training loop stands still."""
-    from hybridpar.topology.launch import launch
+    import torch
 
+    from hybridpar.launcher import launch
+
+    if start_method == "fork":
+        # A forked worker hangs in libgomp at its first parallel op if its parent ever ran one, and
+        # launch()'s pre-flight does (the corpus scan): this process, which trains nothing, keeps to one
+        # intra-op thread, so it never starts an OpenMP team (the workers set their own thread count).
+        torch.set_num_threads(1)
     out: dict[str, Any] = {}
     for mode in ("sync", "async"):
         cfg = Config()
@@ -137,7 +246,7 @@ def checkpoint_cost(work: Path, steps: int, start_method: str) -> dict[str, Any]
         cfg.checkpoint.every, cfg.checkpoint.async_save = 2, mode == "async"
         cfg.run_dir = str(work / f"ckpt-{mode}")
         launch(cfg, start_method=start_method, max_restarts=0)
-        saves = [e for e in _jsonl(work / f"ckpt-{mode}" / "resilience.jsonl") if e["event"] == "checkpoint"]
+        saves = [e for e in jsonl(work / f"ckpt-{mode}" / "resilience.jsonl") if e["event"] == "checkpoint"]
         out[mode] = saves
     sync = statistics.median(e["stall_s"] for e in out["sync"])
     stall = statistics.median(e["stall_s"] for e in out["async"])
@@ -148,24 +257,38 @@ def checkpoint_cost(work: Path, steps: int, start_method: str) -> dict[str, Any]
             "ckpt_saves_per_mode": len(out["sync"])}
 
 
+def passed(result: dict[str, Any]) -> bool:
+    """Nothing lost, doubled or changed, and every adversary's attempt met as it must be."""
+    return bool(result["params_identical"] and result["losses_identical"] and result["run_id_kept"]
+                and result.get("lost_samples") == 0 and result.get("duplicated_samples") == 0
+                and result["exit_codes_honest"] and result["orphaned_workers"] == 0
+                and result["foreign_run_refused"] == result["injected_by_kind"]["foreign_run"])
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=32, help="random faults in the soak (default 32)")
     ap.add_argument("--steps", type=int, default=40, help="training steps of the soak run (default 40)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--ckpt-steps", type=int, default=12, help="steps of each checkpoint-cost run (default 12)")
+    ap.add_argument("--tp", type=int, default=2, choices=(1, 2),
+                    help="tensor-parallel size of the soak, with pp 2 (default 2: 4 processes; 1: 2 processes)")
+    ap.add_argument("--ckpt-steps", type=int, default=12,
+                    help="steps of each checkpoint-cost run (default 12; 0 skips the checkpoint cost)")
     ap.add_argument("--start-method", default="fork", choices=("fork", "spawn"),
-                    help="how the agent starts workers (fork: faster restarts; CPU only)")
+                    help="how the checkpoint-cost runs' agent starts workers (fork: faster; CPU only)")
+    ap.add_argument("--launch-timeout-s", type=float, default=1800.0,
+                    help="longest one launch of the soak may take before it is killed and the soak fails")
     ap.add_argument("--json", help="also write the result to this file")
-    ap.add_argument("--work-dir", help="keep run directories here (default: a temporary directory)")
+    ap.add_argument("--work-dir", help="keep run directories and launches.log here (default: a temporary directory)")
     a = ap.parse_args(argv)
-    if a.steps < 3 or a.faults < 1:
-        ap.error("--steps must be >= 3 and --faults >= 1")
+    if a.steps < 3 or a.faults < 1 or a.ckpt_steps < 0 or not 0 < a.launch_timeout_s < float("inf"):
+        ap.error("--steps must be >= 3, --faults >= 1, --ckpt-steps >= 0 and --launch-timeout-s a positive number")
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="hybridpar-chaos-"))
     try:
-        result = {"bench": "chaos", "mode": "soak through hybridpar.launch (torch elastic agent), CPU/gloo",
-                  "seed": a.seed, "steps": a.steps, **soak(work, a.faults, a.steps, a.seed, a.start_method),
-                  **checkpoint_cost(work, a.ckpt_steps, a.start_method)}
+        result = {"bench": "chaos", "mode": "soak through `hybridpar train` (torch elastic agent), CPU/gloo",
+                  "seed": a.seed, "steps": a.steps, "layout": f"tp{a.tp} x pp2",
+                  **soak(work, a.faults, a.steps, a.seed, a.tp, a.launch_timeout_s),
+                  **(checkpoint_cost(work, a.ckpt_steps, a.start_method) if a.ckpt_steps else {})}
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)
@@ -174,5 +297,4 @@ def main(argv: list[str]) -> int:
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(text + "\n")
-    ok = result["params_identical"] and not result["lost_samples"] and not result["duplicated_samples"]
-    return 0 if ok else 1
+    return 0 if passed(result) else 1
