@@ -83,12 +83,7 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     from hybridpar.train import enter_worker, train
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
-    try:
-        cfg, notes = enter_worker(Config.from_dict(cfg_dict), restarts)  # the pre-flight `launch` ran, again
-    except SystemExit as e:
-        if e.code == 0:  # preempted before a restart: nothing to train, as a preempted run returns
-            return None
-        raise
+    cfg, notes = enter_worker(Config.from_dict(cfg_dict), restarts)  # the pre-flight `launch` ran, again
     bind_local_rank(cfg.parallel.cpu_bind)  # before any thread starts
     if notes and os.environ.get("RANK") == "0":
         print("\n".join(notes), flush=True)

@@ -132,8 +132,7 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     ck = cfg.checkpoint
     ck_dir = checkpoint_dir(cfg)
     session = Session(cfg, topo, trainer, ck_dir, restart_count, run_id,
-                      owner_check=lambda: rundir.lock_holder_ok(run_dir, token),
-                      on_preempt=lambda: rundir.record_state(run_dir, token, preempt_requested=True))
+                      owner_check=lambda: rundir.lock_holder_ok(run_dir, token))
     sessions.append(session)
     saved = None
     if ck.resume != "off":
@@ -224,11 +223,6 @@ def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
         rec = rundir.read_run(run_dir)
         if rec and rec.get("launch") == token and rec.get("state") == "failed" and rec.get("permanent"):
             raise SystemExit(2)  # restarted after a failure that would repeat: end now, said once already
-        if rec and rec.get("launch") == token and rec.get("preempt_requested") and restarts > 0:
-            # SIGTERM reached a worker, then a failure restarted the group before the preemption
-            # checkpoint: stop as asked; the newest checkpoint stays what `--resume auto` continues from.
-            rundir.record_state(run_dir, token, state="preempted")
-            raise SystemExit(0)
     try:
         return preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts, verify=False)
     except ValueError as e:

@@ -139,24 +139,3 @@ def test_parent_death_signal_is_set(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert out.stdout.split() == ["True", "False"], out.stderr
-
-
-def test_a_restart_after_a_sigterm_stops_as_preempted(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """A SIGTERM reached a worker, then another worker failed before the preemption checkpoint: the
-    restarted workers stop at once (exit 0, state preempted -> the launcher's 143) instead of training on."""
-    import hybridpar.train as train_mod
-    from hybridpar.config import Config
-
-    c = rundir.claim(tmp_path, tmp_path / "ck", "off", overwrite=False)
-    monkeypatch.setenv(rundir.TOKEN_ENV, c.token)
-    monkeypatch.setattr(train_mod, "die_with_parent", lambda pid: True)
-    cfg = Config()
-    cfg.run_dir = str(tmp_path)
-    assert rundir.record_state(tmp_path, c.token, preempt_requested=True)
-    with pytest.raises(SystemExit) as e:
-        train_mod.enter_worker(cfg, restarts=1)
-    assert e.value.code == 0 and rundir.exit_code(tmp_path, c.token)[0] == 143
-    c.release()
-    again = rundir.claim(tmp_path, tmp_path / "ck", "auto", overwrite=False)  # the next launch starts clean
-    assert rundir.read_run(tmp_path)["preempt_requested"] is False
-    again.release()

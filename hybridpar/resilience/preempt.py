@@ -11,19 +11,15 @@ import signal
 import sys
 import threading
 from types import FrameType
-from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 
 class Preemption:
-    def __init__(self, on_request: Callable[[], None] = lambda: None) -> None:
-        """`on_request()` runs once, in the handler: it records the request where a restarted worker
-        finds it (run.json), so a failure elsewhere before the checkpoint does not make it forgotten."""
+    def __init__(self) -> None:
         self.requested = False
         self._previous = None
-        self._on_request = on_request
 
     def install(self) -> "Preemption":
         if threading.current_thread() is threading.main_thread():  # signal handlers live on the main thread
@@ -41,10 +37,6 @@ class Preemption:
             signal.raise_signal(signal.SIGTERM)
             return
         self.requested = True
-        try:
-            self._on_request()
-        except OSError:
-            pass  # the flag still stops this attempt; only a restart would not know
         print("hybridpar: SIGTERM: finishing this step, then checkpointing and exiting (send again to stop now)",
               file=sys.stderr, flush=True)
 

@@ -183,7 +183,6 @@ def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> RunClaim
         run_id = rec["run_id"] if rec else secrets.token_hex(6)
         write_run(run_dir, {**(rec or {"format": FORMAT, "run_id": run_id, "created": time.time()}),
                             "state": "running", "launch": token, "error": None, "permanent": False,
-                            "preempt_requested": False,
                             "updated": time.time()})
     except BaseException:
         os.close(fd)

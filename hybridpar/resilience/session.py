@@ -53,8 +53,7 @@ def ledger_stats(runs: list[list[int]], steps: int, global_batch: int) -> dict[s
 
 class Session:
     def __init__(self, cfg: Config, topo: Topology, trainer: Any, ck_dir: Path, restart_count: int = 0,
-                 run_id: str | None = None, owner_check: Callable[[], str | None] = lambda: None,
-                 on_preempt: Callable[[], None] = lambda: None) -> None:
+                 run_id: str | None = None, owner_check: Callable[[], str | None] = lambda: None) -> None:
         """`run_id` goes into every checkpoint; `owner_check()` is asked before each commit whether this
         run still owns its directory (resilience/rundir.py)."""
         self.cfg, self.topo, self.trainer, self.ck_dir = cfg, topo, trainer, ck_dir
@@ -74,7 +73,7 @@ class Session:
         install(self.probe, trainer)
         # Installed when the step loop starts (`resumed`): SIGTERM during setup keeps its default action, so
         # the agent can stop a worker group that never got going without waiting out its grace period.
-        self.preemption = Preemption(on_preempt)
+        self.preemption = Preemption()
         self.writer = AsyncCheckpointer(topo, cfg.parallel.timeout_s) if cfg.checkpoint.async_save else None
         self._first_step_logged = False
         self.event("start", restart=restart_count, world=topo.dims.world_size)
