@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 import sys
+from pathlib import Path
 from typing import Callable
 
 from hybridpar.config import Config, help_text, parse_args
@@ -100,6 +101,13 @@ def launch_train(argv: list[str]) -> int:
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
         cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
+        if (nnodes == "1" and not overwrite and cfg.checkpoint.resume == "off" and cfg.checkpoint.dir is None
+                and _flag(ours, "--run-dir", "--run_dir") is None and cfg.run_dir == Config().run_dir):
+            # The default directory (the README's first command, run again): the last run moves aside.
+            from hybridpar.resilience.rundir import set_aside
+
+            if (moved := set_aside(Path(cfg.run_dir))) is not None:
+                print(f"hybridpar: the previous run in {cfg.run_dir} moved to {moved}")
         # Several nodes: the run directory and its record live where rank 0 runs, not necessarily here, so
         # this launcher neither holds nor reads them; rank 0 claims the directory as under plain torchrun.
         claim = start_launch(cfg, overwrite) if nnodes == "1" else None

@@ -139,3 +139,13 @@ def test_parent_death_signal_is_set(tmp_path: Path) -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
                          env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
     assert out.stdout.split() == ["True", "False"], out.stderr
+
+
+def test_the_default_run_directory_moves_aside_unless_in_use(tmp_path: Path) -> None:
+    run = tmp_path / "latest"
+    c = rundir.claim(run, run / "checkpoints", "off", overwrite=False)
+    assert rundir.set_aside(run) is None and run.is_dir()  # held by a launch: nothing moves
+    c.release()
+    moved = rundir.set_aside(run)
+    assert moved == tmp_path / f"run-{c.run_id}" and rundir.read_run(moved)["run_id"] == c.run_id
+    assert not run.exists() and rundir.set_aside(run) is None

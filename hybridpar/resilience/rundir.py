@@ -190,6 +190,29 @@ def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> RunClaim
     return RunClaim(run_dir, run_id, token, fd, note)
 
 
+def set_aside(run_dir: Path) -> Path | None:
+    """Move the finished or stopped run in `run_dir` to a sibling `run-<run id>` directory (for the default
+    run directory only, so the plain `hybridpar train` can be run again without losing the last run).
+    None, and nothing moved, if there is no run record or a launch holds the directory."""
+    run_dir = Path(run_dir)
+    rec = read_run(run_dir)
+    if rec is None:
+        return None
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None  # in use: the claim refuses it with the holder named
+        dest = run_dir.with_name(f"run-{rec['run_id']}")
+        if dest.exists():
+            return None
+        os.rename(run_dir, dest)
+        return dest
+    finally:
+        os.close(fd)
+
+
 def lock_info(run_dir: Path) -> dict[str, Any]:
     """What the launcher wrote into the lock file (pid, host, token); {} if unreadable."""
     try:
