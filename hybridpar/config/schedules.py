@@ -200,3 +200,27 @@ register(ScheduleSpec(
     "zb-h1", "1F1B with the backward split into B and W, Ws deferred into the bubble (Qi et al., 2024)",
     f"{_BUILDERS}:build_zb_h1", zb_h1_bubble, splits_backward=True, torch_peer="ScheduleInterleavedZeroBubble",
     fallback="1f1b"))
+
+
+def zb_v_bubble(pp: int, v: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
+    """ZB-V (pipeline/zbv.py), per-chunk costs t_f, t_b (B), t_w (W). Each rank idles
+    max((p-1) t_b, 2 (p-1)(t_b - t_w), t_b + (p-2) t_w). The first term rules for t_b / 2 <= t_w <= t_b,
+    the paper's design point t_f = t_b = t_w among them (Qi et al., 2024, Sec. 6), where the bubble is
+    (p-1) / (6 m + p-1), about half of ZB-H1's; the second when W is too short to fill the wait for a
+    gradient in the steady rounds (with t_f = t_b it is the paper's (p-1)(T_F + T_B - 2 T_W), T one
+    chunk's cost); the third when W is longer than B: the Ws the cool-down still owes. Found from, and
+    checked in tests/test_zbv.py against, the event simulation of the schedule for random costs with
+    t_f <= t_b (a transformer's B is not cheaper than its F); a faster B makes the steady rounds wait in
+    ways this closed form does not cover, so it refuses them. Fraction: idle / (2 m (t_f + t_b + t_w) + idle).
+    """
+    if t_f > t_b:
+        raise ValueError(f"zb-v's bubble formula needs t_f <= t_b, got t_f={t_f} > t_b={t_b}")
+    idle = max((pp - 1) * t_b, 2 * (pp - 1) * (t_b - t_w), t_b + (pp - 2) * t_w)
+    return idle / (2 * m * (t_f + t_b + t_w) + idle)
+
+
+register(ScheduleSpec(
+    "zb-v", "two chunks per rank in a V (rank r: stages r and 2 pp - 1 - r), backward split into B and W "
+    "(Qi et al., 2024)", "hybridpar.pipeline.zbv:build_zb_v", zb_v_bubble, placement="v", min_pp=2,
+    min_microbatches_rule=(2, -1), virtual_stages=(2,), default_virtual_stages=2, splits_backward=True,
+    torch_peer="ScheduleZBVZeroBubble", fallback="zb-h1"))
