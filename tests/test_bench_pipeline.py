@@ -154,6 +154,24 @@ def test_smoke_zb_h1_emulated_against_torch(tmp_path):
     assert any("measured" in p for p in procs) and any("simulated" in p for p in procs)
 
 
+@pytest.mark.timeout(120)
+def test_smoke_zb_v_emulated_against_torch(tmp_path):
+    out = tmp_path / "bench.json"
+    # pp=2: two chunks per rank in a V, the first and last stage (so the loss) on rank 0.
+    rc = main(["--mode", "emulated", "--pp", "2", "--microbatches", "3", "--schedules", "zb-v",
+               "--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--ping-pongs", "10",
+               "--json", str(out)])
+    assert rc == 0
+    (rec,) = json.loads(out.read_text())
+    assert rec["schedule"] == "zb-v" and rec["virtual_stages"] == 2 and rec["w_ms"] == 1.0
+    # torch's ScheduleZBVZeroBubble on the same V placement: same loss and gradients.
+    assert rec["torch_error"] is None and rec["loss_match"] is True and rec["grad_rel_diff"] <= 1e-5
+    assert rec["torch_steps_per_s"] > 0 and 0 <= rec["torch_bubble_measured"] < 1
+    assert 0 < rec["bubble_theory"] < 1
+    check_prediction(rec)
+    assert list(rec["hop_latency_per_link_s"]) == ["0->1"]  # the V's turn is local: one link
+
+
 def _grads(stage) -> list[torch.Tensor]:
     return [p.grad.clone() for p in stage.parameters()]
 
@@ -234,6 +252,7 @@ def test_uneven_batch_measures_ours_without_torch(tmp_path):
     (["--microbatches", "6", "--pp", "4", "--schedules", "interleaved-1f1b"], "divisible by pp"),
     (["--mode", "compute", "--layers", "2", "--pp", "4", "--schedules", "1f1b"], "fewer than the 4 stages"),
     (["--schedules", "zb-h1", "--b-ms", "4", "--w-ms", "5"], "--w-ms must be between 0 and --b-ms"),
+    (["--pp", "4", "--microbatches", "6", "--schedules", "zb-v"], "schedule=zb-v needs microbatches ≥ 2 × pp - 1 = 7"),
     (["--ping-pongs", "0"], "--ping-pongs must be at least 1"),
 ])
 def test_bad_inputs_are_refused_before_any_process(args, msg, capsys):
