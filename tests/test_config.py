@@ -130,7 +130,7 @@ def test_range_edges_that_are_allowed() -> None:
 
 def test_unknown_schedule_suggests_the_closest() -> None:
     invalid(make(parallel__schedule="1f1"),
-            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1 (did you mean '1f1b'?)")
+            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v (did you mean '1f1b'?)")
 
 
 def test_unknown_partition_and_backend() -> None:

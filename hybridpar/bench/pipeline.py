@@ -1,7 +1,7 @@
 """hybridpar's pipeline runtime side by side with torch.distributed.pipelining, in one invocation.
 
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
-        [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1] [--virtual-stages 2] [--repeats 5] [--steps 4]
+        [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zb-v] [--virtual-stages 2] [--repeats 5] [--steps 4]
         [--f-ms 20 --b-ms 40 [--w-ms 20]] [--window-tail autograd|spin] [--p2p auto|process_group|shared_memory] [--cpu-bind none|cores] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
         [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
