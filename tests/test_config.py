@@ -70,8 +70,8 @@ def test_config_package_does_not_import_torch() -> None:
 # ---- validate: ranges -------------------------------------------------------------------------------------------
 
 COUNTS = ["model__vocab_size", "model__dim", "model__n_layers", "model__n_heads", "model__n_kv_heads",
-          "model__n_positions", "model__ffn_dim", "parallel__tp", "parallel__pp", "parallel__dp", "parallel__virtual_stages",
-          "train__steps", "train__global_batch", "train__microbatches", "train__seq_len", "train__val_batches",
+          "model__n_positions", "model__ffn_dim", "parallel__tp", "parallel__pp", "parallel__dp",
+          "parallel__virtual_stages", "train__steps", "train__global_batch", "train__microbatches", "train__seq_len", "train__val_batches",
           "data__max_bytes"]
 
 

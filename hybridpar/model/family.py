@@ -45,7 +45,8 @@ class Family:
     to_hf: HFWriter = same_layout_writer
 
 
-def refuse_unsupported(d: dict[str, Any], where: str, rules: tuple[tuple[str, Callable[[Any], bool], str], ...]) -> None:
+def refuse_unsupported(d: dict[str, Any], where: str,
+                       rules: tuple[tuple[str, Callable[[Any], bool], str], ...]) -> None:
     """ValueError for the first (key, accepts, what it must be) of `rules` whose value `d` has is refused."""
     for key, ok, want in rules:
         if not ok(d.get(key)):

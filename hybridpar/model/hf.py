@@ -11,7 +11,7 @@ three slices of a transposed one.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -55,7 +55,7 @@ class SafetensorsDir:
         self._open = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
         self.where = {k: f for f, h in self._open.items() for k in h.keys()}
 
-    def _slice(self, name: str):  # safetensors' PySafeSlice
+    def _slice(self, name: str) -> Any:  # safetensors' PySafeSlice
         if name not in self.where:
             raise ValueError(f"{self.path}: tensor {name!r} is missing from the checkpoint")
         return self._open[self.where[name]].get_slice(name)
