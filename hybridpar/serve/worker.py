@@ -79,7 +79,7 @@ def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelCo
                      "(config.json + *.safetensors), a hybridpar run directory, checkpoint directory or final_model.pt")
 
 
-def _open(source: str, cfg: ModelConfig, stage: Stage) -> tuple[TensorSource, bool]:
+def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:
     """(the source's tensors, whether they are in the Hugging Face layout rather than ours)."""
     p = Path(source)
     if (p / "config.json").is_file():
@@ -93,7 +93,7 @@ def _open(source: str, cfg: ModelConfig, stage: Stage) -> tuple[TensorSource, bo
         raise ValueError(f"checkpoint {p} cannot be used: {why}")
     # Only this stage's tensors, at full size (DCP reshards on load); TP slicing happens when loading.
     names = {stage.stored_name(n) for n, _ in stage.named_parameters()}
-    state = {n: torch.empty(shape, dtype=torch.float32) for n, shape in full_shapes(cfg).items() if n in names}
+    state = {n: torch.empty(shape, dtype=torch.float32) for n, shape in full_shapes(stage.cfg).items() if n in names}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_dcp.load(state, p, no_dist=True)  # metadata through an allowlisting unpickler, not pickle.load
@@ -110,7 +110,7 @@ def build_serving_stage(spec: WorkerSpec, topo: Topology) -> Stage:
         return build_stage(cfg, parts[s], first, last, int(spec.source[5:]), topo.device, tp_group).eval()
     # Sharded while empty: loading then reads only this rank's slices.
     stage = empty_stage(cfg, parts[s], first, last, topo.device, tp_group)
-    src, hf_layout = _open(spec.source, cfg, stage)
+    src, hf_layout = _open(spec.source, stage)
     load_stage_(stage, src, hf_layout, topo.tp_rank, spec.tp)
     return stage.eval()
 
