@@ -6,8 +6,8 @@ Re-plan policy (`replan`), for a world of W processes:
    heads, kv heads, FFN and vocabulary (tensor-parallel peers must hold equal shards).
 2. pp: keep it if it divides W / tp and the model has enough layers; otherwise the largest such divisor
    below it. The schedule stays if it is valid for the new pp, layers and microbatches (its registry
-   entry's constraints), else its registered fallback (`ScheduleSpec.fallback`: interleaved and ZB-H1
-   fall back to 1F1B, 1F1B to GPipe), with that schedule's default virtual stages.
+   entry's constraints), else its registered fallback (`ScheduleSpec.fallback`: ZB-V to ZB-H1,
+   interleaved and ZB-H1 to 1F1B, 1F1B to GPipe), with that schedule's default virtual stages.
 3. dp = W / (tp * pp) takes the rest. train.global_batch never changes, and sample order depends only on
    (seed, step), so the run sees the same samples in the same order; microbatches per replica are kept
    if each replica still has that many samples, else lowered; explicit microbatch_sizes are dropped
