@@ -28,7 +28,8 @@ def preflight(cfg: Config, world: int | None, restart_count: int = 0, *, verify:
     """The config a worker runs on `world` processes after `restart_count` restarts (re-planned if a
     resume changes the world size), and lines to print; ValueError for anything that cannot run.
     `world` None (unknown until the rendezvous, e.g. --nproc-per-node auto) checks the layout without it.
-    `verify` False skips hashing an explicitly named checkpoint (workers: rank 0 verifies it on resume)."""
+    `verify` False skips the checks a worker repeats anyway (reading the corpus, which the Trainer loads
+    with the same errors; hashing a named checkpoint, which rank 0 verifies on resume)."""
     from hybridpar.balance.emulate import SlowdownPlan
     from hybridpar.resilience.chaos import parse_faults
     from hybridpar.resilience.elastic import layout_for_world
@@ -44,7 +45,8 @@ def preflight(cfg: Config, world: int | None, restart_count: int = 0, *, verify:
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
-    _check_data(cfg)
+    if verify:
+        _check_data(cfg)
     _check_resume(cfg, verify)
     return cfg, notes
 
