@@ -43,15 +43,15 @@ def _full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
 
 
 def gather_full_state(topo: Topology, stages: dict[int, LlamaStage], parts: Sequence[range],
-                      cfg: ModelConfig) -> dict[str, torch.Tensor] | None:
+                      cfg: ModelConfig, stage_ranks: Sequence[int]) -> dict[str, torch.Tensor] | None:
     """Collective over the whole world (call on every rank): rank 0 gets {name: full cpu fp32 tensor}
-    in definition order, other ranks None. Replica dp=0 is the source (replicas are identical)."""
+    in definition order, other ranks None. Replica dp=0 is the source (replicas are identical).
+    `stage_ranks[s]` is the pipeline rank holding stage s (the schedule's placement)."""
     shapes = _full_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
-    pp = topo.dims.pp
     for name in canonical_param_names(cfg):
         s = stage_of_param(name, parts)
-        owner = topo.dims.rank_of(0, s % pp, 0)
+        owner = topo.dims.rank_of(0, stage_ranks[s], 0)
         if topo.dp_rank == 0 and s in stages:
             p = stages[s].get_parameter(name)
             full = full_tensor(p, topo.group("tp") if topo.dims.tp > 1 else None)  # collective over tp

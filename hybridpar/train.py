@@ -54,7 +54,7 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
     p = cfg.parallel
     return {"step": done, "config": cfg.to_dict(), "partition": [[r.start, r.stop] for r in trainer.parts],
             "batch_plan": [list(s) for s in trainer.plan.sizes],
-            "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.virtual_stages,
+            "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.chunks,
                        "world_size": trainer.topo.dims.world_size},
             "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
             # The adaptive microbatch policy's measurements: a resumed run goes on from them instead of
@@ -192,7 +192,7 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     if cfg.trace:
         write_run_trace(cfg.trace, topo.rank, topo.dims.world_size, trace_rows, dist.barrier)
     session.close()
-    state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model)
+    state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model, trainer.stage_ranks)
     if rank0:
         res.state, res.digest = state, params_digest(state.items())
         writer.write({"final": True, "run_id": run_id, "params_digest": res.digest, "steps": t.steps,

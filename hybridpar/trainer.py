@@ -24,6 +24,7 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
 from hybridpar.grads import DataParallelGrads, PlaneGrads, clip_grad_norm, sync_tied_embeddings
 from hybridpar.model.llama import LlamaStage, build_stage
@@ -58,15 +59,16 @@ class Trainer:
         self.parts = layer_partition(cfg)
         self.n_stages = p.n_stages
         self.stages: dict[int, LlamaStage] = {}
-        for chunk in range(p.virtual_stages):
-            s = chunk * p.pp + topo.pp_rank
+        # Pipeline rank of each stage: the schedule's placement (s % pp, or ZB-V's V).
+        self.stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+        for s in (s for s, r in enumerate(self.stage_ranks) if r == topo.pp_rank):
             st = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed, topo.device)
             self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
         self.p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
-        self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(s % p.pp), self.p2p,
+        self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(self.stage_ranks[s]), self.p2p,
                                        cfg.model.dim)
         named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
         self.opt = make_optimizer(named, t)
@@ -91,7 +93,7 @@ class Trainer:
         """This rank's action list for `count` microbatches (built once per count: adaptive plans vary it)."""
         if count not in self._actions:
             p = self.cfg.parallel
-            acts = build_schedule(p.schedule, p.pp, p.virtual_stages, count, p.recv_lookahead)[self.topo.pp_rank]
+            acts = build_schedule(p.schedule, p.pp, p.chunks, count, p.recv_lookahead)[self.topo.pp_rank]
             self._actions[count] = (acts, forward_actions(acts))
         return self._actions[count][0 if train else 1]
 
@@ -101,7 +103,7 @@ class Trainer:
         planned = self.plan.sizes[self.topo.dp_rank]
         if planned not in self._orders:
             p = self.cfg.parallel
-            self._orders[planned] = pipeline_order(planned, p.schedule, p.pp, p.virtual_stages)
+            self._orders[planned] = pipeline_order(planned, p.schedule, p.pp, p.chunks)
         sizes = self._orders[planned]
         xs = list(torch.split(x.to(self.topo.device), sizes))
         ys = list(torch.split(y.to(self.topo.device), sizes))

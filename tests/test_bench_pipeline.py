@@ -105,21 +105,33 @@ def test_emulated_stage_is_deterministic_and_timed_wrapper_is_exact():
     assert h.grad is not None
 
 
+def _emulated(tmp_path, *args: str) -> dict:
+    """One emulated case through the benchmark's entry point: its one JSON record."""
+    out = tmp_path / "bench.json"
+    assert main(["--mode", "emulated", *args, "--json", str(out)]) == 0
+    (rec,) = json.loads(out.read_text())
+    return rec
+
+
+def _same_as_torch(rec: dict) -> None:
+    """torch ran the case and computed the same loss and gradients."""
+    assert rec["torch_error"] is None and rec["loss_match"] is True and rec["grad_rel_diff"] <= 1e-5
+    assert rec["torch_steps_per_s"] > 0 and 0 <= rec["torch_bubble_measured"] < 1
+
+
+QUICK = ("--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--ping-pongs", "10")
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_smoke_emulated_against_torch(tmp_path):
-    out = tmp_path / "bench.json"
-    rc = main(["--mode", "emulated", "--pp", "2", "--microbatches", "4", "--schedules", "1f1b",
-               "--f-ms", "2", "--b-ms", "4", "--repeats", "2", "--steps", "2", "--cpu-bind", "cores",
-               "--json", str(out)])
-    assert rc == 0
-    (rec,) = json.loads(out.read_text())
+    rec = _emulated(tmp_path, "--pp", "2", "--microbatches", "4", "--schedules", "1f1b", "--f-ms", "2",
+                    "--b-ms", "4", "--repeats", "2", "--steps", "2", "--cpu-bind", "cores")
     for f in FIELDS:
         assert f in rec, f
     assert rec["mode"] == "emulated" and rec["schedule"] == "1f1b" and rec["pp"] == 2 and rec["repeats"] == 2
-    assert rec["loss_match"] is True and rec["torch_error"] is None
-    assert rec["grad_rel_diff"] <= 1e-5
-    assert rec["hybridpar_steps_per_s"] > 0 and rec["torch_steps_per_s"] > 0 and rec["ratio"] > 0
+    _same_as_torch(rec)
+    assert rec["hybridpar_steps_per_s"] > 0 and rec["ratio"] > 0
     for key in ("bubble_measured", "torch_bubble_measured", "bubble_theory"):
         assert 0 <= rec[key] < 1, (key, rec[key])
     check_prediction(rec)
@@ -132,18 +144,13 @@ def test_smoke_emulated_against_torch(tmp_path):
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_smoke_zb_h1_emulated_against_torch(tmp_path):
-    out = tmp_path / "bench.json"
     # pp=3: a middle stage, whose output torch's split backward detaches in place.
-    rc = main(["--mode", "emulated", "--pp", "3", "--microbatches", "4", "--schedules", "zb-h1",
-               "--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--ping-pongs", "10",
-               "--trace-dir", str(tmp_path / "traces"), "--json", str(out)])
-    assert rc == 0
-    (rec,) = json.loads(out.read_text())
+    rec = _emulated(tmp_path, "--pp", "3", "--microbatches", "4", "--schedules", "zb-h1", *QUICK,
+                    "--trace-dir", str(tmp_path / "traces"))
     assert rec["schedule"] == "zb-h1" and rec["w_ms"] == 1.0  # half of --b-ms by default
     # torch's ScheduleInterleavedZeroBubble with one stage per rank is the peer; same loss and gradients
     # through both split backwards (torch's graph-based one, ours via the stage's W hooks).
-    assert rec["torch_error"] is None and rec["loss_match"] is True and rec["grad_rel_diff"] <= 1e-5
-    assert rec["torch_steps_per_s"] > 0 and 0 <= rec["torch_bubble_measured"] < 1
+    _same_as_torch(rec)
     check_prediction(rec)
     assert set(rec["sleep_overshoot_s"]) == {"F", "B", "W"} and "W" in rec["compute_overhead_s"]
     trace = json.loads((tmp_path / "traces" / "emulated-zb-h1-pp3-v1-m4.json").read_text())
@@ -154,6 +161,18 @@ def test_smoke_zb_h1_emulated_against_torch(tmp_path):
                                                       for a in acts}
     procs = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert any("measured" in p for p in procs) and any("simulated" in p for p in procs)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_smoke_zb_v_emulated_against_torch(tmp_path):
+    # pp=2: two chunks per rank in a V, the first and last stage (so the loss) on rank 0.
+    rec = _emulated(tmp_path, "--pp", "2", "--microbatches", "3", "--schedules", "zb-v", *QUICK)
+    assert rec["schedule"] == "zb-v" and rec["virtual_stages"] == 2 and rec["w_ms"] == 1.0
+    _same_as_torch(rec)  # torch's ScheduleZBVZeroBubble, on the same V placement
+    assert 0 < rec["bubble_theory"] < 1
+    check_prediction(rec)
+    assert list(rec["hop_latency_per_link_s"]) == ["0->1"]  # the V's turn is local: one link
 
 
 def _grads(stage) -> list[torch.Tensor]:
@@ -237,6 +256,7 @@ def test_uneven_batch_measures_ours_without_torch(tmp_path):
     (["--microbatches", "6", "--pp", "4", "--schedules", "interleaved-1f1b"], "divisible by pp"),
     (["--mode", "compute", "--layers", "2", "--pp", "4", "--schedules", "1f1b"], "fewer than the 4 stages"),
     (["--schedules", "zb-h1", "--b-ms", "4", "--w-ms", "5"], "--w-ms must be between 0 and --b-ms"),
+    (["--pp", "4", "--microbatches", "6", "--schedules", "zb-v"], "schedule=zb-v needs microbatches ≥ 2 × pp - 1 = 7"),
     (["--ping-pongs", "0"], "--ping-pongs must be at least 1"),
 ])
 def test_bad_inputs_are_refused_before_any_process(args, msg, capsys):

@@ -130,7 +130,7 @@ def test_range_edges_that_are_allowed() -> None:
 
 def test_unknown_schedule_suggests_the_closest() -> None:
     invalid(make(parallel__schedule="1f1"),
-            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1 (did you mean '1f1b'?)")
+            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v (did you mean '1f1b'?)")
 
 
 def test_unknown_partition_and_backend() -> None:
@@ -185,8 +185,18 @@ def test_too_few_layers_for_the_stages() -> None:
 
 
 def test_virtual_stages_need_interleaving() -> None:
-    invalid(make(parallel__virtual_stages=2), "parallel.virtual_stages=2 needs parallel.schedule=interleaved-1f1b")
+    invalid(make(parallel__virtual_stages=2), "parallel.schedule=1f1b runs 1 stage per pipeline rank, got "
+            "parallel.virtual_stages=2: set parallel.virtual_stages=1 (the default) or "
+            "parallel.schedule=interleaved-1f1b")
     make(parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b").validate(4)
+
+
+def test_virtual_stages_default_to_the_schedules_own() -> None:
+    assert make().parallel.virtual_stages is None and make().parallel.n_stages == 2  # 1F1B: one per rank
+    interleaved = make(parallel__schedule="interleaved-1f1b")
+    assert interleaved.parallel.chunks == 2 and interleaved.parallel.n_stages == 4
+    interleaved.validate(4)
+    assert make(parallel__schedule="interleaved-1f1b", parallel__virtual_stages=3).parallel.n_stages == 6
 
 
 def test_interleaving_needs_two_pipeline_ranks() -> None:
@@ -197,14 +207,16 @@ def test_interleaving_needs_two_pipeline_ranks() -> None:
 def test_1f1b_needs_a_microbatch_per_pipeline_rank() -> None:
     invalid(make(parallel__pp=4, train__microbatches=2),
             "parallel.schedule=1f1b needs train.microbatches ≥ parallel.pp=4, got 2")
-    invalid(make(parallel__pp=4, train__microbatches=2, parallel__schedule="interleaved-1f1b"),
+    invalid(make(parallel__pp=4, train__microbatches=2, parallel__schedule="interleaved-1f1b",
+                 parallel__virtual_stages=1),
             "parallel.schedule=interleaved-1f1b needs train.microbatches ≥ parallel.pp=4, got 2")
     make(parallel__pp=4, train__microbatches=1, parallel__schedule="gpipe").validate(8)
 
 
 def test_interleaving_needs_microbatches_divisible_by_pp() -> None:
     invalid(make(parallel__schedule="interleaved-1f1b", train__microbatches=3),
-            "parallel.schedule=interleaved-1f1b needs train.microbatches divisible by parallel.pp=2, got 3")
+            "parallel.schedule=interleaved-1f1b needs train.microbatches divisible by parallel.pp=2, got 3 "
+            "(3 % 2 = 1)")
 
 
 # ---- validate: batch split ----------------------------------------------------------------------------------------

@@ -18,7 +18,7 @@ from hybridpar.resilience.watchdog import RankView, judge
 
 def _layout(cfg: Config) -> tuple:
     p = cfg.parallel
-    return p.tp, p.pp, p.dp, p.schedule, p.virtual_stages, cfg.train.microbatches
+    return p.tp, p.pp, p.dp, p.schedule, p.chunks, cfg.train.microbatches  # chunks: stages per rank
 
 
 def test_replan_policy_keeps_tp_then_pp() -> None:

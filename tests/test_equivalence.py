@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
 from hybridpar.model.llama import build_full_model
 from hybridpar.optim import lr_at, make_optimizer, set_lr
@@ -89,8 +90,18 @@ LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1,
 def schedules_for(pp: int) -> list[tuple[str, int]]:
     out = [("gpipe", 1), ("1f1b", 1)]
     if pp > 1:
-        out += [("interleaved-1f1b", 2), ("zb-h1", 1)]
+        # zb-v: two chunks per rank in a V, the first and last stage (and a tied embedding's two copies)
+        # on rank 0, the turn between its chunks a local hand-off on the last rank.
+        out += [("interleaved-1f1b", 2), ("zb-h1", 1), ("zb-v", 2)]
     return out
+
+
+def grid_config(pp: int, schedule: str, v: int, **over: dict) -> Config:
+    """tiny_config running `schedule`, with the microbatches it needs (zb-v: 2 pp - 1, so 8 at pp=4)."""
+    cfg = tiny_config(**over)
+    cfg.parallel.schedule, cfg.parallel.virtual_stages = schedule, v
+    cfg.train.microbatches = max(cfg.train.microbatches, schedule_spec(schedule).min_microbatches(pp))
+    return cfg
 
 
 _REF: dict[str, tuple] = {}  # the reference depends on model and train settings only
@@ -109,7 +120,7 @@ def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
     for i, cfg in enumerate(cfgs):
         ref_losses, ref_val, ref_state = ref_for(cfg)
         p = cfg.parallel
-        label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={p.virtual_stages}"
+        label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={p.chunks} m={cfg.train.microbatches}"
         losses, val = results[0][i]
         assert len(losses) == len(ref_losses) and len(val) == len(ref_val) == 2
         for (s, a), (_, b) in zip(val, ref_val):
@@ -125,21 +136,21 @@ def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in LAYOUTS])
 def test_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path) -> None:
-    cfgs = [tiny_config(parallel=dict(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v))
-            for s, v in schedules_for(pp)]
+    cfgs = [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp)) for s, v in schedules_for(pp)]
     check_layouts(cfgs, tmp_path)
 
 
 def test_pipelines_over_tight_shared_memory_rings(tmp_path: Path) -> None:
-    cfgs = [tiny_config(parallel=dict(tp=1, pp=4, dp=1, schedule=s, virtual_stages=v, p2p="shared_memory"))
-            for s, v in schedules_for(4)]
+    cfgs = [grid_config(4, s, v, parallel=dict(tp=1, pp=4, dp=1, p2p="shared_memory")) for s, v in schedules_for(4)]
     check_layouts(cfgs, tmp_path, _tight_rings_worker)
 
 
 def test_tied_embeddings_across_stages(tmp_path: Path) -> None:
     cfgs = [tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b")),
             tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe")),
-            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b"))]
+            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
+            # zb-v: the embedding and the head it is tied to are two stages of rank 0
+            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="zb-v"))]
     check_layouts(cfgs, tmp_path)
 
 

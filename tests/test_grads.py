@@ -27,7 +27,7 @@ def _buckets(cfg_dict: dict, bucket_bytes: int | None) -> dict:
     else:
         tr.dp_grads = DataParallelGrads(topo, tr.stages, cfg.train.microbatches, bucket_bytes=bucket_bytes)
     losses = [tr.step(s)["loss"] for s in range(2)]
-    state = gather_full_state(topo, tr.stages, tr.parts, cfg.model)
+    state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
     n_buckets = sum(len(b) for b in tr.dp_grads._buckets.values())
     return {"losses": losses, "digest": params_digest(state.items()) if state else None,
             "overlapped": tr.dp_grads.overlapped, "buckets": n_buckets}

@@ -52,7 +52,7 @@ def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
             if str(step) in plan:
                 info = tr.apply_layout(Layout.from_record(plan[str(step)]))
                 moved.append(info.get("layers_sent", 0) + info.get("layers_received", 0))
-        state = gather_full_state(topo, tr.stages, tr.parts, cfg.model)
+        state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
         if state is not None:
             torch.save(state, Path(out_dir) / f"{label}.pt")
         result[label] = {"losses": losses, "moved": moved, "parts": [[r.start, r.stop] for r in tr.parts],

@@ -15,7 +15,6 @@ from hybridpar.pipeline.schedules import (
     build_schedule,
     compute_schedule,
     format_grid,
-    stage_rank,
     validate_schedule,
 )
 
@@ -25,11 +24,13 @@ SENDS = (Op.SEND_F, Op.SEND_B)
 
 
 def combos() -> list[tuple[str, int, int, int]]:
+    # Every combination the registry allows (config/schedules.py): 1F1B from m = pp, interleaving
+    # from pp = 2 in whole rounds of pp microbatches.
     out = []
     for pp in (1, 2, 3, 4, 8):
         for m in range(1, 3 * pp + 2):
-            out += [("gpipe", pp, 1, m), ("1f1b", pp, 1, m)]
-            if m % pp == 0:
+            out += [("gpipe", pp, 1, m)] + ([("1f1b", pp, 1, m)] if m >= pp else [])
+            if m % pp == 0 and pp > 1:
                 out += [("interleaved-1f1b", pp, v, m) for v in (1, 2, 3)]
     return out
 
@@ -63,7 +64,7 @@ def test_built_schedules_validate_and_cover(combo: tuple[str, int, int, int], lo
         expected = {Action(s, op, mb) for s in range(r, n_stages, pp) for mb in range(m)
                     for op in (F, B)}
         assert len(compute) == len(expected) and set(compute) == expected
-        assert all(stage_rank(a.stage, pp) == r for a in acts)
+        assert all(a.stage % pp == r for a in acts)  # Megatron's loop placement
         assert compute == compute_schedule(name, pp, v, m)[r]
     n_sends = sum(a.op in SENDS for acts in sched for a in acts)
     n_recvs = sum(a.op in RECVS for acts in sched for a in acts)
@@ -85,12 +86,12 @@ def test_link_order_and_receive_placement(combo: tuple[str, int, int, int]) -> N
             n_compute = 0
             for a in acts:
                 if a.op is Op.SEND_F:
-                    sent[r, stage_rank(a.stage + 1, pp)].append((a.stage + 1, a.microbatch, "F"))
+                    sent[r, (a.stage + 1) % pp].append((a.stage + 1, a.microbatch, "F"))
                 elif a.op is Op.SEND_B:
-                    sent[r, stage_rank(a.stage - 1, pp)].append((a.stage - 1, a.microbatch, "B"))
+                    sent[r, (a.stage - 1) % pp].append((a.stage - 1, a.microbatch, "B"))
                 elif a.op in RECVS:
                     fwd = a.op is Op.RECV_F
-                    src = stage_rank(a.stage - 1 if fwd else a.stage + 1, pp)
+                    src = (a.stage - 1 if fwd else a.stage + 1) % pp
                     got[src, r].append((a.stage, a.microbatch, "F" if fwd else "B"))
                     c = consumer[Action(a.stage, F if fwd else B, a.microbatch)]
                     assert n_compute <= max(0, c - lookahead)
@@ -104,12 +105,16 @@ def test_link_order_and_receive_placement(combo: tuple[str, int, int, int]) -> N
 @pytest.mark.parametrize("pp", [1, 2, 3, 4, 8])
 @pytest.mark.parametrize("m", range(1, 26))
 def test_1f1b_memory_bound(pp: int, m: int) -> None:
+    if m < pp:  # the registry's minimum: 1F1B's warm-up runs one microbatch per rank
+        with pytest.raises(ValueError, match=f"schedule=1f1b needs microbatches ≥ pp={pp}, got {m}"):
+            compute_schedule("1f1b", pp, 1, m)
+        return
     for r, acts in enumerate(compute_schedule("1f1b", pp, 1, m)):
         in_flight = peak = 0
         for a in acts:
             in_flight += 1 if a.op is F else -1
             peak = max(peak, in_flight)
-        assert peak == min(pp - r, m)
+        assert peak == pp - r
     # GPipe, by contrast, stashes every microbatch: the property above is a real constraint.
     assert all(sum(a.op is F for a in acts[:m]) == m for acts in compute_schedule("gpipe", pp, 1, m))
 
@@ -129,8 +134,8 @@ def test_compute_orders_literal() -> None:
     r0 = [str(a) for a in compute_schedule("1f1b", 4, 1, 6)[0]]
     assert r0 == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "F0.4", "B0.1", "F0.5", "B0.2",
                   "B0.3", "B0.4", "B0.5"]
-    r3 = [str(a) for a in compute_schedule("1f1b", 4, 1, 3)[3]]
-    assert r3 == ["F3.0", "B3.0", "F3.1", "B3.1", "F3.2", "B3.2"]
+    r3 = [str(a) for a in compute_schedule("1f1b", 4, 1, 4)[3]]
+    assert r3 == ["F3.0", "B3.0", "F3.1", "B3.1", "F3.2", "B3.2", "F3.3", "B3.3"]
     # Megatron interleaved, pp=2 v=2 m=4, rank 1: warmup (2-1-1)*2 + (2-1)*2 = 2 forwards.
     r1 = [str(a) for a in compute_schedule("interleaved-1f1b", 2, 2, 4)[1]]
     assert r1 == ["F1.0", "F1.1", "F3.0", "B3.0", "F3.1", "B3.1", "F1.2", "B1.0", "F1.3", "B1.1",
@@ -264,9 +269,10 @@ def test_reject_missing_send() -> None:
 
 
 def test_reject_unneeded_comm() -> None:
-    # pp=1: every stage shares the rank, so any communication is wrong.
-    good = build_schedule("interleaved-1f1b", 1, 2, 1)
+    # pp=1 with two stages: they share the rank, so any communication is wrong.
+    good = add_communication([[Action(0, F, 0), Action(1, F, 0), Action(1, B, 0), Action(0, B, 0)]], 1, 2)
     assert all(a.op in (F, B) for a in good[0])
+    validate_schedule(good, 1, 2, 1)
     bad = edit(good, 0, lambda a: a[:1] + [Action(0, Op.SEND_F, 0)] + a[1:])
     assert_rejected(bad, 1, 2, 1, "rank 0: unexpected SEND_F0.0")
 
@@ -298,9 +304,13 @@ def test_reject_deadlock_on_one_rank() -> None:
     (("interleaved", 2, 2, 4), "did you mean 'interleaved-1f1b'"),
     (("1F1B", 2, 1, 4), "did you mean '1f1b'"),
     (("zero-bubble", 2, 1, 4), "unknown schedule 'zero-bubble'"),
-    (("1f1b", 2, 2, 4), "needs 'interleaved-1f1b'"),
-    (("gpipe", 2, 3, 4), "needs 'interleaved-1f1b'"),
-    (("interleaved-1f1b", 4, 2, 6), "6 % 4 = 2"),
+    (("1f1b", 2, 2, 4), "schedule=1f1b runs 1 stage per pipeline rank, got virtual_stages=2: set "
+                        "virtual_stages=1 (the default) or schedule=interleaved-1f1b"),
+    (("gpipe", 2, 3, 4), "or schedule=interleaved-1f1b"),
+    (("interleaved-1f1b", 4, 2, 6), "schedule=interleaved-1f1b needs microbatches divisible by pp=4, got 6 "
+                                    "(6 % 4 = 2)"),
+    (("interleaved-1f1b", 1, 2, 4), "schedule=interleaved-1f1b needs pp >= 2, got 1"),
+    (("1f1b", 4, 1, 3), "schedule=1f1b needs microbatches ≥ pp=4, got 3"),
     (("1f1b", 0, 1, 4), "pp must be a positive integer"),
     (("1f1b", 2, 1, 0), "microbatches must be a positive integer"),
     (("interleaved-1f1b", 2, 0, 4), "virtual_stages must be a positive integer"),
@@ -415,8 +425,8 @@ def test_zb_h1_theory_values() -> None:
 
 
 @pytest.mark.parametrize("args, fragment", [
-    (("zb-h1", 2, 2, 4), "needs 'interleaved-1f1b'"),
-    (("zb-h1", 4, 1, 3), "zb-h1 needs microbatches >= pp, got 3 < 4"),
+    (("zb-h1", 2, 2, 4), "schedule=zb-h1 runs 1 stage per pipeline rank, got virtual_stages=2"),
+    (("zb-h1", 4, 1, 3), "schedule=zb-h1 needs microbatches ≥ pp=4, got 3"),
     (("zb_h1", 2, 1, 4), "did you mean 'zb-h1'"),
 ])
 def test_zb_h1_bad_arguments(args: tuple, fragment: str) -> None:  # noqa: ANN001

@@ -21,6 +21,8 @@ from hybridpar.pipeline.simulate import Costs, SimResult, sim_trace, simulate
 
 F, B, W = Op.FORWARD, Op.BACKWARD, Op.WEIGHT
 PP_M = [(pp, m) for pp in (1, 2, 3, 4, 8) for m in (1, 2, 5, 8, 16)]
+PP_M_1F1B = [(pp, m) for pp, m in PP_M if m >= pp]  # 1F1B's warm-up needs a microbatch per rank
+TEXTBOOK = [("gpipe", pp, m) for pp, m in PP_M] + [("1f1b", pp, m) for pp, m in PP_M_1F1B]
 
 
 def run(name: str, pp: int, m: int, costs: Costs, v: int = 1, lookahead: int = 1) -> SimResult:
@@ -32,15 +34,14 @@ def ev(res: SimResult, name: str) -> tuple[float, float]:
     return e.start, e.end
 
 
-@pytest.mark.parametrize("name", ["gpipe", "1f1b"])
-@pytest.mark.parametrize("pp, m", PP_M)
+@pytest.mark.parametrize("name, pp, m", TEXTBOOK)
 def test_textbook_bubble_exact(name: str, pp: int, m: int) -> None:
     res = run(name, pp, m, Costs(forward_s=1.0, backward_s=1.0))
     assert abs(res.bubble_fraction - (pp - 1) / (m + pp - 1)) < 1e-9
     assert res.busy_s == [2.0 * m] * pp
 
 
-@pytest.mark.parametrize("pp, m", PP_M)
+@pytest.mark.parametrize("pp, m", PP_M_1F1B)
 @pytest.mark.parametrize("f, b", [(1.0, 1.0), (1.0, 2.0), (0.3, 0.7)])
 def test_1f1b_step_time(pp: int, m: int, f: float, b: float) -> None:
     res = run("1f1b", pp, m, Costs(f, b))
@@ -60,10 +61,11 @@ def test_interleaved_bubble(pp: int, v: int, k: int) -> None:
 
 
 def test_latency_pp2_m1_hand_computed() -> None:
-    # rank 0: RECV_B0.0 F0.0 SEND_F0.0 B0.0     rank 1: RECV_F1.0 F1.0 B1.0 SEND_B1.0
+    # One microbatch (GPipe; 1F1B would need two): rank 0: RECV_B0.0 F0.0 SEND_F0.0 B0.0,
+    # rank 1: RECV_F1.0 F1.0 B1.0 SEND_B1.0.
     c = Costs(1.0, 2.0, latency_s=0.5, send_overhead_s=0.1, recv_overhead_s=0.05,
               compute_overhead_s=0.01)
-    res = run("1f1b", 2, 1, c)
+    res = run("gpipe", 2, 1, c)
     # rank 0: RECV_B [0, .05], F0.0 [.05, 1.06], SEND_F [1.06, 1.16] -> arrives 1.66.
     # rank 1: RECV_F [0, .05], F1.0 [1.66, 2.67], B1.0 [2.67, 4.68], SEND_B [4.68, 4.78]
     # -> arrives 5.28; rank 0: B0.0 [5.28, 7.29].
@@ -77,8 +79,8 @@ def test_latency_pp2_m1_hand_computed() -> None:
     assert res.busy_s == [3.0, 3.0]  # overheads are not busy time
     assert res.bubble_fraction == pytest.approx(1 - 6 / (2 * 7.29))
     # Latency alone: each of the 2 hops on the critical path adds it once.
-    base = run("1f1b", 2, 1, Costs(1.0, 2.0)).step_time_s
-    assert run("1f1b", 2, 1, Costs(1.0, 2.0, latency_s=0.5)).step_time_s == pytest.approx(base + 1)
+    base = run("gpipe", 2, 1, Costs(1.0, 2.0)).step_time_s
+    assert run("gpipe", 2, 1, Costs(1.0, 2.0, latency_s=0.5)).step_time_s == pytest.approx(base + 1)
 
 
 def test_link_serialises_transfers_hand_computed() -> None:

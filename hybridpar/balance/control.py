@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.balance.detect import StragglerDetector
-from hybridpar.balance.plan import SCHEDULES, CostModel, Layout, plan_layout, predicted_step
+from hybridpar.balance.plan import CostModel, Layout, check_modelled, plan_layout, predicted_step
 from hybridpar.balance.scores import RankSample, load_scores
 from hybridpar.config import BalanceConfig
 
@@ -74,8 +74,7 @@ class Balancer:
         if c.interval < 1 or not 0.0 <= c.min_gain < 1.0:
             raise ValueError(f"balance.interval={c.interval} must be >= 1 and balance.min_gain="
                              f"{c.min_gain} in [0, 1)")
-        if schedule not in SCHEDULES:
-            raise ValueError(f"schedule {schedule!r} is not one the balancer models: {', '.join(SCHEDULES)}")
+        check_modelled(schedule)
         if microbatches < 1 or min_per_replica < 1:
             raise ValueError(f"microbatches={microbatches} and min_per_replica={min_per_replica} must be >= 1")
         self.config, self.cost = c, cost

@@ -14,9 +14,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
+from hybridpar.config.schedules import SCHEDULES, schedule_spec
 from hybridpar.pipeline.partition import partition_by_cost, stage_times
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b")
+
+def check_modelled(schedule: str) -> None:
+    """ValueError unless the balancer may re-partition `schedule` live (its registry entry says so)."""
+    if not schedule_spec(schedule).live_repartition:
+        known = ", ".join(s.name for s in SCHEDULES.values() if s.live_repartition)
+        raise ValueError(f"schedule {schedule!r} is not one the balancer models (live re-partition): {known}")
 
 
 def split_by_speed(global_batch: int, speeds: Sequence[float], min_per_replica: int = 1) -> list[int]:
@@ -65,18 +71,19 @@ def split_by_speed(global_batch: int, speeds: Sequence[float], min_per_replica: 
 
 def predicted_pipeline_step(stage_times: Sequence[float], microbatches: int,
                             schedule: str = "1f1b") -> float:
-    """(m + p - 1) x slowest stage time, for GPipe and 1F1B (same bubble, Narayanan et al. 2021).
+    """m x slowest stage time / (1 - the schedule's bubble fraction): for GPipe and 1F1B (Narayanan et
+    al. 2021) (m + p - 1) x slowest stage time.
 
     `stage_times` are per microbatch (forward + backward). Exact for equal stages; with unequal
     ones it is an upper bound (fill and drain really run at each stage's own speed); either way a
     predicted gain is just the ratio of the bottlenecks. Communication is not modelled.
     """
-    if schedule not in SCHEDULES:
-        raise ValueError(f"schedule {schedule!r} is not modelled; known: {', '.join(SCHEDULES)}")
+    check_modelled(schedule)
     if microbatches < 1 or len(stage_times) == 0 or min(stage_times) <= 0:
         raise ValueError(f"need microbatches >= 1 and positive stage times, got "
                          f"{microbatches}, {list(stage_times)}")
-    return (microbatches + len(stage_times) - 1) * max(stage_times)
+    bubble = schedule_spec(schedule).bubble_fraction(len(stage_times), 1, microbatches)
+    return microbatches * max(stage_times) / (1.0 - bubble)
 
 
 @dataclass(frozen=True)

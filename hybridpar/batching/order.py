@@ -15,7 +15,8 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hybridpar.pipeline.schedules import Op, build_schedule
+from hybridpar.config.schedules import schedule_spec
+from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.simulate import Costs, simulate
 
 
@@ -38,7 +39,8 @@ def pipeline_order(sizes: Sequence[int], schedule: str, pp: int, virtual_stages:
     if len(set(sizes)) <= 1:
         return sizes
     actions = build_schedule(schedule, pp, virtual_stages, len(sizes))
-    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
+    spec = schedule_spec(schedule)
+    split, ranks = spec.splits_backward, spec.stage_ranks(pp, virtual_stages)
     top = max(sizes)
     seen: dict[tuple[int, ...], float] = {}
 
@@ -47,7 +49,7 @@ def pipeline_order(sizes: Sequence[int], schedule: str, pp: int, virtual_stages:
         if key not in seen:
             costs = Costs(forward_s=1.0, backward_s=1.0 if split else 2.0, weight_s=1.0 if split else 0.0,
                           microbatch_scale=[x / top for x in order])
-            seen[key] = simulate(actions, pp, pp * virtual_stages, costs).step_time_s
+            seen[key] = simulate(actions, pp, pp * virtual_stages, costs, ranks=ranks).step_time_s
         return seen[key]
 
     best = min(_candidates(sizes), key=step)

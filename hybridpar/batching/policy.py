@@ -7,14 +7,16 @@ import math
 from hybridpar.batching.planner import AdaptivePolicy, FixedPolicy, MicrobatchPolicy
 from hybridpar.batching.split import BatchPlan, plan_batch, split_evenly
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
 from hybridpar.pipeline.schedules import build_schedule, max_in_flight
 
 
 def count_rules(cfg: Config) -> tuple[int, int]:
-    """(fewest microbatches, required multiple) the schedule accepts; config.validate checks the same
-    for fixed counts: 1F1B-type warmups need one microbatch per pipeline rank, interleaving whole rounds."""
+    """(fewest microbatches, required multiple) the schedule accepts (its registry entry); config.validate
+    checks the same for fixed counts."""
     p = cfg.parallel
-    return (1 if p.schedule == "gpipe" else p.pp), (p.pp if p.schedule == "interleaved-1f1b" else 1)
+    spec = schedule_spec(p.schedule)
+    return spec.min_microbatches(p.pp), spec.microbatch_multiple(p.pp)
 
 
 def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
@@ -33,12 +35,11 @@ def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
         return FixedPolicy(mine, count=cfg.microbatch_count())
     most = min(replicas)  # every replica runs the same count
     least, multiple = count_rules(cfg)
-    in_flight = None  # GPipe: every microbatch's activations are alive before the first backward
-    if p.schedule != "gpipe":
-        top = most - most % multiple
-        # An interleaved rank holds pp x v chunks' worth of (stage, microbatch) pairs, each about 1/v of
-        # its layers: count them in whole-rank microbatches.
-        in_flight = math.ceil(max_in_flight(build_schedule(p.schedule, p.pp, p.virtual_stages, top)) / p.virtual_stages)
+    top = most - most % multiple
+    # Microbatches alive at once at the largest count the policy may try (GPipe: all of them, so the
+    # planner's min(in_flight, count) is every count's own). A rank with v chunks holds (stage, microbatch)
+    # pairs of about 1/v of its layers each: count them in whole-rank microbatches.
+    in_flight = math.ceil(max_in_flight(build_schedule(p.schedule, p.pp, p.chunks, top)) / p.chunks)
     budget = fraction = None
     if b.memory_budget is not None:
         budget, fraction = (b.memory_budget, None) if b.memory_budget > 1 else (None, b.memory_budget)

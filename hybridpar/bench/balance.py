@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
 
 SLOW_FROM = 10
 SLOW_RANK = 2
@@ -132,7 +133,7 @@ def run_scenario(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
         "wall_s": time.perf_counter() - t0,
     }
     if mode == "emulated":
-        bubble = (t.microbatches + p.pp - 1) / t.microbatches
+        bubble = 1.0 / (1.0 - schedule_spec(p.schedule).bubble_fraction(p.pp, 1, t.microbatches))  # step / work
         work = a.layer_ms / 1000 * 3 * t.global_batch * cfg.model.n_layers
         out["ideal_analytic_tokens_per_s"] = tokens / (work / speeds * bubble)
     return out

@@ -41,10 +41,15 @@ from hybridpar.pipeline.simulate import Costs, SimResult, simulate
 _COMPUTE = ("F", "B", "W")
 
 
-def neighbour_links(pp: int, v: int) -> list[tuple[int, int]]:
-    """Pipeline-rank pairs that exchange messages: r -> r + 1, and pp - 1 -> 0 when stages wrap (v > 1)."""
-    links = [(r, r + 1) for r in range(pp - 1)]
-    return links + [(pp - 1, 0)] if v > 1 and pp > 2 else links
+def neighbour_links(ranks: Sequence[int]) -> list[tuple[int, int]]:
+    """Pipeline-rank pairs (a, b), a < b unless the stages wrap, whose consecutive stages exchange messages
+    under the placement `ranks` (ranks[s]: rank of stage s): r -> r + 1, plus pp - 1 -> 0 where looped
+    chunks wrap around (interleaved, pp > 2); a V (ZB-V) turns on one rank and adds no link."""
+    links: list[tuple[int, int]] = []
+    for a, b in zip(ranks, ranks[1:]):
+        if a != b and (a, b) not in links and (b, a) not in links:
+            links.append((a, b))
+    return links
 
 
 def ping_pong(p2p: P2P, me: int, a: int, b: int, peer: Callable[[int], int], shape: tuple[int, ...],
@@ -240,15 +245,17 @@ def _per_stage(n_stages: int, base: float, op: str, extra: Callable[[str, int], 
     return [max(0.0, base + extra(op, s)) for s in range(n_stages)]
 
 
-def predict(actions: list[list[Action]], pp: int, n_stages: int, nominal: dict[str, float],
+def predict(actions: list[list[Action]], pp: int, ranks: Sequence[int], nominal: dict[str, float],
             measured: dict, posted: list[list[Action]] | None = None) -> tuple[dict, SimResult]:
     """Simulate `actions` (every rank's list) under the nominal per-action seconds ({"F", "B", "W"}:
     what each action sleeps, 0 for real compute) plus the measured costs (`summarize` output); the
     full prediction runs `posted` (`posted_lists`: the same lists, messages where they were posted).
+    `ranks[s]` is the rank of stage s (the schedule's placement).
 
     Each compute action costs nominal + mean sleep overshoot of its op + (its op and stage's mean
     overhead - the smallest such mean); that smallest mean is the simulator's common
     `compute_overhead_s` (dispatch, not busy time). Returns the JSON fields and the full simulation."""
+    n_stages = len(ranks)
     over = measured["compute_overhead_per_stage_s"]
     floor = min(over.values(), default=0.0)
     shoot = measured["sleep_overshoot_s"]
@@ -266,9 +273,9 @@ def predict(actions: list[list[Action]], pp: int, n_stages: int, nominal: dict[s
                      recv_overhead_s=measured["recv_overhead_s"] if overhead else 0.0,
                      compute_overhead_s=floor if overhead else 0.0)
 
-    steps = [simulate(actions, pp, n_stages, costs(*flags)).step_time_s
+    steps = [simulate(actions, pp, n_stages, costs(*flags), ranks=ranks).step_time_s
              for flags in ((False, False, False), (True, False, False), (True, True, False), (True, True, True))]
-    full = simulate(posted or actions, pp, n_stages, costs(True, True, True))
+    full = simulate(posted or actions, pp, n_stages, costs(True, True, True), ranks=ranks)
     gap = measured["step_gap_s"]
     total = full.step_time_s + gap
     # Busy as the emulated ranks measure it (bench/pipeline.py): the time actually slept, i.e.

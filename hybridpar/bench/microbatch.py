@@ -17,6 +17,7 @@ import statistics
 import sys
 from typing import Any
 
+from hybridpar.config.schedules import schedule_names
 from hybridpar.testing import run_ranks
 
 
@@ -92,7 +93,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench microbatch", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="2x2x1,1x4x1", help="tp x pp x dp layouts, comma-separated")
-    ap.add_argument("--schedule", default="1f1b")
+    ap.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule")
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds over every fixed split")
     ap.add_argument("--steps-per-split", type=int, default=3, help="measured steps per split per round")

@@ -1,15 +1,16 @@
 """hybridpar's pipeline runtime side by side with torch.distributed.pipelining, in one invocation.
 
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
-        [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1] [--virtual-stages 2] [--repeats 5] [--steps 4]
+        [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zb-v] [--virtual-stages 2] [--repeats 5] [--steps 4]
         [--f-ms 20 --b-ms 40 [--w-ms 20]] [--window-tail autograd|spin] [--p2p auto|process_group|shared_memory] [--cpu-bind none|cores] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
         [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
 Per case (mode, schedule, pp) the ranks start once (dp = tp = 1, world = pp); each builds both
 implementations over the same process group from the same seed: our `PipelineRuntime` on
-`build_schedule(...)`, and torch's `PipelineStage` with `ScheduleGPipe` / `Schedule1F1B` /
-`ScheduleInterleaved1F1B` / `ScheduleInterleavedZeroBubble` (zb-h1: with one stage per rank it is
-ZB-H1, see TORCH_SCHEDULES), same stage placement, s on rank s % pp. After a loss and gradient check and
+`build_schedule(...)`, and torch's `PipelineStage` with the schedule's registered peer
+(`ScheduleSpec.torch_peer`: `ScheduleGPipe` / `Schedule1F1B` / `ScheduleInterleaved1F1B` /
+`ScheduleInterleavedZeroBubble`, which with one stage per rank is ZB-H1), with the same stage placement
+(the schedule's: s on rank s % pp, or ZB-V's V). After a loss and gradient check and
 warm-up, timed repeats alternate (ours, torch, ours, ...) so machine noise hits both; a repeat is
 `--steps` forward+backward steps (gradients zeroed between steps, no optimizer). Reported: median
 steps/s, ratio hybridpar/torch (> 1: ours is faster), bubble 1 - busy / (pp * wall) and the theoretical
@@ -22,7 +23,7 @@ stage's compute by fixed-duration windows, mostly slept (labelled emulation, emu
 chooses what a window's last ms runs), while real activations of about `--act-kb` KiB per microbatch
 travel. `--f-ms`/`--b-ms` are one microbatch's forward/backward time on one rank:
 with v virtual stages each stage sleeps f/v and b/v, so every schedule does the same work per rank.
-Zero-bubble schedules (zb-h1) split the backward: B sleeps b - w (the input gradient) and W sleeps w
+Zero-bubble schedules (those that split the backward) split it: B sleeps b - w (the input gradient) and W sleeps w
 (the weight gradient), w = `--w-ms`, by default b / 2; other schedules sleep b in one backward.
 
 Prediction (latency.py): in the same ranks and run, the case measures its per-hop costs (hop latency
@@ -47,7 +48,8 @@ from pathlib import Path
 from hybridpar.bench.emulated import TAILS
 from hybridpar.bench.pipeline_case import Case, run_case
 from hybridpar.config import ModelConfig
-from hybridpar.pipeline.schedules import SCHEDULES, build_schedule
+from hybridpar.config.schedules import schedule_names, schedule_spec
+from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.shm import TRANSPORTS
 from hybridpar.config.sections import CPU_BINDINGS
 
@@ -124,17 +126,19 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
     gb = a.global_batch or 2 * a.microbatches
     if gb < a.microbatches:
         raise ValueError(f"--global-batch {gb} is smaller than --microbatches {a.microbatches}")
-    vs = {s: (a.virtual_stages if s == "interleaved-1f1b" else 1) for s in scheds}
+    specs = {s: schedule_spec(s) for s in scheds}  # ValueError naming an unknown one
+    # --virtual-stages applies where the schedule takes any count; the others run their own.
+    vs = {s: a.virtual_stages if sp.virtual_stages is None else sp.default_virtual_stages for s, sp in specs.items()}
     layers = a.layers or max([ModelConfig().n_layers] + [p * v for p in a.pp for v in vs.values()])
     cases = []
     for mode in modes:
         for pp in a.pp:
             for s in scheds:
-                acts = build_schedule(s, pp, vs[s], a.microbatches)  # raises ValueError for a bad combination
+                build_schedule(s, pp, vs[s], a.microbatches)  # raises ValueError for a bad combination
                 if mode == "compute" and layers < pp * vs[s]:
                     raise ValueError(f"--layers {layers} is fewer than the {pp * vs[s]} stages of {s} with pp={pp}")
                 em = mode == "emulated"
-                split = any(x.op.value == "W" for x in acts[0])
+                split = specs[s].splits_backward
                 cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
                                   a.f_ms if em else None, a.b_ms if em else None, w_ms if em and split else None,
                                   a.act_kb if em else None, None if em else layers, a.seed, a.timeout,
@@ -147,8 +151,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--mode", choices=("compute", "emulated", "both"), default="emulated")
     ap.add_argument("--pp", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 4], help="pipeline sizes, comma-separated")
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {SCHEDULES}")
-    ap.add_argument("--virtual-stages", type=int, default=2, help="stages per rank for interleaved-1f1b")
+    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {', '.join(schedule_names())}")
+    ap.add_argument("--virtual-stages", type=int, default=2,
+                    help="stages per rank for the schedules that take any count ("
+                         + ", ".join(s for s in schedule_names() if schedule_spec(s).virtual_stages is None)
+                         + "); the others run their own")
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (median)")
     ap.add_argument("--steps", type=int, default=4, help="steps per repeat")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation (first one checked)")

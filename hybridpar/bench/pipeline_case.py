@@ -22,19 +22,13 @@ from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, 
 from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
                                      predict, round_trips, summarize)
 from hybridpar.config import ModelConfig
+from hybridpar.config.schedules import schedule_spec
 from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
 from hybridpar.pipeline.schedules import Action, Op, build_schedule, bubble_fraction_theory
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.testing import run_ranks
 
-# zb-h1's peer: torch's ScheduleInterleavedZeroBubble ("ZB1P") with one stage per rank is our ZB-H1
-# action for action: `_get_warmup_ops` gives rank r the 1F1B warm-up pp - 1 - r, and
-# `_get_1f1b_rank_ops(enable_zero_bubble=True, num_1f1b_microbatches=r)` puts W(j) right after B(j + r)
-# (torch 2.13 schedules.py), which is `schedules._defer_weights(order, r)`. One difference remains, in
-# torch: stage 0 (whose input needs no gradient) runs nothing at B and its full backward at W.
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                   "zb-h1": "ScheduleInterleavedZeroBubble"}
 EMULATED_VOCAB = 16
 LOSS_RTOL = 1e-5
 
@@ -53,7 +47,7 @@ class Case:
     warmup: int
     f_ms: float | None
     b_ms: float | None
-    w_ms: float | None  # zb-h1 only: the W share of b_ms (B sleeps b_ms - w_ms)
+    w_ms: float | None  # schedules that split the backward only: the W share of b_ms (B sleeps b_ms - w_ms)
     act_kb: float | None
     layers: int | None
     seed: int
@@ -66,6 +60,11 @@ class Case:
     @property
     def n_stages(self) -> int:
         return self.pp * self.v
+
+    @property
+    def stage_ranks(self) -> tuple[int, ...]:
+        """The pipeline rank of each stage: the schedule's placement, for both implementations."""
+        return schedule_spec(self.schedule).stage_ranks(self.pp, self.v)
 
     @property
     def hidden(self) -> int:
@@ -110,7 +109,8 @@ def _batch(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
 def _torch_schedule(c: Case, stages: dict[int, nn.Module], group: dist.ProcessGroup, device: torch.device,
                     loss_fn) -> tuple[object | None, str | None]:
     """torch's schedule over this rank's stages, or (None, why torch cannot run this case)."""
-    if c.schedule not in TORCH_SCHEDULES:
+    peer = schedule_spec(c.schedule).torch_peer  # a class name: the registry cannot import torch
+    if peer is None:
         return None, f"torch.distributed.pipelining has no {c.schedule!r} schedule"
     if c.global_batch % c.m:
         # torch splits the batch itself (tensor_split) and infers every message shape from the first
@@ -120,7 +120,7 @@ def _torch_schedule(c: Case, stages: dict[int, nn.Module], group: dist.ProcessGr
     from torch.distributed.pipelining import schedules as ts
 
     pstages = [PipelineStage(stages[s], s, c.n_stages, device, group=group) for s in sorted(stages)]
-    cls = getattr(ts, TORCH_SCHEDULES[c.schedule])
+    cls = getattr(ts, peer)
     multi = issubclass(cls, ts.PipelineScheduleMulti)
     try:
         # scale_grads=False: our loss is already sum-CE / tokens-in-batch (torch's default divides by m).
@@ -141,7 +141,7 @@ def _case_worker(cd: dict) -> dict:
     bind_local_rank(c.cpu_bind)  # before the process group starts its threads
     topo = build_topology(1, c.pp, 1, "gloo", c.timeout_s)
     r, dev, n = topo.pp_rank, topo.device, c.n_stages
-    local = [k * c.pp + r for k in range(c.v)]  # stage s lives on pp rank s % pp (both implementations)
+    local = [s for s, rank in enumerate(c.stage_ranks) if rank == r]  # the same placement for both
     emulated = c.mode == "emulated"
     timer, log = BusyTimer(), SleepLog()
     # Emulated: busy time is the time slept (SleepLog), for both implementations alike; compute: the
@@ -161,7 +161,7 @@ def _case_worker(cd: dict) -> dict:
     loss_ours = loss_theirs = token_cross_entropy
     if emulated and n - 1 in local:
         loss_ours, loss_theirs = windowed_loss(ours[n - 1], loss_ours), windowed_loss(theirs[n - 1], loss_theirs)
-    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(s % c.pp), p2p, c.hidden, loss_ours)
+    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(c.stage_ranks[s]), p2p, c.hidden, loss_ours)
     timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
     samples = StepSamples()
     last_out: list = [None]  # StepOutput of our latest step
@@ -240,7 +240,7 @@ def _case_worker(cd: dict) -> dict:
     shape = (max(sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
     probe, rtts = P2P(dev, torch.float32, c.timeout_s, transport=c.p2p), {}
     for _ in range(c.repeats):
-        round_trips(probe, r, neighbour_links(c.pp, c.v), topo.pp_peer, shape, dist.barrier,
+        round_trips(probe, r, neighbour_links(c.stage_ranks), topo.pp_peer, shape, dist.barrier,
                     max(1, c.ping_pongs // c.repeats), into=rtts)
         res["ours"].append(measure(step_ours, ours, True))
         if sched is not None:
@@ -298,7 +298,7 @@ def _case_timeout(c: Case) -> float:
 
 def _theory(c: Case) -> float | None:
     try:
-        if c.schedule == "zb-h1" and c.mode == "emulated":
+        if schedule_spec(c.schedule).splits_backward and c.mode == "emulated":
             t = _nominal_s(c)
             return bubble_fraction_theory(c.schedule, c.pp, c.v, c.m, t_f=t["F"], t_b=t["B"], t_w=t["W"])
         return bubble_fraction_theory(c.schedule, c.pp, c.v, c.m)
@@ -326,14 +326,15 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
     load_after = os.getloadavg()
     ours_sps, ours_bub, ours_tl, ours_all = _stats(c, ranks, "ours")
     t_sps, t_bub, _, t_all = _stats(c, ranks, "torch")
-    if c.schedule == "zb-h1" and c.mode == "compute":
+    if schedule_spec(c.schedule).splits_backward and c.mode == "compute":
         t_bub = None  # Timed cannot see torch's W (autograd.grad from saved intermediates, no output mark)
-    lo, lt = ranks[-1]["loss_ours"], ranks[-1]["loss_torch"]  # rank pp-1 holds the last stage
+    last = ranks[c.stage_ranks[-1]]  # the rank holding the last stage: pp - 1, or 0 in a V
+    lo, lt = last["loss_ours"], last["loss_torch"]
     rel = abs(lo - lt) / max(abs(lo), 1e-30) if lt is not None else None
     grads = [rk["grad_rel_diff"] for rk in ranks if rk["grad_rel_diff"] is not None]
     costs = summarize([rk["samples"] for rk in ranks], [rk["round_trips"] for rk in ranks])
     acts = _actions(c)
-    pred, sim = predict(acts, c.pp, c.n_stages, _nominal_s(c), costs,
+    pred, sim = predict(acts, c.pp, c.stage_ranks, _nominal_s(c), costs,
                         posted_lists(acts, [rk["posted_at"] for rk in ranks]))
     if c.mode != "emulated":
         pred["sim_bubble"] = None  # busy is the compute itself: nothing to set apart from overhead

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 
+from hybridpar.config.schedules import SCHEDULES, schedule_names, schedule_spec
 
 CPU_BINDINGS = ("none", "cores")  # how topology/cpus.py places local ranks on cores
 
@@ -50,8 +51,12 @@ class ParallelConfig:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(2, "pipeline-parallel degree (pipeline ranks)")
     dp: int = _f(1, "data-parallel degree (replicas)")
-    schedule: str = _f("1f1b", "pipeline schedule", choices=("gpipe", "1f1b", "interleaved-1f1b", "zb-h1"))
-    virtual_stages: int = _f(1, "model chunks per pipeline rank (>1 only with interleaved-1f1b)")
+    schedule: str = _f("1f1b", "pipeline schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEDULES.values()),
+                       choices=schedule_names())
+    virtual_stages: int | None = _f(None, "model chunks (stages) per pipeline rank; none = the schedule's own ("
+                                    + ", ".join(f"{s.name} {s.default_virtual_stages}" for s in SCHEDULES.values())
+                                    + "); other values only with "
+                                    + " or ".join(s.name for s in SCHEDULES.values() if s.virtual_stages is None))
     partition: str = _f("params", "how layers are split into stages", choices=("uniform", "params", "cost"))
     layer_costs: list[float] | None = _f(None, "per-layer cost, comma-separated (required iff partition=cost)")
     timeout_s: float = _f(120.0, "bound in seconds on every collective and point-to-point wait")
@@ -69,8 +74,13 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp
 
     @property
+    def chunks(self) -> int:
+        """Stages per pipeline rank: virtual_stages, or the schedule's default where it is unset."""
+        return schedule_spec(self.schedule).resolve_virtual_stages(self.virtual_stages)
+
+    @property
     def n_stages(self) -> int:
-        return self.pp * self.virtual_stages
+        return self.pp * self.chunks
 
 
 @dataclass

@@ -15,6 +15,7 @@ import typing
 from typing import TYPE_CHECKING, Any
 
 from hybridpar.config.keys import _is_int, _is_num, _known_keys, _owner, _suggest
+from hybridpar.config.schedules import CONFIG_KEYS, SCHEDULES, schedule_spec
 from hybridpar.config.sections import CheckpointConfig, ModelConfig, ParallelConfig, ResilienceConfig, TrainConfig
 
 if TYPE_CHECKING:  # config.py imports this module; the name is needed for annotations only
@@ -47,12 +48,12 @@ def _check_ranges(cfg: Config) -> None:
     count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
     ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
         ("model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
-         "parallel.dp parallel.virtual_stages train.steps train.global_batch train.microbatches "
+         "parallel.dp train.steps train.global_batch train.microbatches "
          "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
         ("resilience.max_restarts", non_negative, "a non-negative integer"),
         ("resilience.hang_timeout_s", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables the watchdog)"),
         ("resilience.heartbeat_s resilience.slow_phase_timeout_s", lambda v: _is_num(v) and v > 0, "> 0"),
-        ("model.n_kv_heads", lambda v: v is None or count(v), "a positive integer or none"),
+        ("model.n_kv_heads parallel.virtual_stages", lambda v: v is None or count(v), "a positive integer or none"),
         ("batching.microbatch_size emulate.memory_limit", lambda v: v is None or count(v),
          "a positive integer or none"),
         ("batching.steps_per_candidate", count, "a positive integer"),
@@ -121,9 +122,10 @@ def _check_balance(cfg: Config) -> None:
     _require(sum(weights) > 0, f"balance.weight_memory + weight_compute + weight_network must be > 0, got {weights}")
     if b.mode == "off":
         return
-    _require(p.pp == 1 or (p.schedule in ("gpipe", "1f1b") and p.virtual_stages == 1),
-             f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule gpipe or 1f1b with "
-             f"one stage per rank, got {p.schedule} with virtual_stages={p.virtual_stages}")
+    live = " or ".join(s.name for s in SCHEDULES.values() if s.live_repartition)
+    _require(p.pp == 1 or (schedule_spec(p.schedule).live_repartition and p.chunks == 1),
+             f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule {live} with "
+             f"one stage per rank, got {p.schedule} with virtual_stages={p.chunks}")
     _require(p.dp == 1 or t.microbatch_sizes is None, f"balance.mode={b.mode} re-splits the batch among "
              "data-parallel replicas, which fixed train.microbatch_sizes would contradict: drop them")
     # The adaptive planner sizes microbatches for an even replica share; an uneven one would escape
@@ -153,19 +155,13 @@ def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
 
 
 def _check_schedule(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    spec = schedule_spec(p.schedule)  # a known name: _check_choices ran first
+    problem = spec.layout_problem(p.pp, p.chunks, CONFIG_KEYS)
+    _require(problem is None, problem or "")
     _require(m.n_layers >= p.n_stages, f"model.n_layers={m.n_layers} is fewer than parallel.pp × "
-             f"parallel.virtual_stages = {p.pp} × {p.virtual_stages} = {p.n_stages} stages")
-    _require(p.virtual_stages == 1 or p.schedule == "interleaved-1f1b",
-             f"parallel.virtual_stages={p.virtual_stages} needs parallel.schedule=interleaved-1f1b, "
-             f"got {p.schedule}; set parallel.virtual_stages=1 or switch the schedule")
-    _require(p.schedule != "interleaved-1f1b" or p.pp >= 2,
-             f"parallel.schedule=interleaved-1f1b needs parallel.pp >= 2, got {p.pp}")
-    # 1F1B's warmup fills the pipeline with one microbatch per rank before steady state.
-    _require(p.schedule == "gpipe" or t.microbatches >= p.pp, f"parallel.schedule={p.schedule} needs "
-             f"train.microbatches ≥ parallel.pp={p.pp}, got {t.microbatches}")
-    _require(p.schedule != "interleaved-1f1b" or t.microbatches % p.pp == 0,
-             f"parallel.schedule=interleaved-1f1b needs train.microbatches divisible by "
-             f"parallel.pp={p.pp}, got {t.microbatches}")
+             f"parallel.virtual_stages = {p.pp} × {p.chunks} = {p.n_stages} stages")
+    problem = spec.count_problem(p.pp, t.microbatches, CONFIG_KEYS)
+    _require(problem is None, problem or "")
 
 
 def _replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:
@@ -203,10 +199,12 @@ def _check_batching(cfg: Config) -> None:
         what = f"batching.microbatch_size={b.microbatch_size} cuts the {largest} samples per replica {over} " \
                f"into {n} microbatches"
         _require(n <= per_replica, f"{what}, more than the smallest replica's {per_replica} samples")
-        _require(p.schedule == "gpipe" or n >= p.pp, f"{what}; parallel.schedule={p.schedule} needs ≥ "
-                 f"parallel.pp={p.pp}: use a size ≤ {largest // p.pp}")
-        _require(p.schedule != "interleaved-1f1b" or n % p.pp == 0,
-                 f"{what}; parallel.schedule=interleaved-1f1b needs a multiple of parallel.pp={p.pp}")
+        spec = schedule_spec(p.schedule)
+        least = spec.min_microbatches(p.pp)
+        _require(n >= least, f"{what}; parallel.schedule={p.schedule} needs ≥ "
+                 f"{spec.min_microbatches_text(p.pp, CONFIG_KEYS)}: use a size ≤ {largest // least}")
+        _require(n % spec.microbatch_multiple(p.pp) == 0,
+                 f"{what}; parallel.schedule={p.schedule} needs a multiple of parallel.pp={p.pp}")
     _require(b.policy != "adaptive" or t.microbatch_sizes is None, "train.microbatch_sizes fixes the split, "
              "but batching.policy=adaptive chooses it: drop one of them")
     _require(b.memory_budget is None or b.policy == "adaptive", f"batching.memory_budget={b.memory_budget} "

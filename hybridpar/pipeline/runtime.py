@@ -1,10 +1,11 @@
 """The one pipeline runtime: executes a rank's action list (see schedules.py) for one step.
 
 Every stage boundary cuts the autograd graph: a stage's input is a fresh leaf, its backward is driven
-by the gradient its successor sent back. Boundaries between stages on the same rank (interleaved
-chunks with pp=1, or pp=1 itself) hand tensors over through a local mailbox instead of P2P, so the
-same code runs every layout. Microbatches may have different sizes; each message's shape comes from
-its microbatch, which every rank knows from the step's split. Schedules with W actions (zero bubble)
+by the gradient its successor sent back. Boundaries between stages on the same rank (the turn of
+ZB-V's V on the last rank, or pp=1) hand tensors over through a local mailbox instead of P2P, so the
+same code runs every layout and stage placement (`stage_peer` says where each stage lives).
+Microbatches may have different sizes; each message's shape comes from its microbatch, which every
+rank knows from the step's split. Schedules with W actions (zero bubble)
 split each backward into B (input gradient) and W (weight gradient), see split_backward.py.
 """
 

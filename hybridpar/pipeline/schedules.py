@@ -4,10 +4,11 @@ The runtime executes these lists literally, so everything that can go wrong with
 schedule (a missing backward, mismatched point-to-point order, a dependency cycle)
 is caught here, in pure Python, before any GPU time is spent.
 
-Stage placement follows Megatron-LM interleaving (Narayanan et al., 2021, "Efficient
-Large-Scale Language Model Training on GPU Clusters"): with ``n_stages = pp * v``,
-stage ``s`` lives on rank ``s % pp``, so rank ``r`` holds model chunks
-``r, r + pp, r + 2 pp, ...``.
+Which schedules exist, their constraints and where their stages live come from the registry
+(config/schedules.py); each schedule's builder returns the compute actions, this module lowers them to
+sends and receives (`add_communication`) and validates the result. Stage placement is a tuple
+`ranks` (`ranks[s]` = pipeline rank of stage s): Megatron's loop (s % pp) unless a schedule says
+otherwise (ZB-V's V).
 
 Zero-bubble schedules (Qi et al., 2024, "Zero Bubble Pipeline Parallelism", ICLR) split a backward
 into ``B`` (gradient w.r.t. the stage input, what SEND_B carries) and ``W`` (gradient w.r.t. the
@@ -16,26 +17,27 @@ the rank of stage s after B(s, m) and never communicates, so it can be moved int
 """
 from __future__ import annotations
 
-import difflib
 import enum
+import importlib
 from collections import defaultdict
 from dataclasses import dataclass
-from typing import NoReturn
+from typing import NoReturn, Sequence
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1")
+from hybridpar.config.schedules import schedule_spec
 
 
 class Op(str, enum.Enum):
     FORWARD = "F"
     BACKWARD = "B"  # full backward, or only its input-gradient half when the schedule has W
     WEIGHT = "W"  # weight-gradient half of a backward (zero-bubble schedules); no communication
-    SEND_F = "SEND_F"  # output activation of (stage, mb) -> rank(stage + 1)
+    SEND_F = "SEND_F"  # output activation of (stage, mb) -> rank of stage + 1
     RECV_F = "RECV_F"  # post the receive of the input activation of F(stage, mb)
-    SEND_B = "SEND_B"  # gradient of stage's input for mb -> rank(stage - 1)
+    SEND_B = "SEND_B"  # gradient of stage's input for mb -> rank of stage - 1
     RECV_B = "RECV_B"  # post the receive of the gradient of stage's output for mb
 
 
 COMPUTE_OPS: frozenset[Op] = frozenset({Op.FORWARD, Op.BACKWARD, Op.WEIGHT})
+SENDS, RECVS = (Op.SEND_F, Op.SEND_B), (Op.RECV_F, Op.RECV_B)
 
 
 @dataclass(frozen=True)
@@ -56,89 +58,28 @@ class ScheduleError(ValueError):
     """A schedule that the runtime must not execute; the message ends with the grid."""
 
 
-def stage_rank(stage: int, pp: int) -> int:
-    return stage % pp
+def placement(ranks: Sequence[int] | None, pp: int, n_stages: int) -> Sequence[int]:
+    """`ranks` checked against (pp, n_stages); None = Megatron's loop placement, stage s on rank s % pp."""
+    if ranks is None:
+        return tuple(s % pp for s in range(n_stages))
+    if len(ranks) != n_stages or not all(0 <= r < pp for r in ranks):
+        raise ValueError(f"stage placement {list(ranks)} does not place {n_stages} stages on {pp} ranks")
+    return ranks
 
 
-def _check_args(name: str, pp: int, virtual_stages: int, microbatches: int) -> None:
-    if name not in SCHEDULES:
-        close = difflib.get_close_matches(str(name).lower(), SCHEDULES, n=1, cutoff=0.5)
-        hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise ValueError(f"unknown schedule {name!r}{hint} (known: {', '.join(SCHEDULES)})")
-    for label, value in (("pp", pp), ("virtual_stages", virtual_stages),
-                         ("microbatches", microbatches)):
+def _check_counts(pp: int, virtual_stages: int, microbatches: int) -> None:
+    for label, value in (("pp", pp), ("virtual_stages", virtual_stages), ("microbatches", microbatches)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
-    if virtual_stages != 1 and name != "interleaved-1f1b":
-        raise ValueError(f"schedule {name!r} runs one stage per rank; "
-                         f"virtual_stages={virtual_stages} needs 'interleaved-1f1b'")
-    if name == "interleaved-1f1b" and microbatches % pp:
-        # Megatron's interleaved schedule walks microbatches in groups of pp per chunk.
-        raise ValueError(f"interleaved-1f1b needs microbatches divisible by pp: "
-                         f"{microbatches} % {pp} = {microbatches % pp}")
-    if name == "zb-h1" and microbatches < pp:
-        # ZB-H1's W deferral fills the drain of a full pipeline; with m < pp there is none.
-        raise ValueError(f"zb-h1 needs microbatches >= pp, got {microbatches} < {pp}")
 
 
-def _one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Action]:
-    """Warm up with `warmup` forwards, then alternate one F / one B, then drain the Bs."""
-    order = fwd[:warmup]
-    for i in range(len(fwd) - warmup):
-        order += [fwd[warmup + i], bwd[i]]
-    return order + bwd[len(fwd) - warmup:]
-
-
-def _defer_weights(order: list[Action], delay: int) -> list[Action]:
-    """Put W(s, j) right after B(s, j + delay), and the Ws still owed after the last B."""
-    out: list[Action] = []
-    owed: list[Action] = []
-    for a in order:
-        out.append(a)
-        if a.op is Op.BACKWARD:
-            owed.append(Action(a.stage, Op.WEIGHT, a.microbatch))
-            if len(owed) > delay:
-                out.append(owed.pop(0))
-    return out + owed
-
-
-def compute_schedule(name: str, pp: int, virtual_stages: int,
-                     microbatches: int) -> list[list[Action]]:
+def compute_schedule(name: str, pp: int, virtual_stages: int, microbatches: int) -> list[list[Action]]:
     """Per pipeline rank, the ordered compute actions (F and B; also W for zero-bubble)."""
-    _check_args(name, pp, virtual_stages, microbatches)
-    v, m = virtual_stages, microbatches
-    F, B = Op.FORWARD, Op.BACKWARD
-    out: list[list[Action]] = []
-    for r in range(pp):
-        if name != "interleaved-1f1b":
-            fwd = [Action(r, F, i) for i in range(m)]
-            bwd = [Action(r, B, i) for i in range(m)]
-            # GPipe (Huang et al., 2019) is 1F1B with a full warm-up: all forwards, then all
-            # backwards, stashing m activations. PipeDream-flush (Narayanan et al., 2021,
-            # "Memory-efficient pipeline-parallel DNN training") warms up with pp - r - 1, so
-            # rank r holds at most pp - r microbatches in flight.
-            order = _one_f_one_b(fwd, bwd, m if name == "gpipe" else min(pp - r - 1, m))
-            if name == "zb-h1":
-                # ZB-H1 (Qi et al., 2024, Sec. 2.1, Fig. 3 top): keep 1F1B's F/B order and delay
-                # rank r's Ws by r microbatches, the warm-up it has less than rank 0. Its Bs then
-                # run as soon as the gradient arrives, the owed Ws fill the drain, and every rank
-                # holds at most (pp - r) + r = pp microbatches whose W is pending: rank 0's 1F1B
-                # peak. With unit F = B = W this meets the paper's (p-1)(F+B-W) bubble exactly;
-                # a greedy "B, else F, else W" list scheduler either defers every W to the end
-                # (memory grows with m) or, with a pp cap on pending Ws, loses 1-4 units
-                # at pp <= 8.
-                order = _defer_weights(order, r)
-            out.append(order)
-            continue
-        # Megatron-LM interleaved 1F1B: local step k touches chunk (k // pp) % v for a group of
-        # pp microbatches; backwards visit the chunks in reverse. The extra (v - 1) * pp warm-up
-        # forwards fill the deeper virtual pipeline before the first backward can arrive.
-        total = m * v
-        mbs = [(k // (pp * v)) * pp + k % pp for k in range(total)]
-        fwd = [Action(((k // pp) % v) * pp + r, F, mbs[k]) for k in range(total)]
-        bwd = [Action((v - 1 - (k // pp) % v) * pp + r, B, mbs[k]) for k in range(total)]
-        out.append(_one_f_one_b(fwd, bwd, min((pp - r - 1) * 2 + (v - 1) * pp, total)))
-    return out
+    spec = schedule_spec(name)
+    _check_counts(pp, virtual_stages, microbatches)
+    spec.check(pp, virtual_stages, microbatches)
+    module, function = spec.builder.split(":")  # named, not imported, by the registry (it sits below us)
+    return getattr(importlib.import_module(module), function)(pp, virtual_stages, microbatches)
 
 
 def _compute_of(a: Action) -> Action:
@@ -147,20 +88,20 @@ def _compute_of(a: Action) -> Action:
     return Action(a.stage, op, a.microbatch)
 
 
-def _message(a: Action, pp: int) -> tuple[tuple[int, int], Action]:
-    """(link, sending action) identifying the point-to-point message a comm action is part of."""
+def message_of(a: Action, ranks: Sequence[int]) -> tuple[tuple[int, int], Action]:
+    """(link (src rank, dst rank), sending action) identifying the message a comm action is part of."""
     send = {Op.RECV_F: Action(a.stage - 1, Op.SEND_F, a.microbatch),
             Op.RECV_B: Action(a.stage + 1, Op.SEND_B, a.microbatch)}.get(a.op, a)
     dst = send.stage + 1 if send.op is Op.SEND_F else send.stage - 1
-    return (stage_rank(send.stage, pp), stage_rank(dst, pp)), send
+    return (ranks[send.stage], ranks[dst]), send
 
 
-def _send_after(a: Action, pp: int, n_stages: int) -> Action | None:
+def _send_after(a: Action, ranks: Sequence[int]) -> Action | None:
     """The send that follows compute `a`: only where the neighbour stage is on another rank."""
     if a.op not in (Op.FORWARD, Op.BACKWARD):
         return None  # W only accumulates into local weight gradients
     op, t = (Op.SEND_F, a.stage + 1) if a.op is Op.FORWARD else (Op.SEND_B, a.stage - 1)
-    if 0 <= t < n_stages and stage_rank(t, pp) != stage_rank(a.stage, pp):
+    if 0 <= t < len(ranks) and ranks[t] != ranks[a.stage]:
         return Action(a.stage, op, a.microbatch)
     return None
 
@@ -171,19 +112,42 @@ def _recv_of(send: Action) -> Action:
                   send.microbatch)
 
 
-def add_communication(compute: list[list[Action]], pp: int, n_stages: int,
-                      recv_lookahead: int = 1) -> list[list[Action]]:
+def inputs(a: Action, ranks: Sequence[int]) -> list[tuple[str, Action]]:
+    """The dependency rule of actions, the one the validator and the simulator share: what `a` waits
+    for, as ("done", x) — action x, on a's own rank — or ("arrive", send) — the message that SEND_*
+    action `send` carries from another rank (which also needs its receive posted)."""
+    s, m = a.stage, a.microbatch
+    if a.op in SENDS:  # the producer, on the sender's rank
+        return [("done", _compute_of(a))]
+    if a.op is Op.WEIGHT:
+        return [("done", Action(s, Op.BACKWARD, m))]  # same stage, hence same rank: no message
+    need: list[tuple[str, Action]] = []
+    if a.op is Op.FORWARD and s > 0:
+        remote = ranks[s - 1] != ranks[s]
+        need.append(("arrive", Action(s - 1, Op.SEND_F, m)) if remote else ("done", Action(s - 1, Op.FORWARD, m)))
+    elif a.op is Op.BACKWARD:
+        need.append(("done", Action(s, Op.FORWARD, m)))
+        if s + 1 < len(ranks):
+            remote = ranks[s + 1] != ranks[s]
+            need.append(("arrive", Action(s + 1, Op.SEND_B, m)) if remote
+                        else ("done", Action(s + 1, Op.BACKWARD, m)))
+    return need  # a receive only posts a buffer: it waits for nothing
+
+
+def add_communication(compute: list[list[Action]], pp: int, n_stages: int, recv_lookahead: int = 1, *,
+                      ranks: Sequence[int] | None = None) -> list[list[Action]]:
     """Lower per-rank compute lists to full lists with SEND_*/RECV_* inserted."""
     if len(compute) != pp:
         raise ValueError(f"expected {pp} rank lists, got {len(compute)}")
     if recv_lookahead < 0:
         raise ValueError(f"recv_lookahead must be >= 0, got {recv_lookahead}")
-    sends = [[_send_after(a, pp, n_stages) for a in acts] for acts in compute]
+    ranks = placement(ranks, pp, n_stages)
+    sends = [[_send_after(a, ranks) for a in acts] for acts in compute]
     # NCCL matches p2p messages per (src, dst) pair in posting order, so the receiver's
     # order on a link is dictated by the sender's list order.
     link_recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
     for send in (x for row in sends for x in row if x is not None):
-        link_recvs[_message(send, pp)[0]].append(_recv_of(send))
+        link_recvs[message_of(send, ranks)[0]].append(_recv_of(send))
 
     out: list[list[Action]] = []
     for dst, acts in enumerate(compute):
@@ -215,38 +179,30 @@ def add_communication(compute: list[list[Action]], pp: int, n_stages: int,
 def build_schedule(name: str, pp: int, virtual_stages: int, microbatches: int,
                    recv_lookahead: int = 1) -> list[list[Action]]:
     """The full, validated per-rank action lists the runtime executes."""
-    n_stages = pp * virtual_stages
-    full = add_communication(compute_schedule(name, pp, virtual_stages, microbatches),
-                             pp, n_stages, recv_lookahead)
-    validate_schedule(full, pp, n_stages, microbatches)
+    compute = compute_schedule(name, pp, virtual_stages, microbatches)
+    n_stages, ranks = pp * virtual_stages, schedule_spec(name).stage_ranks(pp, virtual_stages)
+    full = add_communication(compute, pp, n_stages, recv_lookahead, ranks=ranks)
+    validate_schedule(full, pp, n_stages, microbatches, ranks=ranks)
     return full
 
 
-def _prerequisites(a: Action, pp: int, n_stages: int) -> list[Action]:
-    """Actions that must have executed before compute action `a` can run."""
-    s, m = a.stage, a.microbatch
-    need: list[Action] = []
-    if a.op is Op.FORWARD and s > 0:
-        need.append(Action(s - 1, Op.FORWARD, m))
-        if stage_rank(s - 1, pp) != stage_rank(s, pp):
-            need += [Action(s - 1, Op.SEND_F, m), Action(s, Op.RECV_F, m)]
-    elif a.op is Op.WEIGHT:
-        need.append(Action(s, Op.BACKWARD, m))  # same stage, hence same rank: no message
-    elif a.op is Op.BACKWARD:
-        need.append(Action(s, Op.FORWARD, m))
-        if s + 1 < n_stages:
-            need.append(Action(s + 1, Op.BACKWARD, m))
-            if stage_rank(s + 1, pp) != stage_rank(s, pp):
-                need += [Action(s + 1, Op.SEND_B, m), Action(s, Op.RECV_B, m)]
-    return need
+def _prerequisites(a: Action, ranks: Sequence[int]) -> list[Action]:
+    """`inputs` as actions that must have executed: a message needs its producer, send and receive."""
+    out: list[Action] = []
+    for kind, x in inputs(a, ranks):
+        out += [x] if kind == "done" else [_compute_of(x), x, _recv_of(x)]
+    return out
 
 
-def _simulate(actions: list[list[Action]], pp: int,
-              n_stages: int) -> tuple[list[list[str]], list[str]]:
+def _simulate(actions: list[list[Action]], ranks: Sequence[int]) -> tuple[list[list[str]], list[str]]:
     """Unit-time lock-step run. Returns (grid rows, descriptions of stuck ranks)."""
     done: set[Action] = set()
     ptr = [0] * len(actions)
     rows: list[list[str]] = []
+
+    def ready(a: Action) -> bool:  # an out-of-range stage (a malformed list) never runs
+        return 0 <= a.stage < len(ranks) and all(n in done for n in _prerequisites(a, ranks))
+
     while True:
         # Comm actions take zero time and never block (non-blocking isend/irecv).
         for r, acts in enumerate(actions):
@@ -260,24 +216,25 @@ def _simulate(actions: list[list[Action]], pp: int,
         row: list[str] = []
         for r, acts in enumerate(actions):
             a = acts[ptr[r]] if ptr[r] < len(acts) else None
-            if a is not None and all(n in done for n in _prerequisites(a, pp, n_stages)):
+            if a is not None and ready(a):
                 ran.append(a)
                 row.append(str(a))
                 ptr[r] += 1
             else:
                 row.append(".")
         if not ran:
-            return rows, [f"rank {r} at {acts[p]} waits for " + ", ".join(
-                f"{n} (rank {stage_rank(n.stage, pp)})"
-                for n in _prerequisites(acts[p], pp, n_stages) if n not in done)
+            return rows, [f"rank {r} at {acts[p]} waits for " + (", ".join(
+                f"{n} (rank {ranks[n.stage]})" for n in _prerequisites(acts[p], ranks) if n not in done)
+                if 0 <= acts[p].stage < len(ranks) else "a stage that does not exist")
                 for r, (p, acts) in enumerate(zip(ptr, actions)) if p < len(acts)]
         done.update(ran)
         rows.append(row)
 
 
-def format_grid(actions: list[list[Action]], pp: int, n_stages: int) -> str:
+def format_grid(actions: list[list[Action]], pp: int, n_stages: int, *,
+                ranks: Sequence[int] | None = None) -> str:
     """Step x rank table of the unit-time simulation ('.' = idle); stops where it deadlocks."""
-    rows, stuck = _simulate(actions, pp, n_stages)
+    rows, stuck = _simulate(actions, placement(ranks, pp, n_stages))
     header = ["step"] + [f"r{r}" for r in range(len(actions))]
     width = max([len(c) for row in rows for c in row] + [len(h) for h in header[1:]], default=1)
     lines = ["  ".join([header[0]] + [h.ljust(width) for h in header[1:]]).rstrip()]
@@ -288,11 +245,13 @@ def format_grid(actions: list[list[Action]], pp: int, n_stages: int) -> str:
     return "\n".join(lines)
 
 
-def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
-                      microbatches: int) -> None:
+def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int, microbatches: int, *,
+                      ranks: Sequence[int] | None = None) -> None:
     """Raise ScheduleError naming the first problem (rank, action); message ends with the grid."""
+    ranks = placement(ranks, pp, n_stages)
+
     def fail(msg: str) -> NoReturn:
-        raise ScheduleError(f"{msg}\n{format_grid(actions, pp, n_stages)}")
+        raise ScheduleError(f"{msg}\n{format_grid(actions, pp, n_stages, ranks=ranks)}")
 
     if len(actions) != pp:
         fail(f"expected {pp} rank lists, got {len(actions)}")
@@ -302,9 +261,9 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
             if not (0 <= a.stage < n_stages and 0 <= a.microbatch < microbatches):
                 fail(f"rank {r}: {a} at position {i} is out of range "
                      f"(stages 0..{n_stages - 1}, microbatches 0..{microbatches - 1})")
-            if stage_rank(a.stage, pp) != r:
+            if ranks[a.stage] != r:
                 fail(f"rank {r}: {a} at position {i} is on the wrong rank "
-                     f"(stage {a.stage} lives on rank {stage_rank(a.stage, pp)})")
+                     f"(stage {a.stage} lives on rank {ranks[a.stage]})")
             if a in where:
                 fail(f"rank {r}: {a} appears twice (positions {where[a][1]} and {i})")
             where[a] = (r, i)
@@ -312,11 +271,11 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
     split = any(a.op is Op.WEIGHT for a in where)
     ops = COMPUTE_OPS if split else (Op.FORWARD, Op.BACKWARD)
     required = {Action(s, op, m) for s in range(n_stages) for m in range(microbatches) for op in ops}
-    needed = [_send_after(a, pp, n_stages) for a in required]
+    needed = [_send_after(a, ranks) for a in required]
     required |= {x for send in needed if send is not None for x in (send, _recv_of(send))}
     for a in sorted(required - where.keys(), key=lambda a: (a.microbatch, a.stage, a.op.value)):
         why = " (the schedule splits backwards into B and W)" if a.op is Op.WEIGHT else ""
-        fail(f"rank {stage_rank(a.stage, pp)}: missing {a}{why}")
+        fail(f"rank {ranks[a.stage]}: missing {a}{why}")
     for a, (r, i) in where.items():
         if a not in required:
             fail(f"rank {r}: unexpected {a}: no communication is needed there "
@@ -329,16 +288,16 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
         elif not a.is_compute:
             c = _compute_of(a)
             j = where[c][1]
-            if a.op in (Op.SEND_F, Op.SEND_B) and i < j:
+            if a.op in SENDS and i < j:
                 fail(f"rank {r}: {a} at position {i} comes before its producer {c} at {j}")
-            if a.op in (Op.RECV_F, Op.RECV_B) and i > j:
+            if a.op in RECVS and i > j:
                 fail(f"rank {r}: {a} at position {i} is posted after its consumer {c} at {j}")
     # Per link, the k-th posted receive must belong to the k-th posted send.
     sent: dict[tuple[int, int], list[Action]] = defaultdict(list)
     received: dict[tuple[int, int], list[tuple[Action, Action]]] = defaultdict(list)
     for a in (a for acts in actions for a in acts if not a.is_compute):
-        link, send = _message(a, pp)
-        if a.op in (Op.SEND_F, Op.SEND_B):
+        link, send = message_of(a, ranks)
+        if a.op in SENDS:
             sent[link].append(send)
         else:
             received[link].append((send, a))
@@ -348,36 +307,18 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int,
                 fail(f"link rank {link[0]} -> rank {link[1]}: message #{k} is sent as {send} "
                      f"but rank {link[1]} posts {recv} as its receive #{k} "
                      "(NCCL matches in posting order; receives must follow send order)")
-    stuck = _simulate(actions, pp, n_stages)[1]
+    stuck = _simulate(actions, ranks)[1]
     if stuck:
         fail("deadlock: " + "; ".join(stuck))
 
 
 def bubble_fraction_theory(name: str, pp: int, virtual_stages: int, microbatches: int, *,
                            t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
-    """Idle fraction of the total step time per rank, assuming uniform stage times.
-
-    GPipe and 1F1B: bubble (p-1)(t_f+t_b) over total (m+p-1)(t_f+t_b) -> (p-1)/(m+p-1).
-    Interleaved: Megatron's bubble is (p-1)/v of a microbatch-time, i.e. ratio (p-1)/(v m)
-    relative to ideal; as a fraction of the total step this is (p-1)/(v m + p-1).
-    These ratios do not depend on the costs; t_f, t_b, t_w (B = input-grad half, W = weight
-    half; a full backward is t_b + t_w) only matter for zb-h1.
-
-    ZB-H1: Qi et al. (2024, Sec. 2.1) give the bubble (p-1)(t_f + t_b - t_w), a third of 1F1B's
-    (p-1)(t_f + t_b + t_w) when the three are equal. That needs t_w <= min(t_f, t_b): rank 0
-    owes no W while it waits (p-1) t_b for its first gradient, and the last rank none while it
-    waits (p-1) t_f for its first activation, so the bubble is never below either. We use
-    (p-1) max(t_f + t_b - t_w, t_f, t_b), which tests/test_simulate.py checks against the event
-    simulation of this module's schedule for random costs. Fraction: bubble / (m (t_f + t_b + t_w) + bubble); with unit
-    costs (p-1) / (3 m + p-1).
-    """
-    _check_args(name, pp, virtual_stages, microbatches)
-    if name == "zb-h1":
-        if min(t_f, t_b, t_w) < 0 or t_f + t_b + t_w <= 0:
-            raise ValueError(f"costs must be >= 0 and not all zero: {t_f}, {t_b}, {t_w}")
-        bubble = (pp - 1) * max(t_f + t_b - t_w, t_f, t_b)
-        return bubble / (microbatches * (t_f + t_b + t_w) + bubble)
-    return (pp - 1) / (virtual_stages * microbatches + pp - 1)
+    """Idle fraction of the total step time per rank, assuming uniform stage costs: the schedule's
+    registered formula (config/schedules.py). t_b is the input-gradient half B and t_w the weight half W
+    where the schedule splits the backward; elsewhere a full backward is t_b + t_w."""
+    _check_counts(pp, virtual_stages, microbatches)
+    return schedule_spec(name).bubble_fraction(pp, virtual_stages, microbatches, t_f=t_f, t_b=t_b, t_w=t_w)
 
 
 def max_in_flight(actions: list[list[Action]]) -> int:

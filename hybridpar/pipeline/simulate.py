@@ -28,12 +28,8 @@ from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from hybridpar.pipeline.schedules import Action, Op, ScheduleError, stage_rank
+from hybridpar.pipeline.schedules import RECVS, SENDS, Action, Op, ScheduleError, inputs, message_of, placement
 from hybridpar.pipeline.trace import Slice, chrome_trace
-
-_SENDS = (Op.SEND_F, Op.SEND_B)
-_RECVS = (Op.RECV_F, Op.RECV_B)
-
 
 @dataclass(frozen=True)
 class Costs:
@@ -98,41 +94,10 @@ class SimResult:
     arrivals: dict[Action, float] = field(default_factory=dict)  # send action -> arrival time
 
 
-def _send_of(a: Action) -> Action:
-    """The SEND action of the message that RECV `a` receives."""
-    if a.op is Op.RECV_F:
-        return Action(a.stage - 1, Op.SEND_F, a.microbatch)
-    return Action(a.stage + 1, Op.SEND_B, a.microbatch)
-
-
-def _link(send: Action, pp: int) -> tuple[int, int]:
-    dst = send.stage + 1 if send.op is Op.SEND_F else send.stage - 1
-    return stage_rank(send.stage, pp), stage_rank(dst, pp)
-
-
-def _inputs(a: Action, pp: int, n_stages: int) -> list[tuple[str, Action]]:
-    """What `a` waits for: ("done", compute) on its own rank or ("arrive", send) from another."""
-    s, m = a.stage, a.microbatch
-    if a.op in _SENDS:  # the producer; on the sender's rank, so earlier in a valid list
-        return [("done", Action(s, Op.FORWARD if a.op is Op.SEND_F else Op.BACKWARD, m))]
-    if a.op is Op.WEIGHT:
-        return [("done", Action(s, Op.BACKWARD, m))]
-    need: list[tuple[str, Action]] = []
-    if a.op is Op.FORWARD and s > 0:
-        prev = Action(s - 1, Op.FORWARD, m)
-        remote = stage_rank(s - 1, pp) != stage_rank(s, pp)
-        need.append(("arrive", Action(s - 1, Op.SEND_F, m)) if remote else ("done", prev))
-    elif a.op is Op.BACKWARD:
-        need.append(("done", Action(s, Op.FORWARD, m)))
-        if s + 1 < n_stages:
-            remote = stage_rank(s + 1, pp) != stage_rank(s, pp)
-            need.append(("arrive", Action(s + 1, Op.SEND_B, m)) if remote
-                        else ("done", Action(s + 1, Op.BACKWARD, m)))
-    return need
-
-
-def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) -> SimResult:
-    """Run per-rank action lists (as from ``build_schedule``) under `costs`.
+def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs, *,
+             ranks: Sequence[int] | None = None) -> SimResult:
+    """Run per-rank action lists (as from ``build_schedule``) under `costs`; `ranks[s]` is the rank of
+    stage s (the schedule's placement, ``ScheduleSpec.stage_ranks``; None = s % pp).
 
     Event-driven: a rank runs until it needs a time that is not known yet, then sleeps on that key
     until it is resolved, so each action is handled O(1) times. Raises ScheduleError when some
@@ -140,6 +105,7 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) 
     """
     if len(actions) != pp:
         raise ValueError(f"expected {pp} rank lists, got {len(actions)}")
+    ranks = placement(ranks, pp, n_stages)
     cost = costs.per_stage(n_stages)
     xfer = costs.transfer_s()
     scale = costs.microbatch_scale
@@ -180,28 +146,29 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) 
         acts = actions[r]
         while ptr[r] < len(acts):
             a = acts[ptr[r]]
-            if stage_rank(a.stage, pp) != r or not 0 <= a.stage < n_stages:
+            if not 0 <= a.stage < n_stages or ranks[a.stage] != r:
                 raise ScheduleError(f"rank {r}: {a} does not belong on this rank")
-            need = _inputs(a, pp, n_stages)
+            need = inputs(a, ranks)
             missing = next((k for k in need if k not in known), None)
             if missing is not None:
                 sleepers[missing].append(r)
                 break
             begin = max([free[r]] + [known[k] for k in need])
-            if a.op in _SENDS:
+            if a.op in SENDS:
                 end = begin + costs.send_overhead_s
                 if ("send", a) in posted:
                     raise ScheduleError(f"rank {r}: {a} posted twice")
                 posted["send", a] = end
-                queue[_link(a, pp)].append(a)
-                pump(_link(a, pp))
-            elif a.op in _RECVS:
+                link = message_of(a, ranks)[0]
+                queue[link].append(a)
+                pump(link)
+            elif a.op in RECVS:
                 end = begin + costs.recv_overhead_s
-                send = _send_of(a)
+                link, send = message_of(a, ranks)
                 if ("recv", send) in posted:
                     raise ScheduleError(f"rank {r}: {a} posted twice")
                 posted["recv", send] = end
-                pump(_link(send, pp))
+                pump(link)
             else:
                 c = cost[a.op][a.stage] if scale is None else cost[a.op][a.stage] * scale[a.microbatch]
                 end = begin + costs.compute_overhead_s + c
@@ -214,11 +181,11 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs) 
             ptr[r] += 1
 
     def describe(kind: str, a: Action) -> str:
-        src = stage_rank(a.stage, pp)
+        src = ranks[a.stage]
         return f"message {a} from rank {src}" if kind == "arrive" else f"{a} (rank {src})"
 
     stuck = [f"rank {r} at {actions[r][p]} waits for "
-             + ", ".join(describe(*k) for k in _inputs(actions[r][p], pp, n_stages)
+             + ", ".join(describe(*k) for k in inputs(actions[r][p], ranks)
                          if k not in known)
              for r, p in enumerate(ptr) if p < len(actions[r])]
     if stuck:
@@ -242,7 +209,7 @@ def sim_trace(result: SimResult, process_name: str = "simulated", pid: int = 1) 
         if e.wait_s > 0:
             slices.append(Slice(e.rank, "wait", e.start - e.wait_s, e.start, cat="wait",
                                 args={"before": str(e.action)}))
-        cat = "comm" if e.action.op in _SENDS + _RECVS else "compute"
+        cat = "comm" if e.action.op in SENDS + RECVS else "compute"
         slices.append(Slice(e.rank, str(e.action), e.start, e.end, cat=cat,
                             args={"stage": e.action.stage, "microbatch": e.action.microbatch}))
     return chrome_trace(slices, process_name=process_name, pid=pid)

@@ -5,9 +5,9 @@ Re-plan policy (`replan`), for a world of W processes:
 1. tp: keep it if it divides W; otherwise the largest divisor of W below it that still divides the
    heads, kv heads, FFN and vocabulary (tensor-parallel peers must hold equal shards).
 2. pp: keep it if it divides W / tp and the model has enough layers; otherwise the largest such divisor
-   below it. The schedule stays if it is valid for the new pp (interleaved needs pp >= 2 and
-   microbatches divisible by pp; 1F1B needs microbatches >= pp), else 1F1B (GPipe if even that fails);
-   virtual stages are kept only for interleaved.
+   below it. The schedule stays if it is valid for the new pp, layers and microbatches (its registry
+   entry's constraints), else its registered fallback (`ScheduleSpec.fallback`: ZB-V to ZB-H1,
+   interleaved and ZB-H1 to 1F1B, 1F1B to GPipe), with that schedule's default virtual stages.
 3. dp = W / (tp * pp) takes the rest. train.global_batch never changes, and sample order depends only on
    (seed, step), so the run sees the same samples in the same order; microbatches per replica are kept
    if each replica still has that many samples, else lowered; explicit microbatch_sizes are dropped
@@ -21,6 +21,7 @@ from __future__ import annotations
 import copy
 
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
 
 
 def resume_mode(cfg: Config, restart_count: int) -> Config:
@@ -51,8 +52,7 @@ def replan(cfg: Config, world: int) -> Config:
     q.tp = tps[0]
     rest = world // q.tp
     for pp in _divisors_desc(rest, p.pp):
-        v = p.virtual_stages if p.schedule == "interleaved-1f1b" else 1
-        if m.n_layers >= pp * v and rest // pp <= t.global_batch:
+        if m.n_layers >= pp * p.chunks and rest // pp <= t.global_batch:
             q.pp = pp
             break
     else:
@@ -63,10 +63,11 @@ def replan(cfg: Config, world: int) -> Config:
     tr.microbatches = min(t.microbatches, per_replica)
     if q.dp != p.dp:
         tr.microbatch_sizes = None
-    if p.schedule == "interleaved-1f1b" and (q.pp < 2 or tr.microbatches % q.pp or m.n_layers < q.pp * q.virtual_stages):
-        q.schedule, q.virtual_stages = "1f1b", 1
-    if q.schedule != "gpipe" and tr.microbatches < q.pp:
-        q.schedule, q.virtual_stages = "gpipe", 1
+    spec = schedule_spec(q.schedule)
+    while (spec.layout_problem(q.pp, q.chunks) or spec.count_problem(q.pp, tr.microbatches)
+           or m.n_layers < q.n_stages) and spec.fallback is not None:
+        spec = schedule_spec(spec.fallback)
+        q.schedule, q.virtual_stages = spec.name, None if p.virtual_stages is None else spec.default_virtual_stages
     if q.partition == "cost" and q.layer_costs is not None and len(q.layer_costs) != m.n_layers:
         q.partition, q.layer_costs = "params", None
     out.validate(world_size=world)
