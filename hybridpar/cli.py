@@ -14,9 +14,10 @@ from hybridpar.config import Config, help_text, parse_args
 
 USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite] [--section.key VALUE ...]
 
-Trains on the embedded default (the Python standard library's source, byte-level) with tp=2 x pp=2
-unless told otherwise. torchrun flags such as --nproc-per-node, --nnodes, --node-rank,
---rdzv-endpoint and --max-restarts are passed to torch.distributed.run.
+Trains a Llama-family model (--model.family gpt2 for GPT-2) on the embedded default (the Python
+standard library's source, byte-level) with tp=2 x pp=2 unless told otherwise. torchrun flags such
+as --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint and --max-restarts are passed to
+torch.distributed.run.
 
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)

@@ -13,7 +13,8 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.config import ModelConfig
-from hybridpar.model.llama import LlamaStage, canonical_param_names
+from hybridpar.model.registry import full_shapes, param_stages
+from hybridpar.model.stage import Stage
 from hybridpar.model.tp import full_tensor
 from hybridpar.topology.mesh import Topology
 
@@ -26,31 +27,14 @@ def params_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def stage_of_param(name: str, parts: Sequence[range]) -> int:
-    """Which pipeline stage owns a full-model parameter name."""
-    if name.startswith("model.embed_tokens."):
-        return 0
-    if name.startswith("model.layers."):
-        layer = int(name.split(".")[2])
-        return next(s for s, r in enumerate(parts) if layer in r)
-    return len(parts) - 1  # final norm and head
-
-
-def _full_shapes(cfg: ModelConfig) -> dict[str, torch.Size]:
-    with torch.device("meta"):
-        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
-    return {n: p.shape for n, p in full.named_parameters()}
-
-
-def gather_full_state(topo: Topology, stages: dict[int, LlamaStage], parts: Sequence[range],
+def gather_full_state(topo: Topology, stages: dict[int, Stage], parts: Sequence[range],
                       cfg: ModelConfig, stage_ranks: Sequence[int]) -> dict[str, torch.Tensor] | None:
     """Collective over the whole world (call on every rank): rank 0 gets {name: full cpu fp32 tensor}
     in definition order, other ranks None. Replica dp=0 is the source (replicas are identical).
     `stage_ranks[s]` is the pipeline rank holding stage s (the schedule's placement)."""
-    shapes = _full_shapes(cfg)
+    shapes = full_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
-    for name in canonical_param_names(cfg):
-        s = stage_of_param(name, parts)
+    for name, s in param_stages(cfg, parts).items():
         owner = topo.dims.rank_of(0, stage_ranks[s], 0)
         if topo.dp_rank == 0 and s in stages:
             p = stages[s].get_parameter(name)

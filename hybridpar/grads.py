@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.model.llama import LlamaStage
+from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
 
@@ -30,7 +30,7 @@ class DataParallelGrads:
     see — gradients written outside autograd's accumulation, as the zero-bubble W actions do — is
     reduced when the runtime reports the stage done. `finish()` waits and writes the sums back."""
 
-    def __init__(self, topo: Topology, stages: dict[int, LlamaStage], microbatches: int | None = None,
+    def __init__(self, topo: Topology, stages: dict[int, Stage], microbatches: int | None = None,
                  bucket_bytes: int = 4 << 20) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
         self.group = topo.group("dp") if topo.dims.dp > 1 else None
@@ -106,7 +106,7 @@ class PlaneGrads:
     it does not hold; adding zeros is exact) and all-reduces it once after the backward. The
     embedding, final norm and head never move: they are reduced over the dp group as usual."""
 
-    def __init__(self, topo: Topology, stages: dict[int, LlamaStage], n_layers: int,
+    def __init__(self, topo: Topology, stages: dict[int, Stage], n_layers: int,
                  plane: dist.ProcessGroup) -> None:
         self.topo, self.stages, self.n_layers, self.plane = topo, stages, n_layers, plane
         self.dp_group = topo.group("dp")
@@ -123,9 +123,9 @@ class PlaneGrads:
         layer_grads: dict[int, list[torch.Tensor]] = {}
         other: list[torch.Tensor] = []
         for stage in self.stages.values():
-            for i, layer in stage.model.layers.items():
+            for i, layer in stage.layers.items():
                 layer_grads[int(i)] = [p.grad for p in layer.parameters()]
-            ids = {id(p) for layer in stage.model.layers.values() for p in layer.parameters()}
+            ids = {id(p) for layer in stage.layers.values() for p in layer.parameters()}
             other += [p.grad for p in stage.parameters() if id(p) not in ids]
         per_layer = sum(g.numel() for g in next(iter(layer_grads.values())))
         ref = next(iter(layer_grads.values()))[0]
@@ -151,29 +151,27 @@ def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def sync_tied_embeddings(topo: Topology, stages: dict[int, LlamaStage], n_stages: int) -> None:
+def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int) -> None:
     """With tied embeddings split over pipeline stages, the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients (Megatron's embedding group). Every pp rank
     takes part; ranks holding neither copy contribute zeros."""
     first = stages.get(0)
     last = stages.get(n_stages - 1)
-    if not (next(iter(stages.values())).cfg.tie_embeddings and topo.dims.pp > 1):
-        return
     cfg = next(iter(stages.values())).cfg
+    if not (cfg.tied and topo.dims.pp > 1):
+        return
     shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
+    copies = ([first.get_parameter(first.EMBED).grad] if first is not None else []) + \
+        ([last.get_parameter(last.HEAD).grad] if last is not None else [])
     grad = torch.zeros(shape, device=topo.device)
-    if first is not None:
-        grad += first.model.embed_tokens.weight.grad
-    if last is not None:
-        grad += last.lm_head.weight.grad
+    for g in copies:
+        grad += g
     dist.all_reduce(grad, group=topo.group("pp"))
-    if first is not None:
-        first.model.embed_tokens.weight.grad.copy_(grad)
-    if last is not None:
-        last.lm_head.weight.grad.copy_(grad)
+    for g in copies:
+        g.copy_(grad)
 
 
-def clip_grad_norm(topo: Topology, stages: dict[int, LlamaStage], max_norm: float) -> float:
+def clip_grad_norm(topo: Topology, stages: dict[int, Stage], max_norm: float) -> float:
     """Global L2 norm of the whole model's gradient (every parameter counted once: tp shards summed,
     replicated norm gains counted on tp rank 0 only, pipeline stages summed, dp replicas identical),
     then torch's clip rule: scale by min(1, max_norm / (norm + 1e-6)). max_norm <= 0: measure only."""
@@ -182,7 +180,7 @@ def clip_grad_norm(topo: Topology, stages: dict[int, LlamaStage], max_norm: floa
     for stage in stages.values():
         for name, p in stage.named_parameters():
             params.append(p)
-            if name == "lm_head.weight" and stage.holds_tied_copy:
+            if stage.stored_name(name) != name:
                 continue  # the embedding's copy: counted on the first stage
             if is_sharded(p) or topo.tp_rank == 0:
                 sq += p.grad.double().pow(2).sum()

@@ -94,8 +94,6 @@ def _saved_model(ckpt: Path) -> dict | None:
 
 
 def _check_resume(cfg: Config, verify: bool) -> None:
-    from dataclasses import asdict
-
     from hybridpar.resilience.checkpoint import committed, verify_checkpoint
     from hybridpar.resilience.rundir import checkpoint_run_id, read_run
 
@@ -115,11 +113,8 @@ def _check_resume(cfg: Config, verify: bool) -> None:
         if verify and (why := verify_checkpoint(path)) is not None:
             raise ValueError(f"checkpoint.resume={which!r} cannot be used: {why}")
         candidates = [path]
-    want = asdict(cfg.model)
     for ckpt in candidates:
-        saved = _saved_model(ckpt) or {}
-        if saved != want:
-            diff = ", ".join(f"model.{k}={want.get(k)!r} (checkpoint: {saved.get(k)!r})"
-                             for k in sorted({*saved, *want}) if saved.get(k) != want.get(k))
-            raise ValueError(f"checkpoint {ckpt} holds another model: {diff}; resume with the model it was "
-                             f"trained with, or start a new run (another --run-dir)")
+        saved = _saved_model(ckpt)
+        if diff := ["its trainer_state.json records none"] if saved is None else cfg.model.differences(saved):
+            raise ValueError(f"checkpoint {ckpt} holds another model: {', '.join(diff)}; resume with the model it "
+                             f"was trained with, or start a new run (another --run-dir)")

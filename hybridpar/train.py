@@ -20,7 +20,9 @@ from hybridpar.config import Config, parse_args
 from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.data import decode, encode
 from hybridpar.export import gather_full_state, params_digest
-from hybridpar.model.llama import build_full_model, generate
+from hybridpar.model.hf import StateSource
+from hybridpar.model.registry import empty_stage, load_stage_
+from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
@@ -205,8 +207,8 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
         if log:
             print(summary_line(trainer.policy.statistics(), trainer.oom_retries))
         if log and t.sample_tokens:
-            model = build_full_model(cfg.model, t.seed)
-            model.load_state_dict(state, strict=False)
+            model = empty_stage(cfg.model, range(cfg.model.n_layers), True, True, torch.device("cpu"))
+            load_stage_(model, StateSource(state), hf_layout=False)
             text = decode(generate(model, encode(t.sample_prompt), t.sample_tokens, seed=t.seed))
             print(f"\n--- sample from the trained model ---\n{t.sample_prompt}{text}\n---")
     return res

@@ -27,8 +27,8 @@ from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
 from hybridpar.grads import DataParallelGrads, PlaneGrads, clip_grad_norm, sync_tied_embeddings
-from hybridpar.model.llama import LlamaStage, build_stage
-from hybridpar.model.tp import apply_tp
+from hybridpar.model.registry import build_stage, param_counts
+from hybridpar.model.stage import Stage
 from hybridpar.optim import lr_at, make_optimizer, set_lr
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
@@ -43,9 +43,8 @@ def layer_partition(cfg: Config) -> list[range]:
         return partition_uniform(m.n_layers, n_stages)
     if cfg.parallel.partition == "cost":
         return partition_by_cost(cfg.parallel.layer_costs, n_stages)
-    layer = 2 * m.dim + m.dim * m.head_dim * (2 * m.n_heads + 2 * m.kv_heads) + 3 * m.dim * m.ffn_dim
-    return partition_by_params([layer] * m.n_layers, n_stages, embed_params=m.vocab_size * m.dim,
-                               head_params=m.dim + (0 if m.tie_embeddings else m.vocab_size * m.dim))
+    n = param_counts(m)
+    return partition_by_params([n.layer] * m.n_layers, n_stages, embed_params=n.embed, head_params=n.head)
 
 
 class Trainer:
@@ -58,12 +57,12 @@ class Trainer:
                              f"{cfg.model.vocab_size} must be at least {self.data.vocab_needed}")
         self.parts = layer_partition(cfg)
         self.n_stages = p.n_stages
-        self.stages: dict[int, LlamaStage] = {}
+        self.stages: dict[int, Stage] = {}
         # Pipeline rank of each stage: the schedule's placement (s % pp, or ZB-V's V).
         self.stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
         for s in (s for s, r in enumerate(self.stage_ranks) if r == topo.pp_rank):
-            st = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed, topo.device)
-            self.stages[s] = apply_tp(st, topo.group("tp") if p.tp > 1 else None)
+            self.stages[s] = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed,
+                                         topo.device, topo.group("tp") if p.tp > 1 else None)
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in

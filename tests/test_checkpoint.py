@@ -259,9 +259,13 @@ def _worker(base: dict, root: str, kill_at: int, other_layout: dict) -> dict:
 CASES = {"tp2-pp2-tied-interleaved": dict(model=dict(tie_embeddings=True),
                                           parallel=dict(tp=2, pp=2, dp=1, schedule="interleaved-1f1b",
                                                         virtual_stages=2)),
-         "tp2-dp2": dict(parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b"))}
+         "tp2-dp2": dict(parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
+         # GPT-2: biases (sharded and replicated), learned positions, its embedding tied across stages.
+         "gpt2-tp2-pp2": dict(model=dict(family="gpt2", n_kv_heads=None, n_positions=24),
+                              parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1"))}
 OTHER_LAYOUT = {"tp2-pp2-tied-interleaved": dict(tp=1, pp=2, dp=2, schedule="1f1b", virtual_stages=1),
-                "tp2-dp2": dict(tp=1, pp=4, dp=1, schedule="gpipe")}
+                "tp2-dp2": dict(tp=1, pp=4, dp=1, schedule="gpipe"),
+                "gpt2-tp2-pp2": dict(tp=2, pp=1, dp=2, schedule="1f1b")}
 
 
 @pytest.mark.multiprocess
@@ -296,7 +300,7 @@ def test_resume_is_bit_exact_and_skips_bad_checkpoints(case: str, tmp_path: Path
     assert params_digest(state.items()) == full["digest"]
     ref = torch.load(tmp_path / "full" / "final_model.pt", weights_only=True)
     assert list(state) == list(ref)
-    _check_written_once(tmp_path / "full" / "checkpoints" / "step-000006", cfg.model.tie_embeddings)
+    _check_written_once(tmp_path / "full" / "checkpoints" / "step-000006", cfg.model.tied)
     # Resumed in another (tp, pp, dp): the same training within the exactness tolerance of every layout.
     rs = r["reshard"]
     assert rs["start"] == 4 and max(abs(a - b) for a, b in zip(rs["losses"], full["losses"][4:])) <= 1e-5

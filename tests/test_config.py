@@ -70,15 +70,15 @@ def test_config_package_does_not_import_torch() -> None:
 # ---- validate: ranges -------------------------------------------------------------------------------------------
 
 COUNTS = ["model__vocab_size", "model__dim", "model__n_layers", "model__n_heads", "model__n_kv_heads",
-          "model__ffn_dim", "parallel__tp", "parallel__pp", "parallel__dp", "parallel__virtual_stages",
-          "train__steps", "train__global_batch", "train__microbatches", "train__seq_len", "train__val_batches",
+          "model__n_positions", "model__ffn_dim", "parallel__tp", "parallel__pp", "parallel__dp",
+          "parallel__virtual_stages", "train__steps", "train__global_batch", "train__microbatches", "train__seq_len", "train__val_batches",
           "data__max_bytes"]
 
 
 @pytest.mark.parametrize("key", COUNTS)
 @pytest.mark.parametrize("bad", [0, -3])
 def test_counts_must_be_positive(key: str, bad: int) -> None:
-    # n_kv_heads may also be None, and its message says so.
+    # n_kv_heads and n_positions may also be None, and their message says so.
     pattern = re.escape(key.replace("__", ".")) + rf" must be a positive integer( or none)?, got {bad}"
     with pytest.raises(ValueError, match=pattern):
         make(**{key: bad}).validate()
@@ -169,6 +169,33 @@ def test_world_size_mismatch_names_the_layout() -> None:
 ])
 def test_model_shape_rules(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
+
+
+@pytest.mark.parametrize(("dotted", "message"), [
+    ({"model__family": "bert"}, "model.family='bert' is not one of llama, gpt2"),
+    ({"model__family": "gpt2", "model__n_kv_heads": 2}, "model.n_kv_heads=2 configures grouped-query attention "
+     "(fewer key/value heads than query heads), which model.family=gpt2 does not have: leave model.n_kv_heads unset"),
+    ({"model__family": "gpt2", "model__rope_theta": 5e5}, "model.rope_theta=500000.0 configures rotary position "
+     "embeddings (RoPE), which model.family=gpt2 does not have"),
+    ({"model__n_positions": 512}, "model.n_positions=512 configures learned absolute position embeddings, which "
+     "model.family=llama does not have"),
+    ({"model__family": "gpt2", "model__n_positions": 64}, "train.seq_len=128 exceeds the 64 learned positions of "
+     "model.family=gpt2: raise model.n_positions"),
+    ({"model__family": "gpt2", "model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
+    ({"model__family": "gpt2", "model__tie_embeddings": "yes"}, "model.tie_embeddings must be true, false or none"),
+])
+def test_family_rules(dotted: dict[str, Any], message: str) -> None:
+    invalid(make(**dotted), message)
+
+
+def test_family_defaults() -> None:
+    gpt2 = make(model__family="gpt2", model__n_heads=6, model__dim=198, model__ffn_dim=792, model__vocab_size=258,
+                parallel__tp=3)
+    gpt2.validate(6)  # no rotary embeddings, so an odd head size (33) is fine
+    assert gpt2.model.tied and gpt2.model.max_positions == 1024 and not Config().model.tied
+    assert Config().model.max_positions is None
+    assert make(model__family="gpt2", model__tie_embeddings=False).model.tied is False
+    make(model__family="gpt2", model__n_kv_heads=4).validate(4)  # n_kv_heads = n_heads is no GQA: accepted
 
 
 def test_grouped_query_attention_and_tied_embeddings_are_fine() -> None:
@@ -325,7 +352,7 @@ def test_from_dict_section_must_be_a_table() -> None:
     ({"parallel": {"tp": "x"}}, "config key 'parallel.tp' expects int, got 'x' (str)"),
     ({"parallel": {"tp": True}}, "config key 'parallel.tp' expects int, got True (bool)"),
     ({"parallel": {"tp": None}}, "config key 'parallel.tp' expects int, got None"),
-    ({"model": {"tie_embeddings": 1}}, "config key 'model.tie_embeddings' expects bool, got 1 (int)"),
+    ({"model": {"tie_embeddings": 1}}, "config key 'model.tie_embeddings' expects bool or none, got 1 (int)"),
     ({"train": {"lr": "0.1"}}, "config key 'train.lr' expects float, got '0.1' (str)"),
     ({"parallel": {"layer_costs": "1,2"}}, "config key 'parallel.layer_costs' expects list[float] or none"),
     ({"train": {"microbatch_sizes": [1, 2.0]}}, "config key 'train.microbatch_sizes[1]' expects int, got 2.0"),
@@ -461,7 +488,7 @@ def test_scalar_parsing() -> None:
 @pytest.mark.parametrize(("argv", "message"), [
     (["--train.steps", "2.5"], "--train.steps expects int, got '2.5'"),
     (["--train.lr", "fast"], "--train.lr expects float, got 'fast'"),
-    (["--model.tie_embeddings", "maybe"], "--model.tie_embeddings expects bool, got 'maybe'"),
+    (["--model.tie_embeddings", "maybe"], "--model.tie_embeddings expects bool or none, got 'maybe'"),
     (["--train.microbatch_sizes", "4,x"], "--train.microbatch_sizes expects list[int] or none, got '4,x'"),
     (["--train.steps", "none"], "--train.steps expects int, got 'none'"),
 ])

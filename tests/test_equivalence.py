@@ -1,9 +1,11 @@
 """Every parallel layout trains the same model as one device: per-step loss and every parameter after
-3 AdamW steps within 1e-5 of a plain single-process fp32 run (torch.optim.AdamW, torch's clip)."""
+3 AdamW steps within 1e-5 of a plain single-process fp32 run (torch.optim.AdamW, torch's clip). The
+GPT-2 family runs the same grid, its parameters also held to DESIGN.md's fp64 criterion."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -12,7 +14,7 @@ import torch.nn.functional as F
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
-from hybridpar.model.llama import build_full_model
+from hybridpar.model.registry import build_full_model
 from hybridpar.optim import lr_at, make_optimizer, set_lr
 from hybridpar.testing import run_ranks
 
@@ -37,10 +39,11 @@ def tiny_config(**over: dict) -> Config:
     return cfg
 
 
-def reference(cfg: Config) -> tuple[list[float], list[tuple[int, float]], dict[str, torch.Tensor]]:
+def reference(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[list[float], list[tuple[int, float]],
+                                                                        dict[str, torch.Tensor]]:
     t = cfg.train
     data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
-    model = build_full_model(cfg.model, t.seed)
+    model = build_full_model(cfg.model, t.seed).to(dtype)  # fp64: the same initial values, widened
     opt = make_optimizer(model.named_parameters(), t)
     losses, val_losses = [], []
     vx, vy = data.val_samples(t.val_batches * t.global_batch)
@@ -107,14 +110,33 @@ def grid_config(pp: int, schedule: str, v: int, **over: dict) -> Config:
 _REF: dict[str, tuple] = {}  # the reference depends on model and train settings only
 
 
-def ref_for(cfg: Config) -> tuple:
-    key = repr((cfg.model, cfg.train))
+def ref_for(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple:
+    key = repr((cfg.model, cfg.train, dtype))
     if key not in _REF:
-        _REF[key] = reference(cfg)
+        _REF[key] = reference(cfg, dtype)
     return _REF[key]
 
 
-def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
+FP64_RATIO = 1.5  # DESIGN.md: no farther from the fp64 run than the single-process fp32 run, within 1.5x
+
+
+def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
+    """DESIGN.md's parameter criterion: the whole model's distance to an fp64 run of the same training,
+    as the largest difference and as the L2 norm of all differences, at most 1.5x the single-process
+    fp32 run's. Whole-model, not per tensor: a tensor's own distance sits at a few fp32 ulps, so the
+    ratio of two runs' is noise (measured up to 14x per tensor on Llama layouts whose loss and every
+    parameter are within 1e-5, and whose whole-model ratio is 1.1)."""
+    ref32, ref64 = ref_for(cfg)[2], ref_for(cfg, torch.float64)[2]
+    for what, dist in (("largest difference", lambda s: max((s[n].double() - r).abs().max().item()
+                                                             for n, r in ref64.items())),
+                       ("L2 norm of the differences", lambda s: sum((s[n].double() - r).pow(2).sum().item()
+                                                                    for n, r in ref64.items()) ** 0.5)):
+        ours, single = dist(state), dist(ref32)
+        assert ours <= FP64_RATIO * single, f"{label}: {what} to the fp64 run is {ours:.3g}, more than " \
+            f"{FP64_RATIO} x the single-process fp32 run's {single:.3g}"
+
+
+def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker, fp64: bool = False) -> None:
     world = cfgs[0].parallel.world_size
     results = run_ranks(worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)
     for i, cfg in enumerate(cfgs):
@@ -132,6 +154,8 @@ def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
         for name, ref in ref_state.items():
             diff = (state[name] - ref).abs().max().item()
             assert diff <= TOL, f"{label}: {name} differs from single device by {diff:.3g}"
+        if fp64:
+            check_fp64(label, state, cfg)
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in LAYOUTS])
@@ -158,3 +182,17 @@ def test_explicit_unequal_microbatches(tmp_path: Path) -> None:
     cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
                       train=dict(global_batch=10, microbatch_sizes=[4, 1, 2, 3]))
     check_layouts([cfg], tmp_path)
+
+
+GPT2_LAYOUTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
+
+
+def gpt2_config(**parallel: Any) -> Config:
+    """The tiny model of the grid as GPT-2: biases, LayerNorm, learned positions, tied embeddings."""
+    return tiny_config(model=dict(family="gpt2", n_kv_heads=None, n_positions=24), parallel=parallel)
+
+
+@pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in GPT2_LAYOUTS])
+def test_gpt2_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path) -> None:
+    cfgs = [gpt2_config(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v) for s, v in schedules_for(pp)]
+    check_layouts(cfgs, tmp_path, fp64=True)

@@ -1,7 +1,7 @@
-"""Hugging Face interop: a tiny random LlamaForCausalLM made offline loads into the tp=2 x pp=2
-sharded model with logits within 1e-4 of transformers' (and the engine's greedy tokens equal HF's
-greedy generate); our export loads back into transformers with equal logits; a checkpoint written
-by hybridpar's trainer (DCP directory and final_model.pt) is served."""
+"""Hugging Face interop, for every model family: a tiny random LlamaForCausalLM / GPT2LMHeadModel made
+offline loads into the tp=2 x pp=2 sharded model with logits within 1e-4 of transformers' (and the
+engine's greedy tokens equal HF's greedy generate); our export loads back into transformers with equal
+logits; a checkpoint written by hybridpar's trainer (DCP directory and final_model.pt) is served."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.config import Config, ModelConfig
-from hybridpar.model.hf import config_from_hf, export_hf, read_hf_config
-from hybridpar.model.llama import build_full_model, generate
+from hybridpar.model.hf import StateSource
+from hybridpar.model.registry import build_full_model, config_from_hf, export_hf, load_stage_, read_hf_config
+from hybridpar.model.stage import generate
 from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import StageRunner
@@ -28,18 +29,24 @@ def _transformers():  # imported in the tests only: the spawned ranks import thi
     return pytest.importorskip("transformers")
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82, 81, 82, 84, 59, 4]]
 LIMITS = {"max_batch": 2, "max_groups": 2, "kv_tokens": 1024, "max_seq_len": 64}
+FAMILIES = ["llama", "gpt2"]
 
 
-def tiny_hf(path: Path, tie: bool = False) -> torch.nn.Module:
+def tiny_hf(path: Path, tie: bool = False, family: str = "llama") -> torch.nn.Module:
     transformers = _transformers()
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                   num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                                   tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).eval()
-    with torch.no_grad():  # HF zero-inits nothing here, but make every weight clearly non-trivial
-        for p in model.parameters():
-            p.add_(torch.randn_like(p) * 0.05)
+    torch.manual_seed(0)  # before construction: HF's random init draws from it too
+    if family == "gpt2":  # GPT-2 ties its embeddings; 64 learned positions cover LIMITS' max_seq_len
+        cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_inner=64, n_layer=4, n_head=4, n_positions=64,
+                                      bos_token_id=0, eos_token_id=0)
+        model = transformers.GPT2LMHeadModel(cfg).eval()
+    else:
+        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
+                                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
+                                       tie_word_embeddings=tie)
+        model = transformers.LlamaForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF zero-inits biases and sets norms to one: make every weight clearly non-trivial,
+        for p in model.parameters():  # and large enough that greedy decoding does not repeat one token
+            p.add_(torch.randn_like(p) * 0.2)
     model.save_pretrained(path)
     return model
 
@@ -66,29 +73,37 @@ def _sharded_rank(spec_d: dict, ids: list[list[int]], reqs: list[dict]) -> dict 
 
 
 @pytest.mark.multiprocess
-def test_hf_checkpoint_tp2_pp2(tmp_path: Path) -> None:
-    hf = tiny_hf(tmp_path)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hf_checkpoint_tp2_pp2(family: str, tmp_path: Path) -> None:
+    hf = tiny_hf(tmp_path, family=family)
     cfg = read_hf_config(tmp_path)
-    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == (32, 4, 4, 2, 64)
+    assert (cfg.family, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == \
+        (family, 32, 4, 4, 2 if family == "llama" else 4, 64)
     with torch.no_grad():
         want = hf(torch.tensor(IDS)).logits
-        greedy = hf.generate(torch.tensor(IDS[:1]), max_new_tokens=8, do_sample=False)[0, len(IDS[0]):].tolist()
+        greedy = {str(i): hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
+                  for i, p in enumerate(IDS)}
+    assert all(len(set(g)) > 3 for g in greedy.values())  # varied tokens: a stuck decoder would not match
     spec = spec_dict(WorkerSpec(model=dataclasses.asdict(cfg), source=str(tmp_path), tp=2, pp=2, limits=LIMITS,
                                 timeout_s=60))
-    reqs = [{"type": "generate", "id": "a", "prompt": IDS[0], "max_tokens": 8, "temperature": 0}]
+    reqs = [{"type": "generate", "id": str(i), "prompt": p, "max_tokens": 12, "temperature": 0}
+            for i, p in enumerate(IDS)]
     out = run_ranks(_sharded_rank, 4, spec, IDS, reqs, timeout_s=120)
     for r in (2, 3):  # both tp ranks of the last stage hold the gathered logits
         assert (torch.tensor(out[r]["logits"]) - want).abs().max().item() < 1e-4
-    assert out[0]["results"]["a"] == greedy
+    assert out[0]["results"] == greedy
 
 
-def test_export_loads_in_transformers(tmp_path: Path) -> None:
-    cfg = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64, tie_embeddings=True)
+@pytest.mark.parametrize("family,tie", [("llama", True), ("gpt2", None), ("gpt2", False)])
+def test_export_loads_in_transformers(family: str, tie: bool | None, tmp_path: Path) -> None:
+    extra = {"n_kv_heads": 2} if family == "llama" else {"n_positions": 32}
+    cfg = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, ffn_dim=64, tie_embeddings=tie, **extra)
     ours = build_full_model(cfg, seed=5).eval()
     transformers = _transformers()
     export_hf(ours.state_dict(), cfg, tmp_path)
-    assert read_hf_config(tmp_path) == dataclasses.replace(cfg, init_std=cfg.init_std)
-    back = transformers.LlamaForCausalLM.from_pretrained(tmp_path).eval()
+    assert read_hf_config(tmp_path).resolved() == cfg.resolved()
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
+    assert type(back).__name__ == {"llama": "LlamaForCausalLM", "gpt2": "GPT2LMHeadModel"}[family]
     with torch.no_grad():
         diff = (back(torch.tensor(IDS)).logits - ours(torch.tensor(IDS))).abs().max().item()
     assert diff < 1e-5
@@ -97,11 +112,19 @@ def test_export_loads_in_transformers(tmp_path: Path) -> None:
 def test_unsupported_hf_configs_are_refused() -> None:
     base = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
             "intermediate_size": 64, "vocab_size": 256}
+    gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 2, "vocab_size": 256}
     for bad, word in (({"model_type": "mistral"}, "model_type"), ({"hidden_act": "gelu"}, "hidden_act"),
                       ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
                       ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"), ({"head_dim": 16}, "head_dim")):
         with pytest.raises(ValueError, match=word):
             config_from_hf({**base, **bad})
+    for bad, word in (({"activation_function": "relu"}, "activation_function"),
+                      ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+                      ({"scale_attn_weights": False}, "scale_attn_weights"),
+                      ({"add_cross_attention": True}, "add_cross_attention")):
+        with pytest.raises(ValueError, match=word):
+            config_from_hf({**gpt2, **bad})
+    assert config_from_hf(gpt2).tied and config_from_hf(gpt2).max_positions == 1024  # GPT2Config's defaults
 
 
 def _train_rank(cfg_d: dict) -> float:
@@ -111,9 +134,10 @@ def _train_rank(cfg_d: dict) -> float:
 
 
 @pytest.mark.multiprocess
-def test_trained_checkpoint_is_served(tmp_path: Path) -> None:
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trained_checkpoint_is_served(family: str, tmp_path: Path) -> None:
     cfg = Config()
-    cfg.model = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+    cfg.model = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
     cfg.parallel.tp, cfg.parallel.pp = 2, 1
     t = cfg.train
     t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.sample_tokens = 2, 4, 2, 16, 0, 0
@@ -122,7 +146,7 @@ def test_trained_checkpoint_is_served(tmp_path: Path) -> None:
     run = tmp_path / "run"
     final = torch.load(run / "final_model.pt", weights_only=True)
     model = build_full_model(cfg.model, 0)
-    model.load_state_dict(final)
+    load_stage_(model, StateSource(final), hf_layout=False)
     prompt = list(b"def ")
     want = generate(model, prompt, 6, temperature=0)
     req = [{"type": "generate", "id": "a", "prompt": prompt, "max_tokens": 6, "temperature": 0}]
@@ -135,3 +159,9 @@ def test_trained_checkpoint_is_served(tmp_path: Path) -> None:
         ch = ListChannel(req)
         Driver(StageRunner(stage, local_topology()), ch, Limits(**LIMITS)).run()
         assert ch.results() == {"a": want}, src
+    # Exported, the trained model is transformers' own, with the same greedy tokens.
+    export_hf(final, cfg.model, tmp_path / "hf")
+    hf = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    with torch.no_grad():
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+    assert got == want

@@ -9,7 +9,9 @@ import torch
 
 from hybridpar.batching.split import plan_batch, split_evenly
 from hybridpar.config import TrainConfig
-from hybridpar.export import params_digest, stage_of_param
+from hybridpar.config import ModelConfig
+from hybridpar.export import params_digest
+from hybridpar.model.registry import param_stages
 from hybridpar.optim import lr_at
 from hybridpar.topology.mesh import ParallelDims
 
@@ -87,9 +89,14 @@ def test_params_digest_sensitive_to_values_names_and_order():
     assert base != params_digest([("x2", torch.ones(3)), ("y", torch.zeros(2))])
 
 
-def test_stage_of_param():
+def test_param_stages():
     parts = [range(0, 2), range(2, 3), range(3, 4)]
-    assert stage_of_param("model.embed_tokens.weight", parts) == 0
-    assert stage_of_param("model.layers.2.mlp.up_proj.weight", parts) == 1
-    assert stage_of_param("model.layers.3.input_layernorm.weight", parts) == 2
-    assert stage_of_param("lm_head.weight", parts) == 2 and stage_of_param("model.norm.weight", parts) == 2
+    where = param_stages(ModelConfig(n_layers=4), parts)
+    assert where["model.embed_tokens.weight"] == 0 and where["model.layers.1.self_attn.q_proj.weight"] == 0
+    assert where["model.layers.2.mlp.up_proj.weight"] == 1
+    assert where["model.layers.3.input_layernorm.weight"] == 2
+    assert where["lm_head.weight"] == 2 and where["model.norm.weight"] == 2
+    gpt2 = param_stages(ModelConfig(family="gpt2", n_layers=4), parts)  # learned positions: read first
+    assert gpt2["transformer.wte.weight"] == 0 and gpt2["transformer.wpe.weight"] == 0
+    assert gpt2["transformer.h.2.attn.c_attn.bias"] == 1 and gpt2["transformer.ln_f.bias"] == 2
+    assert "lm_head.weight" not in gpt2  # tied: the head is the embedding

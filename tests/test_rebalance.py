@@ -79,7 +79,18 @@ CASES = {
 @pytest.mark.parametrize("case", list(CASES))
 def test_rebalance_is_exact(case: str, tmp_path: Path) -> None:
     par, train, moves = CASES[case]
-    cfg = tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train})
+    check_rebalance(case, tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train}), moves,
+                    tmp_path)
+
+
+def test_gpt2_rebalance_is_exact(tmp_path: Path) -> None:
+    """GPT-2's layers move with their biases, row-parallel ones included (built by the registry)."""
+    cfg = tiny_config(model=dict(family="gpt2", n_kv_heads=None, n_positions=16),
+                      parallel=dict(schedule="1f1b", tp=2, pp=2, dp=1), train={"steps": 3})
+    check_rebalance("gpt2-tp2-pp2", cfg, {1: Layout.uniform(R(2, 6), [11])}, tmp_path)
+
+
+def check_rebalance(case: str, cfg: Config, moves: dict[int, Layout], tmp_path: Path) -> None:
     world = cfg.parallel.world_size
     plan = {str(k): v.to_record() for k, v in moves.items()}
     res = run_ranks(_worker, world, cfg.to_dict(), plan, str(tmp_path), timeout_s=240)[0]

@@ -37,6 +37,11 @@ def test_parse_and_defaults() -> None:
     (["--source", "init:0", "--max-batch", "0"], "max_batch must be a positive integer"),
     (["--source", "init:0", "--imbalance", "2"], "imbalance=2.0 must be in"),
     (["--source", "/no/such/dir"], "is not init:SEED"),
+    (["--source", "init:0", "--model.family", "gpt2", "--model.n_positions", "64"],
+     "max_seq_len=1024 exceeds the model's 64 learned positions"),
+    (["--source", "init:0", "--model.family", "gpt2", "--model.n_kv_heads", "2"],
+     "model.n_kv_heads=2 configures grouped-query attention"),
+    (["--source", "init:0", "--model.family", "gpt2", "--tp", "3"], "tp=3 does not divide model n_heads=4"),
 ])
 def test_bad_options_are_refused(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=match):

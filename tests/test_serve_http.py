@@ -14,7 +14,8 @@ import pytest
 
 from hybridpar.config import ModelConfig
 from hybridpar.data import decode
-from hybridpar.model.llama import build_full_model, generate
+from hybridpar.model.registry import build_full_model
+from hybridpar.model.stage import generate
 from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.http import make_server
 from hybridpar.serve.router import Overloaded

@@ -31,7 +31,7 @@ class _Sleep(torch.autograd.Function):
 
 
 def attach_layer_cost(stage: nn.Module, layer_ms: float) -> None:
-    """Make `stage` (a LlamaStage) cost `layer_ms` per layer and sample forward, twice that backward."""
+    """Make `stage` (a model Stage) cost `layer_ms` per layer and sample forward, twice that backward."""
     if layer_ms <= 0:
         return
 

@@ -25,6 +25,7 @@ from hybridpar.balance.monitor import stage_times
 from hybridpar.balance.plan import CostModel, Layout
 from hybridpar.balance.scores import RankSample
 from hybridpar.config import Config
+from hybridpar.model.registry import layer_flops_per_token
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
 
@@ -33,15 +34,14 @@ def cost_model(cfg: Config) -> CostModel:
     """Per-sample work of each layer, the embedding and the head, in units the measured speeds share.
 
     Emulated layer cost (`emulate.layer_ms`): every layer costs the same and nothing else is
-    emulated. Otherwise `parallel.layer_costs` if given, else matmul FLOPs: a layer's projections
-    (2 x parameters per token) and attention (2 x 2 x T x d per token), the head's 2 x d x vocab."""
+    emulated. Otherwise `parallel.layer_costs` if given, else matmul FLOPs: a layer's as its model
+    family counts them (model/registry.py), the head's 2 x d x vocab per token."""
     m, T = cfg.model, cfg.train.seq_len
     if cfg.emulate.layer_ms > 0:
         return CostModel((1.0,) * m.n_layers)
     if cfg.parallel.layer_costs is not None:
         return CostModel(tuple(float(c) for c in cfg.parallel.layer_costs))
-    proj = m.dim * m.head_dim * (2 * m.n_heads + 2 * m.kv_heads) + 3 * m.dim * m.ffn_dim
-    layer = T * (2.0 * proj + 4.0 * T * m.dim)
+    layer = T * layer_flops_per_token(m, T)
     return CostModel((layer,) * m.n_layers, first_extra=T * m.dim, last_extra=T * 2.0 * m.dim * m.vocab_size)
 
 

@@ -21,8 +21,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.model.llama import LlamaStage
-from hybridpar.model.tp import apply_tp
+from hybridpar.model.registry import empty_layer
+from hybridpar.model.stage import Stage
 from hybridpar.topology.mesh import Topology
 
 
@@ -68,19 +68,14 @@ def _pack(layers: list[nn.Module], opt_state: dict) -> tuple[torch.Tensor, torch
     return torch.cat(tensors), torch.cat(scalars)
 
 
-def default_layer_builder(stage: LlamaStage, tp_group: dist.ProcessGroup | None,
+def default_layer_builder(stage: Stage, tp_group: dist.ProcessGroup | None,
                           device: torch.device) -> Callable[[int], nn.Module]:
     """Empty decoder layer `i` with this rank's tensor-parallel shard shapes and hooks (its values
     are overwritten by the received ones)."""
-    def build(i: int) -> nn.Module:
-        with torch.device("meta"):
-            shell = LlamaStage(stage.cfg, [i], False, False)
-        shell.to_empty(device=device)
-        return apply_tp(shell, tp_group).model.layers[str(i)]
-    return build
+    return lambda i: empty_layer(stage.cfg, i, device, tp_group)
 
 
-def move_layers(topo: Topology, stage: LlamaStage, stage_index: int, opt_state: dict,
+def move_layers(topo: Topology, stage: Stage, stage_index: int, opt_state: dict,
                 old: Sequence[range], new: Sequence[range], build_layer: Callable[[int], nn.Module],
                 peer: Callable[[int], int]) -> MoveStats:
     """Collective over this replica's pipeline ranks (call on all of them, with the same `old` and
@@ -99,7 +94,7 @@ def move_layers(topo: Topology, stage: LlamaStage, stage_index: int, opt_state: 
             out.setdefault(dst, []).append(i)
         elif dst == me:
             inc.setdefault(src, []).append(i)
-    layers = dict(stage.model.layers.items())
+    layers = dict(stage.layers.items())
     template = next(iter(layers.values()))
     # Sizes of an incoming layer's buffers, from a layer we hold: every decoder layer has the same
     # parameter shapes on a given tp rank, and the same optimizer state.
@@ -150,8 +145,7 @@ def move_layers(topo: Topology, stage: LlamaStage, stage_index: int, opt_state: 
             for p in layers.pop(str(i)).parameters():
                 opt_state.pop(p, None)
     keep = new[me]
-    stage.model.layers = nn.ModuleDict({str(i): layers[str(i)] for i in keep})
-    stage.layer_ids = list(keep)
+    stage.set_layers({str(i): layers[str(i)] for i in keep})
     stats.seconds = time.perf_counter() - t0
     return stats
 

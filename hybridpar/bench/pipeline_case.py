@@ -93,7 +93,7 @@ def _build(c: Case, s: int, device: torch.device, log: SleepLog | None = None) -
         t = _nominal_s(c)
         return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, t["F"], t["B"], seed=c.seed * 1000 + s,
                              w_s=t["W"], log=log, loss_in_window=last, tail=c.window_tail).to(device)
-    from hybridpar.model.llama import build_stage
+    from hybridpar.model.registry import build_stage
     from hybridpar.pipeline.partition import partition_uniform
 
     cfg = ModelConfig(n_layers=c.layers)

@@ -6,10 +6,12 @@ n_heads, enough microbatches for the schedule, ...) are in validate.py.
 
 # No `from __future__ import annotations`: keys.py and the parsers read each field's `type` as a real
 # type (int | None, list[float]), not as a string.
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
 
+from hybridpar.config.families import FAMILIES, rules
 from hybridpar.config.schedules import SCHEDULES, schedule_names, schedule_spec
 
 CPU_BINDINGS = ("none", "cores")  # how topology/cpus.py places local ranks on cores
@@ -26,15 +28,20 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
+    family: str = _f("llama", "model family: " + "; ".join(f"{k} = {r.about}" for k, r in FAMILIES.items()),
+                     choices=tuple(FAMILIES))
     vocab_size: int = _f(256, "vocabulary size (256 = raw bytes)")
     dim: int = _f(128, "hidden size")
     n_layers: int = _f(4, "number of transformer blocks")
     n_heads: int = _f(4, "attention (query) heads")
-    n_kv_heads: int | None = _f(None, "key/value heads (none = n_heads; fewer = grouped-query attention)")
-    ffn_dim: int = _f(352, "SwiGLU feed-forward inner size")
-    rope_theta: float = _f(10000.0, "rotary embedding base")
-    norm_eps: float = _f(1e-5, "RMSNorm epsilon")
-    tie_embeddings: bool = _f(False, "share the input embedding with the output projection")
+    n_kv_heads: int | None = _f(None, "llama: key/value heads (none = n_heads; fewer = grouped-query attention)")
+    ffn_dim: int = _f(352, "feed-forward inner size (llama: SwiGLU width; gpt2: n_inner, 4 x dim in GPT-2)")
+    rope_theta: float = _f(10000.0, "llama: rotary embedding base")
+    n_positions: int | None = _f(None, "gpt2: learned absolute positions, the longest sequence the model reads "
+                                       "(none = 1024)")
+    norm_eps: float = _f(1e-5, "epsilon of the normalisation (llama: RMSNorm; gpt2: LayerNorm)")
+    tie_embeddings: bool | None = _f(None, "share the input embedding with the output projection (none = the "
+                                           "family's rule: llama no, gpt2 yes)")
     init_std: float = _f(0.02, "standard deviation of the normal weight init")
 
     @property
@@ -44,6 +51,31 @@ class ModelConfig:
     @property
     def kv_heads(self) -> int:
         return self.n_kv_heads or self.n_heads
+
+    @property
+    def tied(self) -> bool:
+        """Whether the head is the embedding: model.tie_embeddings, else the family's rule."""
+        return rules(self).tied if self.tie_embeddings is None else self.tie_embeddings
+
+    @property
+    def max_positions(self) -> int | None:
+        """Learned positions of the family (None: it has none, any length is read)."""
+        return self.n_positions or rules(self).default_positions
+
+    def resolved(self) -> dict[str, Any]:
+        """The fields with unset family defaults filled in: two configs of the same model compare equal
+        (a checkpoint written with tie_embeddings=false and a run leaving it unset, say)."""
+        d = dataclasses.asdict(self)
+        d.update(tie_embeddings=self.tied, n_positions=self.max_positions, n_kv_heads=self.kv_heads)
+        return d
+
+    def differences(self, saved: dict[str, Any]) -> list[str]:
+        """'model.KEY=ours (checkpoint: theirs)' for each field in which the model saved as `saved` (the
+        dict of a ModelConfig, perhaps written before some field existed) differs from this one."""
+        known = {f.name for f in dataclasses.fields(self)}
+        theirs, ours = ModelConfig(**{k: v for k, v in saved.items() if k in known}).resolved(), self.resolved()
+        return [f"model.{k}={ours[k]!r} (checkpoint: {theirs[k]!r})" for k in ours if ours[k] != theirs[k]] + \
+            [f"model.{k} (checkpoint: {v!r}) is unknown" for k, v in saved.items() if k not in known]
 
 
 @dataclass

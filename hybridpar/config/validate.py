@@ -14,6 +14,7 @@ import os
 import typing
 from typing import TYPE_CHECKING, Any
 
+from hybridpar.config.families import OPTIONS, rules, tp_split_sizes
 from hybridpar.config.keys import _is_int, _is_num, _known_keys, _owner, _suggest
 from hybridpar.config.schedules import CONFIG_KEYS, SCHEDULES, schedule_spec
 from hybridpar.config.sections import CheckpointConfig, ModelConfig, ParallelConfig, ResilienceConfig, TrainConfig
@@ -31,7 +32,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_choices(cfg)
     _check_balance(cfg)
     _check_world_size(cfg.parallel, world_size)
-    _check_model(cfg.model, cfg.parallel)
+    _check_model(cfg.model, cfg.parallel, cfg.train)
     _check_schedule(cfg.model, cfg.parallel, cfg.train)
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
@@ -53,7 +54,8 @@ def _check_ranges(cfg: Config) -> None:
         ("resilience.max_restarts", non_negative, "a non-negative integer"),
         ("resilience.hang_timeout_s", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables the watchdog)"),
         ("resilience.heartbeat_s resilience.slow_phase_timeout_s", lambda v: _is_num(v) and v > 0, "> 0"),
-        ("model.n_kv_heads parallel.virtual_stages", lambda v: v is None or count(v), "a positive integer or none"),
+        ("model.n_kv_heads model.n_positions parallel.virtual_stages", lambda v: v is None or count(v), "a positive integer or none"),
+        ("model.tie_embeddings", lambda v: v is None or isinstance(v, bool), "true, false or none"),
         ("batching.microbatch_size emulate.memory_limit", lambda v: v is None or count(v),
          "a positive integer or none"),
         ("batching.steps_per_candidate", count, "a positive integer"),
@@ -142,16 +144,26 @@ def _check_world_size(p: ParallelConfig, world_size: int | None) -> None:
                          f"start {p.world_size} processes or change the layout")
 
 
-def _check_model(m: ModelConfig, p: ParallelConfig) -> None:
+def check_model(m: ModelConfig) -> None:
+    """The model's own rules (its family's options, head sizes); also run by `hybridpar serve`."""
+    fam = rules(m)
     _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
-    _require(m.head_dim % 2 == 0, f"model.head_dim = model.dim // model.n_heads = {m.dim} // {m.n_heads} = "
-                                  f"{m.head_dim} must be even for rotary embeddings (RoPE)")
+    for key, opt in OPTIONS.items():
+        _require(key in fam.options or opt.unset(m), f"model.{key}={getattr(m, key)!r} configures {opt.what}, "
+                 f"which model.family={m.family} does not have: leave model.{key} unset")
+    _require(not fam.rotary or m.head_dim % 2 == 0, f"model.head_dim = model.dim // model.n_heads = {m.dim} // "
+             f"{m.n_heads} = {m.head_dim} must be even for rotary embeddings (RoPE)")
     _require(m.n_heads % m.kv_heads == 0,
              f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}")
+
+
+def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
+    check_model(m)
+    _require(m.max_positions is None or t.seq_len <= m.max_positions, f"train.seq_len={t.seq_len} exceeds the "
+             f"{m.max_positions} learned positions of model.family={m.family}: raise model.n_positions")
     # Tensor parallelism shards heads, the FFN and the vocabulary evenly across tp ranks.
-    for key, v in {"model.n_heads": m.n_heads, "model.n_kv_heads": m.kv_heads,
-                   "model.ffn_dim": m.ffn_dim, "model.vocab_size": m.vocab_size}.items():
-        _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide {key}={v}")
+    for key, v in tp_split_sizes(m).items():
+        _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide model.{key}={v}")
 
 
 def _check_schedule(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:

@@ -1,27 +1,22 @@
-"""Llama-architecture decoder, parallel-agnostic, with Hugging Face parameter names.
-
-A `LlamaStage` is any contiguous slice of the model: the embedding (first slice), a run of decoder
-layers and the final norm + head (last slice). The whole model is simply the slice holding everything,
-so single-device training, every pipeline stage and the reference in the tests run one code path.
-Layers are kept in a `ModuleDict` keyed by their global index so that parameter names
-(`model.layers.7.mlp.up_proj.weight`) are the Hugging Face names whatever the split.
-
-Initialisation is seeded per parameter *name* (not by construction order), so a stage built alone
-holds bit-for-bit the same values as the same layers inside the full model: the same seed gives the
-same full model under every (tp, pp, dp) layout.
+"""The Llama family: RMSNorm, rotary positions (RoPE), SwiGLU MLP, optional grouped-query attention,
+no biases, optionally tied embeddings — with the parameter names of Hugging Face's `LlamaForCausalLM`
+(`model.layers.7.mlp.up_proj.weight`) and its rotate-half rotary layout, so its checkpoints load as
+they are (transformers/models/llama/modeling_llama.py).
 """
 
 from __future__ import annotations
 
 import math
-import zlib
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.config import ModelConfig
+from hybridpar.model.family import Family, refuse_unsupported
+from hybridpar.model.kvcache import KVStep, LayerKV, attend
+from hybridpar.model.stage import Stage
 
 
 class RMSNorm(nn.Module):
@@ -61,7 +56,7 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(cfg.dim, cfg.kv_heads * hd, bias=False)
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp query and kv_heads/tp kv heads.
         q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
@@ -69,11 +64,7 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        if k.shape[1] != q.shape[1]:  # grouped-query attention: share each kv head among its query group
-            rep = q.shape[1] // k.shape[1]
-            k = k.repeat_interleave(rep, dim=1)
-            v = v.repeat_interleave(rep, dim=1)
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)  # (B, h, T, hd)
+        y = attend(q, k, v, kv)  # (B, h, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -96,8 +87,8 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.dim, cfg.norm_eps)
         self.mlp = MLP(cfg)
 
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin)
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -105,18 +96,25 @@ class _Body(nn.Module):
     """Holds what HF calls `model.*` so that names match `LlamaForCausalLM`."""
 
 
-class LlamaStage(nn.Module):
-    """Layers `layers` of the model, plus the embedding if `first` and the final norm and head if `last`.
-
-    Input: token ids (B, T) on the first stage, hidden states (B, T, d) elsewhere.
-    Output: logits (B, T, vocab) on the last stage, hidden states (B, T, d) elsewhere.
-    """
+class LlamaStage(Stage):
+    EMBED, HEAD, LAYERS = "model.embed_tokens.weight", "lm_head.weight", "model.layers"
+    # Megatron-LM layout (Shoeybi et al. 2019): heads and FFN width split, o/down projections summed.
+    TP_PLAN = {
+        "model.embed_tokens": "vocab",
+        "model.layers.*.self_attn": "copy_in",
+        "model.layers.*.self_attn.q_proj": "colwise",
+        "model.layers.*.self_attn.k_proj": "colwise",
+        "model.layers.*.self_attn.v_proj": "colwise",
+        "model.layers.*.self_attn.o_proj": "rowwise",
+        "model.layers.*.mlp": "copy_in",
+        "model.layers.*.mlp.gate_proj": "colwise",
+        "model.layers.*.mlp.up_proj": "colwise",
+        "model.layers.*.mlp.down_proj": "rowwise",
+        "lm_head": "colwise_gather",
+    }
 
     def __init__(self, cfg: ModelConfig, layers: Sequence[int], first: bool, last: bool) -> None:
-        super().__init__()
-        self.cfg = cfg
-        self.first, self.last = first, last
-        self.layer_ids = list(layers)
+        super().__init__(cfg, layers, first, last)
         self.model = _Body()
         if first:
             self.model.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.dim)
@@ -124,100 +122,70 @@ class LlamaStage(nn.Module):
         if last:
             self.model.norm = RMSNorm(cfg.dim, cfg.norm_eps)
             self.lm_head = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-            if cfg.tie_embeddings and first:
-                self.lm_head.weight = self.model.embed_tokens.weight
-        self._rope: dict[tuple[int, torch.device], tuple[torch.Tensor, torch.Tensor]] = {}
+        self.tie_()
+        self._rope: dict[torch.device, tuple[torch.Tensor, torch.Tensor]] = {}
 
-    @property
-    def holds_tied_copy(self) -> bool:
-        """True when this stage's head is a separate copy of the embedding tied across pipeline stages
-        (its gradient must be summed with the first stage's)."""
-        return self.cfg.tie_embeddings and self.last and not self.first
+    def init_rule(self, name: str) -> tuple[str, float]:
+        if name.endswith(("norm.weight", "layernorm.weight")):
+            return "fill", 1.0
+        # Scaled init of residual-branch outputs (GPT-2 / Megatron): keeps the residual stream's variance
+        # independent of depth.
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            return "normal", self.cfg.init_std / math.sqrt(2 * self.cfg.n_layers)
+        return "normal", self.cfg.init_std
 
-    def _tables(self, T: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        key = (T, device)
-        if key not in self._rope:
-            self._rope[key] = rope_tables(T, self.cfg.head_dim, self.cfg.rope_theta, device)
-        return self._rope[key]
+    def kv_heads(self) -> int:
+        return next(iter(self.layers.values())).self_attn.k_proj.weight.shape[0] // self.cfg.head_dim
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def _tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos/sin of at least n positions (row t does not depend on the table's length)."""
+        if device not in self._rope or self._rope[device][0].shape[0] < n:
+            self._rope[device] = rope_tables(n, self.cfg.head_dim, self.cfg.rope_theta, device)
+        return self._rope[device]
+
+    def forward(self, x: torch.Tensor, kv: KVStep | None = None) -> torch.Tensor:
         h = self.model.embed_tokens(x) if self.first else x  # (B, T, d)
-        cos, sin = self._tables(h.shape[1], h.device)
-        for layer in self.model.layers.values():
-            h = layer(h, cos, sin)
-        if self.last:
-            h = self.lm_head(self.model.norm(h))  # (B, T, vocab)
-        return h
+        T = h.shape[1]
+        if kv is None:
+            cos, sin = (t[:T] for t in self._tables(T, h.device))  # (T, hd)
+        else:  # each row at its own positions
+            cos, sin = (t[kv.positions].unsqueeze(1) for t in self._tables(kv.max_len, h.device))  # (B, 1, T, hd)
+        for lid, layer in self.model.layers.items():
+            h = layer(h, cos, sin, None if kv is None else kv.layer(lid))
+        if not self.last:
+            return h
+        if kv is not None:
+            h = kv.last_tokens(h)  # (B, 1, d): only the next token's logits are needed
+        return self.lm_head(self.model.norm(h))  # (B, T, vocab)
 
 
-def init_seed(seed: int, name: str) -> int:
-    """Seed of one parameter: depends only on the run seed and the parameter's global name."""
-    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+def config_from_hf(d: dict[str, Any], where: str) -> ModelConfig:
+    """ModelConfig of an HF Llama config; refuses what our model does not implement."""
+    refuse_unsupported(d, where, (("hidden_act", lambda v: v in (None, "silu"), "'silu'"),
+                                  ("rope_scaling", lambda v: not v, "null (no RoPE scaling)"),
+                                  ("attention_bias", lambda v: not v, "false"), ("mlp_bias", lambda v: not v, "false")))
+    rope_type = (d.get("rope_parameters") or {}).get("rope_type", "default")
+    if rope_type != "default":
+        raise ValueError(f"{where}: rope_parameters.rope_type={rope_type!r} is not supported: it must be 'default'")
+    dim, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
+    if d.get("head_dim") not in (None, dim // heads):
+        raise ValueError(f"{where}: head_dim={d['head_dim']} differs from hidden_size / num_attention_heads = "
+                         f"{dim // heads}; only the standard head size is supported")
+    rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    return ModelConfig(family="llama", vocab_size=int(d["vocab_size"]), dim=dim, n_layers=int(d["num_hidden_layers"]),
+                       n_heads=heads, n_kv_heads=int(d.get("num_key_value_heads") or heads),
+                       ffn_dim=int(d["intermediate_size"]), rope_theta=float(rope),
+                       norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+                       tie_embeddings=bool(d.get("tie_word_embeddings", False)))
 
 
-def init_stage_(stage: LlamaStage, seed: int) -> None:
-    """Initialise every parameter from (seed, name) on the CPU, then copy to its device, so values do
-    not depend on the layout, the device or the order modules were built in."""
-    cfg = stage.cfg
-    # Scaled init of residual-branch outputs (GPT-2 / Megatron): keeps the residual stream's variance
-    # independent of depth.
-    out_std = cfg.init_std / math.sqrt(2 * cfg.n_layers)
-    with torch.no_grad():
-        for name, p in stage.named_parameters():
-            if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-                p.fill_(1.0)
-                continue
-            # A head tied across stages starts as an exact copy of the embedding.
-            key = "model.embed_tokens.weight" if (name == "lm_head.weight" and cfg.tie_embeddings) else name
-            std = out_std if name.endswith(("o_proj.weight", "down_proj.weight")) else cfg.init_std
-            g = torch.Generator().manual_seed(init_seed(seed, key))
-            p.copy_(torch.empty(p.shape, dtype=torch.float32).normal_(0.0, std, generator=g))
+def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
+            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
+            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
+            "tie_word_embeddings": cfg.tied, "attention_bias": False, "mlp_bias": False,
+            "max_position_embeddings": 4096, "torch_dtype": "float32"}
 
 
-def build_stage(
-    cfg: ModelConfig, layers: Sequence[int], first: bool, last: bool, seed: int, device: torch.device
-) -> LlamaStage:
-    """Construct on the meta device (no memory), materialise on `device`, initialise deterministically."""
-    with torch.device("meta"):
-        stage = LlamaStage(cfg, layers, first, last)
-    stage.to_empty(device=device)
-    if cfg.tie_embeddings and first and last:  # to_empty keeps the tie, but be explicit about it
-        stage.lm_head.weight = stage.model.embed_tokens.weight
-    init_stage_(stage, seed)
-    return stage
-
-
-def build_full_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> LlamaStage:
-    """The unsplit model: the single-device reference and the model used for generation."""
-    return build_stage(cfg, range(cfg.n_layers), True, True, seed, torch.device(device))
-
-
-def canonical_param_names(cfg: ModelConfig) -> list[str]:
-    """Parameter names of the full model in definition order (the order of the params digest)."""
-    with torch.device("meta"):
-        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
-    return [n for n, _ in full.named_parameters()]
-
-
-@torch.no_grad()
-def generate(model: LlamaStage, prompt: list[int], n_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0) -> list[int]:
-    """Sample `n_tokens` after `prompt` with the full model (no KV cache: this is the end-of-training
-    demo; serving has its own engine). Greedy when temperature == 0."""
-    device = next(model.parameters()).device
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    ids = torch.tensor([prompt], dtype=torch.long, device=device)
-    out: list[int] = []
-    for _ in range(n_tokens):
-        logits = model(ids)[0, -1].float().cpu()
-        if temperature <= 0:
-            nxt = int(logits.argmax())
-        else:
-            logits = logits / temperature
-            if top_k > 0:
-                kth = torch.topk(logits, min(top_k, logits.numel())).values[-1]
-                logits = logits.masked_fill(logits < kth, float("-inf"))
-            nxt = int(torch.multinomial(torch.softmax(logits, -1), 1, generator=g))
-        out.append(nxt)
-        ids = torch.cat([ids, torch.tensor([[nxt]], device=device)], dim=1)
-    return out
+FAMILY = Family("llama", LlamaStage, "llama", config_from_hf, config_to_hf)

@@ -1,13 +1,15 @@
 """Tensor parallelism as a plan keyed by module name, applied to the parallel-agnostic model
 (Megatron-LM layout, Shoeybi et al. 2019), with explicit column/row-parallel layers.
 
-Per decoder layer each block's input goes through `f` (identity forward, all-reduce of the input
-gradient backward) once, its q/k/v or gate/up projections are column-parallel (each rank owns a slice
-of the heads / FFN width), and o_proj / down_proj are row-parallel followed by `g` (all-reduce forward,
-identity backward): two all-reduces forward and two backward per layer. The embedding is
-vocabulary-parallel; the head is column-parallel with its logits gathered, so the loss is computed on
-full logits identically on every tp rank. Norm gains stay replicated: their inputs, hence their
-gradients, are identical on every tp rank.
+Each family's stage carries its plan (`Stage.TP_PLAN`, module-name pattern -> style). Per decoder
+layer each block's input goes through `f` (identity forward, all-reduce of the input gradient backward)
+once, its input projections are column-parallel (each rank owns a slice of the heads / FFN width, and
+of their biases), and its output projections are row-parallel: `g` (all-reduce forward, identity
+backward) sums the ranks' partial products, then the bias is added once — replicated, since its
+gradient is the output gradient, the same on every rank. Two all-reduces forward and two backward per
+layer. The embedding is vocabulary-parallel; the head is column-parallel with its logits gathered, so
+the loss is computed on full logits identically on every tp rank. Norm gains (and learned positions)
+stay replicated: their inputs, hence their gradients, are identical on every tp rank.
 
 Why not DTensor's `parallelize_module` (the default in DESIGN.md): measured on this machine
 (docs/tensor-parallel.md) it was 3x slower per step at tp=2 — it issues one backward all-reduce per
@@ -28,21 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.model.llama import LlamaStage
-
-TP_PLAN: dict[str, str] = {
-    "model.embed_tokens": "vocab",
-    "model.layers.*.self_attn": "copy_in",
-    "model.layers.*.self_attn.q_proj": "colwise",
-    "model.layers.*.self_attn.k_proj": "colwise",
-    "model.layers.*.self_attn.v_proj": "colwise",
-    "model.layers.*.self_attn.o_proj": "rowwise",
-    "model.layers.*.mlp": "copy_in",
-    "model.layers.*.mlp.gate_proj": "colwise",
-    "model.layers.*.mlp.up_proj": "colwise",
-    "model.layers.*.mlp.down_proj": "rowwise",
-    "lm_head": "colwise_gather",
-}
+from hybridpar.model.stage import Stage
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -103,35 +91,54 @@ class VocabParallelEmbedding(nn.Module):
         return _ReduceFromTP.apply(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
+class RowParallelLinear(nn.Linear):
+    """y = g(x_r W_r^T) + b: this rank's slice of the input times its columns of the weight, summed over
+    the tp ranks, then the (replicated) bias once. Still an nn.Linear, for the zero-bubble B/W split."""
+
+    def __init__(self, linear: nn.Linear, rank: int, n: int, group: dist.ProcessGroup) -> None:
+        nn.Module.__init__(self)  # the weight exists already: skip nn.Linear's allocation
+        self.in_features, self.out_features = linear.in_features // n, linear.out_features
+        self.weight = _shard(linear.weight, 1, rank, n)
+        self.register_parameter("bias", linear.bias)
+        self.group = group
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
+        return y if self.bias is None else y + self.bias
+
+
 def _shard(p: nn.Parameter, dim: int, rank: int, n: int) -> nn.Parameter:
     local = nn.Parameter(p.detach().chunk(n, dim=dim)[rank].clone())
     local.tp_dim = dim  # type: ignore[attr-defined]
     return local
 
 
-def apply_tp(stage: LlamaStage, group: dist.ProcessGroup | None) -> LlamaStage:
-    """Shard `stage` in place over the tp `group` following TP_PLAN. A no-op without tp."""
+def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
+    parent, _, attr = name.rpartition(".")
+    setattr(root.get_submodule(parent), attr, new)
+
+
+def apply_tp(stage: Stage, group: dist.ProcessGroup | None) -> Stage:
+    """Shard `stage` in place over the tp `group` following its family's TP_PLAN. A no-op without tp."""
     if group is None or dist.get_world_size(group) == 1:
         return stage
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     for name, mod in list(stage.named_modules()):
-        style = next((s for pat, s in TP_PLAN.items() if fnmatch.fnmatchcase(name, pat)), None)
-        if style == "copy_in":
-            mod.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
-        elif style == "colwise":
+        style = next((s for pat, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, pat)), None)
+        if style in ("colwise", "colwise_gather"):
             mod.weight = _shard(mod.weight, 0, rank, n)
-        elif style == "rowwise":
-            mod.weight = _shard(mod.weight, 1, rank, n)
-            mod.register_forward_hook(lambda m, args, out: _ReduceFromTP.apply(out, group))
-        elif style == "colwise_gather":
-            mod.weight = _shard(mod.weight, 0, rank, n)
+            if mod.bias is not None:
+                mod.bias = _shard(mod.bias, 0, rank, n)
+        if style in ("copy_in", "colwise_gather"):
             mod.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+        if style == "colwise_gather":
             mod.register_forward_hook(lambda m, args, out: _GatherLastDim.apply(out, group))
+        elif style == "rowwise":
+            _replace(stage, name, RowParallelLinear(mod, rank, n, group))
         elif style == "vocab":
             w = _shard(mod.weight, 0, rank, n)
-            stage.model.embed_tokens = VocabParallelEmbedding(w, rank * w.shape[0], group)
-    if stage.cfg.tie_embeddings and stage.first and stage.last:
-        stage.lm_head.weight = stage.model.embed_tokens.weight  # both are the same row shard: re-tie
+            _replace(stage, name, VocabParallelEmbedding(w, rank * w.shape[0], group))
+    stage.tie_()  # embedding and head are the same row shard: re-tie
     return stage
 
 

@@ -10,7 +10,9 @@ A module of the stage that is not a linear layer may take part by defining two m
 `defer_weight_grad(key)`, called before each of its forwards that runs under microbatch `key` (it then
 keeps its deferred weights out of the graph B differentiates), and `weight_grad(key)`, called at W to
 accumulate those weights' gradients. The benchmark's emulated stage uses them (bench/emulated.py); a
-stage without such modules (every Llama stage) is unaffected.
+stage without such modules (every model family's) is unaffected. Nothing here knows a family: linear
+layers (biases included: theirs are computed in B with the other non-linear parameters) are found by
+type, a tied head by its weight being another module's too.
 """
 
 from __future__ import annotations
@@ -30,10 +32,10 @@ def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
 
 class WeightGradDeferral:
     def __init__(self, stage: nn.Module) -> None:
-        embed = getattr(getattr(stage, "model", None), "embed_tokens", None)
-        tied = getattr(embed, "weight", None)
-        # A head tied to the embedding in the same stage shares one leaf: autograd handles both uses in B.
-        self.linears = [m for m in stage.modules() if isinstance(m, nn.Linear) and m.weight is not tied]
+        # A linear weight that another module uses too (a head tied to the embedding in the same stage)
+        # is one leaf with two uses: B differentiates it through both, as autograd does.
+        shared = {id(p) for m in stage.modules() if not isinstance(m, nn.Linear) for p in m.parameters(recurse=False)}
+        self.linears = [m for m in stage.modules() if isinstance(m, nn.Linear) and id(m.weight) not in shared]
         deferred = {id(m.weight) for m in self.linears}
         self.others = [p for p in stage.parameters() if id(p) not in deferred]
         self.key: Hashable | None = None

@@ -5,7 +5,7 @@ Layout-independent: tensors are stored under full-model names (`model.layers.3.m
 where each shard sits in the full tensor and any (tp, pp, dp) can read it back. Stages hold disjoint names;
 replicas (dp, and tp for norm gains) present identical tensors under one (key, offset), and DCP's
 DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A head tied across stages
-(`holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys.
+(`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys.
 
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
@@ -34,14 +34,14 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.config import ModelConfig
-from hybridpar.model.llama import LlamaStage
+from hybridpar.model.registry import full_shapes
+from hybridpar.model.stage import Stage
 from hybridpar.resilience import safe_dcp
 from hybridpar.resilience.rundir import checkpoint_run_id
 from hybridpar.topology.mesh import Topology
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
 FORMAT = "hybridpar-checkpoint/1"
-EMBED = "model.embed_tokens.weight"
 _COMMITTED = re.compile(r"step-(\d{6,})")
 
 
@@ -174,15 +174,15 @@ def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _tensors(stages: dict[int, LlamaStage], opt: torch.optim.Optimizer,
+def _tensors(stages: dict[int, Stage], opt: torch.optim.Optimizer,
              tied_copy: bool) -> Iterator[tuple[str, torch.Tensor, int | None]]:
     """(key, local tensor, tp_dim or None) for parameters and their optimizer state on this rank."""
     for stage in stages.values():
         for name, p in stage.named_parameters():
-            if name == "lm_head.weight" and stage.holds_tied_copy:
+            if stage.holds_tied_copy and stage.stored_name(name) != name:
                 if not tied_copy:
                     continue
-                name = EMBED  # the same weight, with the same optimizer state, as the first stage's embedding
+                name = stage.stored_name(name)  # the same weight and optimizer state as the first stage's embedding
             dim = getattr(p, "tp_dim", None)
             yield name, p.detach(), dim
             state = opt.state[p]
@@ -238,7 +238,7 @@ def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exc
     return out["ok"]
 
 
-def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, root: Path,
+def save_checkpoint(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, root: Path,
                     step: int, trainer_state: dict[str, Any], keep: int,
                     on_phase: Callable[[str], None] = lambda phase: None,
                     owner_check: Callable[[], str | None] = lambda: None) -> Path:
@@ -250,7 +250,7 @@ def save_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.op
     return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
 
 
-def snapshot(stages: dict[int, LlamaStage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int | None]]:
+def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int | None]]:
     """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input;
     `as_dcp_state` turns it into DCP's state dict, off the training thread)."""
     return [(k, t.detach().clone(), dim) for k, t, dim in _tensors(stages, opt, tied_copy=False)]
@@ -320,15 +320,14 @@ def choose_checkpoint(topo: Topology, resume: str, root: Path, run_id: str | Non
     return None if path is None else Path(path)
 
 
-def load_checkpoint(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, path: Path,
+def load_checkpoint(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, path: Path,
                     model_cfg: dict[str, Any]) -> dict[str, Any]:
     """Collective: restore parameters and AdamW state from a verified checkpoint; returns its trainer state."""
     state = json.loads((Path(path) / STATE).read_text(encoding="utf-8"))
-    saved = state.get("config", {}).get("model", {})
-    if saved != model_cfg:
-        diff = ", ".join(f"model.{k}={model_cfg.get(k)!r} (checkpoint: {saved.get(k)!r})"
-                         for k in sorted({*saved, *model_cfg}) if saved.get(k) != model_cfg.get(k))
-        raise ValueError(f"checkpoint {path} holds another model: {diff}")
+    # Compared with unset family defaults filled in: a checkpoint written before a field existed, or
+    # with a default spelled out, still holds the same model.
+    if diff := ModelConfig(**model_cfg).differences(state.get("config", {}).get("model", {})):
+        raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
     _ensure_adam_state(opt)
     targets: dict[str, list[torch.Tensor]] = {}
     bufs: dict[str, torch.Tensor] = {}
@@ -361,16 +360,14 @@ def read_full_model(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     """The full fp32 model (HF names, definition order) from a checkpoint of any layout, in one process."""
     if (why := verify_checkpoint(Path(path))) is not None:
         raise ValueError(f"checkpoint {path} cannot be used: {why}")
-    with torch.device("meta"):
-        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
-    state = {n: torch.empty(p.shape, dtype=torch.float32) for n, p in full.named_parameters()}
+    state = {n: torch.empty(shape, dtype=torch.float32) for n, shape in full_shapes(cfg).items()}
     with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_dcp.load(state, path, no_dist=True)
     return state
 
 
-def resume(topo: Topology, stages: dict[int, LlamaStage], opt: torch.optim.Optimizer, which: str, root: Path,
+def resume(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, which: str, root: Path,
            cfg: dict[str, Any], run_id: str | None, log: Callable[[str], None] = print) -> dict[str, Any] | None:
     """Collective: choose (`which`: 'auto' or a path; rank 0 verifies, all agree), load, set aside this run's
     newer checkpoints. `cfg` is this run's Config.to_dict(). Returns the trainer state, or None if 'auto'

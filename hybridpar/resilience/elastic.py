@@ -22,6 +22,7 @@ import copy
 
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
+from hybridpar.config.families import tp_split_sizes
 
 
 def resume_mode(cfg: Config, restart_count: int) -> Config:
@@ -45,7 +46,7 @@ def replan(cfg: Config, world: int) -> Config:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     out = copy.deepcopy(cfg)
     q, tr = out.parallel, out.train
-    shards = (m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size)
+    shards = tuple(tp_split_sizes(m).values())
     tps = [d for d in _divisors_desc(world, p.tp) if all(s % d == 0 for s in shards)]
     if not tps:
         raise ValueError(f"no tensor-parallel degree divides world={world} and the model")

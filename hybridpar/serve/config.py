@@ -10,6 +10,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from hybridpar.config import ModelConfig, parse_args
+from hybridpar.config.families import tp_split_sizes
+from hybridpar.config.validate import check_model
 from hybridpar.config.sections import _f
 from hybridpar.serve.router import STRATEGIES, RouterConfig
 
@@ -20,8 +22,9 @@ MAX_SECONDS = 7 * 24 * 3600
 
 @dataclass
 class ServeConfig:
-    source: str = _f("runs/latest", "model: a Hugging Face checkpoint dir (config.json + *.safetensors), a hybridpar "
-                                    "run dir, checkpoint dir or final_model.pt, or init:SEED (random init)")
+    source: str = _f("runs/latest", "model: a Hugging Face Llama or GPT-2 checkpoint dir (config.json + "
+                                    "*.safetensors), a hybridpar run dir, checkpoint dir or final_model.pt, or "
+                                    "init:SEED (random init)")
     model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
     tp: int = _f(1, "tensor-parallel degree of each replica")
     pp: int = _f(1, "pipeline stages of each replica")
@@ -85,10 +88,14 @@ class ServeConfig:
         self.router().validate()
         self.slowdowns()
         if model is not None:
-            for key, v in {"n_heads": model.n_heads, "n_kv_heads": model.kv_heads, "ffn_dim": model.ffn_dim,
-                           "vocab_size": model.vocab_size}.items():
+            check_model(model)
+            for key, v in tp_split_sizes(model).items():
                 if v % self.tp:
                     raise ValueError(f"serve tp={self.tp} does not divide model {key}={v}")
+            if model.max_positions is not None and self.max_seq_len > model.max_positions:
+                raise ValueError(f"serve max_seq_len={self.max_seq_len} exceeds the model's {model.max_positions} "
+                                 f"learned positions ({model.family} n_positions): use --max-seq-len "
+                                 f"{model.max_positions} or less")
             if model.n_layers < self.pp:
                 raise ValueError(f"serve pp={self.pp} exceeds the model's n_layers={model.n_layers}")
 
@@ -123,8 +130,8 @@ def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
 
 def help_text() -> str:
     rows = [f"  --{f.name.replace('_', '-'):<22} {f.metadata['help']} (default {f.default!r})" for f in fields(ServeConfig)]
-    return "\n".join(rows + ["  --model.KEY VALUE        model shape for init:SEED and final_model.pt sources "
-                             "(as in `hybridpar train --help`)"])
+    return "\n".join(rows + ["  --model.KEY VALUE        model family and shape for init:SEED and final_model.pt "
+                             "sources (as in `hybridpar train --help`, e.g. --model.family gpt2)"])
 
 
 def as_dict(cfg: ServeConfig) -> dict[str, Any]:

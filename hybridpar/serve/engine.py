@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridpar.model.llama import LlamaStage
+from hybridpar.model.kvcache import KVCache
+from hybridpar.model.stage import Stage
 from hybridpar.pipeline.p2p import P2P
-from hybridpar.serve.kvcache import CachedStage, GroupCache
 from hybridpar.topology.mesh import Topology
 
 OP_NOOP, OP_PREFILL, OP_DECODE, OP_FREE, OP_STOP = range(5)
@@ -48,10 +48,9 @@ class Tick:
 class StageRunner:
     """This rank's stage: receives ticks, runs them over the group's KV cache, passes them on."""
 
-    def __init__(self, stage: LlamaStage, topo: Topology, slowdown: float = 1.0) -> None:
+    def __init__(self, stage: Stage, topo: Topology, slowdown: float = 1.0) -> None:
         self.stage, self.topo = stage, topo
-        self.cached = CachedStage(stage)
-        self.caches: dict[int, GroupCache] = {}
+        self.caches: dict[int, KVCache] = {}
         self.device = topo.device
         self.dtype = next(stage.parameters()).dtype
         self.pp, self.pp_rank, self.tp_rank = topo.dims.pp, topo.pp_rank, topo.tp_rank
@@ -131,10 +130,10 @@ class StageRunner:
         """Execute `tick` on this stage and pass it on. Returns the logits on the last stage."""
         out = None
         if tick.op == OP_PREFILL:
-            self.caches[tick.group] = GroupCache(self.stage, tick.x.shape[0], tick.max_len, self.device, self.dtype)
+            self.caches[tick.group] = self.stage.new_cache(tick.x.shape[0], tick.max_len, self.device, self.dtype)
         if tick.op in (OP_PREFILL, OP_DECODE):
             t0 = time.perf_counter()
-            out = self.cached.forward(tick.x, self.caches[tick.group], tick.meta[0], tick.meta[1])
+            out = self.stage.forward_cached(tick.x, self.caches[tick.group], tick.meta[0], tick.meta[1])
             dt = time.perf_counter() - t0
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * dt)

@@ -20,9 +20,9 @@ from typing import Any
 import torch
 
 from hybridpar.config import ModelConfig
-from hybridpar.model.hf import SafetensorsDir, TensorGetter, getter_from_state, load_stage_, read_hf_config
-from hybridpar.model.llama import LlamaStage, build_stage
-from hybridpar.model.tp import apply_tp
+from hybridpar.model.hf import SafetensorsDir, StateSource, TensorSource
+from hybridpar.model.registry import build_stage, empty_stage, full_shapes, load_stage_, read_hf_config
+from hybridpar.model.stage import Stage
 from hybridpar.pipeline.partition import partition_uniform
 from hybridpar.serve.driver import Channel, Driver, Limits
 from hybridpar.serve.engine import StageRunner
@@ -79,44 +79,39 @@ def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelCo
                      "(config.json + *.safetensors), a hybridpar run directory, checkpoint directory or final_model.pt")
 
 
-def _getter(source: str, cfg: ModelConfig, stage: LlamaStage) -> TensorGetter:
+def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:
+    """(the source's tensors, whether they are in the Hugging Face layout rather than ours)."""
     p = Path(source)
     if (p / "config.json").is_file():
-        return SafetensorsDir(p).get
+        return SafetensorsDir(p), True
     if p.is_file():
-        return getter_from_state(torch.load(p, map_location="cpu", weights_only=True, mmap=True))
+        return StateSource(torch.load(p, map_location="cpu", weights_only=True, mmap=True), str(p)), False
     from hybridpar.resilience import safe_dcp
     from hybridpar.resilience.checkpoint import verify_checkpoint
 
     if (why := verify_checkpoint(p)) is not None:
         raise ValueError(f"checkpoint {p} cannot be used: {why}")
-    # Only this stage's tensors, at full size (DCP reshards on load); TP slicing happens in the getter.
-    names = {("model.embed_tokens.weight" if (n == "lm_head.weight" and cfg.tie_embeddings) else n)
-             for n, _ in stage.named_parameters()}
-    with torch.device("meta"):
-        full = LlamaStage(cfg, range(cfg.n_layers), True, True)
-    state = {n: torch.empty(q.shape, dtype=torch.float32) for n, q in full.named_parameters() if n in names}
+    # Only this stage's tensors, at full size (DCP reshards on load); TP slicing happens when loading.
+    names = {stage.stored_name(n) for n, _ in stage.named_parameters()}
+    state = {n: torch.empty(shape, dtype=torch.float32) for n, shape in full_shapes(stage.cfg).items() if n in names}
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled")
         safe_dcp.load(state, p, no_dist=True)  # metadata through an allowlisting unpickler, not pickle.load
-    return getter_from_state(state)
+    return StateSource(state, str(p)), False
 
 
-def build_serving_stage(spec: WorkerSpec, topo: Topology) -> LlamaStage:
+def build_serving_stage(spec: WorkerSpec, topo: Topology) -> Stage:
     cfg = spec.model_config()
     parts = partition_uniform(cfg.n_layers, spec.pp)
     s = topo.pp_rank
     tp_group = topo.group("tp") if spec.tp > 1 else None
+    first, last = s == 0, s == spec.pp - 1
     if spec.source.startswith("init:"):
-        stage = build_stage(cfg, parts[s], s == 0, s == spec.pp - 1, int(spec.source[5:]), topo.device)
-        return apply_tp(stage, tp_group).eval()
-    with torch.device("meta"):
-        stage = LlamaStage(cfg, parts[s], s == 0, s == spec.pp - 1)
-    stage.to_empty(device=topo.device)
-    if cfg.tie_embeddings and stage.first and stage.last:
-        stage.lm_head.weight = stage.model.embed_tokens.weight
-    stage = apply_tp(stage, tp_group)  # shards the (empty) parameters: loading then reads only our slices
-    load_stage_(stage, _getter(spec.source, cfg, stage), topo.tp_rank, spec.tp)
+        return build_stage(cfg, parts[s], first, last, int(spec.source[5:]), topo.device, tp_group).eval()
+    # Sharded while empty: loading then reads only this rank's slices.
+    stage = empty_stage(cfg, parts[s], first, last, topo.device, tp_group)
+    src, hf_layout = _open(spec.source, stage)
+    load_stage_(stage, src, hf_layout, topo.tp_rank, spec.tp)
     return stage.eval()
 
 
