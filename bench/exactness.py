@@ -28,24 +28,37 @@ def main() -> None:
     records = []
     ref = None
     for tp, pp, dp in LAYOUTS:
-        cfgs = [tiny_config(parallel=dict(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v))
-                for s, v in schedules_for(pp)]
+        cfgs = [
+            tiny_config(parallel=dict(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v)) for s, v in schedules_for(pp)
+        ]
         with tempfile.TemporaryDirectory() as d:
             res = run_ranks(_worker, tp * pp * dp, [c.to_dict() for c in cfgs], d, timeout_s=600)
             ref = ref or reference(cfgs[0])
             ref_losses, _, ref_state = ref
             for i, c in enumerate(cfgs):
                 state = torch.load(Path(d) / f"state{i}.pt", weights_only=True)
-                records.append({
-                    "tp": tp, "pp": pp, "dp": dp, "schedule": c.parallel.schedule,
-                    "virtual_stages": c.parallel.virtual_stages,
-                    "max_param_diff": max((state[n] - r).abs().max().item() for n, r in ref_state.items()),
-                    "max_loss_diff": max(abs(x - y) for x, y in zip(res[0][i][0], ref_losses)),
-                })
+                records.append(
+                    {
+                        "tp": tp,
+                        "pp": pp,
+                        "dp": dp,
+                        "schedule": c.parallel.schedule,
+                        "virtual_stages": c.parallel.virtual_stages,
+                        "max_param_diff": max((state[n] - r).abs().max().item() for n, r in ref_state.items()),
+                        "max_loss_diff": max(abs(x - y) for x, y in zip(res[0][i][0], ref_losses)),
+                    }
+                )
     out = json.dumps(records, indent=1)
     print(out)
-    print(json.dumps({"worst_param_diff": max(r["max_param_diff"] for r in records),
-                      "worst_loss_diff": max(r["max_loss_diff"] for r in records), "bound": 1e-5}))
+    print(
+        json.dumps(
+            {
+                "worst_param_diff": max(r["max_param_diff"] for r in records),
+                "worst_loss_diff": max(r["max_loss_diff"] for r in records),
+                "bound": 1e-5,
+            }
+        )
+    )
     if a.json:
         Path(a.json).write_text(out + "\n")
 

@@ -18,7 +18,8 @@ import statistics
 import sys
 from pathlib import Path
 
-from hybridpar.bench.pipeline import make_cases, parse_args as pipeline_args
+from hybridpar.bench.pipeline import make_cases
+from hybridpar.bench.pipeline import parse_args as pipeline_args
 from hybridpar.bench.pipeline_case import run_case
 
 TARGET = (10, 4)
@@ -38,9 +39,24 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     cases = {}
     for gb, m in (TARGET, *NEIGHBOURS):  # validated before any process starts
-        (cases[(gb, m)],) = make_cases(pipeline_args(["--mode", "compute", "--pp", str(a.pp), "--schedules", a.schedule,
-                                                      "--global-batch", str(gb), "--microbatches", str(m),
-                                                      "--repeats", str(a.repeats)]))
+        (cases[(gb, m)],) = make_cases(
+            pipeline_args(
+                [
+                    "--mode",
+                    "compute",
+                    "--pp",
+                    str(a.pp),
+                    "--schedules",
+                    a.schedule,
+                    "--global-batch",
+                    str(gb),
+                    "--microbatches",
+                    str(m),
+                    "--repeats",
+                    str(a.repeats),
+                ]
+            )
+        )
     runs: dict[tuple[int, int], list[dict]] = {k: [] for k in cases}
     for r in range(a.rounds):
         for (gb, m), c in cases.items():
@@ -55,14 +71,17 @@ def main(argv: list[str] | None = None) -> int:
         "tokens_per_s": {f"gb{gb}_m{m}": v for (gb, m), v in tok_s.items()},
         **{f"ratio_vs_gb{gb}_m{m}": tok_s[TARGET] / tok_s[(gb, m)] for gb, m in NEIGHBOURS},
         "torch_error_nondivisible": runs[TARGET][0]["torch_error"],
-        "losses_match_where_torch_runs": all(rec["loss_match"] for k, recs in runs.items() if k != TARGET for rec in recs),
+        "losses_match_where_torch_runs": all(
+            rec["loss_match"] for k, recs in runs.items() if k != TARGET for rec in recs
+        ),
         "command": "python bench/nondivisible.py " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(json.dumps(summary, indent=1))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps({"summary": summary, "runs": [rec for recs in runs.values() for rec in recs]},
-                                           indent=1) + "\n")
+        Path(a.json).write_text(
+            json.dumps({"summary": summary, "runs": [rec for recs in runs.values() for rec in recs]}, indent=1) + "\n"
+        )
     return 0
 
 

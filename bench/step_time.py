@@ -42,8 +42,16 @@ def main() -> None:
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
         cfg.train.microbatches = a.microbatches
         t = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.steps, timeout_s=600)[0]
-        records.append({"tp": tp, "pp": pp, "dp": dp, "microbatches": a.microbatches, "step_time_s": t,
-                        "tokens_per_s": cfg.train.global_batch * cfg.train.seq_len / t})
+        records.append(
+            {
+                "tp": tp,
+                "pp": pp,
+                "dp": dp,
+                "microbatches": a.microbatches,
+                "step_time_s": t,
+                "tokens_per_s": cfg.train.global_batch * cfg.train.seq_len / t,
+            }
+        )
     for r in records:
         r["ratio_vs_first"] = records[0]["step_time_s"] / r["step_time_s"]
     out = json.dumps(records, indent=1)

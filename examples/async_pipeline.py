@@ -19,8 +19,9 @@ BATCH, MICROBATCH, NEW_TOKENS = 16, 4, 32
 
 
 def run(groups_in_flight: int) -> tuple[float, int, list[list[int]]]:
-    cfg = ServeConfig(source="init:0", pp=4, max_batch=MICROBATCH, max_groups=groups_in_flight,
-                      kv_tokens=BATCH * 128, max_seq_len=128)
+    cfg = ServeConfig(
+        source="init:0", pp=4, max_batch=MICROBATCH, max_groups=groups_in_flight, kv_tokens=BATCH * 128, max_seq_len=128
+    )
     svc = Service(cfg, MODEL, cfg.source)
     try:
         prompts = [list(f"request {i}: ".encode()) for i in range(BATCH)]
@@ -40,11 +41,19 @@ def run(groups_in_flight: int) -> tuple[float, int, list[list[int]]]:
 
 
 if __name__ == "__main__":
-    print(f"{MODEL.n_layers} layers over 4 stages, batch {BATCH}, microbatch {MICROBATCH}, {NEW_TOKENS} new tokens each")
+    print(
+        f"{MODEL.n_layers} layers over 4 stages, batch {BATCH}, microbatch {MICROBATCH}, {NEW_TOKENS} new tokens each"
+    )
     seq_wall, seq_flight, seq_out = run(groups_in_flight=1)
     pipe_wall, pipe_flight, pipe_out = run(groups_in_flight=BATCH // MICROBATCH)
     assert seq_out == pipe_out, "pipelining must not change the tokens"
     total = BATCH * NEW_TOKENS
-    print(f"one group at a time : {seq_wall:6.2f} s  {total / seq_wall:7.1f} tokens/s  (max groups in flight {seq_flight})")
-    print(f"4 groups in flight  : {pipe_wall:6.2f} s  {total / pipe_wall:7.1f} tokens/s  (max groups in flight {pipe_flight})")
+    print(
+        f"one group at a time : {seq_wall:6.2f} s  {total / seq_wall:7.1f} tokens/s"
+        f"  (max groups in flight {seq_flight})"
+    )
+    print(
+        f"4 groups in flight  : {pipe_wall:6.2f} s  {total / pipe_wall:7.1f} tokens/s"
+        f"  (max groups in flight {pipe_flight})"
+    )
     print(f"speedup {seq_wall / pipe_wall:.2f}x, identical tokens")

@@ -8,6 +8,7 @@ peak, never proposes a split predicted over the budget, measures the throughput 
 keeps the fastest (with hysteresis). The global batch never changes, so the model trained is the same
 as with any fixed split.
 """
+
 import json
 from pathlib import Path
 
@@ -24,10 +25,14 @@ if __name__ == "__main__":
     records = [json.loads(line) for line in open(Path(cfg.run_dir) / "metrics.jsonl")]
     steps, final = records[:-1], records[-1]
     for r in steps[:: max(1, len(steps) // 10)]:
-        print(f"step {r['step']:3d}  microbatches {r['microbatches']}  peak {r['activation_peak_bytes'] / 1e6:6.2f} MB"
-              f"  {r['tokens_per_s']:7.0f} tok/s")
+        print(
+            f"step {r['step']:3d}  microbatches {r['microbatches']}  peak {r['activation_peak_bytes'] / 1e6:6.2f} MB"
+            f"  {r['tokens_per_s']:7.0f} tok/s"
+        )
     stats = final["batching"]
-    print(f"\nchose {stats['current_split']} after {stats['steps_to_converge']} steps; budget "
-          f"{stats['memory_budget_bytes'] / 1e6:.1f} MB, {stats['bytes_per_sample'] / 1e6:.2f} MB per sample in flight")
+    print(
+        f"\nchose {stats['current_split']} after {stats['steps_to_converge']} steps; budget "
+        f"{stats['memory_budget_bytes'] / 1e6:.1f} MB, {stats['bytes_per_sample'] / 1e6:.2f} MB per sample in flight"
+    )
     for h in stats["history"]:
         print(f"  measured {h['split']}: {h['median_throughput']:.0f} tok/s")

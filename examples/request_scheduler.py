@@ -18,8 +18,16 @@ from hybridpar.serve.service import Service
 
 if __name__ == "__main__":
     model = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_dim=176)
-    cfg = ServeConfig(source="init:0", dp=2, strategy="hybrid", max_batch=4, max_groups=2, kv_tokens=4096,
-                      max_seq_len=256, emulate_slowdown="1:2.0")
+    cfg = ServeConfig(
+        source="init:0",
+        dp=2,
+        strategy="hybrid",
+        max_batch=4,
+        max_groups=2,
+        kv_tokens=4096,
+        max_seq_len=256,
+        emulate_slowdown="1:2.0",
+    )
     svc = Service(cfg, model, cfg.source)
     rng = random.Random(0)
     waves = []

@@ -12,7 +12,8 @@ from typing import Callable
 
 from hybridpar.config import Config, help_text, parse_args
 
-USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite] [--section.key VALUE ...]
+USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite]
+                       [--section.key VALUE ...]
 
 Trains a Llama-family model (--model.family gpt2 for GPT-2) on the embedded default (the Python
 standard library's source, byte-level) with tp=2 x pp=2 unless told otherwise. torchrun flags such
@@ -66,8 +67,9 @@ def _ours_by_name(argv: list[str]) -> list[str]:
     out: list[str] = []
     for i, arg in enumerate(argv):
         name = arg.split("=", 1)[0]
-        if name.startswith("--") and ("." in name or name in ("--config", "--run-dir", "--run_dir", "--resume",
-                                                              "--trace")):
+        if name.startswith("--") and (
+            "." in name or name in ("--config", "--run-dir", "--run_dir", "--resume", "--trace")
+        ):
             out.append(arg)
             if "=" not in arg and i + 1 < len(argv) and not argv[i + 1].startswith("--"):
                 out.append(argv[i + 1])
@@ -102,8 +104,14 @@ def launch_train(argv: list[str]) -> int:
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
         cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
-        if (nnodes == "1" and not overwrite and cfg.checkpoint.resume == "off" and cfg.checkpoint.dir is None
-                and _flag(ours, "--run-dir", "--run_dir") is None and cfg.run_dir == Config().run_dir):
+        if (
+            nnodes == "1"
+            and not overwrite
+            and cfg.checkpoint.resume == "off"
+            and cfg.checkpoint.dir is None
+            and _flag(ours, "--run-dir", "--run_dir") is None
+            and cfg.run_dir == Config().run_dir
+        ):
             # The default directory (the README's first command, run again): the last run moves aside.
             from hybridpar.resilience.rundir import set_aside
 
@@ -118,8 +126,9 @@ def launch_train(argv: list[str]) -> int:
     for note in notes:
         print(note)
     if claim is None:
-        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda agent: (
-            {"finished": 0, "signalled": 143}.get(agent, 1), None))
+        return _run_agent(
+            theirs, ours, cfg, nproc, nnodes, lambda agent: ({"finished": 0, "signalled": 143}.get(agent, 1), None)
+        )
     watch = stop_on_permanent_failure(cfg, claim)
     try:
         return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda agent: outcome(cfg, claim))
@@ -128,8 +137,14 @@ def launch_train(argv: list[str]) -> int:
         end_launch(claim)
 
 
-def _run_agent(theirs: list[str], ours: list[str], cfg: Config, nproc: str | None, nnodes: str,
-               outcome: Callable[[str], tuple[int, str | None]]) -> int:
+def _run_agent(
+    theirs: list[str],
+    ours: list[str],
+    cfg: Config,
+    nproc: str | None,
+    nnodes: str,
+    outcome: Callable[[str], tuple[int, str | None]],
+) -> int:
     """Run torch's agent; `outcome(how the agent ended: finished, failed or signalled)` gives the exit
     code and a line to print."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
@@ -143,12 +158,20 @@ def _run_agent(theirs: list[str], ours: list[str], cfg: Config, nproc: str | Non
         theirs = ["--max-restarts", str(cfg.resilience.max_restarts)] + theirs
     # Ranks on one machine share its cores: one intra-op thread each unless the user says otherwise
     # (this also answers torchrun's warning about OMP_NUM_THREADS).
-    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(nproc or cfg.parallel.world_size))))
+    os.environ.setdefault(
+        "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(nproc or cfg.parallel.world_size)))
+    )
     if nnodes == "1" and _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint") is None and "--standalone" not in theirs:
         # Single machine: rendezvous and worker store listen on loopback only.
         register_loopback_rendezvous()
-        theirs = ["--rdzv-backend", LOOPBACK_BACKEND, "--rdzv-endpoint", "127.0.0.1:0",
-                  "--local-addr", "127.0.0.1"] + theirs
+        theirs = [
+            "--rdzv-backend",
+            LOOPBACK_BACKEND,
+            "--rdzv-endpoint",
+            "127.0.0.1:0",
+            "--local-addr",
+            "127.0.0.1",
+        ] + theirs
     args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.train"] + ours)
     agent = "finished"
     try:

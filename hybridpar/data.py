@@ -5,6 +5,7 @@ rank can compute any sample without communication, and resuming at step k yields
 samples an uninterrupted run would have seen. Rank r of a data-parallel group simply asks for its
 slice of the step's global batch (``step_samples``); changing the dp size only changes slicing.
 """
+
 from __future__ import annotations
 
 import math
@@ -195,6 +196,7 @@ class TokenData:
 
     def _tokens_needed(self, window: int) -> int:
         """Smallest corpus size holding one train and one val window (both parts grow monotonically in n)."""
+
         def ok(n: int) -> bool:
             nv = self._n_val(n)
             return nv >= window and n - nv >= window

@@ -27,8 +27,9 @@ def params_digest(named: Iterable[tuple[str, torch.Tensor]]) -> str:
     return h.hexdigest()
 
 
-def gather_full_state(topo: Topology, stages: dict[int, Stage], parts: Sequence[range],
-                      cfg: ModelConfig, stage_ranks: Sequence[int]) -> dict[str, torch.Tensor] | None:
+def gather_full_state(
+    topo: Topology, stages: dict[int, Stage], parts: Sequence[range], cfg: ModelConfig, stage_ranks: Sequence[int]
+) -> dict[str, torch.Tensor] | None:
     """Collective over the whole world (call on every rank): rank 0 gets {name: full cpu fp32 tensor}
     in definition order, other ranks None. Replica dp=0 is the source (replicas are identical).
     `stage_ranks[s]` is the pipeline rank holding stage s (the schedule's placement)."""

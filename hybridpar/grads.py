@@ -30,8 +30,9 @@ class DataParallelGrads:
     see — gradients written outside autograd's accumulation, as the zero-bubble W actions do — is
     reduced when the runtime reports the stage done. `finish()` waits and writes the sums back."""
 
-    def __init__(self, topo: Topology, stages: dict[int, Stage], microbatches: int | None = None,
-                 bucket_bytes: int = 4 << 20) -> None:
+    def __init__(
+        self, topo: Topology, stages: dict[int, Stage], microbatches: int | None = None, bucket_bytes: int = 4 << 20
+    ) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
         self.group = topo.group("dp") if topo.dims.dp > 1 else None
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
@@ -106,8 +107,7 @@ class PlaneGrads:
     it does not hold; adding zeros is exact) and all-reduces it once after the backward. The
     embedding, final norm and head never move: they are reduced over the dp group as usual."""
 
-    def __init__(self, topo: Topology, stages: dict[int, Stage], n_layers: int,
-                 plane: dist.ProcessGroup) -> None:
+    def __init__(self, topo: Topology, stages: dict[int, Stage], n_layers: int, plane: dist.ProcessGroup) -> None:
         self.topo, self.stages, self.n_layers, self.plane = topo, stages, n_layers, plane
         self.dp_group = topo.group("dp")
         self.overlapped = 0
@@ -131,7 +131,7 @@ class PlaneGrads:
         ref = next(iter(layer_grads.values()))[0]
         flat = torch.zeros(self.n_layers * per_layer, dtype=ref.dtype, device=ref.device)
         for i, grads in layer_grads.items():
-            flat[i * per_layer:(i + 1) * per_layer] = torch.cat([g.reshape(-1) for g in grads])
+            flat[i * per_layer : (i + 1) * per_layer] = torch.cat([g.reshape(-1) for g in grads])
         works = [(flat, dist.all_reduce(flat, group=self.plane, async_op=True))]
         if other:  # stage 0 and the last stage hold them in every replica: the dp group has them all
             rest = torch.cat([g.reshape(-1) for g in other])
@@ -139,7 +139,7 @@ class PlaneGrads:
         for _, w in works:
             w.wait(timeout)
         for i, grads in layer_grads.items():
-            _unflatten(flat[i * per_layer:(i + 1) * per_layer], grads)
+            _unflatten(flat[i * per_layer : (i + 1) * per_layer], grads)
         if other:
             _unflatten(works[1][0], other)
 
@@ -147,7 +147,7 @@ class PlaneGrads:
 def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
     offset = 0
     for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
+        g.copy_(flat[offset : offset + g.numel()].view_as(g))
         offset += g.numel()
 
 
@@ -161,8 +161,9 @@ def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int
     if not (cfg.tied and topo.dims.pp > 1):
         return
     shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
-    copies = ([first.get_parameter(first.EMBED).grad] if first is not None else []) + \
-        ([last.get_parameter(last.HEAD).grad] if last is not None else [])
+    copies = ([first.get_parameter(first.EMBED).grad] if first is not None else []) + (
+        [last.get_parameter(last.HEAD).grad] if last is not None else []
+    )
     grad = torch.zeros(shape, device=topo.device)
     for g in copies:
         grad += g

@@ -47,8 +47,10 @@ def outcome(cfg: Config, claim: rundir.RunClaim) -> tuple[int, str | None]:
     """Exit code and a line to print, from what the workers of this launch recorded."""
     code, why = rundir.exit_code(Path(cfg.run_dir), claim.token)
     if code == rundir.EXIT_PREEMPTED:
-        return code, (f"hybridpar: preempted and checkpointed (exit {code}); continue with --resume auto "
-                      f"--run-dir {cfg.run_dir}")
+        return code, (
+            f"hybridpar: preempted and checkpointed (exit {code}); continue with --resume auto "
+            f"--run-dir {cfg.run_dir}"
+        )
     if code == rundir.EXIT_USAGE:
         return code, f"hybridpar: error: {why}"
     if code == rundir.EXIT_FAILED:
@@ -90,12 +92,24 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     res = train(cfg, restart_count=restarts)
     if res.digest is None:
         return None
-    return {"losses": res.losses, "val_losses": res.val_losses, "params_digest": res.digest,
-            "start_step": res.start_step, "restarts": restarts, "run_id": res.run_id}
+    return {
+        "losses": res.losses,
+        "val_losses": res.val_losses,
+        "params_digest": res.digest,
+        "start_step": res.start_step,
+        "restarts": restarts,
+        "run_id": res.run_id,
+    }
 
 
-def launch(cfg: Config, *, max_restarts: int | None = None, nproc: int | None = None,
-           start_method: str = "spawn", overwrite: bool = False) -> dict[str, Any] | None:
+def launch(
+    cfg: Config,
+    *,
+    max_restarts: int | None = None,
+    nproc: int | None = None,
+    start_method: str = "spawn",
+    overwrite: bool = False,
+) -> dict[str, Any] | None:
     """Validate `cfg`, run it on `nproc` (default tp*pp*dp) local processes (rendezvous on loopback), and
     return rank 0's summary: per-step losses of the last attempt, validation losses, the final params digest
     (None if the run was preempted). The elastic agent restarts all workers up to `max_restarts` times
@@ -118,11 +132,18 @@ def launch(cfg: Config, *, max_restarts: int | None = None, nproc: int | None = 
     claim = start_launch(cfg, overwrite)
     try:
         register_loopback_rendezvous()
-        lc = LaunchConfig(min_nodes=1, max_nodes=1, nproc_per_node=world,
-                          rdzv_backend=LOOPBACK_BACKEND, rdzv_endpoint="127.0.0.1:0", local_addr="127.0.0.1",
-                          run_id=uuid.uuid4().hex,
-                          max_restarts=cfg.resilience.max_restarts if max_restarts is None else max_restarts,
-                          monitor_interval=0.2, start_method=start_method)
+        lc = LaunchConfig(
+            min_nodes=1,
+            max_nodes=1,
+            nproc_per_node=world,
+            rdzv_backend=LOOPBACK_BACKEND,
+            rdzv_endpoint="127.0.0.1:0",
+            local_addr="127.0.0.1",
+            run_id=uuid.uuid4().hex,
+            max_restarts=cfg.resilience.max_restarts if max_restarts is None else max_restarts,
+            monitor_interval=0.2,
+            start_method=start_method,
+        )
         try:
             results = elastic_launch(lc, _worker)(cfg.to_dict())
         except Exception as e:

@@ -25,14 +25,17 @@ def lr_at(step: int, cfg: TrainConfig) -> float:
 def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float) -> list[dict]:
     """Decay matrices (projections, embedding, head), not norm gains (GPT-2/Llama practice)."""
     named = list(named)
-    groups = [{"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
-              {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0}]
+    groups = [
+        {"params": [p for _, p in named if p.ndim >= 2], "weight_decay": weight_decay},
+        {"params": [p for _, p in named if p.ndim < 2], "weight_decay": 0.0},
+    ]
     return [g for g in groups if g["params"]]
 
 
 def make_optimizer(named: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
-    return torch.optim.AdamW(param_groups(named, cfg.weight_decay), lr=lr_at(0, cfg),
-                             betas=(cfg.beta1, cfg.beta2), eps=cfg.eps)
+    return torch.optim.AdamW(
+        param_groups(named, cfg.weight_decay), lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+    )
 
 
 def set_lr(opt: torch.optim.Optimizer, lr: float) -> None:

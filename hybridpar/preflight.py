@@ -24,7 +24,9 @@ def checkpoint_dir(cfg: Config) -> Path:
     return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else Path(cfg.run_dir) / "checkpoints"
 
 
-def preflight(cfg: Config, world: int | None, restart_count: int = 0, *, verify: bool = True) -> tuple[Config, list[str]]:
+def preflight(
+    cfg: Config, world: int | None, restart_count: int = 0, *, verify: bool = True
+) -> tuple[Config, list[str]]:
     """The config a worker runs on `world` processes after `restart_count` restarts (re-planned if a
     resume changes the world size), and lines to print; ValueError for anything that cannot run.
     `world` None (unknown until the rendezvous, e.g. --nproc-per-node auto) checks the layout without it.
@@ -81,8 +83,10 @@ def _check_data(cfg: Config) -> None:
     data = TokenData(tokens, t.seq_len, t.seed, d.val_fraction)
     if data.vocab_needed > cfg.model.vocab_size:
         where = f"data.path={d.path!r}" if d.path else "the default corpus (data.path none)"
-        raise ValueError(f"{where} holds token ids up to {data.vocab_needed - 1}: model.vocab_size="
-                         f"{cfg.model.vocab_size} must be at least {data.vocab_needed}")
+        raise ValueError(
+            f"{where} holds token ids up to {data.vocab_needed - 1}: model.vocab_size="
+            f"{cfg.model.vocab_size} must be at least {data.vocab_needed}"
+        )
 
 
 def _saved_model(ckpt: Path) -> dict | None:
@@ -107,14 +111,18 @@ def _check_resume(cfg: Config, verify: bool) -> None:
     else:
         path = Path(which)
         if (path / "config.json").is_file() and not (path / "manifest.json").exists():
-            raise ValueError(f"checkpoint.resume={which!r} is a Hugging Face model directory, not a hybridpar "
-                             f"checkpoint (a step-NNNNNN directory with manifest.json): resume takes checkpoints "
-                             f"written by hybridpar train")
+            raise ValueError(
+                f"checkpoint.resume={which!r} is a Hugging Face model directory, not a hybridpar "
+                f"checkpoint (a step-NNNNNN directory with manifest.json): resume takes checkpoints "
+                f"written by hybridpar train"
+            )
         if verify and (why := verify_checkpoint(path)) is not None:
             raise ValueError(f"checkpoint.resume={which!r} cannot be used: {why}")
         candidates = [path]
     for ckpt in candidates:
         saved = _saved_model(ckpt)
         if diff := ["its trainer_state.json records none"] if saved is None else cfg.model.differences(saved):
-            raise ValueError(f"checkpoint {ckpt} holds another model: {', '.join(diff)}; resume with the model it "
-                             f"was trained with, or start a new run (another --run-dir)")
+            raise ValueError(
+                f"checkpoint {ckpt} holds another model: {', '.join(diff)}; resume with the model it "
+                f"was trained with, or start a new run (another --run-dir)"
+            )

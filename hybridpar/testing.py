@@ -19,8 +19,12 @@ from typing import Any, Callable
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
     os.environ.update(
-        MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
         # The caller hosts the store (bound to loopback); every rank, rank 0 included, is a client.
         TORCHELASTIC_USE_AGENT_STORE="True",
     )
@@ -45,7 +49,8 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, a
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
     """Run `fn(*args)` in `world` fresh processes (spawn) forming one torch.distributed world through
-    env:// on a store this process hosts on 127.0.0.1. Returns each rank's return value. Raises RuntimeError with the failing rank's
+    env:// on a store this process hosts on 127.0.0.1. Returns each rank's return value. Raises RuntimeError
+    with the failing rank's
     traceback, or TimeoutError (after killing every rank) if the deadline passes."""
     from hybridpar.topology.rendezvous import loopback_store
 
@@ -77,8 +82,9 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
             # The error written first is the cause; the others are usually peers losing their connection to it.
             first = min(errors, key=lambda e: e.stat().st_mtime_ns)
             also = [e.stem for e in errors if e != first]
-            raise RuntimeError(f"{first.stem} failed" + (f" (then {', '.join(also)})" if also else "")
-                               + f":\n{first.read_text()}")
+            raise RuntimeError(
+                f"{first.stem} failed" + (f" (then {', '.join(also)})" if also else "") + f":\n{first.read_text()}"
+            )
         bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
         if bad:
             raise RuntimeError(f"ranks exited abnormally (rank, exit code): {bad}")

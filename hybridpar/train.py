@@ -17,24 +17,23 @@ import torch.distributed as dist
 
 from hybridpar.balance.monitor import aggregate
 from hybridpar.config import Config, parse_args
-from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.data import decode, encode
 from hybridpar.export import gather_full_state, params_digest
 from hybridpar.model.hf import StateSource
 from hybridpar.model.registry import empty_stage, load_stage_
 from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
+from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.session import Session
+from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent
-from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
-
 
 TRACE_STEPS = range(1, 4)  # traced with --trace: past the first step's warm-up (allocations, lazy init)
 
@@ -54,25 +53,39 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
     """What a checkpoint records besides tensors (JSON). The data cursor is `done` itself: sample order
     depends only on (seed, step)."""
     p = cfg.parallel
-    return {"step": done, "config": cfg.to_dict(), "partition": [[r.start, r.stop] for r in trainer.parts],
-            "batch_plan": [list(s) for s in trainer.plan.sizes],
-            "layout": {"tp": p.tp, "pp": p.pp, "dp": p.dp, "virtual_stages": p.chunks,
-                       "world_size": trainer.topo.dims.world_size},
-            "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
-            # The adaptive microbatch policy's measurements: a resumed run goes on from them instead of
-            # scanning every split again (the same on every rank, see batching/policy.py).
-            "batching_policy": trainer.policy.state_dict()}
+    return {
+        "step": done,
+        "config": cfg.to_dict(),
+        "partition": [[r.start, r.stop] for r in trainer.parts],
+        "batch_plan": [list(s) for s in trainer.plan.sizes],
+        "layout": {
+            "tp": p.tp,
+            "pp": p.pp,
+            "dp": p.dp,
+            "virtual_stages": p.chunks,
+            "world_size": trainer.topo.dims.world_size,
+        },
+        "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
+        # The adaptive microbatch policy's measurements: a resumed run goes on from them instead of
+        # scanning every split again (the same on every rank, see batching/policy.py).
+        "batching_policy": trainer.policy.state_dict(),
+    }
 
 
 def summary_line(stats: dict, oom_retries: int) -> str:
     """End-of-run microbatching summary (the full statistics are in the final metrics record)."""
     thr = stats["mean_throughput"]
-    line = f"microbatching: {stats['policy']}, split {stats['current_split']}, mean {stats['mean_latency_s']:.3f} s/step" \
-           f" ({thr:,.0f} tok/s)" if thr else f"microbatching: {stats['policy']}, split {stats['current_split']}"
+    line = (
+        f"microbatching: {stats['policy']}, split {stats['current_split']}, mean {stats['mean_latency_s']:.3f} s/step"
+        f" ({thr:,.0f} tok/s)"
+        if thr
+        else f"microbatching: {stats['policy']}, split {stats['current_split']}"
+    )
     if stats["policy"] == "adaptive":
         done = stats["steps_to_converge"]
-        line += f"; {len(stats['history'])} splits measured, " + \
-            (f"converged after {done} steps" if done is not None else "still exploring")
+        line += f"; {len(stats['history'])} splits measured, " + (
+            f"converged after {done} steps" if done is not None else "still exploring"
+        )
     return line + (f"; {oom_retries} step(s) redone after running out of memory" if oom_retries else "")
 
 
@@ -120,8 +133,14 @@ def own_run(cfg: Config, topo: Topology, held: list[rundir.RunClaim]) -> tuple[s
     return run_id, tok
 
 
-def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, sessions: list[Session],
-           held: list[rundir.RunClaim]) -> TrainResult:
+def _train(
+    cfg: Config,
+    topo: Topology | None,
+    log: bool,
+    restart_count: int,
+    sessions: list[Session],
+    held: list[rundir.RunClaim],
+) -> TrainResult:
     p, t = cfg.parallel, cfg.train
     if topo is None:
         topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
@@ -133,8 +152,9 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     rank0 = topo.rank == 0
     ck = cfg.checkpoint
     ck_dir = checkpoint_dir(cfg)
-    session = Session(cfg, topo, trainer, ck_dir, restart_count, run_id,
-                      owner_check=lambda: rundir.lock_holder_ok(run_dir, token))
+    session = Session(
+        cfg, topo, trainer, ck_dir, restart_count, run_id, owner_check=lambda: rundir.lock_holder_ok(run_dir, token)
+    )
     sessions.append(session)
     saved = None
     if ck.resume != "off":
@@ -188,8 +208,11 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
                 rundir.record_state(run_dir, token, state="preempted", step=step + 1)
                 writer.write({"preempted": True, "step": step + 1, "run_id": run_id})
                 writer.close()
-                print(f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with "
-                      f"--resume auto", flush=True)
+                print(
+                    f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with "
+                    f"--resume auto",
+                    flush=True,
+                )
             return res
     if cfg.trace:
         write_run_trace(cfg.trace, topo.rank, topo.dims.world_size, trace_rows, dist.barrier)
@@ -197,10 +220,18 @@ def _train(cfg: Config, topo: Topology | None, log: bool, restart_count: int, se
     state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model, trainer.stage_ranks)
     if rank0:
         res.state, res.digest = state, params_digest(state.items())
-        writer.write({"final": True, "run_id": run_id, "params_digest": res.digest, "steps": t.steps,
-                      "samples_applied": session.applied,
-                      "batching": trainer.policy.statistics(), "oom_retries": trainer.oom_retries,
-                      "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()}})
+        writer.write(
+            {
+                "final": True,
+                "run_id": run_id,
+                "params_digest": res.digest,
+                "steps": t.steps,
+                "samples_applied": session.applied,
+                "batching": trainer.policy.statistics(),
+                "oom_retries": trainer.oom_retries,
+                "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()},
+            }
+        )
         writer.close()
         torch.save(state, run_dir / "final_model.pt")
         rundir.record_state(run_dir, token, state="finished", step=t.steps)

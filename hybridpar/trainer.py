@@ -19,7 +19,6 @@ from hybridpar.balance.live import LiveBalancer, plane_groups
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.plan import Layout
-from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.split import BatchPlan, plan_batch
@@ -30,6 +29,7 @@ from hybridpar.grads import DataParallelGrads, PlaneGrads, clip_grad_norm, sync_
 from hybridpar.model.registry import build_stage, param_counts
 from hybridpar.model.stage import Stage
 from hybridpar.optim import lr_at, make_optimizer, set_lr
+from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
@@ -53,22 +53,32 @@ class Trainer:
         p, t = cfg.parallel, cfg.train
         self.data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
         if self.data.vocab_needed > cfg.model.vocab_size:
-            raise ValueError(f"data.path holds token ids up to {self.data.vocab_needed - 1}: model.vocab_size="
-                             f"{cfg.model.vocab_size} must be at least {self.data.vocab_needed}")
+            raise ValueError(
+                f"data.path holds token ids up to {self.data.vocab_needed - 1}: model.vocab_size="
+                f"{cfg.model.vocab_size} must be at least {self.data.vocab_needed}"
+            )
         self.parts = layer_partition(cfg)
         self.n_stages = p.n_stages
         self.stages: dict[int, Stage] = {}
         # Pipeline rank of each stage: the schedule's placement (s % pp, or ZB-V's V).
         self.stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
         for s in (s for s, r in enumerate(self.stage_ranks) if r == topo.pp_rank):
-            self.stages[s] = build_stage(cfg.model, self.parts[s], s == 0, s == self.n_stages - 1, t.seed,
-                                         topo.device, topo.group("tp") if p.tp > 1 else None)
+            self.stages[s] = build_stage(
+                cfg.model,
+                self.parts[s],
+                s == 0,
+                s == self.n_stages - 1,
+                t.seed,
+                topo.device,
+                topo.group("tp") if p.tp > 1 else None,
+            )
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
         self.p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
-        self.runtime = PipelineRuntime(self.stages, self.n_stages, lambda s: topo.pp_peer(self.stage_ranks[s]), self.p2p,
-                                       cfg.model.dim)
+        self.runtime = PipelineRuntime(
+            self.stages, self.n_stages, lambda s: topo.pp_peer(self.stage_ranks[s]), self.p2p, cfg.model.dim
+        )
         named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
         self.opt = make_optimizer(named, t)
         self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
@@ -77,8 +87,9 @@ class Trainer:
         self.runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
         self.runtime.meter.lent = self.p2p.lent
         sample = self.monitor.sample()
-        self.policy = make_policy(cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes,
-                                  resident_bytes=sample.memory_used_bytes)
+        self.policy = make_policy(
+            cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes, resident_bytes=sample.memory_used_bytes
+        )
         self.plan: BatchPlan = plan_for(cfg, len(self.policy.propose(0)))
         self.oom_retries = 0  # steps redone after running out of memory, over the run
         # Every replica's partition and share of the batch; changed only by the load balancer.
@@ -131,8 +142,9 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(topo.device)
             resident = torch.cuda.memory_allocated(topo.device)
         self.dp_grads.m = len(sizes)
-        out = self.runtime.run(self.actions(len(sizes)), xs, ys, 1.0 / (t.global_batch * t.seq_len),
-                               on_stage_done=self.dp_grads.stage_done)
+        out = self.runtime.run(
+            self.actions(len(sizes)), xs, ys, 1.0 / (t.global_batch * t.seq_len), on_stage_done=self.dp_grads.stage_done
+        )
         self.dp_grads.finish()
         self.last_output = out
         peak = meter.peak
@@ -169,8 +181,10 @@ class Trainer:
             except torch.OutOfMemoryError as e:
                 # Nothing was applied: redo the same step (same samples, same lr) with smaller microbatches.
                 if self.policy.on_oom(step, sizes) is None:
-                    raise RuntimeError(f"out of memory at step {step} with microbatches {sizes} ({e}): use "
-                                       f"more microbatches or --batching.policy adaptive") from None
+                    raise RuntimeError(
+                        f"out of memory at step {step} with microbatches {sizes} ({e}): use "
+                        f"more microbatches or --batching.policy adaptive"
+                    ) from None
                 self.oom_retries += 1
                 rec.setdefault("oom", []).append({"microbatches": sizes, "error": str(e)})
         tokens = t.global_batch * t.seq_len
@@ -180,13 +194,23 @@ class Trainer:
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
-        rec.update({"step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "step_time_s": dt,
-                    "tokens_per_s": tokens / dt, "microbatches": list(self.plan.sizes[topo.dp_rank]),
-                    "activation_peak_bytes": peak})
+        rec.update(
+            {
+                "step": step,
+                "loss": loss,
+                "lr": lr,
+                "grad_norm": grad_norm,
+                "step_time_s": dt,
+                "tokens_per_s": tokens / dt,
+                "microbatches": list(self.plan.sizes[topo.dp_rank]),
+                "activation_peak_bytes": peak,
+            }
+        )
         if self.balancer is not None:  # after the update: a move carries the stepped weights and state
             mem = self.monitor.sample()
-            events = self.balancer.after_step(self, step, self.last_output, dt,
-                                              (mem.memory_used_bytes, mem.memory_total_bytes))
+            events = self.balancer.after_step(
+                self, step, self.last_output, dt, (mem.memory_used_bytes, mem.memory_total_bytes)
+            )
             if events:
                 rec["balance"] = events
         return rec
@@ -200,8 +224,16 @@ class Trainer:
         if layout.parts != old.parts:
             self.dp_grads.close()
             tp_group = topo.group("tp") if p.tp > 1 else None
-            stats = move_layers(topo, self.stages[s], s, self.opt.state, old.parts[d], layout.parts[d],
-                                default_layer_builder(self.stages[s], tp_group, topo.device), topo.pp_peer)
+            stats = move_layers(
+                topo,
+                self.stages[s],
+                s,
+                self.opt.state,
+                old.parts[d],
+                layout.parts[d],
+                default_layer_builder(self.stages[s], tp_group, topo.device),
+                topo.pp_peer,
+            )
             info = stats.to_dict()
             state = self.opt.state
             named = [(f"{k}.{n}", q) for k, st in self.stages.items() for n, q in st.named_parameters()]
@@ -235,7 +267,9 @@ class Trainer:
             lo = b * t.global_batch + self.plan.replica_offset(topo.dp_rank)
             hi = lo + sum(self.plan.sizes[topo.dp_rank])
             xs, ys = self._microbatches(vx[lo:hi], vy[lo:hi])
-            out = self.runtime.run(self.actions(len(self.plan.sizes[0]), train=False), xs, ys, 1.0 / (n * t.seq_len), train=False)
+            out = self.runtime.run(
+                self.actions(len(self.plan.sizes[0]), train=False), xs, ys, 1.0 / (n * t.seq_len), train=False
+            )
             if out.loss is not None:
                 total = out.loss if total is None else total + out.loss
         return self._global_sum(total)

@@ -1,5 +1,6 @@
 """The `balance` config section: defaults (the tutorial's load-score weights), validation errors
 that name the field, and the layouts the live balancer refuses before any process starts."""
+
 from __future__ import annotations
 
 import pytest
@@ -16,16 +17,19 @@ def test_defaults_and_cli() -> None:
     cfg.validate(world_size=2)
 
 
-@pytest.mark.parametrize("over,fragment", [
-    (dict(mode="on"), "balance.mode='on' is not one of off, detect, auto"),
-    (dict(interval=0), "balance.interval must be a positive integer, got 0"),
-    (dict(window=0), "balance.window must be a positive integer"),
-    (dict(skip_steps=-1), "balance.skip_steps must be a non-negative integer"),
-    (dict(min_gain=1.0), "balance.min_gain must be in [0, 1), got 1.0"),
-    (dict(threshold=1.0), "balance.threshold must be > 1"),
-    (dict(weight_network=-0.1), "balance.weight_network must be a number >= 0"),
-    (dict(weight_memory=0.0, weight_compute=0.0, weight_network=0.0), "must be > 0"),
-])
+@pytest.mark.parametrize(
+    "over,fragment",
+    [
+        (dict(mode="on"), "balance.mode='on' is not one of off, detect, auto"),
+        (dict(interval=0), "balance.interval must be a positive integer, got 0"),
+        (dict(window=0), "balance.window must be a positive integer"),
+        (dict(skip_steps=-1), "balance.skip_steps must be a non-negative integer"),
+        (dict(min_gain=1.0), "balance.min_gain must be in [0, 1), got 1.0"),
+        (dict(threshold=1.0), "balance.threshold must be > 1"),
+        (dict(weight_network=-0.1), "balance.weight_network must be a number >= 0"),
+        (dict(weight_memory=0.0, weight_compute=0.0, weight_network=0.0), "must be > 0"),
+    ],
+)
 def test_bad_values(over: dict, fragment: str) -> None:
     cfg = Config()
     for k, v in over.items():

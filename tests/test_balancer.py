@@ -1,5 +1,6 @@
 """Tests for hybridpar.balance (pure parts): load scores, straggler hysteresis, exact DP splits,
 layout planning and the controller's policy (modes, interval, give-back on recovery)."""
+
 from __future__ import annotations
 
 import json
@@ -21,16 +22,15 @@ from hybridpar.balance.plan import (
     split_by_speed,
 )
 from hybridpar.balance.scores import RankSample, load_scores, relative_speeds
-from hybridpar.config import BalanceConfig
 from hybridpar.batching.split import plan_batch, split_evenly
+from hybridpar.config import BalanceConfig
 from hybridpar.pipeline.partition import partition_uniform
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.simulate import Costs, simulate
 
 
 def sample(rank: int, compute_s: float, step: int = 0, **kw: float) -> RankSample:
-    return RankSample(rank=rank, step=step, compute_s=compute_s,
-                      step_time_s=kw.pop("step_time_s", 1.0), **kw)  # type: ignore[arg-type]
+    return RankSample(rank=rank, step=step, compute_s=compute_s, step_time_s=kw.pop("step_time_s", 1.0), **kw)  # type: ignore[arg-type]
 
 
 def group(step: int, times: list[float]) -> list[RankSample]:
@@ -38,6 +38,7 @@ def group(step: int, times: list[float]) -> list[RankSample]:
 
 
 # --- load scores -------------------------------------------------------------------------------
+
 
 def test_load_scores_tutorial_weights_by_hand() -> None:
     samples = [
@@ -83,6 +84,7 @@ def test_samples_validated() -> None:
 
 # --- straggler detection -----------------------------------------------------------------------
 
+
 def run_detector(det: StragglerDetector, series: list[list[float]]) -> list[tuple[int, set, set]]:
     """Feed per-step times; return (step, new, recovered) for every update that changed."""
     out = []
@@ -102,8 +104,7 @@ def test_no_alarm_on_jitter() -> None:
 def test_no_action_on_isolated_spikes() -> None:
     # Every 4th step one random rank takes 3x as long: never `patience` in a row after smoothing.
     rng = random.Random(1)
-    series = [[3.0 if (s % 4 == 0 and r == rng.randrange(4)) else 1.0 for r in range(4)]
-              for s in range(200)]
+    series = [[3.0 if (s % 4 == 0 and r == rng.randrange(4)) else 1.0 for r in range(4)] for s in range(200)]
     assert run_detector(StragglerDetector(), series) == []
     # ...but a raw (window=1) detector with patience 1 would have flapped on them.
     assert run_detector(StragglerDetector(window=1, patience=1, cooldown=0), series) != []
@@ -143,8 +144,9 @@ def test_compares_against_the_others_only() -> None:
 def test_detects_2x_slowdown_within_latency(window: int, patience: int) -> None:
     rng = random.Random(window * 10 + patience)
     onset = 30
-    series = [[rng.uniform(0.95, 1.05) * (2.0 if (r == 2 and s >= onset) else 1.0)
-               for r in range(4)] for s in range(80)]
+    series = [
+        [rng.uniform(0.95, 1.05) * (2.0 if (r == 2 and s >= onset) else 1.0) for r in range(4)] for s in range(80)
+    ]
     det = StragglerDetector(window=window, patience=patience)
     changes = run_detector(det, series)
     assert changes and changes[0][1] == {2}
@@ -177,16 +179,19 @@ def test_recovery_detected() -> None:
 
 
 def test_detector_args_validated() -> None:
-    for kw, words in (({"threshold": 1.0}, "threshold must be > 1.0"),
-                      ({"recover_threshold": 1.3}, "recover_threshold must be in"),
-                      ({"window": 0}, "window must be >= 1"),
-                      ({"patience": 0}, "patience must be >= 1"),
-                      ({"cooldown": -1}, "cooldown must be >= 0")):
+    for kw, words in (
+        ({"threshold": 1.0}, "threshold must be > 1.0"),
+        ({"recover_threshold": 1.3}, "recover_threshold must be in"),
+        ({"window": 0}, "window must be >= 1"),
+        ({"patience": 0}, "patience must be >= 1"),
+        ({"cooldown": -1}, "cooldown must be >= 0"),
+    ):
         with pytest.raises(ValueError, match=words):
             StragglerDetector(**kw)  # type: ignore[arg-type]
 
 
 # --- data-parallel split -----------------------------------------------------------------------
+
 
 def test_tutorial_formula_loses_samples_ours_does_not() -> None:
     total = 10
@@ -263,6 +268,7 @@ def test_split_errors() -> None:
 
 # --- layout planning ---------------------------------------------------------------------------
 
+
 def plan_pp(speeds: list[float], parts: list[range], n: int = 12) -> tuple[Layout, float, float]:
     cost = CostModel((1.0,) * n)
     cur = Layout.uniform(parts, [4])
@@ -304,18 +310,20 @@ def test_predicted_step_matches_simulator() -> None:
     rng = random.Random(4)
     for pp in (1, 2, 3, 4):
         for m in (1, 2, 4, 8):
-            for name in ("gpipe", "1f1b")[:1 if m < pp else 2]:  # 1F1B needs m >= pp
+            for name in ("gpipe", "1f1b")[: 1 if m < pp else 2]:  # 1F1B needs m >= pp
                 sim = simulate(build_schedule(name, pp, 1, m, 1), pp, pp, Costs(1.0, 2.0))
                 assert predicted_pipeline_step([3.0] * pp, m, name) == pytest.approx(sim.step_time_s)
                 t = [rng.uniform(0.5, 2.0) for _ in range(pp)]
-                sim = simulate(build_schedule(name, pp, 1, m, 1), pp, pp,
-                               Costs([x / 3 for x in t], [2 * x / 3 for x in t]))
+                sim = simulate(
+                    build_schedule(name, pp, 1, m, 1), pp, pp, Costs([x / 3 for x in t], [2 * x / 3 for x in t])
+                )
                 assert sim.step_time_s <= predicted_pipeline_step(t, m, name) + 1e-9
     with pytest.raises(ValueError, match="'zb-h1' is not one the balancer models"):
         predicted_pipeline_step([1.0], 2, "zb-h1")
 
 
 # --- controller --------------------------------------------------------------------------------
+
 
 def cfg(**kw: object) -> BalanceConfig:
     return BalanceConfig(**{"mode": "auto", **kw})  # type: ignore[arg-type]

@@ -17,13 +17,42 @@ from hybridpar.pipeline.runtime import ActionTime
 from hybridpar.pipeline.schedules import Action, Op, build_schedule
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 
-FIELDS = ("mode", "schedule", "pp", "microbatches", "f_ms", "b_ms", "hybridpar_steps_per_s", "torch_steps_per_s",
-          "ratio", "bubble_measured", "torch_bubble_measured", "bubble_theory", "loss_match", "repeats")
+FIELDS = (
+    "mode",
+    "schedule",
+    "pp",
+    "microbatches",
+    "f_ms",
+    "b_ms",
+    "hybridpar_steps_per_s",
+    "torch_steps_per_s",
+    "ratio",
+    "bubble_measured",
+    "torch_bubble_measured",
+    "bubble_theory",
+    "loss_match",
+    "repeats",
+)
 # Measured per-hop costs and the simulator's prediction from them.
-SIM_FIELDS = ("hop_latency_s", "hop_latency_per_link_s", "compute_overhead_s", "compute_overhead_median_s",
-              "send_overhead_s", "recv_overhead_s", "sleep_overshoot_s", "step_gap_s", "measured_step_time_s",
-              "sim_step_time_s", "sim_ideal_step_time_s", "sim_bubble", "sim_error", "sim_breakdown_s",
-              "load_avg_before", "load_avg_after", "trace_file")
+SIM_FIELDS = (
+    "hop_latency_s",
+    "hop_latency_per_link_s",
+    "compute_overhead_s",
+    "compute_overhead_median_s",
+    "send_overhead_s",
+    "recv_overhead_s",
+    "sleep_overshoot_s",
+    "step_gap_s",
+    "measured_step_time_s",
+    "sim_step_time_s",
+    "sim_ideal_step_time_s",
+    "sim_bubble",
+    "sim_error",
+    "sim_breakdown_s",
+    "load_avg_before",
+    "load_avg_after",
+    "trace_file",
+)
 
 
 def check_prediction(rec: dict) -> None:
@@ -34,8 +63,14 @@ def check_prediction(rec: dict) -> None:
     assert rec["sim_error"] == pytest.approx(rec["sim_step_time_s"] / rec["measured_step_time_s"] - 1)
     # The breakdown adds up to the prediction: ideal + every measured term.
     assert sum(rec["sim_breakdown_s"].values()) == pytest.approx(rec["sim_step_time_s"])
-    assert set(rec["sim_breakdown_s"]) == {"ideal", "hop_latency", "sleep_overshoot", "action_overhead",
-                                           "posting_delay", "step_gap"}
+    assert set(rec["sim_breakdown_s"]) == {
+        "ideal",
+        "hop_latency",
+        "sleep_overshoot",
+        "action_overhead",
+        "posting_delay",
+        "step_gap",
+    }
     assert set(rec["compute_overhead_s"]) >= {"F", "B"} and set(rec["sleep_overshoot_s"]) >= {"F", "B"}
     # The critical path of the measured steps adds up to their time per step.
     cp = rec["critical_path_s"]
@@ -125,8 +160,25 @@ QUICK = ("--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--ping
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 def test_smoke_emulated_against_torch(tmp_path):
-    rec = _emulated(tmp_path, "--pp", "2", "--microbatches", "4", "--schedules", "1f1b", "--f-ms", "2",
-                    "--b-ms", "4", "--repeats", "2", "--steps", "2", "--cpu-bind", "cores")
+    rec = _emulated(
+        tmp_path,
+        "--pp",
+        "2",
+        "--microbatches",
+        "4",
+        "--schedules",
+        "1f1b",
+        "--f-ms",
+        "2",
+        "--b-ms",
+        "4",
+        "--repeats",
+        "2",
+        "--steps",
+        "2",
+        "--cpu-bind",
+        "cores",
+    )
     for f in FIELDS:
         assert f in rec, f
     assert rec["mode"] == "emulated" and rec["schedule"] == "1f1b" and rec["pp"] == 2 and rec["repeats"] == 2
@@ -145,8 +197,18 @@ def test_smoke_emulated_against_torch(tmp_path):
 @pytest.mark.timeout(120)
 def test_smoke_zb_h1_emulated_against_torch(tmp_path):
     # pp=3: a middle stage, whose output torch's split backward detaches in place.
-    rec = _emulated(tmp_path, "--pp", "3", "--microbatches", "4", "--schedules", "zb-h1", *QUICK,
-                    "--trace-dir", str(tmp_path / "traces"))
+    rec = _emulated(
+        tmp_path,
+        "--pp",
+        "3",
+        "--microbatches",
+        "4",
+        "--schedules",
+        "zb-h1",
+        *QUICK,
+        "--trace-dir",
+        str(tmp_path / "traces"),
+    )
     assert rec["schedule"] == "zb-h1" and rec["w_ms"] == 1.0  # half of --b-ms by default
     # torch's ScheduleInterleavedZeroBubble with one stage per rank is the peer; same loss and gradients
     # through both split backwards (torch's graph-based one, ours via the stage's W hooks).
@@ -157,8 +219,7 @@ def test_smoke_zb_h1_emulated_against_torch(tmp_path):
     assert rec["trace_file"].endswith("emulated-zb-h1-pp3-v1-m4.json")
     names = {(e["pid"], e["name"]) for e in trace["traceEvents"] if e["ph"] == "X"}
     for pid in (0, 1):  # measured beside simulated, every action of both ranks in each
-        assert {n for p, n in names if p == pid} >= {str(a) for acts in build_schedule("zb-h1", 3, 1, 4)
-                                                      for a in acts}
+        assert {n for p, n in names if p == pid} >= {str(a) for acts in build_schedule("zb-h1", 3, 1, 4) for a in acts}
     procs = [e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == "process_name"]
     assert any("measured" in p for p in procs) and any("simulated" in p for p in procs)
 
@@ -240,8 +301,28 @@ def test_step_samples_and_posting_points_from_a_timeline():
 @pytest.mark.timeout(120)
 def test_uneven_batch_measures_ours_without_torch(tmp_path):
     out = tmp_path / "bench.json"
-    rc = main(["--pp", "2", "--microbatches", "4", "--global-batch", "6", "--schedules", "gpipe",
-               "--f-ms", "1", "--b-ms", "2", "--repeats", "1", "--steps", "1", "--json", str(out)])
+    rc = main(
+        [
+            "--pp",
+            "2",
+            "--microbatches",
+            "4",
+            "--global-batch",
+            "6",
+            "--schedules",
+            "gpipe",
+            "--f-ms",
+            "1",
+            "--b-ms",
+            "2",
+            "--repeats",
+            "1",
+            "--steps",
+            "1",
+            "--json",
+            str(out),
+        ]
+    )
     assert rc == 0
     (rec,) = json.loads(out.read_text())
     assert rec["hybridpar_steps_per_s"] > 0 and 0 <= rec["bubble_measured"] < 1
@@ -249,16 +330,22 @@ def test_uneven_batch_measures_ours_without_torch(tmp_path):
     assert "not divisible" in rec["torch_error"]
 
 
-@pytest.mark.parametrize("args, msg", [
-    (["--pp", "1"], "--pp values must be at least 2"),
-    (["--schedules", "1f1x"], "did you mean '1f1b'"),
-    (["--repeats", "0"], "--repeats must be at least 1"),
-    (["--microbatches", "6", "--pp", "4", "--schedules", "interleaved-1f1b"], "divisible by pp"),
-    (["--mode", "compute", "--layers", "2", "--pp", "4", "--schedules", "1f1b"], "fewer than the 4 stages"),
-    (["--schedules", "zb-h1", "--b-ms", "4", "--w-ms", "5"], "--w-ms must be between 0 and --b-ms"),
-    (["--pp", "4", "--microbatches", "6", "--schedules", "zb-v"], "schedule=zb-v needs microbatches ≥ 2 × pp - 1 = 7"),
-    (["--ping-pongs", "0"], "--ping-pongs must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "args, msg",
+    [
+        (["--pp", "1"], "--pp values must be at least 2"),
+        (["--schedules", "1f1x"], "did you mean '1f1b'"),
+        (["--repeats", "0"], "--repeats must be at least 1"),
+        (["--microbatches", "6", "--pp", "4", "--schedules", "interleaved-1f1b"], "divisible by pp"),
+        (["--mode", "compute", "--layers", "2", "--pp", "4", "--schedules", "1f1b"], "fewer than the 4 stages"),
+        (["--schedules", "zb-h1", "--b-ms", "4", "--w-ms", "5"], "--w-ms must be between 0 and --b-ms"),
+        (
+            ["--pp", "4", "--microbatches", "6", "--schedules", "zb-v"],
+            "schedule=zb-v needs microbatches ≥ 2 × pp - 1 = 7",
+        ),
+        (["--ping-pongs", "0"], "--ping-pongs must be at least 1"),
+    ],
+)
 def test_bad_inputs_are_refused_before_any_process(args, msg, capsys):
     assert cli_main(["bench", "pipeline", *args]) == 2
     assert msg in capsys.readouterr().err

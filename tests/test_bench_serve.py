@@ -21,18 +21,39 @@ def test_trace_is_seeded_poisson_with_short_and_long_requests():
 
 
 def test_pooled_runs_take_percentiles_over_every_request():
-    runs = [{"strategy": "hybrid", "latencies": [1.0, 2.0], "tokens": 10, "wall_s": 2.0, "completed": 2,
-             "failed": 1, "p99_s": 2.0, "routed_per_replica": [1, 2], "strategy_usage": {"a": 1}},
-            {"strategy": "hybrid", "latencies": [3.0, 4.0], "tokens": 30, "wall_s": 2.0, "completed": 2,
-             "failed": 0, "p99_s": 4.0, "routed_per_replica": [2, 0], "strategy_usage": {"a": 2, "b": 1}}]
+    runs = [
+        {
+            "strategy": "hybrid",
+            "latencies": [1.0, 2.0],
+            "tokens": 10,
+            "wall_s": 2.0,
+            "completed": 2,
+            "failed": 1,
+            "p99_s": 2.0,
+            "routed_per_replica": [1, 2],
+            "strategy_usage": {"a": 1},
+        },
+        {
+            "strategy": "hybrid",
+            "latencies": [3.0, 4.0],
+            "tokens": 30,
+            "wall_s": 2.0,
+            "completed": 2,
+            "failed": 0,
+            "p99_s": 4.0,
+            "routed_per_replica": [2, 0],
+            "strategy_usage": {"a": 2, "b": 1},
+        },
+    ]
     p = pool_runs(runs)
     assert p["mean_s"] == 2.5 and p["tokens_per_s"] == 10.0 and p["completed"] == 4 and p["failed"] == 1
     assert p["routed_per_replica"] == [3, 2] and p["strategy_usage"] == {"a": 3, "b": 1}
     assert p["p99_s_per_repeat"] == [2.0, 4.0] and p["repeats"] == 2
 
 
-@pytest.mark.parametrize("args", [["--replicas", "1"], ["--slow", "0.5"], ["--load", "0"],
-                                  ["--requests", "0"], ["--strategies", "nope"]])
+@pytest.mark.parametrize(
+    "args", [["--replicas", "1"], ["--slow", "0.5"], ["--load", "0"], ["--requests", "0"], ["--strategies", "nope"]]
+)
 def test_bad_input_is_refused_before_any_process(args, capsys):
     assert main(args) == 2
     assert "hybridpar bench serve: error:" in capsys.readouterr().err
@@ -42,8 +63,7 @@ def test_bad_input_is_refused_before_any_process(args, capsys):
 @pytest.mark.timeout(300)
 def test_small_run_end_to_end(tmp_path, capsys):
     out = tmp_path / "serve.json"
-    assert main(["--requests", "6", "--strategies", "round_robin,hybrid", "--repeats", "1",
-                 "--json", str(out)]) == 0
+    assert main(["--requests", "6", "--strategies", "round_robin,hybrid", "--repeats", "1", "--json", str(out)]) == 0
     rec = json.loads(out.read_text())
     assert rec["capacity_rps"] > 0 and rec["mode"] == "emulated: replica 1 2.0x slower"
     assert [r["strategy"] for r in rec["results"]] == ["round_robin", "hybrid"]

@@ -34,15 +34,27 @@ HANG_S = 2.0
 SLOW = f"sleep={2 * HANG_S}"
 # Each fault fires once (chaos.jsonl); each failure makes the agent restart all workers, which resume
 # from the newest verified checkpoint. Slow phases (twice the hang timeout) ride along: not hangs.
-COMPUTE_KILLS = [f"rank=0:{SLOW}@step=0:phase=ckpt-write",  # slow, not hung
-                 "rank=1:kill@step=1:phase=forward", "rank=2:kill@step=1:phase=p2p",
-                 "rank=3:kill@step=2:phase=all-reduce", "rank=0:kill@step=2:phase=optimizer"]
-CKPT_KILLS = ["rank=1:kill@step=2:phase=ckpt-write",
-              f"rank=1:{SLOW}@step=3:phase=validate",  # slow, not hung
-              "rank=2:kill@step=3:phase=ckpt-barrier", "rank=0:kill@step=3:phase=ckpt-manifest",
-              "rank=0:kill@step=3:phase=ckpt-rename", "rank=0:kill@step=3:phase=ckpt-done"]
-WEDGES = ["rank=3:raise@step=4:phase=forward", "rank=1:exit0@step=4:phase=optimizer",
-          "rank=2:stop@step=4:phase=p2p", "rank=1:hang@step=5:phase=forward"]
+COMPUTE_KILLS = [
+    f"rank=0:{SLOW}@step=0:phase=ckpt-write",  # slow, not hung
+    "rank=1:kill@step=1:phase=forward",
+    "rank=2:kill@step=1:phase=p2p",
+    "rank=3:kill@step=2:phase=all-reduce",
+    "rank=0:kill@step=2:phase=optimizer",
+]
+CKPT_KILLS = [
+    "rank=1:kill@step=2:phase=ckpt-write",
+    f"rank=1:{SLOW}@step=3:phase=validate",  # slow, not hung
+    "rank=2:kill@step=3:phase=ckpt-barrier",
+    "rank=0:kill@step=3:phase=ckpt-manifest",
+    "rank=0:kill@step=3:phase=ckpt-rename",
+    "rank=0:kill@step=3:phase=ckpt-done",
+]
+WEDGES = [
+    "rank=3:raise@step=4:phase=forward",
+    "rank=1:exit0@step=4:phase=optimizer",
+    "rank=2:stop@step=4:phase=p2p",
+    "rank=1:hang@step=5:phase=forward",
+]
 PREEMPT = "rank=3:term@step=6:phase=forward"  # SIGTERM on one rank: checkpoint after step 7, stop
 # (culprit, phase, step) the watchdog must name: the SIGSTOPped rank and the hung one. A rank gone by
 # sys.exit(0) may be named too (if its peers do not see the closed connection first), nothing else.
@@ -51,11 +63,15 @@ GONE = {(1, "optimizer", 4): ":exit0@"}
 
 
 def _cfg(run_dir: Path, fault: str = "", **parallel) -> Config:
-    cfg = tiny_config(train=dict(steps=STEPS, val_every=4, monitor_every=0),
-                      parallel={"tp": 1, "pp": 2, "dp": 2, "schedule": "1f1b", "timeout_s": 30.0, **parallel},
-                      resilience=dict(hang_timeout_s=HANG_S, heartbeat_s=0.25, slow_phase_timeout_s=30.0,
-                                      max_restarts=len(CKPT_KILLS) + 2),
-                      checkpoint=dict(every=1, keep=STEPS + 1), emulate=dict(fault=fault))
+    cfg = tiny_config(
+        train=dict(steps=STEPS, val_every=4, monitor_every=0),
+        parallel={"tp": 1, "pp": 2, "dp": 2, "schedule": "1f1b", "timeout_s": 30.0, **parallel},
+        resilience=dict(
+            hang_timeout_s=HANG_S, heartbeat_s=0.25, slow_phase_timeout_s=30.0, max_restarts=len(CKPT_KILLS) + 2
+        ),
+        checkpoint=dict(every=1, keep=STEPS + 1),
+        emulate=dict(fault=fault),
+    )
     cfg.run_dir = str(run_dir)
     return cfg
 
@@ -84,8 +100,12 @@ def _run(cfg: Config, nproc: int | None = None) -> tuple[dict | None, str]:
     out = Path(cfg.run_dir).with_name(Path(cfg.run_dir).name + ".result.json")
     out.unlink(missing_ok=True)
     # On a timeout (or pytest's) subprocess.run kills the launcher; its workers die with it (PDEATHSIG).
-    p = subprocess.run([sys.executable, "-c", _LAUNCH, json.dumps(cfg.to_dict()), json.dumps(nproc), str(out)],
-                       capture_output=True, text=True, timeout=LAUNCH_TIMEOUT_S)
+    p = subprocess.run(
+        [sys.executable, "-c", _LAUNCH, json.dumps(cfg.to_dict()), json.dumps(nproc), str(out)],
+        capture_output=True,
+        text=True,
+        timeout=LAUNCH_TIMEOUT_S,
+    )
     assert p.returncode == 0 and out.is_file(), p.stderr[-4000:]
     return json.loads(out.read_text()), p.stdout
 
@@ -189,11 +209,16 @@ def test_preemption_then_resume_past_corrupt_checkpoints(tmp_path: Path, referen
                 newer[1].rename(ck / f"hold-{newer[1].name}")
         corrupt_newest(ck, kind)
         for held in ck.glob("hold-*"):
-            held.rename(ck / held.name[len("hold-"):])
+            held.rename(ck / held.name[len("hold-") :])
     r, out = _run(cfg)
     assert r["start_step"] == 3 and r["params_digest"] == reference["params_digest"]
-    for step, why in [(8, ".metadata does not match its sha256"), (7, ".distcp does not match its sha256"),
-                      (6, ".distcp is missing"), (5, ".distcp has"), (4, ".distcp does not match its sha256")]:
+    for step, why in [
+        (8, ".metadata does not match its sha256"),
+        (7, ".distcp does not match its sha256"),
+        (6, ".distcp is missing"),
+        (5, ".distcp has"),
+        (4, ".distcp does not match its sha256"),
+    ]:
         assert f"skipped checkpoint step-{step:06d}" in out and why in out, (step, out)
     assert not (run / "checkpoints" / "PWNED").exists()  # the pickle was never unpickled
     _same_history(run, reference)
@@ -227,17 +252,48 @@ def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:
     rank is restarted by the agent and the run resumes by itself, ending with the fault-free model."""
     from hybridpar.config import parse_args
 
-    flags = ["--parallel.tp", "1", "--parallel.pp", "2", "--model.dim", "32", "--model.n_layers", "2",
-             "--model.n_heads", "2", "--model.ffn_dim", "64", "--train.steps", "4", "--train.global_batch", "4",
-             "--train.microbatches", "2", "--train.seq_len", "16", "--train.val_every", "0",
-             "--train.sample_tokens", "0", "--data.max_bytes", "100000", "--checkpoint.every", "1"]
+    flags = [
+        "--parallel.tp",
+        "1",
+        "--parallel.pp",
+        "2",
+        "--model.dim",
+        "32",
+        "--model.n_layers",
+        "2",
+        "--model.n_heads",
+        "2",
+        "--model.ffn_dim",
+        "64",
+        "--train.steps",
+        "4",
+        "--train.global_batch",
+        "4",
+        "--train.microbatches",
+        "2",
+        "--train.seq_len",
+        "16",
+        "--train.val_every",
+        "0",
+        "--train.sample_tokens",
+        "0",
+        "--data.max_bytes",
+        "100000",
+        "--checkpoint.every",
+        "1",
+    ]
     ref = parse_args(flags + ["--run-dir", str(tmp_path / "ref")])
     expected = _run(ref)[0]["params_digest"]
     run = tmp_path / "run"
     exe = Path(sys.executable).with_name("hybridpar")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    out = subprocess.run([str(exe), "train", *flags, "--run-dir", str(run), "--emulate.fault",
-                          "rank=1:kill@step=2:phase=forward"], capture_output=True, text=True, timeout=240, env=env)
+    out = subprocess.run(
+        [str(exe), "train", *flags, "--run-dir", str(run), "--emulate.fault", "rank=1:kill@step=2:phase=forward"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     assert "resumed from" in out.stdout and "step-000002" in out.stdout
     assert [r["restart"] for r in _records(run, "resilience.jsonl") if r["event"] == "start"] == [0, 1]

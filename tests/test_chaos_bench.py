@@ -30,12 +30,39 @@ def _seed() -> int:
 @pytest.mark.multiprocess
 def test_bench_chaos_smoke(tmp_path: Path) -> None:
     out = tmp_path / "chaos.json"
-    code = main(["--faults", "3", "--steps", str(STEPS), "--seed", str(_seed()), "--tp", "1", "--ckpt-steps", "0",
-                 "--launch-timeout-s", "200", "--json", str(out), "--work-dir", str(tmp_path / "work")])
+    code = main(
+        [
+            "--faults",
+            "3",
+            "--steps",
+            str(STEPS),
+            "--seed",
+            str(_seed()),
+            "--tp",
+            "1",
+            "--ckpt-steps",
+            "0",
+            "--launch-timeout-s",
+            "200",
+            "--json",
+            str(out),
+            "--work-dir",
+            str(tmp_path / "work"),
+        ]
+    )
     r = json.loads(out.read_text())
     assert code == 0, r
-    assert r["injected_by_kind"] == {"kill": 0, "raise": 0, "exit0": 0, "stop": 0, "hang": 0, "corrupt": 0,
-                                     "term": 1, "launcher_kill": 1, "foreign_run": 1}
+    assert r["injected_by_kind"] == {
+        "kill": 0,
+        "raise": 0,
+        "exit0": 0,
+        "stop": 0,
+        "hang": 0,
+        "corrupt": 0,
+        "term": 1,
+        "launcher_kill": 1,
+        "foreign_run": 1,
+    }
     assert r["launch_ends"] == {"preempted": 1, "launcher_killed": 1, "finished": 1}
     assert [x["code"] for x in r["launch_log"]][0::2] == [143, 0] and r["exit_codes_honest"]
     assert r["foreign_run_refused"] == 1 and r["orphaned_workers"] == 0 and r["run_id_kept"]

@@ -20,13 +20,21 @@ import torch
 
 from hybridpar.config import Config, parse_args
 from hybridpar.export import params_digest
-from hybridpar.resilience.checkpoint import (MANIFEST, STATE, _commit, committed, find_latest, prune,
-                                             read_full_model, verify_checkpoint, write_manifest)
+from hybridpar.resilience.checkpoint import (
+    MANIFEST,
+    STATE,
+    _commit,
+    committed,
+    find_latest,
+    prune,
+    read_full_model,
+    verify_checkpoint,
+    write_manifest,
+)
 from hybridpar.testing import run_ranks
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import tiny_config  # noqa: E402
-
 
 # ---- pure: manifest, verification, selection -------------------------------------------------------------------
 
@@ -57,17 +65,24 @@ def _flip(f: Path) -> None:
     f.write_bytes(bytes(b))
 
 
-@pytest.mark.parametrize("damage,expect", [
-    (lambda d: _flip(d / "__0_0.distcp"), r"__0_0\.distcp does not match its sha256"),
-    (lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
-     r"__0_0\.distcp has 100 bytes, manifest.json says 1024"),
-    (lambda d: (d / MANIFEST).unlink(), r"manifest\.json is missing"),
-    (lambda d: (d / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
-    (lambda d: (d / "evil.pt").write_bytes(b"x"), r"evil\.pt is not listed in manifest\.json"),
-    (lambda d: (d / MANIFEST).write_text("{not json"), r"manifest\.json is not valid JSON"),
-    (lambda d: (d / MANIFEST).write_text(json.dumps({"format": "x", "files": {}, "step": 1})),
-     r"is not a hybridpar-checkpoint/1 manifest"),
-])
+@pytest.mark.parametrize(
+    "damage,expect",
+    [
+        (lambda d: _flip(d / "__0_0.distcp"), r"__0_0\.distcp does not match its sha256"),
+        (
+            lambda d: (d / "__0_0.distcp").write_bytes((d / "__0_0.distcp").read_bytes()[:100]),
+            r"__0_0\.distcp has 100 bytes, manifest.json says 1024",
+        ),
+        (lambda d: (d / MANIFEST).unlink(), r"manifest\.json is missing"),
+        (lambda d: (d / "__0_0.distcp").unlink(), r"__0_0\.distcp is missing"),
+        (lambda d: (d / "evil.pt").write_bytes(b"x"), r"evil\.pt is not listed in manifest\.json"),
+        (lambda d: (d / MANIFEST).write_text("{not json"), r"manifest\.json is not valid JSON"),
+        (
+            lambda d: (d / MANIFEST).write_text(json.dumps({"format": "x", "files": {}, "step": 1})),
+            r"is not a hybridpar-checkpoint/1 manifest",
+        ),
+    ],
+)
 def test_damage_is_detected_and_named(tmp_path: Path, damage, expect: str) -> None:
     d = fake_checkpoint(tmp_path, 2)
     damage(d)
@@ -134,7 +149,12 @@ def test_prune_and_latest_touch_only_their_own_run(tmp_path: Path) -> None:
     (tmp_path / ".tmp-step-000008-mine-cd34").mkdir()
     prune(tmp_path, 2, "mine")
     assert sorted(p.name for p in tmp_path.iterdir()) == [
-        ".tmp-step-000014-other-ab12", "step-000004", "step-000006", "step-000010", "step-000012"]
+        ".tmp-step-000014-other-ab12",
+        "step-000004",
+        "step-000006",
+        "step-000010",
+        "step-000012",
+    ]
     path, skipped = find_latest(tmp_path, "mine")
     assert path == tmp_path / "step-000006" and len(skipped) == 2
     assert all("written by run other, not by this run mine" in s for s in skipped)
@@ -167,10 +187,12 @@ def test_checkpoint_config(tmp_path: Path) -> None:
     cfg.validate()
     assert parse_args(["--resume", str(tmp_path)]).checkpoint.resume == str(tmp_path)  # the short alias
     assert Config.from_dict(cfg.to_dict()).checkpoint == cfg.checkpoint
-    for flags, message in [(["--checkpoint.every", "-1"], "checkpoint.every must be a non-negative integer"),
-                           (["--checkpoint.keep", "0"], "checkpoint.keep must be a positive integer"),
-                           (["--resume", str(tmp_path / "nope")], "checkpoint.resume='"),
-                           (["--checkpoint.resume", "latest"], "must be 'off', 'auto' or an existing")]:
+    for flags, message in [
+        (["--checkpoint.every", "-1"], "checkpoint.every must be a non-negative integer"),
+        (["--checkpoint.keep", "0"], "checkpoint.keep must be a positive integer"),
+        (["--resume", str(tmp_path / "nope")], "checkpoint.resume='"),
+        (["--checkpoint.resume", "latest"], "must be 'off', 'auto' or an existing"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_args(flags).validate()
 
@@ -256,16 +278,21 @@ def _worker(base: dict, root: str, kill_at: int, other_layout: dict) -> dict:
     return r
 
 
-CASES = {"tp2-pp2-tied-interleaved": dict(model=dict(tie_embeddings=True),
-                                          parallel=dict(tp=2, pp=2, dp=1, schedule="interleaved-1f1b",
-                                                        virtual_stages=2)),
-         "tp2-dp2": dict(parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
-         # GPT-2: biases (sharded and replicated), learned positions, its embedding tied across stages.
-         "gpt2-tp2-pp2": dict(model=dict(family="gpt2", n_kv_heads=None, n_positions=24),
-                              parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1"))}
-OTHER_LAYOUT = {"tp2-pp2-tied-interleaved": dict(tp=1, pp=2, dp=2, schedule="1f1b", virtual_stages=1),
-                "tp2-dp2": dict(tp=1, pp=4, dp=1, schedule="gpipe"),
-                "gpt2-tp2-pp2": dict(tp=2, pp=1, dp=2, schedule="1f1b")}
+CASES = {
+    "tp2-pp2-tied-interleaved": dict(
+        model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="interleaved-1f1b", virtual_stages=2)
+    ),
+    "tp2-dp2": dict(parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
+    # GPT-2: biases (sharded and replicated), learned positions, its embedding tied across stages.
+    "gpt2-tp2-pp2": dict(
+        model=dict(family="gpt2", n_kv_heads=None, n_positions=24), parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1")
+    ),
+}
+OTHER_LAYOUT = {
+    "tp2-pp2-tied-interleaved": dict(tp=1, pp=2, dp=2, schedule="1f1b", virtual_stages=1),
+    "tp2-dp2": dict(tp=1, pp=4, dp=1, schedule="gpipe"),
+    "gpt2-tp2-pp2": dict(tp=2, pp=1, dp=2, schedule="1f1b"),
+}
 
 
 @pytest.mark.multiprocess
@@ -335,10 +362,12 @@ def _async_worker(base: dict, root: str) -> dict:
     from hybridpar.train import train
 
     out = {}
-    for name, async_save, fault in [("sync", False, ""),
-                                    # the background write of step 2's checkpoint stalls while training
-                                    # goes on: it must still hold step 2's values, not later ones
-                                    ("async", True, "rank=0:sleep=1.5@step=1:phase=ckpt-write")]:
+    for name, async_save, fault in [
+        ("sync", False, ""),
+        # the background write of step 2's checkpoint stalls while training
+        # goes on: it must still hold step 2's values, not later ones
+        ("async", True, "rank=0:sleep=1.5@step=1:phase=ckpt-write"),
+    ]:
         cfg = Config.from_dict(base)
         cfg.run_dir, cfg.checkpoint.every, cfg.checkpoint.keep = f"{root}/{name}", 1, 10
         cfg.checkpoint.async_save, cfg.emulate.fault = async_save, fault
@@ -353,8 +382,12 @@ def test_async_checkpoints_hold_their_own_step(tmp_path: Path) -> None:
     cfg = tiny_config(train=dict(steps=4, val_every=0, monitor_every=0), parallel=dict(tp=1, pp=2, dp=1))
     r = run_ranks(_async_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]
     assert r["async"] == r["sync"]
-    assert json.loads((tmp_path / "async" / "chaos.jsonl").read_text().split("\n")[1])["fault"].startswith("rank=0:sleep")
+    assert json.loads((tmp_path / "async" / "chaos.jsonl").read_text().split("\n")[1])["fault"].startswith(
+        "rank=0:sleep"
+    )
     for step in range(1, 5):
         a, s = (tmp_path / d / "checkpoints" / f"step-{step:06d}" for d in ("async", "sync"))
         assert verify_checkpoint(a, step) is None
-        assert params_digest(read_full_model(a, cfg.model).items()) == params_digest(read_full_model(s, cfg.model).items())
+        assert params_digest(read_full_model(a, cfg.model).items()) == params_digest(
+            read_full_model(s, cfg.model).items()
+        )

@@ -27,10 +27,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from hybridpar.resilience.checkpoint import DCP_METADATA, MANIFEST, committed, read_full_model, verify_checkpoint
-from hybridpar.resilience.safe_dcp import (MetadataUnpickler, SafeFileSystemReader, UnsafeCheckpointError,
-                                           load_metadata)
 from hybridpar.launcher import launch
+from hybridpar.resilience.checkpoint import DCP_METADATA, MANIFEST, committed, read_full_model, verify_checkpoint
+from hybridpar.resilience.safe_dcp import MetadataUnpickler, SafeFileSystemReader, UnsafeCheckpointError, load_metadata
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import tiny_config  # noqa: E402
@@ -39,9 +38,11 @@ LAYOUTS = {"tp2": dict(tp=2, pp=1, dp=1), "plain": dict(tp=1, pp=1, dp=1)}
 
 
 def _cfg(run_dir: Path, layout: str, steps: int = 2, resume: str = "off") -> Any:
-    cfg = tiny_config(train=dict(steps=steps, val_every=0, monitor_every=0),
-                      parallel=dict(schedule="1f1b", timeout_s=30.0, **LAYOUTS[layout]),
-                      checkpoint=dict(every=1, resume=resume))
+    cfg = tiny_config(
+        train=dict(steps=steps, val_every=0, monitor_every=0),
+        parallel=dict(schedule="1f1b", timeout_s=30.0, **LAYOUTS[layout]),
+        checkpoint=dict(every=1, resume=resume),
+    )
     cfg.run_dir = str(run_dir)
     return cfg
 
@@ -130,9 +131,15 @@ def test_globals_admitted_are_values_not_lookups() -> None:
     u = MetadataUnpickler(io.BytesIO(b""), "test")
     assert u.find_class("torch", "float32") is torch.float32 and u.find_class("torch", "strided") is torch.strided
     assert u.find_class("torch", "contiguous_format") is torch.contiguous_format
-    for module, name in [("torch", "_C"), ("torch", "float32.__class__"), ("torch", "load"), ("torch", "ops"),
-                         ("builtins", "getattr"), ("collections", "OrderedDict"),
-                         ("torch._utils", "_rebuild_tensor_v2")]:
+    for module, name in [
+        ("torch", "_C"),
+        ("torch", "float32.__class__"),
+        ("torch", "load"),
+        ("torch", "ops"),
+        ("builtins", "getattr"),
+        ("collections", "OrderedDict"),
+        ("torch._utils", "_rebuild_tensor_v2"),
+    ]:
         with pytest.raises(UnsafeCheckpointError, match=re.escape(f"global {module}.{name}:")):
             u.find_class(module, name)
 
@@ -147,15 +154,21 @@ def test_build_on_a_class_is_refused(tmp_path: Path) -> None:
     assert Metadata.__doc__ == doc
 
 
-@pytest.mark.parametrize("change,expect", [
-    (lambda md: md.state_dict_metadata.update(w=BytesStorageMetadata()), "entry 'w' is a BytesStorageMetadata"),
-    (lambda md: setattr(next(iter(md.storage_data.values())), "relative_path", "../outside.distcp"),
-     "is not a file of this checkpoint"),
-    (lambda md: setattr(md, "storage_data", None), "storage_data must be dicts"),
-    (lambda md: setattr(md, "storage_meta", 3), "storage_meta is a int, not a StorageMeta"),
-])
-def test_metadata_that_would_read_pickles_or_other_files_is_refused(runs: dict[str, Path], tmp_path: Path,
-                                                                    change: Any, expect: str) -> None:
+@pytest.mark.parametrize(
+    "change,expect",
+    [
+        (lambda md: md.state_dict_metadata.update(w=BytesStorageMetadata()), "entry 'w' is a BytesStorageMetadata"),
+        (
+            lambda md: setattr(next(iter(md.storage_data.values())), "relative_path", "../outside.distcp"),
+            "is not a file of this checkpoint",
+        ),
+        (lambda md: setattr(md, "storage_data", None), "storage_data must be dicts"),
+        (lambda md: setattr(md, "storage_meta", 3), "storage_meta is a int, not a StorageMeta"),
+    ],
+)
+def test_metadata_that_would_read_pickles_or_other_files_is_refused(
+    runs: dict[str, Path], tmp_path: Path, change: Any, expect: str
+) -> None:
     ckpt = shutil.copytree(_newest(runs["plain"]), tmp_path / "ck")
     with (ckpt / DCP_METADATA).open("rb") as fh:
         md = pickle.load(fh)
@@ -167,8 +180,10 @@ def test_metadata_that_would_read_pickles_or_other_files_is_refused(runs: dict[s
 
 def test_not_metadata_is_refused(tmp_path: Path) -> None:
     f = tmp_path / DCP_METADATA
-    for data, expect in [(pickle.dumps({"state_dict_metadata": {}}), "holds a dict, not DCP's Metadata"),
-                         (b"\x80\x04garbage", "is not DCP checkpoint metadata")]:
+    for data, expect in [
+        (pickle.dumps({"state_dict_metadata": {}}), "holds a dict, not DCP's Metadata"),
+        (b"\x80\x04garbage", "is not DCP checkpoint metadata"),
+    ]:
         f.write_bytes(data)
         with pytest.raises(UnsafeCheckpointError, match=expect):
             load_metadata(f)
@@ -179,8 +194,9 @@ def test_not_metadata_is_refused(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
-def test_resume_refuses_a_rehashed_malicious_metadata(runs: dict[str, Path], tmp_path: Path,
-                                                     capfd: pytest.CaptureFixture[str]) -> None:
+def test_resume_refuses_a_rehashed_malicious_metadata(
+    runs: dict[str, Path], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+) -> None:
     run = shutil.copytree(runs["tp2"], tmp_path / "run")
     marker = tmp_path / "PWNED"
     data, found = _bombs(marker)["os.system, protocol 0"]

@@ -14,10 +14,32 @@ import pytest
 
 from hybridpar import cli
 
-TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "2", "--model.ffn_dim", "64",
-        "--train.steps", "3", "--train.global_batch", "4", "--train.microbatches", "2", "--train.seq_len", "16",
-        "--train.val_every", "2", "--train.val_batches", "1", "--train.sample_tokens", "8",
-        "--data.max_bytes", "100000"]
+TINY = [
+    "--model.dim",
+    "32",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "2",
+    "--model.ffn_dim",
+    "64",
+    "--train.steps",
+    "3",
+    "--train.global_batch",
+    "4",
+    "--train.microbatches",
+    "2",
+    "--train.seq_len",
+    "16",
+    "--train.val_every",
+    "2",
+    "--train.val_batches",
+    "1",
+    "--train.sample_tokens",
+    "8",
+    "--data.max_bytes",
+    "100000",
+]
 
 
 @pytest.fixture
@@ -30,17 +52,20 @@ def no_launch(monkeypatch):
     monkeypatch.setattr(tdr, "run", boom)
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--parallel.tp", "3"], "parallel.tp=3 does not divide model.n_heads=4"),
-    (["--parallel.tpp", "2"], "did you mean --parallel.tp"),
-    (["--nproc-per-node", "3"], "= 4, but 3 processes"),
-    (["--parallel.pp", "4", "--model.n_layers", "2"], "model.n_layers=2"),
-    (["--train.microbatches", "1"], "needs train.microbatches"),
-    (["--train.global_batch", "2", "--train.microbatches", "4", "--parallel.schedule", "gpipe"], "exceeds"),
-    (["--train.seq_len", "0"], "train.seq_len"),
-    (["--emulate.slowdown", "rank=7:2.0@step=1"], "emulate.slowdown='rank=7:2.0@step=1': slowdown names rank"),
-    (["--emulate.slowdown", "rank=1:fast"], "emulate.slowdown='rank=1:fast'"),
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--parallel.tp", "3"], "parallel.tp=3 does not divide model.n_heads=4"),
+        (["--parallel.tpp", "2"], "did you mean --parallel.tp"),
+        (["--nproc-per-node", "3"], "= 4, but 3 processes"),
+        (["--parallel.pp", "4", "--model.n_layers", "2"], "model.n_layers=2"),
+        (["--train.microbatches", "1"], "needs train.microbatches"),
+        (["--train.global_batch", "2", "--train.microbatches", "4", "--parallel.schedule", "gpipe"], "exceeds"),
+        (["--train.seq_len", "0"], "train.seq_len"),
+        (["--emulate.slowdown", "rank=7:2.0@step=1"], "emulate.slowdown='rank=7:2.0@step=1': slowdown names rank"),
+        (["--emulate.slowdown", "rank=1:fast"], "emulate.slowdown='rank=1:fast'"),
+    ],
+)
 def test_bad_config_refused_before_launch(argv, match, no_launch, capsys):
     assert cli.main(["train", *argv]) == 2
     assert match in capsys.readouterr().err
@@ -116,9 +141,13 @@ LOOPBACK = {"0100007F", "00000000000000000000000001000000"}  # 127.0.0.1, ::1
 def test_hybridpar_train_launches_through_torchrun_on_loopback(tmp_path):
     run_dir = tmp_path / "run"
     exe = Path(sys.executable).with_name("hybridpar")
-    proc = subprocess.Popen([str(exe), "train", "--parallel.tp", "2", "--parallel.pp", "2", *TINY,
-                             "--run-dir", str(run_dir)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=_env())
+    proc = subprocess.Popen(
+        [str(exe), "train", "--parallel.tp", "2", "--parallel.pp", "2", *TINY, "--run-dir", str(run_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=_env(),
+    )
     seen: set[str] = set()
     try:
         deadline = time.monotonic() + 240
@@ -138,10 +167,34 @@ def test_hybridpar_train_launches_through_torchrun_on_loopback(tmp_path):
 @pytest.mark.multiprocess
 def test_plain_torchrun_module(tmp_path):
     run_dir = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2", "--rdzv-backend", "hybridpar-loopback",
-           "--rdzv-endpoint", "127.0.0.1:0", "--local-addr", "127.0.0.1", "-m", "hybridpar.train", "--parallel.tp", "1", "--parallel.pp", "1",
-           "--parallel.dp", "2", *TINY, "--run-dir", str(run_dir), "--trace", str(tmp_path / "trace.json"),
-           "--train.monitor_every", "2"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--rdzv-backend",
+        "hybridpar-loopback",
+        "--rdzv-endpoint",
+        "127.0.0.1:0",
+        "--local-addr",
+        "127.0.0.1",
+        "-m",
+        "hybridpar.train",
+        "--parallel.tp",
+        "1",
+        "--parallel.pp",
+        "1",
+        "--parallel.dp",
+        "2",
+        *TINY,
+        "--run-dir",
+        str(run_dir),
+        "--trace",
+        str(tmp_path / "trace.json"),
+        "--train.monitor_every",
+        "2",
+    ]
     out = subprocess.run(cmd, capture_output=True, text=True, timeout=240, env=_env())
     assert out.returncode == 0, out.stderr[-3000:]
     _check_run(run_dir, 3)

@@ -69,10 +69,25 @@ def test_config_package_does_not_import_torch() -> None:
 
 # ---- validate: ranges -------------------------------------------------------------------------------------------
 
-COUNTS = ["model__vocab_size", "model__dim", "model__n_layers", "model__n_heads", "model__n_kv_heads",
-          "model__n_positions", "model__ffn_dim", "parallel__tp", "parallel__pp", "parallel__dp",
-          "parallel__virtual_stages", "train__steps", "train__global_batch", "train__microbatches", "train__seq_len", "train__val_batches",
-          "data__max_bytes"]
+COUNTS = [
+    "model__vocab_size",
+    "model__dim",
+    "model__n_layers",
+    "model__n_heads",
+    "model__n_kv_heads",
+    "model__n_positions",
+    "model__ffn_dim",
+    "parallel__tp",
+    "parallel__pp",
+    "parallel__dp",
+    "parallel__virtual_stages",
+    "train__steps",
+    "train__global_batch",
+    "train__microbatches",
+    "train__seq_len",
+    "train__val_batches",
+    "data__max_bytes",
+]
 
 
 @pytest.mark.parametrize("key", COUNTS)
@@ -89,15 +104,17 @@ def test_count_rejects_non_integers() -> None:
     invalid(make(parallel__tp=True), "parallel.tp must be a positive integer, got True")
 
 
-@pytest.mark.parametrize("key", ["train__warmup_steps", "train__val_every", "train__sample_tokens",
-                                 "parallel__recv_lookahead"])
+@pytest.mark.parametrize(
+    "key", ["train__warmup_steps", "train__val_every", "train__sample_tokens", "parallel__recv_lookahead"]
+)
 def test_non_negative_ints(key: str) -> None:
     invalid(make(**{key: -1}), f"{key.replace('__', '.')} must be a non-negative integer, got -1")
     make(**{key: 0}).validate(4)  # zero is the documented "disable"/"no lookahead" value
 
 
-@pytest.mark.parametrize("key", ["train__lr", "train__eps", "parallel__timeout_s", "model__norm_eps",
-                                 "model__init_std", "model__rope_theta"])
+@pytest.mark.parametrize(
+    "key", ["train__lr", "train__eps", "parallel__timeout_s", "model__norm_eps", "model__init_std", "model__rope_theta"]
+)
 @pytest.mark.parametrize("bad", [0.0, -1.0])
 def test_strictly_positive_floats(key: str, bad: float) -> None:
     invalid(make(**{key: bad}), f"{key.replace('__', '.')} must be > 0, got {bad}")
@@ -107,15 +124,18 @@ def test_nan_learning_rate_is_rejected() -> None:
     invalid(make(train__lr=math.nan), "train.lr must be > 0, got nan")
 
 
-@pytest.mark.parametrize(("dotted", "message"), [
-    ({"train__min_lr": -1e-4}, "train.min_lr must be between 0 and train.lr=0.003, got -0.0001"),
-    ({"train__min_lr": 0.01}, "train.min_lr must be between 0 and train.lr=0.003, got 0.01"),
-    ({"train__grad_clip": -0.5}, "train.grad_clip must be >= 0 (0 disables clipping), got -0.5"),
-    ({"train__beta1": 1.0}, "train.beta1 must be in [0, 1), got 1.0"),
-    ({"train__beta2": -0.1}, "train.beta2 must be in [0, 1), got -0.1"),
-    ({"data__val_fraction": 0.0}, "data.val_fraction must be in (0, 0.5), got 0.0"),
-    ({"data__val_fraction": 0.5}, "data.val_fraction must be in (0, 0.5), got 0.5"),
-])
+@pytest.mark.parametrize(
+    ("dotted", "message"),
+    [
+        ({"train__min_lr": -1e-4}, "train.min_lr must be between 0 and train.lr=0.003, got -0.0001"),
+        ({"train__min_lr": 0.01}, "train.min_lr must be between 0 and train.lr=0.003, got 0.01"),
+        ({"train__grad_clip": -0.5}, "train.grad_clip must be >= 0 (0 disables clipping), got -0.5"),
+        ({"train__beta1": 1.0}, "train.beta1 must be in [0, 1), got 1.0"),
+        ({"train__beta2": -0.1}, "train.beta2 must be in [0, 1), got -0.1"),
+        ({"data__val_fraction": 0.0}, "data.val_fraction must be in (0, 0.5), got 0.0"),
+        ({"data__val_fraction": 0.5}, "data.val_fraction must be in (0, 0.5), got 0.5"),
+    ],
+)
 def test_float_ranges(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
 
@@ -129,68 +149,102 @@ def test_range_edges_that_are_allowed() -> None:
 
 
 def test_unknown_schedule_suggests_the_closest() -> None:
-    invalid(make(parallel__schedule="1f1"),
-            "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v (did you mean '1f1b'?)")
+    invalid(
+        make(parallel__schedule="1f1"),
+        "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v (did you mean '1f1b'?)",
+    )
 
 
 def test_unknown_partition_and_backend() -> None:
-    invalid(make(parallel__partition="costs"), "parallel.partition='costs' is not one of uniform, params, cost "
-                                               "(did you mean 'cost'?)")
+    invalid(
+        make(parallel__partition="costs"),
+        "parallel.partition='costs' is not one of uniform, params, cost " "(did you mean 'cost'?)",
+    )
     with pytest.raises(ValueError, match=r"parallel.backend='mpi' is not one of auto, gloo, nccl$"):
         make(parallel__backend="mpi").validate()
 
 
 def test_p2p_transport_is_a_choice_and_shared_memory_needs_cpu() -> None:
     invalid(make(parallel__p2p="shm"), "parallel.p2p='shm' is not one of auto, process_group, shared_memory")
-    invalid(make(parallel__p2p="shared_memory", parallel__backend="nccl"),
-            "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
-            "use parallel.p2p=auto or process_group")
+    invalid(
+        make(parallel__p2p="shared_memory", parallel__backend="nccl"),
+        "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
+        "use parallel.p2p=auto or process_group",
+    )
     make(parallel__p2p="shared_memory", parallel__backend="gloo").validate(4)
 
 
 def test_world_size_mismatch_names_the_layout() -> None:
-    invalid(Config(), "parallel.tp × parallel.pp × parallel.dp = 2 × 2 × 1 = 4, but 3 processes were started: "
-                      "start 4 processes or change the layout", world_size=3)
+    invalid(
+        Config(),
+        "parallel.tp × parallel.pp × parallel.dp = 2 × 2 × 1 = 4, but 3 processes were started: "
+        "start 4 processes or change the layout",
+        world_size=3,
+    )
     make(parallel__dp=2).validate(world_size=8)
 
 
 # ---- validate: model shape --------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dotted", "message"), [
-    ({"model__dim": 130}, "model.dim=130 is not divisible by model.n_heads=4"),
-    ({"model__dim": 12}, "model.head_dim = model.dim // model.n_heads = 12 // 4 = 3 must be even"),
-    ({"model__n_kv_heads": 3}, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
-    ({"model__n_kv_heads": 8}, "model.n_heads=4 is not divisible by model.n_kv_heads=8"),
-    ({"parallel__tp": 3, "model__n_heads": 8}, "parallel.tp=3 does not divide model.n_heads=8"),
-    ({"model__n_kv_heads": 1}, "parallel.tp=2 does not divide model.n_kv_heads=1"),
-    ({"model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
-    ({"model__vocab_size": 255}, "parallel.tp=2 does not divide model.vocab_size=255"),
-])
+@pytest.mark.parametrize(
+    ("dotted", "message"),
+    [
+        ({"model__dim": 130}, "model.dim=130 is not divisible by model.n_heads=4"),
+        ({"model__dim": 12}, "model.head_dim = model.dim // model.n_heads = 12 // 4 = 3 must be even"),
+        ({"model__n_kv_heads": 3}, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+        ({"model__n_kv_heads": 8}, "model.n_heads=4 is not divisible by model.n_kv_heads=8"),
+        ({"parallel__tp": 3, "model__n_heads": 8}, "parallel.tp=3 does not divide model.n_heads=8"),
+        ({"model__n_kv_heads": 1}, "parallel.tp=2 does not divide model.n_kv_heads=1"),
+        ({"model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
+        ({"model__vocab_size": 255}, "parallel.tp=2 does not divide model.vocab_size=255"),
+    ],
+)
 def test_model_shape_rules(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
 
 
-@pytest.mark.parametrize(("dotted", "message"), [
-    ({"model__family": "bert"}, "model.family='bert' is not one of llama, gpt2"),
-    ({"model__family": "gpt2", "model__n_kv_heads": 2}, "model.n_kv_heads=2 configures grouped-query attention "
-     "(fewer key/value heads than query heads), which model.family=gpt2 does not have: leave model.n_kv_heads unset"),
-    ({"model__family": "gpt2", "model__rope_theta": 5e5}, "model.rope_theta=500000.0 configures rotary position "
-     "embeddings (RoPE), which model.family=gpt2 does not have"),
-    ({"model__n_positions": 512}, "model.n_positions=512 configures learned absolute position embeddings, which "
-     "model.family=llama does not have"),
-    ({"model__family": "gpt2", "model__n_positions": 64}, "train.seq_len=128 exceeds the 64 learned positions of "
-     "model.family=gpt2: raise model.n_positions"),
-    ({"model__family": "gpt2", "model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
-    ({"model__family": "gpt2", "model__tie_embeddings": "yes"}, "model.tie_embeddings must be true, false or none"),
-])
+@pytest.mark.parametrize(
+    ("dotted", "message"),
+    [
+        ({"model__family": "bert"}, "model.family='bert' is not one of llama, gpt2"),
+        (
+            {"model__family": "gpt2", "model__n_kv_heads": 2},
+            "model.n_kv_heads=2 configures grouped-query attention "
+            "(fewer key/value heads than query heads), which model.family=gpt2 does not have:"
+            " leave model.n_kv_heads unset",
+        ),
+        (
+            {"model__family": "gpt2", "model__rope_theta": 5e5},
+            "model.rope_theta=500000.0 configures rotary position "
+            "embeddings (RoPE), which model.family=gpt2 does not have",
+        ),
+        (
+            {"model__n_positions": 512},
+            "model.n_positions=512 configures learned absolute position embeddings, which "
+            "model.family=llama does not have",
+        ),
+        (
+            {"model__family": "gpt2", "model__n_positions": 64},
+            "train.seq_len=128 exceeds the 64 learned positions of " "model.family=gpt2: raise model.n_positions",
+        ),
+        ({"model__family": "gpt2", "model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
+        ({"model__family": "gpt2", "model__tie_embeddings": "yes"}, "model.tie_embeddings must be true, false or none"),
+    ],
+)
 def test_family_rules(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
 
 
 def test_family_defaults() -> None:
-    gpt2 = make(model__family="gpt2", model__n_heads=6, model__dim=198, model__ffn_dim=792, model__vocab_size=258,
-                parallel__tp=3)
+    gpt2 = make(
+        model__family="gpt2",
+        model__n_heads=6,
+        model__dim=198,
+        model__ffn_dim=792,
+        model__vocab_size=258,
+        parallel__tp=3,
+    )
     gpt2.validate(6)  # no rotary embeddings, so an odd head size (33) is fine
     assert gpt2.model.tied and gpt2.model.max_positions == 1024 and not Config().model.tied
     assert Config().model.max_positions is None
@@ -207,14 +261,19 @@ def test_grouped_query_attention_and_tied_embeddings_are_fine() -> None:
 
 
 def test_too_few_layers_for_the_stages() -> None:
-    invalid(make(model__n_layers=2, parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b"),
-            "model.n_layers=2 is fewer than parallel.pp × parallel.virtual_stages = 2 × 2 = 4 stages")
+    invalid(
+        make(model__n_layers=2, parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b"),
+        "model.n_layers=2 is fewer than parallel.pp × parallel.virtual_stages = 2 × 2 = 4 stages",
+    )
 
 
 def test_virtual_stages_need_interleaving() -> None:
-    invalid(make(parallel__virtual_stages=2), "parallel.schedule=1f1b runs 1 stage per pipeline rank, got "
-            "parallel.virtual_stages=2: set parallel.virtual_stages=1 (the default) or "
-            "parallel.schedule=interleaved-1f1b")
+    invalid(
+        make(parallel__virtual_stages=2),
+        "parallel.schedule=1f1b runs 1 stage per pipeline rank, got "
+        "parallel.virtual_stages=2: set parallel.virtual_stages=1 (the default) or "
+        "parallel.schedule=interleaved-1f1b",
+    )
     make(parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b").validate(4)
 
 
@@ -227,23 +286,29 @@ def test_virtual_stages_default_to_the_schedules_own() -> None:
 
 
 def test_interleaving_needs_two_pipeline_ranks() -> None:
-    invalid(make(parallel__pp=1, parallel__schedule="interleaved-1f1b"),
-            "parallel.schedule=interleaved-1f1b needs parallel.pp >= 2, got 1")
+    invalid(
+        make(parallel__pp=1, parallel__schedule="interleaved-1f1b"),
+        "parallel.schedule=interleaved-1f1b needs parallel.pp >= 2, got 1",
+    )
 
 
 def test_1f1b_needs_a_microbatch_per_pipeline_rank() -> None:
-    invalid(make(parallel__pp=4, train__microbatches=2),
-            "parallel.schedule=1f1b needs train.microbatches ≥ parallel.pp=4, got 2")
-    invalid(make(parallel__pp=4, train__microbatches=2, parallel__schedule="interleaved-1f1b",
-                 parallel__virtual_stages=1),
-            "parallel.schedule=interleaved-1f1b needs train.microbatches ≥ parallel.pp=4, got 2")
+    invalid(
+        make(parallel__pp=4, train__microbatches=2),
+        "parallel.schedule=1f1b needs train.microbatches ≥ parallel.pp=4, got 2",
+    )
+    invalid(
+        make(parallel__pp=4, train__microbatches=2, parallel__schedule="interleaved-1f1b", parallel__virtual_stages=1),
+        "parallel.schedule=interleaved-1f1b needs train.microbatches ≥ parallel.pp=4, got 2",
+    )
     make(parallel__pp=4, train__microbatches=1, parallel__schedule="gpipe").validate(8)
 
 
 def test_interleaving_needs_microbatches_divisible_by_pp() -> None:
-    invalid(make(parallel__schedule="interleaved-1f1b", train__microbatches=3),
-            "parallel.schedule=interleaved-1f1b needs train.microbatches divisible by parallel.pp=2, got 3 "
-            "(3 % 2 = 1)")
+    invalid(
+        make(parallel__schedule="interleaved-1f1b", train__microbatches=3),
+        "parallel.schedule=interleaved-1f1b needs train.microbatches divisible by parallel.pp=2, got 3 " "(3 % 2 = 1)",
+    )
 
 
 # ---- validate: batch split ----------------------------------------------------------------------------------------
@@ -254,21 +319,30 @@ def test_every_replica_needs_a_sample() -> None:
 
 
 def test_microbatches_cannot_exceed_the_replica_batch() -> None:
-    invalid(make(train__global_batch=10, parallel__dp=2, train__microbatches=8),
-            "train.microbatches=8 exceeds the 5 samples per data-parallel replica "
-            "(train.global_batch=10 over parallel.dp=2)")
+    invalid(
+        make(train__global_batch=10, parallel__dp=2, train__microbatches=8),
+        "train.microbatches=8 exceeds the 5 samples per data-parallel replica "
+        "(train.global_batch=10 over parallel.dp=2)",
+    )
     make(train__global_batch=11, parallel__dp=2, train__microbatches=5).validate(8)  # replicas get 6 and 5
 
 
-@pytest.mark.parametrize(("dotted", "message"), [
-    ({"train__global_batch": 11, "parallel__dp": 2, "train__microbatch_sizes": [2, 2, 1, 1]},
-     "train.microbatch_sizes needs train.global_batch=11 divisible by parallel.dp=2"),
-    ({"train__microbatch_sizes": [8, 4, 4]}, "train.microbatch_sizes has 3 entries but train.microbatches=4"),
-    ({"train__microbatch_sizes": [8, 4, 4, 0]}, "train.microbatch_sizes[3]=0 must be a positive integer"),
-    ({"train__microbatch_sizes": [4, 4, 4, 3]},
-     "train.microbatch_sizes sums to 15, but each data-parallel replica has 16 samples "
-     "(train.global_batch=16 over parallel.dp=1)"),
-])
+@pytest.mark.parametrize(
+    ("dotted", "message"),
+    [
+        (
+            {"train__global_batch": 11, "parallel__dp": 2, "train__microbatch_sizes": [2, 2, 1, 1]},
+            "train.microbatch_sizes needs train.global_batch=11 divisible by parallel.dp=2",
+        ),
+        ({"train__microbatch_sizes": [8, 4, 4]}, "train.microbatch_sizes has 3 entries but train.microbatches=4"),
+        ({"train__microbatch_sizes": [8, 4, 4, 0]}, "train.microbatch_sizes[3]=0 must be a positive integer"),
+        (
+            {"train__microbatch_sizes": [4, 4, 4, 3]},
+            "train.microbatch_sizes sums to 15, but each data-parallel replica has 16 samples "
+            "(train.global_batch=16 over parallel.dp=1)",
+        ),
+    ],
+)
 def test_explicit_microbatch_sizes(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
 
@@ -281,15 +355,24 @@ def test_unequal_microbatch_sizes_are_allowed() -> None:
 # ---- validate: partition ------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dotted", "message"), [
-    ({"parallel__partition": "cost"}, "parallel.partition='cost' needs parallel.layer_costs"),
-    ({"parallel__partition": "cost", "parallel__layer_costs": [1.0, 1.0, 1.0]},
-     "parallel.layer_costs has 3 entries but model.n_layers=4"),
-    ({"parallel__partition": "cost", "parallel__layer_costs": [1.0, 0.0, 1.0, 1.0]},
-     "parallel.layer_costs[1]=0.0 must be > 0"),
-    ({"parallel__layer_costs": [1.0, 1.0, 1.0, 1.0]},
-     "parallel.layer_costs is set but parallel.partition='params': set parallel.partition=\"cost\""),
-])
+@pytest.mark.parametrize(
+    ("dotted", "message"),
+    [
+        ({"parallel__partition": "cost"}, "parallel.partition='cost' needs parallel.layer_costs"),
+        (
+            {"parallel__partition": "cost", "parallel__layer_costs": [1.0, 1.0, 1.0]},
+            "parallel.layer_costs has 3 entries but model.n_layers=4",
+        ),
+        (
+            {"parallel__partition": "cost", "parallel__layer_costs": [1.0, 0.0, 1.0, 1.0]},
+            "parallel.layer_costs[1]=0.0 must be > 0",
+        ),
+        (
+            {"parallel__layer_costs": [1.0, 1.0, 1.0, 1.0]},
+            "parallel.layer_costs is set but parallel.partition='params': set parallel.partition=\"cost\"",
+        ),
+    ],
+)
 def test_cost_partition_rules(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
 
@@ -302,9 +385,15 @@ def test_cost_partition_with_costs_validates() -> None:
 
 
 def custom() -> Config:
-    cfg = make(model__n_kv_heads=2, model__tie_embeddings=True, parallel__partition="cost",
-               parallel__layer_costs=[3.0, 3.0, 2.0, 2.0], train__microbatch_sizes=[7, 5, 3, 1],
-               train__lr=1e-3, data__path="corpus.txt")
+    cfg = make(
+        model__n_kv_heads=2,
+        model__tie_embeddings=True,
+        parallel__partition="cost",
+        parallel__layer_costs=[3.0, 3.0, 2.0, 2.0],
+        train__microbatch_sizes=[7, 5, 3, 1],
+        train__lr=1e-3,
+        data__path="corpus.txt",
+    )
     cfg.run_dir = "runs/custom"
     return cfg
 
@@ -347,25 +436,34 @@ def test_from_dict_section_must_be_a_table() -> None:
         Config.from_dict([1, 2])  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize(("d", "message"), [
-    ({"parallel": {"tp": 2.5}}, "config key 'parallel.tp' expects int, got 2.5 (float)"),
-    ({"parallel": {"tp": "x"}}, "config key 'parallel.tp' expects int, got 'x' (str)"),
-    ({"parallel": {"tp": True}}, "config key 'parallel.tp' expects int, got True (bool)"),
-    ({"parallel": {"tp": None}}, "config key 'parallel.tp' expects int, got None"),
-    ({"model": {"tie_embeddings": 1}}, "config key 'model.tie_embeddings' expects bool or none, got 1 (int)"),
-    ({"train": {"lr": "0.1"}}, "config key 'train.lr' expects float, got '0.1' (str)"),
-    ({"parallel": {"layer_costs": "1,2"}}, "config key 'parallel.layer_costs' expects list[float] or none"),
-    ({"train": {"microbatch_sizes": [1, 2.0]}}, "config key 'train.microbatch_sizes[1]' expects int, got 2.0"),
-    ({"run_dir": 5}, "config key 'run_dir' expects str, got 5 (int)"),
-])
+@pytest.mark.parametrize(
+    ("d", "message"),
+    [
+        ({"parallel": {"tp": 2.5}}, "config key 'parallel.tp' expects int, got 2.5 (float)"),
+        ({"parallel": {"tp": "x"}}, "config key 'parallel.tp' expects int, got 'x' (str)"),
+        ({"parallel": {"tp": True}}, "config key 'parallel.tp' expects int, got True (bool)"),
+        ({"parallel": {"tp": None}}, "config key 'parallel.tp' expects int, got None"),
+        ({"model": {"tie_embeddings": 1}}, "config key 'model.tie_embeddings' expects bool or none, got 1 (int)"),
+        ({"train": {"lr": "0.1"}}, "config key 'train.lr' expects float, got '0.1' (str)"),
+        ({"parallel": {"layer_costs": "1,2"}}, "config key 'parallel.layer_costs' expects list[float] or none"),
+        ({"train": {"microbatch_sizes": [1, 2.0]}}, "config key 'train.microbatch_sizes[1]' expects int, got 2.0"),
+        ({"run_dir": 5}, "config key 'run_dir' expects str, got 5 (int)"),
+    ],
+)
 def test_from_dict_is_type_strict(d: dict[str, Any], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         Config.from_dict(d)
 
 
 def test_from_dict_widens_ints_to_floats_and_accepts_none() -> None:
-    cfg = Config.from_dict({"train": {"lr": 1}, "parallel": {"layer_costs": [1, 2.5]},
-                            "model": {"n_kv_heads": None}, "data": {"path": None}})
+    cfg = Config.from_dict(
+        {
+            "train": {"lr": 1},
+            "parallel": {"layer_costs": [1, 2.5]},
+            "model": {"n_kv_heads": None},
+            "data": {"path": None},
+        }
+    )
     assert cfg.train.lr == 1.0 and type(cfg.train.lr) is float
     assert cfg.parallel.layer_costs == [1.0, 2.5] and all(type(c) is float for c in cfg.parallel.layer_costs)
     assert cfg.model.n_kv_heads is None and cfg.data.path is None
@@ -457,8 +555,10 @@ def test_run_dir_and_hyphenated_keys() -> None:
     assert parse_args(["--run_dir=out/b"]).run_dir == "out/b"
 
 
-@pytest.mark.parametrize(("text", "expected"), [("true", True), ("True", True), ("1", True), ("YES", True),
-                                                ("false", False), ("0", False), ("No", False)])
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [("true", True), ("True", True), ("1", True), ("YES", True), ("false", False), ("0", False), ("No", False)],
+)
 def test_bool_parsing(text: str, expected: bool) -> None:
     default_flip = make(model__tie_embeddings=not expected)
     assert default_flip.model.tie_embeddings is not expected
@@ -473,34 +573,69 @@ def test_list_parsing() -> None:
 
 @pytest.mark.parametrize("word", ["none", "null", "None", "NULL"])
 def test_optional_fields_accept_none(word: str) -> None:
-    cfg = parse_args(["--model.n_kv_heads", "2", "--model.n_kv_heads", word, "--data.path", "x.txt",
-                      "--data.path", word, "--parallel.layer_costs", "1,2", "--parallel.layer_costs", word])
+    cfg = parse_args(
+        [
+            "--model.n_kv_heads",
+            "2",
+            "--model.n_kv_heads",
+            word,
+            "--data.path",
+            "x.txt",
+            "--data.path",
+            word,
+            "--parallel.layer_costs",
+            "1,2",
+            "--parallel.layer_costs",
+            word,
+        ]
+    )
     assert cfg.model.n_kv_heads is None and cfg.data.path is None and cfg.parallel.layer_costs is None
 
 
 def test_scalar_parsing() -> None:
-    cfg = parse_args(["--train.lr", "1e-3", "--train.seed", "-1", "--train.sample_prompt=a = b",
-                      "--data.max_bytes", "1_000", "--parallel.schedule", "gpipe", "--model.n_kv_heads", "2"])
+    cfg = parse_args(
+        [
+            "--train.lr",
+            "1e-3",
+            "--train.seed",
+            "-1",
+            "--train.sample_prompt=a = b",
+            "--data.max_bytes",
+            "1_000",
+            "--parallel.schedule",
+            "gpipe",
+            "--model.n_kv_heads",
+            "2",
+        ]
+    )
     assert cfg.train.lr == 1e-3 and cfg.train.seed == -1 and cfg.train.sample_prompt == "a = b"
     assert cfg.data.max_bytes == 1000 and cfg.parallel.schedule == "gpipe" and cfg.model.n_kv_heads == 2
 
 
-@pytest.mark.parametrize(("argv", "message"), [
-    (["--train.steps", "2.5"], "--train.steps expects int, got '2.5'"),
-    (["--train.lr", "fast"], "--train.lr expects float, got 'fast'"),
-    (["--model.tie_embeddings", "maybe"], "--model.tie_embeddings expects bool or none, got 'maybe'"),
-    (["--train.microbatch_sizes", "4,x"], "--train.microbatch_sizes expects list[int] or none, got '4,x'"),
-    (["--train.steps", "none"], "--train.steps expects int, got 'none'"),
-])
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--train.steps", "2.5"], "--train.steps expects int, got '2.5'"),
+        (["--train.lr", "fast"], "--train.lr expects float, got 'fast'"),
+        (["--model.tie_embeddings", "maybe"], "--model.tie_embeddings expects bool or none, got 'maybe'"),
+        (["--train.microbatch_sizes", "4,x"], "--train.microbatch_sizes expects list[int] or none, got '4,x'"),
+        (["--train.steps", "none"], "--train.steps expects int, got 'none'"),
+    ],
+)
 def test_bad_values_name_the_flag_and_type(argv: list[str], message: str) -> None:
     with pytest.raises(ValueError, match=re.escape(message)):
         parse_args(argv)
 
 
-@pytest.mark.parametrize(("flag", "suggestion"), [
-    ("--parallel.tpp", "--parallel.tp"), ("--train.global_bach", "--train.global_batch"),
-    ("--confg", "--config"), ("--run-dri", "--run-dir"),
-])
+@pytest.mark.parametrize(
+    ("flag", "suggestion"),
+    [
+        ("--parallel.tpp", "--parallel.tp"),
+        ("--train.global_bach", "--train.global_batch"),
+        ("--confg", "--config"),
+        ("--run-dri", "--run-dir"),
+    ],
+)
 def test_unknown_flag_suggests(flag: str, suggestion: str) -> None:
     with pytest.raises(ValueError, match=re.escape(f"unknown option {flag} (did you mean {suggestion}?)")):
         parse_args([flag, "1"])
@@ -556,27 +691,48 @@ def test_help_lists_every_flag_with_type_and_default() -> None:
 # ---- validate: microbatch policy ---------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize(("dotted", "message"), [
-    ({"batching__policy": "adaptiv"}, "batching.policy='adaptiv' is not one of fixed, adaptive (did you mean 'adaptive'?)"),
-    ({"batching__memory_budget": 0.0}, "batching.memory_budget must be > 0 (bytes if > 1, a fraction of device "
-                                       "memory if <= 1) or none, got 0.0"),
-    ({"batching__memory_budget": 1e9}, "batching.memory_budget=1000000000.0 is used by batching.policy=adaptive only"),
-    ({"batching__policy": "adaptive", "train__microbatch_sizes": [4, 4, 4, 4]},
-     "train.microbatch_sizes fixes the split, but batching.policy=adaptive chooses it: drop one of them"),
-    ({"batching__microbatch_size": 0}, "batching.microbatch_size must be a positive integer or none, got 0"),
-    ({"batching__microbatch_size": 4, "batching__policy": "adaptive"}, "batching.microbatch_size is a fixed split"),
-    ({"batching__microbatch_size": 16}, "batching.microbatch_size=16 cuts the 16 samples per replica "
-                                       "(train.global_batch=16 over parallel.dp=1) into 1 microbatches; "
-                                       "parallel.schedule=1f1b needs ≥ parallel.pp=2: use a size ≤ 8"),
-    ({"batching__microbatch_size": 1, "parallel__dp": 3, "parallel__tp": 1, "parallel__pp": 1},
-     "into 6 microbatches, more than the smallest replica's 5 samples"),
-    ({"batching__microbatch_size": 6, "parallel__schedule": "interleaved-1f1b", "parallel__virtual_stages": 2},
-     "into 3 microbatches; parallel.schedule=interleaved-1f1b needs a multiple of parallel.pp=2"),
-    ({"batching__steps_per_candidate": 0}, "batching.steps_per_candidate must be a positive integer, got 0"),
-    ({"batching__switch_margin": 1.0}, "batching.switch_margin must be in [0, 1), got 1.0"),
-    ({"batching__drift_margin": 0.0}, "batching.drift_margin must be in (0, 1), got 0.0"),
-    ({"emulate__memory_limit": -5}, "emulate.memory_limit must be a positive integer or none, got -5"),
-])
+@pytest.mark.parametrize(
+    ("dotted", "message"),
+    [
+        (
+            {"batching__policy": "adaptiv"},
+            "batching.policy='adaptiv' is not one of fixed, adaptive (did you mean 'adaptive'?)",
+        ),
+        (
+            {"batching__memory_budget": 0.0},
+            "batching.memory_budget must be > 0 (bytes if > 1, a fraction of device "
+            "memory if <= 1) or none, got 0.0",
+        ),
+        (
+            {"batching__memory_budget": 1e9},
+            "batching.memory_budget=1000000000.0 is used by batching.policy=adaptive only",
+        ),
+        (
+            {"batching__policy": "adaptive", "train__microbatch_sizes": [4, 4, 4, 4]},
+            "train.microbatch_sizes fixes the split, but batching.policy=adaptive chooses it: drop one of them",
+        ),
+        ({"batching__microbatch_size": 0}, "batching.microbatch_size must be a positive integer or none, got 0"),
+        ({"batching__microbatch_size": 4, "batching__policy": "adaptive"}, "batching.microbatch_size is a fixed split"),
+        (
+            {"batching__microbatch_size": 16},
+            "batching.microbatch_size=16 cuts the 16 samples per replica "
+            "(train.global_batch=16 over parallel.dp=1) into 1 microbatches; "
+            "parallel.schedule=1f1b needs ≥ parallel.pp=2: use a size ≤ 8",
+        ),
+        (
+            {"batching__microbatch_size": 1, "parallel__dp": 3, "parallel__tp": 1, "parallel__pp": 1},
+            "into 6 microbatches, more than the smallest replica's 5 samples",
+        ),
+        (
+            {"batching__microbatch_size": 6, "parallel__schedule": "interleaved-1f1b", "parallel__virtual_stages": 2},
+            "into 3 microbatches; parallel.schedule=interleaved-1f1b needs a multiple of parallel.pp=2",
+        ),
+        ({"batching__steps_per_candidate": 0}, "batching.steps_per_candidate must be a positive integer, got 0"),
+        ({"batching__switch_margin": 1.0}, "batching.switch_margin must be in [0, 1), got 1.0"),
+        ({"batching__drift_margin": 0.0}, "batching.drift_margin must be in (0, 1), got 0.0"),
+        ({"emulate__memory_limit": -5}, "emulate.memory_limit must be a positive integer or none, got -5"),
+    ],
+)
 def test_batching_rules(dotted: dict[str, Any], message: str) -> None:
     invalid(make(**dotted), message)
 

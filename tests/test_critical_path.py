@@ -53,10 +53,16 @@ def test_steps_are_matched_by_their_index_and_reported_per_step():
 
 def test_windows_are_paired_with_the_compute_actions_that_hold_them():
     act = lambda s, op, m, a, b: SimpleNamespace(action=Action(s, Op(op), m), start=a, end=b)  # noqa: E731
-    timeline = [act(1, "RECV_F", 0, 0.0, 0.1), act(1, "F", 0, 0.1, 21.0), act(1, "SEND_F", 0, 21.0, 21.1),
-                act(1, "B", 0, 22.0, 63.0)]
+    timeline = [
+        act(1, "RECV_F", 0, 0.0, 0.1),
+        act(1, "F", 0, 0.1, 21.0),
+        act(1, "SEND_F", 0, 21.0, 21.1),
+        act(1, "B", 0, 22.0, 63.0),
+    ]
     # The B action holds two windows (a full backward with a W path): one window, their sum requested.
     sleeps = [("F", 0.02, 0.5, 20.9), ("W", 0.01, 22.1, 32.2), ("B", 0.03, 32.2, 62.5)]
     ws = windows_of(timeline, sleeps, step=3)
     assert [(str(w.action), w.requested, w.start, w.end, w.step) for w in ws] == [
-        ("F1.0", 0.02, 0.5, 20.9, 3), ("B1.0", 0.04, 22.1, 62.5, 3)]
+        ("F1.0", 0.02, 0.5, 20.9, 3),
+        ("B1.0", 0.04, 22.1, 62.5, 3),
+    ]

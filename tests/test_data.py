@@ -1,4 +1,5 @@
 """Tests for hybridpar.data: loading, determinism, dp-size independence and split hygiene."""
+
 from __future__ import annotations
 
 import pathlib

@@ -32,12 +32,40 @@ def test_replan_policy_keeps_tp_then_pp() -> None:
 
 
 def test_replan_adapts_schedule_and_microbatches() -> None:
-    cfg = parse_args(["--parallel.tp", "1", "--parallel.pp", "4", "--parallel.schedule", "interleaved-1f1b",
-                      "--parallel.virtual_stages", "2", "--model.n_layers", "8", "--train.microbatches", "4"])
+    cfg = parse_args(
+        [
+            "--parallel.tp",
+            "1",
+            "--parallel.pp",
+            "4",
+            "--parallel.schedule",
+            "interleaved-1f1b",
+            "--parallel.virtual_stages",
+            "2",
+            "--model.n_layers",
+            "8",
+            "--train.microbatches",
+            "4",
+        ]
+    )
     assert _layout(replan(cfg, 2)) == (1, 2, 1, "interleaved-1f1b", 2, 4)  # still valid: kept
     assert _layout(replan(cfg, 1)) == (1, 1, 1, "1f1b", 1, 4)  # interleaved needs pp >= 2
-    cfg = parse_args(["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.dp", "2", "--train.global_batch", "8",
-                      "--train.microbatches", "4", "--train.microbatch_sizes", "1,1,1,1"])
+    cfg = parse_args(
+        [
+            "--parallel.tp",
+            "1",
+            "--parallel.pp",
+            "1",
+            "--parallel.dp",
+            "2",
+            "--train.global_batch",
+            "8",
+            "--train.microbatches",
+            "4",
+            "--train.microbatch_sizes",
+            "1,1,1,1",
+        ]
+    )
     new = replan(cfg, 4)  # 2 samples per replica now: fewer microbatches, explicit sizes dropped
     assert _layout(new) == (1, 1, 4, "1f1b", 1, 2) and new.train.microbatch_sizes is None
     tp3 = parse_args(["--parallel.tp", "4", "--parallel.pp", "1", "--model.n_heads", "4", "--model.dim", "128"])
@@ -45,8 +73,20 @@ def test_replan_adapts_schedule_and_microbatches() -> None:
 
 
 def test_replan_refuses_what_cannot_work() -> None:
-    cfg = parse_args(["--train.global_batch", "2", "--train.microbatches", "1", "--parallel.tp", "1",
-                      "--parallel.pp", "1", "--parallel.dp", "1"])
+    cfg = parse_args(
+        [
+            "--train.global_batch",
+            "2",
+            "--train.microbatches",
+            "1",
+            "--parallel.tp",
+            "1",
+            "--parallel.pp",
+            "1",
+            "--parallel.dp",
+            "1",
+        ]
+    )
     with pytest.raises(ValueError, match="no pipeline degree fits world=3"):
         replan(cfg, 3)  # dp=3 would leave a replica without a sample
     with pytest.raises(ValueError, match="world of 0"):
@@ -71,13 +111,17 @@ def test_restart_resumes_and_fresh_run_is_unchanged() -> None:
 
 def test_resilience_config_validation() -> None:
     Config().validate()
-    for flags, message in [(["--resilience.hang_timeout_s", "1", "--resilience.heartbeat_s", "1"],
-                            "resilience.hang_timeout_s=1.0 must be at least twice resilience.heartbeat_s=1.0"),
-                           (["--resilience.hang_timeout_s", "-1"], "resilience.hang_timeout_s must be >= 0"),
-                           (["--resilience.max_restarts", "-2"], "resilience.max_restarts must be a non-negative"),
-                           (["--resilience.heartbeat_s", "0"], "resilience.heartbeat_s must be > 0"),
-                           (["--resilience.slow_phase_timeout_s", "10"], "slow_phase_timeout_s=10.0 must be at least"),
-                           (["--resilience.replan", "maybe"], "resilience.replan='maybe' is not one of auto, off")]:
+    for flags, message in [
+        (
+            ["--resilience.hang_timeout_s", "1", "--resilience.heartbeat_s", "1"],
+            "resilience.hang_timeout_s=1.0 must be at least twice resilience.heartbeat_s=1.0",
+        ),
+        (["--resilience.hang_timeout_s", "-1"], "resilience.hang_timeout_s must be >= 0"),
+        (["--resilience.max_restarts", "-2"], "resilience.max_restarts must be a non-negative"),
+        (["--resilience.heartbeat_s", "0"], "resilience.heartbeat_s must be > 0"),
+        (["--resilience.slow_phase_timeout_s", "10"], "slow_phase_timeout_s=10.0 must be at least"),
+        (["--resilience.replan", "maybe"], "resilience.replan='maybe' is not one of auto, off"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_args(flags).validate()
     parse_args(["--resilience.hang_timeout_s", "0"]).validate()  # 0 disables the watchdog
@@ -94,23 +138,32 @@ def test_sample_ledger() -> None:
 
 
 def test_fault_spec(tmp_path: Path) -> None:
-    faults = parse_faults("rank=1:kill@step=3:phase=p2p, rank=0:sleep=2.5@step=1:phase=ckpt-write,"
-                          "rank=0:corrupt=pickle@step=4:phase=step-end,rank=2:stop@step=0", 4)
+    faults = parse_faults(
+        "rank=1:kill@step=3:phase=p2p, rank=0:sleep=2.5@step=1:phase=ckpt-write,"
+        "rank=0:corrupt=pickle@step=4:phase=step-end,rank=2:stop@step=0",
+        4,
+    )
     assert faults[0] == Fault(1, "kill", 3, "p2p") and faults[1].arg == "2.5"
     assert str(faults[2]) == "rank=0:corrupt=pickle@step=4:phase=step-end" and faults[3].phase == "forward"
     assert parse_faults("") == []
-    for spec, message in [("rank=1:kill", "malformed"), ("rank=1:explode@step=1", "action 'explode'"),
-                          ("rank=1:kill@step=1:phase=lunch", "phase 'lunch'"), ("rank=9:kill@step=1", "rank 9"),
-                          ("rank=1:sleep@step=1", "sleep needs seconds"), ("rank=1:kill=3@step=1", "takes no value"),
-                          ("rank=1:corrupt=melt@step=1", "corrupt needs one of")]:
+    for spec, message in [
+        ("rank=1:kill", "malformed"),
+        ("rank=1:explode@step=1", "action 'explode'"),
+        ("rank=1:kill@step=1:phase=lunch", "phase 'lunch'"),
+        ("rank=9:kill@step=1", "rank 9"),
+        ("rank=1:sleep@step=1", "sleep needs seconds"),
+        ("rank=1:kill=3@step=1", "takes no value"),
+        ("rank=1:corrupt=melt@step=1", "corrupt needs one of"),
+    ]:
         with pytest.raises(ValueError, match=re.escape(message)):
             parse_faults(spec, 4)
     # Fired faults are recorded and skipped by the next attempt (a torn last line is ignored).
     first = "0:rank=0:sleep=0@step=1:phase=forward"
-    (tmp_path / "chaos.jsonl").write_text(json.dumps({"id": first}) + "\n{\"id\": ")
+    (tmp_path / "chaos.jsonl").write_text(json.dumps({"id": first}) + '\n{"id": ')
     assert fired_ids(tmp_path / "chaos.jsonl") == {first}
-    inj = Injector(parse_faults("rank=0:sleep=0@step=1,rank=0:sleep=0@step=2,rank=1:kill@step=1"), 0, tmp_path,
-                   tmp_path / "ck")
+    inj = Injector(
+        parse_faults("rank=0:sleep=0@step=1,rank=0:sleep=0@step=2,rank=1:kill@step=1"), 0, tmp_path, tmp_path / "ck"
+    )
     assert sorted(inj.pending) == [1]
     inj.check("forward", 2)
     assert fired_ids(tmp_path / "chaos.jsonl") == {first, "1:rank=0:sleep=0@step=2:phase=forward"}
@@ -147,13 +200,29 @@ def test_watchdog_names_the_computing_rank_not_its_waiting_peers() -> None:
     assert judge(views, 100.0, 5.0, 50.0)[0] == 1
 
 
-@pytest.mark.parametrize("argv,match", [
-    (["--emulate.fault", "rank=4:kill@step=1"], "rank 4 does not exist in a world of 4"),
-    (["--emulate.fault", "rank=1:kill@step=1:phase=nap"], "phase 'nap' is not one of"),
-    (["--nproc-per-node", "3", "--resume", "auto", "--train.global_batch", "2", "--train.microbatches", "1",
-      "--parallel.schedule", "gpipe"], "no pipeline degree fits world=3"),  # no valid re-plan: refused up front
-    (["--nproc-per-node", "2"], "= 4, but 2 processes"),  # a fresh run on another world is still refused
-])
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--emulate.fault", "rank=4:kill@step=1"], "rank 4 does not exist in a world of 4"),
+        (["--emulate.fault", "rank=1:kill@step=1:phase=nap"], "phase 'nap' is not one of"),
+        (
+            [
+                "--nproc-per-node",
+                "3",
+                "--resume",
+                "auto",
+                "--train.global_batch",
+                "2",
+                "--train.microbatches",
+                "1",
+                "--parallel.schedule",
+                "gpipe",
+            ],
+            "no pipeline degree fits world=3",
+        ),  # no valid re-plan: refused up front
+        (["--nproc-per-node", "2"], "= 4, but 2 processes"),  # a fresh run on another world is still refused
+    ],
+)
 def test_cli_refuses_bad_resilience_input_before_launch(argv, match, monkeypatch, capsys) -> None:
     import torch.distributed.run as tdr
 

@@ -1,4 +1,5 @@
 """Tests for hybridpar.balance.emulate: the slow-device emulation spec, its errors and its lookups."""
+
 from __future__ import annotations
 
 import pytest
@@ -25,8 +26,7 @@ def test_single_entry_applies_from_its_step() -> None:
 
 def test_list_with_recovery_latest_entry_wins() -> None:
     # Out of order on purpose: the lookup must go by step, not by position in the spec.
-    plan = SlowdownPlan.parse(" rank=2:1.0@step=50 , rank=0:1.5@step=0,rank=2:2.0@step=10,"
-                              "rank=2:3.0@step=30")
+    plan = SlowdownPlan.parse(" rank=2:1.0@step=50 , rank=0:1.5@step=0,rank=2:2.0@step=10," "rank=2:3.0@step=30")
     assert plan.ranks == frozenset({0, 2})
     assert plan.factor(0, 0) == 1.5 and plan.factor(0, 99) == 1.5
     got = {s: plan.factor(2, s) for s in (0, 10, 29, 30, 49, 50, 1000)}
@@ -39,15 +39,18 @@ def test_step_defaults_to_zero_and_round_trip() -> None:
     assert SlowdownPlan.parse(plan.to_spec()) == plan
 
 
-@pytest.mark.parametrize("spec, bad", [
-    ("rank=2:2.0@step=x", "rank=2:2.0@step=x"),
-    ("rank=2", "rank=2"),
-    ("rank=2:2.0,", "''"),
-    ("rank=1:1.5;rank=2:2.0", "rank=1:1.5;rank=2:2.0"),
-    ("rnk=2:2.0@step=1", "rnk=2:2.0@step=1"),
-    ("rank=2:two@step=1", "rank=2:two@step=1"),
-    ("rank=2.5:2.0", "rank=2.5:2.0"),
-])
+@pytest.mark.parametrize(
+    "spec, bad",
+    [
+        ("rank=2:2.0@step=x", "rank=2:2.0@step=x"),
+        ("rank=2", "rank=2"),
+        ("rank=2:2.0,", "''"),
+        ("rank=1:1.5;rank=2:2.0", "rank=1:1.5;rank=2:2.0"),
+        ("rnk=2:2.0@step=1", "rnk=2:2.0@step=1"),
+        ("rank=2:two@step=1", "rank=2:two@step=1"),
+        ("rank=2.5:2.0", "rank=2.5:2.0"),
+    ],
+)
 def test_malformed_token_names_token_and_form(spec: str, bad: str) -> None:
     with pytest.raises(ValueError) as err:
         SlowdownPlan.parse(spec)
@@ -56,15 +59,18 @@ def test_malformed_token_names_token_and_form(spec: str, bad: str) -> None:
     assert "rank=<int>:<factor>@step=<int>" in msg
 
 
-@pytest.mark.parametrize("spec, words", [
-    ("rank=-1:2.0@step=0", "rank and step must be >= 0"),
-    ("rank=1:2.0@step=-3", "rank and step must be >= 0"),
-    ("rank=1:0.5", "factor must be a finite number >= 1.0"),
-    ("rank=1:0", "factor must be a finite number >= 1.0"),
-    ("rank=1:nan", "factor must be a finite number >= 1.0"),
-    ("rank=1:inf@step=2", "factor must be a finite number >= 1.0"),
-    ("rank=1:2.0@step=4,rank=1:3.0@step=4", "already has a factor at step 4"),
-])
+@pytest.mark.parametrize(
+    "spec, words",
+    [
+        ("rank=-1:2.0@step=0", "rank and step must be >= 0"),
+        ("rank=1:2.0@step=-3", "rank and step must be >= 0"),
+        ("rank=1:0.5", "factor must be a finite number >= 1.0"),
+        ("rank=1:0", "factor must be a finite number >= 1.0"),
+        ("rank=1:nan", "factor must be a finite number >= 1.0"),
+        ("rank=1:inf@step=2", "factor must be a finite number >= 1.0"),
+        ("rank=1:2.0@step=4,rank=1:3.0@step=4", "already has a factor at step 4"),
+    ],
+)
 def test_bad_values(spec: str, words: str) -> None:
     with pytest.raises(ValueError, match=words):
         SlowdownPlan.parse(spec)

@@ -39,8 +39,9 @@ def tiny_config(**over: dict) -> Config:
     return cfg
 
 
-def reference(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple[list[float], list[tuple[int, float]],
-                                                                        dict[str, torch.Tensor]]:
+def reference(
+    cfg: Config, dtype: torch.dtype = torch.float32
+) -> tuple[list[float], list[tuple[int, float]], dict[str, torch.Tensor]]:
     t = cfg.train
     data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed).to(dtype)  # fp64: the same initial values, widened
@@ -127,13 +128,18 @@ def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
     ratio of two runs' is noise (measured up to 14x per tensor on Llama layouts whose loss and every
     parameter are within 1e-5, and whose whole-model ratio is 1.1)."""
     ref32, ref64 = ref_for(cfg)[2], ref_for(cfg, torch.float64)[2]
-    for what, dist in (("largest difference", lambda s: max((s[n].double() - r).abs().max().item()
-                                                             for n, r in ref64.items())),
-                       ("L2 norm of the differences", lambda s: sum((s[n].double() - r).pow(2).sum().item()
-                                                                    for n, r in ref64.items()) ** 0.5)):
+    for what, dist in (
+        ("largest difference", lambda s: max((s[n].double() - r).abs().max().item() for n, r in ref64.items())),
+        (
+            "L2 norm of the differences",
+            lambda s: sum((s[n].double() - r).pow(2).sum().item() for n, r in ref64.items()) ** 0.5,
+        ),
+    ):
         ours, single = dist(state), dist(ref32)
-        assert ours <= FP64_RATIO * single, f"{label}: {what} to the fp64 run is {ours:.3g}, more than " \
+        assert ours <= FP64_RATIO * single, (
+            f"{label}: {what} to the fp64 run is {ours:.3g}, more than "
             f"{FP64_RATIO} x the single-process fp32 run's {single:.3g}"
+        )
 
 
 def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker, fp64: bool = False) -> None:
@@ -170,17 +176,20 @@ def test_pipelines_over_tight_shared_memory_rings(tmp_path: Path) -> None:
 
 
 def test_tied_embeddings_across_stages(tmp_path: Path) -> None:
-    cfgs = [tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b")),
-            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe")),
-            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
-            # zb-v: the embedding and the head it is tied to are two stages of rank 0
-            tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="zb-v"))]
+    cfgs = [
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b")),
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe")),
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
+        # zb-v: the embedding and the head it is tied to are two stages of rank 0
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="zb-v")),
+    ]
     check_layouts(cfgs, tmp_path)
 
 
 def test_explicit_unequal_microbatches(tmp_path: Path) -> None:
-    cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
-                      train=dict(global_batch=10, microbatch_sizes=[4, 1, 2, 3]))
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"), train=dict(global_batch=10, microbatch_sizes=[4, 1, 2, 3])
+    )
     check_layouts([cfg], tmp_path)
 
 

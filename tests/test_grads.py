@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import pytest
-
 from test_equivalence import tiny_config
 
 from hybridpar.testing import run_ranks
@@ -29,8 +28,12 @@ def _buckets(cfg_dict: dict, bucket_bytes: int | None) -> dict:
     losses = [tr.step(s)["loss"] for s in range(2)]
     state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
     n_buckets = sum(len(b) for b in tr.dp_grads._buckets.values())
-    return {"losses": losses, "digest": params_digest(state.items()) if state else None,
-            "overlapped": tr.dp_grads.overlapped, "buckets": n_buckets}
+    return {
+        "losses": losses,
+        "digest": params_digest(state.items()) if state else None,
+        "overlapped": tr.dp_grads.overlapped,
+        "buckets": n_buckets,
+    }
 
 
 def test_buckets_overlap_backward_and_match_stage_reduction():

@@ -19,14 +19,21 @@ from hybridpar.model.stage import generate
 from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import StageRunner
-from hybridpar.serve.worker import (WorkerSpec, build_serving_stage, local_topology, resolve_source, serve_rank,
-                                    spec_dict)
+from hybridpar.serve.worker import (
+    WorkerSpec,
+    build_serving_stage,
+    local_topology,
+    resolve_source,
+    serve_rank,
+    spec_dict,
+)
 from hybridpar.testing import run_ranks
-
 
 
 def _transformers():  # imported in the tests only: the spawned ranks import this module and must stay light
     return pytest.importorskip("transformers")
+
+
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79], [2, 71, 82, 81, 82, 84, 59, 4]]
 LIMITS = {"max_batch": 2, "max_groups": 2, "kv_tokens": 1024, "max_seq_len": 64}
 FAMILIES = ["llama", "gpt2"]
@@ -36,13 +43,21 @@ def tiny_hf(path: Path, tie: bool = False, family: str = "llama") -> torch.nn.Mo
     transformers = _transformers()
     torch.manual_seed(0)  # before construction: HF's random init draws from it too
     if family == "gpt2":  # GPT-2 ties its embeddings; 64 learned positions cover LIMITS' max_seq_len
-        cfg = transformers.GPT2Config(vocab_size=256, n_embd=32, n_inner=64, n_layer=4, n_head=4, n_positions=64,
-                                      bos_token_id=0, eos_token_id=0)
+        cfg = transformers.GPT2Config(
+            vocab_size=256, n_embd=32, n_inner=64, n_layer=4, n_head=4, n_positions=64, bos_token_id=0, eos_token_id=0
+        )
         model = transformers.GPT2LMHeadModel(cfg).eval()
     else:
-        cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=32, intermediate_size=64, num_hidden_layers=4,
-                                       num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-5,
-                                       tie_word_embeddings=tie)
+        cfg = transformers.LlamaConfig(
+            vocab_size=256,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            rms_norm_eps=1e-5,
+            tie_word_embeddings=tie,
+        )
         model = transformers.LlamaForCausalLM(cfg).eval()
     with torch.no_grad():  # HF zero-inits biases and sets norms to one: make every weight clearly non-trivial,
         for p in model.parameters():  # and large enough that greedy decoding does not repeat one token
@@ -77,17 +92,27 @@ def _sharded_rank(spec_d: dict, ids: list[list[int]], reqs: list[dict]) -> dict 
 def test_hf_checkpoint_tp2_pp2(family: str, tmp_path: Path) -> None:
     hf = tiny_hf(tmp_path, family=family)
     cfg = read_hf_config(tmp_path)
-    assert (cfg.family, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == \
-        (family, 32, 4, 4, 2 if family == "llama" else 4, 64)
+    assert (cfg.family, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == (
+        family,
+        32,
+        4,
+        4,
+        2 if family == "llama" else 4,
+        64,
+    )
     with torch.no_grad():
         want = hf(torch.tensor(IDS)).logits
-        greedy = {str(i): hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p):].tolist()
-                  for i, p in enumerate(IDS)}
+        greedy = {
+            str(i): hf.generate(torch.tensor([p]), max_new_tokens=12, do_sample=False)[0, len(p) :].tolist()
+            for i, p in enumerate(IDS)
+        }
     assert all(len(set(g)) > 3 for g in greedy.values())  # varied tokens: a stuck decoder would not match
-    spec = spec_dict(WorkerSpec(model=dataclasses.asdict(cfg), source=str(tmp_path), tp=2, pp=2, limits=LIMITS,
-                                timeout_s=60))
-    reqs = [{"type": "generate", "id": str(i), "prompt": p, "max_tokens": 12, "temperature": 0}
-            for i, p in enumerate(IDS)]
+    spec = spec_dict(
+        WorkerSpec(model=dataclasses.asdict(cfg), source=str(tmp_path), tp=2, pp=2, limits=LIMITS, timeout_s=60)
+    )
+    reqs = [
+        {"type": "generate", "id": str(i), "prompt": p, "max_tokens": 12, "temperature": 0} for i, p in enumerate(IDS)
+    ]
     out = run_ranks(_sharded_rank, 4, spec, IDS, reqs, timeout_s=120)
     for r in (2, 3):  # both tp ranks of the last stage hold the gathered logits
         assert (torch.tensor(out[r]["logits"]) - want).abs().max().item() < 1e-4
@@ -110,18 +135,30 @@ def test_export_loads_in_transformers(family: str, tie: bool | None, tmp_path: P
 
 
 def test_unsupported_hf_configs_are_refused() -> None:
-    base = {"model_type": "llama", "hidden_size": 32, "num_attention_heads": 4, "num_hidden_layers": 2,
-            "intermediate_size": 64, "vocab_size": 256}
+    base = {
+        "model_type": "llama",
+        "hidden_size": 32,
+        "num_attention_heads": 4,
+        "num_hidden_layers": 2,
+        "intermediate_size": 64,
+        "vocab_size": 256,
+    }
     gpt2 = {"model_type": "gpt2", "n_embd": 32, "n_head": 4, "n_layer": 2, "vocab_size": 256}
-    for bad, word in (({"model_type": "mistral"}, "model_type"), ({"hidden_act": "gelu"}, "hidden_act"),
-                      ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
-                      ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"), ({"head_dim": 16}, "head_dim")):
+    for bad, word in (
+        ({"model_type": "mistral"}, "model_type"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"type": "linear", "factor": 2}}, "rope_scaling"),
+        ({"rope_parameters": {"rope_type": "llama3"}}, "rope_type"),
+        ({"head_dim": 16}, "head_dim"),
+    ):
         with pytest.raises(ValueError, match=word):
             config_from_hf({**base, **bad})
-    for bad, word in (({"activation_function": "relu"}, "activation_function"),
-                      ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
-                      ({"scale_attn_weights": False}, "scale_attn_weights"),
-                      ({"add_cross_attention": True}, "add_cross_attention")):
+    for bad, word in (
+        ({"activation_function": "relu"}, "activation_function"),
+        ({"scale_attn_by_inverse_layer_idx": True}, "scale_attn_by_inverse_layer_idx"),
+        ({"scale_attn_weights": False}, "scale_attn_weights"),
+        ({"add_cross_attention": True}, "add_cross_attention"),
+    ):
         with pytest.raises(ValueError, match=word):
             config_from_hf({**gpt2, **bad})
     assert config_from_hf(gpt2).tied and config_from_hf(gpt2).max_positions == 1024  # GPT2Config's defaults
@@ -163,5 +200,5 @@ def test_trained_checkpoint_is_served(family: str, tmp_path: Path) -> None:
     export_hf(final, cfg.model, tmp_path / "hf")
     hf = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
     with torch.no_grad():
-        got = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt):].tolist()
+        got = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
     assert got == want

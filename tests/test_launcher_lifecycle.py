@@ -21,24 +21,58 @@ from hybridpar.cli import main
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 STEPS = 12
-FLAGS = ["--parallel.tp", "1", "--parallel.pp", "2", "--model.dim", "32", "--model.n_layers", "2",
-         "--model.n_heads", "2", "--model.ffn_dim", "64", "--train.steps", str(STEPS), "--train.global_batch", "4",
-         "--train.microbatches", "2", "--train.seq_len", "16", "--train.val_every", "0",
-         "--train.sample_tokens", "0", "--data.max_bytes", "100000", "--checkpoint.every", "2",
-         "--resilience.max_restarts", "1"]
+FLAGS = [
+    "--parallel.tp",
+    "1",
+    "--parallel.pp",
+    "2",
+    "--model.dim",
+    "32",
+    "--model.n_layers",
+    "2",
+    "--model.n_heads",
+    "2",
+    "--model.ffn_dim",
+    "64",
+    "--train.steps",
+    str(STEPS),
+    "--train.global_batch",
+    "4",
+    "--train.microbatches",
+    "2",
+    "--train.seq_len",
+    "16",
+    "--train.val_every",
+    "0",
+    "--train.sample_tokens",
+    "0",
+    "--data.max_bytes",
+    "100000",
+    "--checkpoint.every",
+    "2",
+    "--resilience.max_restarts",
+    "1",
+]
 SLOW = ["--emulate.layer_ms", "50"]  # each step ~0.5 s: time to act while it runs (sleeps only, same numbers)
 EXE = str(Path(sys.executable).with_name("hybridpar"))
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 
 
 def _train(run: Path, *extra: str, timeout: float = 240) -> subprocess.CompletedProcess:
-    return subprocess.run([EXE, "train", *FLAGS, "--run-dir", str(run), *extra], capture_output=True, text=True,
-                          timeout=timeout, env=ENV)
+    return subprocess.run(
+        [EXE, "train", *FLAGS, "--run-dir", str(run), *extra], capture_output=True, text=True, timeout=timeout, env=ENV
+    )
 
 
 def _start(run: Path, *extra: str) -> subprocess.Popen:
-    return subprocess.Popen([EXE, "train", *FLAGS, "--run-dir", str(run), *extra], stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True)
+    return subprocess.Popen(
+        [EXE, "train", *FLAGS, "--run-dir", str(run), *extra],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
 
 
 def _records(path: Path) -> list[dict]:
@@ -74,8 +108,9 @@ def test_workers_die_with_their_launcher_and_a_new_launch_resumes(tmp_path: Path
     try:
         _wait_for(lambda: (run / "checkpoints" / "step-000004").is_dir(), "the checkpoint after step 4")
         assert proc.poll() is None, "the run ended before the launcher could be killed: slow it down"
-        workers = [p for p in psutil.Process(proc.pid).children(recursive=True)
-                   if "hybridpar.train" in " ".join(p.cmdline())]
+        workers = [
+            p for p in psutil.Process(proc.pid).children(recursive=True) if "hybridpar.train" in " ".join(p.cmdline())
+        ]
         assert len(workers) == 2
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group: the workers have their own
         proc.wait(30)
@@ -108,8 +143,7 @@ def test_sigterm_to_the_launcher_exits_143(tmp_path: Path, capsys) -> None:
     run = tmp_path / "run"
     proc = _start(run, *SLOW)
     try:
-        _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(_records(run / "metrics.jsonl")) >= 2,
-                  "two steps")
+        _wait_for(lambda: (run / "metrics.jsonl").is_file() and len(_records(run / "metrics.jsonl")) >= 2, "two steps")
         # A second launch while the first runs is refused at once, whatever it asks for.
         assert main(["train", *FLAGS, "--run-dir", str(run), "--resume", "auto"]) == 2
         assert "is in use by another launch (pid" in capsys.readouterr().err
@@ -126,8 +160,9 @@ def test_sigterm_to_the_launcher_exits_143(tmp_path: Path, capsys) -> None:
 
 def test_a_failure_that_repeats_ends_without_restarts(tmp_path: Path) -> None:
     run = tmp_path / "run"
-    out = _train(run, "--train.lr", "1e30", "--train.min_lr", "0", "--train.warmup_steps", "0",
-                 "--resilience.max_restarts", "3")
+    out = _train(
+        run, "--train.lr", "1e30", "--train.min_lr", "0", "--train.warmup_steps", "0", "--resilience.max_restarts", "3"
+    )
     assert out.returncode == 2, out.stderr[-3000:]
     assert out.stderr.strip().splitlines()[-1].startswith("hybridpar: error: loss became nan at step")
     starts = [r for r in _records(run / "resilience.jsonl") if r["event"] == "start"]

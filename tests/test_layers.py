@@ -14,14 +14,14 @@ ROOT = Path(__file__).parents[1] / "hybridpar"
 # Bottom to top; a module may import its own layer and the layers below it. Keys are top-level modules
 # or packages of hybridpar (docs/architecture.md says what each owns).
 LAYERS: list[set[str]] = [
-    {"config"},                                   # typed configs and their validation: pure
-    {"topology"},                                 # ranks, meshes, collectives, CPUs, rendezvous
-    {"model", "data", "optim", "testing"},        # the parallel-agnostic model, the corpus, AdamW
-    {"pipeline", "grads"},                        # schedules, runtime, p2p, gradient reductions
+    {"config"},  # typed configs and their validation: pure
+    {"topology"},  # ranks, meshes, collectives, CPUs, rendezvous
+    {"model", "data", "optim", "testing"},  # the parallel-agnostic model, the corpus, AdamW
+    {"pipeline", "grads"},  # schedules, runtime, p2p, gradient reductions
     {"batching", "balance", "resilience", "report"},  # microbatch policy, load balancing, recovery, records
-    {"trainer", "export"},                        # one training step over every dimension
-    {"train", "preflight", "launcher"},           # a training run and its launch
-    {"serve", "plan", "bench", "cli"},            # what users run
+    {"trainer", "export"},  # one training step over every dimension
+    {"train", "preflight", "launcher"},  # a training run and its launch
+    {"serve", "plan", "bench", "cli"},  # what users run
 ]
 EXEMPT = {"__init__"}  # the package's public names (Config, launch) gather from every layer
 
@@ -63,8 +63,10 @@ def violations(root: Path = ROOT) -> list[str]:
             except KeyError:
                 continue  # reported for that module's own file
             if theirs > mine:
-                bad.append(f"{path.relative_to(root.parent)}:{line}: '{top}' (layer {mine}) imports "
-                           f"'{other}' (layer {theirs}), a layer above it")
+                bad.append(
+                    f"{path.relative_to(root.parent)}:{line}: '{top}' (layer {mine}) imports "
+                    f"'{other}' (layer {theirs}), a layer above it"
+                )
     return bad
 
 
@@ -77,8 +79,9 @@ def test_an_upward_import_is_caught(tmp_path: Path) -> None:
     (tmp_path / "model").mkdir()
     (tmp_path / "model" / "bad.py").write_text("import os\n\ndef f():\n    from hybridpar.trainer import Trainer\n")
     (tmp_path / "trainer.py").write_text("from hybridpar.model.bad import f\n")
-    assert violations(tmp_path) == [f"{tmp_path.name}/model/bad.py:4: 'model' (layer 2) imports 'trainer' "
-                                    f"(layer 5), a layer above it"]
+    assert violations(tmp_path) == [
+        f"{tmp_path.name}/model/bad.py:4: 'model' (layer 2) imports 'trainer' " f"(layer 5), a layer above it"
+    ]
 
 
 @pytest.mark.parametrize("doc", ["README.md", "docs"])

@@ -15,8 +15,9 @@ from hybridpar.pipeline.simulate import Costs, simulate
 def _step(sizes, schedule="1f1b", pp=2, v=1) -> float:
     acts = build_schedule(schedule, pp, v, len(sizes))
     split = schedule == "zb-h1"
-    return simulate(acts, pp, pp * v, Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0,
-                                            microbatch_scale=list(sizes))).step_time_s
+    return simulate(
+        acts, pp, pp * v, Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0, microbatch_scale=list(sizes))
+    ).step_time_s
 
 
 def test_simulator_scales_each_microbatch():
@@ -47,9 +48,19 @@ def test_equal_sizes_and_ties_keep_the_given_order():
     assert pipeline_order([4, 1, 2, 3], "gpipe", 2) == [4, 1, 2, 3]
 
 
-@pytest.mark.parametrize("schedule,pp,v", [("gpipe", 2, 1), ("1f1b", 2, 1), ("1f1b", 3, 1), ("1f1b", 4, 1),
-                                           ("interleaved-1f1b", 2, 2), ("interleaved-1f1b", 4, 2),
-                                           ("zb-h1", 2, 1), ("zb-h1", 4, 1)])
+@pytest.mark.parametrize(
+    "schedule,pp,v",
+    [
+        ("gpipe", 2, 1),
+        ("1f1b", 2, 1),
+        ("1f1b", 3, 1),
+        ("1f1b", 4, 1),
+        ("interleaved-1f1b", 2, 2),
+        ("interleaved-1f1b", 4, 2),
+        ("zb-h1", 2, 1),
+        ("zb-h1", 4, 1),
+    ],
+)
 def test_the_order_is_a_permutation_never_slower_than_the_split(schedule, pp, v):
     for m in (pp, 2 * pp):
         for total in range(m + 1, 3 * m):

@@ -3,18 +3,16 @@
 
 from __future__ import annotations
 
-import pytest
-
 import json
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
-
 from test_equivalence import check_layouts, tiny_config
 
-from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.config import Config
+from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.testing import run_ranks
 
 STEPS = 10
@@ -47,8 +45,10 @@ def _budget_and_oom_runs(base: dict, out: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(tmp_path: Path) -> None:
-    cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
-                      train=dict(global_batch=8, microbatches=2, steps=STEPS, val_every=0))
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
+        train=dict(global_batch=8, microbatches=2, steps=STEPS, val_every=0),
+    )
     res = run_ranks(_budget_and_oom_runs, 2, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
     fixed, budgeted, oom, budget = res["fixed"], res["budget"], res["oom"], res["budget_bytes"]
     for name, recs in (("budget", budgeted), ("oom", oom)):
@@ -73,8 +73,10 @@ def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(tmp_path: P
 @pytest.mark.multiprocess
 def test_adaptive_split_changing_every_step_matches_single_device(tmp_path: Path) -> None:
     """dp=2 x pp=2, unequal replicas (6/5): every step runs another microbatch count."""
-    cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b"),
-                      batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0))
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b"),
+        batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0),
+    )
     check_layouts([cfg], tmp_path)
 
 
@@ -125,8 +127,11 @@ def _resume_runs(base: dict, out: str) -> dict:
 def test_resume_goes_on_with_the_adaptive_policy_measurements(tmp_path: Path) -> None:
     """dp=2 with unequal replicas (6/5): both model the largest replica, so the checkpoint's one policy
     state is every rank's; the resumed run proposes the split the policy was at and keeps its history."""
-    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=2, schedule="gpipe"), train=dict(val_every=0),
-                      batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0))
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=1, dp=2, schedule="gpipe"),
+        train=dict(val_every=0),
+        batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0),
+    )
     r = run_ranks(_resume_runs, 2, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
     saved, recs = r["policy"], r["records"]
     assert saved["replicas"] == [6, 5] and len(saved["recorder"]["history"]) == 3

@@ -73,8 +73,11 @@ GPT2 = ModelConfig(family="gpt2", dim=32, n_layers=4, n_heads=4, ffn_dim=64, n_p
 def test_every_configurable_family_has_a_model() -> None:
     assert set(registry.FAMILIES) == set(config_families.FAMILIES)
     for name, fam in registry.FAMILIES.items():
-        assert fam.name == name and config_families.FAMILIES[name].tied == fam.stage(
-            ModelConfig(family=name, n_layers=1), [0], True, True).cfg.tied
+        assert (
+            fam.name == name
+            and config_families.FAMILIES[name].tied
+            == fam.stage(ModelConfig(family=name, n_layers=1), [0], True, True).cfg.tied
+        )
 
 
 def test_gpt2_names_ties_and_init() -> None:
@@ -118,8 +121,12 @@ def test_gpt2_hf_layout_round_trip() -> None:
 def test_param_counts_and_flops_follow_the_modules() -> None:
     llama = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
     n = registry.param_counts(llama)  # q, o: 32x32; k, v: 32x16; gate, up, down: 32x64; two norms
-    assert (n.embed, n.layer, n.head, n.layer_matmul) == (256 * 32, 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 64,
-                                                          32 + 256 * 32, 2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64)
+    assert (n.embed, n.layer, n.head, n.layer_matmul) == (
+        256 * 32,
+        2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64 + 64,
+        32 + 256 * 32,
+        2 * 32 * 32 + 2 * 32 * 16 + 3 * 32 * 64,
+    )
     g = registry.param_counts(GPT2)  # tied: the head adds only ln_f
     assert (g.embed, g.head) == (256 * 32 + 16 * 32, 64)
     assert g.layer == 4 * 32 * 32 + 4 * 32 + 2 * 32 * 64 + 64 + 32 + 4 * 32

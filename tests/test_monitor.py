@@ -123,8 +123,9 @@ def test_cuda_with_pynvml_reads_it(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_nvml_never_guesses_another_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
     FakeCuda(monkeypatch)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(
-        total_memory=1, uuid="not-this-one"))
+    monkeypatch.setattr(
+        torch.cuda, "get_device_properties", lambda d=None: SimpleNamespace(total_memory=1, uuid="not-this-one")
+    )
     monkeypatch.setitem(sys.modules, "pynvml", fake_pynvml())
     assert DeviceMonitor(torch.device("cuda")).sample().utilization_pct is None
 
@@ -134,19 +135,23 @@ def at(stage: int, op: Op, mb: int, start: float, end: float) -> SimpleNamespace
 
 
 def test_stage_times_subtract_waits_inside_each_action() -> None:
-    out = SimpleNamespace(loss=None, timeline=[
-        at(1, Op.RECV_F, 1, 0.0, 0.0),
-        at(1, Op.FORWARD, 1, 0.0, 1.0),  # waited 0.0-0.4 for its input
-        at(1, Op.FORWARD, 0, 1.0, 1.5),  # microbatch 0 after 1: lists are by microbatch, not time
-        at(1, Op.SEND_F, 0, 1.5, 1.6),
-        at(1, Op.BACKWARD, 0, 2.0, 3.0),  # waited 2.0-2.25 for its gradient
-        at(1, Op.BACKWARD, 1, 3.0, 3.5),
-        at(1, Op.WEIGHT, 0, 3.5, 3.7),
-    ], waits=[
-        at(1, Op.RECV_F, 1, 0.0, 0.4),
-        at(1, Op.RECV_B, 0, 2.0, 2.25),
-        at(1, Op.RECV_B, 1, 2.9, 3.1),  # straddles B(1,1)'s start: only 0.1 s of it is inside
-    ])
+    out = SimpleNamespace(
+        loss=None,
+        timeline=[
+            at(1, Op.RECV_F, 1, 0.0, 0.0),
+            at(1, Op.FORWARD, 1, 0.0, 1.0),  # waited 0.0-0.4 for its input
+            at(1, Op.FORWARD, 0, 1.0, 1.5),  # microbatch 0 after 1: lists are by microbatch, not time
+            at(1, Op.SEND_F, 0, 1.5, 1.6),
+            at(1, Op.BACKWARD, 0, 2.0, 3.0),  # waited 2.0-2.25 for its gradient
+            at(1, Op.BACKWARD, 1, 3.0, 3.5),
+            at(1, Op.WEIGHT, 0, 3.5, 3.7),
+        ],
+        waits=[
+            at(1, Op.RECV_F, 1, 0.0, 0.4),
+            at(1, Op.RECV_B, 0, 2.0, 2.25),
+            at(1, Op.RECV_B, 1, 2.9, 3.1),  # straddles B(1,1)'s start: only 0.1 s of it is inside
+        ],
+    )
     got = stage_times(out)
     assert set(got) == {("F", 1), ("B", 1), ("W", 1)}
     assert got[("F", 1)] == pytest.approx([0.5, 0.6])

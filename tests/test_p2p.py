@@ -34,13 +34,21 @@ def _exchange(threaded: bool | None, transport: str) -> dict:
     alive = p2p._thread is not None and p2p._thread.is_alive()
     p2p.close()
     st = p2p.stats[peer]
-    return {"got": [got[i] for i in range(24)], "thread_alive_before_close": alive, "closed": p2p._thread is None,
-            "sent": st.sent_msgs, "received": st.recv_msgs, "pending": p2p.pending(), "transport": p2p.transport}
+    return {
+        "got": [got[i] for i in range(24)],
+        "thread_alive_before_close": alive,
+        "closed": p2p._thread is None,
+        "sent": st.sent_msgs,
+        "received": st.recv_msgs,
+        "pending": p2p.pending(),
+        "transport": p2p.transport,
+    }
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("threaded,transport", [(True, "process_group"), (False, "process_group"),
-                                                (None, "shared_memory")])
+@pytest.mark.parametrize(
+    "threaded,transport", [(True, "process_group"), (False, "process_group"), (None, "shared_memory")]
+)
 @pytest.mark.multiprocess
 def test_messages_arrive_whole_and_in_order(threaded, transport):
     for rank, res in enumerate(run_ranks(_exchange, 2, threaded, transport, timeout_s=90)):
@@ -93,6 +101,7 @@ def test_a_message_the_posting_thread_cannot_post_fails_at_its_wait():
 
 
 # --- shared-memory links (shm.py): both ends in this process, the receiver opening through /proc ---
+
 
 def _link_pair(first_bytes: int = 64):
     from hybridpar.pipeline.shm import RecvLink, SendLink
@@ -163,7 +172,6 @@ def test_shared_memory_link_names_a_shape_mismatch_a_timeout_and_a_closed_sender
 
 def test_shared_memory_link_refuses_a_wrong_descriptor_and_leaves_no_files():
     import os
-
 
     from hybridpar.pipeline.shm import RecvLink, SendLink, _directory
 

@@ -1,4 +1,5 @@
 """Tests for hybridpar.pipeline.partition: exact min-max contiguous splits of layers to stages."""
+
 from __future__ import annotations
 
 import itertools
@@ -22,8 +23,7 @@ def check_contiguous(parts: list[range], n_layers: int, n_stages: int) -> None:
     assert all(len(p) >= 1 and p.step == 1 for p in parts)
 
 
-def brute_force_bottleneck(costs: list[float], n_stages: int, first: float, last: float,
-                           speeds: list[float]) -> float:
+def brute_force_bottleneck(costs: list[float], n_stages: int, first: float, last: float, speeds: list[float]) -> float:
     """Try every contiguous split; an independent reimplementation of the stage time."""
     n = len(costs)
     best = float("inf")
@@ -31,21 +31,24 @@ def brute_force_bottleneck(costs: list[float], n_stages: int, first: float, last
         bounds = (0, *cuts, n)
         worst = 0.0
         for k in range(n_stages):
-            work = sum(costs[bounds[k]:bounds[k + 1]])
+            work = sum(costs[bounds[k] : bounds[k + 1]])
             work += (first if k == 0 else 0.0) + (last if k == n_stages - 1 else 0.0)
             worst = max(worst, work / speeds[k])
         best = min(best, worst)
     return best
 
 
-@pytest.mark.parametrize("n_layers, n_stages, sizes", [
-    (8, 4, [2, 2, 2, 2]),
-    (10, 4, [3, 3, 2, 2]),
-    (7, 3, [3, 2, 2]),
-    (5, 5, [1, 1, 1, 1, 1]),
-    (32, 1, [32]),
-    (33, 8, [5, 4, 4, 4, 4, 4, 4, 4]),
-])
+@pytest.mark.parametrize(
+    "n_layers, n_stages, sizes",
+    [
+        (8, 4, [2, 2, 2, 2]),
+        (10, 4, [3, 3, 2, 2]),
+        (7, 3, [3, 2, 2]),
+        (5, 5, [1, 1, 1, 1, 1]),
+        (32, 1, [32]),
+        (33, 8, [5, 4, 4, 4, 4, 4, 4, 4]),
+    ],
+)
 def test_partition_uniform(n_layers: int, n_stages: int, sizes: list[int]) -> None:
     parts = partition_uniform(n_layers, n_stages)
     check_contiguous(parts, n_layers, n_stages)
@@ -119,8 +122,7 @@ def test_partition_by_params() -> None:
     assert max(stage_times(parts, layers, 150, 150)) == 300
     assert partition_by_params(layers, 4) == partition_uniform(8, 4)
     # Single stage: embedding and head both land on it.
-    assert stage_times(partition_by_params(layers, 1, embed_params=5, head_params=7),
-                       layers, 5, 7) == [812.0]
+    assert stage_times(partition_by_params(layers, 1, embed_params=5, head_params=7), layers, 5, 7) == [812.0]
 
 
 def test_large_input_is_fast_enough() -> None:
@@ -130,29 +132,33 @@ def test_large_input_is_fast_enough() -> None:
     check_contiguous(parts, 200, 16)
 
 
-@pytest.mark.parametrize("call, fragment", [
-    (lambda: partition_uniform(3, 4),
-     "cannot split 3 layers into 4 stages: each stage needs at least one layer"),
-    (lambda: partition_by_cost([1.0, 1.0, 1.0], 4),
-     "cannot split 3 layers into 4 stages: each stage needs at least one layer"),
-    (lambda: partition_uniform(0, 1), "n_layers must be a positive integer"),
-    (lambda: partition_uniform(4, 0), "n_stages must be a positive integer"),
-    (lambda: partition_by_cost([], 1), "layer_costs is empty"),
-    (lambda: partition_by_cost([1.0, 0.0], 1), "layer_costs[1] must be a positive"),
-    (lambda: partition_by_cost([1.0, -2.0], 1), "layer_costs[1] must be a positive"),
-    (lambda: partition_by_cost([1.0, float("nan")], 1), "layer_costs[1] must be a positive"),
-    (lambda: partition_by_cost([1.0, float("inf")], 1), "layer_costs[1] must be a positive"),
-    (lambda: partition_by_cost([1.0] * 3, 2, speeds=[1.0]), "speeds has 1 entries"),
-    (lambda: partition_by_cost([1.0] * 3, 2, speeds=[1.0, 0.0]), "speeds[1] must be a positive"),
-    (lambda: partition_by_cost([1.0] * 3, 2, first_extra=-1.0), "first_extra must be"),
-    (lambda: partition_by_cost([1.0] * 3, 2, last_extra=float("nan")), "last_extra must be"),
-    (lambda: partition_by_params([10, 0], 1), "layer_params[1] must be a positive integer"),
-    (lambda: partition_by_params([10, 2.5], 1), "layer_params[1] must be a positive integer"),
-    (lambda: partition_by_params([10, 10], 1, embed_params=-1), "embed_params must be"),
-    (lambda: stage_times([range(0, 2)], [1.0] * 3), "stages cover layers 0..1"),
-    (lambda: stage_times([range(0, 1), range(2, 3)], [1.0] * 3), "stage 1 is range(2, 3)"),
-    (lambda: stage_times([range(0, 3), range(3, 3)], [1.0] * 3), "stage 1 is range(3, 3)"),
-])
+@pytest.mark.parametrize(
+    "call, fragment",
+    [
+        (lambda: partition_uniform(3, 4), "cannot split 3 layers into 4 stages: each stage needs at least one layer"),
+        (
+            lambda: partition_by_cost([1.0, 1.0, 1.0], 4),
+            "cannot split 3 layers into 4 stages: each stage needs at least one layer",
+        ),
+        (lambda: partition_uniform(0, 1), "n_layers must be a positive integer"),
+        (lambda: partition_uniform(4, 0), "n_stages must be a positive integer"),
+        (lambda: partition_by_cost([], 1), "layer_costs is empty"),
+        (lambda: partition_by_cost([1.0, 0.0], 1), "layer_costs[1] must be a positive"),
+        (lambda: partition_by_cost([1.0, -2.0], 1), "layer_costs[1] must be a positive"),
+        (lambda: partition_by_cost([1.0, float("nan")], 1), "layer_costs[1] must be a positive"),
+        (lambda: partition_by_cost([1.0, float("inf")], 1), "layer_costs[1] must be a positive"),
+        (lambda: partition_by_cost([1.0] * 3, 2, speeds=[1.0]), "speeds has 1 entries"),
+        (lambda: partition_by_cost([1.0] * 3, 2, speeds=[1.0, 0.0]), "speeds[1] must be a positive"),
+        (lambda: partition_by_cost([1.0] * 3, 2, first_extra=-1.0), "first_extra must be"),
+        (lambda: partition_by_cost([1.0] * 3, 2, last_extra=float("nan")), "last_extra must be"),
+        (lambda: partition_by_params([10, 0], 1), "layer_params[1] must be a positive integer"),
+        (lambda: partition_by_params([10, 2.5], 1), "layer_params[1] must be a positive integer"),
+        (lambda: partition_by_params([10, 10], 1, embed_params=-1), "embed_params must be"),
+        (lambda: stage_times([range(0, 2)], [1.0] * 3), "stages cover layers 0..1"),
+        (lambda: stage_times([range(0, 1), range(2, 3)], [1.0] * 3), "stage 1 is range(2, 3)"),
+        (lambda: stage_times([range(0, 3), range(3, 3)], [1.0] * 3), "stage 1 is range(3, 3)"),
+    ],
+)
 def test_errors(call, fragment: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError) as info:
         call()

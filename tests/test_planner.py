@@ -20,8 +20,15 @@ def pipeline_time(sizes: list[int], pp: int = 4, a: float = 1e-3, b: float = 2.5
     return (len(sizes) + pp - 1) * (a + b * max(sizes))
 
 
-def drive(policy: AdaptivePolicy, steps: int, time_fn, peak_fn=lambda s: None, noise: float = 0.0,
-          seed: int = 0, start: int = 0) -> list[list[int]]:
+def drive(
+    policy: AdaptivePolicy,
+    steps: int,
+    time_fn,
+    peak_fn=lambda s: None,
+    noise: float = 0.0,
+    seed: int = 0,
+    start: int = 0,
+) -> list[list[int]]:
     rng = random.Random(seed)
     proposed = []
     for step in range(start, start + steps):
@@ -81,7 +88,7 @@ def test_adaptive_noisy_converges_and_never_oscillates(seed: int) -> None:
     proposed = drive(p, 60 + 200, pipeline_time, noise=0.03, seed=seed)
     st = p.statistics()
     assert st["converged"] and st["steps_to_converge"] <= 52 and st["rounds"] == 1
-    after = proposed[st["steps_to_converge"]:]
+    after = proposed[st["steps_to_converge"] :]
     assert len(after) >= 200 and all(s == after[0] for s in after)  # 200+ steps, one split
     best = pipeline_time(split_evenly(n, best_count(n, counts, pipeline_time)))
     assert pipeline_time(after[0]) <= best * 1.03  # within the noise of the true best
@@ -101,8 +108,12 @@ def test_adaptive_default_candidates_respect_min_microbatches() -> None:
 def test_hysteresis_keeps_incumbent_against_a_close_candidate() -> None:
     # Phase 1: 4 microbatches clearly best. Phase 2 (a slowdown of 20% on every split forces a re-scan):
     # 2 microbatches become 2% better than 4 — within the 3% margin, so no switch; with margin 0 it would.
-    def phase1(s): return 1.0 if len(s) == 4 else 1.2
-    def phase2(s): return 1.2 / 1.02 if len(s) == 2 else 1.2
+    def phase1(s):
+        return 1.0 if len(s) == 4 else 1.2
+
+    def phase2(s):
+        return 1.2 / 1.02 if len(s) == 2 else 1.2
+
     for margin, expect in ((0.03, 4), (0.0, 2)):
         p = AdaptivePolicy(8, 1, candidates=[2, 4], switch_margin=margin, cooldown_steps=0)
         drive(p, 20, phase1)
@@ -115,8 +126,12 @@ def test_hysteresis_keeps_incumbent_against_a_close_candidate() -> None:
 def test_drift_rescans_after_cooldown_and_adapts() -> None:
     # A stage slows down for large microbatches: the former best (4 x 16) loses by far; the policy
     # re-scans, but not before the cooldown since its decision.
-    def before(s): return pipeline_time(s)
-    def after(s): return pipeline_time(s) * (3.0 if max(s) >= 8 else 1.0)
+    def before(s):
+        return pipeline_time(s)
+
+    def after(s):
+        return pipeline_time(s) * (3.0 if max(s) >= 8 else 1.0)
+
     p = AdaptivePolicy(64, 1, min_microbatches=4, in_flight=4, cooldown_steps=50)
     drive(p, 30, before)
     decided = p.statistics()["steps_to_converge"]
@@ -132,8 +147,11 @@ def test_budget_just_above_one_small_microbatch_is_never_exceeded(base: int, exp
     per_sample = 1_000_000
     budget = base + 2 * per_sample + 50_000  # just above a microbatch of 2 samples
 
-    def peak(s): return base + per_sample * max(s)
-    def no_pipeline(s): return len(s) * (1e-3 + 1e-4 * max(s))  # bigger microbatches always faster
+    def peak(s):
+        return base + per_sample * max(s)
+
+    def no_pipeline(s):
+        return len(s) * (1e-3 + 1e-4 * max(s))  # bigger microbatches always faster
 
     free = AdaptivePolicy(32, 1)
     drive(free, 60, no_pipeline, peak)
@@ -155,7 +173,10 @@ def test_budget_just_above_one_small_microbatch_is_never_exceeded(base: int, exp
 def test_budget_counts_microbatches_in_flight() -> None:
     # 1F1B on stage 0 keeps pp = 4 microbatches alive: 16 samples in flight fit, 32 do not.
     budget = 17 * 1_000_000
-    def peak(s): return 1_000_000 * sum(sorted(s, reverse=True)[:4])
+
+    def peak(s):
+        return 1_000_000 * sum(sorted(s, reverse=True)[:4])
+
     p = AdaptivePolicy(64, 1, min_microbatches=4, in_flight=4, memory_budget_bytes=budget)
     proposed = drive(p, 60, pipeline_time, peak)
     assert all(peak(s) <= budget for s in proposed)
@@ -244,8 +265,10 @@ def test_faster_incumbent_rebaselines_instead_of_rescanning() -> None:
 def test_unequal_replicas_propose_the_same_count_every_step(global_batch: int, dp: int) -> None:
     # Each replica's ranks build their own policy from its (unequal) batch; fed the same world-reduced
     # observations they must keep proposing one count, or the replicas' scans measure each other.
-    pols = [AdaptivePolicy(global_batch, dp, dp_rank=r, steps_per_candidate=1, warmup_steps=0, cooldown_steps=0)
-            for r in range(dp)]
+    pols = [
+        AdaptivePolicy(global_batch, dp, dp_rank=r, steps_per_candidate=1, warmup_steps=0, cooldown_steps=0)
+        for r in range(dp)
+    ]
     assert len({tuple(p.candidates) for p in pols}) == 1
     rng = random.Random(global_batch)
     for step in range(40):
@@ -267,8 +290,15 @@ def _feed(pols: list[AdaptivePolicy], steps: range, seed: int) -> list[list[int]
 
 
 def test_policy_state_round_trips_through_json_and_goes_on_identically() -> None:
-    kw = dict(min_microbatches=2, in_flight=2, steps_per_candidate=2, warmup_steps=0, cooldown_steps=3,
-              drift_margin=0.05, memory_budget_bytes=60_000)
+    kw = dict(
+        min_microbatches=2,
+        in_flight=2,
+        steps_per_candidate=2,
+        warmup_steps=0,
+        cooldown_steps=3,
+        drift_margin=0.05,
+        memory_budget_bytes=60_000,
+    )
     a = AdaptivePolicy(64, 2, **kw)
     _feed([a], range(0, 13), seed=1)
     b = AdaptivePolicy(64, 2, **kw)

@@ -39,15 +39,15 @@ def _files(tmp: Path) -> dict[str, str]:
     other = d / "other-model" / "step-000004"  # a verified checkpoint of another model (dim 64)
     other.mkdir(parents=True)
     (other / ".metadata").write_bytes(b"m")
-    (other / "trainer_state.json").write_text(json.dumps({"step": 4, "run_id": "r0",
-                                                          "config": {"model": {"dim": 64}}}))
+    (other / "trainer_state.json").write_text(json.dumps({"step": 4, "run_id": "r0", "config": {"model": {"dim": 64}}}))
     write_manifest(other, 4, "r0")
     (d / "a_file").write_text("x")
     (d / "bad.toml").write_text("[train\nsteps = 3")
     taken = d / "taken-run"  # a run directory holding another run
     taken.mkdir()
-    (taken / "run.json").write_text(json.dumps({"format": "hybridpar-run/1", "run_id": "abc", "state": "finished",
-                                                "step": 120}))
+    (taken / "run.json").write_text(
+        json.dumps({"format": "hybridpar-run/1", "run_id": "abc", "state": "finished", "step": 120})
+    )
     foreign = d / "foreign-run" / "checkpoints" / "step-000120"  # checkpoints but no run record
     foreign.mkdir(parents=True)
     (foreign / ".metadata").write_bytes(b"m")
@@ -123,8 +123,10 @@ CASES: list[tuple[list[str], str]] = [
 
 
 def _argv(flags: list[str], files: dict[str, str], run: Path) -> list[str]:
-    out = [files[f[1:].split("/")[0]] + f[1:].partition("/")[1] + f[1:].partition("/")[2] if f.startswith("@") else f
-           for f in flags]
+    out = [
+        files[f[1:].split("/")[0]] + f[1:].partition("/")[1] + f[1:].partition("/")[2] if f.startswith("@") else f
+        for f in flags
+    ]
     return ["train", *BASE, *([] if "--run-dir" in flags else ["--run-dir", str(run)]), *out]
 
 
@@ -140,9 +142,15 @@ def test_fuzz_bad_command_lines(tmp_path: Path, capsys) -> None:
         rc = main(_argv(flags, files, run))
         out, err = capsys.readouterr()
         lines = err.strip().splitlines()
-        ok = (rc == 2 and len(lines) == 1 and lines[0].startswith("hybridpar: error: ") and expect in lines[0]
-              and not run.exists() and not {p.pid for p in me.children(recursive=True)} - already
-              and before == {p: sorted(os.listdir(p)) for p in before})  # nothing created anywhere
+        ok = (
+            rc == 2
+            and len(lines) == 1
+            and lines[0].startswith("hybridpar: error: ")
+            and expect in lines[0]
+            and not run.exists()
+            and not {p.pid for p in me.children(recursive=True)} - already
+            and before == {p: sorted(os.listdir(p)) for p in before}
+        )  # nothing created anywhere
         if not ok:
             failures.append(f"{flags}: rc={rc} stderr={err.strip()[:300]!r} stdout={out[:200]!r}")
     assert not failures, "\n".join(failures)
@@ -153,7 +161,11 @@ def test_fuzz_bad_command_lines(tmp_path: Path, capsys) -> None:
 def test_bad_command_line_through_the_real_cli(tmp_path: Path, flags: list[str]) -> None:
     """The installed `hybridpar` command: one line, exit 2, no worker, no run directory."""
     exe = Path(sys.executable).with_name("hybridpar")
-    out = subprocess.run([str(exe), "train", *BASE, "--run-dir", str(tmp_path / "run"), *flags],
-                         capture_output=True, text=True, timeout=120)
+    out = subprocess.run(
+        [str(exe), "train", *BASE, "--run-dir", str(tmp_path / "run"), *flags],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("hybridpar: error: ") and not (tmp_path / "run").exists()

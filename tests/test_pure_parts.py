@@ -8,8 +8,7 @@ import pytest
 import torch
 
 from hybridpar.batching.split import plan_batch, split_evenly
-from hybridpar.config import TrainConfig
-from hybridpar.config import ModelConfig
+from hybridpar.config import ModelConfig, TrainConfig
 from hybridpar.export import params_digest
 from hybridpar.model.registry import param_stages
 from hybridpar.optim import lr_at
@@ -28,10 +27,13 @@ def test_parallel_dims_coordinates_round_trip():
     assert dims.coords(2) == (0, 1, 0)
 
 
-@pytest.mark.parametrize("kw,match", [
-    (dict(dp=2, pp=2, tp=2, world_size=4), "2 × 2 × 2 = 8 does not equal the world size 4"),
-    (dict(dp=0, pp=2, tp=2, world_size=0), "dp must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "kw,match",
+    [
+        (dict(dp=2, pp=2, tp=2, world_size=4), "2 × 2 × 2 = 8 does not equal the world size 4"),
+        (dict(dp=0, pp=2, tp=2, world_size=0), "dp must be a positive integer"),
+    ],
+)
 def test_parallel_dims_rejects_bad_layouts(kw, match):
     with pytest.raises(ValueError, match=match):
         ParallelDims(**kw)

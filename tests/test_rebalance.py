@@ -1,6 +1,7 @@
 """Live rebalance keeps the training math: a run whose layers (with their AdamW state) move between
 running pipeline ranks, and whose batch is re-split among replicas, ends with the same per-step losses
 and parameters as the same run without the moves and as one device (<= 1e-5)."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -55,8 +56,12 @@ def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
         state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
         if state is not None:
             torch.save(state, Path(out_dir) / f"{label}.pt")
-        result[label] = {"losses": losses, "moved": moved, "parts": [[r.start, r.stop] for r in tr.parts],
-                         "split": [sum(s) for s in tr.plan.sizes]}
+        result[label] = {
+            "losses": losses,
+            "moved": moved,
+            "parts": [[r.start, r.stop] for r in tr.parts],
+            "split": [sum(s) for s in tr.plan.sizes],
+        }
     return result
 
 
@@ -68,25 +73,35 @@ CASES = {
     "tp2-pp2": (dict(tp=2, pp=2, dp=1), dict(steps=3), {1: Layout.uniform(R(2, 6), [11])}),
     # pp=2 x dp=2: replica 0 alone re-partitions (reduced over the dp x pp plane) and the batch is
     # re-split 7/4; later both replicas share a new partition again (back to the dp group).
-    "pp2-dp2": (dict(tp=1, pp=2, dp=2), {}, {1: Layout((R(6, 2), R(4, 4)), (7, 4)),
-                                             3: Layout((R(3, 5), R(3, 5)), (4, 7))}),
+    "pp2-dp2": (
+        dict(tp=1, pp=2, dp=2),
+        {},
+        {1: Layout((R(6, 2), R(4, 4)), (7, 4)), 3: Layout((R(3, 5), R(3, 5)), (4, 7))},
+    ),
     # dp=2 alone: the batch of 11 re-split 10/1 (a 1-sample replica), then 3/8.
-    "dp2": (dict(tp=1, pp=1, dp=2), dict(microbatches=1),
-            {1: Layout.uniform(R(8), [10, 1]), 3: Layout.uniform(R(8), [3, 8])}),
+    "dp2": (
+        dict(tp=1, pp=1, dp=2),
+        dict(microbatches=1),
+        {1: Layout.uniform(R(8), [10, 1]), 3: Layout.uniform(R(8), [3, 8])},
+    ),
 }
 
 
 @pytest.mark.parametrize("case", list(CASES))
 def test_rebalance_is_exact(case: str, tmp_path: Path) -> None:
     par, train, moves = CASES[case]
-    check_rebalance(case, tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train}), moves,
-                    tmp_path)
+    check_rebalance(
+        case, tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train}), moves, tmp_path
+    )
 
 
 def test_gpt2_rebalance_is_exact(tmp_path: Path) -> None:
     """GPT-2's layers move with their biases, row-parallel ones included (built by the registry)."""
-    cfg = tiny_config(model=dict(family="gpt2", n_kv_heads=None, n_positions=16),
-                      parallel=dict(schedule="1f1b", tp=2, pp=2, dp=1), train={"steps": 3})
+    cfg = tiny_config(
+        model=dict(family="gpt2", n_kv_heads=None, n_positions=16),
+        parallel=dict(schedule="1f1b", tp=2, pp=2, dp=1),
+        train={"steps": 3},
+    )
     check_rebalance("gpt2-tp2-pp2", cfg, {1: Layout.uniform(R(2, 6), [11])}, tmp_path)
 
 

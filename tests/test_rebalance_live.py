@@ -1,13 +1,13 @@
 """The balancer in a running job (`--balance.mode auto`): an emulated slow rank loses layers within a
 few steps, gets them back when it recovers, every decision and its measured outcome are logged in
 metrics.jsonl, and the model trained is still the one-device model (<= 1e-5)."""
-from __future__ import annotations
 
-import pytest
+from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import pytest
 import torch
 
 from hybridpar.config import Config
@@ -36,7 +36,8 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
         # Emulated fixed layer cost (benchmark mode) so that timing on shared cores is steady, and
         # rank 1 three times slower for steps onset..recovery-1.
         emulate=dict(layer_ms=2.0, slowdown=f"rank=1:3.0@step={onset},rank=1:1.0@step={recovery}"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6))
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+    )
     cfg.run_dir = str(tmp_path / "run")
     losses = run_ranks(_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]

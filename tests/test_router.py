@@ -13,7 +13,7 @@ def req(i: int, prompt: int = 10, out: int = 10) -> Request:
 
 
 def placed(router: Router, r: Request, now: float = 0.0) -> int:
-    (got, rep), = router.submit(r, now)
+    ((got, rep),) = router.submit(r, now)
     assert got is r
     return rep
 
@@ -68,9 +68,15 @@ def test_memory_aware_picks_most_kv_headroom() -> None:
     assert placed(rt, req(2, 100, 100)) == 1  # its report says the placed request took only 100 slots
 
 
-@pytest.mark.parametrize("setup,expected", [
-    ("memory", "memory_aware"), ("busy", "performance_optimized"), ("imbalance", "load_balanced"), ("calm", "blend"),
-])
+@pytest.mark.parametrize(
+    "setup,expected",
+    [
+        ("memory", "memory_aware"),
+        ("busy", "performance_optimized"),
+        ("imbalance", "load_balanced"),
+        ("calm", "blend"),
+    ],
+)
 def test_hybrid_follows_measured_state(setup: str, expected: str) -> None:
     rt = Router(2, RouterConfig("hybrid"))
     for i in range(2):
@@ -127,7 +133,7 @@ def test_dead_replica_gets_nothing_and_its_unsent_requests_move(strategy: str) -
     assert rt.requeue(on1[1]) == [] and rt.requeue(on1[1]) == []  # live replicas full: it waits, first
     assert [r.id for r, _ in rt.pending] == [on1[1], "q6", "q7"]
     freed = next(r.id for r, rep in out if rep == 0)
-    (moved, rep), = rt.finished(freed, 11.0)
+    ((moved, rep),) = rt.finished(freed, 11.0)
     assert (moved.id, rep) == (on1[1], 0)  # placed again, on a live replica, before newer requests
     assert rt.submitted_at[on1[1]] == float(int(on1[1][1:]))  # its latency still counts from submission
     # Finish everything: each waiting request lands on a live replica, none is lost.
@@ -138,7 +144,9 @@ def test_dead_replica_gets_nothing_and_its_unsent_requests_move(strategy: str) -
         todo += [(r.id, p) for r, p in rt.finished(rid, 12.0)]
     assert rt.completed == 8 and not rt.pending and not rt.where
     st = rt.statistics()
-    assert [r["alive"] for r in st["replicas"]] == [True, False, True] and st["replicas"][1]["outstanding_requests"] == 0
+    assert [r["alive"] for r in st["replicas"]] == [True, False, True] and st["replicas"][1][
+        "outstanding_requests"
+    ] == 0
     assert rt.abandon() == []  # replicas live: the queue is kept
 
 

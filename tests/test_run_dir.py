@@ -94,9 +94,12 @@ def test_damaged_run_record(tmp_path: Path) -> None:
 def test_exit_codes_from_the_recorded_state(tmp_path: Path) -> None:
     c = rundir.claim(tmp_path, tmp_path / "ck", "off", overwrite=False)
     assert rundir.exit_code(tmp_path, c.token) == (1, None)  # still "running": the workers died
-    for state, extra, code in (("finished", {}, 0), ("preempted", {}, 143),
-                               ("failed", {"permanent": True, "error": "bad data"}, 2),
-                               ("failed", {"permanent": False, "error": "peer lost"}, 1)):
+    for state, extra, code in (
+        ("finished", {}, 0),
+        ("preempted", {}, 143),
+        ("failed", {"permanent": True, "error": "bad data"}, 2),
+        ("failed", {"permanent": False, "error": "peer lost"}, 1),
+    ):
         assert rundir.record_state(tmp_path, c.token, state=state, **extra)
         assert rundir.exit_code(tmp_path, c.token)[0] == code
     assert rundir.exit_code(tmp_path, c.token) == (1, "peer lost")
@@ -134,10 +137,17 @@ def test_parent_death_signal_is_set(tmp_path: Path) -> None:
 
     if not sys.platform.startswith("linux"):
         pytest.skip("PR_SET_PDEATHSIG is Linux only")
-    code = ("import os, sys; from hybridpar.topology.lifetime import die_with_parent; "
-            "print(die_with_parent(os.getppid()), die_with_parent(os.getppid() + 1))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60,
-                         env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])})
+    code = (
+        "import os, sys; from hybridpar.topology.lifetime import die_with_parent; "
+        "print(die_with_parent(os.getppid()), die_with_parent(os.getppid() + 1))"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).parents[1])},
+    )
     assert out.stdout.split() == ["True", "False"], out.stderr
 
 

@@ -138,7 +138,10 @@ def _compared_names(tree: ast.AST, names: set[str]) -> list[int]:
 def test_no_schedule_name_is_compared_outside_the_registry() -> None:
     root = Path(hybridpar.__file__).parent
     names = set(schedule_names())
-    found = {str(p.relative_to(root)): lines for p in sorted(root.rglob("*.py"))
-             if p != root / "config" / "schedules.py" and (lines := _compared_names(ast.parse(p.read_text()), names))}
+    found = {
+        str(p.relative_to(root)): lines
+        for p in sorted(root.rglob("*.py"))
+        if p != root / "config" / "schedules.py" and (lines := _compared_names(ast.parse(p.read_text()), names))
+    }
     assert found == {}
     assert _compared_names(ast.parse("if s == '1f1b' or s in ('gpipe', 'x'): pass"), names) == [1, 1]  # it can fail

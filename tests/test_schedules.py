@@ -1,5 +1,6 @@
 """Tests for hybridpar.pipeline.schedules: generated schedules are complete, deadlock-free and
 NCCL-order-correct, and hand-broken schedules are rejected for the right reason."""
+
 from __future__ import annotations
 
 from collections import defaultdict
@@ -61,8 +62,7 @@ def test_built_schedules_validate_and_cover(combo: tuple[str, int, int, int], lo
     assert len(sched) == pp
     for r, acts in enumerate(sched):
         compute = [a for a in acts if a.op in (F, B)]
-        expected = {Action(s, op, mb) for s in range(r, n_stages, pp) for mb in range(m)
-                    for op in (F, B)}
+        expected = {Action(s, op, mb) for s in range(r, n_stages, pp) for mb in range(m) for op in (F, B)}
         assert len(compute) == len(expected) and set(compute) == expected
         assert all(a.stage % pp == r for a in acts)  # Megatron's loop placement
         assert compute == compute_schedule(name, pp, v, m)[r]
@@ -124,22 +124,36 @@ def test_warmup_depth(combo: tuple[str, int, int, int]) -> None:
     # Forwards issued before the first backward: warm-up plus the first steady-state F.
     name, pp, v, m = combo
     for r, acts in enumerate(compute_schedule(name, pp, v, m)):
-        warmup = {"gpipe": m, "1f1b": pp - r - 1,
-                  "interleaved-1f1b": (pp - r - 1) * 2 + (v - 1) * pp}[name]
+        warmup = {"gpipe": m, "1f1b": pp - r - 1, "interleaved-1f1b": (pp - r - 1) * 2 + (v - 1) * pp}[name]
         first_b = next(i for i, a in enumerate(acts) if a.op is B)
         assert first_b == min(warmup + 1, m * v)
 
 
 def test_compute_orders_literal() -> None:
     r0 = [str(a) for a in compute_schedule("1f1b", 4, 1, 6)[0]]
-    assert r0 == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "F0.4", "B0.1", "F0.5", "B0.2",
-                  "B0.3", "B0.4", "B0.5"]
+    assert r0 == ["F0.0", "F0.1", "F0.2", "F0.3", "B0.0", "F0.4", "B0.1", "F0.5", "B0.2", "B0.3", "B0.4", "B0.5"]
     r3 = [str(a) for a in compute_schedule("1f1b", 4, 1, 4)[3]]
     assert r3 == ["F3.0", "B3.0", "F3.1", "B3.1", "F3.2", "B3.2", "F3.3", "B3.3"]
     # Megatron interleaved, pp=2 v=2 m=4, rank 1: warmup (2-1-1)*2 + (2-1)*2 = 2 forwards.
     r1 = [str(a) for a in compute_schedule("interleaved-1f1b", 2, 2, 4)[1]]
-    assert r1 == ["F1.0", "F1.1", "F3.0", "B3.0", "F3.1", "B3.1", "F1.2", "B1.0", "F1.3", "B1.1",
-                  "F3.2", "B3.2", "F3.3", "B3.3", "B1.2", "B1.3"]
+    assert r1 == [
+        "F1.0",
+        "F1.1",
+        "F3.0",
+        "B3.0",
+        "F3.1",
+        "B3.1",
+        "F1.2",
+        "B1.0",
+        "F1.3",
+        "B1.1",
+        "F3.2",
+        "B3.2",
+        "F3.3",
+        "B3.3",
+        "B1.2",
+        "B1.3",
+    ]
 
 
 def test_format_grid_gpipe_literal() -> None:
@@ -192,11 +206,10 @@ def move_after(acts: list[Action], name: str, anchor: str) -> list[Action]:
     a = next(x for x in acts if str(x) == name)
     acts = without(acts, name)
     i = [str(x) for x in acts].index(anchor)
-    return acts[:i + 1] + [a] + acts[i + 1:]
+    return acts[: i + 1] + [a] + acts[i + 1 :]
 
 
-def assert_rejected(sched: list[list[Action]], pp: int, n_stages: int, m: int,
-                    *fragments: str) -> str:
+def assert_rejected(sched: list[list[Action]], pp: int, n_stages: int, m: int, *fragments: str) -> str:
     with pytest.raises(ScheduleError) as info:
         validate_schedule(sched, pp, n_stages, m)
     msg = str(info.value)
@@ -222,8 +235,7 @@ def test_reject_wrong_rank() -> None:
     bad = [list(a) for a in good]
     bad[1].remove(Action(1, F, 2))
     bad[2].insert(0, Action(1, F, 2))
-    assert_rejected(bad, 4, 4, 4, "rank 2: F1.2 at position 0 is on the wrong rank",
-                    "stage 1 lives on rank 1")
+    assert_rejected(bad, 4, 4, 4, "rank 2: F1.2 at position 0 is on the wrong rank", "stage 1 lives on rank 1")
 
 
 def test_reject_out_of_range() -> None:
@@ -245,22 +257,23 @@ def test_reject_swapped_link_order() -> None:
     good = gpipe_pp2_m2()
     assert [str(a) for a in good[1][:2]] == ["RECV_F1.0", "RECV_F1.1"]
     bad = edit(good, 1, lambda a: [a[1], a[0]] + a[2:])
-    assert_rejected(bad, 2, 2, 2, "link rank 0 -> rank 1: message #0 is sent as SEND_F0.0",
-                    "posts RECV_F1.1")
+    assert_rejected(bad, 2, 2, 2, "link rank 0 -> rank 1: message #0 is sent as SEND_F0.0", "posts RECV_F1.1")
 
 
 def test_reject_swapped_link_order_mixed_directions() -> None:
     # pp=2 v=2: link 0 -> 1 carries activations (stages 0, 2) and gradients (stage 2).
     good = build_schedule("interleaved-1f1b", 2, 2, 2, recv_lookahead=3)
-    from_rank0 = [i for i, a in enumerate(good[1])
-                  if (a.op is Op.RECV_F and a.stage > 0) or (a.op is Op.RECV_B and a.stage == 1)]
+    from_rank0 = [
+        i for i, a in enumerate(good[1]) if (a.op is Op.RECV_F and a.stage > 0) or (a.op is Op.RECV_B and a.stage == 1)
+    ]
     k = next(k for k, i in enumerate(from_rank0) if good[1][i].op is Op.RECV_B)
     assert k > 0
     i, j = from_rank0[k - 1], from_rank0[k]  # a RECV_F and the RECV_B right after it on the link
     assert good[1][i].op is Op.RECV_F
-    bad = edit(good, 1, lambda a: a[:i] + [a[j]] + a[i + 1:j] + [a[i]] + a[j + 1:])
-    assert_rejected(bad, 2, 4, 2, f"link rank 0 -> rank 1: message #{k - 1}",
-                    f"posts {good[1][j]} as its receive #{k - 1}")
+    bad = edit(good, 1, lambda a: a[:i] + [a[j]] + a[i + 1 : j] + [a[i]] + a[j + 1 :])
+    assert_rejected(
+        bad, 2, 4, 2, f"link rank 0 -> rank 1: message #{k - 1}", f"posts {good[1][j]} as its receive #{k - 1}"
+    )
 
 
 def test_reject_missing_send() -> None:
@@ -280,13 +293,21 @@ def test_reject_unneeded_comm() -> None:
 def test_reject_deadlock_cycle() -> None:
     # Rank 0 waits at B0.0 for B1.0, but rank 1 must first run F1.1, which needs F0.1,
     # which rank 0 only runs after B0.0: a genuine cycle.
-    compute = [[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
-               [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)]]
+    compute = [
+        [Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
+        [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)],
+    ]
     bad = add_communication(compute, 2, 2)
-    msg = assert_rejected(bad, 2, 2, 2, "deadlock: ",
-                          "rank 0 at B0.0 waits for B1.0 (rank 1), SEND_B1.0 (rank 1)",
-                          "rank 1 at F1.1 waits for F0.1 (rank 0), SEND_F0.1 (rank 0)",
-                          "(stuck after 2 steps)")
+    msg = assert_rejected(
+        bad,
+        2,
+        2,
+        2,
+        "deadlock: ",
+        "rank 0 at B0.0 waits for B1.0 (rank 1), SEND_B1.0 (rank 1)",
+        "rank 1 at F1.1 waits for F0.1 (rank 0), SEND_F0.1 (rank 0)",
+        "(stuck after 2 steps)",
+    )
     assert grid_rows(msg.split("\n", 1)[1]) == [["F0.0", "."], [".", "F1.0"]]
 
 
@@ -300,22 +321,30 @@ def test_reject_deadlock_on_one_rank() -> None:
 # --- argument errors -------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (("interleaved", 2, 2, 4), "did you mean 'interleaved-1f1b'"),
-    (("1F1B", 2, 1, 4), "did you mean '1f1b'"),
-    (("zero-bubble", 2, 1, 4), "unknown schedule 'zero-bubble'"),
-    (("1f1b", 2, 2, 4), "schedule=1f1b runs 1 stage per pipeline rank, got virtual_stages=2: set "
-                        "virtual_stages=1 (the default) or schedule=interleaved-1f1b"),
-    (("gpipe", 2, 3, 4), "or schedule=interleaved-1f1b"),
-    (("interleaved-1f1b", 4, 2, 6), "schedule=interleaved-1f1b needs microbatches divisible by pp=4, got 6 "
-                                    "(6 % 4 = 2)"),
-    (("interleaved-1f1b", 1, 2, 4), "schedule=interleaved-1f1b needs pp >= 2, got 1"),
-    (("1f1b", 4, 1, 3), "schedule=1f1b needs microbatches ≥ pp=4, got 3"),
-    (("1f1b", 0, 1, 4), "pp must be a positive integer"),
-    (("1f1b", 2, 1, 0), "microbatches must be a positive integer"),
-    (("interleaved-1f1b", 2, 0, 4), "virtual_stages must be a positive integer"),
-    (("gpipe", True, 1, 4), "pp must be a positive integer"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("interleaved", 2, 2, 4), "did you mean 'interleaved-1f1b'"),
+        (("1F1B", 2, 1, 4), "did you mean '1f1b'"),
+        (("zero-bubble", 2, 1, 4), "unknown schedule 'zero-bubble'"),
+        (
+            ("1f1b", 2, 2, 4),
+            "schedule=1f1b runs 1 stage per pipeline rank, got virtual_stages=2: set "
+            "virtual_stages=1 (the default) or schedule=interleaved-1f1b",
+        ),
+        (("gpipe", 2, 3, 4), "or schedule=interleaved-1f1b"),
+        (
+            ("interleaved-1f1b", 4, 2, 6),
+            "schedule=interleaved-1f1b needs microbatches divisible by pp=4, got 6 " "(6 % 4 = 2)",
+        ),
+        (("interleaved-1f1b", 1, 2, 4), "schedule=interleaved-1f1b needs pp >= 2, got 1"),
+        (("1f1b", 4, 1, 3), "schedule=1f1b needs microbatches ≥ pp=4, got 3"),
+        (("1f1b", 0, 1, 4), "pp must be a positive integer"),
+        (("1f1b", 2, 1, 0), "microbatches must be a positive integer"),
+        (("interleaved-1f1b", 2, 0, 4), "virtual_stages must be a positive integer"),
+        (("gpipe", True, 1, 4), "pp must be a positive integer"),
+    ],
+)
 def test_bad_arguments(args: tuple, fragment: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError) as info:
         build_schedule(*args)
@@ -359,15 +388,13 @@ def test_zb_h1_validates_and_covers(combo: tuple[str, int, int, int], lookahead:
         assert all(pos[Action(r, W, mb)] > pos[Action(r, B, mb)] for mb in range(m))
     # W never communicates: exactly the messages of 1F1B.
     n_comm = sum(not a.is_compute for acts in sched for a in acts)
-    assert n_comm == sum(not a.is_compute for acts in build_schedule("1f1b", pp, 1, m, lookahead)
-                         for a in acts)
+    assert n_comm == sum(not a.is_compute for acts in build_schedule("1f1b", pp, 1, m, lookahead) for a in acts)
 
 
 @pytest.mark.parametrize("combo", ZB_COMBOS, ids=ids)
 def test_zb_h1_keeps_1f1b_order_and_memory(combo: tuple[str, int, int, int]) -> None:
     _, pp, _, m = combo
-    for r, (zb, ref) in enumerate(zip(compute_schedule("zb-h1", pp, 1, m),
-                                      compute_schedule("1f1b", pp, 1, m))):
+    for r, (zb, ref) in enumerate(zip(compute_schedule("zb-h1", pp, 1, m), compute_schedule("1f1b", pp, 1, m))):
         assert [a for a in zb if a.op is not W] == ref
         no_b = no_w = peak_b = peak_w = 0
         for a in zb:
@@ -391,10 +418,14 @@ def test_zb_h1_unit_bubble_matches_theory(combo: tuple[str, int, int, int]) -> N
 
 def test_zb_h1_literal_orders_and_grid() -> None:
     r = [" ".join(map(str, acts)) for acts in compute_schedule("zb-h1", 4, 1, 8)]
-    assert r[0] == ("F0.0 F0.1 F0.2 F0.3 B0.0 W0.0 F0.4 B0.1 W0.1 F0.5 B0.2 W0.2 F0.6 B0.3 W0.3 "
-                    "F0.7 B0.4 W0.4 B0.5 W0.5 B0.6 W0.6 B0.7 W0.7")
-    assert r[3] == ("F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F3.3 B3.3 W3.0 F3.4 B3.4 W3.1 F3.5 B3.5 W3.2 "
-                    "F3.6 B3.6 W3.3 F3.7 B3.7 W3.4 W3.5 W3.6 W3.7")
+    assert r[0] == (
+        "F0.0 F0.1 F0.2 F0.3 B0.0 W0.0 F0.4 B0.1 W0.1 F0.5 B0.2 W0.2 F0.6 B0.3 W0.3 "
+        "F0.7 B0.4 W0.4 B0.5 W0.5 B0.6 W0.6 B0.7 W0.7"
+    )
+    assert r[3] == (
+        "F3.0 B3.0 F3.1 B3.1 F3.2 B3.2 F3.3 B3.3 W3.0 F3.4 B3.4 W3.1 F3.5 B3.5 W3.2 "
+        "F3.6 B3.6 W3.3 F3.7 B3.7 W3.4 W3.5 W3.6 W3.7"
+    )
     expected = (
         "step  r0    r1\n"
         "   0  F0.0  .\n"
@@ -424,11 +455,14 @@ def test_zb_h1_theory_values() -> None:
         bubble_fraction_theory("zb-h1", 4, 1, 8, t_w=-1.0)
 
 
-@pytest.mark.parametrize("args, fragment", [
-    (("zb-h1", 2, 2, 4), "schedule=zb-h1 runs 1 stage per pipeline rank, got virtual_stages=2"),
-    (("zb-h1", 4, 1, 3), "schedule=zb-h1 needs microbatches ≥ pp=4, got 3"),
-    (("zb_h1", 2, 1, 4), "did you mean 'zb-h1'"),
-])
+@pytest.mark.parametrize(
+    "args, fragment",
+    [
+        (("zb-h1", 2, 2, 4), "schedule=zb-h1 runs 1 stage per pipeline rank, got virtual_stages=2"),
+        (("zb-h1", 4, 1, 3), "schedule=zb-h1 needs microbatches ≥ pp=4, got 3"),
+        (("zb_h1", 2, 1, 4), "did you mean 'zb-h1'"),
+    ],
+)
 def test_zb_h1_bad_arguments(args: tuple, fragment: str) -> None:  # noqa: ANN001
     with pytest.raises(ValueError) as info:
         build_schedule(*args)
@@ -443,8 +477,7 @@ def test_reject_w_before_its_b() -> None:
     good = zb_pp2_m2()
     bad = edit(good, 1, lambda a: move_after(a, "W1.0", "F1.0"))
     i = [str(a) for a in bad[1]].index("W1.0")
-    msg = assert_rejected(bad, 2, 2, 2,
-                          f"rank 1: W1.0 at position {i} comes before its B1.0 at {i + 2}")
+    msg = assert_rejected(bad, 2, 2, 2, f"rank 1: W1.0 at position {i} comes before its B1.0 at {i + 2}")
     # The unit-time grid also knows W waits for its B: rank 1 is stuck at W1.0.
     assert msg.endswith("(stuck after 2 steps)")
 

@@ -29,8 +29,16 @@ def server() -> Iterator[tuple[int, Any]]:
     from hybridpar.serve.service import Service
 
     # Emulated 50x slow (a token per ~0.05 s here): a 50-token stream still runs when its client leaves.
-    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60,
-                      client_timeout_s=TIMEOUT_S, emulate_slowdown="0:50")
+    cfg = ServeConfig(
+        source="init:7",
+        port=0,
+        max_seq_len=64,
+        kv_tokens=512,
+        timeout_s=60,
+        request_timeout_s=60,
+        client_timeout_s=TIMEOUT_S,
+        emulate_slowdown="0:50",
+    )
     svc = Service(cfg, MODEL, cfg.source)
     with serving_in_background(svc) as port:
         yield port, svc
@@ -104,7 +112,7 @@ def test_idle_and_slow_clients_neither_take_threads_nor_stall_health(port: int) 
             for s in slow:
                 if sent < len(head):
                     try:
-                        s.send(head[sent:sent + 1])
+                        s.send(head[sent : sent + 1])
                     except (BlockingIOError, ConnectionResetError, BrokenPipeError):
                         pass  # closed by the server once its timeout passed
             sent += 1
@@ -113,8 +121,10 @@ def test_idle_and_slow_clients_neither_take_threads_nor_stall_health(port: int) 
             assert status == 200
             latencies.append(dt)
             time.sleep(0.1)
-        print(f"\nthreads max {max(threads)}, /health latency max {max(latencies):.3f} s "
-              f"median {sorted(latencies)[len(latencies) // 2]:.3f} s over {len(latencies)} probes")
+        print(
+            f"\nthreads max {max(threads)}, /health latency max {max(latencies):.3f} s "
+            f"median {sorted(latencies)[len(latencies) // 2]:.3f} s over {len(latencies)} probes"
+        )
         assert max(threads) < 40, f"{max(threads)} threads for {n_idle + n_slow} connections"
         # Every idle and slow connection is closed by the server once the client timeout passes.
         deadline = time.monotonic() + TIMEOUT_S + 20.0

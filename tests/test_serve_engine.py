@@ -27,8 +27,18 @@ LIMITS = {"max_batch": 2, "max_groups": 3, "kv_tokens": 4096, "max_seq_len": 64}
 
 
 def requests(temperature: float = 0.0, top_p: float = 1.0) -> list[dict]:
-    return [{"type": "generate", "id": f"r{i}", "prompt": p, "max_tokens": n, "temperature": temperature,
-             "top_p": top_p, "seed": 100 + i} for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))]
+    return [
+        {
+            "type": "generate",
+            "id": f"r{i}",
+            "prompt": p,
+            "max_tokens": n,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": 100 + i,
+        }
+        for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))
+    ]
 
 
 def _rank(spec_d: dict, reqs: list[dict]) -> dict | None:
@@ -38,8 +48,9 @@ def _rank(spec_d: dict, reqs: list[dict]) -> dict | None:
 
 
 def spec(tp: int, pp: int, cfg: ModelConfig = CFG) -> dict:
-    return spec_dict(WorkerSpec(model=dataclasses.asdict(cfg), source=f"init:{SEED}", tp=tp, pp=pp,
-                                limits=LIMITS, timeout_s=60))
+    return spec_dict(
+        WorkerSpec(model=dataclasses.asdict(cfg), source=f"init:{SEED}", tp=tp, pp=pp, limits=LIMITS, timeout_s=60)
+    )
 
 
 def local_engine(reqs: list[dict]) -> dict[str, list[int]]:
@@ -61,8 +72,9 @@ def test_local_engine_greedy_matches_generate() -> None:
 def test_sharded_greedy_matches_generate(tp: int, pp: int) -> None:
     model = build_full_model(CFG, SEED)
     want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
-    reqs = requests() + ([{**r, "id": "s" + r["id"], "temperature": 0.9, "top_p": 0.8} for r in requests()]
-                         if (tp, pp) == (2, 2) else [])
+    reqs = requests() + (
+        [{**r, "id": "s" + r["id"], "temperature": 0.9, "top_p": 0.8} for r in requests()] if (tp, pp) == (2, 2) else []
+    )
     out = run_ranks(_rank, tp * pp, spec(tp, pp), reqs, timeout_s=120)
     driver = out[0]
     got = driver["results"]
@@ -112,7 +124,11 @@ def test_cancel_stops_waiting_and_running_requests_and_spares_the_rest() -> None
     ch = _CancellingChannel(requests())
     Driver(StageRunner(model.eval(), local_topology()), ch, Limits(**{**LIMITS, "max_groups": 1})).run()
     done = {e["id"]: e for e in ch.events if e["type"] == "done"}
-    assert {k: done[k]["reason"] for k in ("r0", "r1", "r5")} == {"r0": "cancelled", "r1": "cancelled", "r5": "cancelled"}
+    assert {k: done[k]["reason"] for k in ("r0", "r1", "r5")} == {
+        "r0": "cancelled",
+        "r1": "cancelled",
+        "r5": "cancelled",
+    }
     assert done["r1"]["tokens"] == [] and done["r5"]["tokens"] == []  # before its first token / while waiting
     r0 = done["r0"]["tokens"]
     assert 2 <= len(r0) < N_TOKENS[0] and r0 == want["r0"][: len(r0)]

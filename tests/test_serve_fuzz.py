@@ -21,13 +21,16 @@ MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
 def port() -> Iterator[int]:
     from hybridpar.serve.service import Service
 
-    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60,
-                      client_timeout_s=5)
+    cfg = ServeConfig(
+        source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60, client_timeout_s=5
+    )
     with serving_in_background(Service(cfg, MODEL, cfg.source)) as port:
         yield port
 
 
-def exchange(port: int, raw: bytes, half_close: bool = False, timeout_s: float = 15.0) -> tuple[int | None, dict[str, str], bytes]:
+def exchange(
+    port: int, raw: bytes, half_close: bool = False, timeout_s: float = 15.0
+) -> tuple[int | None, dict[str, str], bytes]:
     """Send `raw`, read one response (status, lower-cased headers, body); (None, {}, b"") if the server
     closed without answering. `half_close` ends our side of the stream after `raw`."""
     with socket.create_connection(("127.0.0.1", port), timeout=timeout_s) as s:
@@ -61,7 +64,9 @@ def exchange(port: int, raw: bytes, half_close: bool = False, timeout_s: float =
 
 
 def req(line: str | bytes, headers: list[str | bytes] = (), body: bytes = b"") -> bytes:
-    enc = (lambda x: x if isinstance(x, bytes) else x.encode("latin-1"))
+    def enc(x: str | bytes) -> bytes:
+        return x if isinstance(x, bytes) else x.encode("latin-1")
+
     return b"".join([enc(line), b"\r\n", *(enc(h) + b"\r\n" for h in headers), b"\r\n", body])
 
 
@@ -101,8 +106,10 @@ CASES: list[tuple[str, bytes, int | None, bool]] = [  # (name, bytes, expected s
     ("nothing", b"", None, True),
     ("blank lines only", b"\r\n\r\n\r\n\r\n\r\n\r\n\r\n\r\n\r\n\r\n", 400, True),
     # methods
-    *((f"{m} completions", req(f"{m} /v1/completions HTTP/1.1"), 405, False)
-      for m in ("PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT", "FOO", "get")),
+    *(
+        (f"{m} completions", req(f"{m} /v1/completions HTTP/1.1"), 405, False)
+        for m in ("PUT", "DELETE", "OPTIONS", "PATCH", "TRACE", "CONNECT", "FOO", "get")
+    ),
     ("PUT health", req("PUT /health HTTP/1.1"), 405, False),
     ("DELETE models", req("DELETE /v1/models HTTP/1.1"), 405, False),
     ("HEAD health", req("HEAD /health HTTP/1.1"), 405, False),
@@ -121,16 +128,43 @@ CASES: list[tuple[str, bytes, int | None, bool]] = [  # (name, bytes, expected s
     ("long header", req("GET /health HTTP/1.1", ["X-Long: " + "v" * 9000]), 431, False),
     ("many headers", req("GET /health HTTP/1.1", [f"X-{i}: {i}" for i in range(200)]), 431, False),
     ("large head", req("GET /health HTTP/1.1", [f"X-{i}: " + "v" * 7000 for i in range(12)]), 431, False),
-    ("unknown expectation", req("POST /v1/completions HTTP/1.1", ["Content-Length: 2", "Expect: magic"], b"{}"), 417, False),
+    (
+        "unknown expectation",
+        req("POST /v1/completions HTTP/1.1", ["Content-Length: 2", "Expect: magic"], b"{}"),
+        417,
+        False,
+    ),
     # Content-Length
-    *((f"content-length {v!r}", req("POST /v1/completions HTTP/1.1", [b"Content-Length: " + v], b"{}"), 400, False)
-      for v in (b"-1", b"1e3", b"12abc", b"0x10", b"+2", b"\xb2", b"", b"2, 2", b"1 2", b"\xd9\xa2")),
-    ("content-length huge", req("POST /v1/completions HTTP/1.1", ["Content-Length: 99999999999999999999999999"]), 413, False),
+    *(
+        (f"content-length {v!r}", req("POST /v1/completions HTTP/1.1", [b"Content-Length: " + v], b"{}"), 400, False)
+        for v in (b"-1", b"1e3", b"12abc", b"0x10", b"+2", b"\xb2", b"", b"2, 2", b"1 2", b"\xd9\xa2")
+    ),
+    (
+        "content-length huge",
+        req("POST /v1/completions HTTP/1.1", ["Content-Length: 99999999999999999999999999"]),
+        413,
+        False,
+    ),
     ("content-length 5000 digits", req("POST /v1/completions HTTP/1.1", ["Content-Length: " + "1" * 5000]), 413, False),
-    ("content-length twice", req("POST /v1/completions HTTP/1.1", ["Content-Length: 2", "Content-Length: 3"], b"{}"), 400, False),
+    (
+        "content-length twice",
+        req("POST /v1/completions HTTP/1.1", ["Content-Length: 2", "Content-Length: 3"], b"{}"),
+        400,
+        False,
+    ),
     ("body shorter than length", req("POST /v1/completions HTTP/1.1", ["Content-Length: 100"], b"{}"), 400, True),
-    ("chunked", req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked"], b"2\r\n{}\r\n0\r\n\r\n"), 411, False),
-    ("chunked and length", req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked", "Content-Length: 2"], b"{}"), 411, False),
+    (
+        "chunked",
+        req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked"], b"2\r\n{}\r\n0\r\n\r\n"),
+        411,
+        False,
+    ),
+    (
+        "chunked and length",
+        req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked", "Content-Length: 2"], b"{}"),
+        411,
+        False,
+    ),
     ("no length", req("POST /v1/completions HTTP/1.1"), 411, False),
     ("too large body", req("POST /v1/completions HTTP/1.1", [f"Content-Length: {1 << 21}"], b"x"), 413, False),
     # bodies
@@ -147,7 +181,7 @@ CASES: list[tuple[str, bytes, int | None, bool]] = [  # (name, bytes, expected s
     ("utf-8 bom", post(b"\xef\xbb\xbf" + completion()), 400, False),
     ("null body", post(b"null"), 400, False),
     ("string body", post(b'"hi"'), 400, False),
-    ("huge token id", post(completion(prompt=[10 ** 30])), 400, False),
+    ("huge token id", post(completion(prompt=[10**30])), 400, False),
     ("float token ids", post(completion(prompt=[1.5, 2.0])), 400, False),
     ("negative max_tokens", post(completion(max_tokens=-3)), 400, False),
     ("model object", post(completion(model={"a": 1})), 404, False),

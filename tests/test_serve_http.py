@@ -39,8 +39,9 @@ def server() -> Iterator[tuple[int, Any]]:
         svc.close()
 
 
-def call(port: int, method: str, path: str, body: bytes | None = None,
-         headers: dict[str, str] | None = None) -> tuple[int, Any]:
+def call(
+    port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
+) -> tuple[int, Any]:
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
     conn.request(method, path, body=body, headers=headers or {})
     resp = conn.getresponse()
@@ -60,26 +61,29 @@ GOOD = {"model": "hybridpar", "prompt": "def ", "max_tokens": 4, "temperature": 
 
 
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("body,status,param", [
-    (b"{not json", 400, None),
-    (b"[1, 2]", 400, None),
-    ({**GOOD, "model": "gpt-9"}, 404, "model"),
-    ({**GOOD, "prompt": "x" * 70}, 400, "prompt"),  # 70 + 4 > max_seq_len = 64
-    ({**GOOD, "prompt": ""}, 400, "prompt"),
-    ({**GOOD, "prompt": [1, 2, 999]}, 400, "prompt"),  # token id outside the vocabulary
-    ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
-    ({**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
-    ({**GOOD, "temperature": -1}, 400, "temperature"),
-    ({**GOOD, "temperature": "hot"}, 400, "temperature"),
-    ({**GOOD, "top_p": 0}, 400, "top_p"),
-    ({**GOOD, "top_p": 1.5}, 400, "top_p"),
-    ({**GOOD, "n": 3}, 400, "n"),
-    ({**GOOD, "seed": -2}, 400, "seed"),
-    ({**GOOD, "stream": "yes"}, 400, "stream"),
-    ({**GOOD, "stop": ""}, 400, "stop"),
-    ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),  # at most 4
-    ({**GOOD, "stop": [3]}, 400, "stop"),
-])
+@pytest.mark.parametrize(
+    "body,status,param",
+    [
+        (b"{not json", 400, None),
+        (b"[1, 2]", 400, None),
+        ({**GOOD, "model": "gpt-9"}, 404, "model"),
+        ({**GOOD, "prompt": "x" * 70}, 400, "prompt"),  # 70 + 4 > max_seq_len = 64
+        ({**GOOD, "prompt": ""}, 400, "prompt"),
+        ({**GOOD, "prompt": [1, 2, 999]}, 400, "prompt"),  # token id outside the vocabulary
+        ({**GOOD, "max_tokens": 0}, 400, "max_tokens"),
+        ({**GOOD, "max_tokens": "5"}, 400, "max_tokens"),
+        ({**GOOD, "temperature": -1}, 400, "temperature"),
+        ({**GOOD, "temperature": "hot"}, 400, "temperature"),
+        ({**GOOD, "top_p": 0}, 400, "top_p"),
+        ({**GOOD, "top_p": 1.5}, 400, "top_p"),
+        ({**GOOD, "n": 3}, 400, "n"),
+        ({**GOOD, "seed": -2}, 400, "seed"),
+        ({**GOOD, "stream": "yes"}, 400, "stream"),
+        ({**GOOD, "stop": ""}, 400, "stop"),
+        ({**GOOD, "stop": ["a", "b", "c", "d", "e"]}, 400, "stop"),  # at most 4
+        ({**GOOD, "stop": [3]}, 400, "stop"),
+    ],
+)
 def test_bad_requests_get_4xx(server: tuple[int, Any], body: Any, status: int, param: str | None) -> None:
     port, _ = server
     raw = body if isinstance(body, bytes) else json.dumps(body).encode()
@@ -114,8 +118,12 @@ def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
     assert (out.usage.prompt_tokens, out.usage.completion_tokens) == (4, 8)
     chunks = list(client.completions.create(model="hybridpar", prompt="def ", max_tokens=8, temperature=0, stream=True))
     assert "".join(c.choices[0].text for c in chunks) == want and chunks[-1].choices[0].finish_reason == "length"
-    a, b = (client.completions.create(model="hybridpar", prompt="def ", max_tokens=8, temperature=0.9, top_p=0.9,
-                                      seed=11).choices[0].text for _ in range(2))
+    a, b = (
+        client.completions.create(model="hybridpar", prompt="def ", max_tokens=8, temperature=0.9, top_p=0.9, seed=11)
+        .choices[0]
+        .text
+        for _ in range(2)
+    )
     assert a == b  # seeded sampling repeats
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=2)
@@ -130,12 +138,18 @@ def test_stop_strings_cut_the_text_and_stop_the_replica(server: tuple[int, Any])
     client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="unused", timeout=30, max_retries=0)
     want = decode(generate(build_full_model(MODEL, 7), list(b"def "), 16, temperature=0))
     # A stop string from the middle of what greedy decoding gives (not a replacement character).
-    at = next(i for i in range(2, len(want) - 1) if "\ufffd" not in want[i:i + 2])
-    stop = want[at:at + 2]
+    at = next(i for i in range(2, len(want) - 1) if "\ufffd" not in want[i : i + 2])
+    stop = want[at : at + 2]
     cut = want[: want.find(stop)]
     for stream in (False, True):
-        out = client.completions.create(model="hybridpar", prompt="def ", max_tokens=16, temperature=0,
-                                        stop=[stop, "never-generated"], stream=stream)
+        out = client.completions.create(
+            model="hybridpar",
+            prompt="def ",
+            max_tokens=16,
+            temperature=0,
+            stop=[stop, "never-generated"],
+            stream=stream,
+        )
         chunks = list(out) if stream else [out]
         assert "".join(c.choices[0].text for c in chunks) == cut, (stream, want, stop)
         assert chunks[-1].choices[0].finish_reason == "stop"
@@ -168,7 +182,11 @@ def test_cancel_tells_the_replica_frees_the_place_and_counts_it() -> None:
     svc.cancel(c.id, completed=True)  # a stop string matched
     svc._on_event(0, {"type": "done", "id": c.id, "reason": "cancelled"})
     assert a.events.empty() and b.events.empty() and c.events.empty() and not svc.router.where
-    assert (svc.counters["requests_cancelled"], svc.counters["requests_completed"], svc.counters["requests_failed"]) == (2, 1, 0)
+    assert (
+        svc.counters["requests_cancelled"],
+        svc.counters["requests_completed"],
+        svc.counters["requests_failed"],
+    ) == (2, 1, 0)
 
 
 def test_stop_text_holds_back_what_may_become_a_stop() -> None:
@@ -289,8 +307,16 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
     from hybridpar.serve.service import Service
 
     # One replica that takes one request and queues one more: a burst of long requests fills it.
-    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, max_outstanding=1, max_pending=1,
-                      timeout_s=60, request_timeout_s=60)
+    cfg = ServeConfig(
+        source="init:7",
+        port=0,
+        max_seq_len=64,
+        kv_tokens=512,
+        max_outstanding=1,
+        max_pending=1,
+        timeout_s=60,
+        request_timeout_s=60,
+    )
     svc = Service(cfg, MODEL, cfg.source)
     srv = make_server(svc, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -337,10 +363,19 @@ def test_killed_replica_request_completes_on_the_live_one() -> None:
     # Replica 0 is emulated 2000x slow, so its first token is seconds away when its process is killed:
     # the request, sent there but unseen by its client, must start over on replica 1 and give the
     # greedy tokens that replica 1 gives it directly.
-    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin", max_seq_len=64, kv_tokens=512, timeout_s=60,
-                      request_timeout_s=60, emulate_slowdown="0:2000")
+    cfg = ServeConfig(
+        source="init:7",
+        dp=2,
+        strategy="round_robin",
+        max_seq_len=64,
+        kv_tokens=512,
+        timeout_s=60,
+        request_timeout_s=60,
+        emulate_slowdown="0:2000",
+    )
     svc = Service(cfg, MODEL, cfg.source)
     try:
+
         def tokens(p) -> tuple[list[int], dict]:
             out = []
             while True:

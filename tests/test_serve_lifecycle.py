@@ -23,9 +23,13 @@ TINY = ["--model.dim", "32", "--model.n_layers", "2", "--model.n_heads", "4", "-
 def start_server(stderr: Path) -> subprocess.Popen:
     # stderr to a file: the workers inherit it, and a pipe would stay open as long as any of them lives.
     with open(stderr, "wb") as err:
-        return subprocess.Popen([sys.executable, "-m", "hybridpar.cli", "serve", "--source", "init:0", "--port", "0",
-                                 "--pp", "2", *TINY], stdout=subprocess.PIPE, stderr=err, start_new_session=True,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        return subprocess.Popen(
+            [sys.executable, "-m", "hybridpar.cli", "serve", "--source", "init:0", "--port", "0", "--pp", "2", *TINY],
+            stdout=subprocess.PIPE,
+            stderr=err,
+            start_new_session=True,
+            env={**os.environ, "OMP_NUM_THREADS": "1"},
+        )
 
 
 def workers(server: subprocess.Popen) -> list[psutil.Process]:

@@ -34,8 +34,17 @@ def test_a_killed_stage_worker_turns_health_503_and_the_other_replica_serves() -
     from hybridpar.serve.service import Service
 
     # dp=2 replicas of pp=2: ranks 0, 1 are replica 0 (stage 0 = its driver, stage 1), ranks 2, 3 replica 1.
-    cfg = ServeConfig(source="init:7", dp=2, pp=2, strategy="round_robin", max_seq_len=64, kv_tokens=512,
-                      timeout_s=60, request_timeout_s=60, client_timeout_s=30)
+    cfg = ServeConfig(
+        source="init:7",
+        dp=2,
+        pp=2,
+        strategy="round_robin",
+        max_seq_len=64,
+        kv_tokens=512,
+        timeout_s=60,
+        request_timeout_s=60,
+        client_timeout_s=30,
+    )
     svc = Service(cfg, MODEL, cfg.source)
     good = {"model": "hybridpar", "prompt": "def ", "max_tokens": 4, "temperature": 0}
     with serving_in_background(svc) as port:

@@ -1,5 +1,6 @@
 """Tests for hybridpar.pipeline.simulate: textbook bubbles come out exactly, the link model adds
 hand-computed amounts, zb-h1 beats 1F1B, and schedules that cannot run are refused."""
+
 from __future__ import annotations
 
 import json
@@ -63,8 +64,7 @@ def test_interleaved_bubble(pp: int, v: int, k: int) -> None:
 def test_latency_pp2_m1_hand_computed() -> None:
     # One microbatch (GPipe; 1F1B would need two): rank 0: RECV_B0.0 F0.0 SEND_F0.0 B0.0,
     # rank 1: RECV_F1.0 F1.0 B1.0 SEND_B1.0.
-    c = Costs(1.0, 2.0, latency_s=0.5, send_overhead_s=0.1, recv_overhead_s=0.05,
-              compute_overhead_s=0.01)
+    c = Costs(1.0, 2.0, latency_s=0.5, send_overhead_s=0.1, recv_overhead_s=0.05, compute_overhead_s=0.01)
     res = run("gpipe", 2, 1, c)
     # rank 0: RECV_B [0, .05], F0.0 [.05, 1.06], SEND_F [1.06, 1.16] -> arrives 1.66.
     # rank 1: RECV_F [0, .05], F1.0 [1.66, 2.67], B1.0 [2.67, 4.68], SEND_B [4.68, 4.78]
@@ -94,8 +94,7 @@ def test_link_serialises_transfers_hand_computed() -> None:
     c = Costs(1.0, 1.0, latency_s=0.5, bandwidth_Bps=500.0, message_bytes=1000)
     res = run("gpipe", 2, 2, c)
     arr = {str(a): t for a, t in res.arrivals.items()}
-    assert arr == pytest.approx({"SEND_F0.0": 3.5, "SEND_F0.1": 5.5,
-                                 "SEND_B1.0": 10.0, "SEND_B1.1": 12.0})
+    assert arr == pytest.approx({"SEND_F0.0": 3.5, "SEND_F0.1": 5.5, "SEND_B1.0": 10.0, "SEND_B1.1": 12.0})
     assert ev(res, "F1.1") == pytest.approx((5.5, 6.5))
     assert ev(res, "B0.1") == pytest.approx((12.0, 13.0))
     assert res.step_time_s == pytest.approx(13.0)
@@ -123,10 +122,17 @@ def test_timeline_invariants(seed: int) -> None:
     pp = rng.choice([2, 3, 4])
     v = 2 if name == "interleaved-1f1b" else 1
     m = pp * rng.randint(1, 3)
-    c = Costs([rng.uniform(0.5, 2) for _ in range(pp * v)], [rng.uniform(0.5, 2) for _ in range(pp * v)],
-              rng.uniform(0, 1), latency_s=rng.uniform(0, 0.3), bandwidth_Bps=1e9,
-              message_bytes=rng.randint(0, 10**8), send_overhead_s=0.01, recv_overhead_s=0.02,
-              compute_overhead_s=0.03)
+    c = Costs(
+        [rng.uniform(0.5, 2) for _ in range(pp * v)],
+        [rng.uniform(0.5, 2) for _ in range(pp * v)],
+        rng.uniform(0, 1),
+        latency_s=rng.uniform(0, 0.3),
+        bandwidth_Bps=1e9,
+        message_bytes=rng.randint(0, 10**8),
+        send_overhead_s=0.01,
+        recv_overhead_s=0.02,
+        compute_overhead_s=0.03,
+    )
     sched = build_schedule(name, pp, v, m, rng.randint(0, 3))
     res = simulate(sched, pp, pp * v, c)
     assert Counter(e.action for e in res.events) == Counter(a for acts in sched for a in acts)
@@ -140,8 +146,11 @@ def test_timeline_invariants(seed: int) -> None:
     done = {e.action: e for e in res.events}
     xfer = c.message_bytes / c.bandwidth_Bps
     for send, t in res.arrivals.items():
-        recv = Action(send.stage + (1 if send.op is Op.SEND_F else -1),
-                      Op.RECV_F if send.op is Op.SEND_F else Op.RECV_B, send.microbatch)
+        recv = Action(
+            send.stage + (1 if send.op is Op.SEND_F else -1),
+            Op.RECV_F if send.op is Op.SEND_F else Op.RECV_B,
+            send.microbatch,
+        )
         assert t >= max(done[send].end, done[recv].end) + c.latency_s + xfer - 1e-9
     assert res.step_time_s == pytest.approx(max(e.end for e in res.events))
     assert 0 <= res.bubble_fraction < 1
@@ -215,8 +224,10 @@ def test_compute_overhead_is_bubble() -> None:
 
 
 def test_deadlock_cycle_raises() -> None:
-    compute = [[Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
-               [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)]]
+    compute = [
+        [Action(0, F, 0), Action(0, B, 0), Action(0, F, 1), Action(0, B, 1)],
+        [Action(1, F, 0), Action(1, F, 1), Action(1, B, 0), Action(1, B, 1)],
+    ]
     with pytest.raises(ScheduleError) as info:
         simulate(add_communication(compute, 2, 2), 2, 2, Costs(1.0, 1.0))
     msg = str(info.value)

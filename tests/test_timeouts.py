@@ -50,8 +50,9 @@ def _stuck_recv(timeout_s: float, flag: str, transport: str, first: bool) -> flo
     return _seconds_until_failure(lambda: p2p.wait_recv("x"), flag)
 
 
-@pytest.mark.parametrize("transport,first", [("process_group", False), ("shared_memory", False),
-                                             ("shared_memory", True)])
+@pytest.mark.parametrize(
+    "transport,first", [("process_group", False), ("shared_memory", False), ("shared_memory", True)]
+)
 def test_recv_without_sender_times_out(tmp_path, transport, first):
     """`first`: the link is open (one message went through) before the receive that never comes."""
     _, waited = run_ranks(_stuck_recv, 2, 2.0, str(tmp_path / "flag"), transport, first, timeout_s=90)

@@ -1,4 +1,5 @@
 """Tests for hybridpar.pipeline.trace: Chrome/Perfetto trace JSON structure."""
+
 from __future__ import annotations
 
 import json
@@ -11,10 +12,12 @@ from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_tr
 
 
 def sample() -> list[Slice]:
-    return [Slice(1, "F1.0", 10.5, 10.75),
-            Slice(0, "F0.0", 10.0, 10.5, args={"action": Action(0, Op.FORWARD, 0), "mb": 0}),
-            Slice(0, "SEND_F0.0", 10.5, 10.5005, cat="comm"),
-            Slice(1, "wait", 10.0, 10.5, cat="wait")]
+    return [
+        Slice(1, "F1.0", 10.5, 10.75),
+        Slice(0, "F0.0", 10.0, 10.5, args={"action": Action(0, Op.FORWARD, 0), "mb": 0}),
+        Slice(0, "SEND_F0.0", 10.5, 10.5005, cat="comm"),
+        Slice(1, "wait", 10.0, 10.5, cat="wait"),
+    ]
 
 
 def xs(trace: dict) -> list[dict]:
@@ -22,8 +25,11 @@ def xs(trace: dict) -> list[dict]:
 
 
 def meta(trace: dict, name: str) -> dict[tuple[int, int], str]:
-    return {(e["pid"], e["tid"]): e["args"].get("name", e["args"].get("sort_index"))
-            for e in trace["traceEvents"] if e["ph"] == "M" and e["name"] == name}
+    return {
+        (e["pid"], e["tid"]): e["args"].get("name", e["args"].get("sort_index"))
+        for e in trace["traceEvents"]
+        if e["ph"] == "M" and e["name"] == name
+    }
 
 
 def test_structure_and_units() -> None:
@@ -84,5 +90,3 @@ class Timed:  # the shape of runtime.ActionTime
     action: Action
     start: float
     end: float
-
-

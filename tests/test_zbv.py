@@ -39,9 +39,12 @@ def test_v_placement_and_messages() -> None:
     assert {a.stage for a in sched[0]} == {0, 7} and {a.stage for a in sched[3]} == {3, 4}
     comm = [a for acts in sched for a in acts if not a.is_compute]
     # The turn (stage 3 -> 4, both on rank 3) is local: no message carries it.
-    assert not any(a.stage in (3, 4) and a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
-                   and {a.stage, a.stage + (1 if a.op in (Op.SEND_F,) else -1 if a.op is Op.SEND_B else 0)} == {3, 4}
-                   for a in comm)
+    assert not any(
+        a.stage in (3, 4)
+        and a.op in (Op.SEND_F, Op.RECV_F, Op.SEND_B, Op.RECV_B)
+        and {a.stage, a.stage + (1 if a.op in (Op.SEND_F,) else -1 if a.op is Op.SEND_B else 0)} == {3, 4}
+        for a in comm
+    )
     assert Action(3, Op.SEND_F, 0) not in comm and Action(4, Op.SEND_B, 0) not in comm
     assert Action(2, Op.SEND_F, 0) in comm and Action(4, Op.SEND_F, 0) in comm  # rank 2 -> 3 and 3 -> 2
     assert len(comm) == 4 * 6 * 7  # 6 boundaries cross ranks, 2 messages each way per microbatch
@@ -50,8 +53,9 @@ def test_v_placement_and_messages() -> None:
 def test_validator_checks_the_v_placement() -> None:
     good = build_schedule("zb-v", 2, 2, 3)
     # Under Megatron's loop placement stage 3 would live on rank 1: the same lists are rejected.
-    with pytest.raises(ScheduleError, match=r"^rank 0: RECV_F3\.0 at position 4 is on the wrong rank "
-                                            r"\(stage 3 lives on rank 1\)"):
+    with pytest.raises(
+        ScheduleError, match=r"^rank 0: RECV_F3\.0 at position 4 is on the wrong rank " r"\(stage 3 lives on rank 1\)"
+    ):
         validate_schedule(good, 2, 4, 3)
     bad = [list(acts) for acts in good]
     i = bad[0].index(Action(3, W, 0))
@@ -94,8 +98,11 @@ def _torch_order(pp: int, m: int, rank: int) -> list[str]:
     # The method only reads these three attributes: no stage or process group needed.
     fake = SimpleNamespace(pp_group_size=pp, num_stages=2 * pp, _n_microbatches=m)
     ops = ScheduleZBVZeroBubble._calculate_single_rank_operations(fake, rank)
-    letter = {_ComputationType.FORWARD: "F", _ComputationType.BACKWARD_INPUT: "B",
-              _ComputationType.BACKWARD_WEIGHT: "W"}
+    letter = {
+        _ComputationType.FORWARD: "F",
+        _ComputationType.BACKWARD_INPUT: "B",
+        _ComputationType.BACKWARD_WEIGHT: "W",
+    }
     return [f"{letter[a.computation_type]}{a.stage_index}.{a.microbatch_index}" for a in ops if a is not None]
 
 
@@ -162,22 +169,27 @@ def test_config_two_chunks_implied() -> None:
     assert cfg.parallel.virtual_stages is None and cfg.parallel.chunks == 2 and cfg.parallel.n_stages == 8
     zbv_config(virtual_stages=2).validate(4)
     for v in (1, 3):
-        with pytest.raises(ValueError, match=f"^parallel.schedule=zb-v runs 2 stages per pipeline rank, got "
-                                             f"parallel.virtual_stages={v}: set parallel.virtual_stages=2 "
-                                             f"\\(the default\\)"):
+        with pytest.raises(
+            ValueError,
+            match=f"^parallel.schedule=zb-v runs 2 stages per pipeline rank, got "
+            f"parallel.virtual_stages={v}: set parallel.virtual_stages=2 "
+            f"\\(the default\\)",
+        ):
             zbv_config(virtual_stages=v).validate(4)
 
 
 def test_config_microbatches_and_layers() -> None:
     cfg = zbv_config()
     cfg.train.microbatches = 6
-    with pytest.raises(ValueError, match=r"^parallel.schedule=zb-v needs train.microbatches ≥ 2 × parallel.pp - 1 = 7, "
-                                         r"got 6$"):
+    with pytest.raises(
+        ValueError, match=r"^parallel.schedule=zb-v needs train.microbatches ≥ 2 × parallel.pp - 1 = 7, " r"got 6$"
+    ):
         cfg.validate(4)
     cfg = zbv_config()
     cfg.model.n_layers = 6
-    with pytest.raises(ValueError, match=r"model.n_layers=6 is fewer than parallel.pp × parallel.virtual_stages = "
-                                         r"4 × 2 = 8 stages"):
+    with pytest.raises(
+        ValueError, match=r"model.n_layers=6 is fewer than parallel.pp × parallel.virtual_stages = " r"4 × 2 = 8 stages"
+    ):
         cfg.validate(4)
     assert SPEC.count_problem(4, 8, CONFIG_KEYS) is None
     with pytest.raises(ValueError, match="parallel.schedule=zb-v needs parallel.pp >= 2, got 1"):

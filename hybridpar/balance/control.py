@@ -8,6 +8,7 @@ together, so the caller reports their slowest). The planner (`plan.plan_layout`)
 each replica's stages and re-splits the batch; the move is proposed only if the predicted step time
 falls by at least `min_gain` (moving layers costs a weight and optimizer-state transfer).
 """
+
 from __future__ import annotations
 
 from collections.abc import Sequence
@@ -44,19 +45,37 @@ class Decision:
 
     def to_record(self) -> dict[str, object]:
         """JSON row for metrics.jsonl (layer ranges become [start, stop])."""
-        return {"event": "rebalance", "kind": self.kind, "step": self.step, "applied": self.applied,
-                "reason": self.reason, "old": self.old.to_record(), "new": self.new.to_record(),
-                "predicted_step_before_s": self.predicted_step_before_s,
-                "predicted_step_after_s": self.predicted_step_after_s, "gain": self.gain,
-                "speeds": list(self.speeds), "load_scores": list(self.scores),
-                "stragglers": list(self.stragglers)}
+        return {
+            "event": "rebalance",
+            "kind": self.kind,
+            "step": self.step,
+            "applied": self.applied,
+            "reason": self.reason,
+            "old": self.old.to_record(),
+            "new": self.new.to_record(),
+            "predicted_step_before_s": self.predicted_step_before_s,
+            "predicted_step_after_s": self.predicted_step_after_s,
+            "gain": self.gain,
+            "speeds": list(self.speeds),
+            "load_scores": list(self.scores),
+            "stragglers": list(self.stragglers),
+        }
 
     @classmethod
     def from_record(cls, rec: dict) -> Decision:
-        return cls(rec["kind"], rec["step"], rec["applied"], rec["reason"], Layout.from_record(rec["old"]),
-                   Layout.from_record(rec["new"]), rec["predicted_step_before_s"],
-                   rec["predicted_step_after_s"], tuple(rec["speeds"]), tuple(rec["load_scores"]),
-                   tuple(rec["stragglers"]))
+        return cls(
+            rec["kind"],
+            rec["step"],
+            rec["applied"],
+            rec["reason"],
+            Layout.from_record(rec["old"]),
+            Layout.from_record(rec["new"]),
+            rec["predicted_step_before_s"],
+            rec["predicted_step_after_s"],
+            tuple(rec["speeds"]),
+            tuple(rec["load_scores"]),
+            tuple(rec["stragglers"]),
+        )
 
 
 def _sizes(layout: Layout) -> list[list[int]]:
@@ -66,14 +85,21 @@ def _sizes(layout: Layout) -> list[list[int]]:
 class Balancer:
     """Turns per-step measurements of every (replica, stage) position into decisions."""
 
-    def __init__(self, config: BalanceConfig, cost: CostModel, microbatches: int = 1,
-                 schedule: str = "1f1b", min_per_replica: int = 1) -> None:
+    def __init__(
+        self,
+        config: BalanceConfig,
+        cost: CostModel,
+        microbatches: int = 1,
+        schedule: str = "1f1b",
+        min_per_replica: int = 1,
+    ) -> None:
         c = config
         if c.mode not in MODES:
             raise ValueError(f"balance.mode={c.mode!r} is not one of {', '.join(MODES)}")
         if c.interval < 1 or not 0.0 <= c.min_gain < 1.0:
-            raise ValueError(f"balance.interval={c.interval} must be >= 1 and balance.min_gain="
-                             f"{c.min_gain} in [0, 1)")
+            raise ValueError(
+                f"balance.interval={c.interval} must be >= 1 and balance.min_gain=" f"{c.min_gain} in [0, 1)"
+            )
         check_modelled(schedule)
         if microbatches < 1 or min_per_replica < 1:
             raise ValueError(f"microbatches={microbatches} and min_per_replica={min_per_replica} must be >= 1")
@@ -99,8 +125,7 @@ class Balancer:
             self._pending = state.reason
         elif self._updates == c.window:
             self._pending = f"first full window of {c.window} measurements"
-        if self._pending is None or (self._last_decision is not None
-                                     and step - self._last_decision < c.interval):
+        if self._pending is None or (self._last_decision is not None and step - self._last_decision < c.interval):
             return None
         n = layout.dp * layout.pp
         smooth = self.detector.smoothed()
@@ -109,15 +134,17 @@ class Balancer:
         # Absolute speeds (units of work per second) so that predicted steps come out in seconds.
         speeds = [[1.0 / smooth[d * layout.pp + s] for s in range(layout.pp)] for d in range(layout.dp)]
         why, self._pending = self._pending, None
-        new = plan_layout(layout, self.cost, speeds, repartition=True, resplit=True,
-                          min_per_replica=self.min_per_replica)
+        new = plan_layout(
+            layout, self.cost, speeds, repartition=True, resplit=True, min_per_replica=self.min_per_replica
+        )
         before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule)
         after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule)
         if new == layout or 1.0 - after / before < c.min_gain:
             return None
         moved, resplit = new.parts != layout.parts, new.split != layout.split
         kind: Literal["pipeline", "data", "pipeline+data"] = (
-            "pipeline+data" if moved and resplit else "pipeline" if moved else "data")
+            "pipeline+data" if moved and resplit else "pipeline" if moved else "data"
+        )
         if moved:
             why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
         if resplit:
@@ -126,6 +153,16 @@ class Balancer:
         self._last_decision = step
         fastest = min(smooth[r] for r in range(n))
         scores = load_scores(samples, self.weights)
-        return Decision(kind, step, c.mode == "auto", why, layout, new, before, after,
-                        tuple(fastest / smooth[r] for r in range(n)),
-                        tuple(scores.get(r, 0.0) for r in range(n)), tuple(sorted(state.stragglers)))
+        return Decision(
+            kind,
+            step,
+            c.mode == "auto",
+            why,
+            layout,
+            new,
+            before,
+            after,
+            tuple(fastest / smooth[r] for r in range(n)),
+            tuple(scores.get(r, 0.0) for r in range(n)),
+            tuple(sorted(state.stragglers)),
+        )

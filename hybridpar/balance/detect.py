@@ -1,4 +1,5 @@
 """Straggler detection with hysteresis over measured time per unit of work (pure Python)."""
+
 from __future__ import annotations
 
 import math
@@ -37,8 +38,14 @@ class StragglerDetector:
     For a clean step change, detection comes at most `max_latency` observations after onset.
     """
 
-    def __init__(self, threshold: float = 1.25, window: int = 5, patience: int = 3,
-                 recover_threshold: float | None = None, cooldown: int | None = None) -> None:
+    def __init__(
+        self,
+        threshold: float = 1.25,
+        window: int = 5,
+        patience: int = 3,
+        recover_threshold: float | None = None,
+        cooldown: int | None = None,
+    ) -> None:
         recover = 1.0 + (threshold - 1.0) / 2 if recover_threshold is None else recover_threshold
         if not (math.isfinite(threshold) and threshold > 1.0):
             raise ValueError(f"threshold must be > 1.0, got {threshold}")
@@ -95,10 +102,11 @@ class StragglerDetector:
                 (recovered if slow else new).add(r)
                 self._streak[r] = 0
                 self._last_change[r] = self._seen[r]
-                bound = (f"< {self.recover_threshold:.3g}" if slow else f"> {self.threshold:.3g}")
-                notes.append(f"rank {r} {'recovered' if slow else 'straggles'}: {ratio:.2f}x the "
-                             f"others' median time per unit ({bound}) for {self.patience} updates")
+                bound = f"< {self.recover_threshold:.3g}" if slow else f"> {self.threshold:.3g}"
+                notes.append(
+                    f"rank {r} {'recovered' if slow else 'straggles'}: {ratio:.2f}x the "
+                    f"others' median time per unit ({bound}) for {self.patience} updates"
+                )
         self._stragglers = (self._stragglers | new) - recovered
         reason = "; ".join(notes) if notes else f"no change (stragglers {sorted(self._stragglers)})"
-        return StragglerState(frozenset(self._stragglers), frozenset(new), frozenset(recovered),
-                              ratios, reason)
+        return StragglerState(frozenset(self._stragglers), frozenset(new), frozenset(recovered), ratios, reason)

@@ -17,6 +17,7 @@ Factors must be >= 1.0: emulation can only *add* time to what a device really ta
 sleeps for ``(factor - 1) x`` its measured compute), it cannot make a device faster. A faster
 device is emulated by slowing down all the others.
 """
+
 from __future__ import annotations
 
 import math
@@ -52,23 +53,28 @@ class SlowdownPlan:
             token = raw.strip()
             m = _ENTRY.fullmatch(token)
             if m is None:
-                raise ValueError(f"slowdown token {token!r} in {spec!r} is malformed: "
-                                 f"expected {EXPECTED_FORM}")
+                raise ValueError(f"slowdown token {token!r} in {spec!r} is malformed: " f"expected {EXPECTED_FORM}")
             rank, step = int(m.group(1)), int(m.group(3) or 0)
             try:
                 factor = float(m.group(2))
             except ValueError:
-                raise ValueError(f"slowdown token {token!r}: factor {m.group(2)!r} is not a "
-                                 f"number; expected {EXPECTED_FORM}") from None
+                raise ValueError(
+                    f"slowdown token {token!r}: factor {m.group(2)!r} is not a " f"number; expected {EXPECTED_FORM}"
+                ) from None
             if rank < 0 or step < 0:
-                raise ValueError(f"slowdown token {token!r}: rank and step must be >= 0, "
-                                 f"got rank={rank}, step={step}")
+                raise ValueError(
+                    f"slowdown token {token!r}: rank and step must be >= 0, " f"got rank={rank}, step={step}"
+                )
             if not math.isfinite(factor) or factor < 1.0:
-                raise ValueError(f"slowdown token {token!r}: factor must be a finite number "
-                                 f">= 1.0 (emulation can only add time), got {factor}")
+                raise ValueError(
+                    f"slowdown token {token!r}: factor must be a finite number "
+                    f">= 1.0 (emulation can only add time), got {factor}"
+                )
             if (rank, step) in entries:
-                raise ValueError(f"slowdown token {token!r}: rank {rank} already has a factor "
-                                 f"at step {step}; give each (rank, step) once")
+                raise ValueError(
+                    f"slowdown token {token!r}: rank {rank} already has a factor "
+                    f"at step {step}; give each (rank, step) once"
+                )
             entries[(rank, step)] = Slowdown(rank, factor, step)
         return cls(tuple(entries[k] for k in sorted(entries)))
 
@@ -95,8 +101,9 @@ class SlowdownPlan:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         bad = sorted(r for r in self.ranks if r >= world_size)
         if bad:
-            raise ValueError(f"slowdown names rank(s) {bad} but world size is {world_size} "
-                             f"(ranks are 0..{world_size - 1})")
+            raise ValueError(
+                f"slowdown names rank(s) {bad} but world size is {world_size} " f"(ranks are 0..{world_size - 1})"
+            )
 
     def factor(self, rank: int, step: int) -> float:
         """Compute stretch for `rank` at `step`: 1.0 unless an entry with step <= `step` applies."""

@@ -8,6 +8,7 @@ a rank on top (it scales the action's whole measured time, sleep included). The 
 flow and the math is untouched: the sleep sits in an identity autograd node. The duration is read
 from the stage's current layer count at each forward, so it follows layers that move.
 """
+
 from __future__ import annotations
 
 import time

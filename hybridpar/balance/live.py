@@ -11,6 +11,7 @@ Every decision is logged (why, old and new layout, predicted step time before an
 `window` steps have run on an applied layout a second record gives the step time measured before
 and after it, beside the prediction.
 """
+
 from __future__ import annotations
 
 import statistics
@@ -72,8 +73,9 @@ class LiveBalancer:
         t = cfg.train
         self.cost = cost_model(cfg)
         # Every replica keeps `microbatches` samples at least: it splits its share into that many.
-        self.policy = Balancer(cfg.balance, self.cost, t.microbatches, cfg.parallel.schedule,
-                               min_per_replica=t.microbatches)
+        self.policy = Balancer(
+            cfg.balance, self.cost, t.microbatches, cfg.parallel.schedule, min_per_replica=t.microbatches
+        )
         self.step_times: deque[float] = deque(maxlen=cfg.balance.window)
         self._follow: list[dict[str, Any]] = []  # applied decisions awaiting their measured step time
         self._start: int | None = None  # first step of this process (a resumed run warms up too)
@@ -81,8 +83,13 @@ class LiveBalancer:
     def _local(self, output: Any, step_time_s: float, memory: tuple[int, int]) -> dict[str, float]:
         compute = sum(sum(v) for v in stage_times(output).values())
         waits = sum(w.end - w.start for w in output.waits)
-        return {"compute_s": compute, "comm_wait_s": waits, "step_time_s": step_time_s,
-                "memory_used_bytes": memory[0], "memory_total_bytes": memory[1]}
+        return {
+            "compute_s": compute,
+            "comm_wait_s": waits,
+            "step_time_s": step_time_s,
+            "memory_used_bytes": memory[0],
+            "memory_total_bytes": memory[1],
+        }
 
     def samples(self, step: int, ranks: list[dict[str, float]], layout: Layout) -> list[RankSample]:
         """One sample per (replica, stage) position from every rank's report (rank order)."""
@@ -95,16 +102,22 @@ class LiveBalancer:
         for pos, reps in sorted(by_pos.items()):
             d, s = divmod(pos, dims.pp)
             work = layout.split[d] * self.cost.stage_costs(layout.parts[d])[s]
-            out.append(RankSample(
-                rank=pos, step=step, compute_s=max(max(x["compute_s"] for x in reps), 1e-9) / work,
-                memory_used_bytes=max(int(x["memory_used_bytes"]) for x in reps),
-                memory_total_bytes=min(int(x["memory_total_bytes"]) for x in reps) or None,
-                comm_wait_s=max(x["comm_wait_s"] for x in reps),
-                step_time_s=max(max(x["step_time_s"] for x in reps), 1e-9)))
+            out.append(
+                RankSample(
+                    rank=pos,
+                    step=step,
+                    compute_s=max(max(x["compute_s"] for x in reps), 1e-9) / work,
+                    memory_used_bytes=max(int(x["memory_used_bytes"]) for x in reps),
+                    memory_total_bytes=min(int(x["memory_total_bytes"]) for x in reps) or None,
+                    comm_wait_s=max(x["comm_wait_s"] for x in reps),
+                    step_time_s=max(max(x["step_time_s"] for x in reps), 1e-9),
+                )
+            )
         return out
 
-    def after_step(self, trainer: _Trainer, step: int, output: Any, step_time_s: float,
-                   memory: tuple[int, int]) -> list[dict[str, Any]]:
+    def after_step(
+        self, trainer: _Trainer, step: int, output: Any, step_time_s: float, memory: tuple[int, int]
+    ) -> list[dict[str, Any]]:
         """Collective over the world, once per step: returns the records to log for this step."""
         events: list[dict[str, Any]] = []
         self._start = step if self._start is None else self._start
@@ -127,10 +140,14 @@ class LiveBalancer:
         events.append(rec)
         if rec["applied"]:
             rec["move"] = trainer.apply_layout(Decision.from_record(rec).new)
-            self._follow.append({"event": "rebalance_measured", "step": step,
-                                 "predicted_step_before_s": rec["predicted_step_before_s"],
-                                 "predicted_step_after_s": rec["predicted_step_after_s"],
-                                 "measured_step_before_s": statistics.median(self.step_times)})
+            self._follow.append(
+                {
+                    "event": "rebalance_measured",
+                    "step": step,
+                    "predicted_step_before_s": rec["predicted_step_before_s"],
+                    "predicted_step_after_s": rec["predicted_step_after_s"],
+                    "measured_step_before_s": statistics.median(self.step_times),
+                }
+            )
             self.step_times.clear()
         return events
-

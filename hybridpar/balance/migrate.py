@@ -10,6 +10,7 @@ order, then their state), and a second carries the step counters in float64 (exa
 Only layers move: the embedding stays on stage 0 and the final norm and head on the last stage,
 which is why stage boundaries alone describe a move.
 """
+
 from __future__ import annotations
 
 import time
@@ -52,8 +53,10 @@ def _state_keys(state: dict[str, torch.Tensor], p: torch.Tensor) -> tuple[list[s
     if not state:
         raise ValueError("a layer can move only after the optimizer has stepped (its state is empty)")
     keys = sorted(state)
-    return ([k for k in keys if torch.is_tensor(state[k]) and state[k].shape == p.shape],
-            [k for k in keys if torch.is_tensor(state[k]) and state[k].numel() == 1 and state[k].shape != p.shape])
+    return (
+        [k for k in keys if torch.is_tensor(state[k]) and state[k].shape == p.shape],
+        [k for k in keys if torch.is_tensor(state[k]) and state[k].numel() == 1 and state[k].shape != p.shape],
+    )
 
 
 def _pack(layers: list[nn.Module], opt_state: dict) -> tuple[torch.Tensor, torch.Tensor]:
@@ -68,16 +71,24 @@ def _pack(layers: list[nn.Module], opt_state: dict) -> tuple[torch.Tensor, torch
     return torch.cat(tensors), torch.cat(scalars)
 
 
-def default_layer_builder(stage: Stage, tp_group: dist.ProcessGroup | None,
-                          device: torch.device) -> Callable[[int], nn.Module]:
+def default_layer_builder(
+    stage: Stage, tp_group: dist.ProcessGroup | None, device: torch.device
+) -> Callable[[int], nn.Module]:
     """Empty decoder layer `i` with this rank's tensor-parallel shard shapes and hooks (its values
     are overwritten by the received ones)."""
     return lambda i: empty_layer(stage.cfg, i, device, tp_group)
 
 
-def move_layers(topo: Topology, stage: Stage, stage_index: int, opt_state: dict,
-                old: Sequence[range], new: Sequence[range], build_layer: Callable[[int], nn.Module],
-                peer: Callable[[int], int]) -> MoveStats:
+def move_layers(
+    topo: Topology,
+    stage: Stage,
+    stage_index: int,
+    opt_state: dict,
+    old: Sequence[range],
+    new: Sequence[range],
+    build_layer: Callable[[int], nn.Module],
+    peer: Callable[[int], int],
+) -> MoveStats:
     """Collective over this replica's pipeline ranks (call on all of them, with the same `old` and
     `new`): after it, `stage` holds the layers `new[stage_index]`, with their parameters and their
     entries in `opt_state` (the optimizer's `state`, keyed by parameter) brought from the rank that
@@ -128,11 +139,11 @@ def move_layers(topo: Topology, stage: Stage, stage_index: int, opt_state: dict,
                 moments, counters = tmpl_keys[id(tp_)]
                 tmpl_state = opt_state[tp_]
                 with torch.no_grad():
-                    p.copy_(flat[fo:fo + p.numel()].view_as(p))
+                    p.copy_(flat[fo : fo + p.numel()].view_as(p))
                 fo += p.numel()
                 st: dict[str, torch.Tensor] = {}
                 for k in moments:
-                    st[k] = flat[fo:fo + p.numel()].view_as(p).clone()
+                    st[k] = flat[fo : fo + p.numel()].view_as(p).clone()
                     fo += p.numel()
                 for k in counters:
                     ref = tmpl_state[k]

@@ -140,8 +140,9 @@ class DeviceMonitor:
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self.cuda = self.device.type == "cuda"
-        self.index = (self.device.index if self.device.index is not None else torch.cuda.current_device()) \
-            if self.cuda else None
+        self.index = (
+            (self.device.index if self.device.index is not None else torch.cuda.current_device()) if self.cuda else None
+        )
         self.tracker = PeakTracker()
         self._nvml = _Nvml(self.index) if self.cuda else None
         self._links: dict[int, dict[str, float]] = {}
@@ -156,8 +157,18 @@ class DeviceMonitor:
         else:
             used, peak, total = rss, self.tracker.peak, psutil.virtual_memory().total
             util = temp = power = None  # no CPU counterpart is measured; never invented
-        return DeviceSample(str(self.device), time.time(), int(used), int(peak), int(total), int(rss),
-                            _maxrss_bytes(), util, temp, power)
+        return DeviceSample(
+            str(self.device),
+            time.time(),
+            int(used),
+            int(peak),
+            int(total),
+            int(rss),
+            _maxrss_bytes(),
+            util,
+            temp,
+            power,
+        )
 
     def reset_peak(self) -> None:
         """Start a new peak window. ru_maxrss cannot be reset: it stays the lifetime maximum."""
@@ -208,8 +219,9 @@ def stage_times(step_output: Any) -> dict[tuple[str, int], list[float]]:
             continue
         # Clip each wait to the action's interval: only the overlap belongs to this action (F and B
         # of one microbatch share the key, their waits fall in different intervals).
-        blocked = sum(max(0.0, min(w.end, t.end) - max(w.start, t.start))
-                      for w in by_key.get((a.stage, a.microbatch), ()))
+        blocked = sum(
+            max(0.0, min(w.end, t.end) - max(w.start, t.start)) for w in by_key.get((a.stage, a.microbatch), ())
+        )
         per.setdefault((a.op.value, a.stage), []).append((a.microbatch, max(0.0, t.end - t.start - blocked)))
     return {k: [d for _, d in sorted(v)] for k, v in per.items()}
 

@@ -6,6 +6,7 @@ and per replica, its samples of the global batch. Replicas may hold different pa
 slow rank in a dp x pp mesh only its own replica's stages need to move, and the continuous capacity
 bound is reachable only that way (a shared partition leaves the slow replica's fast ranks idle).
 """
+
 from __future__ import annotations
 
 import math
@@ -33,8 +34,7 @@ def split_by_speed(global_batch: int, speeds: Sequence[float], min_per_replica: 
     index (so equal speeds reproduce `split_evenly`). Replicas whose quota falls below
     `min_per_replica` are pinned there and the rest is shared among the others in proportion.
     """
-    if isinstance(global_batch, bool) or not isinstance(global_batch, numbers.Integral) \
-            or global_batch < 1:
+    if isinstance(global_batch, bool) or not isinstance(global_batch, numbers.Integral) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive integer, got {global_batch!r}")
     if len(speeds) == 0:
         raise ValueError("speeds is empty: need at least one replica")
@@ -44,8 +44,10 @@ def split_by_speed(global_batch: int, speeds: Sequence[float], min_per_replica: 
     if not isinstance(min_per_replica, numbers.Integral) or min_per_replica < 1:
         raise ValueError(f"min_per_replica must be an integer >= 1, got {min_per_replica!r}")
     if global_batch < n * min_per_replica:
-        raise ValueError(f"cannot give {n} replicas at least {min_per_replica} samples each "
-                         f"from a global batch of {global_batch}")
+        raise ValueError(
+            f"cannot give {n} replicas at least {min_per_replica} samples each "
+            f"from a global batch of {global_batch}"
+        )
     w = [Fraction(float(s)) for s in speeds]
     pinned: set[int] = set()
     while True:
@@ -63,14 +65,13 @@ def split_by_speed(global_batch: int, speeds: Sequence[float], min_per_replica: 
     for i in free:
         sizes[i] = math.floor(quota[i])
     order = sorted(free, key=lambda i: (-(quota[i] - sizes[i]), i))
-    for i in order[:global_batch - sum(sizes)]:
+    for i in order[: global_batch - sum(sizes)]:
         sizes[i] += 1
     assert sum(sizes) == global_batch and min(sizes) >= min_per_replica
     return sizes
 
 
-def predicted_pipeline_step(stage_times: Sequence[float], microbatches: int,
-                            schedule: str = "1f1b") -> float:
+def predicted_pipeline_step(stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b") -> float:
     """m x slowest stage time / (1 - the schedule's bubble fraction): for GPipe and 1F1B (Narayanan et
     al. 2021) (m + p - 1) x slowest stage time.
 
@@ -80,8 +81,9 @@ def predicted_pipeline_step(stage_times: Sequence[float], microbatches: int,
     """
     check_modelled(schedule)
     if microbatches < 1 or len(stage_times) == 0 or min(stage_times) <= 0:
-        raise ValueError(f"need microbatches >= 1 and positive stage times, got "
-                         f"{microbatches}, {list(stage_times)}")
+        raise ValueError(
+            f"need microbatches >= 1 and positive stage times, got " f"{microbatches}, {list(stage_times)}"
+        )
     bubble = schedule_spec(schedule).bubble_fraction(len(stage_times), 1, microbatches)
     return microbatches * max(stage_times) / (1.0 - bubble)
 
@@ -95,11 +97,12 @@ class Layout:
 
     def __post_init__(self) -> None:
         if len(self.parts) != len(self.split) or not self.parts:
-            raise ValueError(f"layout has {len(self.parts)} replica partitions but {len(self.split)} "
-                             "replica sizes: give one of each per data-parallel replica")
+            raise ValueError(
+                f"layout has {len(self.parts)} replica partitions but {len(self.split)} "
+                "replica sizes: give one of each per data-parallel replica"
+            )
         if len({len(p) for p in self.parts}) != 1:
-            raise ValueError(f"every replica needs the same number of stages, got "
-                             f"{[len(p) for p in self.parts]}")
+            raise ValueError(f"every replica needs the same number of stages, got " f"{[len(p) for p in self.parts]}")
 
     @property
     def dp(self) -> int:
@@ -140,8 +143,9 @@ class CostModel:
         return stage_times(parts, self.layer_costs, self.first_extra, self.last_extra)
 
 
-def predicted_step(layout: Layout, cost: CostModel, speeds: Sequence[Sequence[float]],
-                   microbatches: int, schedule: str = "1f1b") -> float:
+def predicted_step(
+    layout: Layout, cost: CostModel, speeds: Sequence[Sequence[float]], microbatches: int, schedule: str = "1f1b"
+) -> float:
     """Step time of `layout` when position (d, s) processes `speeds[d][s]` units per second: the
     slowest replica's pipeline time (`predicted_pipeline_step` on per-microbatch stage times). The
     data-parallel all-reduce is the same for every layout and is left out."""
@@ -153,8 +157,15 @@ def predicted_step(layout: Layout, cost: CostModel, speeds: Sequence[Sequence[fl
     return worst
 
 
-def plan_layout(current: Layout, cost: CostModel, speeds: Sequence[Sequence[float]], *,
-                repartition: bool, resplit: bool, min_per_replica: int = 1) -> Layout:
+def plan_layout(
+    current: Layout,
+    cost: CostModel,
+    speeds: Sequence[Sequence[float]],
+    *,
+    repartition: bool,
+    resplit: bool,
+    min_per_replica: int = 1,
+) -> Layout:
     """The layout that fits `speeds[d][s]` (units per second of position (d, s)): each replica's
     partition minimises its slowest stage (exact, `partition_by_cost`), then the global batch is
     split in proportion to each replica's resulting samples per second (`split_by_speed`). Both are
@@ -162,12 +173,20 @@ def plan_layout(current: Layout, cost: CostModel, speeds: Sequence[Sequence[floa
     bubble factor, which every replica shares (same microbatch count and depth)."""
     parts = list(current.parts)
     if repartition and current.pp > 1:
-        parts = [tuple(partition_by_cost(cost.layer_costs, current.pp, first_extra=cost.first_extra,
-                                         last_extra=cost.last_extra, speeds=list(speeds[d])))
-                 for d in range(current.dp)]
+        parts = [
+            tuple(
+                partition_by_cost(
+                    cost.layer_costs,
+                    current.pp,
+                    first_extra=cost.first_extra,
+                    last_extra=cost.last_extra,
+                    speeds=list(speeds[d]),
+                )
+            )
+            for d in range(current.dp)
+        ]
     split = current.split
     if resplit and current.dp > 1:
-        per_sample = [max(c / v for c, v in zip(cost.stage_costs(parts[d]), speeds[d]))
-                      for d in range(current.dp)]
+        per_sample = [max(c / v for c, v in zip(cost.stage_costs(parts[d]), speeds[d])) for d in range(current.dp)]
         split = tuple(split_by_speed(sum(current.split), [1.0 / t for t in per_sample], min_per_replica))
     return Layout(tuple(parts), tuple(split))

@@ -4,6 +4,7 @@ relative speeds.
 A device's load score weighs its memory, compute and network load (0.4/0.4/0.2 by default);
 every input is a measurement the trainer feeds in. Pure Python.
 """
+
 from __future__ import annotations
 
 import math
@@ -41,11 +42,12 @@ class RankSample:
                 raise ValueError(f"rank {self.rank}: {label} must be finite and > 0, got {v!r}")
         if not (math.isfinite(self.comm_wait_s) and self.comm_wait_s >= 0):
             raise ValueError(f"rank {self.rank}: comm_wait_s must be >= 0, got {self.comm_wait_s!r}")
-        if self.memory_used_bytes < 0 or (self.memory_total_bytes is not None
-                                          and self.memory_total_bytes <= 0):
-            raise ValueError(f"rank {self.rank}: memory_used_bytes must be >= 0 and "
-                             f"memory_total_bytes > 0 or None, got {self.memory_used_bytes}, "
-                             f"{self.memory_total_bytes}")
+        if self.memory_used_bytes < 0 or (self.memory_total_bytes is not None and self.memory_total_bytes <= 0):
+            raise ValueError(
+                f"rank {self.rank}: memory_used_bytes must be >= 0 and "
+                f"memory_total_bytes > 0 or None, got {self.memory_used_bytes}, "
+                f"{self.memory_total_bytes}"
+            )
 
 
 def by_rank(samples: Sequence[RankSample]) -> dict[int, RankSample]:
@@ -59,8 +61,7 @@ def by_rank(samples: Sequence[RankSample]) -> dict[int, RankSample]:
     return out
 
 
-def load_scores(samples: Sequence[RankSample],
-                weights: Sequence[float] = DEFAULT_WEIGHTS) -> dict[int, float]:
+def load_scores(samples: Sequence[RankSample], weights: Sequence[float] = DEFAULT_WEIGHTS) -> dict[int, float]:
     """Load of each rank in [0, 1], higher = more loaded, as weighted (memory, compute, network).
 
     Each component is a fraction so that none dominates by scale: memory = used / total (0 when
@@ -69,10 +70,11 @@ def load_scores(samples: Sequence[RankSample],
     own / fastest is unbounded and would swamp the other two); network = comm wait / step time.
     Weights are normalised by their sum, so (2, 2, 1) equals the default (0.4, 0.4, 0.2).
     """
-    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) \
-            or sum(weights) <= 0:
-        raise ValueError(f"weights must be three finite numbers >= 0 (memory, compute, network) "
-                         f"with a positive sum, got {tuple(weights)}")
+    if len(weights) != 3 or not all(math.isfinite(w) and w >= 0 for w in weights) or sum(weights) <= 0:
+        raise ValueError(
+            f"weights must be three finite numbers >= 0 (memory, compute, network) "
+            f"with a positive sum, got {tuple(weights)}"
+        )
     w_mem, w_comp, w_net = (w / sum(weights) for w in weights)
     by = by_rank(samples)
     fastest = min(s.compute_s for s in by.values())

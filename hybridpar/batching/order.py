@@ -26,8 +26,9 @@ def _candidates(sizes: Sequence[int]) -> list[list[int]]:
     return [list(sizes), asc, desc, asc[0::2] + asc[1::2][::-1], desc[0::2] + desc[1::2][::-1]]
 
 
-def pipeline_order(sizes: Sequence[int], schedule: str, pp: int, virtual_stages: int = 1,
-                   budget: int = 100) -> list[int]:
+def pipeline_order(
+    sizes: Sequence[int], schedule: str, pp: int, virtual_stages: int = 1, budget: int = 100
+) -> list[int]:
     """`sizes` reordered for `schedule` on `pp` ranks, by the simulated step (compute proportional to
     size; B = 2F, or B = W = F where the schedule splits the backward): the best of the candidates
     (as given, ascending, descending, small ones at both ends, large ones at both ends), then improved
@@ -47,8 +48,12 @@ def pipeline_order(sizes: Sequence[int], schedule: str, pp: int, virtual_stages:
     def step(order: list[int]) -> float:
         key = tuple(order)
         if key not in seen:
-            costs = Costs(forward_s=1.0, backward_s=1.0 if split else 2.0, weight_s=1.0 if split else 0.0,
-                          microbatch_scale=[x / top for x in order])
+            costs = Costs(
+                forward_s=1.0,
+                backward_s=1.0 if split else 2.0,
+                weight_s=1.0 if split else 0.0,
+                microbatch_scale=[x / top for x in order],
+            )
             seen[key] = simulate(actions, pp, pp * virtual_stages, costs, ranks=ranks).step_time_s
         return seen[key]
 

@@ -39,8 +39,9 @@ class MicrobatchPolicy(Protocol):
     """What the trainer asks of a policy (FixedPolicy, AdaptivePolicy)."""
 
     def propose(self, step: int) -> list[int]: ...
-    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
-                peak_activation_bytes: int | None, tokens: int) -> None: ...
+    def observe(
+        self, step: int, sizes: Sequence[int], step_time_s: float, peak_activation_bytes: int | None, tokens: int
+    ) -> None: ...
     def on_oom(self, step: int, sizes: Sequence[int]) -> list[int] | None: ...
     def statistics(self) -> dict[str, Any]: ...
     def state_dict(self) -> dict[str, Any] | None: ...
@@ -66,14 +67,20 @@ class _Recorder:
         self.converged_step: int | None = None
         self.steps_to_converge: int | None = None
 
-    def _record(self, step: int, sizes: Sequence[int], step_time_s: float,
-                peak: int | None, tokens: int) -> Observation:
+    def _record(
+        self, step: int, sizes: Sequence[int], step_time_s: float, peak: int | None, tokens: int
+    ) -> Observation:
         if sum(sizes) != self.batch or min(sizes, default=0) < 1 or not step_time_s > 0 or tokens < 0:
-            raise ValueError(f"observed sizes {list(sizes)} must be positive and sum to {self.batch}, "
-                             f"step_time_s={step_time_s} > 0, tokens={tokens} >= 0")
+            raise ValueError(
+                f"observed sizes {list(sizes)} must be positive and sum to {self.batch}, "
+                f"step_time_s={step_time_s} > 0, tokens={tokens} >= 0"
+            )
         obs = Observation(step, tuple(sizes), float(step_time_s), peak, tokens)
-        self.steps, self._sum_time, self._sum_thr = self.steps + 1, self._sum_time + obs.step_time_s, \
-            self._sum_thr + obs.throughput
+        self.steps, self._sum_time, self._sum_thr = (
+            self.steps + 1,
+            self._sum_time + obs.step_time_s,
+            self._sum_thr + obs.throughput,
+        )
         return obs
 
     def _converge(self, step: int) -> None:
@@ -82,18 +89,30 @@ class _Recorder:
 
     def _stats(self, name: str, split: list[int], converged: bool) -> dict[str, Any]:
         n = self.steps
-        return {"policy": name, "current_split": split, "history": list(self.history),
-                "mean_latency_s": self._sum_time / n if n else None,
-                "mean_throughput": self._sum_thr / n if n else None,
-                "steps_observed": n, "converged": converged, "steps_to_converge": self.steps_to_converge}
+        return {
+            "policy": name,
+            "current_split": split,
+            "history": list(self.history),
+            "mean_latency_s": self._sum_time / n if n else None,
+            "mean_throughput": self._sum_thr / n if n else None,
+            "steps_observed": n,
+            "converged": converged,
+            "steps_to_converge": self.steps_to_converge,
+        }
 
 
 class FixedPolicy(_Recorder):
     """A fixed split: `count` balanced microbatches, the fewest balanced ones of at most `size`, or
     explicit `sizes`."""
 
-    def __init__(self, replica_batch: int, *, count: int | None = None, size: int | None = None,
-                 sizes: Sequence[int] | None = None) -> None:
+    def __init__(
+        self,
+        replica_batch: int,
+        *,
+        count: int | None = None,
+        size: int | None = None,
+        sizes: Sequence[int] | None = None,
+    ) -> None:
         if [count, size, sizes].count(None) != 2:
             raise ValueError(f"give exactly one of count={count}, size={size} and sizes={sizes}")
         super().__init__(replica_batch)
@@ -108,8 +127,9 @@ class FixedPolicy(_Recorder):
     def propose(self, step: int) -> list[int]:
         return list(self.split)
 
-    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
-                peak_activation_bytes: int | None, tokens: int) -> None:
+    def observe(
+        self, step: int, sizes: Sequence[int], step_time_s: float, peak_activation_bytes: int | None, tokens: int
+    ) -> None:
         self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
 
     def on_oom(self, step: int, sizes: Sequence[int]) -> list[int] | None:
@@ -141,38 +161,64 @@ class AdaptivePolicy(_Recorder):
     (under 1F1B costs, 64 samples in 15 microbatches run slower than in 14 or 16).
     Hysteresis: a re-scan starts only when the current split's throughput falls by more than
     `drift_margin` (a rise only re-baselines), at least `cooldown_steps` after the last decision, and
-    replaces the incumbent only if beaten by more than `switch_margin`. Memory does not wait: a split that stops fitting (OOM, a
+    replaces the incumbent only if beaten by more than `switch_margin`. Memory does not wait: a split that
+    stops fitting (OOM, a
     higher peak, a lower budget) is left at once for the best measured split that fits."""
 
-    def __init__(self, global_batch: int, dp: int = 1, *, dp_rank: int = 0,
-                 memory_budget_bytes: int | None = None, memory_fraction: float | None = None,
-                 memory_total_bytes: int | None = None, memory_baseline_bytes: int = 0,
-                 min_microbatches: int = 1, count_multiple: int = 1,
-                 candidates: Sequence[int] | None = None, in_flight: int | None = 1,
-                 steps_per_candidate: int = 3, warmup_steps: int = 1, switch_margin: float = 0.03,
-                 drift_margin: float = 0.10, drift_window: int = 8, cooldown_steps: int = 50) -> None:
+    def __init__(
+        self,
+        global_batch: int,
+        dp: int = 1,
+        *,
+        dp_rank: int = 0,
+        memory_budget_bytes: int | None = None,
+        memory_fraction: float | None = None,
+        memory_total_bytes: int | None = None,
+        memory_baseline_bytes: int = 0,
+        min_microbatches: int = 1,
+        count_multiple: int = 1,
+        candidates: Sequence[int] | None = None,
+        in_flight: int | None = 1,
+        steps_per_candidate: int = 3,
+        warmup_steps: int = 1,
+        switch_margin: float = 0.03,
+        drift_margin: float = 0.10,
+        drift_window: int = 8,
+        cooldown_steps: int = 50,
+    ) -> None:
         if dp < 1 or not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
         self.replicas = split_evenly(global_batch, dp)
         super().__init__(self.replicas[dp_rank])
         hi = min(self.replicas)  # every replica must be able to run the same count
         if not 1 <= min_microbatches <= hi or count_multiple < 1 or (in_flight is not None and in_flight < 1):
-            raise ValueError(f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
-                             f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None")
+            raise ValueError(
+                f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
+                f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None"
+            )
         if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus the schedule's minimum
             # From the smallest replica's batch, not this one's: every replica must hold the same list
             # to propose the same count each step (6 and 5 samples would give 6, 3, 2, 1 and 5, 3, 2, 1).
-            candidates = {math.ceil(hi / 2 ** k) for k in range(hi.bit_length() + 1)} | {min_microbatches}
-        cands = sorted({m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0},
-                       reverse=True)  # most microbatches (smallest, safest) first
+            candidates = {math.ceil(hi / 2**k) for k in range(hi.bit_length() + 1)} | {min_microbatches}
+        cands = sorted(
+            {m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0}, reverse=True
+        )  # most microbatches (smallest, safest) first
         if not cands:
-            raise ValueError(f"no candidate count in {sorted(candidates)} lies in [{min_microbatches}, {hi}] "
-                             f"and is a multiple of {count_multiple}")
-        if min(steps_per_candidate, drift_window) < 1 or min(warmup_steps, cooldown_steps) < 0 \
-                or not 0 <= switch_margin < 1 or not 0 < drift_margin < 1:
-            raise ValueError(f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window} >= 1, "
-                             f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
-                             f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1)")
+            raise ValueError(
+                f"no candidate count in {sorted(candidates)} lies in [{min_microbatches}, {hi}] "
+                f"and is a multiple of {count_multiple}"
+            )
+        if (
+            min(steps_per_candidate, drift_window) < 1
+            or min(warmup_steps, cooldown_steps) < 0
+            or not 0 <= switch_margin < 1
+            or not 0 < drift_margin < 1
+        ):
+            raise ValueError(
+                f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window} >= 1, "
+                f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
+                f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1)"
+            )
         self.candidates, self.in_flight, self.count_multiple = cands, in_flight, count_multiple
         self.min_microbatches = min_microbatches
         self.k, self.warmup, self.margin = steps_per_candidate, warmup_steps, switch_margin
@@ -183,12 +229,17 @@ class AdaptivePolicy(_Recorder):
         self._peak_at: dict[int, int] = {}  # samples in flight -> max activation peak seen
         self._oom_x: int | None = None  # samples in flight at which an OOM happened: never again
         self.ooms: list[tuple[int, list[int]]] = []
-        self.rounds, self._last_decision = 0, -(10 ** 9)
+        self.rounds, self._last_decision = 0, -(10**9)
         self._ref: float | None = None  # throughput of the split chosen last (set by each decision)
         self._scan(-1, self.candidates)
 
-    def set_memory_budget(self, budget_bytes: float | None = None, fraction: float | None = None,
-                          total_bytes: int | None = None, baseline_bytes: int = 0) -> None:
+    def set_memory_budget(
+        self,
+        budget_bytes: float | None = None,
+        fraction: float | None = None,
+        total_bytes: int | None = None,
+        baseline_bytes: int = 0,
+    ) -> None:
         """Activation budget: bytes, or fraction x device total minus what stays resident anyway
         (weights, gradients, optimizer state: `baseline_bytes`). None: no budget, OOMs only."""
         if fraction is not None:
@@ -222,8 +273,14 @@ class AdaptivePolicy(_Recorder):
         pred = self.predict_peak(sizes)
         return self.budget is None or pred is None or pred <= self.budget
 
-    def _scan(self, step: int, queue: Sequence[int], incumbent: int | None = None,
-              measured: dict[int, list[float]] | None = None, new_round: bool = True) -> None:
+    def _scan(
+        self,
+        step: int,
+        queue: Sequence[int],
+        incumbent: int | None = None,
+        measured: dict[int, list[float]] | None = None,
+        new_round: bool = True,
+    ) -> None:
         """(Re)start or continue a scan over `queue`, keeping what is measured and still fits."""
         self.rounds += int(new_round)
         self.exploring, self.incumbent = True, incumbent
@@ -253,8 +310,15 @@ class AdaptivePolicy(_Recorder):
 
     def _finish_candidate(self, step: int) -> None:
         m, thr = self.current, self._measured[self.current]
-        self.history.append({"split": split_evenly(self.batch, m), "mean_throughput": fmean(thr),
-                             "median_throughput": median(thr), "steps": len(thr), "round": self.rounds})
+        self.history.append(
+            {
+                "split": split_evenly(self.batch, m),
+                "mean_throughput": fmean(thr),
+                "median_throughput": median(thr),
+                "steps": len(thr),
+                "round": self.rounds,
+            }
+        )
         self._scan(step, self._queue[1:], self.incumbent, self._measured, new_round=False)
 
     def _decide(self, step: int) -> None:
@@ -277,8 +341,9 @@ class AdaptivePolicy(_Recorder):
         at most one sample; dp_rank 0 holds the largest, the conservative one to fit memory on)."""
         return BatchPlan(tuple(tuple(split_evenly(r, self.current)) for r in self.replicas))
 
-    def observe(self, step: int, sizes: Sequence[int], step_time_s: float,
-                peak_activation_bytes: int | None, tokens: int) -> None:
+    def observe(
+        self, step: int, sizes: Sequence[int], step_time_s: float, peak_activation_bytes: int | None, tokens: int
+    ) -> None:
         obs = self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
         if peak_activation_bytes is not None:  # the warm-up step's peak counts too: it really happened
             x = self.samples_in_flight(sizes)
@@ -296,7 +361,7 @@ class AdaptivePolicy(_Recorder):
             if len(self._measured[self.current]) >= self.k:
                 self._finish_candidate(step)
             return
-        self._window = (self._window + [obs.throughput])[-self.drift_window:]
+        self._window = (self._window + [obs.throughput])[-self.drift_window :]
         if len(self._window) < self.drift_window:
             return
         now = median(self._window)
@@ -321,8 +386,10 @@ class AdaptivePolicy(_Recorder):
             m = math.ceil(self.batch / max(half, 1))
             m = max(m + -m % self.count_multiple, self.candidates[-1])  # the schedule's minimum count
             if half < 1 or m > hi or not self.fits(m):
-                raise RuntimeError(f"out of memory with microbatches {list(sizes)} and no smaller split of "
-                                   f"{self.batch} samples (at most {hi} microbatches) exists")
+                raise RuntimeError(
+                    f"out of memory with microbatches {list(sizes)} and no smaller split of "
+                    f"{self.batch} samples (at most {hi} microbatches) exists"
+                )
             self.candidates = sorted(set(self.candidates) | {m}, reverse=True)
             fitting = [m]
         self._refit(step, max(fitting, key=lambda q: (self.samples_in_flight(split_evenly(self.batch, q)), -q)))
@@ -330,14 +397,32 @@ class AdaptivePolicy(_Recorder):
 
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the policy (JSON): what it measured and where its scan stands."""
-        return {"version": 1, "batch": self.batch, "replicas": self.replicas, "candidates": self.candidates,
-                "peak_at": sorted(self._peak_at.items()), "oom_x": self._oom_x, "ooms": self.ooms,
-                "rounds": self.rounds, "last_decision": self._last_decision, "exploring": self.exploring,
-                "incumbent": self.incumbent, "measured": sorted(self._measured.items()), "queue": self._queue,
-                "current": self.current, "window": self._window, "ref": self._ref,
-                "recorder": {"steps": self.steps, "sum_time": self._sum_time, "sum_thr": self._sum_thr,
-                             "history": self.history, "converged_step": self.converged_step,
-                             "steps_to_converge": self.steps_to_converge}}
+        return {
+            "version": 1,
+            "batch": self.batch,
+            "replicas": self.replicas,
+            "candidates": self.candidates,
+            "peak_at": sorted(self._peak_at.items()),
+            "oom_x": self._oom_x,
+            "ooms": self.ooms,
+            "rounds": self.rounds,
+            "last_decision": self._last_decision,
+            "exploring": self.exploring,
+            "incumbent": self.incumbent,
+            "measured": sorted(self._measured.items()),
+            "queue": self._queue,
+            "current": self.current,
+            "window": self._window,
+            "ref": self._ref,
+            "recorder": {
+                "steps": self.steps,
+                "sum_time": self._sum_time,
+                "sum_thr": self._sum_thr,
+                "history": self.history,
+                "converged_step": self.converged_step,
+                "steps_to_converge": self.steps_to_converge,
+            },
+        }
 
     def load_state_dict(self, d: dict[str, Any]) -> None:
         """Continue from `state_dict()` of a policy over the same batch and replicas (ValueError, naming
@@ -352,9 +437,11 @@ class AdaptivePolicy(_Recorder):
         least = self.min_microbatches
         bad = [m for m in cands if not least <= m <= min(self.replicas) or m % self.count_multiple]
         if bad or int(d["current"]) not in cands:
-            raise ValueError(f"policy state proposes microbatch counts {bad or [d['current']]} that this run's "
-                             f"schedule does not allow (counts from {least} to {min(self.replicas)}, "
-                             f"multiples of {self.count_multiple})")
+            raise ValueError(
+                f"policy state proposes microbatch counts {bad or [d['current']]} that this run's "
+                f"schedule does not allow (counts from {least} to {min(self.replicas)}, "
+                f"multiples of {self.count_multiple})"
+            )
         self.candidates = cands
         self._peak_at = {int(x): int(p) for x, p in d["peak_at"]}
         self._oom_x = d["oom_x"]
@@ -368,13 +455,23 @@ class AdaptivePolicy(_Recorder):
         self._ref = d["ref"]
         r = d["recorder"]
         self.steps, self._sum_time, self._sum_thr = r["steps"], r["sum_time"], r["sum_thr"]
-        self.history, self.converged_step, self.steps_to_converge = r["history"], r["converged_step"], r["steps_to_converge"]
+        self.history, self.converged_step, self.steps_to_converge = (
+            r["history"],
+            r["converged_step"],
+            r["steps_to_converge"],
+        )
 
     def statistics(self) -> dict[str, Any]:
         out = self._stats("adaptive", self.propose(0), not self.exploring)
         pred = self.predict_peak(self.propose(0))
         per_sample = max((p / x for x, p in self._peak_at.items()), default=None)
-        out.update(rounds=self.rounds, candidates=list(self.candidates), memory_budget_bytes=self.budget,
-                   predicted_peak_bytes=pred, bytes_per_sample=per_sample, ooms=list(self.ooms),
-                   over_budget=None not in (self.budget, pred) and pred > self.budget)
+        out.update(
+            rounds=self.rounds,
+            candidates=list(self.candidates),
+            memory_budget_bytes=self.budget,
+            predicted_peak_bytes=pred,
+            bytes_per_sample=per_sample,
+            ooms=list(self.ooms),
+            over_budget=None not in (self.budget, pred) and pred > self.budget,
+        )
         return out

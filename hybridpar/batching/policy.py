@@ -19,8 +19,7 @@ def count_rules(cfg: Config) -> tuple[int, int]:
     return spec.min_microbatches(p.pp), spec.microbatch_multiple(p.pp)
 
 
-def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
-                resident_bytes: int) -> MicrobatchPolicy:
+def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int, resident_bytes: int) -> MicrobatchPolicy:
     """Every rank builds the same policy; fed the same (world-reduced) observations, all ranks of all
     replicas propose the same microbatch count each step. An adaptive policy models the largest
     replica (dp rank 0) on every rank, whatever its own: the count is one decision for the world,
@@ -43,13 +42,23 @@ def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int,
     budget = fraction = None
     if b.memory_budget is not None:
         budget, fraction = (b.memory_budget, None) if b.memory_budget > 1 else (None, b.memory_budget)
-    return AdaptivePolicy(t.global_batch, p.dp, dp_rank=0, memory_budget_bytes=budget,
-                          memory_fraction=fraction, memory_total_bytes=memory_total_bytes,
-                          memory_baseline_bytes=resident_bytes if fraction is not None else 0,
-                          min_microbatches=least, count_multiple=multiple, in_flight=in_flight,
-                          steps_per_candidate=b.steps_per_candidate, warmup_steps=b.warmup_steps,
-                          switch_margin=b.switch_margin, drift_margin=b.drift_margin,
-                          cooldown_steps=b.cooldown_steps)
+    return AdaptivePolicy(
+        t.global_batch,
+        p.dp,
+        dp_rank=0,
+        memory_budget_bytes=budget,
+        memory_fraction=fraction,
+        memory_total_bytes=memory_total_bytes,
+        memory_baseline_bytes=resident_bytes if fraction is not None else 0,
+        min_microbatches=least,
+        count_multiple=multiple,
+        in_flight=in_flight,
+        steps_per_candidate=b.steps_per_candidate,
+        warmup_steps=b.warmup_steps,
+        switch_margin=b.switch_margin,
+        drift_margin=b.drift_margin,
+        cooldown_steps=b.cooldown_steps,
+    )
 
 
 def plan_for(cfg: Config, count: int) -> BatchPlan:

@@ -35,9 +35,13 @@ class BatchPlan:
         return sum(sum(s) for s in self.sizes[:dp_rank])
 
 
-def plan_batch(global_batch: int, dp: int, microbatches: int,
-               microbatch_sizes: Sequence[int] | None = None,
-               replica_sizes: Sequence[int] | None = None) -> BatchPlan:
+def plan_batch(
+    global_batch: int,
+    dp: int,
+    microbatches: int,
+    microbatch_sizes: Sequence[int] | None = None,
+    replica_sizes: Sequence[int] | None = None,
+) -> BatchPlan:
     """Even split by default; `replica_sizes` gives an uneven data-parallel split (each replica's share)
     and `microbatch_sizes` an explicit split of every replica's share."""
     reps = list(replica_sizes) if replica_sizes is not None else split_evenly(global_batch, dp)

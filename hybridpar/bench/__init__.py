@@ -12,7 +12,10 @@ BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance")
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
-        print(f"usage: hybridpar bench {{{','.join(BENCHES)}}} [--help] [args ...]", file=sys.stdout if argv else sys.stderr)
+        print(
+            f"usage: hybridpar bench {{{','.join(BENCHES)}}} [--help] [args ...]",
+            file=sys.stdout if argv else sys.stderr,
+        )
         return 0 if argv else 2
     if argv[0] not in BENCHES:
         print(f"hybridpar: unknown benchmark {argv[0]!r}; benchmarks: {', '.join(BENCHES)}", file=sys.stderr)

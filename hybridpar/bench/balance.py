@@ -12,7 +12,8 @@ Throughput is global_batch x seq_len / median step time over the last `--measure
 the continuous capacity bound: total work / summed rank speeds, plus the schedule's bubble — measured,
 as the median step of the balanced run before the slowdown x world size / summed speeds (the clean
 step already holds the work, the bubble and the per-step overheads of this layout; losing half a
-rank's speed can at best stretch it by N / (N - 0.5)). In emulated mode the analytic bound (layer_ms x 3 x samples x layers / summed
+rank's speed can at best stretch it by N / (N - 0.5)). In emulated mode the analytic bound (layer_ms x 3 x
+samples x layers / summed
 speeds x (m + p - 1) / m) is reported beside it.
 
 Modes: `emulated` (`--emulate.layer_ms`, a named benchmark mode, off by default in training: every
@@ -20,6 +21,7 @@ layer costs a fixed sleep per sample, so 4 ranks on 2 cores do not distort speed
 figures) and `compute` (the real blocks, reported beside). The machine's load average is recorded
 with every scenario: on a shared machine compute mode measures the neighbours too.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -44,8 +46,7 @@ SCENARIOS: dict[str, dict[str, int]] = {
 }
 
 
-def scenario_config(name: str, mode: str, layer_ms: float, steps: int, slowdown: bool,
-                    balance: str) -> Config:
+def scenario_config(name: str, mode: str, layer_ms: float, steps: int, slowdown: bool, balance: str) -> Config:
     s = SCENARIOS[name]
     cfg = Config()
     m, t, p = cfg.model, cfg.train, cfg.parallel
@@ -103,14 +104,16 @@ def run_scenario(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
     speeds = world - 1 + 0.5  # one rank at half speed
     # The clean step of the same processes, just before the slowdown: no drift of the machine's load
     # between separate runs enters the ratio. The clean run's own median is reported beside it.
-    clean_step = statistics.median(r["step_time_s"] for r in _steps(balanced)[cfg.balance.skip_steps:SLOW_FROM])
-    clean_run_step = statistics.median(r["step_time_s"] for r in _steps(clean)[cfg.balance.skip_steps:])
+    clean_step = statistics.median(r["step_time_s"] for r in _steps(balanced)[cfg.balance.skip_steps : SLOW_FROM])
+    clean_run_step = statistics.median(r["step_time_s"] for r in _steps(clean)[cfg.balance.skip_steps :])
     ideal_step = clean_step * world / speeds
     static_step, balanced_step = _tail_median(static, a.measure), _tail_median(balanced, a.measure)
     applied = [d for d in _decisions(balanced) if d["applied"]]
     first = next((d for d in applied if d["step"] >= SLOW_FROM), None)
     out: dict[str, Any] = {
-        "scenario": name, "mode": mode, "layout": f"tp{p.tp} pp{p.pp} dp{p.dp}",
+        "scenario": name,
+        "mode": mode,
+        "layout": f"tp{p.tp} pp{p.pp} dp{p.dp}",
         "slowdown": f"rank={SLOW_RANK}:2.0@step={SLOW_FROM}",
         "ideal_tokens_per_s": tokens / ideal_step,
         "static_tokens_per_s": tokens / static_step,
@@ -121,15 +124,20 @@ def run_scenario(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
         "steps_to_rebalance": None if first is None else first["step"] - SLOW_FROM,
         "false_rebalances_clean_run": len(_decisions(clean)),
         "clean_run_steps": clean_steps,
-        "clean_step_s": clean_step, "clean_run_step_s": clean_run_step, "ideal_step_s": ideal_step,
-        "static_step_s": static_step, "balanced_step_s": balanced_step,
+        "clean_step_s": clean_step,
+        "clean_run_step_s": clean_run_step,
+        "ideal_step_s": ideal_step,
+        "static_step_s": static_step,
+        "balanced_step_s": balanced_step,
         "measured_over_last_steps": a.measure,
-        "decisions": [{k: d[k] for k in ("step", "kind", "reason", "new", "predicted_step_before_s",
-                                         "predicted_step_after_s")} for d in _decisions(balanced)],
+        "decisions": [
+            {k: d[k] for k in ("step", "kind", "reason", "new", "predicted_step_before_s", "predicted_step_after_s")}
+            for d in _decisions(balanced)
+        ],
         "clean_run_decisions": [d["reason"] for d in _decisions(clean)],
-        "measured_outcomes": [e for r in balanced for e in r.get("balance", [])
-                              if e["event"] == "rebalance_measured"],
-        "load_average_before": load_before, "load_average_after": os.getloadavg(),
+        "measured_outcomes": [e for r in balanced for e in r.get("balance", []) if e["event"] == "rebalance_measured"],
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
         "wall_s": time.perf_counter() - t0,
     }
     if mode == "emulated":
@@ -143,13 +151,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench balance", description=__doc__.split("\n")[0])
     ap.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated: pp4,dp4,dp2xpp2")
     ap.add_argument("--modes", default="emulated,compute", help="comma-separated: emulated,compute")
-    ap.add_argument("--layer-ms", type=float, default=0.5,
-                    help="emulated mode: forward ms per layer and sample (backward twice that)")
+    ap.add_argument(
+        "--layer-ms",
+        type=float,
+        default=0.5,
+        help="emulated mode: forward ms per layer and sample (backward twice that)",
+    )
     ap.add_argument("--steps", type=int, default=40, help="steps of the static and balanced runs")
     ap.add_argument("--measure", type=int, default=10, help="throughput: median over the last N steps")
     ap.add_argument("--clean-steps", type=int, default=200, help="steps of the clean (no slowdown) run")
-    ap.add_argument("--compute-clean-steps", type=int, default=60,
-                    help="steps of the clean run in compute mode (reported, not an acceptance figure)")
+    ap.add_argument(
+        "--compute-clean-steps",
+        type=int,
+        default=60,
+        help="steps of the clean run in compute mode (reported, not an acceptance figure)",
+    )
     ap.add_argument("--json", default=None, help="also write the results to this file")
     a = ap.parse_args(argv)
     for s in a.scenarios.split(","):
@@ -159,8 +175,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         if m not in ("emulated", "compute"):
             ap.error(f"unknown mode {m!r}; known: emulated, compute")
     if a.steps < SLOW_FROM + a.measure + 10:
-        ap.error(f"--steps={a.steps} leaves no room: need >= slowdown step {SLOW_FROM} + 10 steps to "
-                 f"rebalance + --measure={a.measure}")
+        ap.error(
+            f"--steps={a.steps} leaves no room: need >= slowdown step {SLOW_FROM} + 10 steps to "
+            f"rebalance + --measure={a.measure}"
+        )
     if a.layer_ms <= 0 or min(a.clean_steps, a.compute_clean_steps) < 10:
         ap.error("--layer-ms must be > 0 and --clean-steps, --compute-clean-steps >= 10")
     return a
@@ -173,20 +191,28 @@ def main(argv: list[str] | None = None) -> int:
         for name in a.scenarios.split(","):
             r = run_scenario(name, mode, a)
             results.append(r)
-            print(f"{mode:8s} {name:8s} ideal {r['ideal_tokens_per_s']:8.0f} static {r['static_tokens_per_s']:8.0f} "
-                  f"balanced {r['balanced_tokens_per_s']:8.0f} tok/s  balanced/ideal {r['balanced_over_ideal']:.3f}  "
-                  f"rebalanced after {r['steps_to_rebalance']} steps  clean-run rebalances "
-                  f"{r['false_rebalances_clean_run']}  load {r['load_average_before'][0]:.1f}",
-                  file=sys.stderr)
+            print(
+                f"{mode:8s} {name:8s} ideal {r['ideal_tokens_per_s']:8.0f} static {r['static_tokens_per_s']:8.0f} "
+                f"balanced {r['balanced_tokens_per_s']:8.0f} tok/s  balanced/ideal {r['balanced_over_ideal']:.3f}  "
+                f"rebalanced after {r['steps_to_rebalance']} steps  clean-run rebalances "
+                f"{r['false_rebalances_clean_run']}  load {r['load_average_before'][0]:.1f}",
+                file=sys.stderr,
+            )
     emulated = [r for r in results if r["mode"] == "emulated"]
     report = {
-        "bench": "balance", "cpu_count": os.cpu_count(), "args": vars(a), "results": results,
+        "bench": "balance",
+        "cpu_count": os.cpu_count(),
+        "args": vars(a),
+        "results": results,
         "acceptance_emulated": {
             "balanced_ge_0.90_ideal": all(r["balanced_over_ideal"] >= 0.90 for r in emulated),
-            "rebalanced_within_20_steps": all(r["steps_to_rebalance"] is not None
-                                              and r["steps_to_rebalance"] <= 20 for r in emulated),
+            "rebalanced_within_20_steps": all(
+                r["steps_to_rebalance"] is not None and r["steps_to_rebalance"] <= 20 for r in emulated
+            ),
             "no_rebalance_in_clean_runs": all(r["false_rebalances_clean_run"] == 0 for r in emulated),
-        } if emulated else None,
+        }
+        if emulated
+        else None,
     }
     text = json.dumps(report, indent=2)
     print(text)

@@ -50,8 +50,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridpar.bench.chaos_launches import (Launch, foreign_run_refused, jsonl, run_id_of, run_launch,
-                                            steps_checkpointed)
+from hybridpar.bench.chaos_launches import Launch, foreign_run_refused, jsonl, run_id_of, run_launch, steps_checkpointed
 from hybridpar.config import Config
 
 KILL_PHASES = ("forward", "p2p", "all-reduce", "optimizer", "step-end", "ckpt-write", "ckpt-barrier")
@@ -61,11 +60,27 @@ CORRUPTIONS = ("flip", "truncate", "delete", "mix", "pickle")
 # directory) each end or follow a launch, so they are rarer than the faults a launch recovers from itself.
 KINDS = {"kill": 8, "raise": 1, "exit0": 1, "stop": 1, "hang": 1, "corrupt": 2, "term": 1, "launcher": 1, "foreign": 1}
 ALWAYS = ("term", "launcher", "foreign")  # drawn first, so that a short soak has each at least once
-SOAK = {"model.dim": 64, "model.n_layers": 4, "model.n_heads": 4, "model.ffn_dim": 128, "train.global_batch": 8,
-        "train.microbatches": 2, "train.seq_len": 64, "train.warmup_steps": 2, "train.val_every": 10,
-        "train.val_batches": 1, "train.sample_tokens": 0, "train.monitor_every": 0, "data.max_bytes": 400_000,
-        "checkpoint.every": 1, "checkpoint.keep": 3, "resilience.hang_timeout_s": 2.0,
-        "resilience.heartbeat_s": 0.25, "resilience.slow_phase_timeout_s": 60.0, "parallel.timeout_s": 30.0}
+SOAK = {
+    "model.dim": 64,
+    "model.n_layers": 4,
+    "model.n_heads": 4,
+    "model.ffn_dim": 128,
+    "train.global_batch": 8,
+    "train.microbatches": 2,
+    "train.seq_len": 64,
+    "train.warmup_steps": 2,
+    "train.val_every": 10,
+    "train.val_batches": 1,
+    "train.sample_tokens": 0,
+    "train.monitor_every": 0,
+    "data.max_bytes": 400_000,
+    "checkpoint.every": 1,
+    "checkpoint.keep": 3,
+    "resilience.hang_timeout_s": 2.0,
+    "resilience.heartbeat_s": 0.25,
+    "resilience.slow_phase_timeout_s": 60.0,
+    "parallel.timeout_s": 30.0,
+}
 
 
 @dataclass
@@ -142,8 +157,11 @@ def recovery_times(run_dir: Path) -> dict[str, Any]:
             after = [x for x in firsts if x > nxt["time"]]
             if after:
                 recover_s.append(after[0] - f["time"])
-        seen = [r["time"] - f["time"] for r in reports if r["culprit"] == f["rank"] and r["time"] > f["time"]
-                and (nxt is None or r["time"] < nxt["time"])]
+        seen = [
+            r["time"] - f["time"]
+            for r in reports
+            if r["culprit"] == f["rank"] and r["time"] > f["time"] and (nxt is None or r["time"] < nxt["time"])
+        ]
         if seen:
             detect_s.append(min(seen))
     # Attempts in order: where each resumed, how far its checkpoints got; the next one redoes the difference.
@@ -156,10 +174,14 @@ def recovery_times(run_dir: Path) -> dict[str, Any]:
         elif progress and e["event"] == "checkpoint":
             progress[-1][1] = max(progress[-1][1], e["step"])
     redone = sum(max(0, a[1] - b[0]) for a, b in zip(progress, progress[1:]))
-    return {"recoveries": sum(1 for s in starts if s["restart"] > 0),
-            "mean_detect_s": _mean(detect_s), "detected_by_watchdog": len(detect_s),
-            "mean_restart_s": _mean(restart_s), "mean_recover_s": _mean(recover_s),
-            "committed_steps_redone": redone}
+    return {
+        "recoveries": sum(1 for s in starts if s["restart"] > 0),
+        "mean_detect_s": _mean(detect_s),
+        "detected_by_watchdog": len(detect_s),
+        "mean_restart_s": _mean(restart_s),
+        "mean_recover_s": _mean(recover_s),
+        "committed_steps_redone": redone,
+    }
 
 
 def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeout_s: float) -> dict[str, Any]:
@@ -182,9 +204,16 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
     # Each launch ends finished, preempted or killed; a failure or a timeout ends the soak (and fails it).
     while len(launches) < 3 + len(plan.launcher_kills) + sum(":term@" in f for f in plan.worker):
         kill = kills[0] if kills else (None, 0.0)
-        flags = soak_flags(run_dir, steps, tp, **{"resilience.max_restarts": n_faults + 5,
-                                              "emulate.fault": ",".join(plan.worker),
-                                              "checkpoint.resume": "auto" if launches else "off"})
+        flags = soak_flags(
+            run_dir,
+            steps,
+            tp,
+            **{
+                "resilience.max_restarts": n_faults + 5,
+                "emulate.fault": ",".join(plan.worker),
+                "checkpoint.resume": "auto" if launches else "off",
+            },
+        )
         launch = run_launch(flags, run_dir, log, launch_timeout_s, *kill)
         launches.append(launch)
         run_id = run_id or run_id_of(run_dir)  # None until a launch got as far as claiming the directory
@@ -195,8 +224,9 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
         for f in [f for f in foreign if f <= done or not going_on]:  # between launches (after the last: all)
             foreign.remove(f)
             tried += 1
-            other = soak_flags(run_dir, steps, tp, **{"train.seed": Config().train.seed + tried,
-                                                      "checkpoint.resume": "off"})
+            other = soak_flags(
+                run_dir, steps, tp, **{"train.seed": Config().train.seed + tried, "checkpoint.resume": "off"}
+            )
             refused += foreign_run_refused(other, run_dir, log)
         if not going_on:
             break
@@ -205,26 +235,35 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
     step_recs = [r for r in metrics if "loss" in r and "step" in r]
     final = metrics[-1] if metrics and metrics[-1].get("final") else {}
     fired = [f["fault"] for f in jsonl(run_dir / "chaos.jsonl")]
-    by_kind = {k: sum(f.split(":")[1].split("@")[0].split("=")[0] == k for f in fired)
-               for k in KINDS if k not in ("launcher", "foreign")}
+    by_kind = {
+        k: sum(f.split(":")[1].split("@")[0].split("=")[0] == k for f in fired)
+        for k in KINDS
+        if k not in ("launcher", "foreign")
+    }
     by_kind.update(launcher_kill=sum(x.end == "launcher_killed" for x in launches), foreign_run=tried)
     ends = [x.end for x in launches]
     gone = [x.gone_s for x in launches if x.gone_s is not None]
     return {
-        "faults_planned": n_faults, "faults_injected": sum(by_kind.values()), "injected_by_kind": by_kind,
-        "launches": len(launches), "launch_ends": {e: ends.count(e) for e in dict.fromkeys(ends)},
+        "faults_planned": n_faults,
+        "faults_injected": sum(by_kind.values()),
+        "injected_by_kind": by_kind,
+        "launches": len(launches),
+        "launch_ends": {e: ends.count(e) for e in dict.fromkeys(ends)},
         **(ledger_stats(final.get("samples_applied", []), steps, SOAK["train.global_batch"]) if final else {}),
         "params_identical": final.get("params_digest") == ref_metrics[-1]["params_digest"],
         "losses_identical": sorted(r["step"] for r in step_recs) == list(range(steps))
-                            and all(r["loss"] == ref_losses[r["step"]] for r in step_recs),
+        and all(r["loss"] == ref_losses[r["step"]] for r in step_recs),
         "run_id_kept": final.get("run_id") == run_id,
         "exit_codes_honest": all(x.honest() for x in launches),
         "orphaned_workers": sum(x.orphans for x in launches),
-        "mean_workers_gone_s": _mean(gone), "max_workers_gone_s": max(gone, default=None),
+        "mean_workers_gone_s": _mean(gone),
+        "max_workers_gone_s": max(gone, default=None),
         "foreign_run_refused": refused,
-        **recovery_times(run_dir), "soak_wall_s": round(wall, 1),
+        **recovery_times(run_dir),
+        "soak_wall_s": round(wall, 1),
         "load_avg_1m": [load0, round(os.getloadavg()[0], 2)],  # at start and end: other jobs slow it all down
-        "faults": fired, "launch_log": [asdict(x) for x in launches],
+        "faults": fired,
+        "launch_log": [asdict(x) for x in launches],
     }
 
 
@@ -251,18 +290,27 @@ def checkpoint_cost(work: Path, steps: int, start_method: str) -> dict[str, Any]
     sync = statistics.median(e["stall_s"] for e in out["sync"])
     stall = statistics.median(e["stall_s"] for e in out["async"])
     writes = [e["last_write_s"] for e in out["async"] if e["last_write_s"] is not None]
-    return {"ckpt_sync_s": round(sync, 4), "ckpt_async_stall_s": round(stall, 4),
-            "ckpt_async_stall_ratio": round(stall / sync, 4),
-            "ckpt_async_write_s": round(statistics.median(writes), 4) if writes else None,
-            "ckpt_saves_per_mode": len(out["sync"])}
+    return {
+        "ckpt_sync_s": round(sync, 4),
+        "ckpt_async_stall_s": round(stall, 4),
+        "ckpt_async_stall_ratio": round(stall / sync, 4),
+        "ckpt_async_write_s": round(statistics.median(writes), 4) if writes else None,
+        "ckpt_saves_per_mode": len(out["sync"]),
+    }
 
 
 def passed(result: dict[str, Any]) -> bool:
     """Nothing lost, doubled or changed, and every adversary's attempt met as it must be."""
-    return bool(result["params_identical"] and result["losses_identical"] and result["run_id_kept"]
-                and result.get("lost_samples") == 0 and result.get("duplicated_samples") == 0
-                and result["exit_codes_honest"] and result["orphaned_workers"] == 0
-                and result["foreign_run_refused"] == result["injected_by_kind"]["foreign_run"])
+    return bool(
+        result["params_identical"]
+        and result["losses_identical"]
+        and result["run_id_kept"]
+        and result.get("lost_samples") == 0
+        and result.get("duplicated_samples") == 0
+        and result["exit_codes_honest"]
+        and result["orphaned_workers"] == 0
+        and result["foreign_run_refused"] == result["injected_by_kind"]["foreign_run"]
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -270,14 +318,31 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--faults", type=int, default=32, help="random faults in the soak (default 32)")
     ap.add_argument("--steps", type=int, default=40, help="training steps of the soak run (default 40)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--tp", type=int, default=2, choices=(1, 2),
-                    help="tensor-parallel size of the soak, with pp 2 (default 2: 4 processes; 1: 2 processes)")
-    ap.add_argument("--ckpt-steps", type=int, default=12,
-                    help="steps of each checkpoint-cost run (default 12; 0 skips the checkpoint cost)")
-    ap.add_argument("--start-method", default="fork", choices=("fork", "spawn"),
-                    help="how the checkpoint-cost runs' agent starts workers (fork: faster; CPU only)")
-    ap.add_argument("--launch-timeout-s", type=float, default=1800.0,
-                    help="longest one launch of the soak may take before it is killed and the soak fails")
+    ap.add_argument(
+        "--tp",
+        type=int,
+        default=2,
+        choices=(1, 2),
+        help="tensor-parallel size of the soak, with pp 2 (default 2: 4 processes; 1: 2 processes)",
+    )
+    ap.add_argument(
+        "--ckpt-steps",
+        type=int,
+        default=12,
+        help="steps of each checkpoint-cost run (default 12; 0 skips the checkpoint cost)",
+    )
+    ap.add_argument(
+        "--start-method",
+        default="fork",
+        choices=("fork", "spawn"),
+        help="how the checkpoint-cost runs' agent starts workers (fork: faster; CPU only)",
+    )
+    ap.add_argument(
+        "--launch-timeout-s",
+        type=float,
+        default=1800.0,
+        help="longest one launch of the soak may take before it is killed and the soak fails",
+    )
     ap.add_argument("--json", help="also write the result to this file")
     ap.add_argument("--work-dir", help="keep run directories and launches.log here (default: a temporary directory)")
     a = ap.parse_args(argv)
@@ -285,10 +350,15 @@ def main(argv: list[str]) -> int:
         ap.error("--steps must be >= 3, --faults >= 1, --ckpt-steps >= 0 and --launch-timeout-s a positive number")
     work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="hybridpar-chaos-"))
     try:
-        result = {"bench": "chaos", "mode": "soak through `hybridpar train` (torch elastic agent), CPU/gloo",
-                  "seed": a.seed, "steps": a.steps, "layout": f"tp{a.tp} x pp2",
-                  **soak(work, a.faults, a.steps, a.seed, a.tp, a.launch_timeout_s),
-                  **(checkpoint_cost(work, a.ckpt_steps, a.start_method) if a.ckpt_steps else {})}
+        result = {
+            "bench": "chaos",
+            "mode": "soak through `hybridpar train` (torch elastic agent), CPU/gloo",
+            "seed": a.seed,
+            "steps": a.steps,
+            "layout": f"tp{a.tp} x pp2",
+            **soak(work, a.faults, a.steps, a.seed, a.tp, a.launch_timeout_s),
+            **(checkpoint_cost(work, a.ckpt_steps, a.start_method) if a.ckpt_steps else {}),
+        }
     finally:
         if not a.work_dir:
             shutil.rmtree(work, ignore_errors=True)

@@ -47,8 +47,11 @@ def jsonl(path: Path) -> list[dict[str, Any]]:
 
 def saves(run_dir: Path, since: float = 0.0) -> list[tuple[float, int]]:
     """(time, step) of each checkpoint saved after `since` (resilience.jsonl), in order."""
-    return [(e["time"], e["step"]) for e in jsonl(run_dir / "resilience.jsonl")
-            if e.get("event") == "checkpoint" and e.get("time", 0) >= since]
+    return [
+        (e["time"], e["step"])
+        for e in jsonl(run_dir / "resilience.jsonl")
+        if e.get("event") == "checkpoint" and e.get("time", 0) >= since
+    ]
 
 
 def steps_checkpointed(run_dir: Path) -> int:
@@ -85,8 +88,10 @@ class Launch:
         """The exit code says what run.json says happened (launcher.py's table)."""
         if self.end == "failed":
             return (self.code, self.state) in ((1, "failed"), (1, "running"), (2, "failed"))
-        return (self.end, self.code, self.state) in (("finished", 0, "finished"), ("preempted", 143, "preempted")) \
-            or self.end == "launcher_killed"
+        return (self.end, self.code, self.state) in (
+            ("finished", 0, "finished"),
+            ("preempted", 143, "preempted"),
+        ) or self.end == "launcher_killed"
 
 
 def _stop_group(proc: subprocess.Popen[bytes]) -> None:
@@ -114,8 +119,14 @@ def run_id_of(run_dir: Path) -> str | None:
     return _run_record(run_dir).get("run_id")
 
 
-def run_launch(flags: list[str], run_dir: Path, log: Path, timeout_s: float,
-               kill_after_step: int | None = None, kill_fraction: float = 0.0) -> Launch:
+def run_launch(
+    flags: list[str],
+    run_dir: Path,
+    log: Path,
+    timeout_s: float,
+    kill_after_step: int | None = None,
+    kill_fraction: float = 0.0,
+) -> Launch:
     """Run one launch to its end. With `kill_after_step`, SIGKILL the launcher's process group once this
     launch has checkpointed that many steps (at its second save, if it resumed past them), `kill_fraction`
     of a step later (a step's length measured between its last two saves: the kill lands somewhere in the
@@ -138,8 +149,15 @@ def run_launch(flags: list[str], run_dir: Path, log: Path, timeout_s: float,
                 at, killed = saves(run_dir, t0)[-1][1], time.time()
                 _stop_group(proc)
                 gone, orphans = _reap(run_dir)
-                return Launch("launcher_killed", proc.returncode, _state(run_dir), killed - t0, at,
-                              None if orphans else round(gone - killed, 3), orphans)
+                return Launch(
+                    "launcher_killed",
+                    proc.returncode,
+                    _state(run_dir),
+                    killed - t0,
+                    at,
+                    None if orphans else round(gone - killed, 3),
+                    orphans,
+                )
             time.sleep(POLL_S)
     except BaseException:  # interrupted (Ctrl-C): leave no launch behind
         _stop_group(proc)
@@ -183,13 +201,20 @@ def foreign_run_refused(flags: list[str], run_dir: Path, log: Path) -> bool:
     run_id = run_id_of(run_dir)
     before = snapshot(run_dir)
     try:
-        out = subprocess.run(train_command(flags), capture_output=True, text=True, timeout=REFUSE_TIMEOUT_S,
-                             start_new_session=True)
+        out = subprocess.run(
+            train_command(flags), capture_output=True, text=True, timeout=REFUSE_TIMEOUT_S, start_new_session=True
+        )
     except subprocess.TimeoutExpired:
         _reap(run_dir)
         return False
     with log.open("a", encoding="utf-8") as fh:
         fh.write(f"--- foreign run (exit {out.returncode})\n{out.stdout}{out.stderr}")
     errors = [x for x in out.stderr.splitlines() if x.startswith("hybridpar: error:")]
-    return run_id is not None and out.returncode == 2 and len(errors) == 1 and f"holds run {run_id}" in errors[0] \
-        and snapshot(run_dir) == before and not workers_of(run_dir)
+    return (
+        run_id is not None
+        and out.returncode == 2
+        and len(errors) == 1
+        and f"holds run {run_id}" in errors[0]
+        and snapshot(run_dir) == before
+        and not workers_of(run_dir)
+    )

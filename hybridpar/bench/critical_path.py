@@ -63,8 +63,9 @@ def windows_of(timeline: Sequence, sleeps: Sequence[tuple[str, float, float, flo
     return out
 
 
-def critical_path(windows: Sequence[Sequence[Window]], waits: Sequence[Sequence[Window]],
-                  step_start: float, step_end: float) -> dict:
+def critical_path(
+    windows: Sequence[Sequence[Window]], waits: Sequence[Sequence[Window]], step_start: float, step_end: float
+) -> dict:
     """windows[r]: rank r's windows over the run, in time order; waits[r]: its receive waits (RECV_*
     action, start, end, step; `requested` unused); the run's start and end. Seconds, plus counts and
     the path (actions, last first)."""
@@ -102,5 +103,10 @@ def critical_path(windows: Sequence[Sequence[Window]], waits: Sequence[Sequence[
             parts["start"] = w.start - step_start
             break
     total = step_end - step_start
-    return {**{f"{k}_s": v for k, v in parts.items()}, "n_hops": n_hops, "n_intra": n_intra,
-            "step_s": total, "path": path}
+    return {
+        **{f"{k}_s": v for k, v in parts.items()},
+        "n_hops": n_hops,
+        "n_intra": n_intra,
+        "step_s": total,
+        "path": path,
+    }

@@ -176,9 +176,21 @@ class EmulatedStage(nn.Module):
     inside the F window and its backward inside the B window (see `windowed_loss`).
     """
 
-    def __init__(self, first: bool, last: bool, vocab: int, hidden: int, f_s: float, b_s: float,
-                 seed: int, *, w_s: float = 0.0, log: SleepLog | None = None, loss_in_window: bool = False,
-                 tail: str = "autograd") -> None:
+    def __init__(
+        self,
+        first: bool,
+        last: bool,
+        vocab: int,
+        hidden: int,
+        f_s: float,
+        b_s: float,
+        seed: int,
+        *,
+        w_s: float = 0.0,
+        log: SleepLog | None = None,
+        loss_in_window: bool = False,
+        tail: str = "autograd",
+    ) -> None:
         super().__init__()
         if loss_in_window and not last:
             raise ValueError("loss_in_window is for the last stage, the one whose output is the loss's input")

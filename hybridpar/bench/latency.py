@@ -21,7 +21,8 @@ Measured, per case:
 
 The prediction adds them term by term to the ideal simulation (the nominal F/B/W only) so that each
 term's share of the excess over the ideal is reported: + latency, + sleep overshoot, + per-action
-overhead (compute dispatch, send/recv posting), + posting at the measured flush points, + step gap. Increments depend on that order where terms
+overhead (compute dispatch, send/recv posting), + posting at the measured flush points, + step gap.
+Increments depend on that order where terms
 interact (a latency that a wait hides costs nothing); their sum is the full prediction.
 """
 
@@ -52,8 +53,9 @@ def neighbour_links(ranks: Sequence[int]) -> list[tuple[int, int]]:
     return links
 
 
-def ping_pong(p2p: P2P, me: int, a: int, b: int, peer: Callable[[int], int], shape: tuple[int, ...],
-              round_trips: int, warmup: int) -> list[float]:
+def ping_pong(
+    p2p: P2P, me: int, a: int, b: int, peer: Callable[[int], int], shape: tuple[int, ...], round_trips: int, warmup: int
+) -> list[float]:
     """Round trips a -> b -> a of one message of `shape` (float32); run by both ends. Returns the
     measured round-trip seconds on `a`, [] on `b`."""
     x = torch.zeros(shape, dtype=p2p.dtype, device=p2p.device)
@@ -81,9 +83,17 @@ def ping_pong(p2p: P2P, me: int, a: int, b: int, peer: Callable[[int], int], sha
     return rtts
 
 
-def round_trips(p2p: P2P, me: int, links: Sequence[tuple[int, int]], peer: Callable[[int], int],
-                shape: tuple[int, ...], barrier: Callable[[], None], n: int, warmup: int = 5,
-                into: dict[str, list[float]] | None = None) -> dict[str, list[float]]:
+def round_trips(
+    p2p: P2P,
+    me: int,
+    links: Sequence[tuple[int, int]],
+    peer: Callable[[int], int],
+    shape: tuple[int, ...],
+    barrier: Callable[[], None],
+    n: int,
+    warmup: int = 5,
+    into: dict[str, list[float]] | None = None,
+) -> dict[str, list[float]]:
     """Round-trip seconds of each link this rank starts ("a->b": [...]), appended to `into`."""
     out = into if into is not None else {}
     for a, b in links:
@@ -133,8 +143,7 @@ def posting_points(timeline: Sequence, posts: Sequence[float]) -> list[int | Non
         while k < len(ps) and ps[k] < t.end:
             k += 1
         p = ps[k] if k < len(ps) else float("inf")
-        j = next((j for j in range(i + 1, len(timeline)) if timeline[j].start <= p <= timeline[j].end),
-                 len(timeline))
+        j = next((j for j in range(i + 1, len(timeline)) if timeline[j].start <= p <= timeline[j].end), len(timeline))
         out.append(j)
     return out
 
@@ -167,8 +176,14 @@ class StepSamples:
         self.overshoot: dict[str, list[float]] = defaultdict(list)  # "F" | "B" | "W": actual - requested
         self.gap: list[float] = []  # per step: wall of the step minus the span of its actions
 
-    def add_step(self, timeline: Sequence, waits: Sequence, sleeps: Sequence[tuple[str, float, float, float]],
-                 step_start: float, step_end: float) -> None:
+    def add_step(
+        self,
+        timeline: Sequence,
+        waits: Sequence,
+        sleeps: Sequence[tuple[str, float, float, float]],
+        step_start: float,
+        step_end: float,
+    ) -> None:
         """timeline/waits: the runtime's ActionTime lists of one step; sleeps: SleepLog entries of it;
         step_start/end: perf_counter around the whole step, zeroing of gradients included."""
         for op, req, s0, s1 in sleeps:
@@ -195,8 +210,12 @@ class StepSamples:
             self.gap.append((step_end - step_start) - (timeline[-1].end - timeline[0].start))
 
     def to_dict(self) -> dict:
-        return {"overhead": dict(self.overhead), "comm": dict(self.comm), "overshoot": dict(self.overshoot),
-                "gap": self.gap}
+        return {
+            "overhead": dict(self.overhead),
+            "comm": dict(self.comm),
+            "overshoot": dict(self.overshoot),
+            "gap": self.gap,
+        }
 
 
 def _median(xs: Sequence[float]) -> float:
@@ -214,8 +233,11 @@ def summarize(ranks: Sequence[dict], latencies: Sequence[dict[str, list[float]]]
     means (the fields the simulator is fed with) and medians (`*_median_s`): a step adds up the costs
     of the actions on its critical path, so its expected time follows their means, and on a loaded
     machine their distribution has a long tail (an occasional descheduled rank) that a median drops."""
-    pool: dict[str, dict[str, list[float]]] = {"overhead": defaultdict(list), "comm": defaultdict(list),
-                                               "overshoot": defaultdict(list)}
+    pool: dict[str, dict[str, list[float]]] = {
+        "overhead": defaultdict(list),
+        "comm": defaultdict(list),
+        "overshoot": defaultdict(list),
+    }
     gaps: list[float] = []
     for rk in ranks:
         for part in pool:
@@ -228,16 +250,19 @@ def summarize(ranks: Sequence[dict], latencies: Sequence[dict[str, list[float]]]
         by_op[k[0]] += xs
     out: dict = {"hop_latency_s": _median(list(links.values())), "hop_latency_per_link_s": dict(sorted(links.items()))}
     for suffix, stat in (("_s", _mean), ("_median_s", _median)):
-        out.update({
-            f"compute_overhead{suffix}": {op: stat(by_op[op]) for op in _COMPUTE if by_op[op]},
-            f"compute_overhead_per_stage{suffix}": {k: stat(xs) for k, xs in sorted(pool["overhead"].items())},
-            f"send_overhead{suffix}": stat(pool["comm"].get("SEND", [])),
-            f"recv_overhead{suffix}": stat(pool["comm"].get("RECV", [])),
-            f"sleep_overshoot{suffix}": {op: stat(xs) for op, xs in sorted(pool["overshoot"].items())},
-            f"step_gap{suffix}": stat(gaps),
-        })
-    out["compute_overhead_p90_s"] = {op: statistics.quantiles(by_op[op], n=10)[-1]
-                                     for op in _COMPUTE if len(by_op[op]) >= 2}
+        out.update(
+            {
+                f"compute_overhead{suffix}": {op: stat(by_op[op]) for op in _COMPUTE if by_op[op]},
+                f"compute_overhead_per_stage{suffix}": {k: stat(xs) for k, xs in sorted(pool["overhead"].items())},
+                f"send_overhead{suffix}": stat(pool["comm"].get("SEND", [])),
+                f"recv_overhead{suffix}": stat(pool["comm"].get("RECV", [])),
+                f"sleep_overshoot{suffix}": {op: stat(xs) for op, xs in sorted(pool["overshoot"].items())},
+                f"step_gap{suffix}": stat(gaps),
+            }
+        )
+    out["compute_overhead_p90_s"] = {
+        op: statistics.quantiles(by_op[op], n=10)[-1] for op in _COMPUTE if len(by_op[op]) >= 2
+    }
     return out
 
 
@@ -245,8 +270,14 @@ def _per_stage(n_stages: int, base: float, op: str, extra: Callable[[str, int], 
     return [max(0.0, base + extra(op, s)) for s in range(n_stages)]
 
 
-def predict(actions: list[list[Action]], pp: int, ranks: Sequence[int], nominal: dict[str, float],
-            measured: dict, posted: list[list[Action]] | None = None) -> tuple[dict, SimResult]:
+def predict(
+    actions: list[list[Action]],
+    pp: int,
+    ranks: Sequence[int],
+    nominal: dict[str, float],
+    measured: dict,
+    posted: list[list[Action]] | None = None,
+) -> tuple[dict, SimResult]:
     """Simulate `actions` (every rank's list) under the nominal per-action seconds ({"F", "B", "W"}:
     what each action sleeps, 0 for real compute) plus the measured costs (`summarize` output); the
     full prediction runs `posted` (`posted_lists`: the same lists, messages where they were posted).
@@ -262,33 +293,46 @@ def predict(actions: list[list[Action]], pp: int, ranks: Sequence[int], nominal:
 
     def costs(lat: bool, overshoot: bool, overhead: bool) -> Costs:
         def extra(op: str, s: int) -> float:
-            return ((shoot.get(op, 0.0) if overshoot else 0.0)
-                    + (over.get(f"{op}{s}", floor) - floor if overhead else 0.0))
+            return (shoot.get(op, 0.0) if overshoot else 0.0) + (
+                over.get(f"{op}{s}", floor) - floor if overhead else 0.0
+            )
 
-        return Costs(forward_s=_per_stage(n_stages, nominal["F"], "F", extra),
-                     backward_s=_per_stage(n_stages, nominal["B"], "B", extra),
-                     weight_s=_per_stage(n_stages, nominal["W"], "W", extra),
-                     latency_s=measured["hop_latency_s"] if lat else 0.0,
-                     send_overhead_s=measured["send_overhead_s"] if overhead else 0.0,
-                     recv_overhead_s=measured["recv_overhead_s"] if overhead else 0.0,
-                     compute_overhead_s=floor if overhead else 0.0)
+        return Costs(
+            forward_s=_per_stage(n_stages, nominal["F"], "F", extra),
+            backward_s=_per_stage(n_stages, nominal["B"], "B", extra),
+            weight_s=_per_stage(n_stages, nominal["W"], "W", extra),
+            latency_s=measured["hop_latency_s"] if lat else 0.0,
+            send_overhead_s=measured["send_overhead_s"] if overhead else 0.0,
+            recv_overhead_s=measured["recv_overhead_s"] if overhead else 0.0,
+            compute_overhead_s=floor if overhead else 0.0,
+        )
 
-    steps = [simulate(actions, pp, n_stages, costs(*flags), ranks=ranks).step_time_s
-             for flags in ((False, False, False), (True, False, False), (True, True, False), (True, True, True))]
+    steps = [
+        simulate(actions, pp, n_stages, costs(*flags), ranks=ranks).step_time_s
+        for flags in ((False, False, False), (True, False, False), (True, True, False), (True, True, True))
+    ]
     full = simulate(posted or actions, pp, n_stages, costs(True, True, True), ranks=ranks)
     gap = measured["step_gap_s"]
     total = full.step_time_s + gap
     # Busy as the emulated ranks measure it (bench/pipeline.py): the time actually slept, i.e.
     # nominal + overshoot per compute action; overheads and waits are bubble.
-    busy = sum(nominal[a.op.value] + (shoot.get(a.op.value, 0.0) if nominal[a.op.value] > 0 else 0.0)
-               for acts in actions for a in acts if a.op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT))
+    busy = sum(
+        nominal[a.op.value] + (shoot.get(a.op.value, 0.0) if nominal[a.op.value] > 0 else 0.0)
+        for acts in actions
+        for a in acts
+        if a.op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
+    )
     fields = {
         "sim_ideal_step_time_s": steps[0],
         "sim_step_time_s": total,
         "sim_bubble": 1.0 - busy / (pp * total) if total > 0 else 0.0,
-        "sim_breakdown_s": {"ideal": steps[0], "hop_latency": steps[1] - steps[0],
-                            "sleep_overshoot": steps[2] - steps[1],
-                            "action_overhead": steps[3] - steps[2],
-                            "posting_delay": full.step_time_s - steps[3], "step_gap": gap},
+        "sim_breakdown_s": {
+            "ideal": steps[0],
+            "hop_latency": steps[1] - steps[0],
+            "sleep_overshoot": steps[2] - steps[1],
+            "action_overhead": steps[3] - steps[2],
+            "posting_delay": full.step_time_s - steps[3],
+            "step_gap": gap,
+        },
     }
     return fields, full

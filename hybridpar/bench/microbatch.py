@@ -55,8 +55,12 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     cfg.batching.policy = "adaptive"
     if a["memory_budget"] is not None:
         cfg.batching.memory_budget = a["memory_budget"]
-    tr.policy = make_policy(cfg, topo.dp_rank, memory_total_bytes=tr.monitor.sample().memory_total_bytes,
-                            resident_bytes=tr.monitor.sample().memory_used_bytes)
+    tr.policy = make_policy(
+        cfg,
+        topo.dp_rank,
+        memory_total_bytes=tr.monitor.sample().memory_total_bytes,
+        resident_bytes=tr.monitor.sample().memory_used_bytes,
+    )
     adaptive = tr.policy
     recs = run(a["adaptive_steps"])
     stats = adaptive.statistics()
@@ -76,18 +80,38 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     if topo.rank != 0:
         return None
     done = stats["steps_to_converge"]
-    return {"layout": f"tp{p.tp}-pp{p.pp}-dp{p.dp}", "schedule": p.schedule, "global_batch": t.global_batch,
-            "seq_len": t.seq_len, "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L",
-            "fixed": [{"microbatches": m, "sizes": FixedPolicy(batch, count=m).split, "tokens_per_s": med[m],
-                       "peak_activation_bytes": peak[m], "within_budget": m in allowed} for m in counts],
-            "best_fixed_microbatches": best, "best_fixed_sweep_tokens_per_s": med[best],
-            "best_fixed_tokens_per_s": statistics.median(side["fixed"]),
-            "adaptive_tokens_per_s": statistics.median(side["adaptive"]),
-            "ratio": statistics.median(side["adaptive"]) / statistics.median(side["fixed"]),
-            "adaptive_mean_tokens_per_s_cold_start": statistics.fmean(r["tokens_per_s"] for r in recs),
-            "adaptive_split": adaptive.statistics()["current_split"], "adaptive_compare_splits": sorted(used), "converged": stats["converged"], "steps_to_converge": done, "adaptive_steps": len(recs),
-            "memory_budget_bytes": budget, "peak_memory_bytes": max(r["activation_peak_bytes"] for r in recs),
-            "oom_retries": tr.oom_retries, "adaptive_history": stats["history"]}
+    return {
+        "layout": f"tp{p.tp}-pp{p.pp}-dp{p.dp}",
+        "schedule": p.schedule,
+        "global_batch": t.global_batch,
+        "seq_len": t.seq_len,
+        "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L",
+        "fixed": [
+            {
+                "microbatches": m,
+                "sizes": FixedPolicy(batch, count=m).split,
+                "tokens_per_s": med[m],
+                "peak_activation_bytes": peak[m],
+                "within_budget": m in allowed,
+            }
+            for m in counts
+        ],
+        "best_fixed_microbatches": best,
+        "best_fixed_sweep_tokens_per_s": med[best],
+        "best_fixed_tokens_per_s": statistics.median(side["fixed"]),
+        "adaptive_tokens_per_s": statistics.median(side["adaptive"]),
+        "ratio": statistics.median(side["adaptive"]) / statistics.median(side["fixed"]),
+        "adaptive_mean_tokens_per_s_cold_start": statistics.fmean(r["tokens_per_s"] for r in recs),
+        "adaptive_split": adaptive.statistics()["current_split"],
+        "adaptive_compare_splits": sorted(used),
+        "converged": stats["converged"],
+        "steps_to_converge": done,
+        "adaptive_steps": len(recs),
+        "memory_budget_bytes": budget,
+        "peak_memory_bytes": max(r["activation_peak_bytes"] for r in recs),
+        "oom_retries": tr.oom_retries,
+        "adaptive_history": stats["history"],
+    }
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -2,7 +2,9 @@
 
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
         [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zb-v] [--virtual-stages 2] [--repeats 5] [--steps 4]
-        [--f-ms 20 --b-ms 40 [--w-ms 20]] [--window-tail autograd|spin] [--p2p auto|process_group|shared_memory] [--cpu-bind none|cores] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
+        [--f-ms 20 --b-ms 40 [--w-ms 20]]
+        [--window-tail autograd|spin] [--p2p
+        auto|process_group|shared_memory] [--cpu-bind none|cores] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
         [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
 Per case (mode, schedule, pp) the ranks start once (dp = tp = 1, world = pp); each builds both
@@ -49,9 +51,9 @@ from hybridpar.bench.emulated import TAILS
 from hybridpar.bench.pipeline_case import Case, run_case
 from hybridpar.config import ModelConfig
 from hybridpar.config.schedules import schedule_names, schedule_spec
+from hybridpar.config.sections import CPU_BINDINGS
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.shm import TRANSPORTS
-from hybridpar.config.sections import CPU_BINDINGS
 
 
 def _f(v, spec: str) -> str:
@@ -59,15 +61,19 @@ def _f(v, spec: str) -> str:
 
 
 def format_table(records: list[dict]) -> str:
-    head = (f"{'mode':<9}{'schedule':<18}{'pp':>3}{'v':>3}{'m':>4}{'ours st/s':>11}{'torch st/s':>12}"
-            f"{'ratio':>8}{'bubble ours':>13}{'torch':>8}{'theory':>8}  loss match")
+    head = (
+        f"{'mode':<9}{'schedule':<18}{'pp':>3}{'v':>3}{'m':>4}{'ours st/s':>11}{'torch st/s':>12}"
+        f"{'ratio':>8}{'bubble ours':>13}{'torch':>8}{'theory':>8}  loss match"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         match = "-" if r["loss_match"] is None else f"{r['loss_match']} ({r['loss_rel_diff']:.1e})"
-        lines.append(f"{r['mode']:<9}{r['schedule']:<18}{r['pp']:>3}{r['virtual_stages']:>3}{r['microbatches']:>4}"
-                     f"{_f(r['hybridpar_steps_per_s'], '.3f'):>11}{_f(r['torch_steps_per_s'], '.3f'):>12}"
-                     f"{_f(r['ratio'], '.3f'):>8}{_f(r['bubble_measured'], '.3f'):>13}"
-                     f"{_f(r['torch_bubble_measured'], '.3f'):>8}{_f(r['bubble_theory'], '.3f'):>8}  {match}")
+        lines.append(
+            f"{r['mode']:<9}{r['schedule']:<18}{r['pp']:>3}{r['virtual_stages']:>3}{r['microbatches']:>4}"
+            f"{_f(r['hybridpar_steps_per_s'], '.3f'):>11}{_f(r['torch_steps_per_s'], '.3f'):>12}"
+            f"{_f(r['ratio'], '.3f'):>8}{_f(r['bubble_measured'], '.3f'):>13}"
+            f"{_f(r['torch_bubble_measured'], '.3f'):>8}{_f(r['bubble_theory'], '.3f'):>8}  {match}"
+        )
         if r["torch_error"]:
             lines.append(f"{'':<9}torch not run: {r['torch_error']}")
     return "\n".join(lines)
@@ -75,35 +81,46 @@ def format_table(records: list[dict]) -> str:
 
 def format_prediction(records: list[dict]) -> str:
     """The simulator fed with the measured per-hop costs vs. the measured step (ours), in ms / us."""
-    head = (f"{'schedule':<18}{'pp':>3}{'m':>4}{'meas ms':>9}{'sim ms':>9}{'err %':>7}{'ideal':>8}"
-            f"{'+lat':>7}{'+shoot':>7}{'+ovh':>7}{'+post':>7}{'+gap':>7}{'hop us':>8}  overshoot us F/B/W  overhead us F/B/W"
-            f"  send/recv us")
+    head = (
+        f"{'schedule':<18}{'pp':>3}{'m':>4}{'meas ms':>9}{'sim ms':>9}{'err %':>7}{'ideal':>8}"
+        f"{'+lat':>7}{'+shoot':>7}{'+ovh':>7}{'+post':>7}{'+gap':>7}{'hop us':>8}"
+        "  overshoot us F/B/W  overhead us F/B/W"
+        f"  send/recv us"
+    )
     lines = [head, "-" * len(head)]
     us = lambda d: "/".join(f"{d[k] * 1e6:.0f}" if k in d else "-" for k in "FBW")  # noqa: E731
     for r in records:
         bd = r["sim_breakdown_s"]
-        lines.append(f"{r['schedule']:<18}{r['pp']:>3}{r['microbatches']:>4}{r['measured_step_time_s'] * 1e3:>9.1f}"
-                     f"{r['sim_step_time_s'] * 1e3:>9.1f}{r['sim_error'] * 100:>7.1f}{bd['ideal'] * 1e3:>8.1f}"
-                     + "".join(f"{bd[k] * 1e3:>7.2f}" for k in ("hop_latency", "sleep_overshoot", "action_overhead",
-                                                               "posting_delay", "step_gap"))
-                     + f"{r['hop_latency_s'] * 1e6:>8.0f}  {us(r['sleep_overshoot_s']):>18}"
-                       f"  {us(r['compute_overhead_s']):>17}  {r['send_overhead_s'] * 1e6:.0f}/{r['recv_overhead_s'] * 1e6:.0f}")
+        lines.append(
+            f"{r['schedule']:<18}{r['pp']:>3}{r['microbatches']:>4}{r['measured_step_time_s'] * 1e3:>9.1f}"
+            f"{r['sim_step_time_s'] * 1e3:>9.1f}{r['sim_error'] * 100:>7.1f}{bd['ideal'] * 1e3:>8.1f}"
+            + "".join(
+                f"{bd[k] * 1e3:>7.2f}"
+                for k in ("hop_latency", "sleep_overshoot", "action_overhead", "posting_delay", "step_gap")
+            )
+            + f"{r['hop_latency_s'] * 1e6:>8.0f}  {us(r['sleep_overshoot_s']):>18}"
+            f"  {us(r['compute_overhead_s']):>17}  {r['send_overhead_s'] * 1e6:.0f}/{r['recv_overhead_s'] * 1e6:.0f}"
+        )
     return "\n".join(lines)
 
 
 def format_critical(records: list[dict]) -> str:
     """The critical path of our timed steps (emulated records), per step, in ms."""
-    head = (f"{'schedule':<18}{'pp':>3}{'m':>4}{'step ms':>9}{'work':>8}{'shoot':>7}{'hops':>7}{'n':>4}{'per hop us':>11}"
-            f"{'intra':>7}{'n':>4}{'start':>7}{'end':>7}")
+    head = (
+        f"{'schedule':<18}{'pp':>3}{'m':>4}{'step ms':>9}{'work':>8}{'shoot':>7}{'hops':>7}{'n':>4}{'per hop us':>11}"
+        f"{'intra':>7}{'n':>4}{'start':>7}{'end':>7}"
+    )
     lines = [head, "-" * len(head)]
     for r in records:
         cp = r.get("critical_path_s")
         if not cp:
             continue
-        lines.append(f"{r['schedule']:<18}{r['pp']:>3}{r['microbatches']:>4}{cp['step_s'] * 1e3:>9.1f}"
-                     f"{cp['work_s'] * 1e3:>8.1f}{cp['overshoot_s'] * 1e3:>7.2f}{cp['hops_s'] * 1e3:>7.2f}"
-                     f"{cp['n_hops']:>4.0f}{cp['hop_s'] * 1e6:>11.0f}{cp['intra_s'] * 1e3:>7.2f}{cp['n_intra']:>4.0f}"
-                     f"{cp['start_s'] * 1e3:>7.2f}{cp['end_s'] * 1e3:>7.2f}")
+        lines.append(
+            f"{r['schedule']:<18}{r['pp']:>3}{r['microbatches']:>4}{cp['step_s'] * 1e3:>9.1f}"
+            f"{cp['work_s'] * 1e3:>8.1f}{cp['overshoot_s'] * 1e3:>7.2f}{cp['hops_s'] * 1e3:>7.2f}"
+            f"{cp['n_hops']:>4.0f}{cp['hop_s'] * 1e6:>11.0f}{cp['intra_s'] * 1e3:>7.2f}{cp['n_intra']:>4.0f}"
+            f"{cp['start_s'] * 1e3:>7.2f}{cp['end_s'] * 1e3:>7.2f}"
+        )
     return "\n".join(lines) if len(lines) > 2 else ""
 
 
@@ -111,9 +128,14 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
     """Every case of the invocation, validated (ValueError naming the problem) before any process starts."""
     modes = ["compute", "emulated"] if a.mode == "both" else [a.mode]
     scheds = [s for s in a.schedules.split(",") if s]
-    for name, val in (("--repeats", a.repeats), ("--steps", a.steps), ("--warmup", a.warmup),
-                      ("--microbatches", a.microbatches), ("--virtual-stages", a.virtual_stages),
-                      ("--ping-pongs", a.ping_pongs)):
+    for name, val in (
+        ("--repeats", a.repeats),
+        ("--steps", a.steps),
+        ("--warmup", a.warmup),
+        ("--microbatches", a.microbatches),
+        ("--virtual-stages", a.virtual_stages),
+        ("--ping-pongs", a.ping_pongs),
+    ):
         if val < 1:
             raise ValueError(f"{name} must be at least 1, got {val}")
     if any(p < 2 for p in a.pp):
@@ -139,51 +161,107 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
                     raise ValueError(f"--layers {layers} is fewer than the {pp * vs[s]} stages of {s} with pp={pp}")
                 em = mode == "emulated"
                 split = specs[s].splits_backward
-                cases.append(Case(mode, s, pp, vs[s], a.microbatches, gb, a.seq_len, a.steps, a.repeats, a.warmup,
-                                  a.f_ms if em else None, a.b_ms if em else None, w_ms if em and split else None,
-                                  a.act_kb if em else None, None if em else layers, a.seed, a.timeout,
-                                  a.ping_pongs, a.window_tail, a.p2p, a.cpu_bind))
+                cases.append(
+                    Case(
+                        mode,
+                        s,
+                        pp,
+                        vs[s],
+                        a.microbatches,
+                        gb,
+                        a.seq_len,
+                        a.steps,
+                        a.repeats,
+                        a.warmup,
+                        a.f_ms if em else None,
+                        a.b_ms if em else None,
+                        w_ms if em and split else None,
+                        a.act_kb if em else None,
+                        None if em else layers,
+                        a.seed,
+                        a.timeout,
+                        a.ping_pongs,
+                        a.window_tail,
+                        a.p2p,
+                        a.cpu_bind,
+                    )
+                )
     return cases
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench pipeline", description=__doc__.split("\n\n")[0])
     ap.add_argument("--mode", choices=("compute", "emulated", "both"), default="emulated")
-    ap.add_argument("--pp", type=lambda v: [int(x) for x in v.split(",") if x], default=[2, 4], help="pipeline sizes, comma-separated")
+    ap.add_argument(
+        "--pp",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[2, 4],
+        help="pipeline sizes, comma-separated",
+    )
     ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument("--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {', '.join(schedule_names())}")
-    ap.add_argument("--virtual-stages", type=int, default=2,
-                    help="stages per rank for the schedules that take any count ("
-                         + ", ".join(s for s in schedule_names() if schedule_spec(s).virtual_stages is None)
-                         + "); the others run their own")
+    ap.add_argument(
+        "--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {', '.join(schedule_names())}"
+    )
+    ap.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        help="stages per rank for the schedules that take any count ("
+        + ", ".join(s for s in schedule_names() if schedule_spec(s).virtual_stages is None)
+        + "); the others run their own",
+    )
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (median)")
     ap.add_argument("--steps", type=int, default=4, help="steps per repeat")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation (first one checked)")
     ap.add_argument("--f-ms", type=float, default=20.0, help="emulated forward ms per microbatch per rank")
     ap.add_argument("--b-ms", type=float, default=40.0, help="emulated backward ms per microbatch per rank")
-    ap.add_argument("--w-ms", type=float, default=None,
-                    help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
-                         "(default: half of --b-ms)")
-    ap.add_argument("--window-tail", choices=TAILS, default="autograd",
-                    help="emulated: what a window's last ms runs: tiny autograd work (caches as warm as "
-                         "after real compute) or a bare spin (see emulated.TAILS)")
-    ap.add_argument("--p2p", choices=TRANSPORTS, default="auto",
-                    help="our runtime's message transport: auto = shared memory between CPU ranks on one "
-                         "host, else the process group (torch's schedules always use the process group)")
-    ap.add_argument("--cpu-bind", choices=CPU_BINDINGS, default="none",
-                    help="each rank's CPU cores, for both implementations: none (the OS schedules) or "
-                         "cores (rank r on its own share; more ranks than cores: core r %% n)")
+    ap.add_argument(
+        "--w-ms",
+        type=float,
+        default=None,
+        help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
+        "(default: half of --b-ms)",
+    )
+    ap.add_argument(
+        "--window-tail",
+        choices=TAILS,
+        default="autograd",
+        help="emulated: what a window's last ms runs: tiny autograd work (caches as warm as "
+        "after real compute) or a bare spin (see emulated.TAILS)",
+    )
+    ap.add_argument(
+        "--p2p",
+        choices=TRANSPORTS,
+        default="auto",
+        help="our runtime's message transport: auto = shared memory between CPU ranks on one "
+        "host, else the process group (torch's schedules always use the process group)",
+    )
+    ap.add_argument(
+        "--cpu-bind",
+        choices=CPU_BINDINGS,
+        default="none",
+        help="each rank's CPU cores, for both implementations: none (the OS schedules) or "
+        "cores (rank r on its own share; more ranks than cores: core r %% n)",
+    )
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
     ap.add_argument("--seq-len", type=int, default=128)
-    ap.add_argument("--layers", type=int, default=None,
-                    help="compute mode: decoder layers (default: ModelConfig's, raised to the most stages)")
+    ap.add_argument(
+        "--layers",
+        type=int,
+        default=None,
+        help="compute mode: decoder layers (default: ModelConfig's, raised to the most stages)",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout", type=float, default=120.0, help="bound in seconds on every collective / P2P wait")
-    ap.add_argument("--ping-pongs", type=int, default=200,
-                    help="round trips per link for the hop latency (spread over the repeats)")
-    ap.add_argument("--trace-dir", default=None,
-                    help="write per case DIR/<case>.json: one timed step of ours beside its simulation (Perfetto)")
+    ap.add_argument(
+        "--ping-pongs", type=int, default=200, help="round trips per link for the hop latency (spread over the repeats)"
+    )
+    ap.add_argument(
+        "--trace-dir",
+        default=None,
+        help="write per case DIR/<case>.json: one timed step of ours beside its simulation (Perfetto)",
+    )
     ap.add_argument("--json", default=None, help="write the records to FILE ('-': stdout)")
     return ap.parse_args(argv)
 
@@ -200,7 +278,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     records = []
     for i, c in enumerate(cases):
-        print(f"[{i + 1}/{len(cases)}] {c.mode} {c.schedule} pp={c.pp} v={c.v} m={c.m} ...", file=sys.stderr, flush=True)
+        print(
+            f"[{i + 1}/{len(cases)}] {c.mode} {c.schedule} pp={c.pp} v={c.v} m={c.m} ...", file=sys.stderr, flush=True
+        )
         records.append(run_case(c, a.trace_dir))
     print(format_table(records))
     print()

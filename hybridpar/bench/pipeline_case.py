@@ -19,12 +19,20 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.split import split_evenly
 from hybridpar.bench.critical_path import Window, critical_path, per_step, windows_of
 from hybridpar.bench.emulated import BusyTimer, EmulatedStage, SleepLog, Timed, windowed_loss
-from hybridpar.bench.latency import (RecordingP2P, StepSamples, neighbour_links, posted_lists, posting_points,
-                                     predict, round_trips, summarize)
+from hybridpar.bench.latency import (
+    RecordingP2P,
+    StepSamples,
+    neighbour_links,
+    posted_lists,
+    posting_points,
+    predict,
+    round_trips,
+    summarize,
+)
 from hybridpar.config import ModelConfig
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
-from hybridpar.pipeline.schedules import Action, Op, build_schedule, bubble_fraction_theory
+from hybridpar.pipeline.schedules import Action, Op, bubble_fraction_theory, build_schedule
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.testing import run_ranks
@@ -91,8 +99,19 @@ def _build(c: Case, s: int, device: torch.device, log: SleepLog | None = None) -
     first, last = s == 0, s == c.n_stages - 1
     if c.mode == "emulated":
         t = _nominal_s(c)
-        return EmulatedStage(first, last, EMULATED_VOCAB, c.hidden, t["F"], t["B"], seed=c.seed * 1000 + s,
-                             w_s=t["W"], log=log, loss_in_window=last, tail=c.window_tail).to(device)
+        return EmulatedStage(
+            first,
+            last,
+            EMULATED_VOCAB,
+            c.hidden,
+            t["F"],
+            t["B"],
+            seed=c.seed * 1000 + s,
+            w_s=t["W"],
+            log=log,
+            loss_in_window=last,
+            tail=c.window_tail,
+        ).to(device)
     from hybridpar.model.registry import build_stage
     from hybridpar.pipeline.partition import partition_uniform
 
@@ -106,8 +125,9 @@ def _batch(c: Case) -> tuple[torch.Tensor, torch.Tensor]:
     return tok[:, :-1].contiguous(), tok[:, 1:].contiguous()  # (B, T) inputs, (B, T) targets
 
 
-def _torch_schedule(c: Case, stages: dict[int, nn.Module], group: dist.ProcessGroup, device: torch.device,
-                    loss_fn) -> tuple[object | None, str | None]:
+def _torch_schedule(
+    c: Case, stages: dict[int, nn.Module], group: dist.ProcessGroup, device: torch.device, loss_fn
+) -> tuple[object | None, str | None]:
     """torch's schedule over this rank's stages, or (None, why torch cannot run this case)."""
     peer = schedule_spec(c.schedule).torch_peer  # a class name: the registry cannot import torch
     if peer is None:
@@ -170,8 +190,9 @@ def _case_worker(cd: dict) -> dict:
 
     def step_ours() -> float | None:
         out = runtime.run(actions, xs, ys, scale)
-        timeline_busy[0] += (sum(t.end - t.start for t in out.timeline if t.action.is_compute)
-                             - sum(w.end - w.start for w in out.waits))
+        timeline_busy[0] += sum(t.end - t.start for t in out.timeline if t.action.is_compute) - sum(
+            w.end - w.start for w in out.waits
+        )
         # W (zero-bubble weight gradients) runs outside autograd, where Timed cannot see it: add its time.
         timeline_busy[1] += sum(t.end - t.start for t in out.timeline if t.action.op.value == "W")
         last_out[0] = out
@@ -187,7 +208,7 @@ def _case_worker(cd: dict) -> dict:
         losses: list[torch.Tensor] = []
         kwargs = {"target": y, "losses": losses} if last else {}
         sched.step(*((x,) if first else ()), return_outputs=False, **kwargs)
-        return float(sum(l.detach() for l in losses)) if last else None
+        return float(sum(loss.detach() for loss in losses)) if last else None
 
     def zero(mods: dict[int, nn.Module]) -> None:
         for mod in mods.values():
@@ -210,8 +231,14 @@ def _case_worker(cd: dict) -> dict:
                 samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, te)
                 if emulated:
                     k = len(path_steps)
-                    path_steps.append((ts, te, [_row(w) for w in windows_of(out.timeline, log.entries[n0:], k)],
-                                       [_row(Window(w.action, 0.0, w.start, w.end, k)) for w in out.waits]))
+                    path_steps.append(
+                        (
+                            ts,
+                            te,
+                            [_row(w) for w in windows_of(out.timeline, log.entries[n0:], k)],
+                            [_row(Window(w.action, 0.0, w.start, w.end, k)) for w in out.waits],
+                        )
+                    )
                 posted_at[0] = posting_points(out.timeline, p2p.posts[k0:])
             p2p.posts.clear()
         timer.close()
@@ -219,8 +246,15 @@ def _case_worker(cd: dict) -> dict:
         dist.barrier()
         return [time.perf_counter() - t0, busy, timeline_busy[0]]
 
-    res: dict = {"rank": r, "torch_error": torch_error, "loss_ours": None, "loss_torch": None,
-                 "grad_rel_diff": None, "ours": [], "torch": []}
+    res: dict = {
+        "rank": r,
+        "torch_error": torch_error,
+        "loss_ours": None,
+        "loss_torch": None,
+        "grad_rel_diff": None,
+        "ours": [],
+        "torch": [],
+    }
     zero(ours)
     res["loss_ours"] = step_ours()
     if sched is not None:
@@ -240,8 +274,16 @@ def _case_worker(cd: dict) -> dict:
     shape = (max(sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
     probe, rtts = P2P(dev, torch.float32, c.timeout_s, transport=c.p2p), {}
     for _ in range(c.repeats):
-        round_trips(probe, r, neighbour_links(c.stage_ranks), topo.pp_peer, shape, dist.barrier,
-                    max(1, c.ping_pongs // c.repeats), into=rtts)
+        round_trips(
+            probe,
+            r,
+            neighbour_links(c.stage_ranks),
+            topo.pp_peer,
+            shape,
+            dist.barrier,
+            max(1, c.ping_pongs // c.repeats),
+            into=rtts,
+        )
         res["ours"].append(measure(step_ours, ours, True))
         if sched is not None:
             res["torch"].append(measure(step_torch, theirs, False))
@@ -268,10 +310,15 @@ def _critical(c: Case, ranks: list[dict]) -> dict | None:
         return None
     paths = []
     for j in range(0, len(steps), c.steps):
-        run = steps[j: j + c.steps]
-        paths.append(critical_path([[_window(x) for st in run for x in st[r][2]] for r in range(c.pp)],
-                                   [[_window(x) for st in run for x in st[r][3]] for r in range(c.pp)],
-                                   min(st[0] for st in run[0]), max(st[1] for st in run[-1])))
+        run = steps[j : j + c.steps]
+        paths.append(
+            critical_path(
+                [[_window(x) for st in run for x in st[r][2]] for r in range(c.pp)],
+                [[_window(x) for st in run for x in st[r][3]] for r in range(c.pp)],
+                min(st[0] for st in run[0]),
+                max(st[1] for st in run[-1]),
+            )
+        )
     return per_step(paths, c.steps)
 
 
@@ -312,8 +359,11 @@ def case_name(c: Case) -> str:
 
 def _write_trace(c: Case, ranks: list[dict], sim, trace_dir: str) -> str:
     """One timed step of ours (every rank's slices, returned through run_ranks) beside its simulation."""
-    measured = chrome_trace([Slice(**row) for rk in ranks for row in rk["trace"]],
-                            process_name="measured (hybridpar runtime, one timed step)", pid=0)
+    measured = chrome_trace(
+        [Slice(**row) for rk in ranks for row in rk["trace"]],
+        process_name="measured (hybridpar runtime, one timed step)",
+        pid=0,
+    )
     path = Path(trace_dir) / f"{case_name(c)}.json"
     path.parent.mkdir(parents=True, exist_ok=True)
     write_trace(merge_traces(measured, sim_trace(sim, "simulated (measured costs)", pid=1)), str(path))
@@ -334,32 +384,50 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
     grads = [rk["grad_rel_diff"] for rk in ranks if rk["grad_rel_diff"] is not None]
     costs = summarize([rk["samples"] for rk in ranks], [rk["round_trips"] for rk in ranks])
     acts = _actions(c)
-    pred, sim = predict(acts, c.pp, c.stage_ranks, _nominal_s(c), costs,
-                        posted_lists(acts, [rk["posted_at"] for rk in ranks]))
+    pred, sim = predict(
+        acts, c.pp, c.stage_ranks, _nominal_s(c), costs, posted_lists(acts, [rk["posted_at"] for rk in ranks])
+    )
     if c.mode != "emulated":
         pred["sim_bubble"] = None  # busy is the compute itself: nothing to set apart from overhead
     measured = 1 / ours_sps
     rec = {
-        "mode": c.mode, "schedule": c.schedule, "pp": c.pp, "virtual_stages": c.v, "microbatches": c.m,
-        "global_batch": c.global_batch, "seq_len": c.seq_len, "steps": c.steps, "repeats": c.repeats,
-        "f_ms": c.f_ms, "b_ms": c.b_ms, "w_ms": c.w_ms, "window_tail": c.window_tail if c.mode == "emulated" else None,
+        "mode": c.mode,
+        "schedule": c.schedule,
+        "pp": c.pp,
+        "virtual_stages": c.v,
+        "microbatches": c.m,
+        "global_batch": c.global_batch,
+        "seq_len": c.seq_len,
+        "steps": c.steps,
+        "repeats": c.repeats,
+        "f_ms": c.f_ms,
+        "b_ms": c.b_ms,
+        "w_ms": c.w_ms,
+        "window_tail": c.window_tail if c.mode == "emulated" else None,
         "p2p": ranks[0]["p2p"],
         "cpu_bind": c.cpu_bind,
-        "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024
-                   if c.mode == "emulated" else None),
+        "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024 if c.mode == "emulated" else None),
         "layers": c.layers,
-        "hybridpar_steps_per_s": ours_sps, "torch_steps_per_s": t_sps,
+        "hybridpar_steps_per_s": ours_sps,
+        "torch_steps_per_s": t_sps,
         "ratio": ours_sps / t_sps if t_sps else None,
-        "bubble_measured": ours_bub, "hybridpar_bubble_timeline": ours_tl, "torch_bubble_measured": t_bub,
+        "bubble_measured": ours_bub,
+        "hybridpar_bubble_timeline": ours_tl,
+        "torch_bubble_measured": t_bub,
         "bubble_theory": _theory(c),
-        "loss_hybridpar": lo, "loss_torch": lt, "loss_rel_diff": rel,
+        "loss_hybridpar": lo,
+        "loss_torch": lt,
+        "loss_rel_diff": rel,
         "loss_match": None if rel is None else rel <= LOSS_RTOL,
         "grad_rel_diff": max(grads) if grads else None,
         "torch_error": ranks[0]["torch_error"],
-        "hybridpar_steps_per_s_repeats": ours_all, "torch_steps_per_s_repeats": t_all,
-        "load_avg_before": list(load_before), "load_avg_after": list(load_after),
+        "hybridpar_steps_per_s_repeats": ours_all,
+        "torch_steps_per_s_repeats": t_all,
+        "load_avg_before": list(load_before),
+        "load_avg_after": list(load_after),
         "measured_step_time_s": measured,
-        **costs, **pred,
+        **costs,
+        **pred,
         "sim_error": pred["sim_step_time_s"] / measured - 1,
         "critical_path_s": _critical(c, ranks),
         "trace_file": _write_trace(c, ranks, sim, trace_dir) if trace_dir else None,

@@ -86,9 +86,19 @@ def run_trace(svc: Any, trace: list[dict[str, Any]], strategy: str, timeout_s: f
     wall = time.perf_counter() - t0
     stats = svc.statistics()
     routed = [sum(r["routed"].values()) for r in stats["replicas"]]
-    return {"strategy": strategy, "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
-            "tokens_per_s": tokens / wall, "completed": len(lat), "failed": failed, "wall_s": wall,
-            "tokens": tokens, "latencies": lat, "routed_per_replica": routed, "strategy_usage": stats["strategy_usage"]}
+    return {
+        "strategy": strategy,
+        "p50_s": percentile(lat, 50),
+        "p99_s": percentile(lat, 99),
+        "tokens_per_s": tokens / wall,
+        "completed": len(lat),
+        "failed": failed,
+        "wall_s": wall,
+        "tokens": tokens,
+        "latencies": lat,
+        "routed_per_replica": routed,
+        "strategy_usage": stats["strategy_usage"],
+    }
 
 
 def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,13 +107,19 @@ def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     usage: Counter = Counter()
     for r in runs:
         usage.update(r["strategy_usage"])
-    return {"strategy": runs[0]["strategy"], "p50_s": percentile(lat, 50), "p99_s": percentile(lat, 99),
-            "mean_s": sum(lat) / len(lat) if lat else None,
-            "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
-            "completed": sum(r["completed"] for r in runs), "failed": sum(r["failed"] for r in runs),
-            "repeats": len(runs), "p99_s_per_repeat": [r["p99_s"] for r in runs],
-            "routed_per_replica": [sum(x) for x in zip(*(r["routed_per_replica"] for r in runs))],
-            "strategy_usage": dict(usage)}
+    return {
+        "strategy": runs[0]["strategy"],
+        "p50_s": percentile(lat, 50),
+        "p99_s": percentile(lat, 99),
+        "mean_s": sum(lat) / len(lat) if lat else None,
+        "tokens_per_s": sum(r["tokens"] for r in runs) / sum(r["wall_s"] for r in runs),
+        "completed": sum(r["completed"] for r in runs),
+        "failed": sum(r["failed"] for r in runs),
+        "repeats": len(runs),
+        "p99_s_per_repeat": [r["p99_s"] for r in runs],
+        "routed_per_replica": [sum(x) for x in zip(*(r["routed_per_replica"] for r in runs))],
+        "strategy_usage": dict(usage),
+    }
 
 
 def main(argv: list[str]) -> int:
@@ -121,14 +137,26 @@ def main(argv: list[str]) -> int:
     strategies = [s for s in a.strategies.split(",") if s]
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad or a.replicas < 2 or a.slow < 1 or not 0 < a.load or a.requests < 1 or a.repeats < 1:
-        print(f"hybridpar bench serve: error: need --replicas >= 2, --slow >= 1, --load > 0, --requests >= 1 and "
-              f"strategies among {', '.join(STRATEGIES)} (got {bad or ''})", file=sys.stderr)
+        print(
+            f"hybridpar bench serve: error: need --replicas >= 2, --slow >= 1, --load > 0, --requests >= 1 and "
+            f"strategies among {', '.join(STRATEGIES)} (got {bad or ''})",
+            file=sys.stderr,
+        )
         return 2
     from hybridpar.serve.service import Service
 
     model = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_dim=176)
-    cfg = ServeConfig(source="init:0", dp=a.replicas, max_batch=4, max_groups=2, kv_tokens=4096, max_seq_len=256,
-                      max_outstanding=64, max_pending=512, emulate_slowdown=f"1:{a.slow}" if a.slow > 1 else "")
+    cfg = ServeConfig(
+        source="init:0",
+        dp=a.replicas,
+        max_batch=4,
+        max_groups=2,
+        kv_tokens=4096,
+        max_seq_len=256,
+        max_outstanding=64,
+        max_pending=512,
+        emulate_slowdown=f"1:{a.slow}" if a.slow > 1 else "",
+    )
     cfg.validate(model)
     svc = Service(cfg, model, cfg.source)
     try:
@@ -143,12 +171,24 @@ def main(argv: list[str]) -> int:
     finally:
         svc.close()
     by = {r["strategy"]: r for r in results}
-    ratio = (by["hybrid"]["p99_s"] / by["round_robin"]["p99_s"]
-             if "hybrid" in by and "round_robin" in by and by["round_robin"]["p99_s"] else None)
-    out = {"bench": "serve", "mode": f"emulated: replica 1 {a.slow}x slower" if a.slow > 1 else "real",
-           "model": dataclasses.asdict(model), "replicas": a.replicas, "capacity_rps": capacity,
-           "load": a.load, "rate_rps": rate, "requests": a.requests, "repeats": a.repeats, "results": results,
-           "hybrid_p99_over_round_robin_p99": ratio}
+    ratio = (
+        by["hybrid"]["p99_s"] / by["round_robin"]["p99_s"]
+        if "hybrid" in by and "round_robin" in by and by["round_robin"]["p99_s"]
+        else None
+    )
+    out = {
+        "bench": "serve",
+        "mode": f"emulated: replica 1 {a.slow}x slower" if a.slow > 1 else "real",
+        "model": dataclasses.asdict(model),
+        "replicas": a.replicas,
+        "capacity_rps": capacity,
+        "load": a.load,
+        "rate_rps": rate,
+        "requests": a.requests,
+        "repeats": a.repeats,
+        "results": results,
+        "hybrid_p99_over_round_robin_p99": ratio,
+    }
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:

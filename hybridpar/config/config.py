@@ -32,8 +32,12 @@ class Config:
     checkpoint: CheckpointConfig = _f(CheckpointConfig, "sharded checkpoints and resume")
     resilience: ResilienceConfig = _f(ResilienceConfig, "hang detection, restarts, elastic re-plan")
     batching: BatchingConfig = _f(BatchingConfig, "microbatch policy")
-    emulate: EmulateConfig = _f(EmulateConfig, "emulated slow devices and injected faults (testing and benchmarks only)")
-    balance: BalanceConfig = _f(BalanceConfig, "dynamic load balancing (stage re-partition, uneven data-parallel split)")
+    emulate: EmulateConfig = _f(
+        EmulateConfig, "emulated slow devices and injected faults (testing and benchmarks only)"
+    )
+    balance: BalanceConfig = _f(
+        BalanceConfig, "dynamic load balancing (stage re-partition, uneven data-parallel split)"
+    )
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
     trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
 

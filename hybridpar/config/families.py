@@ -27,8 +27,10 @@ class FamilyOption:
 # Options tied to one architecture: a family that does not use one refuses it unless left unset, so a
 # setting never silently does nothing.
 OPTIONS: dict[str, FamilyOption] = {
-    "n_kv_heads": FamilyOption("grouped-query attention (fewer key/value heads than query heads)",
-                               lambda m: m.n_kv_heads is None or m.n_kv_heads == m.n_heads),
+    "n_kv_heads": FamilyOption(
+        "grouped-query attention (fewer key/value heads than query heads)",
+        lambda m: m.n_kv_heads is None or m.n_kv_heads == m.n_heads,
+    ),
     "rope_theta": FamilyOption("rotary position embeddings (RoPE)", lambda m: m.rope_theta == 10000.0),
     "n_positions": FamilyOption("learned absolute position embeddings", lambda m: m.n_positions is None),
 }
@@ -45,14 +47,23 @@ class FamilyRules:
 
 
 FAMILIES: dict[str, FamilyRules] = {
-    "llama": FamilyRules("Llama: RMSNorm, rotary positions, SwiGLU MLP, optional grouped-query attention, no biases",
-                         tied=False, options=("n_kv_heads", "rope_theta"),
-                         tp_splits=("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"), rotary=True),
+    "llama": FamilyRules(
+        "Llama: RMSNorm, rotary positions, SwiGLU MLP, optional grouped-query attention, no biases",
+        tied=False,
+        options=("n_kv_heads", "rope_theta"),
+        tp_splits=("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"),
+        rotary=True,
+    ),
     # GPT-2 ties its head to the token embedding (GPT2LMHeadModel._tied_weights_keys) and reads at most
     # n_positions = 1024 tokens (GPT2Config defaults).
-    "gpt2": FamilyRules("GPT-2: LayerNorm, learned positions, GELU MLP, biases, tied embeddings",
-                        tied=True, options=("n_positions",), tp_splits=("n_heads", "ffn_dim", "vocab_size"),
-                        rotary=False, default_positions=1024),
+    "gpt2": FamilyRules(
+        "GPT-2: LayerNorm, learned positions, GELU MLP, biases, tied embeddings",
+        tied=True,
+        options=("n_positions",),
+        tp_splits=("n_heads", "ffn_dim", "vocab_size"),
+        rotary=False,
+        default_positions=1024,
+    ),
 }
 
 

@@ -64,16 +64,28 @@ _ALIASES = {"resume": "checkpoint.resume"}  # short flags for common dotted keys
 
 def help_text() -> str:
     """Every flag with its type, default and help, grouped by section."""
-    rows = [(None, "--config <file>",
-             "TOML file with [model] [parallel] [train] [data] [checkpoint] sections, applied first")]
+    rows = [
+        (
+            None,
+            "--config <file>",
+            "TOML file with [model] [parallel] [train] [data] [checkpoint] sections, applied first",
+        )
+    ]
     for key, f in _known_keys(Config).items():
         extra = f"; one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
-        rows.append((key.rpartition(".")[0] or None, f"{_flag(key)} <{_type_name(f.type)}>",
-                     f"{f.metadata['help']} (default: {_format(f.default)}{extra})"))
+        rows.append(
+            (
+                key.rpartition(".")[0] or None,
+                f"{_flag(key)} <{_type_name(f.type)}>",
+                f"{f.metadata['help']} (default: {_format(f.default)}{extra})",
+            )
+        )
     rows.sort(key=lambda r: r[0] is not None)  # stable: top-level flags (--run-dir) join --config up front
     width = max(len(usage) for _, usage, _ in rows) + 2
-    lines = ["options: --section.key VALUE or --section.key=VALUE, applied after --config in order "
-             "('-' and '_' are interchangeable)"]
+    lines = [
+        "options: --section.key VALUE or --section.key=VALUE, applied after --config in order "
+        "('-' and '_' are interchangeable)"
+    ]
     section = None
     for sec, usage, text in rows:
         if sec != section:

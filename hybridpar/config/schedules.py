@@ -99,9 +99,11 @@ class ScheduleSpec:
             allowed = " or ".join(map(str, self.virtual_stages))
             plural = "s" if self.virtual_stages != (1,) else ""
             others = [s.name for s in SCHEDULES.values() if s.virtual_stages is None or v in s.virtual_stages]
-            return (f"{k.schedule}={self.name} runs {allowed} stage{plural} per pipeline rank, got "
-                    f"{k.virtual_stages}={v}: set {k.virtual_stages}={self.default_virtual_stages} (the default)"
-                    + (f" or {k.schedule}={' or '.join(others)}" if others else ""))
+            return (
+                f"{k.schedule}={self.name} runs {allowed} stage{plural} per pipeline rank, got "
+                f"{k.virtual_stages}={v}: set {k.virtual_stages}={self.default_virtual_stages} (the default)"
+                + (f" or {k.schedule}={' or '.join(others)}" if others else "")
+            )
         if pp < self.min_pp:
             return f"{k.schedule}={self.name} needs {k.pp} >= {self.min_pp}, got {pp}"
         return None
@@ -113,8 +115,10 @@ class ScheduleSpec:
             return f"{k.schedule}={self.name} needs {k.microbatches} ≥ {self.min_microbatches_text(pp, keys)}, got {m}"
         if m % self.microbatch_multiple(pp):
             # Megatron's interleaved schedule walks microbatches in groups of pp per chunk.
-            return (f"{k.schedule}={self.name} needs {k.microbatches} divisible by {k.pp}={pp}, "
-                    f"got {m} ({m} % {pp} = {m % pp})")
+            return (
+                f"{k.schedule}={self.name} needs {k.microbatches} divisible by {k.pp}={pp}, "
+                f"got {m} ({m} % {pp} = {m % pp})"
+            )
         return None
 
     def check(self, pp: int, virtual_stages: int, microbatches: int, keys: Keys = Keys()) -> None:
@@ -123,8 +127,9 @@ class ScheduleSpec:
         if problem:
             raise ValueError(problem)
 
-    def bubble_fraction(self, pp: int, virtual_stages: int, microbatches: int, *, t_f: float = 1.0,
-                        t_b: float = 1.0, t_w: float = 1.0) -> float:
+    def bubble_fraction(
+        self, pp: int, virtual_stages: int, microbatches: int, *, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0
+    ) -> float:
         """Idle fraction of the step per rank under uniform stage costs (see BubbleFormula)."""
         self.check(pp, virtual_stages, microbatches)
         if min(t_f, t_b, t_w) < 0 or t_f + t_b + t_w <= 0:
@@ -184,22 +189,55 @@ def zb_h1_bubble(pp: int, v: int, m: int, t_f: float, t_b: float, t_w: float) ->
 
 _BUILDERS = "hybridpar.pipeline.builders"
 
-register(ScheduleSpec(
-    "gpipe", "all forwards, then all backwards (GPipe, Huang et al., 2019)", f"{_BUILDERS}:build_gpipe",
-    flush_bubble, min_microbatches_rule=(0, 1), live_repartition=True, torch_peer="ScheduleGPipe"))
-register(ScheduleSpec(
-    "1f1b", "one forward, one backward (PipeDream-flush, Narayanan et al., 2021)",
-    f"{_BUILDERS}:build_1f1b", flush_bubble, live_repartition=True, torch_peer="Schedule1F1B", fallback="gpipe"))
-register(ScheduleSpec(
-    "interleaved-1f1b", "1F1B over virtual_stages chunks per rank (Megatron-LM, Narayanan et al., 2021)",
-    f"{_BUILDERS}:build_interleaved", flush_bubble, min_pp=2, microbatches_multiple_of_pp=True,
-    virtual_stages=None, default_virtual_stages=2, torch_peer="ScheduleInterleaved1F1B", fallback="1f1b"))
+register(
+    ScheduleSpec(
+        "gpipe",
+        "all forwards, then all backwards (GPipe, Huang et al., 2019)",
+        f"{_BUILDERS}:build_gpipe",
+        flush_bubble,
+        min_microbatches_rule=(0, 1),
+        live_repartition=True,
+        torch_peer="ScheduleGPipe",
+    )
+)
+register(
+    ScheduleSpec(
+        "1f1b",
+        "one forward, one backward (PipeDream-flush, Narayanan et al., 2021)",
+        f"{_BUILDERS}:build_1f1b",
+        flush_bubble,
+        live_repartition=True,
+        torch_peer="Schedule1F1B",
+        fallback="gpipe",
+    )
+)
+register(
+    ScheduleSpec(
+        "interleaved-1f1b",
+        "1F1B over virtual_stages chunks per rank (Megatron-LM, Narayanan et al., 2021)",
+        f"{_BUILDERS}:build_interleaved",
+        flush_bubble,
+        min_pp=2,
+        microbatches_multiple_of_pp=True,
+        virtual_stages=None,
+        default_virtual_stages=2,
+        torch_peer="ScheduleInterleaved1F1B",
+        fallback="1f1b",
+    )
+)
 # zb-h1's peer: torch's ScheduleInterleavedZeroBubble ("ZB1P") with one stage per rank is our ZB-H1
 # action for action (see pipeline/builders.build_zb_h1).
-register(ScheduleSpec(
-    "zb-h1", "1F1B with the backward split into B and W, Ws deferred into the bubble (Qi et al., 2024)",
-    f"{_BUILDERS}:build_zb_h1", zb_h1_bubble, splits_backward=True, torch_peer="ScheduleInterleavedZeroBubble",
-    fallback="1f1b"))
+register(
+    ScheduleSpec(
+        "zb-h1",
+        "1F1B with the backward split into B and W, Ws deferred into the bubble (Qi et al., 2024)",
+        f"{_BUILDERS}:build_zb_h1",
+        zb_h1_bubble,
+        splits_backward=True,
+        torch_peer="ScheduleInterleavedZeroBubble",
+        fallback="1f1b",
+    )
+)
 
 
 def zb_v_bubble(pp: int, v: int, m: int, t_f: float, t_b: float, t_w: float) -> float:
@@ -219,8 +257,20 @@ def zb_v_bubble(pp: int, v: int, m: int, t_f: float, t_b: float, t_w: float) -> 
     return idle / (2 * m * (t_f + t_b + t_w) + idle)
 
 
-register(ScheduleSpec(
-    "zb-v", "two chunks per rank in a V (rank r: stages r and 2 pp - 1 - r), backward split into B and W "
-    "(Qi et al., 2024)", "hybridpar.pipeline.zbv:build_zb_v", zb_v_bubble, placement="v", min_pp=2,
-    min_microbatches_rule=(2, -1), virtual_stages=(2,), default_virtual_stages=2, splits_backward=True,
-    torch_peer="ScheduleZBVZeroBubble", fallback="zb-h1"))
+register(
+    ScheduleSpec(
+        "zb-v",
+        "two chunks per rank in a V (rank r: stages r and 2 pp - 1 - r), backward split into B and W "
+        "(Qi et al., 2024)",
+        "hybridpar.pipeline.zbv:build_zb_v",
+        zb_v_bubble,
+        placement="v",
+        min_pp=2,
+        min_microbatches_rule=(2, -1),
+        virtual_stages=(2,),
+        default_virtual_stages=2,
+        splits_backward=True,
+        torch_peer="ScheduleZBVZeroBubble",
+        fallback="zb-h1",
+    )
+)

@@ -10,7 +10,6 @@ import dataclasses
 from dataclasses import dataclass, field
 from typing import Any
 
-
 from hybridpar.config.families import FAMILIES, rules
 from hybridpar.config.schedules import SCHEDULES, schedule_names, schedule_spec
 
@@ -28,8 +27,9 @@ def _f(default: Any, help: str, **meta: Any) -> Any:
 
 @dataclass
 class ModelConfig:
-    family: str = _f("llama", "model family: " + "; ".join(f"{k} = {r.about}" for k, r in FAMILIES.items()),
-                     choices=tuple(FAMILIES))
+    family: str = _f(
+        "llama", "model family: " + "; ".join(f"{k} = {r.about}" for k, r in FAMILIES.items()), choices=tuple(FAMILIES)
+    )
     vocab_size: int = _f(256, "vocabulary size (256 = raw bytes)")
     dim: int = _f(128, "hidden size")
     n_layers: int = _f(4, "number of transformer blocks")
@@ -37,11 +37,13 @@ class ModelConfig:
     n_kv_heads: int | None = _f(None, "llama: key/value heads (none = n_heads; fewer = grouped-query attention)")
     ffn_dim: int = _f(352, "feed-forward inner size (llama: SwiGLU width; gpt2: n_inner, 4 x dim in GPT-2)")
     rope_theta: float = _f(10000.0, "llama: rotary embedding base")
-    n_positions: int | None = _f(None, "gpt2: learned absolute positions, the longest sequence the model reads "
-                                       "(none = 1024)")
+    n_positions: int | None = _f(
+        None, "gpt2: learned absolute positions, the longest sequence the model reads " "(none = 1024)"
+    )
     norm_eps: float = _f(1e-5, "epsilon of the normalisation (llama: RMSNorm; gpt2: LayerNorm)")
-    tie_embeddings: bool | None = _f(None, "share the input embedding with the output projection (none = the "
-                                           "family's rule: llama no, gpt2 yes)")
+    tie_embeddings: bool | None = _f(
+        None, "share the input embedding with the output projection (none = the " "family's rule: llama no, gpt2 yes)"
+    )
     init_std: float = _f(0.02, "standard deviation of the normal weight init")
 
     @property
@@ -74,8 +76,9 @@ class ModelConfig:
         dict of a ModelConfig, perhaps written before some field existed) differs from this one."""
         known = {f.name for f in dataclasses.fields(self)}
         theirs, ours = ModelConfig(**{k: v for k, v in saved.items() if k in known}).resolved(), self.resolved()
-        return [f"model.{k}={ours[k]!r} (checkpoint: {theirs[k]!r})" for k in ours if ours[k] != theirs[k]] + \
-            [f"model.{k} (checkpoint: {v!r}) is unknown" for k, v in saved.items() if k not in known]
+        return [f"model.{k}={ours[k]!r} (checkpoint: {theirs[k]!r})" for k in ours if ours[k] != theirs[k]] + [
+            f"model.{k} (checkpoint: {v!r}) is unknown" for k, v in saved.items() if k not in known
+        ]
 
 
 @dataclass
@@ -83,23 +86,35 @@ class ParallelConfig:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(2, "pipeline-parallel degree (pipeline ranks)")
     dp: int = _f(1, "data-parallel degree (replicas)")
-    schedule: str = _f("1f1b", "pipeline schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEDULES.values()),
-                       choices=schedule_names())
-    virtual_stages: int | None = _f(None, "model chunks (stages) per pipeline rank; none = the schedule's own ("
-                                    + ", ".join(f"{s.name} {s.default_virtual_stages}" for s in SCHEDULES.values())
-                                    + "); other values only with "
-                                    + " or ".join(s.name for s in SCHEDULES.values() if s.virtual_stages is None))
+    schedule: str = _f(
+        "1f1b",
+        "pipeline schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEDULES.values()),
+        choices=schedule_names(),
+    )
+    virtual_stages: int | None = _f(
+        None,
+        "model chunks (stages) per pipeline rank; none = the schedule's own ("
+        + ", ".join(f"{s.name} {s.default_virtual_stages}" for s in SCHEDULES.values())
+        + "); other values only with "
+        + " or ".join(s.name for s in SCHEDULES.values() if s.virtual_stages is None),
+    )
     partition: str = _f("params", "how layers are split into stages", choices=("uniform", "params", "cost"))
     layer_costs: list[float] | None = _f(None, "per-layer cost, comma-separated (required iff partition=cost)")
     timeout_s: float = _f(120.0, "bound in seconds on every collective and point-to-point wait")
     backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     recv_lookahead: int = _f(1, "compute actions ahead of use that receives are posted (>=0)")
-    p2p: str = _f("auto", "pipeline message transport: auto = shared memory between CPU ranks on one host "
-                          "(x86-64 Linux), else the process group (gloo/NCCL)",
-                  choices=("auto", "process_group", "shared_memory"))
-    cpu_bind: str = _f("none", "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "
-                               "own share of the cores (more ranks than cores: rank r on core r % n)",
-                       choices=CPU_BINDINGS)
+    p2p: str = _f(
+        "auto",
+        "pipeline message transport: auto = shared memory between CPU ranks on one host "
+        "(x86-64 Linux), else the process group (gloo/NCCL)",
+        choices=("auto", "process_group", "shared_memory"),
+    )
+    cpu_bind: str = _f(
+        "none",
+        "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "
+        "own share of the cores (more ranks than cores: rank r on core r % n)",
+        choices=CPU_BINDINGS,
+    )
 
     @property
     def world_size(self) -> int:
@@ -132,8 +147,11 @@ class TrainConfig:
     grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
     seed: int = _f(0, "random seed")
     val_every: int = _f(50, "validate every N steps (0 disables)")
-    monitor_every: int = _f(10, "every N steps, gather each rank's measured memory, stage times and "
-                               "link counters into metrics.jsonl (0 disables)")
+    monitor_every: int = _f(
+        10,
+        "every N steps, gather each rank's measured memory, stage times and "
+        "link counters into metrics.jsonl (0 disables)",
+    )
     val_batches: int = _f(4, "batches per validation")
     sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
     sample_prompt: str = _f("def ", "prompt for the final sample")
@@ -151,36 +169,63 @@ class CheckpointConfig:
     every: int = _f(0, "save a checkpoint every N steps (0 = off)")
     keep: int = _f(3, "committed checkpoints kept; older ones are deleted after each new commit")
     dir: str | None = _f(None, "checkpoint directory (none = <run_dir>/checkpoints)")
-    resume: str = _f("off", "'off', 'auto' (the newest checkpoint in checkpoint.dir that verifies) or the path "
-                            "of one checkpoint directory; also --resume")
-    async_save: bool = _f(False, "snapshot to host memory and write in the background while training goes on "
-                                 "(committed only once complete)")
+    resume: str = _f(
+        "off",
+        "'off', 'auto' (the newest checkpoint in checkpoint.dir that verifies) or the path "
+        "of one checkpoint directory; also --resume",
+    )
+    async_save: bool = _f(
+        False,
+        "snapshot to host memory and write in the background while training goes on " "(committed only once complete)",
+    )
 
 
 @dataclass
 class ResilienceConfig:
-    hang_timeout_s: float = _f(60.0, "a rank that stops beating, or a run where no rank progresses, for this long "
-                                     "is named and the run aborted (0 disables the watchdog)")
-    slow_phase_timeout_s: float = _f(600.0, "allowance for phases that may legitimately take long without progress "
-                                            "(checkpoint write, validation); a frozen rank is still named after "
-                                            "hang_timeout_s")
+    hang_timeout_s: float = _f(
+        60.0,
+        "a rank that stops beating, or a run where no rank progresses, for this long "
+        "is named and the run aborted (0 disables the watchdog)",
+    )
+    slow_phase_timeout_s: float = _f(
+        600.0,
+        "allowance for phases that may legitimately take long without progress "
+        "(checkpoint write, validation); a frozen rank is still named after "
+        "hang_timeout_s",
+    )
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (and watchdog checks)")
-    max_restarts: int = _f(3, "restarts of all workers by the elastic agent after a failure (hybridpar train "
-                              "and launch(); torchrun's --max-restarts overrides)")
+    max_restarts: int = _f(
+        3,
+        "restarts of all workers by the elastic agent after a failure (hybridpar train "
+        "and launch(); torchrun's --max-restarts overrides)",
+    )
     resume_on_restart: bool = _f(True, "after a restart by the elastic agent, resume as with checkpoint.resume=auto")
-    replan: str = _f("auto", "when resuming with a world size other than tp*pp*dp: 'auto' picks a new layout "
-                             "(keep tp, then pp; dp takes the rest), 'off' refuses", choices=("auto", "off"))
+    replan: str = _f(
+        "auto",
+        "when resuming with a world size other than tp*pp*dp: 'auto' picks a new layout "
+        "(keep tp, then pp; dp takes the rest), 'off' refuses",
+        choices=("auto", "off"),
+    )
 
 
 @dataclass
 class BatchingConfig:
-    policy: str = _f("fixed", "how each replica's batch is cut into microbatches: 'fixed' (train.microbatches "
-                              "or batching.microbatch_size) or 'adaptive' (measured throughput under a memory "
-                              "budget, re-planned at run time)", choices=("fixed", "adaptive"))
-    microbatch_size: int | None = _f(None, "fixed policy: the fewest balanced microbatches of at most this many "
-                                           "samples, instead of train.microbatches")
-    memory_budget: float | None = _f(None, "adaptive policy: activation memory per rank, in bytes (> 1) or as a "
-                                           "fraction of the device's memory (<= 1) minus what is resident anyway")
+    policy: str = _f(
+        "fixed",
+        "how each replica's batch is cut into microbatches: 'fixed' (train.microbatches "
+        "or batching.microbatch_size) or 'adaptive' (measured throughput under a memory "
+        "budget, re-planned at run time)",
+        choices=("fixed", "adaptive"),
+    )
+    microbatch_size: int | None = _f(
+        None,
+        "fixed policy: the fewest balanced microbatches of at most this many " "samples, instead of train.microbatches",
+    )
+    memory_budget: float | None = _f(
+        None,
+        "adaptive policy: activation memory per rank, in bytes (> 1) or as a "
+        "fraction of the device's memory (<= 1) minus what is resident anyway",
+    )
     steps_per_candidate: int = _f(3, "adaptive: measured steps per candidate split")
     warmup_steps: int = _f(1, "adaptive: unmeasured steps after each change of split")
     switch_margin: float = _f(0.03, "adaptive: a candidate must beat the current split by this fraction")
@@ -190,28 +235,44 @@ class BatchingConfig:
 
 @dataclass
 class EmulateConfig:
-    slowdown: str = _f("", "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
-                           "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)")
-    fault: str = _f("", "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
-                        "'rank=1:kill@step=3:phase=forward' (see hybridpar/resilience/chaos.py)")
-    layer_ms: float = _f(0.0, "BENCHMARK MODE, off by default (0): every decoder layer's forward also sleeps this "
-                              "many ms per sample and its backward twice that, so compute is a fixed duration")
-    memory_limit: int | None = _f(None, "TESTING MODE, off by default: raise an out-of-memory error when a rank's "
-                                        "activations held for backward would exceed this many bytes")
+    slowdown: str = _f(
+        "",
+        "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
+        "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)",
+    )
+    fault: str = _f(
+        "",
+        "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
+        "'rank=1:kill@step=3:phase=forward' (see hybridpar/resilience/chaos.py)",
+    )
+    layer_ms: float = _f(
+        0.0,
+        "BENCHMARK MODE, off by default (0): every decoder layer's forward also sleeps this "
+        "many ms per sample and its backward twice that, so compute is a fixed duration",
+    )
+    memory_limit: int | None = _f(
+        None,
+        "TESTING MODE, off by default: raise an out-of-memory error when a rank's "
+        "activations held for backward would exceed this many bytes",
+    )
 
 
 @dataclass
 class BalanceConfig:
-    mode: str = _f("off", "dynamic load balancing: 'off'; 'detect' (log decisions, change nothing); 'auto' "
-                          "(re-partition stages live and re-split the batch among replicas)",
-                   choices=("off", "detect", "auto"))
+    mode: str = _f(
+        "off",
+        "dynamic load balancing: 'off'; 'detect' (log decisions, change nothing); 'auto' "
+        "(re-partition stages live and re-split the batch among replicas)",
+        choices=("off", "detect", "auto"),
+    )
     interval: int = _f(20, "never decide a rebalance more often than every N steps")
     min_gain: float = _f(0.05, "act only if the predicted step time falls by at least this fraction")
     threshold: float = _f(1.25, "straggler: smoothed time per unit of work above this x the others' median")
     skip_steps: int = _f(2, "first steps of a run not measured (allocation and lazy-init warm-up)")
     window: int = _f(5, "measurements in each rank's smoothing median")
-    patience: int = _f(3, "consecutive measurements beyond the threshold before a straggler (or its "
-                          "recovery) counts")
+    patience: int = _f(
+        3, "consecutive measurements beyond the threshold before a straggler (or its " "recovery) counts"
+    )
     weight_memory: float = _f(0.4, "load-score weight of memory pressure")
     weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")
     weight_network: float = _f(0.2, "load-score weight of communication wait")

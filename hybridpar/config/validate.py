@@ -48,26 +48,47 @@ def _check_ranges(cfg: Config) -> None:
     # Ranges first: every later rule divides by or compares against these numbers.
     count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
     ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
-        ("model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
-         "parallel.dp train.steps train.global_batch train.microbatches "
-         "train.seq_len train.val_batches data.max_bytes checkpoint.keep", count, "a positive integer"),
+        (
+            "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
+            "parallel.dp train.steps train.global_batch train.microbatches "
+            "train.seq_len train.val_batches data.max_bytes checkpoint.keep",
+            count,
+            "a positive integer",
+        ),
         ("resilience.max_restarts", non_negative, "a non-negative integer"),
         ("resilience.hang_timeout_s", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables the watchdog)"),
         ("resilience.heartbeat_s resilience.slow_phase_timeout_s", lambda v: _is_num(v) and v > 0, "> 0"),
-        ("model.n_kv_heads model.n_positions parallel.virtual_stages", lambda v: v is None or count(v), "a positive integer or none"),
+        (
+            "model.n_kv_heads model.n_positions parallel.virtual_stages",
+            lambda v: v is None or count(v),
+            "a positive integer or none",
+        ),
         ("model.tie_embeddings", lambda v: v is None or isinstance(v, bool), "true, false or none"),
-        ("batching.microbatch_size emulate.memory_limit", lambda v: v is None or count(v),
-         "a positive integer or none"),
+        (
+            "batching.microbatch_size emulate.memory_limit",
+            lambda v: v is None or count(v),
+            "a positive integer or none",
+        ),
         ("batching.steps_per_candidate", count, "a positive integer"),
         ("batching.warmup_steps batching.cooldown_steps", non_negative, "a non-negative integer"),
-        ("batching.memory_budget", lambda v: v is None or (_is_num(v) and v > 0),
-         "> 0 (bytes if > 1, a fraction of device memory if <= 1) or none"),
+        (
+            "batching.memory_budget",
+            lambda v: v is None or (_is_num(v) and v > 0),
+            "> 0 (bytes if > 1, a fraction of device memory if <= 1) or none",
+        ),
         ("batching.switch_margin", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)"),
         ("batching.drift_margin", lambda v: _is_num(v) and 0 < v < 1, "in (0, 1)"),
-        ("train.warmup_steps train.val_every train.monitor_every train.sample_tokens parallel.recv_lookahead checkpoint.every",
-         non_negative, "a non-negative integer"),
-        ("train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
-         lambda v: _is_num(v) and v > 0, "> 0"),  # `v > 0` is False for NaN, so NaN is rejected too
+        (
+            "train.warmup_steps train.val_every train.monitor_every train.sample_tokens"
+            " parallel.recv_lookahead checkpoint.every",
+            non_negative,
+            "a non-negative integer",
+        ),
+        (
+            "train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
+            lambda v: _is_num(v) and v > 0,
+            "> 0",
+        ),  # `v > 0` is False for NaN, so NaN is rejected too
         ("train.grad_clip", lambda v: _is_num(v) and v >= 0, ">= 0 (0 disables clipping)"),
         ("train.beta1 train.beta2", lambda v: _is_num(v) and 0 <= v < 1, "in [0, 1)"),
         ("data.val_fraction", lambda v: _is_num(v) and 0 < v < 0.5, "in (0, 0.5)"),
@@ -78,22 +99,31 @@ def _check_ranges(cfg: Config) -> None:
 
 
 def _check_checkpoint(c: CheckpointConfig) -> None:
-    _require(isinstance(c.resume, str) and (c.resume in ("off", "auto") or os.path.isdir(c.resume)),
-             f"checkpoint.resume={c.resume!r} must be 'off', 'auto' or an existing checkpoint directory")
+    _require(
+        isinstance(c.resume, str) and (c.resume in ("off", "auto") or os.path.isdir(c.resume)),
+        f"checkpoint.resume={c.resume!r} must be 'off', 'auto' or an existing checkpoint directory",
+    )
     _require(c.dir is None or isinstance(c.dir, str), f"checkpoint.dir must be a path or none, got {c.dir!r}")
 
 
 def _check_resilience(r: ResilienceConfig) -> None:
-    _require(not r.hang_timeout_s or r.hang_timeout_s >= 2 * r.heartbeat_s,
-             f"resilience.hang_timeout_s={r.hang_timeout_s} must be at least twice resilience.heartbeat_s="
-             f"{r.heartbeat_s} (or 0 to disable the watchdog), or a healthy rank could look hung")
-    _require(r.slow_phase_timeout_s >= r.hang_timeout_s, f"resilience.slow_phase_timeout_s="
-             f"{r.slow_phase_timeout_s} must be at least resilience.hang_timeout_s={r.hang_timeout_s}")
+    _require(
+        not r.hang_timeout_s or r.hang_timeout_s >= 2 * r.heartbeat_s,
+        f"resilience.hang_timeout_s={r.hang_timeout_s} must be at least twice resilience.heartbeat_s="
+        f"{r.heartbeat_s} (or 0 to disable the watchdog), or a healthy rank could look hung",
+    )
+    _require(
+        r.slow_phase_timeout_s >= r.hang_timeout_s,
+        f"resilience.slow_phase_timeout_s="
+        f"{r.slow_phase_timeout_s} must be at least resilience.hang_timeout_s={r.hang_timeout_s}",
+    )
 
 
 def _check_lr(t: TrainConfig) -> None:
-    _require(_is_num(t.min_lr) and 0 <= t.min_lr <= t.lr,
-             f"train.min_lr must be between 0 and train.lr={t.lr!r}, got {t.min_lr!r}")
+    _require(
+        _is_num(t.min_lr) and 0 <= t.min_lr <= t.lr,
+        f"train.min_lr must be between 0 and train.lr={t.lr!r}, got {t.min_lr!r}",
+    )
 
 
 def _check_choices(cfg: Config) -> None:
@@ -102,22 +132,30 @@ def _check_choices(cfg: Config) -> None:
         if choices and (v := getattr(*_owner(cfg, key))) not in choices:
             raise ValueError(f"{key}={v!r} is not one of {', '.join(choices)}{_suggest(str(v), choices)}")
     p = cfg.parallel
-    _require(not (p.p2p == "shared_memory" and p.backend == "nccl"),
-             "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
-             "use parallel.p2p=auto or process_group")
+    _require(
+        not (p.p2p == "shared_memory" and p.backend == "nccl"),
+        "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
+        "use parallel.p2p=auto or process_group",
+    )
 
 
 def _check_balance(cfg: Config) -> None:
     b, p, t = cfg.balance, cfg.parallel, cfg.train
-    _require(_is_num(cfg.emulate.layer_ms) and cfg.emulate.layer_ms >= 0,
-             f"emulate.layer_ms must be >= 0 (0 = off), got {cfg.emulate.layer_ms!r}")
+    _require(
+        _is_num(cfg.emulate.layer_ms) and cfg.emulate.layer_ms >= 0,
+        f"emulate.layer_ms must be >= 0 (0 = off), got {cfg.emulate.layer_ms!r}",
+    )
     for key in ("interval", "window", "patience"):
         _require(_is_int(v := getattr(b, key)) and v >= 1, f"balance.{key} must be a positive integer, got {v!r}")
-    _require(_is_int(b.skip_steps) and b.skip_steps >= 0,
-             f"balance.skip_steps must be a non-negative integer, got {b.skip_steps!r}")
+    _require(
+        _is_int(b.skip_steps) and b.skip_steps >= 0,
+        f"balance.skip_steps must be a non-negative integer, got {b.skip_steps!r}",
+    )
     _require(_is_num(b.min_gain) and 0 <= b.min_gain < 1, f"balance.min_gain must be in [0, 1), got {b.min_gain!r}")
-    _require(_is_num(b.threshold) and b.threshold > 1, f"balance.threshold must be > 1 (a ratio to the "
-             f"others' median time), got {b.threshold!r}")
+    _require(
+        _is_num(b.threshold) and b.threshold > 1,
+        f"balance.threshold must be > 1 (a ratio to the " f"others' median time), got {b.threshold!r}",
+    )
     weights = (b.weight_memory, b.weight_compute, b.weight_network)
     for key, w in zip(("weight_memory", "weight_compute", "weight_network"), weights):
         _require(_is_num(w) and w >= 0, f"balance.{key} must be a number >= 0, got {w!r}")
@@ -125,23 +163,33 @@ def _check_balance(cfg: Config) -> None:
     if b.mode == "off":
         return
     live = " or ".join(s.name for s in SCHEDULES.values() if s.live_repartition)
-    _require(p.pp == 1 or (schedule_spec(p.schedule).live_repartition and p.chunks == 1),
-             f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule {live} with "
-             f"one stage per rank, got {p.schedule} with virtual_stages={p.chunks}")
-    _require(p.dp == 1 or t.microbatch_sizes is None, f"balance.mode={b.mode} re-splits the batch among "
-             "data-parallel replicas, which fixed train.microbatch_sizes would contradict: drop them")
+    _require(
+        p.pp == 1 or (schedule_spec(p.schedule).live_repartition and p.chunks == 1),
+        f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule {live} with "
+        f"one stage per rank, got {p.schedule} with virtual_stages={p.chunks}",
+    )
+    _require(
+        p.dp == 1 or t.microbatch_sizes is None,
+        f"balance.mode={b.mode} re-splits the batch among "
+        "data-parallel replicas, which fixed train.microbatch_sizes would contradict: drop them",
+    )
     # The adaptive planner sizes microbatches for an even replica share; an uneven one would escape
     # its memory model.
-    _require(p.dp == 1 or cfg.batching.policy == "fixed", f"balance.mode={b.mode} with parallel.dp="
-             f"{p.dp} re-splits the batch among replicas and needs batching.policy=fixed, got "
-             f"{cfg.batching.policy!r}")
+    _require(
+        p.dp == 1 or cfg.batching.policy == "fixed",
+        f"balance.mode={b.mode} with parallel.dp="
+        f"{p.dp} re-splits the batch among replicas and needs batching.policy=fixed, got "
+        f"{cfg.batching.policy!r}",
+    )
 
 
 def _check_world_size(p: ParallelConfig, world_size: int | None) -> None:
     if world_size is not None and p.world_size != world_size:
-        raise ValueError(f"parallel.tp × parallel.pp × parallel.dp = {p.tp} × {p.pp} × {p.dp} = "
-                         f"{p.world_size}, but {world_size} processes were started: "
-                         f"start {p.world_size} processes or change the layout")
+        raise ValueError(
+            f"parallel.tp × parallel.pp × parallel.dp = {p.tp} × {p.pp} × {p.dp} = "
+            f"{p.world_size}, but {world_size} processes were started: "
+            f"start {p.world_size} processes or change the layout"
+        )
 
 
 def check_model(m: ModelConfig) -> None:
@@ -149,18 +197,28 @@ def check_model(m: ModelConfig) -> None:
     fam = rules(m)
     _require(m.dim % m.n_heads == 0, f"model.dim={m.dim} is not divisible by model.n_heads={m.n_heads}")
     for key, opt in OPTIONS.items():
-        _require(key in fam.options or opt.unset(m), f"model.{key}={getattr(m, key)!r} configures {opt.what}, "
-                 f"which model.family={m.family} does not have: leave model.{key} unset")
-    _require(not fam.rotary or m.head_dim % 2 == 0, f"model.head_dim = model.dim // model.n_heads = {m.dim} // "
-             f"{m.n_heads} = {m.head_dim} must be even for rotary embeddings (RoPE)")
-    _require(m.n_heads % m.kv_heads == 0,
-             f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}")
+        _require(
+            key in fam.options or opt.unset(m),
+            f"model.{key}={getattr(m, key)!r} configures {opt.what}, "
+            f"which model.family={m.family} does not have: leave model.{key} unset",
+        )
+    _require(
+        not fam.rotary or m.head_dim % 2 == 0,
+        f"model.head_dim = model.dim // model.n_heads = {m.dim} // "
+        f"{m.n_heads} = {m.head_dim} must be even for rotary embeddings (RoPE)",
+    )
+    _require(
+        m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}"
+    )
 
 
 def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
     check_model(m)
-    _require(m.max_positions is None or t.seq_len <= m.max_positions, f"train.seq_len={t.seq_len} exceeds the "
-             f"{m.max_positions} learned positions of model.family={m.family}: raise model.n_positions")
+    _require(
+        m.max_positions is None or t.seq_len <= m.max_positions,
+        f"train.seq_len={t.seq_len} exceeds the "
+        f"{m.max_positions} learned positions of model.family={m.family}: raise model.n_positions",
+    )
     # Tensor parallelism shards heads, the FFN and the vocabulary evenly across tp ranks.
     for key, v in tp_split_sizes(m).items():
         _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide model.{key}={v}")
@@ -170,8 +228,11 @@ def _check_schedule(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
     spec = schedule_spec(p.schedule)  # a known name: _check_choices ran first
     problem = spec.layout_problem(p.pp, p.chunks, CONFIG_KEYS)
     _require(problem is None, problem or "")
-    _require(m.n_layers >= p.n_stages, f"model.n_layers={m.n_layers} is fewer than parallel.pp × "
-             f"parallel.virtual_stages = {p.pp} × {p.chunks} = {p.n_stages} stages")
+    _require(
+        m.n_layers >= p.n_stages,
+        f"model.n_layers={m.n_layers} is fewer than parallel.pp × "
+        f"parallel.virtual_stages = {p.pp} × {p.chunks} = {p.n_stages} stages",
+    )
     problem = spec.count_problem(p.pp, t.microbatches, CONFIG_KEYS)
     _require(problem is None, problem or "")
 
@@ -184,53 +245,88 @@ def _replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:
 
 
 def _check_batch_split(t: TrainConfig, p: ParallelConfig) -> None:
-    _require(t.global_batch >= p.dp, f"train.global_batch={t.global_batch} is smaller than "
-             f"parallel.dp={p.dp}: every data-parallel replica needs at least one sample")
+    _require(
+        t.global_batch >= p.dp,
+        f"train.global_batch={t.global_batch} is smaller than "
+        f"parallel.dp={p.dp}: every data-parallel replica needs at least one sample",
+    )
     per_replica, over = _replica_share(t, p)
-    _require(t.microbatches <= per_replica, f"train.microbatches={t.microbatches} exceeds the "
-             f"{per_replica} samples per data-parallel replica {over}")
+    _require(
+        t.microbatches <= per_replica,
+        f"train.microbatches={t.microbatches} exceeds the " f"{per_replica} samples per data-parallel replica {over}",
+    )
     if t.microbatch_sizes is not None:
         sizes = t.microbatch_sizes
-        _require(t.global_batch % p.dp == 0, f"train.microbatch_sizes needs train.global_batch="
-                 f"{t.global_batch} divisible by parallel.dp={p.dp} so every replica splits the same batch")
-        _require(len(sizes) == t.microbatches, f"train.microbatch_sizes has {len(sizes)} entries "
-                 f"but train.microbatches={t.microbatches}")
+        _require(
+            t.global_batch % p.dp == 0,
+            f"train.microbatch_sizes needs train.global_batch="
+            f"{t.global_batch} divisible by parallel.dp={p.dp} so every replica splits the same batch",
+        )
+        _require(
+            len(sizes) == t.microbatches,
+            f"train.microbatch_sizes has {len(sizes)} entries " f"but train.microbatches={t.microbatches}",
+        )
         for i, n in enumerate(sizes):
             _require(_is_int(n) and n >= 1, f"train.microbatch_sizes[{i}]={n!r} must be a positive integer")
-        _require(sum(sizes) == per_replica, f"train.microbatch_sizes sums to {sum(sizes)}, but each "
-                 f"data-parallel replica has {per_replica} samples {over}")
+        _require(
+            sum(sizes) == per_replica,
+            f"train.microbatch_sizes sums to {sum(sizes)}, but each "
+            f"data-parallel replica has {per_replica} samples {over}",
+        )
 
 
 def _check_batching(cfg: Config) -> None:
     b, p, t = cfg.batching, cfg.parallel, cfg.train
     per_replica, over = _replica_share(t, p)
     if b.microbatch_size is not None:
-        _require(b.policy == "fixed" and t.microbatch_sizes is None, "batching.microbatch_size is a fixed "
-                 f"split: it needs batching.policy=fixed (got {b.policy!r}) and no train.microbatch_sizes")
+        _require(
+            b.policy == "fixed" and t.microbatch_sizes is None,
+            "batching.microbatch_size is a fixed "
+            f"split: it needs batching.policy=fixed (got {b.policy!r}) and no train.microbatch_sizes",
+        )
         n, largest = cfg.microbatch_count(), -(-t.global_batch // p.dp)
-        what = f"batching.microbatch_size={b.microbatch_size} cuts the {largest} samples per replica {over} " \
-               f"into {n} microbatches"
+        what = (
+            f"batching.microbatch_size={b.microbatch_size} cuts the {largest} samples per replica {over} "
+            f"into {n} microbatches"
+        )
         _require(n <= per_replica, f"{what}, more than the smallest replica's {per_replica} samples")
         spec = schedule_spec(p.schedule)
         least = spec.min_microbatches(p.pp)
-        _require(n >= least, f"{what}; parallel.schedule={p.schedule} needs ≥ "
-                 f"{spec.min_microbatches_text(p.pp, CONFIG_KEYS)}: use a size ≤ {largest // least}")
-        _require(n % spec.microbatch_multiple(p.pp) == 0,
-                 f"{what}; parallel.schedule={p.schedule} needs a multiple of parallel.pp={p.pp}")
-    _require(b.policy != "adaptive" or t.microbatch_sizes is None, "train.microbatch_sizes fixes the split, "
-             "but batching.policy=adaptive chooses it: drop one of them")
-    _require(b.memory_budget is None or b.policy == "adaptive", f"batching.memory_budget={b.memory_budget} "
-             f"is used by batching.policy=adaptive only (got {b.policy!r})")
+        _require(
+            n >= least,
+            f"{what}; parallel.schedule={p.schedule} needs ≥ "
+            f"{spec.min_microbatches_text(p.pp, CONFIG_KEYS)}: use a size ≤ {largest // least}",
+        )
+        _require(
+            n % spec.microbatch_multiple(p.pp) == 0,
+            f"{what}; parallel.schedule={p.schedule} needs a multiple of parallel.pp={p.pp}",
+        )
+    _require(
+        b.policy != "adaptive" or t.microbatch_sizes is None,
+        "train.microbatch_sizes fixes the split, " "but batching.policy=adaptive chooses it: drop one of them",
+    )
+    _require(
+        b.memory_budget is None or b.policy == "adaptive",
+        f"batching.memory_budget={b.memory_budget} " f"is used by batching.policy=adaptive only (got {b.policy!r})",
+    )
 
 
 def _check_layer_costs(p: ParallelConfig, m: ModelConfig) -> None:
     if p.partition == "cost" or p.layer_costs is not None:
-        _require(p.partition == "cost", f"parallel.layer_costs is set but parallel.partition="
-                 f"{p.partition!r}: set parallel.partition=\"cost\" to use it, or drop layer_costs")
-        _require(p.layer_costs is not None, f"parallel.partition='cost' needs parallel.layer_costs "
-                 f"(one positive cost per layer, model.n_layers={m.n_layers})")
+        _require(
+            p.partition == "cost",
+            f"parallel.layer_costs is set but parallel.partition="
+            f'{p.partition!r}: set parallel.partition="cost" to use it, or drop layer_costs',
+        )
+        _require(
+            p.layer_costs is not None,
+            f"parallel.partition='cost' needs parallel.layer_costs "
+            f"(one positive cost per layer, model.n_layers={m.n_layers})",
+        )
         costs: list[float] = p.layer_costs or []
-        _require(len(costs) == m.n_layers, f"parallel.layer_costs has {len(costs)} entries "
-                 f"but model.n_layers={m.n_layers}")
+        _require(
+            len(costs) == m.n_layers,
+            f"parallel.layer_costs has {len(costs)} entries " f"but model.n_layers={m.n_layers}",
+        )
         for i, c in enumerate(costs):
             _require(_is_num(c) and c > 0, f"parallel.layer_costs[{i}]={c!r} must be > 0")

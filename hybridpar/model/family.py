@@ -24,8 +24,9 @@ HFReader = Callable[[TensorSource, str, "int | None", int, int, ModelConfig], to
 HFWriter = Callable[[str, torch.Tensor, ModelConfig], torch.Tensor]
 
 
-def same_layout_reader(src: TensorSource, name: str, tp_dim: int | None, rank: int, n: int,
-                       cfg: ModelConfig) -> torch.Tensor:
+def same_layout_reader(
+    src: TensorSource, name: str, tp_dim: int | None, rank: int, n: int, cfg: ModelConfig
+) -> torch.Tensor:
     """The file stores our parameter as it is: read this rank's slice."""
     return read_local(src, name, tp_dim, rank, n)
 
@@ -45,8 +46,9 @@ class Family:
     to_hf: HFWriter = same_layout_writer
 
 
-def refuse_unsupported(d: dict[str, Any], where: str,
-                       rules: tuple[tuple[str, Callable[[Any], bool], str], ...]) -> None:
+def refuse_unsupported(
+    d: dict[str, Any], where: str, rules: tuple[tuple[str, Callable[[Any], bool], str], ...]
+) -> None:
     """ValueError for the first (key, accepts, what it must be) of `rules` whose value `d` has is refused."""
     for key, ok, want in rules:
         if not ok(d.get(key)):

@@ -154,26 +154,50 @@ def to_hf(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
 
 def config_from_hf(d: dict[str, Any], where: str) -> ModelConfig:
     """ModelConfig of an HF GPT-2 config; refuses what our model does not implement."""
-    refuse_unsupported(d, where, (
-        ("activation_function", lambda v: v in (None, "gelu_new", "gelu_pytorch_tanh"), "'gelu_new' (tanh GELU)"),
-        ("scale_attn_weights", lambda v: v in (None, True), "true"),
-        ("scale_attn_by_inverse_layer_idx", lambda v: not v, "false"),
-        ("add_cross_attention", lambda v: not v, "false")))
+    refuse_unsupported(
+        d,
+        where,
+        (
+            ("activation_function", lambda v: v in (None, "gelu_new", "gelu_pytorch_tanh"), "'gelu_new' (tanh GELU)"),
+            ("scale_attn_weights", lambda v: v in (None, True), "true"),
+            ("scale_attn_by_inverse_layer_idx", lambda v: not v, "false"),
+            ("add_cross_attention", lambda v: not v, "false"),
+        ),
+    )
     dim = int(d.get("n_embd", d.get("hidden_size", 768)))
-    return ModelConfig(family="gpt2", vocab_size=int(d.get("vocab_size", 50257)), dim=dim,
-                       n_layers=int(d.get("n_layer", 12)), n_heads=int(d.get("n_head", 12)),
-                       ffn_dim=int(d.get("n_inner") or 4 * dim), n_positions=int(d.get("n_positions", 1024)),
-                       norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
-                       tie_embeddings=bool(d.get("tie_word_embeddings", True)))
+    return ModelConfig(
+        family="gpt2",
+        vocab_size=int(d.get("vocab_size", 50257)),
+        dim=dim,
+        n_layers=int(d.get("n_layer", 12)),
+        n_heads=int(d.get("n_head", 12)),
+        ffn_dim=int(d.get("n_inner") or 4 * dim),
+        n_positions=int(d.get("n_positions", 1024)),
+        norm_eps=float(d.get("layer_norm_epsilon", 1e-5)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", True)),
+    )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
     # Dropout 0: the model was trained without it (HF's default is 0.1).
-    return {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2", "vocab_size": cfg.vocab_size,
-            "n_embd": cfg.dim, "n_layer": cfg.n_layers, "n_head": cfg.n_heads, "n_inner": cfg.ffn_dim,
-            "n_positions": cfg.max_positions, "activation_function": "gelu_new", "layer_norm_epsilon": cfg.norm_eps,
-            "tie_word_embeddings": cfg.tied, "resid_pdrop": 0.0, "embd_pdrop": 0.0, "attn_pdrop": 0.0,
-            "scale_attn_weights": True, "torch_dtype": "float32"}
+    return {
+        "architectures": ["GPT2LMHeadModel"],
+        "model_type": "gpt2",
+        "vocab_size": cfg.vocab_size,
+        "n_embd": cfg.dim,
+        "n_layer": cfg.n_layers,
+        "n_head": cfg.n_heads,
+        "n_inner": cfg.ffn_dim,
+        "n_positions": cfg.max_positions,
+        "activation_function": "gelu_new",
+        "layer_norm_epsilon": cfg.norm_eps,
+        "tie_word_embeddings": cfg.tied,
+        "resid_pdrop": 0.0,
+        "embd_pdrop": 0.0,
+        "attn_pdrop": 0.0,
+        "scale_attn_weights": True,
+        "torch_dtype": "float32",
+    }
 
 
 FAMILY = Family("gpt2", GPT2Stage, "gpt2", config_from_hf, config_to_hf, read_hf, to_hf)

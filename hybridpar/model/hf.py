@@ -23,8 +23,7 @@ class TensorSource(Protocol):
         """`tensor[index]` of the tensor `name`; ValueError naming it if there is none."""
         ...
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        ...
+    def shape(self, name: str) -> tuple[int, ...]: ...
 
 
 def shard_rows(full_len: int, rank: int, n: int) -> slice:

@@ -24,8 +24,16 @@ import torch.nn.functional as F
 class KVCache:
     """Keys and values of one request group on one stage (this rank's kv heads only)."""
 
-    def __init__(self, layer_ids: Iterable[str], kv_heads: int, head_dim: int, batch: int, max_len: int,
-                 device: torch.device, dtype: torch.dtype) -> None:
+    def __init__(
+        self,
+        layer_ids: Iterable[str],
+        kv_heads: int,
+        head_dim: int,
+        batch: int,
+        max_len: int,
+        device: torch.device,
+        dtype: torch.dtype,
+    ) -> None:
         self.max_len = max_len
         shape = (batch, kv_heads, max_len, head_dim)
         self.k = {lid: torch.zeros(shape, device=device, dtype=dtype) for lid in layer_ids}
@@ -71,7 +79,7 @@ class LayerKV:
         # Advanced indices around a slice put their dims first: the target is (B, T, kv, hd).
         c.k[self.lid][s.rows, :, s.positions] = k.transpose(1, 2)
         c.v[self.lid][s.rows, :, s.positions] = v.transpose(1, 2)
-        return c.k[self.lid][:, :, :s.L], c.v[self.lid][:, :, :s.L], s.mask
+        return c.k[self.lid][:, :, : s.L], c.v[self.lid][:, :, : s.L], s.mask
 
 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:

@@ -161,31 +161,60 @@ class LlamaStage(Stage):
 
 def config_from_hf(d: dict[str, Any], where: str) -> ModelConfig:
     """ModelConfig of an HF Llama config; refuses what our model does not implement."""
-    refuse_unsupported(d, where, (("hidden_act", lambda v: v in (None, "silu"), "'silu'"),
-                                  ("rope_scaling", lambda v: not v, "null (no RoPE scaling)"),
-                                  ("attention_bias", lambda v: not v, "false"), ("mlp_bias", lambda v: not v, "false")))
+    refuse_unsupported(
+        d,
+        where,
+        (
+            ("hidden_act", lambda v: v in (None, "silu"), "'silu'"),
+            ("rope_scaling", lambda v: not v, "null (no RoPE scaling)"),
+            ("attention_bias", lambda v: not v, "false"),
+            ("mlp_bias", lambda v: not v, "false"),
+        ),
+    )
     rope_type = (d.get("rope_parameters") or {}).get("rope_type", "default")
     if rope_type != "default":
         raise ValueError(f"{where}: rope_parameters.rope_type={rope_type!r} is not supported: it must be 'default'")
     dim, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
     if d.get("head_dim") not in (None, dim // heads):
-        raise ValueError(f"{where}: head_dim={d['head_dim']} differs from hidden_size / num_attention_heads = "
-                         f"{dim // heads}; only the standard head size is supported")
+        raise ValueError(
+            f"{where}: head_dim={d['head_dim']} differs from hidden_size / num_attention_heads = "
+            f"{dim // heads}; only the standard head size is supported"
+        )
     rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
-    return ModelConfig(family="llama", vocab_size=int(d["vocab_size"]), dim=dim, n_layers=int(d["num_hidden_layers"]),
-                       n_heads=heads, n_kv_heads=int(d.get("num_key_value_heads") or heads),
-                       ffn_dim=int(d["intermediate_size"]), rope_theta=float(rope),
-                       norm_eps=float(d.get("rms_norm_eps", 1e-6)),
-                       tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+    return ModelConfig(
+        family="llama",
+        vocab_size=int(d["vocab_size"]),
+        dim=dim,
+        n_layers=int(d["num_hidden_layers"]),
+        n_heads=heads,
+        n_kv_heads=int(d.get("num_key_value_heads") or heads),
+        ffn_dim=int(d["intermediate_size"]),
+        rope_theta=float(rope),
+        norm_eps=float(d.get("rms_norm_eps", 1e-6)),
+        tie_embeddings=bool(d.get("tie_word_embeddings", False)),
+    )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
-    return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": cfg.vocab_size,
-            "hidden_size": cfg.dim, "intermediate_size": cfg.ffn_dim, "num_hidden_layers": cfg.n_layers,
-            "num_attention_heads": cfg.n_heads, "num_key_value_heads": cfg.kv_heads, "head_dim": cfg.head_dim,
-            "hidden_act": "silu", "rms_norm_eps": cfg.norm_eps, "rope_theta": cfg.rope_theta,
-            "tie_word_embeddings": cfg.tied, "attention_bias": False, "mlp_bias": False,
-            "max_position_embeddings": 4096, "torch_dtype": "float32"}
+    return {
+        "architectures": ["LlamaForCausalLM"],
+        "model_type": "llama",
+        "vocab_size": cfg.vocab_size,
+        "hidden_size": cfg.dim,
+        "intermediate_size": cfg.ffn_dim,
+        "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_heads,
+        "num_key_value_heads": cfg.kv_heads,
+        "head_dim": cfg.head_dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": cfg.norm_eps,
+        "rope_theta": cfg.rope_theta,
+        "tie_word_embeddings": cfg.tied,
+        "attention_bias": False,
+        "mlp_bias": False,
+        "max_position_embeddings": 4096,
+        "torch_dtype": "float32",
+    }
 
 
 FAMILY = Family("llama", LlamaStage, "llama", config_from_hf, config_to_hf)

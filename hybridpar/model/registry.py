@@ -38,8 +38,14 @@ def family(cfg: ModelConfig) -> Family:
 
 
 # -- building -------------------------------------------------------------------------------------------
-def empty_stage(cfg: ModelConfig, layers: Sequence[int], first: bool, last: bool, device: torch.device,
-                tp_group: dist.ProcessGroup | None = None) -> Stage:
+def empty_stage(
+    cfg: ModelConfig,
+    layers: Sequence[int],
+    first: bool,
+    last: bool,
+    device: torch.device,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Stage:
     """A stage with uninitialised tensors on `device`, sharded over `tp_group`: values are to be loaded.
     Built on the meta device first, so nothing is allocated twice."""
     with torch.device("meta"):
@@ -49,8 +55,15 @@ def empty_stage(cfg: ModelConfig, layers: Sequence[int], first: bool, last: bool
     return apply_tp(stage, tp_group)
 
 
-def build_stage(cfg: ModelConfig, layers: Sequence[int], first: bool, last: bool, seed: int,
-                device: torch.device, tp_group: dist.ProcessGroup | None = None) -> Stage:
+def build_stage(
+    cfg: ModelConfig,
+    layers: Sequence[int],
+    first: bool,
+    last: bool,
+    seed: int,
+    device: torch.device,
+    tp_group: dist.ProcessGroup | None = None,
+) -> Stage:
     """A stage initialised deterministically from `seed` (the same values in every layout), then sharded."""
     stage = empty_stage(cfg, layers, first, last, device)
     stage.init_(seed)
@@ -84,7 +97,7 @@ def canonical_param_names(cfg: ModelConfig) -> list[str]:
 def layer_of(cfg: ModelConfig, name: str) -> int | None:
     """The decoder layer a full-model parameter belongs to, None for the embedding, norm and head."""
     prefix = family(cfg).stage.LAYERS + "."
-    return int(name[len(prefix):].split(".")[0]) if name.startswith(prefix) else None
+    return int(name[len(prefix) :].split(".")[0]) if name.startswith(prefix) else None
 
 
 def param_stages(cfg: ModelConfig, parts: Sequence[range]) -> dict[str, int]:
@@ -96,8 +109,13 @@ def param_stages(cfg: ModelConfig, parts: Sequence[range]) -> dict[str, int]:
     out = {}
     for name in canonical_param_names(cfg):
         layer = layer_of(cfg, name)
-        out[name] = (0 if name in first else len(parts) - 1 if layer is None
-                     else next(s for s, r in enumerate(parts) if layer in r))
+        out[name] = (
+            0
+            if name in first
+            else len(parts) - 1
+            if layer is None
+            else next(s for s, r in enumerate(parts) if layer in r)
+        )
     return out
 
 
@@ -134,11 +152,16 @@ def load_stage_(stage: Stage, src: TensorSource, hf_layout: bool, tp_rank: int =
     with torch.no_grad():
         for name, p in stage.named_parameters():
             dim, src_name = getattr(p, "tp_dim", None), stage.stored_name(name)
-            t = (fam.read_hf(src, src_name, dim, tp_rank, tp, stage.cfg) if hf_layout
-                 else read_local(src, src_name, dim, tp_rank, tp))
+            t = (
+                fam.read_hf(src, src_name, dim, tp_rank, tp, stage.cfg)
+                if hf_layout
+                else read_local(src, src_name, dim, tp_rank, tp)
+            )
             if tuple(t.shape) != tuple(p.shape):
-                raise ValueError(f"tensor {src_name!r} has shape {tuple(t.shape)} in the checkpoint, the model "
-                                 f"expects {tuple(p.shape)} for this rank (tp={tp}): the config does not match")
+                raise ValueError(
+                    f"tensor {src_name!r} has shape {tuple(t.shape)} in the checkpoint, the model "
+                    f"expects {tuple(p.shape)} for this rank (tp={tp}): the config does not match"
+                )
             p.copy_(t.to(p.dtype))
 
 

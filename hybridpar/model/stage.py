@@ -118,8 +118,9 @@ def init_seed(seed: int, name: str) -> int:
 
 
 @torch.no_grad()
-def generate(model: Stage, prompt: list[int], n_tokens: int, temperature: float = 0.8,
-             top_k: int = 0, seed: int = 0) -> list[int]:
+def generate(
+    model: Stage, prompt: list[int], n_tokens: int, temperature: float = 0.8, top_k: int = 0, seed: int = 0
+) -> list[int]:
     """Sample `n_tokens` after `prompt` with the full model (no KV cache: this is the end-of-training
     demo and the serving tests' reference). Greedy when temperature == 0. A family with learned
     positions reads only the last `max_positions` tokens (as nanoGPT's sample does)."""

@@ -16,7 +16,7 @@ def one_f_one_b(fwd: list[Action], bwd: list[Action], warmup: int) -> list[Actio
     order = fwd[:warmup]
     for i in range(len(fwd) - warmup):
         order += [fwd[warmup + i], bwd[i]]
-    return order + bwd[len(fwd) - warmup:]
+    return order + bwd[len(fwd) - warmup :]
 
 
 def defer_weights(order: list[Action], delay: int) -> list[Action]:

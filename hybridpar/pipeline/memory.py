@@ -74,7 +74,8 @@ class ActivationMeter:
             if self.limit is not None and self.live + size > self.limit:
                 raise torch.OutOfMemoryError(
                     f"emulated out of memory (--emulate.memory_limit={self.limit}): holding {self.live} bytes "
-                    f"of activations, {size} more requested")
+                    f"of activations, {size} more requested"
+                )
             self._storages[key] = [1, size]
             self.live += size
             self.peak = max(self.peak, self.live)

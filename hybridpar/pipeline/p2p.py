@@ -81,8 +81,15 @@ class P2P:
     process group then only carries each link's descriptor, once.
     """
 
-    def __init__(self, device: torch.device, dtype: torch.dtype, timeout_s: float,
-                 post_from_thread: bool | None = None, tag: int = 0, transport: str = "auto") -> None:
+    def __init__(
+        self,
+        device: torch.device,
+        dtype: torch.dtype,
+        timeout_s: float,
+        post_from_thread: bool | None = None,
+        tag: int = 0,
+        transport: str = "auto",
+    ) -> None:
         self.device, self.dtype, self.tag = device, dtype, tag
         self.transport = transport_for(transport, device)  # "shared_memory" | "process_group"
         self._out: dict[int, SendLink] = {}
@@ -114,8 +121,10 @@ class P2P:
         # The posting thread calls the process group directly, which does not check ranks (gloo
         # crashes on one out of range): check here, where the caller's frame names the mistake.
         if self._world is not None and not (0 <= peer < self._world and peer != self._rank):
-            raise ValueError(f"P2P peer {peer} is not another rank of this world (ranks 0..{self._world - 1}, "
-                             f"this is rank {self._rank})")
+            raise ValueError(
+                f"P2P peer {peer} is not another rank of this world (ranks 0..{self._world - 1}, "
+                f"this is rank {self._rank})"
+            )
 
     def queue_send(self, tensor: torch.Tensor, peer: int) -> None:
         self._check_peer(peer)
@@ -148,8 +157,9 @@ class P2P:
 
     def _post(self) -> None:
         # Forget sends that already completed, so their tensors can be freed before the step ends.
-        self._sends = [s for s in self._sends if not (s[0].seq <= self._posted and s[0].works
-                                                      and s[0].works[s[1]].is_completed())]
+        self._sends = [
+            s for s in self._sends if not (s[0].seq <= self._posted and s[0].works and s[0].works[s[1]].is_completed())
+        ]
         ops, self._ops = self._ops, []
         if self.transport == "shared_memory":
             ops = self._through_shared_memory(ops)
@@ -163,8 +173,12 @@ class P2P:
                 self._thread.start()
             self._queue.put(batch)
         else:
-            works = dist.batch_isend_irecv([dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer,
-                                                       tag=self.tag) for kind, _, t, peer in batch.ops])
+            works = dist.batch_isend_irecv(
+                [
+                    dist.P2POp(dist.isend if kind == "send" else dist.irecv, t, peer, tag=self.tag)
+                    for kind, _, t, peer in batch.ops
+                ]
+            )
             # NCCL coalesces the batch into a single work that covers all its ops.
             batch.works = works if len(works) == len(batch.ops) else works * len(batch.ops)
             self._posted = batch.seq
@@ -180,8 +194,9 @@ class P2P:
         self.stats[peer].sent_bytes += t.numel() * t.element_size()
         self.stats[peer].sent_msgs += 1
 
-    def _through_shared_memory(self, ops: list[tuple[str, Hashable, torch.Tensor, int]]
-                               ) -> list[tuple[str, Hashable, torch.Tensor, int]]:
+    def _through_shared_memory(
+        self, ops: list[tuple[str, Hashable, torch.Tensor, int]]
+    ) -> list[tuple[str, Hashable, torch.Tensor, int]]:
         """Send over (and register receives on) the shared-memory links; returns what the process group
         still carries: each link's descriptor, its sender's first message on the link."""
         pg_ops = []
@@ -205,8 +220,10 @@ class P2P:
         pg = dist.group.WORLD  # peers are global ranks: their ranks in the default group
         while (batch := self._queue.get()) is not None:
             try:
-                batch.works = [pg.send([t], peer, self.tag) if kind == "send" else pg.recv([t], peer, self.tag)
-                               for kind, _, t, peer in batch.ops]
+                batch.works = [
+                    pg.send([t], peer, self.tag) if kind == "send" else pg.recv([t], peer, self.tag)
+                    for kind, _, t, peer in batch.ops
+                ]
             except BaseException as e:  # re-raised where the caller waits for one of these messages
                 batch.error = e
             with self._cond:
@@ -217,8 +234,9 @@ class P2P:
         if self._posted < batch.seq:
             with self._cond:
                 if not self._cond.wait_for(lambda: self._posted >= batch.seq, self.timeout_s):
-                    raise TimeoutError(f"P2P: {what} was not posted within {self.timeout_s:g} s "
-                                       "(the posting thread is stuck)")
+                    raise TimeoutError(
+                        f"P2P: {what} was not posted within {self.timeout_s:g} s " "(the posting thread is stuck)"
+                    )
         if batch.error is not None:
             raise RuntimeError(f"P2P: posting {what} failed: {batch.error}") from batch.error
         batch.works[i].wait(self.timeout)

@@ -6,6 +6,7 @@ partition" problem: split the layer sequence into contiguous blocks minimising t
 maximum block time, solved exactly by dynamic programming over prefix sums (the same
 formulation PipeDream's planner uses, Narayanan et al. 2019).
 """
+
 from __future__ import annotations
 
 import math
@@ -23,8 +24,7 @@ def _is_int(x: object) -> bool:
 
 
 def _is_real(x: object) -> bool:
-    return (isinstance(x, numbers.Real) and not isinstance(x, bool)
-            and math.isfinite(float(x)))
+    return isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(float(x))
 
 
 def _check_counts(n_layers: int, n_stages: int) -> None:
@@ -32,8 +32,9 @@ def _check_counts(n_layers: int, n_stages: int) -> None:
         if not _is_int(value) or value < 1:
             raise ValueError(f"{label} must be a positive integer, got {value!r}")
     if n_stages > n_layers:
-        raise ValueError(f"cannot split {n_layers} layers into {n_stages} stages: "
-                         "each stage needs at least one layer")
+        raise ValueError(
+            f"cannot split {n_layers} layers into {n_stages} stages: " "each stage needs at least one layer"
+        )
 
 
 def partition_uniform(n_layers: int, n_stages: int) -> list[range]:
@@ -60,8 +61,9 @@ def _check_positive(label: str, values: Sequence[float]) -> None:
             raise ValueError(f"{label}[{i}] must be a positive finite number, got {x!r}")
 
 
-def _check_inputs(layer_costs: Sequence[float], n_stages: int, first_extra: float,
-                  last_extra: float, speeds: Sequence[float] | None) -> list[float]:
+def _check_inputs(
+    layer_costs: Sequence[float], n_stages: int, first_extra: float, last_extra: float, speeds: Sequence[float] | None
+) -> list[float]:
     """Validate and return the per-stage speeds (default: all 1.0)."""
     if not _is_int(n_stages) or n_stages < 1:
         raise ValueError(f"n_stages must be a positive integer, got {n_stages!r}")
@@ -80,19 +82,25 @@ def _check_inputs(layer_costs: Sequence[float], n_stages: int, first_extra: floa
     return [float(s) for s in speeds]
 
 
-def stage_times(parts: Sequence[range], layer_costs: Sequence[float], first_extra: float = 0.0,
-                last_extra: float = 0.0, speeds: Sequence[float] | None = None) -> list[float]:
+def stage_times(
+    parts: Sequence[range],
+    layer_costs: Sequence[float],
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+    speeds: Sequence[float] | None = None,
+) -> list[float]:
     """Time of each stage: (its layer costs + embedding/head extras) / its speed."""
     speed = _check_inputs(layer_costs, len(parts), first_extra, last_extra, speeds)
     expected_start = 0
     for k, part in enumerate(parts):
         if part.step != 1 or part.start != expected_start or len(part) == 0:
-            raise ValueError(f"stage {k} is {part}: stages must be non-empty, contiguous and "
-                             f"in order (expected it to start at layer {expected_start})")
+            raise ValueError(
+                f"stage {k} is {part}: stages must be non-empty, contiguous and "
+                f"in order (expected it to start at layer {expected_start})"
+            )
         expected_start = part.stop
     if expected_start != len(layer_costs):
-        raise ValueError(f"stages cover layers 0..{expected_start - 1} "
-                         f"but there are {len(layer_costs)} layers")
+        raise ValueError(f"stages cover layers 0..{expected_start - 1} " f"but there are {len(layer_costs)} layers")
     times: list[float] = []
     for k, part in enumerate(parts):
         work = math.fsum(layer_costs[i] for i in part)
@@ -101,9 +109,14 @@ def stage_times(parts: Sequence[range], layer_costs: Sequence[float], first_extr
     return times
 
 
-def partition_by_cost(layer_costs: Sequence[float], n_stages: int, *, first_extra: float = 0.0,
-                      last_extra: float = 0.0,
-                      speeds: Sequence[float] | None = None) -> list[range]:
+def partition_by_cost(
+    layer_costs: Sequence[float],
+    n_stages: int,
+    *,
+    first_extra: float = 0.0,
+    last_extra: float = 0.0,
+    speeds: Sequence[float] | None = None,
+) -> list[range]:
     """Exact contiguous partition minimising the slowest stage's time.
 
     Stage k's time is (sum of its layer costs + first_extra if k == 0 + last_extra if
@@ -170,8 +183,9 @@ def partition_by_cost(layer_costs: Sequence[float], n_stages: int, *, first_extr
     return parts[::-1]
 
 
-def partition_by_params(layer_params: Sequence[int], n_stages: int, *, embed_params: int = 0,
-                        head_params: int = 0) -> list[range]:
+def partition_by_params(
+    layer_params: Sequence[int], n_stages: int, *, embed_params: int = 0, head_params: int = 0
+) -> list[range]:
     """Balance parameter counts (i.e. weight + optimizer memory) across stages.
 
     embed_params sits on the first stage (token embedding), head_params on the last
@@ -183,5 +197,4 @@ def partition_by_params(layer_params: Sequence[int], n_stages: int, *, embed_par
     for i, p in enumerate(layer_params):
         if not _is_int(p) or p <= 0:
             raise ValueError(f"layer_params[{i}] must be a positive integer, got {p!r}")
-    return partition_by_cost(layer_params, n_stages, first_extra=embed_params,
-                             last_extra=head_params)
+    return partition_by_cost(layer_params, n_stages, first_extra=embed_params, last_extra=head_params)

@@ -73,8 +73,15 @@ class PipelineRuntime:
     """Runs actions for the stages this rank holds. `stage_peer(s)` is the global rank holding stage s
     (same dp and tp coordinates as us). `loss_fn` turns the last stage's output into the loss."""
 
-    def __init__(self, stages: dict[int, nn.Module], n_stages: int, stage_peer: Callable[[int], int],
-                 p2p: P2P, hidden: int, loss_fn: LossFn = token_cross_entropy) -> None:
+    def __init__(
+        self,
+        stages: dict[int, nn.Module],
+        n_stages: int,
+        stage_peer: Callable[[int], int],
+        p2p: P2P,
+        hidden: int,
+        loss_fn: LossFn = token_cross_entropy,
+    ) -> None:
         self.stages, self.n_stages, self.loss_fn = stages, n_stages, loss_fn
         self.stage_peer, self.p2p, self.hidden = stage_peer, p2p, hidden
         self._deferral: dict[int, WeightGradDeferral] = {}
@@ -91,11 +98,19 @@ class PipelineRuntime:
             self._deferral[s] = WeightGradDeferral(self.stages[s])
         return self._deferral[s]
 
-    def run(self, actions: Sequence[Action], inputs: Sequence[torch.Tensor | None],
-            targets: Sequence[torch.Tensor | None], loss_scale: float, *, train: bool = True,
-            on_stage_done: Callable[[int], None] | None = None) -> StepOutput:
+    def run(
+        self,
+        actions: Sequence[Action],
+        inputs: Sequence[torch.Tensor | None],
+        targets: Sequence[torch.Tensor | None],
+        loss_scale: float,
+        *,
+        train: bool = True,
+        on_stage_done: Callable[[int], None] | None = None,
+    ) -> StepOutput:
         """Execute one step. inputs[m]/targets[m]: token ids (b_m, T) of microbatch m. The loss of
-        microbatch m is loss_fn(output, targets[m], loss_scale), by default sum(token CE) * loss_scale, so that with loss_scale = 1 / tokens-in-global-batch
+        microbatch m is loss_fn(output, targets[m], loss_scale), by default sum(token CE) * loss_scale, so
+        that with loss_scale = 1 / tokens-in-global-batch
         the gradients summed over every replica and microbatch are exactly those of the global token
         mean. `on_stage_done(s)` fires once stage s's gradients are complete on this rank (its last
         backward or weight action), where the data-parallel reduction of them can start."""
@@ -186,7 +201,9 @@ class PipelineRuntime:
             self.p2p.release(buf)
         if s == self.n_stages - 1:
             return
-        y = out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)  # failed: keep peers going
+        y = (
+            out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)
+        )  # failed: keep peers going
         if self._remote(s, s + 1):
             st.to_send[("F", s, m)] = y
         else:
@@ -195,8 +212,10 @@ class PipelineRuntime:
     def _forward_compute(self, st: _Step, s: int, m: int, x: torch.Tensor, buf: torch.Tensor | None) -> torch.Tensor:
         if st.split and st.train:
             self._split(s).key = (s, m)
-        with torch.set_grad_enabled(st.train), \
-                self.meter.measuring() if self.meter is not None and st.train else contextlib.nullcontext():
+        with (
+            torch.set_grad_enabled(st.train),
+            self.meter.measuring() if self.meter is not None and st.train else contextlib.nullcontext(),
+        ):
             try:
                 y = self.stages[s](x)
                 if s == self.n_stages - 1:

@@ -15,6 +15,7 @@ into ``B`` (gradient w.r.t. the stage input, what SEND_B carries) and ``W`` (gra
 weights). In a schedule that contains any W, ``Op.BACKWARD`` means the B half only; W(s, m) runs on
 the rank of stage s after B(s, m) and never communicates, so it can be moved into bubbles.
 """
+
 from __future__ import annotations
 
 import enum
@@ -90,8 +91,10 @@ def _compute_of(a: Action) -> Action:
 
 def message_of(a: Action, ranks: Sequence[int]) -> tuple[tuple[int, int], Action]:
     """(link (src rank, dst rank), sending action) identifying the message a comm action is part of."""
-    send = {Op.RECV_F: Action(a.stage - 1, Op.SEND_F, a.microbatch),
-            Op.RECV_B: Action(a.stage + 1, Op.SEND_B, a.microbatch)}.get(a.op, a)
+    send = {
+        Op.RECV_F: Action(a.stage - 1, Op.SEND_F, a.microbatch),
+        Op.RECV_B: Action(a.stage + 1, Op.SEND_B, a.microbatch),
+    }.get(a.op, a)
     dst = send.stage + 1 if send.op is Op.SEND_F else send.stage - 1
     return (ranks[send.stage], ranks[dst]), send
 
@@ -108,8 +111,7 @@ def _send_after(a: Action, ranks: Sequence[int]) -> Action | None:
 
 def _recv_of(send: Action) -> Action:
     forward = send.op is Op.SEND_F
-    return Action(send.stage + (1 if forward else -1), Op.RECV_F if forward else Op.RECV_B,
-                  send.microbatch)
+    return Action(send.stage + (1 if forward else -1), Op.RECV_F if forward else Op.RECV_B, send.microbatch)
 
 
 def inputs(a: Action, ranks: Sequence[int]) -> list[tuple[str, Action]]:
@@ -129,13 +131,13 @@ def inputs(a: Action, ranks: Sequence[int]) -> list[tuple[str, Action]]:
         need.append(("done", Action(s, Op.FORWARD, m)))
         if s + 1 < len(ranks):
             remote = ranks[s + 1] != ranks[s]
-            need.append(("arrive", Action(s + 1, Op.SEND_B, m)) if remote
-                        else ("done", Action(s + 1, Op.BACKWARD, m)))
+            need.append(("arrive", Action(s + 1, Op.SEND_B, m)) if remote else ("done", Action(s + 1, Op.BACKWARD, m)))
     return need  # a receive only posts a buffer: it waits for nothing
 
 
-def add_communication(compute: list[list[Action]], pp: int, n_stages: int, recv_lookahead: int = 1, *,
-                      ranks: Sequence[int] | None = None) -> list[list[Action]]:
+def add_communication(
+    compute: list[list[Action]], pp: int, n_stages: int, recv_lookahead: int = 1, *, ranks: Sequence[int] | None = None
+) -> list[list[Action]]:
     """Lower per-rank compute lists to full lists with SEND_*/RECV_* inserted."""
     if len(compute) != pp:
         raise ValueError(f"expected {pp} rank lists, got {len(compute)}")
@@ -176,8 +178,9 @@ def add_communication(compute: list[list[Action]], pp: int, n_stages: int, recv_
     return out
 
 
-def build_schedule(name: str, pp: int, virtual_stages: int, microbatches: int,
-                   recv_lookahead: int = 1) -> list[list[Action]]:
+def build_schedule(
+    name: str, pp: int, virtual_stages: int, microbatches: int, recv_lookahead: int = 1
+) -> list[list[Action]]:
     """The full, validated per-rank action lists the runtime executes."""
     compute = compute_schedule(name, pp, virtual_stages, microbatches)
     n_stages, ranks = pp * virtual_stages, schedule_spec(name).stage_ranks(pp, virtual_stages)
@@ -223,16 +226,21 @@ def _simulate(actions: list[list[Action]], ranks: Sequence[int]) -> tuple[list[l
             else:
                 row.append(".")
         if not ran:
-            return rows, [f"rank {r} at {acts[p]} waits for " + (", ".join(
-                f"{n} (rank {ranks[n.stage]})" for n in _prerequisites(acts[p], ranks) if n not in done)
-                if 0 <= acts[p].stage < len(ranks) else "a stage that does not exist")
-                for r, (p, acts) in enumerate(zip(ptr, actions)) if p < len(acts)]
+            return rows, [
+                f"rank {r} at {acts[p]} waits for "
+                + (
+                    ", ".join(f"{n} (rank {ranks[n.stage]})" for n in _prerequisites(acts[p], ranks) if n not in done)
+                    if 0 <= acts[p].stage < len(ranks)
+                    else "a stage that does not exist"
+                )
+                for r, (p, acts) in enumerate(zip(ptr, actions))
+                if p < len(acts)
+            ]
         done.update(ran)
         rows.append(row)
 
 
-def format_grid(actions: list[list[Action]], pp: int, n_stages: int, *,
-                ranks: Sequence[int] | None = None) -> str:
+def format_grid(actions: list[list[Action]], pp: int, n_stages: int, *, ranks: Sequence[int] | None = None) -> str:
     """Step x rank table of the unit-time simulation ('.' = idle); stops where it deadlocks."""
     rows, stuck = _simulate(actions, placement(ranks, pp, n_stages))
     header = ["step"] + [f"r{r}" for r in range(len(actions))]
@@ -245,8 +253,9 @@ def format_grid(actions: list[list[Action]], pp: int, n_stages: int, *,
     return "\n".join(lines)
 
 
-def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int, microbatches: int, *,
-                      ranks: Sequence[int] | None = None) -> None:
+def validate_schedule(
+    actions: list[list[Action]], pp: int, n_stages: int, microbatches: int, *, ranks: Sequence[int] | None = None
+) -> None:
     """Raise ScheduleError naming the first problem (rank, action); message ends with the grid."""
     ranks = placement(ranks, pp, n_stages)
 
@@ -259,11 +268,15 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int, micro
     for r, acts in enumerate(actions):
         for i, a in enumerate(acts):
             if not (0 <= a.stage < n_stages and 0 <= a.microbatch < microbatches):
-                fail(f"rank {r}: {a} at position {i} is out of range "
-                     f"(stages 0..{n_stages - 1}, microbatches 0..{microbatches - 1})")
+                fail(
+                    f"rank {r}: {a} at position {i} is out of range "
+                    f"(stages 0..{n_stages - 1}, microbatches 0..{microbatches - 1})"
+                )
             if ranks[a.stage] != r:
-                fail(f"rank {r}: {a} at position {i} is on the wrong rank "
-                     f"(stage {a.stage} lives on rank {ranks[a.stage]})")
+                fail(
+                    f"rank {r}: {a} at position {i} is on the wrong rank "
+                    f"(stage {a.stage} lives on rank {ranks[a.stage]})"
+                )
             if a in where:
                 fail(f"rank {r}: {a} appears twice (positions {where[a][1]} and {i})")
             where[a] = (r, i)
@@ -278,13 +291,17 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int, micro
         fail(f"rank {ranks[a.stage]}: missing {a}{why}")
     for a, (r, i) in where.items():
         if a not in required:
-            fail(f"rank {r}: unexpected {a}: no communication is needed there "
-                 "(neighbouring stage absent or on the same rank)")
+            fail(
+                f"rank {r}: unexpected {a}: no communication is needed there "
+                "(neighbouring stage absent or on the same rank)"
+            )
         if a.op is Op.WEIGHT:
             j = where[Action(a.stage, Op.BACKWARD, a.microbatch)][1]
             if i < j:
-                fail(f"rank {r}: {a} at position {i} comes before its "
-                     f"B{a.stage}.{a.microbatch} at {j} (W needs the output gradient B gets)")
+                fail(
+                    f"rank {r}: {a} at position {i} comes before its "
+                    f"B{a.stage}.{a.microbatch} at {j} (W needs the output gradient B gets)"
+                )
         elif not a.is_compute:
             c = _compute_of(a)
             j = where[c][1]
@@ -304,16 +321,19 @@ def validate_schedule(actions: list[list[Action]], pp: int, n_stages: int, micro
     for link in sorted(sent):
         for k, (send, (expect, recv)) in enumerate(zip(sent[link], received[link])):
             if send != expect:
-                fail(f"link rank {link[0]} -> rank {link[1]}: message #{k} is sent as {send} "
-                     f"but rank {link[1]} posts {recv} as its receive #{k} "
-                     "(NCCL matches in posting order; receives must follow send order)")
+                fail(
+                    f"link rank {link[0]} -> rank {link[1]}: message #{k} is sent as {send} "
+                    f"but rank {link[1]} posts {recv} as its receive #{k} "
+                    "(NCCL matches in posting order; receives must follow send order)"
+                )
     stuck = _simulate(actions, ranks)[1]
     if stuck:
         fail("deadlock: " + "; ".join(stuck))
 
 
-def bubble_fraction_theory(name: str, pp: int, virtual_stages: int, microbatches: int, *,
-                           t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0) -> float:
+def bubble_fraction_theory(
+    name: str, pp: int, virtual_stages: int, microbatches: int, *, t_f: float = 1.0, t_b: float = 1.0, t_w: float = 1.0
+) -> float:
     """Idle fraction of the total step time per rank, assuming uniform stage costs: the schedule's
     registered formula (config/schedules.py). t_b is the input-gradient half B and t_w the weight half W
     where the schedule splits the backward; elsewhere a full backward is t_b + t_w."""

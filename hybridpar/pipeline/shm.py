@@ -30,13 +30,13 @@ from __future__ import annotations
 import math
 import mmap
 import os
-from collections import deque
 import platform
 import select
 import struct
 import sys
 import tempfile
 import time
+from collections import deque
 
 import torch
 
@@ -51,7 +51,7 @@ DESCRIPTOR = 4  # int64s in a link descriptor
 
 
 def transport_for(transport: str, device: torch.device) -> str:
-    """"shared_memory" or "process_group" for a P2P on `device`. `auto` picks shared memory where it
+    """ "shared_memory" or "process_group" for a P2P on `device`. `auto` picks shared memory where it
     works: CPU tensors, x86-64, every rank on this host (LOCAL_WORLD_SIZE == WORLD_SIZE, as torchrun
     and the spawn helper set). Asking for `shared_memory` where it cannot work is a ValueError."""
     if transport not in TRANSPORTS:
@@ -75,8 +75,7 @@ def _why_not(device: torch.device) -> str | None:
         return f"it relies on x86-64 store ordering, this machine is {platform.machine()}"
     local, world = os.environ.get("LOCAL_WORLD_SIZE"), os.environ.get("WORLD_SIZE")
     if local is None or world is None or local != world:
-        return (f"every rank must be on this host (LOCAL_WORLD_SIZE={local}, WORLD_SIZE={world}; "
-                "torchrun sets both)")
+        return f"every rank must be on this host (LOCAL_WORLD_SIZE={local}, WORLD_SIZE={world}; " "torchrun sets both)"
     return None
 
 
@@ -154,11 +153,13 @@ def _open_peer_fd(pid: int, fd: int, flags: int, what: str) -> int:
     try:
         return os.open(f"/proc/{pid}/fd/{fd}", flags)
     except FileNotFoundError:
-        raise ConnectionError(f"P2P: {what}: the sending process {pid} is gone "
-                              "(it exited before the link was opened)") from None
+        raise ConnectionError(
+            f"P2P: {what}: the sending process {pid} is gone " "(it exited before the link was opened)"
+        ) from None
     except PermissionError as e:
-        raise ConnectionError(f"P2P: {what}: cannot open the sender's ring through /proc ({e}); "
-                              "use the process_group transport") from None
+        raise ConnectionError(
+            f"P2P: {what}: cannot open the sender's ring through /proc ({e}); " "use the process_group transport"
+        ) from None
 
 
 class SendLink:
@@ -251,8 +252,9 @@ class RecvLink:
         buf.copy_(data)
         self.free(token)
 
-    def take(self, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float, what: str
-             ) -> tuple[torch.Tensor, list]:
+    def take(
+        self, shape: tuple[int, ...], dtype: torch.dtype, timeout_s: float, what: str
+    ) -> tuple[torch.Tensor, list]:
         """Block until the next message has landed; return it as a `shape` tensor of `dtype` where it
         lies in the ring (no copy) and the token that `free` takes once nothing reads it any more."""
         nbytes = dtype.itemsize * math.prod(shape)
@@ -276,8 +278,10 @@ class RecvLink:
                     self.storages.add(self._ring.data.untyped_storage().data_ptr())
                     continue
                 if n != nbytes:
-                    raise RuntimeError(f"P2P: {what}: expected {nbytes} bytes (shape {tuple(shape)}, {dtype}), "
-                                       f"the sender sent {n}: the two ranks disagree on the message's shape")
+                    raise RuntimeError(
+                        f"P2P: {what}: expected {nbytes} bytes (shape {tuple(shape)}, {dtype}), "
+                        f"the sender sent {n}: the two ranks disagree on the message's shape"
+                    )
                 return ring.view(at, shape, dtype), token
             self._sleep(deadline, timeout_s, what)
 
@@ -295,8 +299,9 @@ class RecvLink:
         try:
             if os.read(self._bell, 4096):
                 return
-            raise ConnectionError(f"P2P: {what}: rank {self.peer} closed its shared-memory link "
-                                  "(it exited or failed)")
+            raise ConnectionError(
+                f"P2P: {what}: rank {self.peer} closed its shared-memory link " "(it exited or failed)"
+            )
         except BlockingIOError:
             pass
         if self._ring.head() > self._tail:

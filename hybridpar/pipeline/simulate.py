@@ -21,6 +21,7 @@ Model (chosen to match ``runtime.py`` + ``p2p.py``):
 Messages are matched by identity, not by posting order: run ``validate_schedule`` (as
 ``build_schedule`` does) to catch receive orders NCCL would mismatch.
 """
+
 from __future__ import annotations
 
 import math
@@ -31,9 +32,11 @@ from typing import Sequence
 from hybridpar.pipeline.schedules import RECVS, SENDS, Action, Op, ScheduleError, inputs, message_of, placement
 from hybridpar.pipeline.trace import Slice, chrome_trace
 
+
 @dataclass(frozen=True)
 class Costs:
     """Seconds per action; a per-stage cost is a float (same for every stage) or one per stage."""
+
     forward_s: float | Sequence[float]
     backward_s: float | Sequence[float]  # the input-grad half when the schedule has W, else all of B
     weight_s: float | Sequence[float] = 0.0  # W actions
@@ -48,8 +51,7 @@ class Costs:
     microbatch_scale: Sequence[float] | None = None
 
     def __post_init__(self) -> None:
-        for label in ("latency_s", "message_bytes", "send_overhead_s", "recv_overhead_s",
-                      "compute_overhead_s"):
+        for label in ("latency_s", "message_bytes", "send_overhead_s", "recv_overhead_s", "compute_overhead_s"):
             value = getattr(self, label)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
                 raise ValueError(f"{label} must be a finite number >= 0, got {value!r}")
@@ -61,9 +63,11 @@ class Costs:
     def per_stage(self, n_stages: int) -> dict[Op, list[float]]:
         """Cost of each compute op at each stage."""
         out: dict[Op, list[float]] = {}
-        for op, label, value in ((Op.FORWARD, "forward_s", self.forward_s),
-                                 (Op.BACKWARD, "backward_s", self.backward_s),
-                                 (Op.WEIGHT, "weight_s", self.weight_s)):
+        for op, label, value in (
+            (Op.FORWARD, "forward_s", self.forward_s),
+            (Op.BACKWARD, "backward_s", self.backward_s),
+            (Op.WEIGHT, "weight_s", self.weight_s),
+        ):
             vals = [float(value)] * n_stages if isinstance(value, (int, float)) else list(value)
             if len(vals) != n_stages:
                 raise ValueError(f"{label} has {len(vals)} entries for {n_stages} stages")
@@ -94,8 +98,9 @@ class SimResult:
     arrivals: dict[Action, float] = field(default_factory=dict)  # send action -> arrival time
 
 
-def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs, *,
-             ranks: Sequence[int] | None = None) -> SimResult:
+def simulate(
+    actions: list[list[Action]], pp: int, n_stages: int, costs: Costs, *, ranks: Sequence[int] | None = None
+) -> SimResult:
     """Run per-rank action lists (as from ``build_schedule``) under `costs`; `ranks[s]` is the rank of
     stage s (the schedule's placement, ``ScheduleSpec.stage_ranks``; None = s % pp).
 
@@ -184,14 +189,15 @@ def simulate(actions: list[list[Action]], pp: int, n_stages: int, costs: Costs, 
         src = ranks[a.stage]
         return f"message {a} from rank {src}" if kind == "arrive" else f"{a} (rank {src})"
 
-    stuck = [f"rank {r} at {actions[r][p]} waits for "
-             + ", ".join(describe(*k) for k in inputs(actions[r][p], ranks)
-                         if k not in known)
-             for r, p in enumerate(ptr) if p < len(actions[r])]
+    stuck = [
+        f"rank {r} at {actions[r][p]} waits for "
+        + ", ".join(describe(*k) for k in inputs(actions[r][p], ranks) if k not in known)
+        for r, p in enumerate(ptr)
+        if p < len(actions[r])
+    ]
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck))
-    unmatched = sorted({str(a) for kind, a in posted
-                        if ("send" if kind == "recv" else "recv", a) not in posted})
+    unmatched = sorted({str(a) for kind, a in posted if ("send" if kind == "recv" else "recv", a) not in posted})
     if unmatched:
         raise ScheduleError("messages without a matching send/receive: " + ", ".join(unmatched))
     arrivals = {a: t for (kind, a), t in known.items() if kind == "arrive"}
@@ -207,9 +213,18 @@ def sim_trace(result: SimResult, process_name: str = "simulated", pid: int = 1) 
     slices: list[Slice] = []
     for e in result.events:
         if e.wait_s > 0:
-            slices.append(Slice(e.rank, "wait", e.start - e.wait_s, e.start, cat="wait",
-                                args={"before": str(e.action)}))
+            slices.append(
+                Slice(e.rank, "wait", e.start - e.wait_s, e.start, cat="wait", args={"before": str(e.action)})
+            )
         cat = "comm" if e.action.op in SENDS + RECVS else "compute"
-        slices.append(Slice(e.rank, str(e.action), e.start, e.end, cat=cat,
-                            args={"stage": e.action.stage, "microbatch": e.action.microbatch}))
+        slices.append(
+            Slice(
+                e.rank,
+                str(e.action),
+                e.start,
+                e.end,
+                cat=cat,
+                args={"stage": e.action.stage, "microbatch": e.action.microbatch},
+            )
+        )
     return chrome_trace(slices, process_name=process_name, pid=pid)

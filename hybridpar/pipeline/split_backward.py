@@ -43,8 +43,11 @@ class WeightGradDeferral:
         for m in self.linears:
             # prepend: see the raw linear output, before any tensor-parallel hook reduces or gathers it.
             m.register_forward_hook(self._capture, prepend=True)
-        self.custom = [m for m in stage.modules() if callable(getattr(m, "defer_weight_grad", None))
-                       and callable(getattr(m, "weight_grad", None))]
+        self.custom = [
+            m
+            for m in stage.modules()
+            if callable(getattr(m, "defer_weight_grad", None)) and callable(getattr(m, "weight_grad", None))
+        ]
         for m in self.custom:
             m.register_forward_pre_hook(self._announce)
 
@@ -63,7 +66,9 @@ class WeightGradDeferral:
 
         out.register_hook(keep_grad)
 
-    def backward_input(self, y: torch.Tensor, grad_y: torch.Tensor | None, x: torch.Tensor | None) -> torch.Tensor | None:
+    def backward_input(
+        self, y: torch.Tensor, grad_y: torch.Tensor | None, x: torch.Tensor | None
+    ) -> torch.Tensor | None:
         """B: gradient of the stage input (returned) and of non-linear parameters (accumulated)."""
         inputs = ([x] if x is not None else []) + self.others
         grads = torch.autograd.grad(y, inputs, grad_outputs=grad_y, allow_unused=True)

@@ -7,6 +7,7 @@ need no begin/end pairing and both viewers accept them. Pure Python, no torch.
 
 Categories: "compute" (F/B/W), "comm" (send/receive posting), "wait" (blocked on a message).
 """
+
 from __future__ import annotations
 
 import json
@@ -43,23 +44,27 @@ def chrome_trace(slices: Sequence[Slice], process_name: str = "hybridpar", pid: 
     """Trace dict {"traceEvents": [...]}; times are relative to the earliest slice's start."""
     for s in slices:
         if not (math.isfinite(s.start_s) and math.isfinite(s.end_s)) or s.end_s < s.start_s:
-            raise ValueError(f"slice {s.name!r} on track {s.track}: bad interval "
-                             f"[{s.start_s}, {s.end_s}]")
+            raise ValueError(f"slice {s.name!r} on track {s.track}: bad interval " f"[{s.start_s}, {s.end_s}]")
         if s.cat not in CATEGORIES:
             raise ValueError(f"slice {s.name!r}: category {s.cat!r} not in {CATEGORIES}")
     t0 = min((s.start_s for s in slices), default=0.0)
     events: list[dict[str, Any]] = [
-        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process_name}}]
+        {"ph": "M", "name": "process_name", "pid": pid, "tid": 0, "args": {"name": process_name}}
+    ]
     for track in sorted({s.track for s in slices}):
-        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": track,
-                       "args": {"name": f"rank {track}"}})
+        events.append({"ph": "M", "name": "thread_name", "pid": pid, "tid": track, "args": {"name": f"rank {track}"}})
         # Without a sort index Perfetto orders threads by first appearance, not by rank.
-        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": track,
-                       "args": {"sort_index": track}})
+        events.append({"ph": "M", "name": "thread_sort_index", "pid": pid, "tid": track, "args": {"sort_index": track}})
     for s in sorted(slices, key=lambda s: (s.track, s.start_s, s.end_s)):
-        ev: dict[str, Any] = {"ph": "X", "name": s.name, "cat": s.cat, "pid": pid,
-                              "tid": s.track, "ts": _us(s.start_s - t0),
-                              "dur": _us(s.end_s - s.start_s)}
+        ev: dict[str, Any] = {
+            "ph": "X",
+            "name": s.name,
+            "cat": s.cat,
+            "pid": pid,
+            "tid": s.track,
+            "ts": _us(s.start_s - t0),
+            "dur": _us(s.end_s - s.start_s),
+        }
         if s.args:
             ev["args"] = _clean_args(s.args)
         events.append(ev)

@@ -71,8 +71,10 @@ class Progress:
         eta = elapsed / done * (self.total - done)
         width = 24
         bar = "#" * (width * done // self.total) + "-" * (width - width * done // self.total)
-        line = (f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
-                f"{step_time_s * 1000:.0f} ms/step  ETA {_fmt_s(eta)}{extra}")
+        line = (
+            f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"{step_time_s * 1000:.0f} ms/step  ETA {_fmt_s(eta)}{extra}"
+        )
         if self.tty:
             self.out.write("\r" + line + "\033[K")
             if done == self.total:

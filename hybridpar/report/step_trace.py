@@ -24,11 +24,27 @@ def step_slices(out: StepOutput, rank: int, step: int) -> list[dict]:
     rows = []
     for t in out.timeline:
         cat = "compute" if t.action.op in _COMPUTE else "comm"
-        rows.append({"track": rank, "name": str(t.action), "start_s": t.start, "end_s": t.end, "cat": cat,
-                     "args": {"step": step}})
+        rows.append(
+            {
+                "track": rank,
+                "name": str(t.action),
+                "start_s": t.start,
+                "end_s": t.end,
+                "cat": cat,
+                "args": {"step": step},
+            }
+        )
     for w in out.waits:
-        rows.append({"track": rank, "name": f"wait {w.action}", "start_s": w.start, "end_s": w.end, "cat": "wait",
-                     "args": {"step": step}})
+        rows.append(
+            {
+                "track": rank,
+                "name": f"wait {w.action}",
+                "start_s": w.start,
+                "end_s": w.end,
+                "cat": "wait",
+                "args": {"step": step},
+            }
+        )
     return rows
 
 

@@ -34,9 +34,17 @@ class AsyncCheckpointer:
         self.stall_s: list[float] = []  # main-thread seconds per save (snapshot + waiting for the previous)
         self.write_s: list[float] = []  # background seconds per save (write + commit)
 
-    def save(self, stages: dict, opt: torch.optim.Optimizer, root: Path, step: int, trainer_state: dict[str, Any],
-             keep: int, on_phase: Callable[[str], None] = lambda phase: None,
-             owner_check: Callable[[], str | None] = lambda: None) -> None:
+    def save(
+        self,
+        stages: dict,
+        opt: torch.optim.Optimizer,
+        root: Path,
+        step: int,
+        trainer_state: dict[str, Any],
+        keep: int,
+        on_phase: Callable[[str], None] = lambda phase: None,
+        owner_check: Callable[[], str | None] = lambda: None,
+    ) -> None:
         t0 = time.perf_counter()
         self.wait()
         snap = snapshot(stages, opt)
@@ -46,8 +54,17 @@ class AsyncCheckpointer:
         def write() -> None:
             t1 = time.perf_counter()
             try:
-                write_committed(self.topo, as_dcp_state(self.topo, snap), root, step, trainer_state, keep, on_phase,
-                                self.group, owner_check)
+                write_committed(
+                    self.topo,
+                    as_dcp_state(self.topo, snap),
+                    root,
+                    step,
+                    trainer_state,
+                    keep,
+                    on_phase,
+                    self.group,
+                    owner_check,
+                )
             except BaseException as e:  # re-raised on the main thread by wait()
                 self._error = e
             self.write_s.append(time.perf_counter() - t1)

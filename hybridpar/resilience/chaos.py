@@ -134,7 +134,9 @@ class Injector:
 
     def _record(self, i: int, f: Fault) -> None:
         self.ledger.parent.mkdir(parents=True, exist_ok=True)
-        line = json.dumps({"id": fault_id(i, f), "fault": str(f), "rank": self.rank, "pid": os.getpid(), "time": time.time()})
+        line = json.dumps(
+            {"id": fault_id(i, f), "fault": str(f), "rank": self.rank, "pid": os.getpid(), "time": time.time()}
+        )
         fd = os.open(self.ledger, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         try:
             os.write(fd, ("\n" + line + "\n").encode())  # the leading newline ends a line torn by a kill

@@ -71,8 +71,11 @@ def _write_json(path: Path, obj: Any) -> None:
 def write_manifest(ckpt: Path, step: int, run_id: str | None = None) -> dict[str, Any]:
     """Write `ckpt/manifest.json` listing size and sha256 of every other file in `ckpt` (call it last),
     and the id of the run that wrote it (see rundir.py)."""
-    files = {f.relative_to(ckpt).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
-             for f in sorted(ckpt.rglob("*")) if f.is_file() and f.relative_to(ckpt).as_posix() != MANIFEST}
+    files = {
+        f.relative_to(ckpt).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        for f in sorted(ckpt.rglob("*"))
+        if f.is_file() and f.relative_to(ckpt).as_posix() != MANIFEST
+    }
     manifest = {"format": FORMAT, "step": step, "run_id": run_id, "files": files}
     _write_json(ckpt / MANIFEST, manifest)
     _fsync_dir(ckpt)
@@ -138,7 +141,9 @@ def find_latest(root: Path, run_id: str | None = None) -> tuple[Path | None, lis
     skipped: list[str] = []
     for step, path in committed(root):
         theirs = checkpoint_run_id(path)
-        why = f"written by run {theirs}, not by this run {run_id}" if theirs != run_id else verify_checkpoint(path, step)
+        why = (
+            f"written by run {theirs}, not by this run {run_id}" if theirs != run_id else verify_checkpoint(path, step)
+        )
         if why is None:
             return path, skipped
         skipped.append(f"skipped checkpoint {path.name}: {why}")
@@ -164,8 +169,9 @@ def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
     old = None
     if final.exists():  # this step from an abandoned attempt: replaced, and deleted only after the commit
         mine = checkpoint_run_id(final) == run_id  # another run's is set aside, never deleted
-        old = final.with_name(f".old-{final.name}-{secrets.token_hex(4)}" if mine
-                              else f"abandoned-{final.name}-{secrets.token_hex(4)}")
+        old = final.with_name(
+            f".old-{final.name}-{secrets.token_hex(4)}" if mine else f"abandoned-{final.name}-{secrets.token_hex(4)}"
+        )
         os.rename(final, old)
         old = old if mine else None
     os.rename(tmp, final)
@@ -174,8 +180,9 @@ def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
-def _tensors(stages: dict[int, Stage], opt: torch.optim.Optimizer,
-             tied_copy: bool) -> Iterator[tuple[str, torch.Tensor, int | None]]:
+def _tensors(
+    stages: dict[int, Stage], opt: torch.optim.Optimizer, tied_copy: bool
+) -> Iterator[tuple[str, torch.Tensor, int | None]]:
     """(key, local tensor, tp_dim or None) for parameters and their optimizer state on this rank."""
     for stage in stages.values():
         for name, p in stage.named_parameters():
@@ -206,8 +213,10 @@ def _ensure_adam_state(opt: torch.optim.Optimizer) -> None:
             fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
             step = torch.zeros((), dtype=torch.float32 if fused else scalar, device=p.device if on_device else "cpu")
             moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
-            opt.state[p] = {"step": step, **{k: torch.zeros_like(p, memory_format=torch.preserve_format)
-                                             for k in moments}}
+            opt.state[p] = {
+                "step": step,
+                **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments},
+            }
 
 
 def _broadcast_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> Any:
@@ -217,14 +226,18 @@ def _broadcast_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = 
     data = list(json.dumps(obj).encode()) if topo.rank == 0 else []
     n = torch.tensor([len(data)], dtype=torch.int64, device=device)
     dist.broadcast(n, src=0, group=group)
-    buf = (torch.tensor(data, dtype=torch.uint8, device=device) if topo.rank == 0
-           else torch.empty(int(n), dtype=torch.uint8, device=device))
+    buf = (
+        torch.tensor(data, dtype=torch.uint8, device=device)
+        if topo.rank == 0
+        else torch.empty(int(n), dtype=torch.uint8, device=device)
+    )
     dist.broadcast(buf, src=0, group=group)
     return json.loads(bytes(buf.cpu().tolist()).decode())
 
 
-def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exception],
-              group: dist.ProcessGroup | None = None) -> Any:
+def _on_rank0(
+    topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exception], group: dist.ProcessGroup | None = None
+) -> Any:
     """Run `work` on rank 0 only; every rank returns its JSON result, or raises `fail(rank 0's error)`."""
     out = None
     if topo.rank == 0:
@@ -238,10 +251,17 @@ def _on_rank0(topo: Topology, work: Callable[[], Any], fail: Callable[[str], Exc
     return out["ok"]
 
 
-def save_checkpoint(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, root: Path,
-                    step: int, trainer_state: dict[str, Any], keep: int,
-                    on_phase: Callable[[str], None] = lambda phase: None,
-                    owner_check: Callable[[], str | None] = lambda: None) -> Path:
+def save_checkpoint(
+    topo: Topology,
+    stages: dict[int, Stage],
+    opt: torch.optim.Optimizer,
+    root: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    keep: int,
+    on_phase: Callable[[str], None] = lambda phase: None,
+    owner_check: Callable[[], str | None] = lambda: None,
+) -> Path:
     """Collective: write this rank's shards, commit `root/step-NNNNNN` atomically, keep the newest `keep`.
     `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
     ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
@@ -260,17 +280,26 @@ def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, int | None]
     return {k: _for_dcp(t, dim, topo) for k, t, dim in snap}
 
 
-def write_committed(topo: Topology, state: dict[str, torch.Tensor], root: Path, step: int,
-                    trainer_state: dict[str, Any], keep: int, on_phase: Callable[[str], None],
-                    group: dist.ProcessGroup | None = None,
-                    owner_check: Callable[[], str | None] = lambda: None) -> Path:
+def write_committed(
+    topo: Topology,
+    state: dict[str, torch.Tensor],
+    root: Path,
+    step: int,
+    trainer_state: dict[str, Any],
+    keep: int,
+    on_phase: Callable[[str], None],
+    group: dist.ProcessGroup | None = None,
+    owner_check: Callable[[], str | None] = lambda: None,
+) -> Path:
     """Collective over `group`: write `state` (DCP) to a fresh directory and commit it as `root/step-NNNNNN`."""
     root, final = Path(root), Path(root) / f"step-{step:06d}"
     run_id = trainer_state.get("run_id")
 
     def fail(error: str) -> Exception:
-        return RuntimeError(f"saving the checkpoint of step {step} to {final} failed on rank 0: {error} "
-                            f"(earlier checkpoints in {root} are intact)")
+        return RuntimeError(
+            f"saving the checkpoint of step {step} to {final} failed on rank 0: {error} "
+            f"(earlier checkpoints in {root} are intact)"
+        )
 
     def make_tmp() -> str:
         tmp = root / _tmp_name(step, run_id)
@@ -297,11 +326,13 @@ def write_committed(topo: Topology, state: dict[str, torch.Tensor], root: Path, 
     return final
 
 
-def choose_checkpoint(topo: Topology, resume: str, root: Path, run_id: str | None,
-                      log: Callable[[str], None] = print) -> Path | None:
+def choose_checkpoint(
+    topo: Topology, resume: str, root: Path, run_id: str | None, log: Callable[[str], None] = print
+) -> Path | None:
     """Collective: rank 0 picks the checkpoint (`resume` = 'auto': the newest of run `run_id`, or a path)
     and every rank gets its choice. 'auto' with none usable gives None; a given path that does not verify
     raises ValueError on every rank; a given path of another run is used, with a line saying so."""
+
     def pick() -> str | None:
         if resume != "auto":
             if (why := verify_checkpoint(Path(resume))) is not None:
@@ -320,8 +351,9 @@ def choose_checkpoint(topo: Topology, resume: str, root: Path, run_id: str | Non
     return None if path is None else Path(path)
 
 
-def load_checkpoint(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, path: Path,
-                    model_cfg: dict[str, Any]) -> dict[str, Any]:
+def load_checkpoint(
+    topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, path: Path, model_cfg: dict[str, Any]
+) -> dict[str, Any]:
     """Collective: restore parameters and AdamW state from a verified checkpoint; returns its trainer state."""
     state = json.loads((Path(path) / STATE).read_text(encoding="utf-8"))
     # Compared with unset family defaults filled in: a checkpoint written before a field existed, or
@@ -367,8 +399,16 @@ def read_full_model(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     return state
 
 
-def resume(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer, which: str, root: Path,
-           cfg: dict[str, Any], run_id: str | None, log: Callable[[str], None] = print) -> dict[str, Any] | None:
+def resume(
+    topo: Topology,
+    stages: dict[int, Stage],
+    opt: torch.optim.Optimizer,
+    which: str,
+    root: Path,
+    cfg: dict[str, Any],
+    run_id: str | None,
+    log: Callable[[str], None] = print,
+) -> dict[str, Any] | None:
     """Collective: choose (`which`: 'auto' or a path; rank 0 verifies, all agree), load, set aside this run's
     newer checkpoints. `cfg` is this run's Config.to_dict(). Returns the trainer state, or None if 'auto'
     found none."""
@@ -383,8 +423,11 @@ def resume(topo: Topology, stages: dict[int, Stage], opt: torch.optim.Optimizer,
         except OSError as e:
             log(f"hybridpar: warning: could not set aside newer checkpoints in {root}: {e}")
         saved = state["config"].get("train", {})
-        changed = [f"train.{k}={v!r} (checkpoint: {saved.get(k)!r})" for k, v in cfg["train"].items()
-                   if saved.get(k) != v]
-        log(f"hybridpar: resumed from {path} after step {state['step']}"
-            + (f"; changed since: {', '.join(changed)}" if changed else ""))
+        changed = [
+            f"train.{k}={v!r} (checkpoint: {saved.get(k)!r})" for k, v in cfg["train"].items() if saved.get(k) != v
+        ]
+        log(
+            f"hybridpar: resumed from {path} after step {state['step']}"
+            + (f"; changed since: {', '.join(changed)}" if changed else "")
+        )
     return state

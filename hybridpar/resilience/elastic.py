@@ -21,8 +21,8 @@ from __future__ import annotations
 import copy
 
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.config.families import tp_split_sizes
+from hybridpar.config.schedules import schedule_spec
 
 
 def resume_mode(cfg: Config, restart_count: int) -> Config:
@@ -57,16 +57,19 @@ def replan(cfg: Config, world: int) -> Config:
             q.pp = pp
             break
     else:
-        raise ValueError(f"no pipeline degree fits world={world} with tp={q.tp}: model.n_layers={m.n_layers}, "
-                         f"train.global_batch={t.global_batch}")
+        raise ValueError(
+            f"no pipeline degree fits world={world} with tp={q.tp}: model.n_layers={m.n_layers}, "
+            f"train.global_batch={t.global_batch}"
+        )
     q.dp = rest // q.pp
     per_replica = t.global_batch // q.dp
     tr.microbatches = min(t.microbatches, per_replica)
     if q.dp != p.dp:
         tr.microbatch_sizes = None
     spec = schedule_spec(q.schedule)
-    while (spec.layout_problem(q.pp, q.chunks) or spec.count_problem(q.pp, tr.microbatches)
-           or m.n_layers < q.n_stages) and spec.fallback is not None:
+    while (
+        spec.layout_problem(q.pp, q.chunks) or spec.count_problem(q.pp, tr.microbatches) or m.n_layers < q.n_stages
+    ) and spec.fallback is not None:
         spec = schedule_spec(spec.fallback)
         q.schedule, q.virtual_stages = spec.name, None if p.virtual_stages is None else spec.default_virtual_stages
     if q.partition == "cost" and q.layer_costs is not None and len(q.layer_costs) != m.n_layers:
@@ -83,7 +86,9 @@ def layout_for_world(cfg: Config, world: int, restart_count: int) -> tuple[Confi
         return cfg, None
     new = replan(cfg, world)
     p, q = cfg.parallel, new.parallel
-    note = (f"hybridpar: elastic re-plan for {world} processes: tp={p.tp} pp={p.pp} dp={p.dp} -> "
-            f"tp={q.tp} pp={q.pp} dp={q.dp} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
-            f"global batch {new.train.global_batch})")
+    note = (
+        f"hybridpar: elastic re-plan for {world} processes: tp={p.tp} pp={p.pp} dp={p.dp} -> "
+        f"tp={q.tp} pp={q.pp} dp={q.dp} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
+        f"global batch {new.train.global_batch})"
+    )
     return new, note

@@ -37,8 +37,11 @@ class Preemption:
             signal.raise_signal(signal.SIGTERM)
             return
         self.requested = True
-        print("hybridpar: SIGTERM: finishing this step, then checkpointing and exiting (send again to stop now)",
-              file=sys.stderr, flush=True)
+        print(
+            "hybridpar: SIGTERM: finishing this step, then checkpointing and exiting (send again to stop now)",
+            file=sys.stderr,
+            flush=True,
+        )
 
     def agreed(self, device: torch.device, group: dist.ProcessGroup | None = None) -> bool:
         """Collective: True on every rank if any rank was asked to stop."""

@@ -108,7 +108,8 @@ def plan_claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> str
             raise ValueError(
                 f"run_dir={str(run_dir)!r} holds run {rec['run_id']} ({rec.get('state', 'unknown')} at step "
                 f"{rec.get('step', 0)}): pass --resume auto to continue it, --overwrite to replace it, or "
-                f"another --run-dir")
+                f"another --run-dir"
+            )
         return "continue"
     # No run record: any committed checkpoint here belongs to another run (or predates run ids).
     foreign = [p for p in _checkpoint_entries(ck_dir) if p.name.startswith("step-")]
@@ -117,7 +118,8 @@ def plan_claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> str
             f"checkpoint.dir={str(ck_dir)!r} holds checkpoints of another run ({foreign[-1].name}, run "
             f"{checkpoint_run_id(foreign[-1]) or 'without a run id'}) but run_dir={str(run_dir)!r} records "
             f"none: resume one explicitly with --resume <checkpoint path>, pass --overwrite to delete them, "
-            f"or choose another --run-dir / --checkpoint.dir")
+            f"or choose another --run-dir / --checkpoint.dir"
+        )
     return "new"
 
 
@@ -160,8 +162,10 @@ def _lock(run_dir: Path, token: str) -> int:
         except (ValueError, UnicodeDecodeError):
             holder = {}
         os.close(fd)
-        raise ValueError(f"run_dir={str(run_dir)!r} is in use by another launch (pid {holder.get('pid', '?')} on "
-                         f"{holder.get('host', '?')}): wait for it to end, stop it, or choose another --run-dir") from None
+        raise ValueError(
+            f"run_dir={str(run_dir)!r} is in use by another launch (pid {holder.get('pid', '?')} on "
+            f"{holder.get('host', '?')}): wait for it to end, stop it, or choose another --run-dir"
+        ) from None
     os.ftruncate(fd, 0)
     os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token}).encode(), 0)
     return fd
@@ -181,9 +185,17 @@ def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> RunClaim
             note = f"hybridpar: --overwrite: removed {len(gone)} entries of the previous run" if gone else None
         rec = read_run(run_dir) if mode == "continue" else None
         run_id = rec["run_id"] if rec else secrets.token_hex(6)
-        write_run(run_dir, {**(rec or {"format": FORMAT, "run_id": run_id, "created": time.time()}),
-                            "state": "running", "launch": token, "error": None, "permanent": False,
-                            "updated": time.time()})
+        write_run(
+            run_dir,
+            {
+                **(rec or {"format": FORMAT, "run_id": run_id, "created": time.time()}),
+                "state": "running",
+                "launch": token,
+                "error": None,
+                "permanent": False,
+                "updated": time.time(),
+            },
+        )
     except BaseException:
         os.close(fd)
         raise

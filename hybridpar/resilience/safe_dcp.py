@@ -31,14 +31,29 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import CheckpointException, FileSystemReader
 from torch.distributed.checkpoint.filesystem import _StorageInfo
-from torch.distributed.checkpoint.metadata import (_MEM_FORMAT_ENCODING, BytesStorageMetadata,
-                                                   ChunkStorageMetadata, Metadata, MetadataIndex, StorageMeta,
-                                                   TensorProperties, TensorStorageMetadata)
+from torch.distributed.checkpoint.metadata import (
+    _MEM_FORMAT_ENCODING,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    Metadata,
+    MetadataIndex,
+    StorageMeta,
+    TensorProperties,
+    TensorStorageMetadata,
+)
 from torch.serialization import _get_layout
 
 # Classes whose instances a pickle may fill in (BUILD): DCP's dataclasses, nothing else.
-_BUILDABLE: tuple[type, ...] = (Metadata, TensorStorageMetadata, BytesStorageMetadata, ChunkStorageMetadata,
-                                TensorProperties, MetadataIndex, StorageMeta, _StorageInfo)
+_BUILDABLE: tuple[type, ...] = (
+    Metadata,
+    TensorStorageMetadata,
+    BytesStorageMetadata,
+    ChunkStorageMetadata,
+    TensorProperties,
+    MetadataIndex,
+    StorageMeta,
+    _StorageInfo,
+)
 _ALLOWED: dict[tuple[str, str], Any] = {
     **{(c.__module__, c.__qualname__): c for c in (*_BUILDABLE, _MEM_FORMAT_ENCODING)},
     ("torch", "Size"): torch.Size,
@@ -83,7 +98,8 @@ class MetadataUnpickler(pickle._Unpickler):
             raise UnsafeCheckpointError(
                 f"{self.source}: refused to unpickle the global {module}.{name}: DCP checkpoint metadata "
                 "holds only DCP's metadata classes, torch.Size, torch dtypes/layouts and pathlib.PosixPath "
-                "(the file was replaced or was not written by torch.distributed.checkpoint)")
+                "(the file was replaced or was not written by torch.distributed.checkpoint)"
+            )
         return found
 
     def _load_build(self) -> None:
@@ -92,7 +108,8 @@ class MetadataUnpickler(pickle._Unpickler):
             raise UnsafeCheckpointError(
                 f"{self.source}: refused to set the state of {type(target).__module__}."
                 f"{type(target).__qualname__} {target!r:.60}: DCP metadata sets state only on instances of "
-                "its own dataclasses")
+                "its own dataclasses"
+            )
         pickle._Unpickler.load_build(self)
 
     dispatch[pickle.BUILD[0]] = _load_build
@@ -126,15 +143,24 @@ def check_metadata(md: Metadata, source: str) -> None:
         if type(entry) is not TensorStorageMetadata:
             raise UnsafeCheckpointError(
                 f"{source}: entry {key!r} is a {type(entry).__name__}; hybridpar checkpoints hold tensors only "
-                "(TensorStorageMetadata), and DCP would unpickle any other entry with torch.load(weights_only=False)")
+                "(TensorStorageMetadata), and DCP would unpickle any other entry with torch.load(weights_only=False)"
+            )
     for index, info in storage.items():
         rel = getattr(info, "relative_path", None)
         # FileSystemReader.read_data opens path / relative_path: a bare file name keeps every read inside
         # the directory the manifest verified.
-        if type(index) is not MetadataIndex or type(info) is not _StorageInfo or not isinstance(rel, str) \
-                or rel in ("", ".", "..") or Path(rel).name != rel or "\\" in rel:
-            raise UnsafeCheckpointError(f"{source}: storage entry {index!r:.80} -> {info!r:.80} is not a file "
-                                        "of this checkpoint (a bare file name in _StorageInfo)")
+        if (
+            type(index) is not MetadataIndex
+            or type(info) is not _StorageInfo
+            or not isinstance(rel, str)
+            or rel in ("", ".", "..")
+            or Path(rel).name != rel
+            or "\\" in rel
+        ):
+            raise UnsafeCheckpointError(
+                f"{source}: storage entry {index!r:.80} -> {info!r:.80} is not a file "
+                "of this checkpoint (a bare file name in _StorageInfo)"
+            )
 
 
 class SafeFileSystemReader(FileSystemReader):

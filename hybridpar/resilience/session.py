@@ -52,8 +52,16 @@ def ledger_stats(runs: list[list[int]], steps: int, global_batch: int) -> dict[s
 
 
 class Session:
-    def __init__(self, cfg: Config, topo: Topology, trainer: Any, ck_dir: Path, restart_count: int = 0,
-                 run_id: str | None = None, owner_check: Callable[[], str | None] = lambda: None) -> None:
+    def __init__(
+        self,
+        cfg: Config,
+        topo: Topology,
+        trainer: Any,
+        ck_dir: Path,
+        restart_count: int = 0,
+        run_id: str | None = None,
+        owner_check: Callable[[], str | None] = lambda: None,
+    ) -> None:
         """`run_id` goes into every checkpoint; `owner_check()` is asked before each commit whether this
         run still owns its directory (resilience/rundir.py)."""
         self.cfg, self.topo, self.trainer, self.ck_dir = cfg, topo, trainer, ck_dir
@@ -67,8 +75,9 @@ class Session:
         master = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
         watchdog = None
         if master[0] and master[1]:  # where torchrun / the spawn helper host the store
-            watchdog = start_watchdog(topo.rank, topo.dims.world_size, run_id, cfg.resilience, self.run_dir,
-                                      (master[0], int(master[1])))
+            watchdog = start_watchdog(
+                topo.rank, topo.dims.world_size, run_id, cfg.resilience, self.run_dir, (master[0], int(master[1]))
+            )
         self.probe = Probe(watchdog, injector)
         install(self.probe, trainer)
         # Installed when the step loop starts (`resumed`): SIGTERM during setup keeps its default action, so
@@ -99,8 +108,11 @@ class Session:
             self.event("first_step", step=step)
 
     def state(self, base: dict[str, Any]) -> dict[str, Any]:
-        return {**base, "run_id": self.run_id, "samples": {"applied": [list(r) for r in self.applied],
-                                    "global_batch": self.cfg.train.global_batch}}
+        return {
+            **base,
+            "run_id": self.run_id,
+            "samples": {"applied": [list(r) for r in self.applied], "global_batch": self.cfg.train.global_batch},
+        }
 
     def save(self, step: int, trainer_state: dict[str, Any], wait: bool = False) -> None:
         """Checkpoint after `step` steps (async if configured; `wait` makes it durable before returning)."""
@@ -109,17 +121,31 @@ class Session:
         t0 = time.perf_counter()
         if self.writer is not None:
             at = self.probe.step  # the background write's phases belong to this step, however far training gets
-            self.writer.save(tr.stages, tr.opt, self.ck_dir, step, state, ck.keep,
-                             lambda phase: self.probe.inject(phase, at), self.owner_check)
+            self.writer.save(
+                tr.stages,
+                tr.opt,
+                self.ck_dir,
+                step,
+                state,
+                ck.keep,
+                lambda phase: self.probe.inject(phase, at),
+                self.owner_check,
+            )
             if wait:
                 self.writer.wait()
         else:
-            save_checkpoint(self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe,
-                            self.owner_check)
+            save_checkpoint(
+                self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe, self.owner_check
+            )
         # Seconds the training loop stood still for this save (async: the snapshot, plus waiting for the
         # previous write if it was still running).
-        self.event("checkpoint", step=step, mode="async" if self.writer else "sync", stall_s=time.perf_counter() - t0,
-                   last_write_s=self.writer.write_s[-1] if self.writer and self.writer.write_s else None)
+        self.event(
+            "checkpoint",
+            step=step,
+            mode="async" if self.writer else "sync",
+            stall_s=time.perf_counter() - t0,
+            last_write_s=self.writer.write_s[-1] if self.writer and self.writer.write_s else None,
+        )
 
     def should_stop(self) -> bool:
         """Collective, after each step: did any rank get SIGTERM?"""

@@ -76,9 +76,18 @@ def judge(views: list[RankView], now: float, timeout_s: float, slow_timeout_s: f
 class Watchdog:
     """Start with `start()`, report the main thread's progress with `mark(phase, step)`, end with `stop()`."""
 
-    def __init__(self, store: Any, key_prefix: str, rank: int, world: int, timeout_s: float,
-                 slow_timeout_s: float, heartbeat_s: float, report_dir: Path,
-                 abort: Callable[[int], None] = os._exit) -> None:
+    def __init__(
+        self,
+        store: Any,
+        key_prefix: str,
+        rank: int,
+        world: int,
+        timeout_s: float,
+        slow_timeout_s: float,
+        heartbeat_s: float,
+        report_dir: Path,
+        abort: Callable[[int], None] = os._exit,
+    ) -> None:
         self.store, self.prefix, self.rank, self.world = store, key_prefix, rank, world
         self.timeout_s, self.slow_timeout_s, self.heartbeat_s = timeout_s, slow_timeout_s, heartbeat_s
         self.report_dir, self._abort = Path(report_dir), abort
@@ -119,9 +128,21 @@ class Watchdog:
 
     def publish(self) -> None:
         self._beat += 1
-        self.store.set(self._key(self.rank), json.dumps(
-            {"beat": self._beat, "seq": self.seq, "phase": self.phase, "step": self.step, "slow": self.slow,
-             "done": self._done, "pid": self.pid, "host": self.host}))
+        self.store.set(
+            self._key(self.rank),
+            json.dumps(
+                {
+                    "beat": self._beat,
+                    "seq": self.seq,
+                    "phase": self.phase,
+                    "step": self.step,
+                    "slow": self.slow,
+                    "done": self._done,
+                    "pid": self.pid,
+                    "host": self.host,
+                }
+            ),
+        )
 
     def _read(self, views: list[RankView], now: float) -> None:
         keys = [self._key(r) for r in range(self.world)]
@@ -148,8 +169,7 @@ class Watchdog:
                 store_ok = now
             except Exception as e:  # store unreachable: the agent (or rank 0 hosting it) is gone
                 if now - store_ok > self.timeout_s:
-                    self._fire(self.rank, f"the c10d store has been unreachable for {now - store_ok:.1f} s ({e})",
-                               {})
+                    self._fire(self.rank, f"the c10d store has been unreachable for {now - store_ok:.1f} s ({e})", {})
                     return
                 continue
             if self._stop.is_set():
@@ -162,10 +182,19 @@ class Watchdog:
 
     def _fire(self, culprit: int, why: str, info: dict[str, Any]) -> None:
         phase, step = info.get("phase", "?"), info.get("step", "?")
-        msg = (f"hybridpar: watchdog on rank {self.rank}: rank {culprit} is hung: {why}; its last phase was "
-               f"{phase!r} at step {step} (resilience.hang_timeout_s={self.timeout_s:g}); aborting")
-        report = {"detected_by": self.rank, "culprit": culprit, "reason": why, "phase": phase, "step": step,
-                  "time": time.time(), "message": msg}
+        msg = (
+            f"hybridpar: watchdog on rank {self.rank}: rank {culprit} is hung: {why}; its last phase was "
+            f"{phase!r} at step {step} (resilience.hang_timeout_s={self.timeout_s:g}); aborting"
+        )
+        report = {
+            "detected_by": self.rank,
+            "culprit": culprit,
+            "reason": why,
+            "phase": phase,
+            "step": step,
+            "time": time.time(),
+            "message": msg,
+        }
         try:
             self.report_dir.mkdir(parents=True, exist_ok=True)
             fd = os.open(self.report_dir / "watchdog.jsonl", os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
@@ -185,15 +214,25 @@ class Watchdog:
         self._abort(EXIT_CODE)
 
 
-def start_watchdog(rank: int, world: int, run_id: str, cfg: Any, report_dir: Path, master: tuple[str, int]
-                   ) -> Watchdog | None:
+def start_watchdog(
+    rank: int, world: int, run_id: str, cfg: Any, report_dir: Path, master: tuple[str, int]
+) -> Watchdog | None:
     """A started watchdog per `cfg` (a ResilienceConfig) on its own client of the store at `master`
     (host, port), keys under `run_id`; None when resilience.hang_timeout_s is 0."""
     if not cfg.hang_timeout_s:
         return None
     import torch.distributed as dist
 
-    store = dist.TCPStore(master[0], master[1], is_master=False,
-                          timeout=timedelta(seconds=max(5.0, cfg.heartbeat_s * 3)))
-    return Watchdog(store, f"hybridpar/watchdog/{run_id}", rank, world, cfg.hang_timeout_s,
-                    cfg.slow_phase_timeout_s, cfg.heartbeat_s, report_dir).start()
+    store = dist.TCPStore(
+        master[0], master[1], is_master=False, timeout=timedelta(seconds=max(5.0, cfg.heartbeat_s * 3))
+    )
+    return Watchdog(
+        store,
+        f"hybridpar/watchdog/{run_id}",
+        rank,
+        world,
+        cfg.hang_timeout_s,
+        cfg.slow_phase_timeout_s,
+        cfg.heartbeat_s,
+        report_dir,
+    ).start()

@@ -7,15 +7,21 @@ ApiError (a 4xx naming the parameter) — never another exception, which would b
 from __future__ import annotations
 
 import json
-import math
 from typing import Any, Callable
 
 MAX_STOPS, MAX_STOP_CHARS = 4, 256  # OpenAI's API takes up to 4 stop sequences
 
 
 class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None, kind: str = "invalid_request_error",
-                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        kind: str = "invalid_request_error",
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.kind, self.code = status, message, param, kind, code
         self.headers = headers or {}
@@ -37,7 +43,7 @@ def _number(body: dict, key: str, default: float, lo: float, hi: float) -> float
 
 def _short(v: Any) -> str:
     """`v` for an error message: a client's value can be a 4000-digit number or nested 900 deep."""
-    if isinstance(v, int) and not -10**30 < v < 10**30:
+    if isinstance(v, int) and not -(10**30) < v < 10**30:
         return f"an integer of {len(str(abs(v)))} digits"
     try:
         text = repr(v)
@@ -52,13 +58,15 @@ def _text(v: str, key: str) -> str:
     try:
         v.encode("utf-8")
     except UnicodeEncodeError as e:
-        raise ApiError(400, f"{key} is not valid Unicode: a lone surrogate {v[e.start]!r} at character {e.start}",
-                       key) from None
+        raise ApiError(
+            400, f"{key} is not valid Unicode: a lone surrogate {v[e.start]!r} at character {e.start}", key
+        ) from None
     return v
 
 
-def parse_completion(raw: bytes, model_name: str, max_seq_len: int, vocab_size: int,
-                     tokenize: Callable[[Any], list[int]]) -> dict[str, Any]:
+def parse_completion(
+    raw: bytes, model_name: str, max_seq_len: int, vocab_size: int, tokenize: Callable[[Any], list[int]]
+) -> dict[str, Any]:
     """Validate a /v1/completions body; returns the request as the service takes it, or raises ApiError."""
     try:
         body = json.loads(raw.decode("utf-8"))
@@ -71,8 +79,12 @@ def parse_completion(raw: bytes, model_name: str, max_seq_len: int, vocab_size: 
     if not isinstance(body, dict):
         raise ApiError(400, f"request body must be a JSON object, got {type(body).__name__}")
     if body.get("model") != model_name:
-        raise ApiError(404, f"model {_short(body.get('model'))} does not exist; this server serves {model_name!r}",
-                       "model", code="model_not_found")
+        raise ApiError(
+            404,
+            f"model {_short(body.get('model'))} does not exist; this server serves {model_name!r}",
+            "model",
+            code="model_not_found",
+        )
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # the client wraps a single string in a list
@@ -82,17 +94,28 @@ def parse_completion(raw: bytes, model_name: str, max_seq_len: int, vocab_size: 
     elif isinstance(prompt, str) and prompt:
         _text(prompt, "prompt")
     else:
-        raise ApiError(400, "prompt must be a non-empty string or a list of token ids (one prompt per request)",
-                       "prompt")
+        raise ApiError(
+            400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
+        )
     ids = tokenize(prompt)
     max_tokens = body.get("max_tokens", 16)
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ApiError(400, f"max_tokens must be a positive integer, got {_short(max_tokens)}", "max_tokens")
     if len(ids) + max_tokens > max_seq_len:
-        raise ApiError(400, f"prompt of {len(ids)} tokens + max_tokens={_short(max_tokens)} exceeds this model's "
-                            f"maximum of {max_seq_len} tokens", "prompt", code="context_length_exceeded")
-    for key, allowed in (("n", (None, 1)), ("best_of", (None, 1)), ("echo", (None, False)), ("logprobs", (None,)),
-                         ("suffix", (None,))):
+        raise ApiError(
+            400,
+            f"prompt of {len(ids)} tokens + max_tokens={_short(max_tokens)} exceeds this model's "
+            f"maximum of {max_seq_len} tokens",
+            "prompt",
+            code="context_length_exceeded",
+        )
+    for key, allowed in (
+        ("n", (None, 1)),
+        ("best_of", (None, 1)),
+        ("echo", (None, False)),
+        ("logprobs", (None,)),
+        ("suffix", (None,)),
+    ):
         if body.get(key) not in allowed:
             raise ApiError(400, f"{key}={_short(body.get(key))} is not supported by this server", key)
     seed = body.get("seed")
@@ -100,17 +123,31 @@ def parse_completion(raw: bytes, model_name: str, max_seq_len: int, vocab_size: 
         raise ApiError(400, f"seed must be a non-negative integer below 2**63, got {_short(seed)}", "seed")
     stop = body.get("stop")
     stop = [] if stop is None else [stop] if isinstance(stop, str) else stop
-    if not (isinstance(stop, list) and len(stop) <= MAX_STOPS
-            and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)):
-        raise ApiError(400, f"stop must be a string or a list of at most {MAX_STOPS} strings, each 1 to "
-                            f"{MAX_STOP_CHARS} characters, got {_short(body.get('stop'))}", "stop")
+    if not (
+        isinstance(stop, list)
+        and len(stop) <= MAX_STOPS
+        and all(isinstance(x, str) and 0 < len(x) <= MAX_STOP_CHARS for x in stop)
+    ):
+        raise ApiError(
+            400,
+            f"stop must be a string or a list of at most {MAX_STOPS} strings, each 1 to "
+            f"{MAX_STOP_CHARS} characters, got {_short(body.get('stop'))}",
+            "stop",
+        )
     for x in stop:
         _text(x, "stop")
     stream = body.get("stream", False)
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {_short(stream)}", "stream")
-    return {"prompt": ids, "max_tokens": max_tokens, "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
-            "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0), "seed": seed, "stream": stream, "stop": stop}
+    return {
+        "prompt": ids,
+        "max_tokens": max_tokens,
+        "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
+        "top_p": _number(body, "top_p", 1.0, 1e-6, 1.0),
+        "seed": seed,
+        "stream": stream,
+        "stop": stop,
+    }
 
 
 def metrics_text(stats: dict[str, Any]) -> str:
@@ -122,24 +159,40 @@ def metrics_text(stats: dict[str, Any]) -> str:
         lines.extend(f"hybridpar_{name}{labels} {v}" for labels, v in samples if v is not None)
 
     c = stats["counters"]
-    for key, help_ in (("requests_total", "requests accepted"), ("requests_completed", "requests finished"),
-                       ("requests_failed", "requests failed"),
-                       ("requests_retried", "requests started over on another replica after theirs died"),
-                       ("requests_cancelled", "requests given up by their client (timed out, or it left) before the end"),
-                       ("prompt_tokens_total", "prompt tokens processed"), ("completion_tokens_total", "tokens generated"),
-                       ("requests_rejected", "requests refused (429/503)")):
+    for key, help_ in (
+        ("requests_total", "requests accepted"),
+        ("requests_completed", "requests finished"),
+        ("requests_failed", "requests failed"),
+        ("requests_retried", "requests started over on another replica after theirs died"),
+        ("requests_cancelled", "requests given up by their client (timed out, or it left) before the end"),
+        ("prompt_tokens_total", "prompt tokens processed"),
+        ("completion_tokens_total", "tokens generated"),
+        ("requests_rejected", "requests refused (429/503)"),
+    ):
         metric(key if key.endswith("total") else key + "_total", "counter", help_, [("", c.get(key, 0))])
     metric("pending_requests", "gauge", "requests waiting in the router", [("", stats["pending"])])
     metric("replicas_alive", "gauge", "replicas running", [("", stats["replicas_alive"])])
     lat = stats["latency_s"]
-    metric("request_latency_seconds", "gauge", "request latency percentiles over the recent window",
-           [(f'{{quantile="{q}"}}', lat[k]) for q, k in (("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99"))])
+    metric(
+        "request_latency_seconds",
+        "gauge",
+        "request latency percentiles over the recent window",
+        [(f'{{quantile="{q}"}}', lat[k]) for q, k in (("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99"))],
+    )
     per = stats["replicas"]
-    for key, help_ in (("queue_depth", "requests waiting for a KV slot"), ("outstanding_requests", "requests placed"),
-                       ("kv_used_tokens", "KV-cache slots allocated"), ("utilisation", "measured busy fraction"),
-                       ("decode_s_per_token", "measured decode seconds per token (EWMA)"),
-                       ("prefill_s_per_token", "measured prefill seconds per prompt token (EWMA)")):
+    for key, help_ in (
+        ("queue_depth", "requests waiting for a KV slot"),
+        ("outstanding_requests", "requests placed"),
+        ("kv_used_tokens", "KV-cache slots allocated"),
+        ("utilisation", "measured busy fraction"),
+        ("decode_s_per_token", "measured decode seconds per token (EWMA)"),
+        ("prefill_s_per_token", "measured prefill seconds per prompt token (EWMA)"),
+    ):
         metric(f"replica_{key}", "gauge", help_, [(f'{{replica="{i}"}}', r[key]) for i, r in enumerate(per)])
-    metric("strategy_decisions_total", "counter", "placements by strategy",
-           [(f'{{strategy="{k}"}}', v) for k, v in sorted(stats["strategy_usage"].items())])
+    metric(
+        "strategy_decisions_total",
+        "counter",
+        "placements by strategy",
+        [(f'{{strategy="{k}"}}', v) for k, v in sorted(stats["strategy_usage"].items())],
+    )
     return "\n".join(lines) + "\n"

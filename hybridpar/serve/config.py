@@ -11,10 +11,9 @@ from typing import Any
 
 from hybridpar.config import ModelConfig, parse_args
 from hybridpar.config.families import tp_split_sizes
-from hybridpar.config.validate import check_model
 from hybridpar.config.sections import _f
+from hybridpar.config.validate import check_model
 from hybridpar.serve.router import STRATEGIES, RouterConfig
-
 
 SECONDS = ("request_timeout_s", "timeout_s", "client_timeout_s")
 MAX_SECONDS = 7 * 24 * 3600
@@ -22,9 +21,12 @@ MAX_SECONDS = 7 * 24 * 3600
 
 @dataclass
 class ServeConfig:
-    source: str = _f("runs/latest", "model: a Hugging Face Llama or GPT-2 checkpoint dir (config.json + "
-                                    "*.safetensors), a hybridpar run dir, checkpoint dir or final_model.pt, or "
-                                    "init:SEED (random init)")
+    source: str = _f(
+        "runs/latest",
+        "model: a Hugging Face Llama or GPT-2 checkpoint dir (config.json + "
+        "*.safetensors), a hybridpar run dir, checkpoint dir or final_model.pt, or "
+        "init:SEED (random init)",
+    )
     model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
     tp: int = _f(1, "tensor-parallel degree of each replica")
     pp: int = _f(1, "pipeline stages of each replica")
@@ -43,12 +45,18 @@ class ServeConfig:
     max_pending: int = _f(64, "requests waiting for a replica before new ones get 429")
     request_timeout_s: float = _f(300.0, "a request not finished after this gets 503")
     timeout_s: float = _f(120.0, "bound on every collective and point-to-point wait between ranks")
-    client_timeout_s: float = _f(10.0, "a client's request head must arrive within this of its connection (or of "
-                                       "the previous answer), its body within as long again; else it is closed "
-                                       "(408 if a request had begun)")
+    client_timeout_s: float = _f(
+        10.0,
+        "a client's request head must arrive within this of its connection (or of "
+        "the previous answer), its body within as long again; else it is closed "
+        "(408 if a request had begun)",
+    )
     backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
-    emulate_slowdown: str = _f("", "BENCHMARK/TEST MODE, off by default: 'REPLICA:FACTOR,...' makes a replica's "
-                                   "ranks sleep (FACTOR-1) x their measured compute, e.g. '1:2.0'")
+    emulate_slowdown: str = _f(
+        "",
+        "BENCHMARK/TEST MODE, off by default: 'REPLICA:FACTOR,...' makes a replica's "
+        "ranks sleep (FACTOR-1) x their measured compute, e.g. '1:2.0'",
+    )
 
     def slowdowns(self) -> list[float]:
         out = [1.0] * self.dp
@@ -59,18 +67,34 @@ class ServeConfig:
             except ValueError:
                 raise ValueError(f"emulate_slowdown entry {part!r} must look like REPLICA:FACTOR, e.g. 1:2.0") from None
             if not 0 <= r < self.dp or not (math.isfinite(f) and f >= 1.0):
-                raise ValueError(f"emulate_slowdown entry {part!r}: replica must be in 0..{self.dp - 1} "
-                                 f"and factor a number >= 1")
+                raise ValueError(
+                    f"emulate_slowdown entry {part!r}: replica must be in 0..{self.dp - 1} " f"and factor a number >= 1"
+                )
             out[r] = f
         return out
 
     def router(self) -> RouterConfig:
-        return RouterConfig(self.strategy, self.memory_pressure, self.performance_pressure, self.imbalance,
-                            self.max_outstanding, self.max_pending)
+        return RouterConfig(
+            self.strategy,
+            self.memory_pressure,
+            self.performance_pressure,
+            self.imbalance,
+            self.max_outstanding,
+            self.max_pending,
+        )
 
     def validate(self, model: ModelConfig | None = None) -> None:
-        for name in ("tp", "pp", "dp", "max_batch", "max_groups", "kv_tokens", "max_seq_len", "max_outstanding",
-                     "max_pending"):
+        for name in (
+            "tp",
+            "pp",
+            "dp",
+            "max_batch",
+            "max_groups",
+            "kv_tokens",
+            "max_seq_len",
+            "max_outstanding",
+            "max_pending",
+        ):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
                 raise ValueError(f"serve {name} must be a positive integer, got {v!r}")
@@ -93,9 +117,11 @@ class ServeConfig:
                 if v % self.tp:
                     raise ValueError(f"serve tp={self.tp} does not divide model {key}={v}")
             if model.max_positions is not None and self.max_seq_len > model.max_positions:
-                raise ValueError(f"serve max_seq_len={self.max_seq_len} exceeds the model's {model.max_positions} "
-                                 f"learned positions ({model.family} n_positions): use --max-seq-len "
-                                 f"{model.max_positions} or less")
+                raise ValueError(
+                    f"serve max_seq_len={self.max_seq_len} exceeds the model's {model.max_positions} "
+                    f"learned positions ({model.family} n_positions): use --max-seq-len "
+                    f"{model.max_positions} or less"
+                )
             if model.n_layers < self.pp:
                 raise ValueError(f"serve pp={self.pp} exceeds the model's n_layers={model.n_layers}")
 
@@ -129,9 +155,16 @@ def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
 
 
 def help_text() -> str:
-    rows = [f"  --{f.name.replace('_', '-'):<22} {f.metadata['help']} (default {f.default!r})" for f in fields(ServeConfig)]
-    return "\n".join(rows + ["  --model.KEY VALUE        model family and shape for init:SEED and final_model.pt "
-                             "sources (as in `hybridpar train --help`, e.g. --model.family gpt2)"])
+    rows = [
+        f"  --{f.name.replace('_', '-'):<22} {f.metadata['help']} (default {f.default!r})" for f in fields(ServeConfig)
+    ]
+    return "\n".join(
+        rows
+        + [
+            "  --model.KEY VALUE        model family and shape for init:SEED and final_model.pt "
+            "sources (as in `hybridpar train --help`, e.g. --model.family gpt2)"
+        ]
+    )
 
 
 def as_dict(cfg: ServeConfig) -> dict[str, Any]:

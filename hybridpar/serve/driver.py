@@ -88,9 +88,16 @@ class Driver:
         prompt, n = list(msg["prompt"]), int(msg["max_tokens"])
         limit = min(self.lim.max_seq_len, self.lim.kv_tokens)
         if not prompt or n < 1 or len(prompt) + n > limit:
-            self.ch.send({"type": "done", "id": msg["id"], "reason": "error", "tokens": [],
-                          "error": f"prompt of {len(prompt)} tokens + max_tokens={n} must be between 2 and "
-                                   f"{limit} tokens (max_seq_len and the KV-cache budget)"})
+            self.ch.send(
+                {
+                    "type": "done",
+                    "id": msg["id"],
+                    "reason": "error",
+                    "tokens": [],
+                    "error": f"prompt of {len(prompt)} tokens + max_tokens={n} must be between 2 and "
+                    f"{limit} tokens (max_seq_len and the KV-cache budget)",
+                }
+            )
             return
         seed = msg.get("seed")
         seed = int.from_bytes(os.urandom(8), "little") >> 1 if seed is None else int(seed)
@@ -103,8 +110,16 @@ class Driver:
         for row in self.pending:
             if row.req["id"] == rid:
                 self.pending.remove(row)
-                self.ch.send({"type": "done", "id": rid, "reason": "cancelled", "tokens": [],
-                              "prompt_tokens": len(row.req["prompt"]), "completion_tokens": 0})
+                self.ch.send(
+                    {
+                        "type": "done",
+                        "id": rid,
+                        "reason": "cancelled",
+                        "tokens": [],
+                        "prompt_tokens": len(row.req["prompt"]),
+                        "completion_tokens": 0,
+                    }
+                )
                 return
         for g in self.groups.values():
             for row in g.rows:
@@ -201,24 +216,38 @@ class Driver:
     def _finish(self, g: _Group, row: _Row, reason: str, now: float) -> None:
         self.completed += 1
         prompt_tokens = sum(len(r.req["prompt"]) for r in g.rows)
-        self.ch.send({
-            "type": "done", "id": row.req["id"], "reason": reason, "tokens": row.out,
-            "prompt_tokens": len(row.req["prompt"]), "completion_tokens": len(row.out),
-            "latency_s": now - row.arrived,
-            # Measured per-token costs for the router: prefill seconds per prompt token of the group,
-            # decode seconds per step (one token per row).
-            "prefill_s_per_token": g.prefill_s / max(1, prompt_tokens),
-            "decode_s_per_token": g.decode_s / g.decode_steps if g.decode_steps else None,
-        })
+        self.ch.send(
+            {
+                "type": "done",
+                "id": row.req["id"],
+                "reason": reason,
+                "tokens": row.out,
+                "prompt_tokens": len(row.req["prompt"]),
+                "completion_tokens": len(row.out),
+                "latency_s": now - row.arrived,
+                # Measured per-token costs for the router: prefill seconds per prompt token of the group,
+                # decode seconds per step (one token per row).
+                "prefill_s_per_token": g.prefill_s / max(1, prompt_tokens),
+                "decode_s_per_token": g.decode_s / g.decode_steps if g.decode_steps else None,
+            }
+        )
 
     def status(self, now: float) -> dict[str, Any]:
         busy = self.busy_s + (now - self._busy_mark if self._busy_mark is not None else 0.0)
-        return {"type": "status", "kv_used_tokens": self.kv_used(), "kv_capacity_tokens": self.lim.kv_tokens,
-                "kv_bytes": self.r.kv_bytes(), "queue_depth": len(self.pending),
-                "queued_tokens": sum(len(r.req["prompt"]) + int(r.req["max_tokens"]) for r in self.pending),
-                "running": sum(len(g.rows) for g in self.groups.values()), "busy_s": busy,
-                "slots": self.lim.max_batch * self.lim.max_groups,
-                "completed": self.completed, "max_in_flight": self.max_in_flight, "time": now}
+        return {
+            "type": "status",
+            "kv_used_tokens": self.kv_used(),
+            "kv_capacity_tokens": self.lim.kv_tokens,
+            "kv_bytes": self.r.kv_bytes(),
+            "queue_depth": len(self.pending),
+            "queued_tokens": sum(len(r.req["prompt"]) + int(r.req["max_tokens"]) for r in self.pending),
+            "running": sum(len(g.rows) for g in self.groups.values()),
+            "busy_s": busy,
+            "slots": self.lim.max_batch * self.lim.max_groups,
+            "completed": self.completed,
+            "max_in_flight": self.max_in_flight,
+            "time": now,
+        }
 
     # -- main loop ---------------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

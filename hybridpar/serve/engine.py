@@ -41,8 +41,7 @@ class Tick:
 
     def header(self, device: torch.device) -> torch.Tensor:
         B, T = (self.x.shape[0], self.x.shape[1]) if self.x is not None else (0, 0)
-        return torch.tensor([self.op, self.group, B, T, self.seq, self.max_len, 0, 0], dtype=torch.int64,
-                            device=device)
+        return torch.tensor([self.op, self.group, B, T, self.seq, self.max_len, 0, 0], dtype=torch.int64, device=device)
 
 
 class StageRunner:

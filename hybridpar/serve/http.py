@@ -21,9 +21,9 @@ from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterator, TypeV
 
 from hybridpar.serve.api import ApiError, metrics_text, parse_completion
 from hybridpar.serve.router import Overloaded, Unavailable
+from hybridpar.serve.server import HttpServer
 from hybridpar.serve.service import Pending, Service
 from hybridpar.serve.text import ByteDetokenizer, StopText
-from hybridpar.serve.server import HttpServer
 from hybridpar.serve.wire import Request, Response, Stream, error_response
 
 MAX_BODY = 1 << 20
@@ -51,13 +51,21 @@ class Api:
             if allowed is None:
                 raise ApiError(404, f"no route {req.method} {req.path[:200]}")
             if req.method not in allowed:
-                raise ApiError(405, f"{req.method[:20]} is not allowed on {req.path}; use {', '.join(allowed)}",
-                               headers={"Allow": ", ".join(allowed)})
+                raise ApiError(
+                    405,
+                    f"{req.method[:20]} is not allowed on {req.path}; use {', '.join(allowed)}",
+                    headers={"Allow": ", ".join(allowed)},
+                )
             if req.path == "/health":
                 return _json(*self.svc.health())
             if req.path == "/v1/models":
-                return _json(200, {"object": "list", "data": [{"id": self.cfg.model_name, "object": "model",
-                                                                "created": 0, "owned_by": "hybridpar"}]})
+                return _json(
+                    200,
+                    {
+                        "object": "list",
+                        "data": [{"id": self.cfg.model_name, "object": "model", "created": 0, "owned_by": "hybridpar"}],
+                    },
+                )
             if req.path == "/metrics":
                 text = await self._run(lambda: metrics_text(self.svc.statistics()))
                 return Response(200, text.encode(), "text/plain; version=0.0.4")
@@ -73,8 +81,14 @@ class Api:
     async def _completions(self, req: Request) -> Response | Stream:
         if req.content_length is None:
             raise ApiError(411, "a Content-Length header is required")
-        r = await self._run(parse_completion, req.body, self.cfg.model_name, self.cfg.max_seq_len,
-                            self.svc.model.vocab_size, self.svc.tokenize)
+        r = await self._run(
+            parse_completion,
+            req.body,
+            self.cfg.model_name,
+            self.cfg.max_seq_len,
+            self.svc.model.vocab_size,
+            self.svc.tokenize,
+        )
         p = await self._run(self._submit, r)
         stop, events = StopText(r["stop"]), self._events(p)
         if not r["stream"]:
@@ -123,19 +137,28 @@ class Api:
                     await asyncio.wait_for(wake.wait(), deadline - loop.time())
                 except asyncio.TimeoutError:
                     self._cancel_soon(p.id)
-                    raise ApiError(503, f"request not finished within {self.cfg.request_timeout_s:g} s",
-                                   kind="server_error") from None
+                    raise ApiError(
+                        503, f"request not finished within {self.cfg.request_timeout_s:g} s", kind="server_error"
+                    ) from None
                 continue
             yield kind, val
             if kind == "done":
                 return
 
     def _response(self, p: Pending, text: str, finish: str | None, n_out: int | None) -> dict[str, Any]:
-        out = {"id": p.id, "object": "text_completion", "created": int(p.created), "model": self.cfg.model_name,
-               "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]}
+        out = {
+            "id": p.id,
+            "object": "text_completion",
+            "created": int(p.created),
+            "model": self.cfg.model_name,
+            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
+        }
         if n_out is not None:
-            out["usage"] = {"prompt_tokens": p.prompt_tokens, "completion_tokens": n_out,
-                            "total_tokens": p.prompt_tokens + n_out}
+            out["usage"] = {
+                "prompt_tokens": p.prompt_tokens,
+                "completion_tokens": n_out,
+                "total_tokens": p.prompt_tokens + n_out,
+            }
         return out
 
     async def _stopped(self, p: Pending, n_tokens: int) -> dict[str, Any]:
@@ -157,11 +180,13 @@ class Api:
             raise ApiError(503, f"generation failed: {val.get('error')}", kind="server_error")
         if not stop.hit:
             text += [stop.feed(det.flush()), stop.flush()]
-        return _json(200, self._response(p, "".join(text), "stop" if stop.hit else val["reason"],
-                                         val["completion_tokens"]))
+        return _json(
+            200, self._response(p, "".join(text), "stop" if stop.hit else val["reason"], val["completion_tokens"])
+        )
 
-    async def _sse(self, p: Pending, stop: StopText, events: AsyncIterator[tuple[str, Any]], kind: str,
-                   val: Any) -> AsyncGenerator[bytes, None]:
+    async def _sse(
+        self, p: Pending, stop: StopText, events: AsyncIterator[tuple[str, Any]], kind: str, val: Any
+    ) -> AsyncGenerator[bytes, None]:
         def data(obj: Any) -> bytes:
             return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
@@ -185,8 +210,14 @@ class Api:
 
 def make_server(svc: Service, host: str, port: int) -> HttpServer:
     pool = ThreadPoolExecutor(WORKERS, thread_name_prefix="hybridpar-http")
-    return HttpServer(Api(svc, pool), host, port, svc.cfg.client_timeout_s, MAX_BODY,
-                      on_close=lambda: pool.shutdown(wait=False, cancel_futures=True))
+    return HttpServer(
+        Api(svc, pool),
+        host,
+        port,
+        svc.cfg.client_timeout_s,
+        MAX_BODY,
+        on_close=lambda: pool.shutdown(wait=False, cancel_futures=True),
+    )
 
 
 @contextmanager

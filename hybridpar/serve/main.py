@@ -40,8 +40,8 @@ def main(argv: list[str]) -> int:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
     from hybridpar.serve.http import make_server
-    from hybridpar.serve.service import Service
     from hybridpar.serve.server import HttpServer
+    from hybridpar.serve.service import Service
 
     # Before the first worker starts: a SIGTERM while the replicas start must still stop them (the pool
     # kills its workers when its start is interrupted; each worker also dies with this process, see
@@ -61,8 +61,11 @@ def main(argv: list[str]) -> int:
             print(f"hybridpar: error: cannot bind {cfg.host}:{cfg.port}: {e}", file=sys.stderr)
             return 2
         host, port = srv.server_address[:2]
-        print(f"hybridpar: serving {cfg.model_name!r} from {source} ({cfg.dp} replica(s) of tp={cfg.tp} x pp={cfg.pp}) "
-              f"on http://{host}:{port}/v1", flush=True)
+        print(
+            f"hybridpar: serving {cfg.model_name!r} from {source} ({cfg.dp} replica(s) of tp={cfg.tp} x pp={cfg.pp}) "
+            f"on http://{host}:{port}/v1",
+            flush=True,
+        )
         srv.serve_forever()
     except KeyboardInterrupt:
         pass

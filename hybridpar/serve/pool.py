@@ -29,14 +29,20 @@ from typing import Any, Callable
 from hybridpar.serve.worker import WorkerSpec
 
 
-def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Connection | None,
-            parent_pid: int) -> None:
+def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Connection | None, parent_pid: int) -> None:
     from hybridpar.topology.lifetime import die_with_parent
 
     if not die_with_parent(parent_pid):  # before anything slow: the server may be killed while we start
         os._exit(1)  # it already was: we were re-parented before asking for the signal
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
-                      LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world), TORCHELASTIC_USE_AGENT_STORE="True")
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
     import torch.distributed as dist
 
     from hybridpar.serve.channel import PipeChannel
@@ -53,8 +59,9 @@ def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Conn
 
 
 class ReplicaPool:
-    def __init__(self, spec: WorkerSpec, on_event: Callable[[int, dict[str, Any]], None],
-                 start_timeout_s: float = 300.0) -> None:
+    def __init__(
+        self, spec: WorkerSpec, on_event: Callable[[int, dict[str, Any]], None], start_timeout_s: float = 300.0
+    ) -> None:
         from hybridpar.topology.rendezvous import loopback_store
 
         self.spec, self.on_event = spec, on_event
@@ -80,8 +87,11 @@ class ReplicaPool:
             child_ends[d * self.per_replica] = theirs
         try:
             for rank in range(world):
-                p = ctx.Process(target=_worker, daemon=True, args=(dataclasses.asdict(spec), rank, world,
-                                                                   self._store.port, child_ends.get(rank), os.getpid()))
+                p = ctx.Process(
+                    target=_worker,
+                    daemon=True,
+                    args=(dataclasses.asdict(spec), rank, world, self._store.port, child_ends.get(rank), os.getpid()),
+                )
                 self.procs.append(p)  # before start: interrupted inside start(), it is still stopped below
                 p.start()
             threading.Thread(target=self._watch, daemon=True, name="hybridpar-serve-watch").start()
@@ -91,15 +101,20 @@ class ReplicaPool:
             for d in range(self.n):  # a replica is ready once its driver sent its first status
                 while not self.ready[d].wait(0.2):
                     if not self.alive[d] or time.monotonic() > deadline:
-                        raise RuntimeError(f"replica {d} did not start ({self._why(d) or f'{start_timeout_s:.0f} s passed'})")
+                        raise RuntimeError(
+                            f"replica {d} did not start ({self._why(d) or f'{start_timeout_s:.0f} s passed'})"
+                        )
         except BaseException:  # a failed start, or SIGTERM / Ctrl-C while starting: stop every worker now
             self._closing = True
             self._kill(self.procs)
             raise
 
     def _why(self, d: int) -> str:
-        return "; ".join(f"worker rank {f['rank']} (stage {f['stage']}, tp rank {f['tp_rank']}) exited with "
-                         f"code {f['exitcode']}" for f in self.failures if f["replica"] == d)
+        return "; ".join(
+            f"worker rank {f['rank']} (stage {f['stage']}, tp rank {f['tp_rank']}) exited with " f"code {f['exitcode']}"
+            for f in self.failures
+            if f["replica"] == d
+        )
 
     def _watch(self) -> None:
         """Wait on every worker's sentinel (readable once the process has exited: no polling). This
@@ -116,8 +131,15 @@ class ReplicaPool:
                 p.join(1)  # reaps it: the sentinel fired, so this returns at once with its exit code
                 with self._state:
                     if rank not in self._stopped:  # it died of itself, not stopped by us after another one
-                        self.failures.append({"replica": d, "rank": rank, "stage": (rank // self.spec.tp) % self.spec.pp,
-                                              "tp_rank": rank % self.spec.tp, "exitcode": p.exitcode})
+                        self.failures.append(
+                            {
+                                "replica": d,
+                                "rank": rank,
+                                "stage": (rank // self.spec.tp) % self.spec.pp,
+                                "tp_rank": rank % self.spec.tp,
+                                "exitcode": p.exitcode,
+                            }
+                        )
                 self._replica_dead(d)
 
     def _replica_dead(self, d: int) -> None:

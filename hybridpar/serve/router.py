@@ -136,34 +136,55 @@ class Router:
             raise Unavailable(f"no replica is running (all {len(self.replicas)} stopped)")
         if self.pending or not self._available():
             if len(self.pending) >= self.cfg.max_pending:
-                raise Overloaded(f"all {len(self.replicas)} replicas are at max_outstanding="
-                                 f"{self.cfg.max_outstanding} and {len(self.pending)} requests are waiting")
+                raise Overloaded(
+                    f"all {len(self.replicas)} replicas are at max_outstanding="
+                    f"{self.cfg.max_outstanding} and {len(self.pending)} requests are waiting"
+                )
             self.pending.append((req, now))
             return self._drain()
         self.submitted_at[req.id] = now
         return [(req, self._place(req))]
 
-    def finished(self, req_id: str, now: float, prefill_s_per_token: float | None = None,
-                 decode_s_per_token: float | None = None) -> list[tuple[Request, int]]:
+    def finished(
+        self, req_id: str, now: float, prefill_s_per_token: float | None = None, decode_s_per_token: float | None = None
+    ) -> list[tuple[Request, int]]:
         """A replica finished `req_id` (its measured costs, if any). Returns waiting requests now placed."""
         r = self.where.pop(req_id)
         rep = self.replicas[r]
         rep.outstanding.pop(req_id)
         a = self.cfg.ewma
         if prefill_s_per_token is not None:
-            rep.prefill_s = prefill_s_per_token if rep.prefill_s is None else (1 - a) * rep.prefill_s + a * prefill_s_per_token
+            rep.prefill_s = (
+                prefill_s_per_token if rep.prefill_s is None else (1 - a) * rep.prefill_s + a * prefill_s_per_token
+            )
         if decode_s_per_token is not None:
-            rep.decode_s = decode_s_per_token if rep.decode_s is None else (1 - a) * rep.decode_s + a * decode_s_per_token
+            rep.decode_s = (
+                decode_s_per_token if rep.decode_s is None else (1 - a) * rep.decode_s + a * decode_s_per_token
+            )
         self.latencies.append(now - self.submitted_at.pop(req_id))
         self.completed += 1
         return self._drain()
 
-    def report(self, replica: int, kv_used: int, kv_capacity: int, queue_depth: int, queued_tokens: int,
-               busy_s: float, now: float, slots: int = 1) -> None:
+    def report(
+        self,
+        replica: int,
+        kv_used: int,
+        kv_capacity: int,
+        queue_depth: int,
+        queued_tokens: int,
+        busy_s: float,
+        now: float,
+        slots: int = 1,
+    ) -> None:
         """A replica's measured status."""
         rep = self.replicas[replica]
         rep.slots = max(1, int(slots))
-        rep.kv_used, rep.kv_capacity, rep.queue_depth, rep.queued_tokens = kv_used, kv_capacity, queue_depth, queued_tokens
+        rep.kv_used, rep.kv_capacity, rep.queue_depth, rep.queued_tokens = (
+            kv_used,
+            kv_capacity,
+            queue_depth,
+            queued_tokens,
+        )
         rep.sent_since_status = 0
         if rep._busy is not None and now > rep._busy[1]:
             rep.utilisation = min(1.0, max(0.0, (busy_s - rep._busy[0]) / (now - rep._busy[1])))
@@ -203,22 +224,41 @@ class Router:
         reps = [self.replicas[i] for i in self.live()] or self.replicas
         loads = [r.outstanding_tokens for r in reps]
         hi, lo = max(loads), min(loads)
-        return {"memory_pressure": max(r.kv_pressure() for r in reps),
-                "performance_pressure": max((r.utilisation or 0.0) for r in reps),
-                "load_imbalance": (hi - lo) / (hi + lo) if hi + lo else 0.0}
+        return {
+            "memory_pressure": max(r.kv_pressure() for r in reps),
+            "performance_pressure": max((r.utilisation or 0.0) for r in reps),
+            "load_imbalance": (hi - lo) / (hi + lo) if hi + lo else 0.0,
+        }
 
     def statistics(self) -> dict[str, Any]:
         lat = list(self.latencies)
         return {
-            "strategy": self.cfg.strategy, "strategy_usage": dict(self.usage), "completed": self.completed,
-            "pending": len(self.pending), "state": self.state(),
-            "latency_s": {"p50": percentile(lat, 50), "p90": percentile(lat, 90), "p99": percentile(lat, 99),
-                          "n": len(lat)},
-            "replicas": [{"alive": r.alive, "queue_depth": r.queue_depth, "outstanding_requests": len(r.outstanding),
-                          "outstanding_tokens": r.outstanding_tokens, "kv_used_tokens": r.kv_used,
-                          "kv_capacity_tokens": r.kv_capacity, "utilisation": r.utilisation,
-                          "prefill_s_per_token": r.prefill_s, "decode_s_per_token": r.decode_s,
-                          "routed": dict(r.routed)} for r in self.replicas],
+            "strategy": self.cfg.strategy,
+            "strategy_usage": dict(self.usage),
+            "completed": self.completed,
+            "pending": len(self.pending),
+            "state": self.state(),
+            "latency_s": {
+                "p50": percentile(lat, 50),
+                "p90": percentile(lat, 90),
+                "p99": percentile(lat, 99),
+                "n": len(lat),
+            },
+            "replicas": [
+                {
+                    "alive": r.alive,
+                    "queue_depth": r.queue_depth,
+                    "outstanding_requests": len(r.outstanding),
+                    "outstanding_tokens": r.outstanding_tokens,
+                    "kv_used_tokens": r.kv_used,
+                    "kv_capacity_tokens": r.kv_capacity,
+                    "utilisation": r.utilisation,
+                    "prefill_s_per_token": r.prefill_s,
+                    "decode_s_per_token": r.decode_s,
+                    "routed": dict(r.routed),
+                }
+                for r in self.replicas
+            ],
         }
 
     # -- placement -----------------------------------------------------------------------------------
@@ -272,6 +312,7 @@ class Router:
         """Replica i's measured (prefill s per prompt token, decode s per output token). A replica not
         measured yet is taken as the mean of those measured (so it gets traffic and a measurement);
         None when nothing is measured anywhere yet."""
+
         def known(attr: str) -> float | None:
             own = getattr(self.replicas[i], attr)
             if own is not None:

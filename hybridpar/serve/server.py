@@ -20,8 +20,17 @@ import threading
 from typing import Callable
 
 from hybridpar.serve.api import ApiError
-from hybridpar.serve.wire import (MAX_LINE, App, Progress, Response, Stream, error_response, format_head, read_body,
-                                  read_request)
+from hybridpar.serve.wire import (
+    MAX_LINE,
+    App,
+    Progress,
+    Response,
+    Stream,
+    error_response,
+    format_head,
+    read_body,
+    read_request,
+)
 
 LINGER_S = 2.0
 BACKLOG = max(1024, socket.SOMAXCONN)
@@ -32,8 +41,15 @@ class HttpServer:
     exception such as KeyboardInterrupt; `server_close()` releases the socket. The socket is bound
     at construction, so a port in use fails at once and `server_address` is known."""
 
-    def __init__(self, app: App, host: str, port: int, client_timeout_s: float, max_body: int,
-                 on_close: Callable[[], None] = lambda: None) -> None:
+    def __init__(
+        self,
+        app: App,
+        host: str,
+        port: int,
+        client_timeout_s: float,
+        max_body: int,
+        on_close: Callable[[], None] = lambda: None,
+    ) -> None:
         self.app, self.client_timeout_s, self.max_body, self._on_close = app, client_timeout_s, max_body, on_close
         family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
         self._sock = socket.create_server((host, port), family=family, backlog=BACKLOG)
@@ -127,8 +143,12 @@ class HttpServer:
         return req.keep_alive
 
     async def _send(self, writer: asyncio.StreamWriter, resp: Response, keep: bool, head_only: bool) -> None:
-        headers = {"Content-Type": resp.content_type, "Content-Length": str(len(resp.body)),
-                   "Connection": "keep-alive" if keep else "close", **resp.headers}
+        headers = {
+            "Content-Type": resp.content_type,
+            "Content-Length": str(len(resp.body)),
+            "Connection": "keep-alive" if keep else "close",
+            **resp.headers,
+        }
         # A response to HEAD carries the headers of the one to GET, never its body (RFC 9110 §9.3.2).
         writer.write(format_head(resp.status, headers) + (b"" if head_only else resp.body))
         await asyncio.wait_for(writer.drain(), self.client_timeout_s)
@@ -136,8 +156,17 @@ class HttpServer:
     async def _stream(self, writer: asyncio.StreamWriter, resp: Stream) -> None:
         finished = False
         try:
-            writer.write(format_head(200, {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-                                     "Connection": "close", **resp.headers}))
+            writer.write(
+                format_head(
+                    200,
+                    {
+                        "Content-Type": "text/event-stream",
+                        "Cache-Control": "no-cache",
+                        "Connection": "close",
+                        **resp.headers,
+                    },
+                )
+            )
             async for chunk in resp.chunks:
                 writer.write(chunk)
                 await asyncio.wait_for(writer.drain(), self.client_timeout_s)
@@ -151,6 +180,7 @@ class HttpServer:
         """Close after an error without losing the answer: closing with unread input makes the kernel
         reset the connection, which can discard our answer before the client reads it. So: end our
         side (FIN), read and drop what the client still sends for a moment, then close."""
+
         async def drain() -> None:
             while await reader.read(65536):
                 pass

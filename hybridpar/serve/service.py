@@ -56,8 +56,13 @@ class Pending:
 
 
 class Service:
-    def __init__(self, cfg: ServeConfig, model: ModelConfig, source: str,
-                 pool: Callable[[WorkerSpec, Callable[[int, dict[str, Any]], None]], Any] = ReplicaPool) -> None:
+    def __init__(
+        self,
+        cfg: ServeConfig,
+        model: ModelConfig,
+        source: str,
+        pool: Callable[[WorkerSpec, Callable[[int, dict[str, Any]], None]], Any] = ReplicaPool,
+    ) -> None:
         self.cfg, self.model = cfg, model
         self.router = Router(cfg.dp, cfg.router())
         self.lock = threading.Lock()
@@ -66,22 +71,50 @@ class Service:
         self.counters: Counter = Counter()
         self.closing = False
         self.replica_status: dict[int, dict[str, Any]] = {}  # each replica's latest measured status
-        limits = {"max_batch": cfg.max_batch, "max_groups": cfg.max_groups, "kv_tokens": cfg.kv_tokens,
-                  "max_seq_len": cfg.max_seq_len}
-        spec = WorkerSpec(model=dataclasses.asdict(model), source=source, tp=cfg.tp, pp=cfg.pp, dp=cfg.dp,
-                          limits=limits, slowdown=cfg.slowdowns(), timeout_s=cfg.timeout_s, backend=cfg.backend)
+        limits = {
+            "max_batch": cfg.max_batch,
+            "max_groups": cfg.max_groups,
+            "kv_tokens": cfg.kv_tokens,
+            "max_seq_len": cfg.max_seq_len,
+        }
+        spec = WorkerSpec(
+            model=dataclasses.asdict(model),
+            source=source,
+            tp=cfg.tp,
+            pp=cfg.pp,
+            dp=cfg.dp,
+            limits=limits,
+            slowdown=cfg.slowdowns(),
+            timeout_s=cfg.timeout_s,
+            backend=cfg.backend,
+        )
         self.pool = pool(spec, self._on_event)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
         return encode(prompt) if isinstance(prompt, str) else list(prompt)
 
-    def submit(self, prompt: list[int], max_tokens: int, temperature: float, top_p: float,
-               seed: int | None, stop_tokens: list[int] | None = None) -> Pending:
+    def submit(
+        self,
+        prompt: list[int],
+        max_tokens: int,
+        temperature: float,
+        top_p: float,
+        seed: int | None,
+        stop_tokens: list[int] | None = None,
+    ) -> Pending:
         """Place a request (raises Overloaded when every replica and the waiting queue are full,
         Unavailable when no replica is alive)."""
         p = Pending(f"cmpl-{uuid.uuid4().hex[:24]}", len(prompt), max_tokens)
-        p.msg = {"type": "generate", "id": p.id, "prompt": prompt, "max_tokens": max_tokens,
-               "temperature": temperature, "top_p": top_p, "seed": seed, "stop_tokens": stop_tokens or []}
+        p.msg = {
+            "type": "generate",
+            "id": p.id,
+            "prompt": prompt,
+            "max_tokens": max_tokens,
+            "temperature": temperature,
+            "top_p": top_p,
+            "seed": seed,
+            "stop_tokens": stop_tokens or [],
+        }
         with self.lock:
             placed = self.router.submit(Request(p.id, len(prompt), max_tokens), time.monotonic())
             self.inflight[p.id] = p
@@ -160,11 +193,21 @@ class Service:
         elif kind == "done":
             with self.lock:
                 p = self.inflight.pop(ev["id"], None)
-                placed = self.router.finished(ev["id"], time.monotonic(), ev.get("prefill_s_per_token"),
-                                              ev.get("decode_s_per_token")) if ev["id"] in self.router.where else []
+                placed = (
+                    self.router.finished(
+                        ev["id"], time.monotonic(), ev.get("prefill_s_per_token"), ev.get("decode_s_per_token")
+                    )
+                    if ev["id"] in self.router.where
+                    else []
+                )
                 done_by_client = self._cancelled.pop(ev["id"], None)
-                self.counters["requests_failed" if ev.get("reason") == "error" else
-                              "requests_cancelled" if done_by_client is False else "requests_completed"] += 1
+                self.counters[
+                    "requests_failed"
+                    if ev.get("reason") == "error"
+                    else "requests_cancelled"
+                    if done_by_client is False
+                    else "requests_completed"
+                ] += 1
                 self.counters["prompt_tokens_total"] += ev.get("prompt_tokens", 0)
                 self.counters["completion_tokens_total"] += ev.get("completion_tokens", 0)
             if p is not None:
@@ -173,8 +216,16 @@ class Service:
         elif kind == "status":
             with self.lock:
                 self.replica_status[rep] = ev
-                self.router.report(rep, ev["kv_used_tokens"], ev["kv_capacity_tokens"], ev["queue_depth"],
-                                   ev["queued_tokens"], ev["busy_s"], time.monotonic(), ev["slots"])
+                self.router.report(
+                    rep,
+                    ev["kv_used_tokens"],
+                    ev["kv_capacity_tokens"],
+                    ev["queue_depth"],
+                    ev["queued_tokens"],
+                    ev["busy_s"],
+                    time.monotonic(),
+                    ev["slots"],
+                )
         elif kind == "replica_failed" and not self.closing:
             self._send(self._replica_down(rep))
 
@@ -186,8 +237,12 @@ class Service:
         the workers that died (the pool watches each one, pipeline stages and tp shards alike)."""
         alive = self.alive()
         ok = alive == self.cfg.dp
-        return (200 if ok else 503), {"status": "ok" if ok else "degraded", "replicas_alive": alive,
-                                      "replicas": self.cfg.dp, "failed_workers": list(self.pool.failures)}
+        return (200 if ok else 503), {
+            "status": "ok" if ok else "degraded",
+            "replicas_alive": alive,
+            "replicas": self.cfg.dp,
+            "failed_workers": list(self.pool.failures),
+        }
 
     def statistics(self) -> dict[str, Any]:
         with self.lock:
@@ -196,4 +251,3 @@ class Service:
     def close(self) -> None:
         self.closing = True
         self.pool.close()
-

@@ -41,9 +41,10 @@ class StopText:
             self.hit, self._held = True, ""
             return text[: min(found)[0]]
         # Hold back the longest tail that is a proper prefix of some stop string.
-        keep = max((k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1)
-                    if text.endswith(s[:k])), default=0)
-        self._held = text[len(text) - keep:] if keep else ""
+        keep = max(
+            (k for s in self.stops for k in range(min(len(s) - 1, len(text)), 0, -1) if text.endswith(s[:k])), default=0
+        )
+        self._held = text[len(text) - keep :] if keep else ""
         return text[: len(text) - keep]
 
     def flush(self) -> str:

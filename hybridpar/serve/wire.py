@@ -151,8 +151,9 @@ class Progress:
     started = False
 
 
-async def read_request(reader: asyncio.StreamReader, writer: asyncio.StreamWriter, progress: Progress,
-                       max_body: int) -> Request | None:
+async def read_request(
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, progress: Progress, max_body: int
+) -> Request | None:
     """The next request's head and body; None if the client closed before sending one."""
     first = await reader.read(1)
     if not first:

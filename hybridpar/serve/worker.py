@@ -75,8 +75,10 @@ def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelCo
         if model is None:
             raise ValueError(f"{p} holds tensors only: give the model shape (--model.* options as in training)")
         return str(p), model
-    raise ValueError(f"model source {source!r} is not init:SEED, a Hugging Face checkpoint directory "
-                     "(config.json + *.safetensors), a hybridpar run directory, checkpoint directory or final_model.pt")
+    raise ValueError(
+        f"model source {source!r} is not init:SEED, a Hugging Face checkpoint directory "
+        "(config.json + *.safetensors), a hybridpar run directory, checkpoint directory or final_model.pt"
+    )
 
 
 def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:

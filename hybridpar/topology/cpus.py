@@ -3,7 +3,8 @@
 Ranks of one host share its cores. Left to the OS scheduler ("none"), a rank woken by a message often
 waits for the core its sender still runs on: on a 2-core VM with 4 pipeline ranks, the wake-up of a
 receiver took 282 us at the median this way, 45 us with rank r bound to core r % 2 (measured with
-timestamps in the links, emulated 1F1B pp=4; see the README's Performance section). "cores" binds each local rank to its own share of the cores the process may use:
+timestamps in the links, emulated 1F1B pp=4; see the README's Performance section). "cores" binds each local
+rank to its own share of the cores the process may use:
 - more ranks than cores: round robin, rank r on core r % n, so neighbouring pipeline stages (which
   hand each other every message) sit on different cores;
 - otherwise contiguous equal shares (cores [r*k, (r+1)*k) for k = n // ranks), which keeps a rank's
@@ -30,7 +31,7 @@ def share_of(local_rank: int, local_world: int, allowed: Sequence[int]) -> list[
     if local_world >= len(cores):
         return [cores[local_rank % len(cores)]]
     k = len(cores) // local_world
-    return cores[local_rank * k:(local_rank + 1) * k]
+    return cores[local_rank * k : (local_rank + 1) * k]
 
 
 def bind_local_rank(mode: str, local_rank: int | None = None, local_world: int | None = None) -> int:

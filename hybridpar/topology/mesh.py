@@ -65,14 +65,23 @@ def init_process_group(backend: str, timeout_s: float) -> None:
         # torch's env:// assumes a new agent store per restart, but the elastic agent keeps one store
         # for all rounds: without a per-attempt prefix, restarted workers read the dead workers' gloo
         # addresses and fail to connect ("Connection refused"). torchrun's workers set these variables.
-        agent = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
-                              timeout=timedelta(seconds=timeout_s))
+        agent = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=timeout_s),
+        )
         store = dist.PrefixStore(f"/hybridpar/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent)
     if store is None:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     else:
-        dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s), store=store,
-                                rank=int(os.environ["RANK"]), world_size=int(os.environ["WORLD_SIZE"]))
+        dist.init_process_group(
+            backend=backend,
+            timeout=timedelta(seconds=timeout_s),
+            store=store,
+            rank=int(os.environ["RANK"]),
+            world_size=int(os.environ["WORLD_SIZE"]),
+        )
 
 
 @dataclass

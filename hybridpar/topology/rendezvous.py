@@ -24,8 +24,15 @@ def loopback_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
     sock.listen(128)
     # TCPStore takes ownership of the descriptor; detach so Python's socket object does not close it.
     fd = sock.detach()
-    return dist.TCPStore("127.0.0.1", _port_of(fd), is_master=True, multi_tenant=True,
-                         timeout=timedelta(seconds=timeout_s), master_listen_fd=fd, wait_for_workers=False)
+    return dist.TCPStore(
+        "127.0.0.1",
+        _port_of(fd),
+        is_master=True,
+        multi_tenant=True,
+        timeout=timedelta(seconds=timeout_s),
+        master_listen_fd=fd,
+        wait_for_workers=False,
+    )
 
 
 def _port_of(fd: int) -> int:
@@ -41,6 +48,7 @@ def _create_loopback_handler(params):  # -> RendezvousHandler
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
     port = int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0
+
     class _LoopbackBackend(C10dRendezvousBackend):
         @property
         def name(self) -> str:  # the handler checks that it matches --rdzv-backend
