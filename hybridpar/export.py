@@ -36,7 +36,7 @@ def gather_full_state(
     shapes = full_shapes(cfg)
     out: dict[str, torch.Tensor] = {}
     for name, s in param_stages(cfg, parts).items():
-        owner = topo.dims.rank_of(0, stage_ranks[s], 0)
+        owner = topo.dims.moved(0, pp=stage_ranks[s])
         if topo.dp_rank == 0 and s in stages:
             p = stages[s].get_parameter(name)
             full = full_tensor(p, topo.group("tp") if topo.dims.tp > 1 else None)  # collective over tp

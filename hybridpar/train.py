@@ -1,5 +1,5 @@
 """One process of a training run: `python -m hybridpar.train` under torchrun, or `hybridpar train`,
-which launches it through torch's elastic agent. `train` runs the steps of a `Trainer` (trainer.py)
+which launches it through torch's elastic agent. `train` runs the steps of a `Trainer` (trainer/step.py)
 with validation, checkpoints, preemption and traces; rank 0 writes `metrics.jsonl`, draws the
 progress line and, at the end, saves the model and prints a sample from it.
 """
@@ -28,6 +28,7 @@ from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
+from hybridpar.resilience.probe import install
 from hybridpar.resilience.session import Session
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
@@ -153,8 +154,9 @@ def _train(
     ck = cfg.checkpoint
     ck_dir = checkpoint_dir(cfg)
     session = Session(
-        cfg, topo, trainer, ck_dir, restart_count, run_id, owner_check=lambda: rundir.lock_holder_ok(run_dir, token)
+        cfg, topo, ck_dir, restart_count, run_id, owner_check=lambda: rundir.lock_holder_ok(run_dir, token)
     )
+    trainer.attach(lambda tr: install(session.probe, tr.stages.values(), tr.p2p, tr.dp.grads, tr.opt))
     sessions.append(session)
     saved = None
     if ck.resume != "off":
@@ -198,10 +200,10 @@ def _train(
             progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
         saved_now = bool(ck.every and (step + 1) % ck.every == 0)
         if saved_now:
-            session.save(step + 1, trainer_state(cfg, trainer, step + 1))
+            session.save(step + 1, trainer.stages, trainer.opt, trainer_state(cfg, trainer, step + 1))
         if session.should_stop():  # SIGTERM on any rank: checkpoint this step, exit cleanly
             if not saved_now:
-                session.save(step + 1, trainer_state(cfg, trainer, step + 1), wait=True)
+                session.save(step + 1, trainer.stages, trainer.opt, trainer_state(cfg, trainer, step + 1), wait=True)
             session.close()
             res.preempted_at = step + 1
             if rank0:

@@ -25,7 +25,7 @@ from hybridpar.resilience.chaos import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_equivalence import TOL, tiny_config  # noqa: E402
+from test_equivalence import TOL, ref_for, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess  # every test here starts launchers and workers
 
@@ -245,6 +245,40 @@ def test_shrink_then_grow(tmp_path: Path, reference: dict) -> None:
     grown = _model(run)
     for name, t in reference["model"].items():
         assert (grown[name] - t).abs().max().item() <= TOL, name
+
+
+def test_faults_after_a_live_rebalance_fire_and_the_run_recovers(tmp_path: Path) -> None:
+    """The probe sits on whatever the current layout holds: a live re-partition replaces the gradient
+    reduction and the optimizer, and faults planned in the all-reduce and optimizer phases after it
+    still fire (they went silent when the probe was installed once, at start). The run recovers from
+    both and trains the one-device model."""
+    steps, fault_step = 14, 10
+    faults = [f"rank=0:raise@step={fault_step}:phase=all-reduce", f"rank=1:kill@step={fault_step + 1}:phase=optimizer"]
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b", partition="uniform", timeout_s=30.0),
+        train=dict(steps=steps, val_every=steps, monitor_every=0),
+        # Emulated fixed layer cost (benchmark mode) and rank 1 three times slower from the start: the
+        # balancer moves layers off it after its warm-up and patience, well before the faults.
+        emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0", fault=",".join(faults)),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        resilience=dict(hang_timeout_s=HANG_S, heartbeat_s=0.25, slow_phase_timeout_s=30.0, max_restarts=3),
+        checkpoint=dict(every=1, keep=steps + 1),
+    )
+    cfg.run_dir = str(tmp_path / "run")
+    r, out = _run(cfg)
+    run = tmp_path / "run"
+    moves = [e for x in _records(run, "metrics.jsonl") for e in x.get("balance", []) if e["event"] == "rebalance"]
+    assert moves and moves[0]["applied"] and moves[0]["step"] < fault_step, moves
+    assert sorted(f["fault"] for f in _records(run, "chaos.jsonl")) == sorted(faults)  # each fired, once
+    assert len([x for x in _records(run, "resilience.jsonl") if x["event"] == "start"]) == 3
+    assert "resumed from" in out
+    ref_losses, _, ref_state = ref_for(cfg)
+    losses = {x["step"]: x["loss"] for x in _records(run, "metrics.jsonl") if "loss" in x}
+    assert sorted(losses) == list(range(steps))
+    assert max(abs(losses[s] - ref_losses[s]) for s in range(steps)) <= TOL
+    final = _model(run)
+    for name, ref in ref_state.items():
+        assert (final[name] - ref).abs().max().item() <= TOL, name
 
 
 def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:

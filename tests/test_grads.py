@@ -22,16 +22,16 @@ def _buckets(cfg_dict: dict, bucket_bytes: int | None) -> dict:
     topo = build_topology(p.dp, p.pp, p.tp, "gloo", 60)
     tr = Trainer(cfg, topo)
     if bucket_bytes is None:  # reduce whole stages only after their last backward
-        tr.dp_grads = DataParallelGrads(topo, tr.stages, None)
+        tr.dp.grads = DataParallelGrads(topo, tr.stages, None)
     else:
-        tr.dp_grads = DataParallelGrads(topo, tr.stages, cfg.train.microbatches, bucket_bytes=bucket_bytes)
+        tr.dp.grads = DataParallelGrads(topo, tr.stages, cfg.train.microbatches, bucket_bytes=bucket_bytes)
     losses = [tr.step(s)["loss"] for s in range(2)]
     state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
-    n_buckets = sum(len(b) for b in tr.dp_grads._buckets.values())
+    n_buckets = sum(len(b) for b in tr.dp.grads._buckets.values())
     return {
         "losses": losses,
         "digest": params_digest(state.items()) if state else None,
-        "overlapped": tr.dp_grads.overlapped,
+        "overlapped": tr.dp.grads.overlapped,
         "buckets": n_buckets,
     }
 

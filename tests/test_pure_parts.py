@@ -12,7 +12,7 @@ from hybridpar.config import ModelConfig, TrainConfig
 from hybridpar.export import params_digest
 from hybridpar.model.registry import param_stages
 from hybridpar.optim import lr_at
-from hybridpar.topology.mesh import ParallelDims
+from hybridpar.topology.mesh import AXES, ParallelDims
 
 
 def test_parallel_dims_coordinates_round_trip():
@@ -25,6 +25,17 @@ def test_parallel_dims_coordinates_round_trip():
     assert len(seen) == 12
     assert dims.coords(1) == (0, 0, 1)  # tp is the fastest axis: tp peers are neighbours
     assert dims.coords(2) == (0, 1, 0)
+
+
+def test_parallel_dims_named_axes():
+    """Every axis is named once (AXES): shape, coordinates and moves along one axis follow from it."""
+    dims = ParallelDims(dp=2, pp=3, tp=2, world_size=12)
+    assert AXES == ("dp", "pp", "tp") and dims.shape == (2, 3, 2)
+    assert [dims.coord(7, a) for a in AXES] == list(dims.coords(7)) == [1, 0, 1]
+    assert dims.moved(7, pp=2) == dims.rank_of(1, 2, 1) == 11
+    assert dims.moved(7, pp=0, tp=0) == 6 and dims.moved(7) == 7
+    with pytest.raises(ValueError, match=r"rank_of takes 3 coordinates \(dp, pp, tp\), got 2"):
+        dims.rank_of(1, 2)
 
 
 @pytest.mark.parametrize(

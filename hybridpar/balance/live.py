@@ -16,8 +16,9 @@ from __future__ import annotations
 
 import statistics
 from collections import deque
+from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any, Protocol
+from typing import Any
 
 import torch.distributed as dist
 
@@ -54,17 +55,21 @@ def plane_groups(topo: Topology) -> dist.ProcessGroup | None:
         return None
     mine = None
     for t in range(d.tp):
-        ranks = [d.rank_of(a, b, t) for a in range(d.dp) for b in range(d.pp)]
+        ranks = [r for r in range(d.world_size) if d.coord(r, "tp") == t]
         g = dist.new_group(ranks, timeout=timedelta(seconds=topo.timeout_s))
         if t == topo.tp_rank:
             mine = g
     return mine
 
 
-class _Trainer(Protocol):
-    layout: Layout
+@dataclass
+class BalanceStep:
+    """What the balancer returns after a step: records to log and, when rank 0 decided a move, the
+    decision's record (the trainer adds what the move did) and the layout to apply."""
 
-    def apply_layout(self, layout: Layout) -> dict[str, Any]: ...
+    events: list[dict[str, Any]] = field(default_factory=list)
+    decision: dict[str, Any] | None = None
+    new_layout: Layout | None = None
 
 
 class LiveBalancer:
@@ -96,7 +101,7 @@ class LiveBalancer:
         dims = self.topo.dims
         by_pos: dict[int, list[dict[str, float]]] = {}
         for r, rep in enumerate(ranks):
-            d, s, _ = dims.coords(r)
+            d, s = dims.coord(r, "dp"), dims.coord(r, "pp")
             by_pos.setdefault(d * dims.pp + s, []).append(rep)
         out = []
         for pos, reps in sorted(by_pos.items()):
@@ -116,13 +121,14 @@ class LiveBalancer:
         return out
 
     def after_step(
-        self, trainer: _Trainer, step: int, output: Any, step_time_s: float, memory: tuple[int, int]
-    ) -> list[dict[str, Any]]:
-        """Collective over the world, once per step: returns the records to log for this step."""
+        self, layout: Layout, step: int, output: Any, step_time_s: float, memory: tuple[int, int]
+    ) -> BalanceStep:
+        """Collective over the world, once per step, on the layout the step ran: the records to log and
+        rank 0's decision, the same on every rank. The caller applies a decision's layout."""
         events: list[dict[str, Any]] = []
         self._start = step if self._start is None else self._start
         if step - self._start < self.cfg.balance.skip_steps:
-            return events  # warm-up: allocations and lazy initialisation, not the device's speed
+            return BalanceStep(events)  # warm-up: allocations and lazy initialisation, not the device's speed
         self.step_times.append(step_time_s)
         for f in list(self._follow):
             if step - f["step"] >= self.cfg.balance.window:
@@ -132,22 +138,22 @@ class LiveBalancer:
         ranks = all_gather_json(self._local(output, step_time_s, memory), self.topo.device)
         decision = None
         if self.topo.rank == 0:
-            d = self.policy.update(step, self.samples(step, ranks, trainer.layout), trainer.layout)
+            d = self.policy.update(step, self.samples(step, ranks, layout), layout)
             decision = d.to_record() if d is not None else None
         rec = all_gather_json(decision, self.topo.device)[0]  # rank 0's decision, on every rank
         if rec is None:
-            return events
+            return BalanceStep(events)
         events.append(rec)
-        if rec["applied"]:
-            rec["move"] = trainer.apply_layout(Decision.from_record(rec).new)
-            self._follow.append(
-                {
-                    "event": "rebalance_measured",
-                    "step": step,
-                    "predicted_step_before_s": rec["predicted_step_before_s"],
-                    "predicted_step_after_s": rec["predicted_step_after_s"],
-                    "measured_step_before_s": statistics.median(self.step_times),
-                }
-            )
-            self.step_times.clear()
-        return events
+        if not rec["applied"]:  # detect mode: logged, not applied
+            return BalanceStep(events)
+        self._follow.append(
+            {
+                "event": "rebalance_measured",
+                "step": step,
+                "predicted_step_before_s": rec["predicted_step_before_s"],
+                "predicted_step_after_s": rec["predicted_step_after_s"],
+                "measured_step_before_s": statistics.median(self.step_times),
+            }
+        )
+        self.step_times.clear()
+        return BalanceStep(events, rec, Decision.from_record(rec).new)

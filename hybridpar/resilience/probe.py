@@ -1,13 +1,18 @@
 """The trainer's phase probe: one call per phase change feeds the watchdog (progress, phase, step) and the
-fault injector (chaos testing mode). `install` attaches it to a live trainer's pieces with hooks — module
-forward pre-hooks, wrappers on this trainer's P2P and gradient-reduction objects, an optimizer step
-pre-hook — so the pipeline runtime and the layers below need no knowledge of it."""
+fault injector (chaos testing mode). `install` attaches it to a trainer's current pieces with hooks —
+module forward pre-hooks, wrappers on the P2P and gradient-reduction objects, an optimizer step pre-hook —
+so the pipeline runtime and the layers below need no knowledge of it, and returns the function that takes
+them off again: when a live rebalance replaces the gradient reduction and the optimizer, the trainer
+detaches and installs on the new ones (`Trainer.attach`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Iterator
+from typing import Any, Callable, Iterable, Iterator
+
+from torch import nn
+from torch.optim import Optimizer
 
 from hybridpar.resilience.chaos import Injector
 from hybridpar.resilience.watchdog import Watchdog
@@ -52,7 +57,7 @@ class Probe:
             self.watchdog.stop(finished)
 
 
-def _wrap(obj: Any, name: str, probe: Probe, phase: str) -> None:
+def _wrap(obj: Any, name: str, probe: Probe, phase: str) -> Callable[[], None]:
     method = getattr(obj, name)
 
     @functools.wraps(method)
@@ -60,14 +65,25 @@ def _wrap(obj: Any, name: str, probe: Probe, phase: str) -> None:
         probe(phase)
         return method(*args, **kwargs)
 
-    setattr(obj, name, probed)  # on this instance only
+    setattr(obj, name, probed)  # on this instance only: deleting it uncovers the class's method
+    return lambda: delattr(obj, name)
 
 
-def install(probe: Probe, trainer: Any) -> None:
-    """Attach `probe` to a Trainer's stages (forward), P2P (p2p), gradient reduction (all-reduce), optimizer."""
-    for stage in trainer.stages.values():
-        stage.register_forward_pre_hook(lambda module, args: probe("forward"))
-    _wrap(trainer.p2p, "flush", probe, "p2p")
-    _wrap(trainer.p2p, "wait_recv", probe, "p2p")
-    _wrap(trainer.dp_grads, "finish", probe, "all-reduce")
-    trainer.opt.register_step_pre_hook(lambda opt, args, kwargs: probe("optimizer"))
+def install(probe: Probe, stages: Iterable[nn.Module], p2p: Any, grads: Any, opt: Optimizer) -> Callable[[], None]:
+    """Attach `probe` to the stages (forward), P2P (p2p), gradient reduction (all-reduce) and optimizer;
+    returns the function that detaches all of it."""
+    handles = [stage.register_forward_pre_hook(lambda module, args: probe("forward")) for stage in stages]
+    undo = [
+        _wrap(p2p, "flush", probe, "p2p"),
+        _wrap(p2p, "wait_recv", probe, "p2p"),
+        _wrap(grads, "finish", probe, "all-reduce"),
+    ]
+    handles.append(opt.register_step_pre_hook(lambda opt, args, kwargs: probe("optimizer")))
+
+    def detach() -> None:
+        for h in handles:
+            h.remove()
+        for u in undo:
+            u()
+
+    return detach

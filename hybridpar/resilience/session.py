@@ -19,13 +19,15 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
 
 from hybridpar.config import Config
 from hybridpar.resilience.async_save import AsyncCheckpointer
 from hybridpar.resilience.chaos import Injector, parse_faults
 from hybridpar.resilience.checkpoint import save_checkpoint
 from hybridpar.resilience.preempt import Preemption
-from hybridpar.resilience.probe import Probe, install
+from hybridpar.resilience.probe import Probe
 from hybridpar.resilience.watchdog import start_watchdog
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
@@ -56,7 +58,6 @@ class Session:
         self,
         cfg: Config,
         topo: Topology,
-        trainer: Any,
         ck_dir: Path,
         restart_count: int = 0,
         run_id: str | None = None,
@@ -64,7 +65,7 @@ class Session:
     ) -> None:
         """`run_id` goes into every checkpoint; `owner_check()` is asked before each commit whether this
         run still owns its directory (resilience/rundir.py)."""
-        self.cfg, self.topo, self.trainer, self.ck_dir = cfg, topo, trainer, ck_dir
+        self.cfg, self.topo, self.ck_dir = cfg, topo, ck_dir
         self.run_id, self.owner_check = run_id, owner_check
         self.run_dir = Path(cfg.run_dir)
         self.applied: list[list[int]] = []
@@ -78,8 +79,8 @@ class Session:
             watchdog = start_watchdog(
                 topo.rank, topo.dims.world_size, run_id, cfg.resilience, self.run_dir, (master[0], int(master[1]))
             )
+        # Attached to the trainer's pieces by the caller (train.py), who re-attaches it when they change.
         self.probe = Probe(watchdog, injector)
-        install(self.probe, trainer)
         # Installed when the step loop starts (`resumed`): SIGTERM during setup keeps its default action, so
         # the agent can stop a worker group that never got going without waiting out its grace period.
         self.preemption = Preemption()
@@ -114,16 +115,24 @@ class Session:
             "samples": {"applied": [list(r) for r in self.applied], "global_batch": self.cfg.train.global_batch},
         }
 
-    def save(self, step: int, trainer_state: dict[str, Any], wait: bool = False) -> None:
-        """Checkpoint after `step` steps (async if configured; `wait` makes it durable before returning)."""
-        tr, ck = self.trainer, self.cfg.checkpoint
+    def save(
+        self,
+        step: int,
+        stages: dict[int, nn.Module],
+        opt: Optimizer,
+        trainer_state: dict[str, Any],
+        wait: bool = False,
+    ) -> None:
+        """Checkpoint `stages` and `opt` after `step` steps (async if configured; `wait` makes it durable
+        before returning)."""
+        ck = self.cfg.checkpoint
         state = self.state(trainer_state)
         t0 = time.perf_counter()
         if self.writer is not None:
             at = self.probe.step  # the background write's phases belong to this step, however far training gets
             self.writer.save(
-                tr.stages,
-                tr.opt,
+                stages,
+                opt,
                 self.ck_dir,
                 step,
                 state,
@@ -134,9 +143,7 @@ class Session:
             if wait:
                 self.writer.wait()
         else:
-            save_checkpoint(
-                self.topo, tr.stages, tr.opt, self.ck_dir, step, state, ck.keep, self.probe, self.owner_check
-            )
+            save_checkpoint(self.topo, stages, opt, self.ck_dir, step, state, ck.keep, self.probe, self.owner_check)
         # Seconds the training loop stood still for this save (async: the snapshot, plus waiting for the
         # previous write if it was still running).
         self.event(

@@ -54,7 +54,7 @@ class StageRunner:
         self.dtype = next(stage.parameters()).dtype
         self.pp, self.pp_rank, self.tp_rank = topo.dims.pp, topo.pp_rank, topo.tp_rank
         self.tp_group = topo.group("tp") if topo.dims.tp > 1 else None
-        self.driver_rank = topo.dims.rank_of(topo.dp_rank, 0, 0)
+        self.driver_rank = topo.dims.moved(topo.rank, pp=0, tp=0)
         # Two message streams to the same peers: distinct tags, since each posts from its own thread.
         self.ctl = P2P(self.device, torch.int64, topo.timeout_s, tag=1)
         self.act = P2P(self.device, self.dtype, topo.timeout_s, tag=2)

@@ -7,6 +7,7 @@ per step, are furthest apart.
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -14,6 +15,11 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+# The parallel axes in rank order, slowest first. A new axis (a sharded-optimizer or context-parallel
+# one) is a field of ParallelDims plus its place here: coordinates, rank arithmetic, the DeviceMesh and
+# its groups all follow from this tuple.
+AXES = ("dp", "pp", "tp")
 
 
 @dataclass(frozen=True)
@@ -24,24 +30,50 @@ class ParallelDims:
     world_size: int
 
     def __post_init__(self) -> None:
-        for name in ("dp", "pp", "tp", "world_size"):
+        for name in (*AXES, "world_size"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"ParallelDims.{name} must be a positive integer, got {v!r}")
-        if self.dp * self.pp * self.tp != self.world_size:
+        if math.prod(self.shape) != self.world_size:
+            formula = " × ".join(AXES)
+            sizes = " × ".join(str(n) for n in self.shape)
             raise ValueError(
-                f"dp × pp × tp = {self.dp} × {self.pp} × {self.tp} = {self.dp * self.pp * self.tp} "
-                f"does not equal the world size {self.world_size}"
+                f"{formula} = {sizes} = {math.prod(self.shape)} does not equal the world size {self.world_size}"
             )
 
-    def coords(self, rank: int) -> tuple[int, int, int]:
-        """(dp_rank, pp_rank, tp_rank) of a global rank."""
+    @property
+    def shape(self) -> tuple[int, ...]:
+        """Sizes of the axes, in AXES order (the DeviceMesh's shape)."""
+        return tuple(getattr(self, a) for a in AXES)
+
+    def coords(self, rank: int) -> tuple[int, ...]:
+        """Coordinates of a global rank, in AXES order: (dp_rank, pp_rank, tp_rank)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
-        return rank // (self.pp * self.tp), (rank // self.tp) % self.pp, rank % self.tp
+        out = []
+        for size in reversed(self.shape):  # the last axis is the fastest
+            rank, c = divmod(rank, size)
+            out.append(c)
+        return tuple(reversed(out))
 
-    def rank_of(self, dp: int, pp: int, tp: int) -> int:
-        return (dp * self.pp + pp) * self.tp + tp
+    def coord(self, rank: int, axis: str) -> int:
+        return self.coords(rank)[AXES.index(axis)]
+
+    def rank_of(self, *coords: int) -> int:
+        """The global rank at `coords` (AXES order)."""
+        if len(coords) != len(AXES):
+            raise ValueError(f"rank_of takes {len(AXES)} coordinates ({', '.join(AXES)}), got {len(coords)}")
+        rank = 0
+        for c, size in zip(coords, self.shape):
+            rank = rank * size + c
+        return rank
+
+    def moved(self, rank: int, **along: int) -> int:
+        """The rank whose coordinates are `rank`'s with those named in `along` replaced."""
+        c = list(self.coords(rank))
+        for axis, v in along.items():
+            c[AXES.index(axis)] = v
+        return self.rank_of(*c)
 
 
 def pick_backend(requested: str) -> tuple[str, str]:
@@ -99,14 +131,14 @@ class Topology:
     tp_rank: int = field(init=False)
 
     def __post_init__(self) -> None:
-        self.dp_rank, self.pp_rank, self.tp_rank = self.dims.coords(self.rank)
+        self.dp_rank, self.pp_rank, self.tp_rank = (self.dims.coord(self.rank, a) for a in ("dp", "pp", "tp"))
 
     def group(self, axis: str) -> dist.ProcessGroup:
         return self.mesh.get_group(axis)
 
     def pp_peer(self, pp_rank: int) -> int:
         """Global rank of the process at pipeline position `pp_rank` with our dp and tp coordinates."""
-        return self.dims.rank_of(self.dp_rank, pp_rank, self.tp_rank)
+        return self.dims.moved(self.rank, pp=pp_rank)
 
 
 def build_topology(dp: int, pp: int, tp: int, backend: str = "auto", timeout_s: float = 120.0) -> Topology:
@@ -115,11 +147,11 @@ def build_topology(dp: int, pp: int, tp: int, backend: str = "auto", timeout_s: 
     backend, device_type = pick_backend(backend)
     init_process_group(backend, timeout_s)
     dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size())
-    mesh = init_device_mesh(device_type, (dp, pp, tp), mesh_dim_names=("dp", "pp", "tp"))
+    mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
     # DeviceMesh builds its sub-groups with c10d's default timeout (30 min for gloo), not the default
     # group's: set ours on each so that no collective can hang longer than asked.
     timeout = timedelta(seconds=timeout_s)
-    for axis in ("dp", "pp", "tp"):
+    for axis in AXES:
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(axis))
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     return Topology(dims=dims, rank=dist.get_rank(), mesh=mesh, device=device, backend=backend, timeout_s=timeout_s)

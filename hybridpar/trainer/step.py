@@ -1,21 +1,24 @@
-"""The trainer of one process of a (dp, pp, tp) run: its stages, pipeline runtime, optimizer,
-gradient reductions, microbatch policy and load balancer, and one training step.
+"""The trainer of one process of a (dp, pp, tp) run: the bundles of trainer/build.py, the microbatch
+policy and the load balancer, and the one step function that runs them.
 
 Per step: the replica's share of the global batch is split into microbatches, the pipeline runtime
 executes this rank's action list (data-parallel reductions start as each stage finishes its backward),
-the tied embedding and the global gradient norm are reduced, and AdamW steps.
+the tied embedding and the global gradient norm are reduced, and AdamW steps. After the step the
+balancer may return a new layout; the trainer applies it (moving layers with their optimizer state),
+rebuilds the data-parallel and optimizer bundles, and re-attaches whatever was attached to the old
+ones (`attach`: the resilience probe), so hooks always sit on the objects the next step uses.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Any, Callable
 
 import torch
 import torch.distributed as dist
 
 from hybridpar.balance.emulate import SlowdownPlan
-from hybridpar.balance.layer_cost import attach_layer_cost
-from hybridpar.balance.live import LiveBalancer, plane_groups
+from hybridpar.balance.live import LiveBalancer
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.plan import Layout
@@ -23,34 +26,27 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
-from hybridpar.grads import DataParallelGrads, PlaneGrads, clip_grad_norm, sync_tied_embeddings
-from hybridpar.model.registry import build_stage, param_counts
-from hybridpar.model.stage import Stage
-from hybridpar.optim import lr_at, make_optimizer, set_lr
-from hybridpar.pipeline.memory import ActivationMeter
-from hybridpar.pipeline.p2p import P2P
-from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
-from hybridpar.pipeline.runtime import PipelineRuntime, forward_actions
+from hybridpar.grads import clip_grad_norm, sync_tied_embeddings
+from hybridpar.optim import lr_at, set_lr
+from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule
 from hybridpar.topology.mesh import Topology
+from hybridpar.trainer.build import (
+    build_data_parallel,
+    build_model_parallel,
+    build_optimizer,
+    layer_partition,
+)
 
-
-def layer_partition(cfg: Config) -> list[range]:
-    m, n_stages = cfg.model, cfg.parallel.n_stages
-    if cfg.parallel.partition == "uniform":
-        return partition_uniform(m.n_layers, n_stages)
-    if cfg.parallel.partition == "cost":
-        return partition_by_cost(cfg.parallel.layer_costs, n_stages)
-    n = param_counts(m)
-    return partition_by_params([n.layer] * m.n_layers, n_stages, embed_params=n.embed, head_params=n.head)
+# Attaches hooks to a trainer's current pieces and returns the function that detaches them.
+Attachment = Callable[["Trainer"], Callable[[], None]]
 
 
 class Trainer:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
-        p, t = cfg.parallel, cfg.train
+        t = cfg.train
         self.data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
         if self.data.vocab_needed > cfg.model.vocab_size:
             raise ValueError(
@@ -58,46 +54,41 @@ class Trainer:
                 f"{cfg.model.vocab_size} must be at least {self.data.vocab_needed}"
             )
         self.parts = layer_partition(cfg)
-        self.n_stages = p.n_stages
-        self.stages: dict[int, Stage] = {}
-        # Pipeline rank of each stage: the schedule's placement (s % pp, or ZB-V's V).
-        self.stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
-        for s in (s for s, r in enumerate(self.stage_ranks) if r == topo.pp_rank):
-            self.stages[s] = build_stage(
-                cfg.model,
-                self.parts[s],
-                s == 0,
-                s == self.n_stages - 1,
-                t.seed,
-                topo.device,
-                topo.group("tp") if p.tp > 1 else None,
-            )
-            attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
-        self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
-        self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
-        self.p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
-        self.runtime = PipelineRuntime(
-            self.stages, self.n_stages, lambda s: topo.pp_peer(self.stage_ranks[s]), self.p2p, cfg.model.dim
-        )
-        named = [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
-        self.opt = make_optimizer(named, t)
-        self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
+        self.mp = build_model_parallel(cfg, topo, self.parts)
         self.monitor = DeviceMonitor(topo.device)
-        self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
-        self.runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
-        self.runtime.meter.lent = self.p2p.lent
         sample = self.monitor.sample()
         self.policy = make_policy(
             cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes, resident_bytes=sample.memory_used_bytes
         )
         self.plan: BatchPlan = plan_for(cfg, len(self.policy.propose(0)))
-        self.oom_retries = 0  # steps redone after running out of memory, over the run
-        # Every replica's partition and share of the batch; changed only by the load balancer.
+        # Every replica's partition and share of the batch; changed only by the load balancer's decisions.
         self.layout = Layout.uniform(self.parts, [sum(s) for s in self.plan.sizes])
+        self.dp = build_data_parallel(cfg, topo, self.mp.stages, self.layout)
+        self.opt = build_optimizer(self.mp, t)
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
-        self.plane = None  # the (dp x pp) plane group, made on the first layout whose replicas differ
+        self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
+        self.oom_retries = 0  # steps redone after running out of memory, over the run
+        self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
+        self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
+        self._attached: list[tuple[Attachment, Callable[[], None]]] = []
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
+
+    # The pieces others read, by their usual names.
+    stages = property(lambda self: self.mp.stages)
+    stage_ranks = property(lambda self: self.mp.stage_ranks)
+    n_stages = property(lambda self: self.mp.n_stages)
+    p2p = property(lambda self: self.mp.p2p)
+    runtime = property(lambda self: self.mp.runtime)
+
+    def attach(self, attachment: Attachment) -> None:
+        """Attach hooks now, and again to the new pieces whenever a layout change rebuilds them."""
+        self._attached.append((attachment, attachment(self)))
+
+    def _reattach(self) -> None:
+        for i, (attachment, detach) in enumerate(self._attached):
+            detach()
+            self._attached[i] = (attachment, attachment(self))
 
     def actions(self, count: int, train: bool = True) -> list[Action]:
         """This rank's action list for `count` microbatches (built once per count: adaptive plans vary it)."""
@@ -131,7 +122,7 @@ class Trainer:
         """Forward and backward of the step under the current plan, data-parallel sums included.
         Returns (loss, seconds, activation peak bytes), the last two the max over ranks; raises
         torch.OutOfMemoryError on every rank if any rank ran out of memory (gradients then garbage)."""
-        t, topo = self.cfg.train, self.topo
+        t, topo, grads = self.cfg.train, self.topo, self.dp.grads
         t0 = time.perf_counter()
         sizes = self.plan.sizes[topo.dp_rank]
         x, y = self.data.step_samples(step, t.global_batch, self.plan.replica_offset(topo.dp_rank), sum(sizes))
@@ -141,11 +132,11 @@ class Trainer:
         if topo.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(topo.device)
             resident = torch.cuda.memory_allocated(topo.device)
-        self.dp_grads.m = len(sizes)
+        grads.m = len(sizes)
         out = self.runtime.run(
-            self.actions(len(sizes)), xs, ys, 1.0 / (t.global_batch * t.seq_len), on_stage_done=self.dp_grads.stage_done
+            self.actions(len(sizes)), xs, ys, 1.0 / (t.global_batch * t.seq_len), on_stage_done=grads.stage_done
         )
-        self.dp_grads.finish()
+        grads.finish()
         self.last_output = out
         peak = meter.peak
         if topo.device.type == "cuda":  # the allocator also sees temporaries the meter does not
@@ -163,7 +154,8 @@ class Trainer:
             raise torch.OutOfMemoryError(out.out_of_memory or f"{int(v[1])} rank(s) ran out of memory")
         return float(v[0]), float(w[0]), int(w[1])
 
-    def step(self, step: int) -> dict[str, float]:
+    def step(self, step: int) -> dict[str, Any]:
+        """One training step over every dimension; then the balancer's decision, if any, is applied."""
         t, topo = self.cfg.train, self.topo
         t0 = time.perf_counter()
         lr = lr_at(step, t)
@@ -208,21 +200,23 @@ class Trainer:
         )
         if self.balancer is not None:  # after the update: a move carries the stepped weights and state
             mem = self.monitor.sample()
-            events = self.balancer.after_step(
-                self, step, self.last_output, dt, (mem.memory_used_bytes, mem.memory_total_bytes)
+            out = self.balancer.after_step(
+                self.layout, step, self.last_output, dt, (mem.memory_used_bytes, mem.memory_total_bytes)
             )
-            if events:
-                rec["balance"] = events
+            if out.decision is not None and out.new_layout is not None:
+                out.decision["move"] = self.apply_layout(out.new_layout)
+            if out.events:
+                rec["balance"] = out.events
         return rec
 
     def apply_layout(self, layout: Layout) -> dict:
-        """Adopt the balancer's layout (collective): move layers with their optimizer state between this
-        replica's pipeline ranks, rebuild what caches parameters, and re-split the global batch."""
+        """Adopt a new layout (collective): move layers with their optimizer state between this replica's
+        pipeline ranks, rebuild the data-parallel and optimizer bundles, re-attach hooks, re-split the batch."""
         topo, p, t = self.topo, self.cfg.parallel, self.cfg.train
         old, d, s = self.layout, topo.dp_rank, topo.pp_rank
         info: dict = {}
         if layout.parts != old.parts:
-            self.dp_grads.close()
+            self.dp.grads.close()
             tp_group = topo.group("tp") if p.tp > 1 else None
             stats = move_layers(
                 topo,
@@ -235,16 +229,9 @@ class Trainer:
                 topo.pp_peer,
             )
             info = stats.to_dict()
-            state = self.opt.state
-            named = [(f"{k}.{n}", q) for k, st in self.stages.items() for n, q in st.named_parameters()]
-            self.opt = make_optimizer(named, t)
-            for _, q in named:
-                self.opt.state[q] = state[q]
-            if layout.shared_partition or p.dp == 1:
-                self.dp_grads = DataParallelGrads(topo, self.stages, t.microbatches)
-            else:  # replicas now hold different layers: reduce over the (dp x pp) plane
-                self.plane = self.plane or plane_groups(topo)  # collective: every rank applies this layout
-                self.dp_grads = PlaneGrads(topo, self.stages, self.cfg.model.n_layers, self.plane)
+            self.opt = build_optimizer(self.mp, t, carry=self.opt.state)
+            self.dp = build_data_parallel(self.cfg, topo, self.stages, layout, self.dp.plane)
+            self._reattach()
         self.layout, self.parts = layout, list(layout.parts[d])
         self.plan = self._plan(len(self.plan.sizes[d]))
         return info

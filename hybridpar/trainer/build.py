@@ -1,0 +1,108 @@
+"""What one process of a (dp, pp, tp) run holds, built per parallel dimension as typed bundles.
+
+- `build_model_parallel`: pp x tp — this rank's pipeline stages (tensor-parallel inside), their
+  placement, the point-to-point links and the pipeline runtime that runs the action lists.
+- `build_data_parallel`: dp — how this rank's gradients meet their replicas' (bucketed all-reduce
+  over dp, or over the dp x pp plane once the balancer gave replicas different partitions).
+- `build_optimizer`: AdamW over the stages' parameters, carrying state over when the stages change.
+
+The trainer (trainer/step.py) builds them once and rebuilds the last two when the load balancer moves
+layers; nothing here knows about steps, balancing or probes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from hybridpar.balance.layer_cost import attach_layer_cost
+from hybridpar.balance.live import plane_groups
+from hybridpar.balance.plan import Layout
+from hybridpar.config import Config, TrainConfig
+from hybridpar.config.schedules import schedule_spec
+from hybridpar.grads import DataParallelGrads, PlaneGrads
+from hybridpar.model.registry import build_stage, param_counts
+from hybridpar.model.stage import Stage
+from hybridpar.optim import make_optimizer
+from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.p2p import P2P
+from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
+from hybridpar.pipeline.runtime import PipelineRuntime
+from hybridpar.topology.mesh import Topology
+
+
+def layer_partition(cfg: Config) -> list[range]:
+    """The starting partition of layers into pipeline stages (`parallel.partition`)."""
+    m, n_stages = cfg.model, cfg.parallel.n_stages
+    if cfg.parallel.partition == "uniform":
+        return partition_uniform(m.n_layers, n_stages)
+    if cfg.parallel.partition == "cost":
+        return partition_by_cost(cfg.parallel.layer_costs, n_stages)
+    n = param_counts(m)
+    return partition_by_params([n.layer] * m.n_layers, n_stages, embed_params=n.embed, head_params=n.head)
+
+
+@dataclass
+class ModelParallel:
+    """pp x tp: the stages this rank holds (stage index -> module, tp-sharded) and how they talk."""
+
+    stages: dict[int, Stage]
+    n_stages: int
+    stage_ranks: tuple[int, ...]  # pipeline rank of each stage: the schedule's placement
+    p2p: P2P
+    runtime: PipelineRuntime
+
+    def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
+        """(stage-qualified name, parameter) of every parameter this rank holds, in a fixed order."""
+        return [(f"{s}.{n}", q) for s, st in self.stages.items() for n, q in st.named_parameters()]
+
+
+def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> ModelParallel:
+    p, t = cfg.parallel, cfg.train
+    n_stages = p.n_stages
+    stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+    tp_group = topo.group("tp") if p.tp > 1 else None
+    stages: dict[int, Stage] = {}
+    for s in (s for s, r in enumerate(stage_ranks) if r == topo.pp_rank):
+        stages[s] = build_stage(cfg.model, parts[s], s == 0, s == n_stages - 1, t.seed, topo.device, tp_group)
+        attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
+    p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
+    runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)
+    runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
+    runtime.meter.lent = p2p.lent
+    return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime)
+
+
+@dataclass
+class DataParallel:
+    """dp: the gradient reduction among replicas for the current layout."""
+
+    grads: DataParallelGrads | PlaneGrads
+    plane: dist.ProcessGroup | None  # the (dp x pp) plane group, made once replicas' partitions differ
+
+
+def build_data_parallel(
+    cfg: Config, topo: Topology, stages: dict[int, Stage], layout: Layout, plane: dist.ProcessGroup | None = None
+) -> DataParallel:
+    """Replicas with one partition reduce each parameter over dp; replicas with different partitions
+    (after a per-replica re-partition) reduce each layer over the ranks of the dp x pp plane holding it.
+    Making the plane group is collective: every rank builds with the same layout."""
+    if layout.shared_partition or cfg.parallel.dp == 1:
+        return DataParallel(DataParallelGrads(topo, stages, cfg.train.microbatches), plane)
+    plane = plane or plane_groups(topo)
+    return DataParallel(PlaneGrads(topo, stages, cfg.model.n_layers, plane), plane)
+
+
+def build_optimizer(
+    mp: ModelParallel, t: TrainConfig, carry: dict[torch.Tensor, dict] | None = None
+) -> torch.optim.Optimizer:
+    """AdamW over `mp`'s parameters; `carry` (an earlier optimizer's state by parameter) is kept for
+    the parameters it has — layers that moved here arrive with their state already in it."""
+    named = mp.parameters()
+    opt = make_optimizer(named, t)
+    if carry is not None:
+        for _, q in named:
+            opt.state[q] = carry[q]
+    return opt
