@@ -157,7 +157,7 @@ def launch_train(argv: list[str]) -> int:
         print(note)
     watch = stop_on_permanent_failure(cfg, claim)
     try:
-        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda agent: outcome(cfg, claim))
+        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda: outcome(cfg, claim))
     finally:
         watch.set()
         end_launch(claim)
@@ -169,10 +169,10 @@ def _run_agent(
     cfg: Config,
     nproc: str | None,
     nnodes: str,
-    outcome: Callable[[str], tuple[int, str | None]],
+    outcome: Callable[[], tuple[int, str | None]],
 ) -> int:
-    """Run torch's agent; `outcome(how the agent ended: finished, failed or signalled)` gives the exit
-    code and a line to print."""
+    """Run torch's agent; `outcome()` gives the exit code and a line to print, from what the workers
+    recorded."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
@@ -221,7 +221,7 @@ def _run_agent(
         agent = "signalled"
     except Exception:  # ChildFailedError: torch already printed the failing rank's traceback
         agent = "failed"
-    code, line = outcome(agent)
+    code, line = outcome()
     if line:
         print(line, file=sys.stderr if code in (1, 2) else sys.stdout, flush=True)
     if agent == "signalled":
