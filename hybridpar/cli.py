@@ -84,9 +84,34 @@ def _flag(args: list[str], *names: str) -> str | None:
     return None
 
 
+def _launch_key(theirs: list[str]) -> str:
+    """What names one launch of several nodes, the same on every node of it: torchrun's rendezvous
+    backend, id and endpoint (static rendezvous: the master's address and port)."""
+    backend = _flag(theirs, "--rdzv-backend", "--rdzv_backend") or "static"
+    if backend == "static":
+        where = f"{_flag(theirs, '--master-addr', '--master_addr')}:{_flag(theirs, '--master-port', '--master_port')}"
+    else:
+        where = _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint") or ""
+    return f"{backend}|{_flag(theirs, '--rdzv-id', '--rdzv_id') or 'none'}|{where}"
+
+
+def _set_flag(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
+    """`args` with the value of the flag `names` replaced (appended if absent)."""
+    out, i = [], 0
+    while i < len(args):
+        key = args[i].split("=", 1)[0]
+        if key in names:
+            i += 1 if "=" in args[i] else 2
+            continue
+        out.append(args[i])
+        i += 1
+    return out + [names[0], value]
+
+
 def launch_train(argv: list[str]) -> int:
     from hybridpar.launcher import end_launch, outcome, start_launch, stop_on_permanent_failure
     from hybridpar.preflight import preflight, preflight_config
+    from hybridpar.topology.nodes import tp_node_problem
 
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
     argv = [a for a in argv if a != "--overwrite"]
@@ -117,21 +142,22 @@ def launch_train(argv: list[str]) -> int:
 
             if (moved := set_aside(Path(cfg.run_dir))) is not None:
                 print(f"hybridpar: the previous run in {cfg.run_dir} moved to {moved}")
-        # Several nodes: the run directory and its record live where rank 0 runs, not necessarily here, so
-        # this launcher neither holds nor reads them; rank 0 claims the directory as under plain torchrun.
-        claim = start_launch(cfg, overwrite) if nnodes == "1" else None
+        key = None
+        if nnodes != "1":
+            # Several nodes share one run directory (a filesystem every node mounts, checked by the workers
+            # at start, see train.own_run); each node's launcher holds it for the run named by the key.
+            key = _launch_key(theirs)
+            if nproc is not None and nproc.isdigit() and (why := tp_node_problem(cfg.parallel.tp, int(nproc))):
+                raise ValueError(why)
+        claim = start_launch(cfg, overwrite, key)
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
     for note in notes:
         print(note)
-    if claim is None:
-        return _run_agent(
-            theirs, ours, cfg, nproc, nnodes, lambda agent: ({"finished": 0, "signalled": 143}.get(agent, 1), None)
-        )
     watch = stop_on_permanent_failure(cfg, claim)
     try:
-        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda agent: outcome(cfg, claim))
+        return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda: outcome(cfg, claim))
     finally:
         watch.set()
         end_launch(claim)
@@ -143,14 +169,19 @@ def _run_agent(
     cfg: Config,
     nproc: str | None,
     nnodes: str,
-    outcome: Callable[[str], tuple[int, str | None]],
+    outcome: Callable[[], tuple[int, str | None]],
 ) -> int:
-    """Run torch's agent; `outcome(how the agent ended: finished, failed or signalled)` gives the exit
-    code and a line to print."""
+    """Run torch's agent; `outcome()` gives the exit code and a line to print, from what the workers
+    recorded."""
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
+    from hybridpar.topology.rendezvous import (
+        C10D_BACKEND,
+        LOOPBACK_BACKEND,
+        is_loopback_endpoint,
+        register_loopback_rendezvous,
+    )
 
     if nproc is None:
         theirs = ["--nproc-per-node", str(cfg.parallel.world_size)] + theirs
@@ -161,7 +192,17 @@ def _run_agent(
     os.environ.setdefault(
         "OMP_NUM_THREADS", str(max(1, (os.cpu_count() or 1) // int(nproc or cfg.parallel.world_size)))
     )
-    if nnodes == "1" and _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint") is None and "--standalone" not in theirs:
+    endpoint = _flag(theirs, "--rdzv-endpoint", "--rdzv_endpoint")
+    if _flag(theirs, "--rdzv-backend", "--rdzv_backend") == "c10d" and endpoint:
+        # torch's c10d with two changes (topology/rendezvous.py): the nodes agree on one id per
+        # rendezvous round (so a node that joins meets the survivors), and a loopback endpoint keeps
+        # every store on loopback (several agents on one machine standing in for nodes).
+        register_loopback_rendezvous()
+        loopback = is_loopback_endpoint(endpoint)
+        theirs = _set_flag(theirs, ("--rdzv-backend", "--rdzv_backend"), LOOPBACK_BACKEND if loopback else C10D_BACKEND)
+        if loopback and _flag(theirs, "--local-addr", "--local_addr") is None:
+            theirs += ["--local-addr", "127.0.0.1"]
+    if nnodes == "1" and endpoint is None and "--standalone" not in theirs:
         # Single machine: rendezvous and worker store listen on loopback only.
         register_loopback_rendezvous()
         theirs = [
@@ -180,7 +221,7 @@ def _run_agent(
         agent = "signalled"
     except Exception:  # ChildFailedError: torch already printed the failing rank's traceback
         agent = "failed"
-    code, line = outcome(agent)
+    code, line = outcome()
     if line:
         print(line, file=sys.stderr if code in (1, 2) else sys.stdout, flush=True)
     if agent == "signalled":

@@ -27,19 +27,26 @@ from hybridpar.preflight import checkpoint_dir
 from hybridpar.resilience import rundir
 
 
-def start_launch(cfg: Config, overwrite: bool = False) -> rundir.RunClaim:
+def start_launch(cfg: Config, overwrite: bool = False, node_key: str | None = None) -> rundir.RunClaim:
     """Claim `cfg.run_dir` for this launch (ValueError if another launch holds it or it holds another run)
-    and put the token into the environment that the workers inherit. End with `end_launch`."""
-    claim = rundir.claim(Path(cfg.run_dir), checkpoint_dir(cfg), cfg.checkpoint.resume, overwrite)
+    and put the token into the environment that the workers inherit. `node_key`: this launcher is one
+    node of a launch of several, named by the key (rundir.claim_node). End with `end_launch`."""
+    run_dir, ck_dir, resume = Path(cfg.run_dir), checkpoint_dir(cfg), cfg.checkpoint.resume
+    if node_key is None:
+        claim = rundir.claim(run_dir, ck_dir, resume, overwrite)
+    else:
+        claim = rundir.claim_node(run_dir, ck_dir, resume, overwrite, node_key)
     if claim.note:
         print(claim.note, flush=True)
     os.environ[rundir.TOKEN_ENV] = claim.token
+    os.environ[rundir.LAUNCHER_ENV] = str(os.getpid())
     return claim
 
 
 def end_launch(claim: rundir.RunClaim) -> None:
     if os.environ.get(rundir.TOKEN_ENV) == claim.token:
         del os.environ[rundir.TOKEN_ENV]
+        os.environ.pop(rundir.LAUNCHER_ENV, None)
     claim.release()
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import os
+import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -131,7 +132,38 @@ def own_run(cfg: Config, topo: Topology, held: list[rundir.RunClaim]) -> tuple[s
         return [c.run_id, c.token]
 
     run_id, tok = _on_rank0(topo, pick, ValueError)
+    if topo.nodes is not None and topo.nodes.n_nodes > 1:
+        shared_dirs_check(cfg, topo, run_id)
+        if topo.rank == 0:
+            print(f"hybridpar: {topo.nodes.describe(topo.dims)}", flush=True)
     return run_id, tok
+
+
+def shared_dirs_check(cfg: Config, topo: Topology, run_id: str) -> None:
+    """Collective, for runs of several nodes: every rank sees the run directory and the checkpoint
+    directory rank 0 sees. Checkpoints live on a filesystem every node mounts: each rank writes its own
+    shards into one directory and rank 0 commits them with a manifest of every file (checkpoint.py), which
+    only works if rank 0 can read them all; a node-local directory is refused here, before any step."""
+    ck_dir = checkpoint_dir(cfg)
+    probe = ck_dir / f".shared-{run_id}-{all_gather_json(secrets.token_hex(4), topo.device)[0]}"
+    if topo.rank == 0:
+        ck_dir.mkdir(parents=True, exist_ok=True)
+        probe.touch()
+    dist.barrier()
+    try:
+        rec = rundir.read_run(Path(cfg.run_dir))
+    except ValueError:
+        rec = None
+    mine = {"run": (rec or {}).get("run_id") == run_id, "ckpt": probe.exists(), "node": topo.nodes.node_of[topo.rank]}
+    seen = all_gather_json(mine, topo.device)
+    if topo.rank == 0:
+        probe.unlink()
+    blind = sorted({s["node"] for s in seen if not (s["run"] and s["ckpt"])})
+    if blind:
+        raise ValueError(
+            f"node(s) {blind} do not see run_dir={cfg.run_dir!r} or checkpoint.dir={str(ck_dir)!r} as node 0 "
+            f"does: a run of several nodes needs both on a filesystem every node mounts (NFS, Lustre, …)"
+        )
 
 
 def _train(
@@ -253,7 +285,8 @@ def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
     token = os.environ.get(rundir.TOKEN_ENV)
     run_dir = Path(cfg.run_dir)
     if token:  # started by our launcher, which holds the run directory
-        if not die_with_parent(rundir.lock_info(run_dir).get("pid")):
+        launcher = os.environ.get(rundir.LAUNCHER_ENV) or rundir.lock_info(run_dir).get("pid")
+        if not die_with_parent(int(launcher) if launcher else None):
             raise SystemExit("hybridpar: worker exits: its launcher is gone")
         rec = rundir.read_run(run_dir)
         if rec and rec.get("launch") == token and rec.get("state") == "failed" and rec.get("permanent"):

@@ -15,8 +15,14 @@ torchrun (no token), rank 0 takes the lock itself for the life of the worker.
 `run.json` also carries the run's state (running, finished, preempted, failed) written by the workers,
 from which the launcher derives its exit code (see `exit_code`), and marks a failure that would repeat on
 restart (configuration, data, shape: `permanent`), so restarted workers end at once instead of retrying.
-flock is advisory and per host: on a filesystem shared by several nodes it does not exclude another
-node (the run id check still refuses another run's checkpoints).
+Several nodes (`hybridpar train --nnodes N`, one launcher per node on one shared run directory): each
+launcher holds a *shared* flock instead, and the lock file names the run's launch key (torchrun's
+rendezvous backend, id and endpoint, the same on every node of one job; see `claim_node`). The first
+launcher claims the directory as above and writes the key; a launcher with the same key joins (same run
+id, same token), also after a node was lost and comes back; a launcher with another key, or a single-node
+launch, is refused while any node holds the directory. flock is advisory and, on some network
+filesystems, per host: there it does not exclude a launcher on another machine (the run id check still
+refuses another run's checkpoints), but it always does among launchers of one machine.
 """
 
 from __future__ import annotations
@@ -34,6 +40,7 @@ from typing import Any
 
 RUN_FILE, LOCK_FILE = "run.json", ".hybridpar.lock"
 TOKEN_ENV = "HYBRIDPAR_RUN_TOKEN"
+LAUNCHER_ENV = "HYBRIDPAR_LAUNCHER_PID"  # the launcher each worker must die with (its node's, see train.py)
 FORMAT = "hybridpar-run/1"
 # Exit codes of `hybridpar train` and what they mean to a scheduler (documented in the README).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 143
@@ -151,33 +158,45 @@ class RunClaim:
             self.fd = None
 
 
-def _lock(run_dir: Path, token: str) -> int:
+def _holder(fd: int) -> dict[str, Any]:
+    try:
+        holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
+    except (ValueError, UnicodeDecodeError):
+        return {}
+    return holder if isinstance(holder, dict) else {}
+
+
+def _in_use(run_dir: Path, holder: dict[str, Any]) -> ValueError:
+    nodes = " (a launch of several nodes)" if holder.get("key") else ""
+    return ValueError(
+        f"run_dir={str(run_dir)!r} is in use by another launch{nodes} (pid {holder.get('pid', '?')} on "
+        f"{holder.get('host', '?')}): wait for it to end, stop it, or choose another --run-dir"
+    )
+
+
+def _lock(run_dir: Path, token: str, key: str | None = None) -> int:
     path = run_dir / LOCK_FILE
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        try:
-            holder = json.loads(os.pread(fd, 4096, 0).decode() or "{}")
-        except (ValueError, UnicodeDecodeError):
-            holder = {}
+        holder = _holder(fd)
         os.close(fd)
-        raise ValueError(
-            f"run_dir={str(run_dir)!r} is in use by another launch (pid {holder.get('pid', '?')} on "
-            f"{holder.get('host', '?')}): wait for it to end, stop it, or choose another --run-dir"
-        ) from None
+        raise _in_use(run_dir, holder) from None
     os.ftruncate(fd, 0)
-    os.pwrite(fd, json.dumps({"pid": os.getpid(), "host": socket.gethostname(), "token": token}).encode(), 0)
+    info = {"pid": os.getpid(), "host": socket.gethostname(), "token": token, **({"key": key} if key else {})}
+    os.pwrite(fd, json.dumps(info).encode(), 0)
     return fd
 
 
-def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> RunClaim:
-    """Take `run_dir` for one launch (see the module docstring); ValueError if it is taken or holds another run."""
+def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool, key: str | None = None) -> RunClaim:
+    """Take `run_dir` for one launch (see the module docstring); ValueError if it is taken or holds another
+    run. `key`: the launch key of a run of several nodes, written into the lock for `claim_node`."""
     run_dir, ck_dir = Path(run_dir), Path(ck_dir)
     mode = plan_claim(run_dir, ck_dir, resume, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     token = secrets.token_hex(8)
-    fd = _lock(run_dir, token)
+    fd = _lock(run_dir, token, key)
     try:
         note = None
         if mode == "overwrite":
@@ -200,6 +219,72 @@ def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> RunClaim
         os.close(fd)
         raise
     return RunClaim(run_dir, run_id, token, fd, note)
+
+
+def claim_node(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool, key: str, wait_s: float = 30.0) -> RunClaim:
+    """Take `run_dir` for one node of a launch of several (module docstring): the first node with `key`
+    claims it as `claim` does, the others join that claim; another key or a single-node launch holding the
+    directory is a ValueError. Every node then holds the lock shared until it ends."""
+    run_dir = Path(run_dir)
+    deadline = time.monotonic() + wait_s
+    while True:
+        joined = _join(run_dir, key)
+        if isinstance(joined, RunClaim):
+            return joined
+        if joined is None:  # nobody holds the directory: claim it as the first node
+            try:
+                c = claim(run_dir, ck_dir, resume, overwrite, key)
+            except ValueError:
+                if time.monotonic() > deadline or not _held(run_dir):
+                    raise
+                continue  # another node claimed it first: join that claim
+            # On Linux a downgrade lets no other lock in between (fs/locks.c converts under one spinlock).
+            fcntl.flock(c.fd, fcntl.LOCK_SH)
+            return c
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"run_dir={str(run_dir)!r}: the first node did not finish claiming it in {wait_s:.0f} s")
+        time.sleep(0.1)  # the first node of this launch is still claiming
+
+
+def _held(run_dir: Path) -> bool:
+    try:
+        fd = os.open(run_dir / LOCK_FILE, os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        return False
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+
+
+def _join(run_dir: Path, key: str) -> RunClaim | str | None:
+    """Join the launch holding `run_dir` if it has launch key `key`: a RunClaim holding the lock shared;
+    None if nobody holds it; 'wait' if the first node of this launch is still claiming it."""
+    if not _held(run_dir):
+        # (A launch that ends between this probe and the lock below would leave a stale holder to join:
+        # that needs every node of it to exit within microseconds and a new launch with the same key.)
+        return None
+    fd = os.open(run_dir / LOCK_FILE, os.O_RDWR)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:  # held exclusively: a single-node launch, or the first node still claiming
+        holder = _holder(fd)
+        os.close(fd)
+        if holder.get("key") == key:
+            return "wait"
+        raise _in_use(run_dir, holder) from None
+    holder = _holder(fd)
+    try:
+        rec = read_run(run_dir) if holder.get("key") == key else None
+    except ValueError:
+        rec = None
+    if rec is None or rec.get("launch") != holder.get("token"):
+        os.close(fd)
+        raise _in_use(run_dir, holder)
+    return RunClaim(run_dir, rec["run_id"], holder["token"], fd)
 
 
 def set_aside(run_dir: Path) -> Path | None:
@@ -257,14 +342,13 @@ def lock_holder_ok(run_dir: Path, token: str) -> str | None:
         return f"{path} is gone ({e.strerror})"
     try:
         try:
-            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:  # held exclusively, as a live launcher holds it
-            held = json.loads(os.pread(fd, 4096, 0).decode() or "{}").get("token")
-            return None if held == token else "another launch now owns the run directory"
+            # Exclusive probe: it fails while any launcher holds the lock, exclusively (one node) or
+            # shared (the nodes of one run).
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return None if _holder(fd).get("token") == token else "another launch now owns the run directory"
         fcntl.flock(fd, fcntl.LOCK_UN)
         return "the launcher that started this worker is gone (its lock is released)"
-    except (ValueError, UnicodeDecodeError):
-        return f"{path} is damaged"
     finally:
         os.close(fd)
 

@@ -16,6 +16,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from hybridpar.topology.nodes import NodeMap
+from hybridpar.topology.rendezvous import worker_store_prefix
+
 # The parallel axes in rank order, slowest first. A new axis (a sharded-optimizer or context-parallel
 # one) is a field of ParallelDims plus its place here: coordinates, rank arithmetic, the DeviceMesh and
 # its groups all follow from this tuple.
@@ -103,7 +106,7 @@ def init_process_group(backend: str, timeout_s: float) -> None:
             is_master=False,
             timeout=timedelta(seconds=timeout_s),
         )
-        store = dist.PrefixStore(f"/hybridpar/attempt_{os.environ['TORCHELASTIC_RESTART_COUNT']}", agent)
+        store = dist.PrefixStore(worker_store_prefix(), agent)  # one prefix per rendezvous round
     if store is None:
         dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
     else:
@@ -129,6 +132,7 @@ class Topology:
     dp_rank: int = field(init=False)
     pp_rank: int = field(init=False)
     tp_rank: int = field(init=False)
+    nodes: NodeMap | None = None  # which ranks share a node (topology/nodes.py); None: not gathered
 
     def __post_init__(self) -> None:
         self.dp_rank, self.pp_rank, self.tp_rank = (self.dims.coord(self.rank, a) for a in ("dp", "pp", "tp"))
@@ -154,4 +158,7 @@ def build_topology(dp: int, pp: int, tp: int, backend: str = "auto", timeout_s: 
     for axis in AXES:
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(axis))
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
-    return Topology(dims=dims, rank=dist.get_rank(), mesh=mesh, device=device, backend=backend, timeout_s=timeout_s)
+    nodes = NodeMap.gather(device, dims)  # raises if tensor-parallel peers would span nodes
+    return Topology(
+        dims=dims, rank=dist.get_rank(), mesh=mesh, device=device, backend=backend, timeout_s=timeout_s, nodes=nodes
+    )

@@ -1,19 +1,36 @@
-"""Rendezvous that listens on loopback only.
+"""torchrun's c10d rendezvous, twice adapted: listening on loopback only, and agreeing on one attempt id
+per rendezvous round.
 
-torch's TCPStore server listens on every interface, and torchrun's c10d rendezvous creates two of them
-(the rendezvous store and the store shared with the workers). For single-machine runs we bind the
-listening socket ourselves to 127.0.0.1 and hand it to TCPStore (`master_listen_fd`), so nothing is
-reachable from the network unless the user passes a rendezvous endpoint of their own.
+Loopback: torch's TCPStore server listens on every interface, and torchrun's c10d rendezvous creates two
+of them (the rendezvous store and the store shared with the workers). For runs on one machine (one agent,
+or several agents standing in for nodes) we bind the listening socket ourselves to 127.0.0.1 and hand it
+to TCPStore (`master_listen_fd`); the first agent to bind the endpoint's port hosts the store, the others
+connect to it. Nothing is reachable from the network unless the user passes an endpoint of their own.
+
+Attempt id: the workers of one rendezvous round share the agent's worker store, which outlives the
+round, so each round's process group keys need a prefix of their own (topology/mesh.py). torch's
+TORCHELASTIC_RESTART_COUNT is counted per agent: after a node is lost and another joins, the survivor's
+workers are at restart 1 and the newcomer's at 0, and they would never meet. So the agents agree on a
+random id per round through the round's own store (rank 0 of the round writes it, every agent reads it)
+and hand it to their workers in `ATTEMPT_ENV`. `hybridpar train` uses these handlers for `--rdzv-backend
+c10d` (loopback for a loopback endpoint); plain torchrun reaches them as `--rdzv-backend
+hybridpar-loopback` or `hybridpar-c10d` (entry points, see pyproject.toml).
 """
 
 from __future__ import annotations
 
+import errno
+import os
+import secrets
 import socket
 from datetime import timedelta
 
 import torch.distributed as dist
 
 LOOPBACK_BACKEND = "hybridpar-loopback"
+C10D_BACKEND = "hybridpar-c10d"
+ATTEMPT_ENV = "HYBRIDPAR_RDZV_ATTEMPT"  # plumbing from agent to workers, like torch's own TORCHELASTIC_*
+LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 def loopback_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
@@ -43,34 +60,96 @@ def _port_of(fd: int) -> int:
         s.detach()
 
 
-def _create_loopback_handler(params):  # -> RendezvousHandler
-    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend
+def host_or_join_loopback(port: int, timeout_s: float) -> dist.TCPStore:
+    """The rendezvous store on 127.0.0.1:port: hosted here if the port is free, else (another agent on this
+    machine hosts it) a client of it."""
+    try:
+        return loopback_store(port, timeout_s)
+    except OSError as e:
+        if port == 0 or e.errno != errno.EADDRINUSE:
+            raise
+    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+
+
+def _each_round(handler, next_rendezvous):  # wraps DynamicRendezvousHandler.next_rendezvous
+    def wrapped():
+        # torch caches where the workers' store is (MASTER_ADDR/PORT) from the first round and rebuilds it
+        # only for a node that becomes rank 0; a node that was rank 0 and is no longer (a node joined
+        # and sorts first) would send its workers to its own old store. Rebuild it every round.
+        handler._bootstrap_store_info = None
+        info = next_rendezvous()
+        # The round's store is a PrefixStore of this round only: a key written here is never stale.
+        if info.rank == 0:
+            info.store.set("hybridpar/attempt", secrets.token_hex(6))
+        # The agent starts its workers next; they inherit its environment.
+        os.environ[ATTEMPT_ENV] = info.store.get("hybridpar/attempt").decode()
+        return info
+
+    return wrapped
+
+
+def _create_handler(params, loopback: bool):  # -> RendezvousHandler
+    from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
 
-    port = int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0
+    name = LOOPBACK_BACKEND if loopback else C10D_BACKEND
 
-    class _LoopbackBackend(C10dRendezvousBackend):
+    class _Backend(C10dRendezvousBackend):
         @property
-        def name(self) -> str:  # the handler checks that it matches --rdzv-backend
-            return LOOPBACK_BACKEND
+        def name(self) -> str:  # reported in torch's rendezvous events as --rdzv-backend
+            return name
 
-    store = loopback_store(port, float(params.get("read_timeout", 60)))
-    handler = create_handler(store, _LoopbackBackend(store, params.run_id), params)
-    # The handler also starts the store the workers share (MASTER_ADDR/PORT); bind that one to
-    # loopback too. `_create_tcp_store_server` is the (private) hook torch uses for it.
-    handler._create_tcp_store_server = lambda addr, port: loopback_store(port)
+    if loopback:
+        port = int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0
+        store = host_or_join_loopback(port, float(params.get("read_timeout", 60)))
+    else:
+        store = create_backend(params)[1]  # torch's own choice of host and client
+    handler = create_handler(store, _Backend(store, params.run_id), params)
+    if loopback:
+        # The handler also starts the store the workers share (MASTER_ADDR/PORT); bind that one to
+        # loopback too. `_create_tcp_store_server` is the (private) hook torch uses for it.
+        handler._create_tcp_store_server = lambda addr, port: loopback_store(port)
+    handler.next_rendezvous = _each_round(handler, handler.next_rendezvous)
     return handler
 
 
+def _create_loopback_handler(params):
+    return _create_handler(params, loopback=True)
+
+
+def _create_c10d_handler(params):
+    return _create_handler(params, loopback=False)
+
+
 def register_loopback_rendezvous() -> None:
-    """Make `--rdzv-backend hybridpar-loopback` available to torch.distributed.run in this process."""
+    """Make `--rdzv-backend hybridpar-loopback` and `hybridpar-c10d` available to torch.distributed.run in
+    this process."""
     from torch.distributed.elastic.rendezvous import rendezvous_handler_registry
 
-    try:
-        rendezvous_handler_registry.register(LOOPBACK_BACKEND, _create_loopback_handler)
-    except ValueError:
-        pass  # already registered in this process
+    for name, create in ((LOOPBACK_BACKEND, _create_loopback_handler), (C10D_BACKEND, _create_c10d_handler)):
+        try:
+            rendezvous_handler_registry.register(name, create)
+        except ValueError:
+            pass  # already registered in this process
+
+
+def is_loopback_endpoint(endpoint: str) -> bool:
+    """Whether a rendezvous endpoint (host[:port], [v6]:port) names this machine's loopback interface."""
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    return parse_rendezvous_endpoint(endpoint, default_port=0)[0] in LOOPBACK_HOSTS
+
+
+def worker_store_prefix() -> str:
+    """The prefix of this worker's process-group keys in the agent's store: the attempt id its agents
+    agreed on for this rendezvous round, or (a handler that does not agree on one, e.g. torch's own c10d)
+    the agent's restart count, which is the same on every node until nodes leave and join."""
+    return f"/hybridpar/attempt_{os.environ.get(ATTEMPT_ENV) or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
 
 
 def torchrun_handler():  # entry point "torchrun.handlers": plain `torchrun --rdzv-backend hybridpar-loopback`
     return _create_loopback_handler
+
+
+def torchrun_c10d_handler():  # entry point "torchrun.handlers": plain `torchrun --rdzv-backend hybridpar-c10d`
+    return _create_c10d_handler
