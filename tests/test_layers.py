@@ -17,7 +17,7 @@ LAYERS: list[set[str]] = [
     {"config"},  # typed configs and their validation: pure
     {"topology"},  # ranks, meshes, collectives, CPUs, rendezvous
     {"model", "data", "optim", "testing"},  # the parallel-agnostic model, the corpus, AdamW
-    {"pipeline", "grads"},  # schedules, runtime, p2p, gradient reductions
+    {"pipeline", "grads", "zero"},  # schedules, runtime, p2p, gradient reductions, the sharded optimizer
     {"batching", "balance", "resilience", "report"},  # microbatch policy, load balancing, recovery, records
     {"trainer", "export"},  # one training step over every dimension
     {"train", "preflight", "launcher"},  # a training run and its launch

@@ -72,7 +72,7 @@ def help_text() -> str:
         )
     ]
     for key, f in _known_keys(Config).items():
-        extra = f"; one of {', '.join(f.metadata['choices'])}" if "choices" in f.metadata else ""
+        extra = f"; one of {', '.join(map(str, f.metadata['choices']))}" if "choices" in f.metadata else ""
         rows.append(
             (
                 key.rpartition(".")[0] or None,

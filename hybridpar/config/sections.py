@@ -109,6 +109,12 @@ class ParallelConfig:
         "(x86-64 Linux), else the process group (gloo/NCCL)",
         choices=("auto", "process_group", "shared_memory"),
     )
+    zero: int = _f(
+        0,
+        "ZeRO stage over the data-parallel axis: 0 = every replica holds the whole optimizer state; "
+        "1 = each dp rank holds the AdamW state of 1/dp of every parameter",
+        choices=(0, 1),
+    )
     cpu_bind: str = _f(
         "none",
         "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "

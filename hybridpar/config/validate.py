@@ -130,7 +130,9 @@ def _check_choices(cfg: Config) -> None:
     for key, f in _known_keys(type(cfg)).items():
         choices = f.metadata.get("choices", ())
         if choices and (v := getattr(*_owner(cfg, key))) not in choices:
-            raise ValueError(f"{key}={v!r} is not one of {', '.join(choices)}{_suggest(str(v), choices)}")
+            raise ValueError(
+                f"{key}={v!r} is not one of {', '.join(map(str, choices))}{_suggest(str(v), tuple(map(str, choices)))}"
+            )
     p = cfg.parallel
     _require(
         not (p.p2p == "shared_memory" and p.backend == "nccl"),

@@ -26,7 +26,7 @@ import secrets
 import shutil
 import warnings
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
@@ -39,6 +39,7 @@ from hybridpar.model.stage import Stage
 from hybridpar.resilience import safe_dcp
 from hybridpar.resilience.rundir import checkpoint_run_id
 from hybridpar.topology.mesh import Topology
+from hybridpar.zero import ShardedAdamW, full_optimizer_state
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
 FORMAT = "hybridpar-checkpoint/1"
@@ -181,9 +182,10 @@ def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
 
 
 def _tensors(
-    stages: dict[int, Stage], opt: torch.optim.Optimizer, tied_copy: bool
+    stages: dict[int, Stage], opt_state: Mapping[torch.Tensor, dict[str, torch.Tensor]], tied_copy: bool
 ) -> Iterator[tuple[str, torch.Tensor, int | None]]:
-    """(key, local tensor, tp_dim or None) for parameters and their optimizer state on this rank."""
+    """(key, local tensor, tp_dim or None) for parameters and their whole optimizer state on this rank
+    (`opt_state`: by parameter, as zero.full_optimizer_state gives it)."""
     for stage in stages.values():
         for name, p in stage.named_parameters():
             if stage.holds_tied_copy and stage.stored_name(name) != name:
@@ -192,7 +194,7 @@ def _tensors(
                 name = stage.stored_name(name)  # the same weight and optimizer state as the first stage's embedding
             dim = getattr(p, "tp_dim", None)
             yield name, p.detach(), dim
-            state = opt.state[p]
+            state = opt_state[p]
             assert state, f"{name} has no optimizer state: checkpoints are taken after a step"
             for k in sorted(state):
                 t = state[k]
@@ -205,18 +207,24 @@ def _for_dcp(t: torch.Tensor, dim: int | None, topo: Topology) -> torch.Tensor:
     return DTensor.from_local(t, topo.mesh["tp"], [Shard(dim)], run_check=False)
 
 
-def _ensure_adam_state(opt: torch.optim.Optimizer) -> None:
-    """Create AdamW's state as its first step would (torch/optim/adam.py `_init_group`), without stepping."""
+def _fresh_adam_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
+    """AdamW's state of `p` as its first step would create it (torch/optim/adam.py `_init_group`)."""
     scalar = torch.float64 if torch.get_default_dtype() == torch.float64 else torch.float32
+    fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
+    step = torch.zeros((), dtype=torch.float32 if fused else scalar, device=p.device if on_device else "cpu")
+    moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
+    return {"step": step, **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments}}
+
+
+def _state_to_load(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    """Whole-parameter AdamW state to load a checkpoint into: the optimizer's own (created where a step
+    has not yet), or under ZeRO-1 fresh whole tensors of which each rank then keeps its slice."""
+    if isinstance(opt, ShardedAdamW):
+        return {p: _fresh_adam_state(opt.param_groups[0], p) for p in opt.full}
     for group in opt.param_groups:
         for p in (p for p in group["params"] if not opt.state[p]):
-            fused, on_device = group.get("fused"), group.get("capturable") or group.get("fused")
-            step = torch.zeros((), dtype=torch.float32 if fused else scalar, device=p.device if on_device else "cpu")
-            moments = ["exp_avg", "exp_avg_sq"] + (["max_exp_avg_sq"] if group.get("amsgrad") else [])
-            opt.state[p] = {
-                "step": step,
-                **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments},
-            }
+            opt.state[p] = _fresh_adam_state(group, p)
+    return opt.state
 
 
 def _broadcast_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> Any:
@@ -266,14 +274,15 @@ def save_checkpoint(
     `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
     ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
     why this run no longer owns its directory, or None: a refusal leaves the commit undone."""
-    state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, opt, tied_copy=False)}
+    state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, full_optimizer_state(opt), tied_copy=False)}
     return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
 
 
 def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int | None]]:
     """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input;
     `as_dcp_state` turns it into DCP's state dict, off the training thread)."""
-    return [(k, t.detach().clone(), dim) for k, t, dim in _tensors(stages, opt, tied_copy=False)]
+    whole = full_optimizer_state(opt)
+    return [(k, t.detach().clone(), dim) for k, t, dim in _tensors(stages, whole, tied_copy=False)]
 
 
 def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, int | None]]) -> dict[str, torch.Tensor]:
@@ -360,10 +369,10 @@ def load_checkpoint(
     # with a default spelled out, still holds the same model.
     if diff := ModelConfig(**model_cfg).differences(state.get("config", {}).get("model", {})):
         raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
-    _ensure_adam_state(opt)
+    whole = _state_to_load(opt)
     targets: dict[str, list[torch.Tensor]] = {}
     bufs: dict[str, torch.Tensor] = {}
-    for key, t, dim in _tensors(stages, opt, tied_copy=True):
+    for key, t, dim in _tensors(stages, whole, tied_copy=True):
         if key not in bufs:
             bufs[key] = _for_dcp(torch.empty_like(t), dim, topo)
         targets.setdefault(key, []).append(t)
@@ -373,6 +382,8 @@ def load_checkpoint(
             src = bufs[key].to_local() if isinstance(bufs[key], DTensor) else bufs[key]
             for t in dests:
                 t.copy_(src)
+    if isinstance(opt, ShardedAdamW):
+        opt.load_full_state(whole)
     return state
 
 

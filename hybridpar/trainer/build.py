@@ -4,7 +4,8 @@
   placement, the point-to-point links and the pipeline runtime that runs the action lists.
 - `build_data_parallel`: dp — how this rank's gradients meet their replicas' (bucketed all-reduce
   over dp, or over the dp x pp plane once the balancer gave replicas different partitions).
-- `build_optimizer`: AdamW over the stages' parameters, carrying state over when the stages change.
+- `build_optimizer`: AdamW over the stages' parameters (ZeRO-1: each dp rank steps its slice,
+  hybridpar/zero.py), carrying state over when the stages change.
 
 The trainer (trainer/step.py) builds them once and rebuilds the last two when the load balancer moves
 layers; nothing here knows about steps, balancing or probes.
@@ -20,7 +21,7 @@ import torch.distributed as dist
 from hybridpar.balance.layer_cost import attach_layer_cost
 from hybridpar.balance.live import plane_groups
 from hybridpar.balance.plan import Layout
-from hybridpar.config import Config, TrainConfig
+from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.grads import DataParallelGrads, PlaneGrads
 from hybridpar.model.registry import build_stage, param_counts
@@ -31,6 +32,7 @@ from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime
 from hybridpar.topology.mesh import Topology
+from hybridpar.zero import ShardedAdamW
 
 
 def layer_partition(cfg: Config) -> list[range]:
@@ -96,13 +98,23 @@ def build_data_parallel(
 
 
 def build_optimizer(
-    mp: ModelParallel, t: TrainConfig, carry: dict[torch.Tensor, dict] | None = None
+    cfg: Config,
+    topo: Topology,
+    mp: ModelParallel,
+    layout: Layout,
+    carry: dict[torch.Tensor, dict] | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over `mp`'s parameters; `carry` (an earlier optimizer's state by parameter) is kept for
-    the parameters it has — layers that moved here arrive with their state already in it."""
-    named = mp.parameters()
+    """AdamW over `mp`'s parameters, its state sharded over dp under `parallel.zero=1` while the replicas
+    share one partition (with per-replica partitions a layer's replicas sit on different pipeline ranks,
+    so each rank keeps whole state until the layout is shared again). `carry` (whole state by parameter,
+    as `full_optimizer_state` gives) is kept for the parameters it has — layers that moved here arrive
+    with their state already in it."""
+    named, t = mp.parameters(), cfg.train
+    if cfg.parallel.zero == 1 and layout.shared_partition:
+        return ShardedAdamW(named, t, topo, carry)
     opt = make_optimizer(named, t)
     if carry is not None:
         for _, q in named:
-            opt.state[q] = carry[q]
+            if q in carry:
+                opt.state[q] = carry[q]
     return opt

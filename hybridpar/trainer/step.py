@@ -32,12 +32,8 @@ from hybridpar.optim import lr_at, set_lr
 from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule
 from hybridpar.topology.mesh import Topology
-from hybridpar.trainer.build import (
-    build_data_parallel,
-    build_model_parallel,
-    build_optimizer,
-    layer_partition,
-)
+from hybridpar.trainer.build import build_data_parallel, build_model_parallel, build_optimizer, layer_partition
+from hybridpar.zero import full_optimizer_state
 
 # Attaches hooks to a trainer's current pieces and returns the function that detaches them.
 Attachment = Callable[["Trainer"], Callable[[], None]]
@@ -64,7 +60,7 @@ class Trainer:
         # Every replica's partition and share of the batch; changed only by the load balancer's decisions.
         self.layout = Layout.uniform(self.parts, [sum(s) for s in self.plan.sizes])
         self.dp = build_data_parallel(cfg, topo, self.mp.stages, self.layout)
-        self.opt = build_optimizer(self.mp, t)
+        self.opt = build_optimizer(cfg, topo, self.mp, self.layout)
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
         self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
         self.oom_retries = 0  # steps redone after running out of memory, over the run
@@ -212,24 +208,25 @@ class Trainer:
     def apply_layout(self, layout: Layout) -> dict:
         """Adopt a new layout (collective): move layers with their optimizer state between this replica's
         pipeline ranks, rebuild the data-parallel and optimizer bundles, re-attach hooks, re-split the batch."""
-        topo, p, t = self.topo, self.cfg.parallel, self.cfg.train
+        topo, p = self.topo, self.cfg.parallel
         old, d, s = self.layout, topo.dp_rank, topo.pp_rank
         info: dict = {}
         if layout.parts != old.parts:
             self.dp.grads.close()
+            whole = full_optimizer_state(self.opt)  # moves carry whole state (gathered under ZeRO-1)
             tp_group = topo.group("tp") if p.tp > 1 else None
             stats = move_layers(
                 topo,
                 self.stages[s],
                 s,
-                self.opt.state,
+                whole,
                 old.parts[d],
                 layout.parts[d],
                 default_layer_builder(self.stages[s], tp_group, topo.device),
                 topo.pp_peer,
             )
             info = stats.to_dict()
-            self.opt = build_optimizer(self.mp, t, carry=self.opt.state)
+            self.opt = build_optimizer(self.cfg, topo, self.mp, layout, carry=whole)
             self.dp = build_data_parallel(self.cfg, topo, self.stages, layout, self.dp.plane)
             self._reattach()
         self.layout, self.parts = layout, list(layout.parts[d])

@@ -1,0 +1,172 @@
+"""ZeRO-1 over the data-parallel axis (`--parallel.zero 1`): each dp rank keeps the AdamW state of 1/dp
+of every parameter it holds, steps that slice, and the ranks all-gather the updated slices.
+
+Slicing: a parameter is cut along one dimension into dp chunks with torch.chunk's rule (ceil-sized
+chunks, the last ones smaller or empty), along its first dimension that tensor parallelism does not
+shard — so a slice of a tp shard is a block of rows or columns, and its optimizer state is the same
+block of the full AdamW state. A parameter whose only dimension is tp-sharded (a column-parallel bias)
+keeps its whole state on every dp rank: it is a few hundred numbers.
+
+Each slice is stepped by plain `torch.optim.AdamW` on a contiguous copy, with the decay group of the
+parameter it comes from: AdamW is elementwise, so the slices together take the very step the whole
+parameter would. Gradients arrive already summed over dp (grads.py, bucketed and overlapped with the
+backward as without ZeRO), so the gradient clip and the tied-embedding sum see whole gradients; this
+costs an all-gather of parameters per step on top of today's all-reduce, where a reduce-scatter would
+save half of the reduction (the next step, measured first).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Iterable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from hybridpar.config import TrainConfig
+from hybridpar.optim import lr_at, param_groups
+from hybridpar.topology.mesh import Topology
+
+
+@dataclass(frozen=True)
+class Slice:
+    dim: int | None  # None: not sliced (every dp rank holds the whole state)
+    offsets: tuple[int, ...]  # start of each dp rank's chunk along `dim`
+    sizes: tuple[int, ...]  # length of each dp rank's chunk (0: empty)
+
+
+def slice_of(shape: torch.Size, tp_dim: int | None, dp: int) -> Slice:
+    """How one parameter (its tp-local shape) is cut among dp ranks: torch.chunk's rule along the first
+    dimension that tensor parallelism does not shard."""
+    free = [d for d in range(len(shape)) if d != tp_dim]
+    if dp == 1 or not free:
+        return Slice(None, (0,) * dp, (0,) * dp)
+    dim = free[0]
+    n = shape[dim]
+    chunk = -(-n // dp)
+    offsets = tuple(min(n, r * chunk) for r in range(dp))
+    sizes = tuple(min(n, o + chunk) - o for o in offsets)
+    return Slice(dim, offsets, sizes)
+
+
+def _part(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
+    return p if s.dim is None else p.narrow(s.dim, s.offsets[r], s.sizes[r])
+
+
+class ShardedAdamW(torch.optim.AdamW):
+    """AdamW over this dp rank's slices of `named` (stage-qualified name, parameter); `step()` copies
+    the gradients' slices in, steps, and all-gathers the parameters over dp (collective)."""
+
+    def __init__(
+        self,
+        named: Iterable[tuple[str, nn.Parameter]],
+        t: TrainConfig,
+        topo: Topology,
+        carry: dict[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+    ) -> None:
+        self.topo, self.dp, self.r = topo, topo.dims.dp, topo.dp_rank
+        self.group = topo.group("dp") if self.dp > 1 else None
+        self.full: list[nn.Parameter] = []  # the model's parameters, in order
+        self.slices: list[Slice] = []
+        self.shadows: list[nn.Parameter] = []  # this rank's slice of each, stepped by AdamW
+        for name, p in named:
+            s = slice_of(p.shape, getattr(p, "tp_dim", None), self.dp)
+            self.full.append(p)
+            self.slices.append(s)
+            # Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group.
+            self.shadows.append(nn.Parameter(_part(p.detach(), s, self.r).clone()))
+        groups = param_groups([(f"{i}", q) for i, q in enumerate(self.shadows)], t.weight_decay)
+        super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
+        if carry is not None:
+            self.load_full_state(carry)
+
+    def step(self, closure: Any = None) -> Any:
+        with torch.no_grad():
+            for p, s, q in zip(self.full, self.slices, self.shadows):
+                # From the parameter each step: whatever wrote it since (a checkpoint load) is stepped on.
+                q.copy_(_part(p, s, self.r))
+                q.grad = None if p.grad is None else _part(p.grad, s, self.r).contiguous()
+        out = super().step(closure)
+        self._gather()
+        return out
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        super().zero_grad(set_to_none)
+        for p in self.full:
+            p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+
+    @torch.no_grad()
+    def _gather(self) -> None:
+        """Every rank's updated slices into every rank's parameters: one flat all-gather, each rank's
+        segment padded to the longest."""
+        for p, s, q in zip(self.full, self.slices, self.shadows):
+            if s.dim is None:
+                p.copy_(q)
+        if self.group is None:
+            return
+        sliced = [(p, s) for p, s in zip(self.full, self.slices) if s.dim is not None]
+        seg = [sum(_part(p, s, r).numel() for p, s in sliced) for r in range(self.dp)]
+        width = max(seg)
+        mine = torch.zeros(width, dtype=self.full[0].dtype, device=self.full[0].device)
+        flat = torch.cat([q.reshape(-1) for q, s in zip(self.shadows, self.slices) if s.dim is not None])
+        mine[: flat.numel()] = flat
+        outs = [torch.empty_like(mine) for _ in range(self.dp)]
+        dist.all_gather(outs, mine, group=self.group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
+        for r, buf in enumerate(outs):
+            at = 0
+            for p, s in sliced:
+                part = _part(p, s, r)
+                part.copy_(buf[at : at + part.numel()].view(part.shape))
+                at += part.numel()
+
+    def state_bytes(self) -> int:
+        """Bytes of optimizer state this rank holds, counted from its tensors."""
+        return sum(
+            v.numel() * v.element_size() for st in self.state.values() for v in st.values() if torch.is_tensor(v)
+        )
+
+    @torch.no_grad()
+    def gather_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Collective over dp: the whole AdamW state of every parameter, keyed by the model's parameter
+        (for checkpoints and layer moves, which work on whole parameters)."""
+        out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
+        for p, s, q in zip(self.full, self.slices, self.shadows):
+            st = self.state[q]
+            full: dict[str, torch.Tensor] = {}
+            for k in sorted(st):
+                v = st[k]
+                if s.dim is None or v.shape != q.shape:
+                    full[k] = v.clone()  # whole already (or the step counter, the same on every rank)
+                    continue
+                whole = torch.empty(p.shape, dtype=v.dtype, device=v.device)
+                self._gather_one(whole, v, s)
+                full[k] = whole
+            out[p] = full
+        return out
+
+    def _gather_one(self, whole: torch.Tensor, mine: torch.Tensor, s: Slice) -> None:
+        width = max(s.sizes) * (whole.numel() // whole.shape[s.dim])
+        pad = torch.zeros(width, dtype=mine.dtype, device=mine.device)
+        pad[: mine.numel()] = mine.reshape(-1)
+        outs = [torch.empty_like(pad) for _ in range(self.dp)]
+        dist.all_gather(outs, pad, group=self.group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
+        for r, buf in enumerate(outs):
+            part = _part(whole, s, r)
+            part.copy_(buf[: part.numel()].view(part.shape))
+
+    @torch.no_grad()
+    def load_full_state(self, full: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
+        """Keep this rank's slice of each parameter's whole state (no communication)."""
+        for p, s, q in zip(self.full, self.slices, self.shadows):
+            if not full.get(p):
+                continue
+            self.state[q] = {
+                k: (_part(v, s, self.r).clone() if v.shape == p.shape else v.clone()) for k, v in full[p].items()
+            }
+
+
+def full_optimizer_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+    """Whole AdamW state by parameter (collective over dp under ZeRO-1: the slices are gathered)."""
+    return opt.gather_state() if isinstance(opt, ShardedAdamW) else opt.state

@@ -1,0 +1,138 @@
+"""ZeRO-1 (`--parallel.zero 1`): each dp rank holds the AdamW state of 1/dp of every parameter and the
+run still trains the one-device model — every layout with dp > 1 (replicas of 6 and 5 samples), tied
+embeddings, a live re-partition, and checkpoints resumed at another dp (and back)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from hybridpar.config import Config
+from hybridpar.testing import run_ranks
+from hybridpar.zero import slice_of
+from tests.test_equivalence import TOL, check_fp64, check_layouts, grid_config, ref_for, tiny_config
+
+
+def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
+    s = slice_of(torch.Size([10, 6]), None, 3)
+    assert (s.dim, s.offsets, s.sizes) == (0, (0, 4, 8), (4, 4, 2))  # torch.chunk: 4, 4, 2
+    assert [len(c) for c in torch.arange(10).chunk(3)] == list(s.sizes)
+    s = slice_of(torch.Size([8, 6]), 0, 2)  # rows are the tp shard: cut the columns
+    assert (s.dim, s.sizes) == (1, (3, 3))
+    s = slice_of(torch.Size([3]), None, 4)  # fewer rows than ranks: the last is empty
+    assert s.sizes == (1, 1, 1, 0)
+    assert slice_of(torch.Size([8]), 0, 2).dim is None  # a column-parallel bias keeps its whole state
+    assert slice_of(torch.Size([8, 8]), None, 1).dim is None
+
+
+ZERO = dict(zero=1)
+
+
+@pytest.mark.multiprocess
+def test_zero1_layouts_match_single_device(tmp_path: Path) -> None:
+    """World 4: pp2 x dp2 under every schedule, tp2 x dp2 with tied embeddings. Global batch 11: the
+    replicas hold 6 and 5 samples."""
+    cfgs = [grid_config(2, s, v, parallel=dict(tp=1, pp=2, dp=2, **ZERO)) for s, v in (("1f1b", 1), ("zb-v", 2))]
+    cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, **ZERO)))
+    check_layouts(cfgs, tmp_path, fp64=True)
+
+
+def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.trainer import Trainer
+
+    out = []
+    for d in cfg_dicts:
+        cfg = Config.from_dict(d)
+        p = cfg.parallel
+        tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60.0))
+        tr.step(0)
+        out.append(sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values()))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_zero1_holds_a_dp_th_of_the_optimizer_state() -> None:
+    """Bytes of the tensors in each rank's optimizer state: total / dp within 2%."""
+    base = tiny_config(parallel=dict(tp=1, pp=1, dp=4), train=dict(global_batch=16))
+    zero = tiny_config(parallel=dict(tp=1, pp=1, dp=4, **ZERO), train=dict(global_batch=16))
+    ranks = run_ranks(_bytes_worker, 4, [base.to_dict(), zero.to_dict()], timeout_s=240)
+    total = ranks[0][0]
+    assert all(r[0] == total for r in ranks)  # without ZeRO every replica holds all of it
+    for r in ranks:
+        assert abs(r[1] - total / 4) <= 0.02 * total / 4, (r[1], total / 4)
+
+
+def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
+    from hybridpar.train import train
+
+    cfg = Config.from_dict(cfg_d)
+    cfg.run_dir = run_dir
+    res = train(cfg, log=False)
+    if res.state is not None:
+        torch.save(res.state, Path(run_dir).with_name("state.pt"))
+    return {"losses": res.losses, "start": res.start_step, "preempted": res.preempted_at}
+
+
+@pytest.mark.multiprocess
+def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None:
+    """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-1) to step 3, at dp=1 to step 4,
+    and at dp=2 (ZeRO-1) to the end: the one-device model. DCP re-cuts the whole-parameter state."""
+    steps = 5
+    run = str(tmp_path / "run")
+    legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 1, "rank=3:term@step=2:phase=forward")]
+    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "")]
+    losses: dict[int, float] = {}
+    for i, (dp, zero, fault) in enumerate(legs):
+        cfg = tiny_config(
+            parallel=dict(tp=1, pp=1, dp=dp, zero=zero),
+            train=dict(steps=steps, microbatches=2),  # dp=4: replicas of 3, 3, 3 and 2 samples
+            checkpoint=dict(every=steps, resume="auto" if i else "off"),
+            emulate=dict(fault=fault),
+        )
+        out = run_ranks(_stage_worker, dp, cfg.to_dict(), run, timeout_s=240)[0]
+        assert out["start"] == (0, 2, 3, 4)[i] and out["preempted"] == (2, 3, 4, None)[i], out
+        losses.update({out["start"] + k: v for k, v in enumerate(out["losses"])})
+    ref = tiny_config(train=dict(steps=steps, microbatches=2))
+    ref_losses, _, ref_state = ref_for(ref)
+    assert max(abs(losses[s] - ref_losses[s]) for s in range(steps)) <= TOL
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    for name, t in ref_state.items():
+        assert (state[name] - t).abs().max().item() <= TOL, name
+    check_fp64("dp 2 -> 4 -> 1 -> 2 under ZeRO-1", state, ref)
+
+
+def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:
+    from hybridpar.train import train
+
+    cfg = Config.from_dict(cfg_d)
+    cfg.run_dir = str(Path(out) / "run")
+    res = train(cfg, log=False)
+    if res.state is not None:
+        torch.save(res.state, Path(out) / "state.pt")
+    return res.losses
+
+
+@pytest.mark.multiprocess
+def test_zero1_live_rebalance_is_exact(tmp_path: Path) -> None:
+    """pp2 x dp2 under ZeRO-1, rank 1 three times slower: layers move with their (gathered) optimizer
+    state, and the optimizer is re-cut for the new stages."""
+    steps = 12
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", **ZERO),
+        train=dict(steps=steps, val_every=steps, monitor_every=0),
+        emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+    )
+    losses = run_ranks(_rebalance_worker, 4, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    moves = [e for r in rows for e in r.get("balance", []) if e["event"] == "rebalance" and e["applied"]]
+    assert moves and moves[0]["move"], rows
+    ref_losses, _, ref_state = ref_for(cfg)
+    assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    state = torch.load(tmp_path / "state.pt", weights_only=True)
+    for name, ref in ref_state.items():
+        assert (state[name] - ref).abs().max().item() <= TOL, name
