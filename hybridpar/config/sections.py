@@ -159,7 +159,16 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = _f(None, "text file, folder of text files or nanoGPT uint16 .bin (none = stdlib .py files)")
+    path: str | None = _f(
+        None,
+        "text file, folder of text files, token file of `hybridpar data prepare` (.bin with its .json) or "
+        "nanoGPT uint16 .bin (none = stdlib .py files)",
+    )
+    tokenizer: str | None = _f(
+        None,
+        "tokenizer directory (tokenizer.json, e.g. from `hybridpar data train-tokenizer`); data.path is then a "
+        "token file prepared with it, and final/ carries it (none = bytes)",
+    )
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
     max_bytes: int = _f(16_000_000, "cap on corpus bytes read")
 

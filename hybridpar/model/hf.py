@@ -1,6 +1,6 @@
 """Reading tensors for a (possibly tensor-parallel) stage: from Hugging Face `*.safetensors` files
 (each rank opens them lazily with `safe_open` and reads only its stage's tensors, and of a sharded one
-only its slice) or from a full state dict in memory (hybridpar's final_model.pt or a checkpoint).
+only its slice) or from a full state dict in memory (a checkpoint's, or a gathered model's).
 
 Both are `TensorSource`s: `read(name, index)` returns `tensor[index]` without reading the rest. The
 family decides which parts of which file tensors make one of its parameters (model/registry.py,

@@ -19,8 +19,8 @@ def prepare(argv: list[str]) -> tuple[ServeConfig, "object", str]:
     from hybridpar.serve.worker import resolve_source
 
     cfg, model = parse_serve_args(argv)
-    # `model` (the training defaults plus any --model.* flags) is used only by sources without a config
-    # of their own; a final_model.pt of another shape fails at load with the tensor and both shapes named.
+    # `model` (the training defaults plus any --model.* flags) is used by init:SEED only: every other
+    # source carries its shape (config.json, or a checkpoint's trainer_state.json).
     source, model_cfg = resolve_source(cfg.source, model)
     cfg.validate(model_cfg)
     return cfg, model_cfg, source
