@@ -25,7 +25,7 @@ from hybridpar.model.hf import StateSource
 from hybridpar.model.registry import empty_stage, load_stage_
 from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
-from hybridpar.preflight import checkpoint_dir, preflight
+from hybridpar.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.report.log import run_log
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
@@ -145,6 +145,7 @@ def _train(
     sessions: list[Session],
     held: list[rundir.RunClaim],
 ) -> TrainResult:
+    resolve_init_from(cfg)  # (train() called directly, without the pre-flight)
     p = cfg.parallel
     if topo is None:
         topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)

@@ -26,7 +26,8 @@ from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
 from hybridpar.grads import DataParallelGrads, PlaneGrads, clip_grad_norm, sync_tied_embeddings
-from hybridpar.model.registry import build_stage, param_counts
+from hybridpar.model.hf import SafetensorsDir
+from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
 from hybridpar.model.stage import Stage
 from hybridpar.optim import lr_at, make_optimizer, set_lr
 from hybridpar.pipeline.memory import ActivationMeter
@@ -62,16 +63,16 @@ class Trainer:
         self.stages: dict[int, Stage] = {}
         # Pipeline rank of each stage: the schedule's placement (s % pp, or ZB-V's V).
         self.stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+        tp_group = topo.group("tp") if p.tp > 1 else None
+        # model.init_from: each rank reads only its stages' tensors, and of those only its tp slices.
+        hf = SafetensorsDir(cfg.model.init_from) if cfg.model.init_from else None
         for s in (s for s, r in enumerate(self.stage_ranks) if r == topo.pp_rank):
-            self.stages[s] = build_stage(
-                cfg.model,
-                self.parts[s],
-                s == 0,
-                s == self.n_stages - 1,
-                t.seed,
-                topo.device,
-                topo.group("tp") if p.tp > 1 else None,
-            )
+            first, last = s == 0, s == self.n_stages - 1
+            if hf is None:
+                self.stages[s] = build_stage(cfg.model, self.parts[s], first, last, t.seed, topo.device, tp_group)
+            else:
+                self.stages[s] = empty_stage(cfg.model, self.parts[s], first, last, topo.device, tp_group)
+                load_stage_(self.stages[s], hf, True, topo.tp_rank, p.tp)
             attach_layer_cost(self.stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in

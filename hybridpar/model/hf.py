@@ -51,7 +51,12 @@ class SafetensorsDir:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{self.path} holds no *.safetensors file")
-        self._open = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
+        self._open = {}
+        for f in files:
+            try:
+                self._open[f] = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # SafetensorError: truncated or not a safetensors file at all
+                raise ValueError(f"{f} cannot be read as safetensors ({e}): a truncated or damaged file?") from None
         self.where = {k: f for f, h in self._open.items() for k in h.keys()}
 
     def _slice(self, name: str) -> Any:  # safetensors' PySafeSlice
