@@ -22,6 +22,7 @@ torch.distributed.run.
 
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar export SOURCE --out DIR [--step N]     (a run, checkpoint or step as a Hugging Face directory)
+       hybridpar data train-tokenizer|prepare [--help]  (a byte-level BPE tokenizer; a corpus as token files)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
@@ -257,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         return serve_main(rest)
     if cmd == "export":
         return export_main(rest)
+    if cmd == "data":
+        from hybridpar.prepare import main as data_main
+
+        return data_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 

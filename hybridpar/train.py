@@ -33,6 +33,7 @@ from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.rundir import write_text_atomic
 from hybridpar.resilience.session import Session
+from hybridpar.tokenizer import Tokenizer
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent
@@ -270,7 +271,10 @@ def _steps(
         if log and t.sample_tokens:  # (a test's quiet run skips the generation's cost)
             model = empty_stage(cfg.model, range(cfg.model.n_layers), True, True, torch.device("cpu"))
             load_stage_(model, StateSource(state), hf_layout=False)
-            text = decode(generate(model, encode(t.sample_prompt), t.sample_tokens, seed=t.seed))
+            tok = Tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+            prompt = tok.encode(t.sample_prompt) if tok else encode(t.sample_prompt)
+            out = generate(model, prompt, t.sample_tokens, seed=t.seed)
+            text = tok.decode(out) if tok else decode(out)
             logger.info(f"\n--- sample from the trained model ---\n{t.sample_prompt}{text}\n---")
     return res
 

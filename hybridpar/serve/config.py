@@ -27,6 +27,11 @@ class ServeConfig:
         "final/), a hybridpar run dir (its newest model) or checkpoint dir, or init:SEED (random init)",
     )
     model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
+    tokenizer: str = _f(
+        "",
+        "tokenizer directory (tokenizer.json) for text prompts and answers; empty = the model's own (its "
+        "directory's, or its training run's data.tokenizer), else UTF-8 bytes for a 256-id model",
+    )
     tp: int = _f(1, "tensor-parallel degree of each replica")
     pp: int = _f(1, "pipeline stages of each replica")
     dp: int = _f(1, "replicas")

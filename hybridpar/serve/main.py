@@ -26,6 +26,28 @@ def prepare(argv: list[str]) -> tuple[ServeConfig, "object", str]:
     return cfg, model_cfg, source
 
 
+def tokenizer_for(cfg: ServeConfig, model: "object", source: str) -> "object | None":
+    """The tokenizer to serve with: --tokenizer, else the source's own (a model directory's
+    tokenizer.json, a checkpoint's data.tokenizer), else None. ValueError if its ids do not fit the model."""
+    import json
+    from pathlib import Path
+
+    from hybridpar.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    path = cfg.tokenizer or None
+    src = Path(source)
+    if path is None and (src / TOKENIZER_FILE).is_file():
+        path = str(src)
+    elif path is None and (src / "trainer_state.json").is_file():
+        path = json.loads((src / "trainer_state.json").read_text(encoding="utf-8"))["config"]["data"].get("tokenizer")
+    if path is None:
+        return None
+    tok = Tokenizer(path)
+    if tok.vocab_size > model.vocab_size:
+        raise ValueError(f"serve tokenizer {path!r} has {tok.vocab_size} ids, the model only {model.vocab_size}")
+    return tok
+
+
 def _stop(signum: int, frame: object) -> None:
     raise KeyboardInterrupt  # SIGTERM stops the server the way Ctrl-C does: through the cleanup below
 
@@ -36,6 +58,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg, model_cfg, source = prepare(argv)
+        tokenizer = tokenizer_for(cfg, model_cfg, source)
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
@@ -51,7 +74,7 @@ def main(argv: list[str]) -> int:
     srv: HttpServer | None = None
     try:
         try:
-            svc = Service(cfg, model_cfg, source)
+            svc = Service(cfg, model_cfg, source, tokenizer=tokenizer)
         except RuntimeError as e:  # a replica did not start (its worker's error is on stderr above)
             print(f"hybridpar: error: {e}", file=sys.stderr)
             return 1
