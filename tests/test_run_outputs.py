@@ -134,3 +134,25 @@ def test_run_directory_describes_itself_and_serves_its_newest_model(tmp_path: Pa
     assert cli.main(["export", str(run), "--step", "6", "--out", str(tmp_path / "s6")]) == 2
     assert "holds no checkpoint of step 6" in capfd.readouterr().err
     assert load_toml(str(run / "config.toml"))["model"]["dim"] == 48
+
+
+def test_a_run_without_checkpoints_serves_with_its_own_shape(tmp_path: Path) -> None:
+    """A run of a non-default shape that wrote no checkpoint is served from final/ with that shape (no
+    `--model.*` retyped)."""
+    from hybridpar.export import write_model_dir
+    from hybridpar.model.registry import build_full_model
+    from hybridpar.serve.main import prepare
+    from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology
+
+    run = tmp_path / "run"
+    rundir.claim(run, run / "checkpoints", "off", overwrite=False).release()
+    model = ModelConfig(dim=48, n_layers=3, n_heads=6, n_kv_heads=3, ffn_dim=80, vocab_size=300)
+    state = {n: p.detach() for n, p in build_full_model(model, 3).named_parameters()}
+    write_model_dir(state, model, run / "final", {"run_id": "x", "step": 4, "params_digest": "d"})
+    _, got, source = prepare(["--source", str(run)])
+    assert Path(source) == run / "final" and got.resolved() == model.resolved()
+    stage = build_serving_stage(WorkerSpec(model=got.__dict__, source=source), local_topology())
+    ids = torch.tensor([[1, 2, 299]])
+    with torch.no_grad():
+        assert (stage(ids) - build_full_model(model, 3)(ids)).abs().max() == 0
+    assert newest_artefact(tmp_path / "nothing") is None
