@@ -128,23 +128,25 @@ def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
 
 
 def export_source(source: str, out: Path, step: int | None = None) -> Path:
-    """`hybridpar export`: write the model of a run directory (its newest artefact, or `step`'s) or of a
-    checkpoint directory as a Hugging Face model directory `out`. ValueError for what cannot be exported."""
+    """`hybridpar export`: write the model of a run directory (its newest artefact, or `step`'s), of a
+    checkpoint directory or of a model directory (copied) as a Hugging Face model directory `out`.
+    ValueError for what cannot be exported."""
     from hybridpar.resilience.checkpoint import read_full_model
+    from hybridpar.resilience.rundir import checkpoint_run_id
 
     src = Path(source)
-    if step is not None or (src.is_dir() and not (src / "trainer_state.json").is_file()):
-        if not src.is_dir() or (src / "config.json").is_file() and not (src / RECORD).is_file():
-            raise ValueError(f"{source} is not a hybridpar run directory (run.json, config.toml, final/, checkpoints)")
+    is_model, is_ckpt = (src / "config.json").is_file(), (src / "trainer_state.json").is_file()
+    if step is not None and (is_model or is_ckpt):
+        raise ValueError(f"--step {step} picks a checkpoint of a run directory; {source} is one model already")
+    if not src.is_dir():
+        raise ValueError(f"{source} is not a directory (a run, checkpoint or model directory)")
+    if not is_model and not is_ckpt:  # a run directory
         found = newest_artefact(src, step)
         if found is None:
-            raise ValueError(
-                f"run directory {source} holds no "
-                + (f"checkpoint of step {step}" if step is not None else "model")
-                + " (neither final/ nor a committed checkpoint of its run)"
-            )
-        src = found
-    if (src / "config.json").is_file():  # a model directory already: copied as it is
+            what = f"checkpoint of step {step}" if step is not None else "model"
+            raise ValueError(f"run directory {source} holds no {what} (neither final/ nor a committed checkpoint)")
+        return export_source(str(found), out)
+    if is_model:
         if Path(out).resolve() != src.resolve():
             shutil.copytree(src, out, dirs_exist_ok=True)
         return Path(out)
@@ -153,8 +155,6 @@ def export_source(source: str, out: Path, step: int | None = None) -> Path:
         cfg = Config.from_dict(state_json["config"])
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{src} is not a hybridpar checkpoint (its trainer_state.json: {e})") from None
-    from hybridpar.resilience.rundir import checkpoint_run_id
-
     state = read_full_model(src, cfg.model)
     digest = params_digest(state.items())
     record = {"run_id": checkpoint_run_id(src), "step": state_json["step"], "params_digest": digest}

@@ -133,6 +133,10 @@ def test_run_directory_describes_itself_and_serves_its_newest_model(tmp_path: Pa
         assert (ours(ids) - logits["run/final"]).abs().max() < 1e-5
     assert cli.main(["export", str(run), "--step", "6", "--out", str(tmp_path / "s6")]) == 2
     assert "holds no checkpoint of step 6" in capfd.readouterr().err
+    assert cli.main(["export", str(run / "checkpoints" / "step-000005"), "--step", "5", "--out", "x"]) == 2
+    assert "is one model already" in capfd.readouterr().err
+    assert cli.main(["export", str(run), "--out", str(tmp_path / "newest")]) == 0  # the newest: final/ (step 7)
+    assert json.loads((tmp_path / "newest" / RECORD).read_text()) == record
     assert load_toml(str(run / "config.toml"))["model"]["dim"] == 48
 
 
