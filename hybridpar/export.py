@@ -64,7 +64,7 @@ def gather_full_state(
 
 
 FINAL_DIR, RECORD = "final", "hybridpar.json"
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja")
 
 
 def write_model_dir(

@@ -71,8 +71,12 @@ class Tokenizer:
 
     @property
     def chat_template(self) -> str | None:
+        """tokenizer_config.json's chat_template, else chat_template.jinja (where transformers 5 saves it)."""
         t = self.config.get("chat_template")
-        return t if isinstance(t, str) else None
+        if isinstance(t, str):
+            return t
+        file = self.path / "chat_template.jinja"
+        return file.read_text(encoding="utf-8") if file.is_file() else None
 
 
 class StreamDecoder:

@@ -57,7 +57,7 @@ def test_prepare_writes_the_tokenizers_ids_and_describes_them(tok_dir: Path, dty
     assert np.all(np.diff(starts) > 0)
 
 
-def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(tok_dir: Path) -> None:
+def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(tok_dir: Path, tmp_path: Path) -> None:
     transformers = pytest.importorskip("transformers")
     theirs = transformers.AutoTokenizer.from_pretrained(tok_dir)
     text = "def f(x):\n    return x ** 2  # é, 🙂\n"
@@ -74,6 +74,8 @@ def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(tok_dir: Path
     assert ChatTemplate(ours.chat_template).render(messages) == theirs.apply_chat_template(
         messages, tokenize=False, add_generation_prompt=True
     )
+    theirs.save_pretrained(tmp_path / "resaved")  # transformers 5 keeps the template in chat_template.jinja
+    assert Tokenizer(tmp_path / "resaved").chat_template == ours.chat_template
 
 
 @pytest.fixture
