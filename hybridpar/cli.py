@@ -21,6 +21,8 @@ as --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint and --max-restarts a
 torch.distributed.run.
 
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
+       hybridpar export SOURCE --out DIR [--step N]     (a run, checkpoint or step as a Hugging Face directory)
+       hybridpar data train-tokenizer|prepare [--help]  (a byte-level BPE tokenizer; a corpus as token files)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
@@ -234,6 +236,50 @@ def _run_agent(
     return code
 
 
+EXPORT_USAGE = """usage: hybridpar export SOURCE --out DIR [--step N]
+
+Writes a model as a Hugging Face directory (config.json, model.safetensors, the tokenizer's files when
+the run had a tokenizer, hybridpar.json with run id, step and params digest) that transformers loads.
+SOURCE is a run directory (its newest model: final/ or a later checkpoint; --step N: that step's
+checkpoint) or one checkpoint directory (step-NNNNNN)."""
+
+
+def export_main(argv: list[str]) -> int:
+    if any(a in ("-h", "--help") for a in argv):
+        print(EXPORT_USAGE)
+        return 0
+    try:
+        source, out, step, rest = None, None, None, list(argv)
+        while rest:
+            arg = rest.pop(0)
+            name, eq, value = arg.partition("=")
+            if name in ("--out", "--step"):
+                if not eq:
+                    if not rest:
+                        raise ValueError(f"missing value for {name}")
+                    value = rest.pop(0)
+                if name == "--out":
+                    out = value
+                elif not value.isdigit():
+                    raise ValueError(f"--step expects a non-negative integer, got {value!r}")
+                else:
+                    step = int(value)
+            elif arg.startswith("-") or source is not None:
+                raise ValueError(f"unexpected argument {arg!r}")
+            else:
+                source = arg
+        if source is None or out is None:
+            raise ValueError("give SOURCE and --out DIR")
+        from hybridpar.export import export_source
+
+        written = export_source(source, Path(out), step)
+    except ValueError as e:
+        print(f"hybridpar: error: {e}\n\n{EXPORT_USAGE}", file=sys.stderr)
+        return 2
+    print(f"hybridpar: wrote {written}")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if not argv:
@@ -251,11 +297,18 @@ def main(argv: list[str] | None = None) -> int:
         from hybridpar.serve.main import main as serve_main
 
         return serve_main(rest)
+    if cmd == "export":
+        return export_main(rest)
+    if cmd == "data":
+        from hybridpar.prepare import main as data_main
+
+        return data_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    print(f"hybridpar: unknown command {cmd!r}; commands: train, serve, bench\n\n{USAGE}", file=sys.stderr)
+    commands = "train, serve, export, data, bench"
+    print(f"hybridpar: unknown command {cmd!r}; commands: {commands}\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

@@ -1,4 +1,4 @@
-"""Byte-level language-model data: deterministic, resumable, independent of the dp size.
+"""Language-model data, byte-level by default: deterministic, resumable, independent of the dp size.
 
 Every global training sample is a pure function of (corpus, seq_len, seed, sample index), so any
 rank can compute any sample without communication, and resuming at step k yields exactly the
@@ -8,6 +8,7 @@ slice of the step's global batch (``step_samples``); changing the dp size only c
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import pathlib
@@ -27,6 +28,9 @@ EXCLUDED_STDLIB_DIRS = frozenset({"test", "tests", "site-packages", "dist-packag
 # Epoch permutations kept: a step's batch spans at most two epochs, a few more absorb val/eval jitter.
 PERM_CACHE_SIZE = 4
 SEED_MULTIPLIER = 1_000_003
+# Token files of `hybridpar data prepare` (prepare.py): ids as little-endian unsigned integers.
+TOKEN_DTYPES = {"uint16": "<u2", "uint32": "<u4"}
+SIDECAR_FORMAT = "hybridpar-tokens/1"
 
 
 def encode(text: str) -> list[int]:
@@ -112,6 +116,7 @@ def load_tokens(path: str | None, max_bytes: int) -> torch.Tensor:
 
     * ``None``: the default stdlib corpus (``default_corpus_files``), joined with b"\\n" -> uint8.
     * a folder: every non-hidden, non-binary regular file below it, sorted, joined -> uint8.
+    * ``*.bin`` with a ``.json`` sidecar (``hybridpar data prepare``): its uint16 or uint32 tokens.
     * ``*.bin``: nanoGPT-style little-endian uint16 tokens -> int32, ``max_bytes // 2`` tokens.
     * any other file: its raw bytes -> uint8.
     Problems raise ValueError naming the path.
@@ -133,6 +138,13 @@ def load_tokens(path: str | None, max_bytes: int) -> torch.Tensor:
         return _bytes_tensor(data)
     if not p.is_file():
         raise ValueError(f"data path {path!r} is neither a regular file nor a folder")
+    if p.suffix == ".bin" and (meta := read_sidecar(p)) is not None:
+        dtype = np.dtype(TOKEN_DTYPES[meta["dtype"]])
+        n = min(meta["tokens"], max_bytes // dtype.itemsize)
+        if n == 0:
+            raise ValueError(f"max_bytes={max_bytes} reads no {meta['dtype']} token from {path!r}")
+        mm = np.memmap(p, dtype=dtype, mode="r")
+        return torch.from_numpy(np.asarray(mm[:n], dtype=np.int64 if dtype.itemsize > 2 else np.int32).copy())
     if p.suffix == ".bin":
         size = p.stat().st_size
         if size == 0:
@@ -150,6 +162,34 @@ def load_tokens(path: str | None, max_bytes: int) -> torch.Tensor:
     if not data:
         raise ValueError(f"data file {path!r} is empty")
     return _bytes_tensor(data)
+
+
+def sidecar_path(bin_path: str | pathlib.Path) -> pathlib.Path:
+    """`corpus.bin` -> `corpus.json`: where `hybridpar data prepare` describes a token file."""
+    return pathlib.Path(bin_path).with_suffix(".json")
+
+
+def read_sidecar(bin_path: str | pathlib.Path) -> dict | None:
+    """The description of a prepared token file (None: a plain nanoGPT uint16 file without one). Raises
+    ValueError, naming both files, when the two do not agree (dtype and count against the file's size)."""
+    side, p = sidecar_path(bin_path), pathlib.Path(bin_path)
+    if not side.is_file():
+        return None
+    try:
+        meta = json.loads(side.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as e:
+        raise ValueError(f"{side} (the description of {p}) cannot be read: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != SIDECAR_FORMAT:
+        raise ValueError(f"{side} is not a {SIDECAR_FORMAT} description of {p}; prepare the data again")
+    if meta.get("dtype") not in TOKEN_DTYPES or not isinstance(meta.get("tokens"), int) or meta["tokens"] < 1:
+        raise ValueError(f"{side}: dtype must be one of {', '.join(TOKEN_DTYPES)} and tokens a positive count")
+    size, item = p.stat().st_size, np.dtype(TOKEN_DTYPES[meta["dtype"]]).itemsize
+    if size != meta["tokens"] * item:
+        raise ValueError(
+            f"{p} holds {size} bytes, but {side} describes {meta['tokens']} {meta['dtype']} tokens "
+            f"({meta['tokens'] * item} bytes): the file and its description do not match; prepare the data again"
+        )
+    return meta
 
 
 class TokenData:

@@ -5,8 +5,10 @@ Everything that would otherwise fail inside the workers, and fail the same way a
 found here and raised as one ValueError naming the key, the value and what would be right: the config
 and its layout for the world size (with the elastic re-plan of a resumed run), the emulation specs, the
 corpus (missing, empty, too short for one window, an odd-length or out-of-vocabulary `.bin`), the run
-and checkpoint directories (a file where a directory belongs), and what a resume would load (a path that
-is no hybridpar checkpoint, such as a Hugging Face model directory, or a checkpoint of another model).
+and checkpoint directories (a file where a directory belongs), what a resume would load (a path that
+is no hybridpar checkpoint, such as a Hugging Face model directory, or a checkpoint of another model) and
+what model.init_from would load (config.json fields the model does not implement, a truncated
+safetensors file, a missing tensor or one of another shape).
 Nothing here writes: a run directory is created only once the launcher claims it (resilience/rundir.py).
 """
 
@@ -14,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import fields
 from pathlib import Path
 
 from hybridpar.config import Config
@@ -47,16 +50,60 @@ def preflight(
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
+    _check_tokens(cfg)
     if verify:
         _check_data(cfg)
+        _check_init_weights(cfg)
     _check_resume(cfg, verify)
     return cfg, notes
 
 
 def preflight_config(cfg: Config) -> None:
-    """The checks that need neither the world size nor any file (the first, fastest part of `preflight`)."""
+    """The checks that need neither the world size nor any file but model.init_from's config.json (the
+    first, fastest part of `preflight`). Fills in the model's shape from that config.json."""
+    resolve_init_from(cfg)
     _check_finite(cfg)
     cfg.validate()
+
+
+def resolve_init_from(cfg: Config) -> None:
+    """With model.init_from, set the model's shape (every model key but init_from and init_std) from the
+    directory's config.json, in place. A model key set to other than its default and than config.json
+    says is refused: the shape is the checkpoint's."""
+    path = cfg.model.init_from
+    if path is None:
+        return
+    from hybridpar.config import ModelConfig
+    from hybridpar.model.registry import read_hf_config
+
+    if not (Path(path) / "config.json").is_file():
+        raise ValueError(f"model.init_from={path!r} is not a Hugging Face model directory: it has no config.json")
+    hf, default = read_hf_config(path), ModelConfig()
+    keys = [f.name for f in fields(ModelConfig) if f.name not in ("init_from", "init_std")]
+    if clash := [
+        f"model.{k}={getattr(cfg.model, k)!r} (config.json: {getattr(hf, k)!r})"
+        for k in keys
+        if getattr(cfg.model, k) not in (getattr(default, k), getattr(hf, k))
+    ]:
+        raise ValueError(
+            f"model.init_from={path!r} gives the model's shape, which {', '.join(clash)} contradicts: leave "
+            f"{'it' if len(clash) == 1 else 'them'} unset"
+        )
+    for k in keys:
+        setattr(cfg.model, k, getattr(hf, k))
+
+
+def _check_init_weights(cfg: Config) -> None:
+    """model.init_from's tensors: every file readable (not truncated), every tensor there in its shape."""
+    if cfg.model.init_from is None:
+        return
+    from hybridpar.model.hf import SafetensorsDir
+    from hybridpar.model.registry import check_hf_tensors
+
+    try:
+        check_hf_tensors(cfg.model, SafetensorsDir(cfg.model.init_from))
+    except ValueError as e:
+        raise ValueError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
 
 
 def _check_finite(cfg: Config) -> None:
@@ -73,6 +120,40 @@ def _check_dirs(cfg: Config) -> None:
     check_path_is_dir("run_dir", Path(cfg.run_dir))
     check_path_is_dir("checkpoint.dir", checkpoint_dir(cfg))
     read_run(Path(cfg.run_dir))  # a damaged run record is refused here, not in every worker
+
+
+def _check_tokens(cfg: Config) -> None:
+    """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given, a
+    tokenizer whose ids the model can embed. Reads the sidecar and tokenizer.json, not the tokens."""
+    from hybridpar.data import read_sidecar
+    from hybridpar.tokenizer import Tokenizer
+
+    d, vocab = cfg.data, cfg.model.vocab_size
+    meta = read_sidecar(d.path) if d.path and d.path.endswith(".bin") and Path(d.path).is_file() else None
+    if d.tokenizer is None:
+        if meta is not None:
+            raise ValueError(
+                f"data.path={d.path!r} was prepared with the tokenizer {meta.get('tokenizer')!r}: give it as "
+                f"data.tokenizer, so that the run's samples and final/ use it"
+            )
+        return
+    tok = Tokenizer(d.tokenizer)  # ValueError naming tokenizer.json
+    if tok.vocab_size > vocab:
+        raise ValueError(
+            f"data.tokenizer={d.tokenizer!r} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model "
+            f"cannot embed its ids; set model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
+        )
+    if meta is None:
+        raise ValueError(
+            f"data.tokenizer={d.tokenizer!r} needs a token file prepared with it as data.path (now "
+            f"{d.path!r}): hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin"
+        )
+    if meta.get("tokenizer_sha256") != tok.sha256:
+        raise ValueError(
+            f"data.path={d.path!r} was prepared with another tokenizer ({meta.get('tokenizer')!r}, sha256 "
+            f"{str(meta.get('tokenizer_sha256'))[:12]}…) than data.tokenizer={d.tokenizer!r} (sha256 "
+            f"{tok.sha256[:12]}…): prepare it again with this tokenizer"
+        )
 
 
 def _check_data(cfg: Config) -> None:

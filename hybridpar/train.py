@@ -1,11 +1,13 @@
 """One process of a training run: `python -m hybridpar.train` under torchrun, or `hybridpar train`,
 which launches it through torch's elastic agent. `train` runs the steps of a `Trainer` (trainer/step.py)
-with validation, checkpoints, preemption and traces; rank 0 writes `metrics.jsonl`, draws the
-progress line and, at the end, saves the model and prints a sample from it.
+with validation, checkpoints, preemption and traces. Rank 0 writes `config.toml` (the run's config,
+which `--config` reads back) and `metrics.jsonl`, reports progress and, at the end, writes the model as
+a Hugging Face directory (`final/`) and a sample from it; every rank logs to `train.log`.
 """
 
 from __future__ import annotations
 
+import logging
 import math
 import os
 import secrets
@@ -17,20 +19,23 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.balance.monitor import aggregate
-from hybridpar.config import Config, parse_args
+from hybridpar.config import Config, parse_args, to_toml
 from hybridpar.data import decode, encode
-from hybridpar.export import gather_full_state, params_digest
+from hybridpar.export import FINAL_DIR, gather_full_state, params_digest, write_model_dir
 from hybridpar.model.hf import StateSource
 from hybridpar.model.registry import empty_stage, load_stage_
 from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
-from hybridpar.preflight import checkpoint_dir, preflight
+from hybridpar.preflight import checkpoint_dir, preflight, resolve_init_from
+from hybridpar.report.log import run_log
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.probe import install
+from hybridpar.resilience.rundir import write_text_atomic
 from hybridpar.resilience.session import Session
+from hybridpar.tokenizer import Tokenizer
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent
@@ -174,13 +179,40 @@ def _train(
     sessions: list[Session],
     held: list[rundir.RunClaim],
 ) -> TrainResult:
-    p, t = cfg.parallel, cfg.train
+    resolve_init_from(cfg)  # (train() called directly, without the pre-flight)
+    p = cfg.parallel
     if topo is None:
         topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
     cfg.validate(world_size=topo.dims.world_size)
-    run_dir = Path(cfg.run_dir)
     run_id, token = own_run(cfg, topo, held)
+    if topo.rank == 0:  # the run as it runs (layout re-planned, defaults filled in): --config reads it back
+        write_text_atomic(Path(cfg.run_dir) / "config.toml", to_toml(cfg))
+    with run_log(Path(cfg.run_dir), topo.rank, console=log) as logger:
+        try:
+            return _steps(cfg, topo, logger, log, restart_count, sessions, run_id, token)
+        except Exception as e:
+            logger.error(f"hybridpar: error: {type(e).__name__}: {e}")
+            raise
+
+
+def _steps(
+    cfg: Config,
+    topo: Topology,
+    logger: logging.Logger,
+    log: bool,
+    restart_count: int,
+    sessions: list[Session],
+    run_id: str,
+    token: str,
+) -> TrainResult:
+    t = cfg.train
+    run_dir = Path(cfg.run_dir)
     trainer = Trainer(cfg, topo)
+    logger.info(
+        f"run {run_id}: rank {topo.rank} of {topo.dims.world_size} (dp {topo.dp_rank}, pp {topo.pp_rank}, tp "
+        f"{topo.tp_rank}) holds "
+        + ", ".join(f"stage {s} (layers {trainer.parts[s].start}-{trainer.parts[s].stop - 1})" for s in trainer.stages)
+    )
     res = TrainResult(run_id=run_id)
     rank0 = topo.rank == 0
     ck = cfg.checkpoint
@@ -199,10 +231,10 @@ def _train(
                 trainer.policy.load_state_dict(saved["batching_policy"])
             except ValueError as e:  # another batch or schedule: measurements of other splits
                 if topo.rank == 0:
-                    print(f"hybridpar: microbatch policy starts afresh: {e}", flush=True)
+                    logger.info(f"hybridpar: microbatch policy starts afresh: {e}")
     session.resumed(saved)
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step) if rank0 else None
-    progress = Progress(t.steps) if rank0 and log else None
+    progress = Progress(t.steps, logger) if rank0 else None
     trace_rows: list[dict] = []
     for step in range(res.start_step, t.steps):
         session.probe("step-begin", step)
@@ -242,10 +274,8 @@ def _train(
                 rundir.record_state(run_dir, token, state="preempted", step=step + 1)
                 writer.write({"preempted": True, "step": step + 1, "run_id": run_id})
                 writer.close()
-                print(
-                    f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with "
-                    f"--resume auto",
-                    flush=True,
+                logger.info(
+                    f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with --resume auto"
                 )
             return res
     if cfg.trace:
@@ -267,15 +297,19 @@ def _train(
             }
         )
         writer.close()
-        torch.save(state, run_dir / "final_model.pt")
+        record = {"run_id": run_id, "step": t.steps, "params_digest": res.digest}
+        final = write_model_dir(state, cfg.model, run_dir / FINAL_DIR, record, cfg.data.tokenizer)
         rundir.record_state(run_dir, token, state="finished", step=t.steps)
-        if log:
-            print(summary_line(trainer.policy.statistics(), trainer.oom_retries))
-        if log and t.sample_tokens:
+        logger.info(f"hybridpar: the trained model is in {final} (a Hugging Face model directory)")
+        logger.info(summary_line(trainer.policy.statistics(), trainer.oom_retries))
+        if log and t.sample_tokens:  # (a test's quiet run skips the generation's cost)
             model = empty_stage(cfg.model, range(cfg.model.n_layers), True, True, torch.device("cpu"))
             load_stage_(model, StateSource(state), hf_layout=False)
-            text = decode(generate(model, encode(t.sample_prompt), t.sample_tokens, seed=t.seed))
-            print(f"\n--- sample from the trained model ---\n{t.sample_prompt}{text}\n---")
+            tok = Tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
+            prompt = tok.encode(t.sample_prompt) if tok else encode(t.sample_prompt)
+            out = generate(model, prompt, t.sample_tokens, seed=t.seed)
+            text = tok.decode(out) if tok else decode(out)
+            logger.info(f"\n--- sample from the trained model ---\n{t.sample_prompt}{text}\n---")
     return res
 
 

@@ -25,7 +25,7 @@ from hybridpar.resilience.chaos import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_equivalence import TOL, ref_for, tiny_config  # noqa: E402
+from test_equivalence import TOL, final_state, ref_for, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess  # every test here starts launchers and workers
 
@@ -116,7 +116,7 @@ def _records(run_dir: Path, name: str) -> list[dict]:
 
 
 def _model(run_dir: Path) -> dict[str, torch.Tensor]:
-    return torch.load(run_dir / "final_model.pt", weights_only=True)
+    return final_state(run_dir, _cfg(run_dir).model)
 
 
 @pytest.fixture(scope="module")

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from hybridpar.config import Config
+from hybridpar.config import Config, ModelConfig
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.data import TokenData, load_tokens
 from hybridpar.model.registry import build_full_model
@@ -37,6 +37,16 @@ def tiny_config(**over: dict) -> Config:
         for k, v in values.items():
             setattr(getattr(cfg, section), k, v)
     return cfg
+
+
+def final_state(run_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
+    """A finished run's final/ (a Hugging Face directory) as our full state dict, in definition order."""
+    from hybridpar.model.hf import SafetensorsDir
+    from hybridpar.model.registry import load_stage_
+
+    full = build_full_model(model, 0)
+    load_stage_(full, SafetensorsDir(Path(run_dir) / "final"), hf_layout=True)
+    return {n: p.detach() for n, p in full.named_parameters()}
 
 
 def reference(

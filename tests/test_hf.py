@@ -1,7 +1,7 @@
 """Hugging Face interop, for every model family: a tiny random LlamaForCausalLM / GPT2LMHeadModel made
 offline loads into the tp=2 x pp=2 sharded model with logits within 1e-4 of transformers' (and the
 engine's greedy tokens equal HF's greedy generate); our export loads back into transformers with equal
-logits; a checkpoint written by hybridpar's trainer (DCP directory and final_model.pt) is served."""
+logits; what hybridpar's trainer writes (a DCP checkpoint and final/) is served."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from hybridpar.config import Config, ModelConfig
 from hybridpar.model.hf import StateSource
 from hybridpar.model.registry import build_full_model, config_from_hf, export_hf, load_stage_, read_hf_config
 from hybridpar.model.stage import generate
+from hybridpar.resilience.checkpoint import read_full_model
 from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import StageRunner
@@ -181,24 +182,25 @@ def test_trained_checkpoint_is_served(family: str, tmp_path: Path) -> None:
     cfg.checkpoint.every, cfg.data.max_bytes, cfg.run_dir = 2, 100_000, str(tmp_path / "run")
     run_ranks(_train_rank, 2, cfg.to_dict(), timeout_s=120)
     run = tmp_path / "run"
-    final = torch.load(run / "final_model.pt", weights_only=True)
+    final = read_full_model(run / "checkpoints" / "step-000002", cfg.model)
     model = build_full_model(cfg.model, 0)
     load_stage_(model, StateSource(final), hf_layout=False)
     prompt = list(b"def ")
     want = generate(model, prompt, 6, temperature=0)
     req = [{"type": "generate", "id": "a", "prompt": prompt, "max_tokens": 6, "temperature": 0}]
-    # The run directory resolves to its newest DCP checkpoint (config from trainer_state.json), and
-    # final_model.pt serves too, given the model shape.
+    # The run directory resolves to its final/ (of the same step as its last checkpoint); the DCP
+    # checkpoint serves too (config from trainer_state.json).
     source, mcfg = resolve_source(str(run), None)
-    assert Path(source).name == "step-000002" and mcfg == cfg.model
-    for src in (source, resolve_source(str(run / "final_model.pt"), cfg.model)[0]):
+    assert Path(source).name == "final" and mcfg.resolved() == cfg.model.resolved()
+    ck_source, ck_cfg = resolve_source(str(run / "checkpoints" / "step-000002"), None)
+    assert ck_cfg == cfg.model
+    for src in (source, ck_source):
         stage = build_serving_stage(WorkerSpec(model=dataclasses.asdict(mcfg), source=src), local_topology())
         ch = ListChannel(req)
         Driver(StageRunner(stage, local_topology()), ch, Limits(**LIMITS)).run()
         assert ch.results() == {"a": want}, src
-    # Exported, the trained model is transformers' own, with the same greedy tokens.
-    export_hf(final, cfg.model, tmp_path / "hf")
-    hf = _transformers().AutoModelForCausalLM.from_pretrained(tmp_path / "hf").eval()
+    # final/ is transformers' own, with the same greedy tokens.
+    hf = _transformers().AutoModelForCausalLM.from_pretrained(run / "final").eval()
     with torch.no_grad():
         got = hf.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)[0, len(prompt) :].tolist()
     assert got == want

@@ -17,13 +17,13 @@ from pathlib import Path
 
 import psutil
 import pytest
-import torch
 
 from hybridpar.config import parse_args
 from hybridpar.resilience.session import ledger_stats
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_chaos import _run  # noqa: E402  (hybridpar.launch in a fresh interpreter)
+from test_equivalence import final_state  # noqa: E402
 from test_multinode import CLI, ENV, free_port, records, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
@@ -176,6 +176,5 @@ def test_node_lost_then_back(tmp_path: Path) -> None:
     ref_loss = {r["step"]: r["loss"] for r in records(ref / "metrics.jsonl") if "loss" in r}
     loss = {r["step"]: r["loss"] for r in records(run / "metrics.jsonl") if "loss" in r}
     assert max(abs(loss[s] - ref_loss[s]) for s in range(STEPS)) <= TOL
-    a = torch.load(run / "final_model.pt", weights_only=True)
-    b = torch.load(ref / "final_model.pt", weights_only=True)
+    a, b = final_state(run, cfg.model), final_state(ref, cfg.model)
     assert a.keys() == b.keys() and max((a[k] - b[k]).abs().max().item() for k in a) <= TOL

@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance")
+BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare")
 
 
 def main(argv: list[str]) -> int:

@@ -6,7 +6,7 @@ and so every rank can validate the layout before touching a process group.
     sections.py  one dataclass per TOML table; each field carries its help (and choices) via `_f`
     config.py    Config: the sections plus top-level keys; strict dict round trip (from_dict/to_dict)
     validate.py  every rule Config.validate checks, in the order they run
-    parse.py     load_toml, parse_args (--config then --section.key VALUE), help_text
+    parse.py     load_toml, parse_args (--config then --section.key VALUE), help_text, to_toml
     keys.py      dotted keys ('train.lr') and field types, shared by the three above
     schedules.py the schedule registry: one ScheduleSpec per pipeline schedule (constraints, placement,
                  bubble formula, capabilities), read by validation and by every layer above
@@ -15,7 +15,7 @@ Every public name is re-exported here, so importers write `from hybridpar.config
 """
 
 from hybridpar.config.config import Config
-from hybridpar.config.parse import help_text, load_toml, parse_args
+from hybridpar.config.parse import help_text, load_toml, parse_args, to_toml
 from hybridpar.config.sections import (
     BalanceConfig,
     BatchingConfig,
@@ -42,4 +42,5 @@ __all__ = [
     "help_text",
     "load_toml",
     "parse_args",
+    "to_toml",
 ]

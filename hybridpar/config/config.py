@@ -65,19 +65,28 @@ class Config:
             raise ValueError(f"config must be a dict of sections, got {type(d).__name__}")
         cfg, known = cls(), _known_keys(Config)
         sections = {f.name for f in fields(cls) if dataclasses.is_dataclass(f.type)}
+        # Every bad key is reported at once: a file with three typos is fixed in one edit, not three runs.
+        errors: list[str] = []
         # Flatten to dotted keys so sections and top-level keys share one lookup and one error path.
         flat: list[tuple[str, Any]] = []
         for name, value in d.items():
             if name in sections:
                 if not isinstance(value, dict):
-                    raise ValueError(f"config section '{name}' must be a table of keys, got {value!r}")
+                    errors.append(f"config section '{name}' must be a table of keys, got {value!r}")
+                    continue
                 flat += [(f"{name}.{k}", v) for k, v in value.items()]
             else:
                 flat.append((name, value))
         for key, value in flat:
             if key not in known:
-                raise ValueError(f"unknown config key {key!r}{_suggest(key, [*sections, *known], repr)}")
-            setattr(*_owner(cfg, key), _coerce(key, value, known[key].type))
+                errors.append(f"unknown config key {key!r}{_suggest(key, [*sections, *known], repr)}")
+                continue
+            try:
+                setattr(*_owner(cfg, key), _coerce(key, value, known[key].type))
+            except ValueError as e:
+                errors.append(str(e))
+        if errors:
+            raise ValueError("; ".join(errors))
         return cfg
 
 

@@ -33,6 +33,7 @@ OPTIONS: dict[str, FamilyOption] = {
     ),
     "rope_theta": FamilyOption("rotary position embeddings (RoPE)", lambda m: m.rope_theta == 10000.0),
     "n_positions": FamilyOption("learned absolute position embeddings", lambda m: m.n_positions is None),
+    "rope_scaling": FamilyOption("rotary frequency scaling", lambda m: m.rope_scaling == "none"),
 }
 
 
@@ -50,7 +51,7 @@ FAMILIES: dict[str, FamilyRules] = {
     "llama": FamilyRules(
         "Llama: RMSNorm, rotary positions, SwiGLU MLP, optional grouped-query attention, no biases",
         tied=False,
-        options=("n_kv_heads", "rope_theta"),
+        options=("n_kv_heads", "rope_theta", "rope_scaling"),
         tp_splits=("n_heads", "n_kv_heads", "ffn_dim", "vocab_size"),
         rotary=True,
     ),

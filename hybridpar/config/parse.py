@@ -1,5 +1,7 @@
 """Reading a Config from TOML files and `--section.key VALUE` flags, and the --help that lists them."""
 
+import dataclasses
+import json
 import sys
 import typing
 from typing import Any
@@ -53,10 +55,42 @@ def parse_args(argv: list[str]) -> Config:
             overrides.append((f"--{name}", key, value))
         else:
             raise ValueError(f"unknown option --{name}{_suggest(key, ['config', *known], _flag)}")
-    cfg = Config.from_dict(load_toml(config_file)) if config_file is not None else Config()
+    cfg = Config()
+    if config_file is not None:
+        raw = load_toml(config_file)
+        try:
+            cfg = Config.from_dict(raw)
+        except ValueError as e:  # every bad key of the file, and the file's name
+            raise ValueError(f"config file {config_file!r}: {e}") from None
     for flag, key, value in overrides:
         setattr(*_owner(cfg, key), _parse_text(flag, value, known[key].type))
     return cfg
+
+
+def to_toml(cfg: Config) -> str:
+    """`cfg` as a TOML file that `--config` reads back to an equal Config (a run directory's config.toml).
+    TOML has no null: a key at none is left out, which reads back as none because every optional key
+    defaults to none (a test holds this)."""
+
+    def value(v: Any) -> str:
+        if isinstance(v, bool):
+            return "true" if v else "false"
+        if isinstance(v, (int, float)):
+            return repr(v)  # Python's shortest float repr (1e-05, 0.1) is valid TOML and reads back exactly
+        if isinstance(v, list):
+            return "[" + ", ".join(value(x) for x in v) + "]"
+        # JSON string escapes are TOML basic-string escapes; DEL is the one control TOML wants escaped too.
+        return json.dumps(v, ensure_ascii=False).replace("\x7f", "\\u007f")
+
+    top, tables = [], []
+    for f in dataclasses.fields(cfg):
+        v = getattr(cfg, f.name)
+        if dataclasses.is_dataclass(v):
+            rows = [f"{g.name} = {value(x)}" for g in dataclasses.fields(v) if (x := getattr(v, g.name)) is not None]
+            tables.append(f"[{f.name}]\n" + "".join(r + "\n" for r in rows))
+        elif v is not None:
+            top.append(f"{f.name} = {value(v)}\n")
+    return "".join(top) + "\n" + "\n".join(tables)
 
 
 _ALIASES = {"resume": "checkpoint.resume"}  # short flags for common dotted keys (flag -> key)

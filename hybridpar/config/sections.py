@@ -37,6 +37,16 @@ class ModelConfig:
     n_kv_heads: int | None = _f(None, "llama: key/value heads (none = n_heads; fewer = grouped-query attention)")
     ffn_dim: int = _f(352, "feed-forward inner size (llama: SwiGLU width; gpt2: n_inner, 4 x dim in GPT-2)")
     rope_theta: float = _f(10000.0, "llama: rotary embedding base")
+    # Llama 3.1's long-context rotary frequencies (Hugging Face rope_type "llama3"): wavelengths longer than
+    # original_max_positions / low_freq_factor are stretched by factor, shorter than original_max_positions /
+    # high_freq_factor kept, those between interpolated.
+    rope_scaling: str = _f(
+        "none", "llama: rotary frequency scaling ('llama3' = Llama 3.1's)", choices=("none", "llama3")
+    )
+    rope_factor: float = _f(8.0, "llama3 rope scaling: how much long wavelengths are stretched")
+    rope_low_freq_factor: float = _f(1.0, "llama3 rope scaling: low_freq_factor")
+    rope_high_freq_factor: float = _f(4.0, "llama3 rope scaling: high_freq_factor")
+    rope_original_max_positions: int = _f(8192, "llama3 rope scaling: original_max_position_embeddings")
     n_positions: int | None = _f(
         None, "gpt2: learned absolute positions, the longest sequence the model reads " "(none = 1024)"
     )
@@ -45,6 +55,11 @@ class ModelConfig:
         None, "share the input embedding with the output projection (none = the " "family's rule: llama no, gpt2 yes)"
     )
     init_std: float = _f(0.02, "standard deviation of the normal weight init")
+    init_from: str | None = _f(
+        None,
+        "start from a Hugging Face model directory (config.json + *.safetensors): its config.json gives the "
+        "shape (leave the other model.* keys unset) and each rank reads only its stages' tensors",
+    )
 
     @property
     def head_dim(self) -> int:
@@ -165,7 +180,16 @@ class TrainConfig:
 
 @dataclass
 class DataConfig:
-    path: str | None = _f(None, "text file, folder of text files or nanoGPT uint16 .bin (none = stdlib .py files)")
+    path: str | None = _f(
+        None,
+        "text file, folder of text files, token file of `hybridpar data prepare` (.bin with its .json) or "
+        "nanoGPT uint16 .bin (none = stdlib .py files)",
+    )
+    tokenizer: str | None = _f(
+        None,
+        "tokenizer directory (tokenizer.json, e.g. from `hybridpar data train-tokenizer`); data.path is then a "
+        "token file prepared with it, and final/ carries it (none = bytes)",
+    )
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
     max_bytes: int = _f(16_000_000, "cap on corpus bytes read")
 

@@ -49,7 +49,8 @@ def _check_ranges(cfg: Config) -> None:
     count, non_negative = (lambda v: _is_int(v) and v >= 1), (lambda v: _is_int(v) and v >= 0)
     ranges: list[tuple[str, typing.Callable[[Any], bool], str]] = [
         (
-            "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
+            "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim model.rope_original_max_positions "
+            "parallel.tp parallel.pp "
             "parallel.dp train.steps train.global_batch train.microbatches "
             "train.seq_len train.val_batches data.max_bytes checkpoint.keep",
             count,
@@ -85,7 +86,8 @@ def _check_ranges(cfg: Config) -> None:
             "a non-negative integer",
         ),
         (
-            "train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta",
+            "train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta model.rope_factor "
+            "model.rope_low_freq_factor model.rope_high_freq_factor",
             lambda v: _is_num(v) and v > 0,
             "> 0",
         ),  # `v > 0` is False for NaN, so NaN is rejected too
@@ -211,6 +213,11 @@ def check_model(m: ModelConfig) -> None:
     )
     _require(
         m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}"
+    )
+    _require(
+        m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
+        f"model.rope_high_freq_factor={m.rope_high_freq_factor} must exceed model.rope_low_freq_factor="
+        f"{m.rope_low_freq_factor} (llama3 rope scaling interpolates between them)",
     )
 
 

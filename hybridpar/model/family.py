@@ -46,10 +46,37 @@ class Family:
     to_hf: HFWriter = same_layout_writer
 
 
-def refuse_unsupported(
-    d: dict[str, Any], where: str, rules: tuple[tuple[str, Callable[[Any], bool], str], ...]
-) -> None:
-    """ValueError for the first (key, accepts, what it must be) of `rules` whose value `d` has is refused."""
-    for key, ok, want in rules:
-        if not ok(d.get(key)):
-            raise ValueError(f"{where}: {key}={d.get(key)!r} is not supported: it must be {want}")
+# config.json keys that do not change what the model computes: bookkeeping, generation defaults, the
+# init of a fresh model (we load the weights), the cache switch.
+BOOKKEEPING = frozenset(
+    {
+        "architectures",
+        "model_type",
+        "torch_dtype",
+        "dtype",
+        "transformers_version",
+        "_name_or_path",
+        "bos_token_id",
+        "eos_token_id",
+        "pad_token_id",
+        "use_cache",
+        "initializer_range",
+        "output_attentions",
+        "output_hidden_states",
+        "return_dict",
+    }
+)
+Rule = tuple[Callable[[Any], bool], str]  # (accepts the value, what it must be)
+
+
+def check_hf_fields(d: dict[str, Any], where: str, family: str, rules: dict[str, Rule]) -> None:
+    """ValueError naming every field of config.json `d` that the family does not implement: a key it
+    does not know (neither in `rules` nor bookkeeping), or a value its rule refuses. All at once, so one
+    look at the message says whether the model can load at all."""
+    bad = [
+        f"{k}={v!r} (must be {rules[k][1]})" if k in rules else f"{k}={v!r} (unknown to hybridpar's {family})"
+        for k, v in d.items()
+        if k not in BOOKKEEPING and not (k in rules and rules[k][0](v))
+    ]
+    if bad:
+        raise ValueError(f"{where}: unsupported for model_type={d.get('model_type')!r}: {'; '.join(bad)}")

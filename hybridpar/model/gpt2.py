@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.config import ModelConfig
-from hybridpar.model.family import Family, refuse_unsupported
+from hybridpar.model.family import Family, check_hf_fields
 from hybridpar.model.hf import TensorSource, read_local, shard_rows
 from hybridpar.model.kvcache import KVStep, LayerKV, attend
 from hybridpar.model.stage import Stage
@@ -152,17 +152,39 @@ def to_hf(name: str, t: torch.Tensor, cfg: ModelConfig) -> torch.Tensor:
     return t.t() if name.endswith(CONV1D) else t
 
 
+SUMMARY_KEYS = (
+    "summary_type",
+    "summary_use_proj",
+    "summary_activation",
+    "summary_proj_to_labels",
+    "summary_first_dropout",
+)
+
+
 def config_from_hf(d: dict[str, Any], where: str) -> ModelConfig:
-    """ModelConfig of an HF GPT-2 config; refuses what our model does not implement."""
-    refuse_unsupported(
+    """ModelConfig of an HF GPT-2 config; every field our model does not implement is refused by name.
+    Dropout rates are accepted and not applied: serving never drops out, and training from GPT-2
+    weights here trains without dropout."""
+    count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 1  # noqa: E731
+    check_hf_fields(
         d,
         where,
-        (
-            ("activation_function", lambda v: v in (None, "gelu_new", "gelu_pytorch_tanh"), "'gelu_new' (tanh GELU)"),
-            ("scale_attn_weights", lambda v: v in (None, True), "true"),
-            ("scale_attn_by_inverse_layer_idx", lambda v: not v, "false"),
-            ("add_cross_attention", lambda v: not v, "false"),
-        ),
+        "gpt2",
+        {
+            **{k: (count, "a positive integer") for k in ("vocab_size", "n_embd", "n_layer", "n_head", "n_positions")},
+            "n_ctx": (lambda v: v is None or v == d.get("n_positions", 1024), "n_positions"),
+            "n_inner": (lambda v: v is None or count(v), "a positive integer or null"),
+            "activation_function": (lambda v: v in (None, "gelu_new", "gelu_pytorch_tanh"), "'gelu_new' (tanh GELU)"),
+            "layer_norm_epsilon": (lambda v: isinstance(v, (int, float)) and v > 0, "a positive number"),
+            "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+            "scale_attn_weights": (lambda v: v in (None, True), "true"),
+            "scale_attn_by_inverse_layer_idx": (lambda v: not v, "false"),
+            "reorder_and_upcast_attn": (lambda v: not v, "false"),
+            "add_cross_attention": (lambda v: not v, "false"),
+            **{k: (lambda v: True, "") for k in ("resid_pdrop", "embd_pdrop", "attn_pdrop")},
+            # The sequence-classification head's settings: GPT2LMHeadModel has no such head.
+            **{k: (lambda v: True, "") for k in SUMMARY_KEYS},
+        },
     )
     dim = int(d.get("n_embd", d.get("hidden_size", 768)))
     return ModelConfig(

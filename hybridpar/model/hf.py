@@ -1,6 +1,6 @@
 """Reading tensors for a (possibly tensor-parallel) stage: from Hugging Face `*.safetensors` files
 (each rank opens them lazily with `safe_open` and reads only its stage's tensors, and of a sharded one
-only its slice) or from a full state dict in memory (hybridpar's final_model.pt or a checkpoint).
+only its slice) or from a full state dict in memory (a checkpoint's, or a gathered model's).
 
 Both are `TensorSource`s: `read(name, index)` returns `tensor[index]` without reading the rest. The
 family decides which parts of which file tensors make one of its parameters (model/registry.py,
@@ -51,7 +51,12 @@ class SafetensorsDir:
         files = sorted(self.path.glob("*.safetensors"))
         if not files:
             raise ValueError(f"{self.path} holds no *.safetensors file")
-        self._open = {f: safe_open(str(f), framework="pt", device="cpu") for f in files}
+        self._open = {}
+        for f in files:
+            try:
+                self._open[f] = safe_open(str(f), framework="pt", device="cpu")
+            except Exception as e:  # SafetensorError: truncated or not a safetensors file at all
+                raise ValueError(f"{f} cannot be read as safetensors ({e}): a truncated or damaged file?") from None
         self.where = {k: f for f, h in self._open.items() for k in h.keys()}
 
     def _slice(self, name: str) -> Any:  # safetensors' PySafeSlice

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from hybridpar.config import ModelConfig
-from hybridpar.model.family import Family, refuse_unsupported
+from hybridpar.model.family import Family, check_hf_fields
 from hybridpar.model.kvcache import KVStep, LayerKV, attend
 from hybridpar.model.stage import Stage
 
@@ -32,11 +32,28 @@ class RMSNorm(nn.Module):
         return self.weight * h.to(x.dtype)
 
 
-def rope_tables(seq_len: int, head_dim: int, theta: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+def inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
+    """Rotary frequencies (head_dim / 2,), with Llama 3.1's scaling when model.rope_scaling is 'llama3'
+    (Meta's llama-models `apply_scaling`; transformers' rope_type "llama3")."""
+    hd = cfg.head_dim
+    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float32, device=device) / hd))
+    if cfg.rope_scaling == "none":
+        return freq
+    old, low, high = cfg.rope_original_max_positions, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor
+    wavelen = 2 * math.pi / freq
+    # Long wavelengths (beyond the original context / low) are stretched by the factor, short ones (below
+    # the original context / high) kept; in between, a linear blend by where the wavelength falls.
+    stretched = torch.where(wavelen > old / low, freq / cfg.rope_factor, freq)
+    blend = (old / wavelen - low) / (high - low)
+    smooth = (1 - blend) * stretched / cfg.rope_factor + blend * stretched
+    between = (wavelen >= old / high) & (wavelen <= old / low)
+    return torch.where(between, smooth, stretched)
+
+
+def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables (T, head_dim) in HF's "rotate_half" layout (frequencies repeated, not interleaved),
     which is the layout of every HF Llama checkpoint's q/k projections."""
-    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float32, device=device) / head_dim))
-    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq)
+    freqs = torch.outer(torch.arange(seq_len, dtype=torch.float32, device=device), inv_freq(cfg, device))
     emb = torch.cat([freqs, freqs], dim=-1)
     return emb.cos(), emb.sin()
 
@@ -140,7 +157,7 @@ class LlamaStage(Stage):
     def _tables(self, n: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos/sin of at least n positions (row t does not depend on the table's length)."""
         if device not in self._rope or self._rope[device][0].shape[0] < n:
-            self._rope[device] = rope_tables(n, self.cfg.head_dim, self.cfg.rope_theta, device)
+            self._rope[device] = rope_tables(n, self.cfg, device)
         return self._rope[device]
 
     def forward(self, x: torch.Tensor, kv: KVStep | None = None) -> torch.Tensor:
@@ -159,43 +176,102 @@ class LlamaStage(Stage):
         return self.lm_head(self.model.norm(h))  # (B, T, vocab)
 
 
+def _count(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 1
+
+
+def _positive(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0
+
+
+ROPE_KEYS = {"rope_type", "type", "rope_theta", "factor", "low_freq_factor", "high_freq_factor"}
+LLAMA3_KEYS = ("factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings")
+
+
+def _rope_ok(v: Any) -> bool:
+    """A rope_scaling / rope_parameters dict we implement: none, default, or llama3 with its four numbers."""
+    if v is None or v == {}:
+        return True
+    if not isinstance(v, dict) or set(v) - ROPE_KEYS - {"original_max_position_embeddings"}:
+        return False
+    kind = v.get("rope_type", v.get("type", "default"))
+    if kind == "default":
+        return True
+    return kind == "llama3" and all(_positive(v.get(k)) for k in LLAMA3_KEYS)
+
+
 def config_from_hf(d: dict[str, Any], where: str) -> ModelConfig:
-    """ModelConfig of an HF Llama config; refuses what our model does not implement."""
-    refuse_unsupported(
+    """ModelConfig of an HF Llama config; every field our model does not implement is refused by name."""
+    dim, heads = d.get("hidden_size"), d.get("num_attention_heads")
+    rope_what = "null, rope_type 'default', or rope_type 'llama3' with " + ", ".join(LLAMA3_KEYS)
+    check_hf_fields(
         d,
         where,
-        (
-            ("hidden_act", lambda v: v in (None, "silu"), "'silu'"),
-            ("rope_scaling", lambda v: not v, "null (no RoPE scaling)"),
-            ("attention_bias", lambda v: not v, "false"),
-            ("mlp_bias", lambda v: not v, "false"),
-        ),
+        "llama",
+        {
+            **{k: (_count, "a positive integer") for k in ("vocab_size", "hidden_size", "intermediate_size")},
+            **{k: (_count, "a positive integer") for k in ("num_hidden_layers", "num_attention_heads")},
+            "num_key_value_heads": (lambda v: v is None or _count(v), "a positive integer"),
+            "head_dim": (
+                lambda v: v is None or (_count(dim) and _count(heads) and v == dim // heads),
+                "hidden_size / num_attention_heads (only the standard head size is implemented)",
+            ),
+            "hidden_act": (lambda v: v in (None, "silu"), "'silu'"),
+            "rms_norm_eps": (_positive, "a positive number"),
+            "rope_theta": (_positive, "a positive number"),
+            "rope_scaling": (_rope_ok, rope_what),
+            "rope_parameters": (_rope_ok, rope_what),
+            "tie_word_embeddings": (lambda v: isinstance(v, bool), "true or false"),
+            "attention_bias": (lambda v: not v, "false"),
+            "mlp_bias": (lambda v: not v, "false"),
+            "attention_dropout": (lambda v: not v, "0 (training is exact only without dropout)"),
+            "pretraining_tp": (lambda v: v in (None, 1), "1"),
+            "max_position_embeddings": (lambda v: v is None or _count(v), "a positive integer"),
+        },
     )
-    rope_type = (d.get("rope_parameters") or {}).get("rope_type", "default")
-    if rope_type != "default":
-        raise ValueError(f"{where}: rope_parameters.rope_type={rope_type!r} is not supported: it must be 'default'")
-    dim, heads = int(d["hidden_size"]), int(d["num_attention_heads"])
-    if d.get("head_dim") not in (None, dim // heads):
-        raise ValueError(
-            f"{where}: head_dim={d['head_dim']} differs from hidden_size / num_attention_heads = "
-            f"{dim // heads}; only the standard head size is supported"
-        )
-    rope = d.get("rope_theta", (d.get("rope_parameters") or {}).get("rope_theta", 10000.0))
+    missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers") if k not in d]
+    if missing or heads is None:
+        raise ValueError(f"{where}: missing {', '.join(missing + ['num_attention_heads'] * (heads is None))}")
+    rope = {**(d.get("rope_parameters") or {}), **(d.get("rope_scaling") or {})}
+    llama3 = rope.get("rope_type", rope.get("type", "default")) == "llama3"
     return ModelConfig(
         family="llama",
-        vocab_size=int(d["vocab_size"]),
+        vocab_size=d["vocab_size"],
         dim=dim,
-        n_layers=int(d["num_hidden_layers"]),
+        n_layers=d["num_hidden_layers"],
         n_heads=heads,
-        n_kv_heads=int(d.get("num_key_value_heads") or heads),
-        ffn_dim=int(d["intermediate_size"]),
-        rope_theta=float(rope),
+        n_kv_heads=d.get("num_key_value_heads") or heads,
+        ffn_dim=d["intermediate_size"],
+        rope_theta=float(d.get("rope_theta", rope.get("rope_theta", 10000.0))),
+        rope_scaling="llama3" if llama3 else "none",
+        **(
+            dict(
+                rope_factor=float(rope["factor"]),
+                rope_low_freq_factor=float(rope["low_freq_factor"]),
+                rope_high_freq_factor=float(rope["high_freq_factor"]),
+                rope_original_max_positions=int(rope["original_max_position_embeddings"]),
+            )
+            if llama3
+            else {}
+        ),
         norm_eps=float(d.get("rms_norm_eps", 1e-6)),
         tie_embeddings=bool(d.get("tie_word_embeddings", False)),
     )
 
 
 def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
+    # rope_theta and rope_scaling as separate keys: what transformers 4 writes and 5 still reads.
+    scaling = (
+        {
+            "rope_type": "llama3",
+            "factor": cfg.rope_factor,
+            "low_freq_factor": cfg.rope_low_freq_factor,
+            "high_freq_factor": cfg.rope_high_freq_factor,
+            "original_max_position_embeddings": cfg.rope_original_max_positions,
+        }
+        if cfg.rope_scaling == "llama3"
+        else None
+    )
     return {
         "architectures": ["LlamaForCausalLM"],
         "model_type": "llama",
@@ -209,6 +285,7 @@ def config_to_hf(cfg: ModelConfig) -> dict[str, Any]:
         "hidden_act": "silu",
         "rms_norm_eps": cfg.norm_eps,
         "rope_theta": cfg.rope_theta,
+        "rope_scaling": scaling,
         "tie_word_embeddings": cfg.tied,
         "attention_bias": False,
         "mlp_bias": False,

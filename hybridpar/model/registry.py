@@ -165,6 +165,28 @@ def load_stage_(stage: Stage, src: TensorSource, hf_layout: bool, tp_rank: int =
             p.copy_(t.to(p.dtype))
 
 
+class _Shapes:
+    """A TensorSource giving meta tensors of the shapes a real read would return: loading through it
+    checks names and shapes against the files' headers without reading any data."""
+
+    def __init__(self, src: TensorSource) -> None:
+        self.src = src
+
+    def read(self, name: str, index: tuple[slice, ...] = ()) -> torch.Tensor:
+        return torch.empty(self.src.shape(name), device="meta")[index]
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        return self.src.shape(name)
+
+
+def check_hf_tensors(cfg: ModelConfig, src: TensorSource) -> None:
+    """ValueError naming the first tensor of the full model that `src` (a Hugging Face directory's files)
+    lacks or holds in another shape; reads headers only."""
+    with torch.device("meta"):
+        full = family(cfg).stage(cfg, range(cfg.n_layers), True, True)
+    load_stage_(full, _Shapes(src), hf_layout=True)
+
+
 def config_from_hf(d: dict[str, Any], where: str = "config.json") -> ModelConfig:
     """ModelConfig of a Hugging Face config.json dict, by its model_type."""
     by_type = {f.hf_model_type: f for f in FAMILIES.values()}

@@ -1,9 +1,10 @@
 """Run outputs: `metrics.jsonl` (one JSON object per line, flushed as written, so a crash keeps every
-finished step) and the terminal progress line."""
+finished step) and the progress line."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import sys
 import time
@@ -57,11 +58,11 @@ def _fmt_s(s: float) -> str:
 
 
 class Progress:
-    """One redrawn line on a terminal (step, loss, tokens/s, step time, ETA); plain lines every
-    `every` steps when the output is a file or pipe (CI logs)."""
+    """One redrawn line on a terminal (step, loss, tokens/s, step time, ETA); plain lines every `every`
+    steps through `log` (the run's logger: train.log, and the console when it is no terminal)."""
 
-    def __init__(self, total: int, out: TextIO = sys.stdout, every: int = 25) -> None:
-        self.total, self.out, self.every = total, out, every
+    def __init__(self, total: int, log: logging.Logger, out: TextIO = sys.stdout, every: int = 25) -> None:
+        self.total, self.log, self.out, self.every = total, log, out, every
         self.tty = out.isatty()
         self.t0 = time.perf_counter()
 
@@ -69,16 +70,14 @@ class Progress:
         done = step + 1
         elapsed = time.perf_counter() - self.t0
         eta = elapsed / done * (self.total - done)
-        width = 24
-        bar = "#" * (width * done // self.total) + "-" * (width - width * done // self.total)
         line = (
-            f"[{bar}] step {done}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
+            f"step {done}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
             f"{step_time_s * 1000:.0f} ms/step  ETA {_fmt_s(eta)}{extra}"
         )
         if self.tty:
-            self.out.write("\r" + line + "\033[K")
-            if done == self.total:
-                self.out.write("\n")
-        elif done % self.every == 0 or done == self.total or done == 1:
-            self.out.write(line + "\n")
-        self.out.flush()
+            width = 24
+            bar = "#" * (width * done // self.total) + "-" * (width - width * done // self.total)
+            self.out.write(f"\r[{bar}] {line}\033[K" + ("\n" if done == self.total else ""))
+            self.out.flush()
+        if done % self.every == 0 or done == self.total or done == 1:
+            self.log.info(line, extra={"console": not self.tty})  # on a terminal the bar shows it already

@@ -33,6 +33,7 @@ import os
 import secrets
 import shutil
 import socket
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -44,8 +45,19 @@ LAUNCHER_ENV = "HYBRIDPAR_LAUNCHER_PID"  # the launcher each worker must die wit
 FORMAT = "hybridpar-run/1"
 # Exit codes of `hybridpar train` and what they mean to a scheduler (documented in the README).
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_PREEMPTED = 0, 1, 2, 143
-# Files a run writes into its directory, deleted by --overwrite (never anything else of the user's).
-RUN_OUTPUTS = ("metrics.jsonl", "resilience.jsonl", "watchdog.jsonl", "chaos.jsonl", "final_model.pt", RUN_FILE)
+# What a run writes into its directory, deleted by --overwrite (never anything else of the user's).
+# final_model.pt is what runs before the final/ directory wrote.
+RUN_OUTPUTS = (
+    "metrics.jsonl",
+    "resilience.jsonl",
+    "watchdog.jsonl",
+    "chaos.jsonl",
+    "config.toml",
+    "train.log",
+    "final",
+    "final_model.pt",
+    RUN_FILE,
+)
 CHECKPOINT_PREFIXES = ("step-", ".tmp-step-", ".old-step-", "abandoned-step-")
 
 
@@ -71,6 +83,13 @@ def write_run(run_dir: Path, rec: dict[str, Any]) -> None:
         json.dump(rec, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    """Replace the file `path` by `text` atomically (a reader sees the old file or the new one)."""
+    tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
+    tmp.write_text(text, encoding="utf-8")
     os.replace(tmp, path)
 
 
@@ -118,6 +137,13 @@ def plan_claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> str
                 f"another --run-dir"
             )
         return "continue"
+    # No run record, yet another run's records: a fresh run would overwrite some (metrics.jsonl) and append
+    # to others (resilience.jsonl; chaos.jsonl, whose faults would then count as fired already).
+    if left := [n for n in RUN_OUTPUTS if (run_dir / n).exists()]:
+        raise ValueError(
+            f"run_dir={str(run_dir)!r} holds another run's {', '.join(left)} but no {RUN_FILE}: pass "
+            f"--overwrite to delete them, or choose another --run-dir"
+        )
     # No run record: any committed checkpoint here belongs to another run (or predates run ids).
     foreign = [p for p in _checkpoint_entries(ck_dir) if p.name.startswith("step-")]
     if foreign and resume in ("off", "auto"):
@@ -133,9 +159,14 @@ def plan_claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool) -> str
 def _remove_outputs(run_dir: Path, ck_dir: Path) -> list[str]:
     gone = []
     for name in RUN_OUTPUTS:
-        if (run_dir / name).is_file():
-            (run_dir / name).unlink()
-            gone.append(name)
+        path = run_dir / name
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        elif path.exists() or path.is_symlink():
+            path.unlink()
+        else:
+            continue
+        gone.append(name)
     for p in _checkpoint_entries(ck_dir):
         shutil.rmtree(p) if p.is_dir() else p.unlink()
         gone.append(p.name)
@@ -204,10 +235,12 @@ def claim(run_dir: Path, ck_dir: Path, resume: str, overwrite: bool, key: str | 
             note = f"hybridpar: --overwrite: removed {len(gone)} entries of the previous run" if gone else None
         rec = read_run(run_dir) if mode == "continue" else None
         run_id = rec["run_id"] if rec else secrets.token_hex(6)
+        launches = (rec or {}).get("launches", [])
         write_run(
             run_dir,
             {
                 **(rec or {"format": FORMAT, "run_id": run_id, "created": time.time()}),
+                "launches": [*launches, launch_record()] if isinstance(launches, list) else [launch_record()],
                 "state": "running",
                 "launch": token,
                 "error": None,
@@ -285,6 +318,27 @@ def _join(run_dir: Path, key: str) -> RunClaim | str | None:
         os.close(fd)
         raise _in_use(run_dir, holder)
     return RunClaim(run_dir, rec["run_id"], holder["token"], fd)
+
+
+def launch_record() -> dict[str, Any]:
+    """What started this launch, for the run record: the command line as typed (`hybridpar train ...`,
+    `torchrun ...` or the script calling `launch`), where and when, and the versions that ran it."""
+    import platform
+    from importlib import metadata
+
+    versions = {"python": platform.python_version()}
+    for dist in ("hybridpar", "torch", "numpy", "safetensors", "tokenizers"):
+        try:
+            versions[dist] = metadata.version(dist)
+        except metadata.PackageNotFoundError:  # run from a source tree, or an optional package
+            versions[dist] = None
+    return {
+        "command": list(sys.orig_argv),
+        "cwd": os.getcwd(),
+        "host": socket.gethostname(),
+        "started": time.time(),
+        "versions": versions,
+    }
 
 
 def set_aside(run_dir: Path) -> Path | None:

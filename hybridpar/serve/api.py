@@ -64,10 +64,8 @@ def _text(v: str, key: str) -> str:
     return v
 
 
-def parse_completion(
-    raw: bytes, model_name: str, max_seq_len: int, vocab_size: int, tokenize: Callable[[Any], list[int]]
-) -> dict[str, Any]:
-    """Validate a /v1/completions body; returns the request as the service takes it, or raises ApiError."""
+def load_body(raw: bytes, model_name: str) -> dict[str, Any]:
+    """The JSON object of a request body, for this server's model (ApiError otherwise)."""
     try:
         body = json.loads(raw.decode("utf-8"))
     except UnicodeDecodeError as e:
@@ -85,6 +83,14 @@ def parse_completion(
             "model",
             code="model_not_found",
         )
+    return body
+
+
+def parse_completion(
+    raw: bytes, model_name: str, max_seq_len: int, vocab_size: int, tokenize: Callable[[Any], list[int]]
+) -> dict[str, Any]:
+    """Validate a /v1/completions body; returns the request as the service takes it, or raises ApiError."""
+    body = load_body(raw, model_name)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]  # the client wraps a single string in a list
@@ -97,8 +103,11 @@ def parse_completion(
         raise ApiError(
             400, "prompt must be a non-empty string or a list of token ids (one prompt per request)", "prompt"
         )
-    ids = tokenize(prompt)
-    max_tokens = body.get("max_tokens", 16)
+    return parse_options(body, tokenize(prompt), max_seq_len, body.get("max_tokens", 16))
+
+
+def parse_options(body: dict[str, Any], ids: list[int], max_seq_len: int, max_tokens: Any) -> dict[str, Any]:
+    """The generation options shared by /v1/completions and /v1/chat/completions, for prompt `ids`."""
     if isinstance(max_tokens, bool) or not isinstance(max_tokens, int) or max_tokens < 1:
         raise ApiError(400, f"max_tokens must be a positive integer, got {_short(max_tokens)}", "max_tokens")
     if len(ids) + max_tokens > max_seq_len:

@@ -1,6 +1,6 @@
 """`hybridpar serve` configuration: one validated dataclass (fields carry their help, as in
 hybridpar/config/sections.py), parsed from `--key value` flags; the model shape for sources without a config
-of their own (init:SEED, final_model.pt) comes from the training flags `--model.*`."""
+of its own (init:SEED) comes from the training flags `--model.*`."""
 
 from __future__ import annotations
 
@@ -23,11 +23,15 @@ MAX_SECONDS = 7 * 24 * 3600
 class ServeConfig:
     source: str = _f(
         "runs/latest",
-        "model: a Hugging Face Llama or GPT-2 checkpoint dir (config.json + "
-        "*.safetensors), a hybridpar run dir, checkpoint dir or final_model.pt, or "
-        "init:SEED (random init)",
+        "model: a Hugging Face Llama or GPT-2 model dir (config.json + *.safetensors, such as a run's "
+        "final/), a hybridpar run dir (its newest model) or checkpoint dir, or init:SEED (random init)",
     )
     model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
+    tokenizer: str = _f(
+        "",
+        "tokenizer directory (tokenizer.json) for text prompts and answers; empty = the model's own (its "
+        "directory's, or its training run's data.tokenizer), else UTF-8 bytes for a 256-id model",
+    )
     tp: int = _f(1, "tensor-parallel degree of each replica")
     pp: int = _f(1, "pipeline stages of each replica")
     dp: int = _f(1, "replicas")
@@ -161,8 +165,8 @@ def help_text() -> str:
     return "\n".join(
         rows
         + [
-            "  --model.KEY VALUE        model family and shape for init:SEED and final_model.pt "
-            "sources (as in `hybridpar train --help`, e.g. --model.family gpt2)"
+            "  --model.KEY VALUE        model family and shape for init:SEED sources "
+            "(as in `hybridpar train --help`, e.g. --model.family gpt2)"
         ]
     )
 

@@ -1,5 +1,5 @@
-"""OpenAI-compatible HTTP front end: POST /v1/completions (with `stream: true` as server-sent
-events), GET /v1/models, /health and a Prometheus text /metrics, on the asyncio HTTP/1.1 server of
+"""OpenAI-compatible HTTP front end: POST /v1/completions and /v1/chat/completions (with `stream: true`
+as server-sent events), GET /v1/models, /health and a Prometheus text /metrics, on the asyncio HTTP/1.1 server of
 server.py. Every bad input is answered with a 4xx and an OpenAI-style error body naming the parameter;
 overload is 429 (router queue full) or 503 (no replica alive, or a request past its deadline);
 nothing a client sends can take the server down or get a 500.
@@ -20,15 +20,22 @@ from contextlib import contextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterator, TypeVar
 
 from hybridpar.serve.api import ApiError, metrics_text, parse_completion
+from hybridpar.serve.chat import parse_chat
 from hybridpar.serve.router import Overloaded, Unavailable
 from hybridpar.serve.server import HttpServer
 from hybridpar.serve.service import Pending, Service
-from hybridpar.serve.text import ByteDetokenizer, StopText
+from hybridpar.serve.text import StopText
 from hybridpar.serve.wire import Request, Response, Stream, error_response
 
 MAX_BODY = 1 << 20
 WORKERS = 8
-ROUTES = {"/health": ("GET",), "/v1/models": ("GET",), "/metrics": ("GET",), "/v1/completions": ("POST",)}
+ROUTES = {
+    "/health": ("GET",),
+    "/v1/models": ("GET",),
+    "/metrics": ("GET",),
+    "/v1/completions": ("POST",),
+    "/v1/chat/completions": ("POST",),
+}
 T = TypeVar("T")
 
 
@@ -69,7 +76,7 @@ class Api:
             if req.path == "/metrics":
                 text = await self._run(lambda: metrics_text(self.svc.statistics()))
                 return Response(200, text.encode(), "text/plain; version=0.0.4")
-            return await self._completions(req)
+            return await self._completions(req, chat=req.path == "/v1/chat/completions")
         except ApiError as e:
             if e.status in (429, 503):
                 self.svc.counters["requests_rejected"] += 1
@@ -78,25 +85,26 @@ class Api:
         except Exception as e:  # a bug of ours: answer 500, keep serving
             return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
-    async def _completions(self, req: Request) -> Response | Stream:
+    async def _completions(self, req: Request, chat: bool) -> Response | Stream:
         if req.content_length is None:
             raise ApiError(411, "a Content-Length header is required")
-        r = await self._run(
-            parse_completion,
-            req.body,
-            self.cfg.model_name,
-            self.cfg.max_seq_len,
-            self.svc.model.vocab_size,
-            self.svc.tokenize,
-        )
+        name, svc = self.cfg.model_name, self.svc
+        if chat:
+            r = await self._run(parse_chat, req.body, name, self.cfg.max_seq_len, svc.chat.render, svc.tokenize)
+            r["stop_tokens"] = svc.chat_stop_tokens
+        else:
+            r = await self._run(
+                parse_completion, req.body, name, self.cfg.max_seq_len, svc.model.vocab_size, svc.tokenize
+            )
         p = await self._run(self._submit, r)
+        answer = Answer(p, name, chat, r.get("stop_tokens", []), r.get("include_usage", False))
         stop, events = StopText(r["stop"]), self._events(p)
         if not r["stream"]:
-            return await self._complete(p, stop, events)
+            return await self._complete(answer, stop, events)
         kind, val = await events.__anext__()  # the first token before the status line: failures keep theirs
         if kind == "done" and val.get("reason") == "error":
             raise ApiError(503, f"generation failed: {val.get('error')}", kind="server_error")
-        return Stream({}, self._sse(p, stop, events, kind, val), lambda: self._cancel_soon(p.id))
+        return Stream({}, self._sse(answer, stop, events, kind, val), lambda: self._cancel_soon(p.id))
 
     def _cancel_soon(self, rid: str) -> None:
         """Tell the request's replica to stop generating it (the client is gone or out of time)."""
@@ -109,7 +117,9 @@ class Api:
         if self.svc.alive() == 0:
             raise ApiError(503, "no replica is running", kind="server_error")
         try:
-            return self.svc.submit(r["prompt"], r["max_tokens"], r["temperature"], r["top_p"], r["seed"])
+            return self.svc.submit(
+                r["prompt"], r["max_tokens"], r["temperature"], r["top_p"], r["seed"], r.get("stop_tokens")
+            )
         except Overloaded as e:
             raise ApiError(429, f"server overloaded: {e}; retry later", kind="rate_limit_error") from None
         except Unavailable as e:
@@ -145,67 +155,110 @@ class Api:
             if kind == "done":
                 return
 
-    def _response(self, p: Pending, text: str, finish: str | None, n_out: int | None) -> dict[str, Any]:
-        out = {
-            "id": p.id,
-            "object": "text_completion",
-            "created": int(p.created),
-            "model": self.cfg.model_name,
-            "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}],
-        }
-        if n_out is not None:
-            out["usage"] = {
-                "prompt_tokens": p.prompt_tokens,
-                "completion_tokens": n_out,
-                "total_tokens": p.prompt_tokens + n_out,
-            }
-        return out
-
     async def _stopped(self, p: Pending, n_tokens: int) -> dict[str, Any]:
         """A stop string matched: the replica is told to stop; the request ends here."""
         await self._run(self.svc.cancel, p.id, True)
         return {"reason": "stop", "completion_tokens": n_tokens}
 
-    async def _complete(self, p: Pending, stop: StopText, events: AsyncIterator[tuple[str, Any]]) -> Response:
-        det, text, n = ByteDetokenizer(), [], 0
+    async def _complete(self, a: Answer, stop: StopText, events: AsyncIterator[tuple[str, Any]]) -> Response:
+        det, text, n, ids = self.svc.detokenizer(), [], 0, []
         val: Any = {}
         async for kind, val in events:
             if kind == "token":
                 n += 1
-                text.append(stop.feed(det.feed(val)))
+                ids.append(val)
+                if val not in a.stop_tokens:  # the end-of-sequence token ends the text, it is none of it
+                    text.append(stop.feed(det.feed(val)))
                 if stop.hit:
-                    val = await self._stopped(p, n)
+                    val = await self._stopped(a.p, n)
                     break
         if val.get("reason") == "error":
             raise ApiError(503, f"generation failed: {val.get('error')}", kind="server_error")
         if not stop.hit:
             text += [stop.feed(det.flush()), stop.flush()]
-        return _json(
-            200, self._response(p, "".join(text), "stop" if stop.hit else val["reason"], val["completion_tokens"])
-        )
+        return _json(200, a.whole("".join(text), "stop" if stop.hit else val["reason"], val["completion_tokens"], ids))
 
     async def _sse(
-        self, p: Pending, stop: StopText, events: AsyncIterator[tuple[str, Any]], kind: str, val: Any
+        self, a: Answer, stop: StopText, events: AsyncIterator[tuple[str, Any]], kind: str, val: Any
     ) -> AsyncGenerator[bytes, None]:
         def data(obj: Any) -> bytes:
             return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
-        det = ByteDetokenizer()
+        det = self.svc.detokenizer()
         try:
             n = 0
             while kind == "token":
                 n += 1
-                if piece := stop.feed(det.feed(val)):
-                    yield data(self._response(p, piece, None, None))
+                if val not in a.stop_tokens and (piece := stop.feed(det.feed(val))):
+                    yield data(a.chunk(piece))
                 if stop.hit:
-                    kind, val = "done", await self._stopped(p, n)
+                    kind, val = "done", await self._stopped(a.p, n)
                     break
                 kind, val = await events.__anext__()
             tail = "" if stop.hit else stop.feed(det.flush()) + stop.flush()
-            yield data(self._response(p, tail, "stop" if stop.hit else val.get("reason"), val.get("completion_tokens")))
+            for last in a.last_chunks(tail, "stop" if stop.hit else val.get("reason"), val.get("completion_tokens")):
+                yield data(last)
         except ApiError as e:  # deadline passed mid-stream: the status is sent, so say it in the stream
             yield data(e.body())
         yield data(b"[DONE]")
+
+
+class Answer:
+    """The response bodies of one request, as OpenAI's API shapes them: a text completion
+    (`text_completion`) or a chat completion (`chat.completion`, streamed as `chat.completion.chunk`
+    deltas, the first carrying the role; usage in a last chunk of its own when stream_options asks)."""
+
+    def __init__(self, p: Pending, model: str, chat: bool, stop_tokens: list[int], include_usage: bool) -> None:
+        self.p, self.model, self.chat, self.stop_tokens, self.include_usage = p, model, chat, stop_tokens, include_usage
+        self.started = False
+
+    def _base(self, kind: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
+        return {
+            "id": self.p.id,
+            "object": kind,
+            "created": int(self.p.created),
+            "model": self.model,
+            "choices": choices,
+        }
+
+    def _usage(self, n_out: int) -> dict[str, int]:
+        return {
+            "prompt_tokens": self.p.prompt_tokens,
+            "completion_tokens": n_out,
+            "total_tokens": self.p.prompt_tokens + n_out,
+        }
+
+    def whole(self, text: str, finish: str, n_out: int, ids: list[int]) -> dict[str, Any]:
+        if self.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None}
+            out = self._base("chat.completion", [{**choice, "finish_reason": finish}])
+        else:
+            out = self._base("text_completion", [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}])
+        # Beyond OpenAI's fields: the generated ids (all that a model without a tokenizer can answer).
+        out["choices"][0]["token_ids"] = ids
+        return {**out, "usage": self._usage(n_out)}
+
+    def chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
+        if not self.chat:
+            return self._base(
+                "text_completion", [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]
+            )
+        delta = {"content": text} if text or finish is None else {}
+        if not self.started:
+            delta, self.started = {"role": "assistant", **delta}, True
+        return self._base(
+            "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
+        )
+
+    def last_chunks(self, tail: str, finish: str | None, n_out: int | None) -> list[dict[str, Any]]:
+        if not self.chat:  # the last text chunk carries the usage (none after a failure)
+            last = self.chunk(tail, finish)
+            return [last if n_out is None else {**last, "usage": self._usage(n_out)}]
+        out = [self.chunk(tail)] if tail else []
+        out.append(self.chunk("", finish))
+        if self.include_usage:
+            out.append({**self._base("chat.completion.chunk", []), "usage": self._usage(n_out or 0)})
+        return out
 
 
 def make_server(svc: Service, host: str, port: int) -> HttpServer:

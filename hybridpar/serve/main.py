@@ -19,11 +19,33 @@ def prepare(argv: list[str]) -> tuple[ServeConfig, "object", str]:
     from hybridpar.serve.worker import resolve_source
 
     cfg, model = parse_serve_args(argv)
-    # `model` (the training defaults plus any --model.* flags) is used only by sources without a config
-    # of their own; a final_model.pt of another shape fails at load with the tensor and both shapes named.
+    # `model` (the training defaults plus any --model.* flags) is used by init:SEED only: every other
+    # source carries its shape (config.json, or a checkpoint's trainer_state.json).
     source, model_cfg = resolve_source(cfg.source, model)
     cfg.validate(model_cfg)
     return cfg, model_cfg, source
+
+
+def tokenizer_for(cfg: ServeConfig, model: "object", source: str) -> "object | None":
+    """The tokenizer to serve with: --tokenizer, else the source's own (a model directory's
+    tokenizer.json, a checkpoint's data.tokenizer), else None. ValueError if its ids do not fit the model."""
+    import json
+    from pathlib import Path
+
+    from hybridpar.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    path = cfg.tokenizer or None
+    src = Path(source)
+    if path is None and (src / TOKENIZER_FILE).is_file():
+        path = str(src)
+    elif path is None and (src / "trainer_state.json").is_file():
+        path = json.loads((src / "trainer_state.json").read_text(encoding="utf-8"))["config"]["data"].get("tokenizer")
+    if path is None:
+        return None
+    tok = Tokenizer(path)
+    if tok.vocab_size > model.vocab_size:
+        raise ValueError(f"serve tokenizer {path!r} has {tok.vocab_size} ids, the model only {model.vocab_size}")
+    return tok
 
 
 def _stop(signum: int, frame: object) -> None:
@@ -36,6 +58,7 @@ def main(argv: list[str]) -> int:
         return 0
     try:
         cfg, model_cfg, source = prepare(argv)
+        tokenizer = tokenizer_for(cfg, model_cfg, source)
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
@@ -51,7 +74,7 @@ def main(argv: list[str]) -> int:
     srv: HttpServer | None = None
     try:
         try:
-            svc = Service(cfg, model_cfg, source)
+            svc = Service(cfg, model_cfg, source, tokenizer=tokenizer)
         except RuntimeError as e:  # a replica did not start (its worker's error is on stderr above)
             print(f"hybridpar: error: {e}", file=sys.stderr)
             return 1

@@ -20,11 +20,15 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridpar.config import ModelConfig
-from hybridpar.data import encode
+from hybridpar.data import BYTE_VOCAB, encode
+from hybridpar.serve.api import ApiError
+from hybridpar.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.pool import ReplicaPool
 from hybridpar.serve.router import Request, Router
+from hybridpar.serve.text import ByteDetokenizer, NoText
 from hybridpar.serve.worker import WorkerSpec
+from hybridpar.tokenizer import StreamDecoder, Tokenizer
 
 
 class EventQueue(queue.Queue):
@@ -62,8 +66,17 @@ class Service:
         model: ModelConfig,
         source: str,
         pool: Callable[[WorkerSpec, Callable[[int, dict[str, Any]], None]], Any] = ReplicaPool,
+        tokenizer: Tokenizer | None = None,
     ) -> None:
-        self.cfg, self.model = cfg, model
+        self.cfg, self.model, self.tokenizer = cfg, model, tokenizer
+        tok = tokenizer
+        self.chat = ChatTemplate(
+            (tok.chat_template if tok else None) or DEFAULT_TEMPLATE,
+            {k: tok.special(k) for k in ("bos_token", "eos_token")} if tok else {},
+        )
+        # A chat answer ends at the end-of-sequence token (ChatML's <|im_end|>), which is not text.
+        eos = tok.token_id(tok.special("eos_token")) if tok else None
+        self.chat_stop_tokens = [eos] if eos is not None else []
         self.router = Router(cfg.dp, cfg.router())
         self.lock = threading.Lock()
         self.inflight: dict[str, Pending] = {}
@@ -91,7 +104,26 @@ class Service:
         self.pool = pool(spec, self._on_event)
 
     def tokenize(self, prompt: str | list[int]) -> list[int]:
-        return encode(prompt) if isinstance(prompt, str) else list(prompt)
+        """Token ids of a prompt: text through the model's tokenizer, or as UTF-8 bytes for a byte-level
+        model (vocabulary 256) without one; any other model cannot take text (ApiError 400)."""
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer is not None:
+            return self.tokenizer.encode(prompt)
+        if self.model.vocab_size != BYTE_VOCAB:
+            raise ApiError(
+                400,
+                f"this model has {self.model.vocab_size} token ids and the server no tokenizer for them: "
+                f"send token ids or give --tokenizer",
+                "prompt",
+            )
+        return encode(prompt)
+
+    def detokenizer(self) -> ByteDetokenizer | StreamDecoder | NoText:
+        """A fresh incremental decoder of one request's tokens (NoText: the answer has token ids only)."""
+        if self.tokenizer is not None:
+            return StreamDecoder(self.tokenizer)
+        return ByteDetokenizer() if self.model.vocab_size == BYTE_VOCAB else NoText()
 
     def submit(
         self,

@@ -1,4 +1,5 @@
-"""Text out of token streams: byte-level detokenizing and OpenAI-style stop strings."""
+"""Text out of token streams: byte-level detokenizing and OpenAI-style stop strings (a tokenizer's own
+streaming decoder is tokenizer.StreamDecoder)."""
 
 from __future__ import annotations
 
@@ -17,6 +18,16 @@ class ByteDetokenizer:
 
     def flush(self) -> str:
         return self._dec.decode(b"", final=True)
+
+
+class NoText:
+    """The decoder of a model without a tokenizer whose ids are not bytes: no text, the ids only."""
+
+    def feed(self, token: int) -> str:
+        return ""
+
+    def flush(self) -> str:
+        return ""
 
 
 class StopText:

@@ -3,9 +3,9 @@ replica's driver (pp=0, tp=0) or the stage loop. Used by the server's worker poo
 the multi-process tests alike.
 
 Model sources: `init:SEED` (hybridpar's deterministic init, for tests and benchmarks), a Hugging Face
-checkpoint directory (config.json + *.safetensors), hybridpar's `final_model.pt` (full state dict,
-loaded with weights_only and mmap) or a committed hybridpar DCP checkpoint directory (only this
-stage's tensors are read).
+model directory (config.json + *.safetensors, such as a run's final/) or a committed hybridpar DCP
+checkpoint directory; either way only this stage's tensors are read. A run directory stands for its
+newest model.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from hybridpar.config import ModelConfig
+from hybridpar.export import newest_artefact
 from hybridpar.model.hf import SafetensorsDir, StateSource, TensorSource
 from hybridpar.model.registry import build_stage, empty_stage, full_shapes, load_stage_, read_hf_config
 from hybridpar.model.stage import Stage
@@ -48,9 +49,9 @@ class WorkerSpec:
 
 
 def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelConfig]:
-    """(normalised source, its ModelConfig). A hybridpar run directory resolves to its newest
-    committed checkpoint, else its final_model.pt; `model` is needed only where the source has no
-    config of its own (init:, final_model.pt)."""
+    """(normalised source, its ModelConfig). A hybridpar run directory resolves to its newest model: its
+    final/ (a Hugging Face directory) or a later checkpoint (export.newest_artefact); the shape comes
+    from the model's own config. `model` is needed for `init:SEED` only."""
     if source.startswith("init:"):
         if model is None:
             raise ValueError("source 'init:SEED' needs a model config")
@@ -61,23 +62,12 @@ def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelCo
     if p.is_dir() and (p / "trainer_state.json").is_file():
         state = json.loads((p / "trainer_state.json").read_text(encoding="utf-8"))
         return str(p), ModelConfig(**state["config"]["model"])
-    if p.is_dir():
-        from hybridpar.resilience.checkpoint import find_latest
-        from hybridpar.resilience.rundir import read_run
-
-        run = read_run(p)  # only the run's own checkpoints (see resilience/rundir.py)
-        ck, _ = find_latest(p / "checkpoints", run["run_id"] if run else None)
-        if ck is not None:
-            return resolve_source(str(ck), model)
-        if (p / "final_model.pt").is_file():
-            return resolve_source(str(p / "final_model.pt"), model)
-    if p.is_file() and p.suffix == ".pt":
-        if model is None:
-            raise ValueError(f"{p} holds tensors only: give the model shape (--model.* options as in training)")
-        return str(p), model
+    if p.is_dir() and (found := newest_artefact(p)) is not None:
+        return resolve_source(str(found), model)
     raise ValueError(
-        f"model source {source!r} is not init:SEED, a Hugging Face checkpoint directory "
-        "(config.json + *.safetensors), a hybridpar run directory, checkpoint directory or final_model.pt"
+        f"model source {source!r} is not init:SEED, a Hugging Face model directory (config.json + "
+        "*.safetensors), a hybridpar run directory holding a model (final/ or a checkpoint) or a checkpoint "
+        "directory"
     )
 
 
@@ -86,8 +76,6 @@ def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:
     p = Path(source)
     if (p / "config.json").is_file():
         return SafetensorsDir(p), True
-    if p.is_file():
-        return StateSource(torch.load(p, map_location="cpu", weights_only=True, mmap=True), str(p)), False
     from hybridpar.resilience import safe_dcp
     from hybridpar.resilience.checkpoint import verify_checkpoint
 

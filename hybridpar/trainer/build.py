@@ -24,7 +24,8 @@ from hybridpar.balance.plan import Layout
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.grads import DataParallelGrads, PlaneGrads
-from hybridpar.model.registry import build_stage, param_counts
+from hybridpar.model.hf import SafetensorsDir
+from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
 from hybridpar.model.stage import Stage
 from hybridpar.optim import make_optimizer
 from hybridpar.pipeline.memory import ActivationMeter
@@ -66,9 +67,16 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     n_stages = p.n_stages
     stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
     tp_group = topo.group("tp") if p.tp > 1 else None
+    # model.init_from: each rank reads only its stages' tensors, and of those only its tp slices.
+    hf = SafetensorsDir(cfg.model.init_from) if cfg.model.init_from else None
     stages: dict[int, Stage] = {}
     for s in (s for s, r in enumerate(stage_ranks) if r == topo.pp_rank):
-        stages[s] = build_stage(cfg.model, parts[s], s == 0, s == n_stages - 1, t.seed, topo.device, tp_group)
+        first, last = s == 0, s == n_stages - 1
+        if hf is None:
+            stages[s] = build_stage(cfg.model, parts[s], first, last, t.seed, topo.device, tp_group)
+        else:
+            stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group)
+            load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
     p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)

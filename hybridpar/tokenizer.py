@@ -1,0 +1,138 @@
+"""Tokenizers: a Hugging Face tokenizer directory (`tokenizer.json`, read with the `tokenizers` library,
+and `tokenizer_config.json` for the special tokens and the chat template), the byte-level BPE that
+`hybridpar data train-tokenizer` trains, and decoding a stream of ids into text as it grows.
+
+hybridpar's default stays byte-level (ids 0-255 are UTF-8 bytes, data.py): `Tokenizer` is for models with a
+real vocabulary. A tokenizer is named in a prepared dataset's sidecar by the sha256 of its
+`tokenizer.json`, so a dataset can be checked against the tokenizer a run is given.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+from typing import Any, Iterable, Sequence
+
+TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# The chat template written with a trained tokenizer (ChatML, as transformers' chat templates are written:
+# Jinja over `messages` and `add_generation_prompt`).
+CHATML = (
+    "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\\n' + message['content'] + "
+    "'<|im_end|>' + '\\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\\n' }}{% endif %}"
+)
+
+
+def tokenizer_hash(path: str | Path) -> str:
+    """sha256 of the directory's tokenizer.json: what a prepared dataset records of its tokenizer."""
+    return hashlib.sha256((Path(path) / TOKENIZER_FILE).read_bytes()).hexdigest()
+
+
+class Tokenizer:
+    """A tokenizer directory loaded for encoding and decoding. ValueError naming the file if unreadable."""
+
+    def __init__(self, path: str | Path) -> None:
+        from tokenizers import Tokenizer as HFTokenizer
+
+        self.path = Path(path)
+        file = self.path / TOKENIZER_FILE
+        try:
+            self.tok = HFTokenizer.from_file(str(file))
+        except Exception as e:  # missing file, bad JSON, unknown model: the library's own exception types
+            raise ValueError(f"{file} cannot be read as a tokenizer: {e}") from None
+        self.config: dict[str, Any] = {}
+        if (self.path / CONFIG_FILE).is_file():
+            try:
+                self.config = json.loads((self.path / CONFIG_FILE).read_text(encoding="utf-8"))
+            except (OSError, UnicodeDecodeError, ValueError) as e:
+                raise ValueError(f"{self.path / CONFIG_FILE} cannot be read: {e}") from None
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.sha256 = tokenizer_hash(self.path)
+
+    def encode(self, text: str) -> list[int]:
+        # No special tokens added: a prompt (or a rendered chat) is taken as it is, as the chat template
+        # already holds whatever markers the model was trained with.
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def encode_batch(self, texts: list[str]) -> list[list[int]]:
+        return [e.ids for e in self.tok.encode_batch_fast(texts, add_special_tokens=False)]
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return self.tok.decode(list(ids), skip_special_tokens=False)
+
+    def token_id(self, token: str | None) -> int | None:
+        return None if token is None else self.tok.token_to_id(token)
+
+    def special(self, key: str) -> str | None:
+        """A special token named in tokenizer_config.json (eos_token, bos_token), as its text."""
+        v = self.config.get(key)
+        return v.get("content") if isinstance(v, dict) else v if isinstance(v, str) else None
+
+    @property
+    def chat_template(self) -> str | None:
+        """tokenizer_config.json's chat_template, else chat_template.jinja (where transformers 5 saves it)."""
+        t = self.config.get("chat_template")
+        if isinstance(t, str):
+            return t
+        file = self.path / "chat_template.jinja"
+        return file.read_text(encoding="utf-8") if file.is_file() else None
+
+
+class StreamDecoder:
+    """Text of a growing id sequence, piece by piece: a character split over several tokens (a byte-level
+    BPE's partial UTF-8) is held back until complete, so the pieces join to the full decoding."""
+
+    def __init__(self, tok: Tokenizer) -> None:
+        self.tok, self.ids, self.sent = tok, [], ""
+
+    def feed(self, token: int) -> str:
+        self.ids.append(token)
+        text = self.tok.decode(self.ids)
+        if text.endswith("\ufffd"):  # perhaps the first bytes of a character: wait for the rest
+            return ""
+        return self._emit(text)
+
+    def flush(self) -> str:
+        return self._emit(self.tok.decode(self.ids))
+
+    def _emit(self, text: str) -> str:
+        piece = text[len(self.sent) :] if text.startswith(self.sent) else text
+        self.sent = text
+        return piece
+
+
+def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> Path:
+    """Train a byte-level BPE tokenizer (GPT-2's pre-tokenizer and byte alphabet, so any text encodes)
+    of `vocab_size` ids on `texts`, and write it with a ChatML chat template as a tokenizer directory
+    that `tokenizers` and transformers' AutoTokenizer load."""
+    from tokenizers import Tokenizer as HFTokenizer
+    from tokenizers import decoders, models, pre_tokenizers, trainers
+
+    specials = [END_OF_TEXT, IM_START, IM_END]
+    if vocab_size < 256 + len(specials):
+        raise ValueError(f"--vocab-size {vocab_size} must be at least {256 + len(specials)} (256 bytes + specials)")
+    tok = HFTokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    tok.save(str(out / TOKENIZER_FILE))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": END_OF_TEXT,
+        "eos_token": IM_END,
+        "pad_token": END_OF_TEXT,
+        "model_max_length": 1 << 30,
+        "clean_up_tokenization_spaces": False,
+        "chat_template": CHATML,
+    }
+    (out / CONFIG_FILE).write_text(json.dumps(config, indent=1) + "\n", encoding="utf-8")
+    return out
