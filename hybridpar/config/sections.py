@@ -157,6 +157,12 @@ class TrainConfig:
     global_batch: int = _f(16, "sequences per step, summed over data-parallel replicas")
     microbatches: int = _f(4, "microbatches per data-parallel replica per step")
     microbatch_sizes: list[int] | None = _f(None, "explicit, possibly unequal split of each replica's batch")
+    precision: str = _f(
+        "fp32",
+        "fp32, or bf16: compute in bfloat16 (autocast) with fp32 master weights, optimizer state and "
+        "gradient reductions; pipeline messages in bfloat16",
+        choices=("fp32", "bf16"),
+    )
     seq_len: int = _f(128, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of cosine decay")

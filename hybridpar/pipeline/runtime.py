@@ -89,6 +89,16 @@ class PipelineRuntime:
         # compute time, so this rank behaves like a device `stretch` times slower. 1.0 = off.
         self.stretch = 1.0
         self.meter: ActivationMeter | None = None  # counts the activations forward passes save
+        # Mixed precision (train.precision=bf16): stages compute under autocast to this dtype; their
+        # parameters, gradients and the residual stream inside a stage stay fp32. Messages between ranks
+        # travel in the P2P's dtype and are widened back to fp32 on arrival, so the only rounding the
+        # pipeline adds to the one-device bf16 model is one per stage boundary and direction.
+        self.autocast: torch.dtype | None = None
+
+    def _precision(self) -> contextlib.AbstractContextManager:
+        if self.autocast is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.p2p.device.type, dtype=self.autocast)
 
     def _remote(self, a: int, b: int) -> bool:
         return self.stage_peer(a) != self.stage_peer(b)
@@ -190,7 +200,7 @@ class PipelineRuntime:
         else:
             if self._remote(s - 1, s):
                 buf = self._recv(st, "F", s, m)
-                x = buf.detach()
+                x = buf.detach().float() if buf.dtype != torch.float32 else buf.detach()
             else:
                 x = st.local_act.pop((s, m))
             x.requires_grad_(st.train)
@@ -205,7 +215,7 @@ class PipelineRuntime:
             out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)
         )  # failed: keep peers going
         if self._remote(s, s + 1):
-            st.to_send[("F", s, m)] = y
+            st.to_send[("F", s, m)] = y.to(self.p2p.dtype)
         else:
             st.local_act[(s + 1, m)] = y
 
@@ -217,7 +227,8 @@ class PipelineRuntime:
             self.meter.measuring() if self.meter is not None and st.train else contextlib.nullcontext(),
         ):
             try:
-                y = self.stages[s](x)
+                with self._precision():
+                    y = self.stages[s](x)
                 if s == self.n_stages - 1:
                     y = self.loss_fn(y, st.targets[m], st.loss_scale)
                     st.loss = y.detach() if st.loss is None else st.loss + y.detach()
@@ -242,12 +253,14 @@ class PipelineRuntime:
         if s > 0:
             dx = out[0] if out else torch.zeros(st.shapes[m], dtype=self.p2p.dtype, device=self.p2p.device)
             if self._remote(s - 1, s):
-                st.to_send[("B", s, m)] = dx
+                st.to_send[("B", s, m)] = dx.to(self.p2p.dtype)
             else:
                 st.local_grad[(s - 1, m)] = dx
 
     def _backward_compute(self, st: _Step, s: int, m: int, g: torch.Tensor | None) -> torch.Tensor | None:
         x, y, buf = st.saved.pop((s, m))
+        if g is not None and g.dtype != y.dtype:  # a bf16 message: the graph's output is fp32
+            g = g.to(y.dtype)
         # Buffers go back once nothing can read them: after a full backward the graph that saved them is
         # gone; with a split backward, W may still read tensors that alias them (autograd hands the
         # incoming gradient through the residual add unchanged), so they are left to the GC.

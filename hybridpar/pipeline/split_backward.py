@@ -81,6 +81,9 @@ class WeightGradDeferral:
         """W: accumulate dW = g^T x for every linear used by microbatch `key`."""
         for mod, x, g in self.captured.pop(key, []):  # a stage without linear layers defers nothing
             assert g is not None, "W before its B: the output gradient was never computed"
-            _accumulate(mod.weight, g.flatten(0, -2).t() @ x.flatten(0, -2))
+            g2 = g.flatten(0, -2)
+            # Under bf16 autocast g is bf16 and the forward multiplied bf16 copies: the same product
+            # autograd's backward forms, widened into the fp32 gradient as its AccumulateGrad would.
+            _accumulate(mod.weight, (g2.t() @ x.flatten(0, -2).to(g2.dtype)).to(mod.weight.dtype))
         for mod in self.custom:
             mod.weight_grad(key)

@@ -78,8 +78,10 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
             stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
-    p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
+    low = torch.bfloat16 if t.precision == "bf16" else None
+    p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)
+    runtime.autocast = low
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
     return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime)
