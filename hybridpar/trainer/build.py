@@ -65,8 +65,10 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
     tp_group = topo.group("tp") if p.tp > 1 else None
     stages: dict[int, Stage] = {}
+    recompute = t.recompute_modes(n_stages)
     for s in (s for s, r in enumerate(stage_ranks) if r == topo.pp_rank):
         stages[s] = build_stage(cfg.model, parts[s], s == 0, s == n_stages - 1, t.seed, topo.device, tp_group)
+        stages[s].recompute = recompute[s]
         attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
     p2p = P2P(topo.device, torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)
