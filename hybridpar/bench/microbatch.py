@@ -22,7 +22,7 @@ from hybridpar.testing import run_ranks
 
 
 def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
-    from hybridpar.batching.planner import FixedPolicy
+    from hybridpar.batching.fixed import FixedPolicy
     from hybridpar.batching.policy import count_rules, make_policy
     from hybridpar.config import Config
     from hybridpar.topology.mesh import build_topology
