@@ -346,3 +346,12 @@ def test_policy_state_of_another_run_is_refused_by_name() -> None:
         AdaptivePolicy(16, 1, min_microbatches=4, count_multiple=4).load_state_dict(state)
     with pytest.raises(ValueError, match="version"):
         AdaptivePolicy(16, 1).load_state_dict({**state, "version": 9})
+
+
+def test_median_confidence_interval_of_the_bench() -> None:
+    from hybridpar.bench.microbatch import median_ci95
+
+    assert median_ci95([1.0, 2.0, 3.0]) == (1.0, 3.0)  # too few for 95%: the full range
+    xs = [float(i) for i in range(1, 11)]  # n = 10: P(Binomial(10, 1/2) <= 1) = 1.1% -> 2nd and 9th
+    assert median_ci95(xs[::-1]) == (2.0, 9.0)
+    assert median_ci95([float(i) for i in range(1, 21)]) == (6.0, 15.0)  # n = 20: 6th and 15th
