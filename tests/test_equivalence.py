@@ -1,6 +1,8 @@
-"""Every parallel layout trains the same model as one device: per-step loss and every parameter after
-3 AdamW steps within 1e-5 of a plain single-process fp32 run (torch.optim.AdamW, torch's clip). The
-GPT-2 family runs the same grid, its parameters also held to DESIGN.md's fp64 criterion."""
+"""Every parallel layout trains the same model as one device, against a plain single-process run
+(torch.optim.AdamW, torch's clip): the loss of every step within 1e-5 of the fp32 run's, and every
+parameter after 3 AdamW steps no farther from an fp64 run than the fp32 run is (DESIGN.md,
+`check_fp64`). Llama and GPT-2 over the grid of layouts and schedules, and odd shapes: tp=3, pp=3,
+dp=3 with replicas of 4, 3 and 3 samples, a sequence of 33 tokens."""
 
 from __future__ import annotations
 
@@ -50,8 +52,10 @@ def final_state(run_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
 
 
 def reference(
-    cfg: Config, dtype: torch.dtype = torch.float32
+    cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1
 ) -> tuple[list[float], list[tuple[int, float]], dict[str, torch.Tensor]]:
+    """Plain single-process training; with `accumulate` > 1 each step's gradient is summed over that
+    many balanced microbatches (another order of the same sums: an equally valid fp32 run)."""
     t = cfg.train
     data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed).to(dtype)  # fp64: the same initial values, widened
@@ -61,9 +65,15 @@ def reference(
     for step in range(t.steps):
         set_lr(opt, lr_at(step, t))
         x, y = data.step_samples(step, t.global_batch, 0, t.global_batch)
-        logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
-        loss.backward()
+        if accumulate == 1:
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+        else:
+            loss = torch.zeros((), dtype=dtype)
+            for xs, ys in zip(x.tensor_split(accumulate), y.tensor_split(accumulate)):
+                part = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten(), reduction="sum") / y.numel()
+                part.backward()
+                loss += part.detach()
         if t.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
         opt.step()
@@ -121,38 +131,56 @@ def grid_config(pp: int, schedule: str, v: int, **over: dict) -> Config:
 _REF: dict[str, tuple] = {}  # the reference depends on model and train settings only
 
 
-def ref_for(cfg: Config, dtype: torch.dtype = torch.float32) -> tuple:
-    key = repr((cfg.model, cfg.train, dtype))
+def ref_for(cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1) -> tuple:
+    key = repr((cfg.model, cfg.train, dtype, accumulate))
     if key not in _REF:
-        _REF[key] = reference(cfg, dtype)
+        _REF[key] = reference(cfg, dtype, accumulate)
     return _REF[key]
 
 
-FP64_RATIO = 1.5  # DESIGN.md: no farther from the fp64 run than the single-process fp32 run, within 1.5x
+FP64_RATIO = 1.5  # DESIGN.md: no farther from the fp64 run than single-process fp32 runs, within 1.5x
+# Single-process fp32 runs that differ only in the order of their sums: the whole batch at once, and
+# accumulated over 2 and 4 microbatches. A tensor's distance to fp64 is set by one or two elements where
+# Adam turns rounding noise in a near-zero gradient into a step, so it scatters between such runs
+# (measured per tensor: up to 4.9x apart); their largest distance is the tensor's fp32 noise level.
+SINGLE_RUNS = (1, 2, 4)
+# The scatter left: single-process runs accumulating over 3, 5, 8 or all microbatches exceed 1.5x that
+# level by up to 1.4e-6 on some tensor (tiny, odd and GPT-2 models), exact parallel layouts by up to
+# 1.5e-6 (tp=2). The floor sits just above, 5x below the old fixed 1e-5.
+FP64_FLOOR = 2e-6
+
+
+def param_distances(state: dict[str, torch.Tensor], ref64: dict[str, torch.Tensor]) -> dict[str, float]:
+    """Each parameter's distance to the fp64 run: its largest element-wise difference."""
+    return {n: (state[n].double() - r).abs().max().item() for n, r in ref64.items()}
+
+
+def fp32_noise(cfg: Config) -> dict[str, float]:
+    """Per parameter, the largest distance to the fp64 run among the single-process fp32 runs."""
+    ref64 = ref_for(cfg, torch.float64)[2]
+    runs = [param_distances(ref_for(cfg, torch.float32, k)[2], ref64) for k in SINGLE_RUNS]
+    return {n: max(r[n] for r in runs) for n in ref64}
 
 
 def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
-    """DESIGN.md's parameter criterion: the whole model's distance to an fp64 run of the same training,
-    as the largest difference and as the L2 norm of all differences, at most 1.5x the single-process
-    fp32 run's. Whole-model, not per tensor: a tensor's own distance sits at a few fp32 ulps, so the
-    ratio of two runs' is noise (measured up to 14x per tensor on Llama layouts whose loss and every
-    parameter are within 1e-5, and whose whole-model ratio is 1.1)."""
-    ref32, ref64 = ref_for(cfg)[2], ref_for(cfg, torch.float64)[2]
-    for what, dist in (
-        ("largest difference", lambda s: max((s[n].double() - r).abs().max().item() for n, r in ref64.items())),
-        (
-            "L2 norm of the differences",
-            lambda s: sum((s[n].double() - r).pow(2).sum().item() for n, r in ref64.items()) ** 0.5,
-        ),
-    ):
-        ours, single = dist(state), dist(ref32)
-        assert ours <= FP64_RATIO * single, (
-            f"{label}: {what} to the fp64 run is {ours:.3g}, more than "
-            f"{FP64_RATIO} x the single-process fp32 run's {single:.3g}"
+    """DESIGN.md's parameter criterion (issue 19): fp32 runs that differ only in the order of their sums
+    (a microbatch split, a tensor-parallel reduction) differ by up to 3e-5 after a few AdamW steps, so a
+    fixed tolerance both fails exact layouts and passes wrong ones at small lr. Instead each
+    parameter's distance to an fp64 run of the same training is held to single-process fp32 runs':
+    at most FP64_RATIO times the largest of theirs, plus FP64_FLOOR. A real error (a gradient term
+    missed or counted twice) moves parameters by about lr = 3e-3 per step, far beyond."""
+    ours, noise = param_distances(state, ref_for(cfg, torch.float64)[2]), fp32_noise(cfg)
+    for name, d in ours.items():
+        bound = FP64_RATIO * noise[name] + FP64_FLOOR
+        assert d <= bound, (
+            f"{label}: {name} is {d:.3g} from the fp64 run, more than {FP64_RATIO} x single-process "
+            f"fp32 runs' {noise[name]:.3g} + {FP64_FLOOR:g}"
         )
 
 
-def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker, fp64: bool = False) -> None:
+def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
+    """Each config's run (all of one world size, in one launch) against the single-device reference: the
+    loss of every step and every validation within TOL, every parameter by the fp64 criterion."""
     world = cfgs[0].parallel.world_size
     results = run_ranks(worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)
     for i, cfg in enumerate(cfgs):
@@ -167,11 +195,7 @@ def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker, fp64: bool
             assert abs(a - b) <= TOL, f"{label}: step {s} loss {a} vs single device {b}"
         state = torch.load(tmp_path / f"state{i}.pt", weights_only=True)
         assert list(state) == list(ref_state), f"{label}: parameter names/order differ"
-        for name, ref in ref_state.items():
-            diff = (state[name] - ref).abs().max().item()
-            assert diff <= TOL, f"{label}: {name} differs from single device by {diff:.3g}"
-        if fp64:
-            check_fp64(label, state, cfg)
+        check_fp64(label, state, cfg)
 
 
 @pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in LAYOUTS])
@@ -214,4 +238,25 @@ def gpt2_config(**parallel: Any) -> Config:
 @pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in GPT2_LAYOUTS])
 def test_gpt2_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path) -> None:
     cfgs = [gpt2_config(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v) for s, v in schedules_for(pp)]
-    check_layouts(cfgs, tmp_path, fp64=True)
+    check_layouts(cfgs, tmp_path)
+
+
+def odd_config(**parallel: Any) -> Config:
+    """Shapes nothing divides evenly: 6 heads over 3 kv heads and a vocabulary of 258 (tp=3 splits
+    each), 8 layers over 3 stages, 33-token sequences, 10 samples over 3 replicas (4, 3, 3)."""
+    cfg = tiny_config(
+        model=dict(dim=48, n_heads=6, n_kv_heads=3, ffn_dim=96, vocab_size=258),
+        train=dict(seq_len=33, global_batch=10, microbatches=3),
+        parallel=parallel,
+    )
+    cfg.train.microbatches = max(3, schedule_spec(cfg.parallel.schedule).min_microbatches(cfg.parallel.pp))
+    return cfg
+
+
+def test_odd_shapes(tmp_path: Path) -> None:
+    cfgs = [
+        odd_config(tp=3, pp=1, dp=1, schedule="1f1b"),
+        odd_config(tp=1, pp=3, dp=1, schedule="zb-h1"),
+        odd_config(tp=1, pp=1, dp=3, schedule="1f1b"),
+    ]
+    check_layouts(cfgs, tmp_path)

@@ -37,7 +37,7 @@ def test_zero1_layouts_match_single_device(tmp_path: Path) -> None:
     replicas hold 6 and 5 samples."""
     cfgs = [grid_config(2, s, v, parallel=dict(tp=1, pp=2, dp=2, **ZERO)) for s, v in (("1f1b", 1), ("zb-v", 2))]
     cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, **ZERO)))
-    check_layouts(cfgs, tmp_path, fp64=True)
+    check_layouts(cfgs, tmp_path)
 
 
 def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:

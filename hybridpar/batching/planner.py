@@ -1,150 +1,14 @@
-"""Microbatch policies: how one replica's share of the step's batch is cut into microbatches.
-
-Sizes follow device memory and measured performance, from what the trainer measures and feeds in
-each step (no assumed constant such as bytes per token):
-
-    sizes = policy.propose(step)            # before the step; sums exactly to the replica batch
-    ...run the step (on OOM: sizes = policy.on_oom(step, sizes), retry)...
-    policy.observe(step, sizes, step_time_s, peak_activation_bytes, tokens)
-
-Policies are deterministic in their observations (no clock, no randomness): every rank of a pipeline
-fed the same ones (step time and peak reduced over the pipeline) proposes the same split, which the
-runtime needs (each message's shape comes from the split).
-"""
+"""The adaptive microbatch policy: the split chosen at run time from measured throughput under a
+memory budget (the interface every policy follows, and the fixed policy, are in fixed.py)."""
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from statistics import fmean, median
-from typing import Any, Protocol, Sequence
+from typing import Any, Sequence
 
+from hybridpar.batching.fixed import _Recorder
 from hybridpar.batching.split import BatchPlan, split_evenly
-
-
-@dataclass(frozen=True)
-class Observation:
-    step: int
-    sizes: tuple[int, ...]
-    step_time_s: float
-    peak_activation_bytes: int | None  # peak during the step minus memory resident before it
-    tokens: int
-
-    @property
-    def throughput(self) -> float:
-        return self.tokens / self.step_time_s
-
-
-class MicrobatchPolicy(Protocol):
-    """What the trainer asks of a policy (FixedPolicy, AdaptivePolicy)."""
-
-    def propose(self, step: int) -> list[int]: ...
-    def observe(
-        self, step: int, sizes: Sequence[int], step_time_s: float, peak_activation_bytes: int | None, tokens: int
-    ) -> None: ...
-    def on_oom(self, step: int, sizes: Sequence[int]) -> list[int] | None: ...
-    def statistics(self) -> dict[str, Any]: ...
-    def state_dict(self) -> dict[str, Any] | None: ...
-    def load_state_dict(self, d: dict[str, Any]) -> None: ...
-
-
-def split_by_size(total: int, size: int) -> list[int]:
-    """The fewest balanced microbatches of at most `size`: 10 by 4 -> [4, 3, 3], not [4, 4, 2] — an
-    uneven last microbatch would not save memory and would idle the pipeline while the others run."""
-    if size < 1:
-        raise ValueError(f"microbatch size must be >= 1, got {size}")
-    return split_evenly(total, math.ceil(total / size))
-
-
-class _Recorder:
-    """Running totals (not a growing log: the trainer calls this every step for days) and the
-    statistics every policy reports."""
-
-    def __init__(self, batch: int) -> None:
-        self.batch = batch
-        self.steps, self._sum_time, self._sum_thr = 0, 0.0, 0.0
-        self.history: list[dict[str, Any]] = []  # one entry per measured (split, throughput) block
-        self.converged_step: int | None = None
-        self.steps_to_converge: int | None = None
-
-    def _record(
-        self, step: int, sizes: Sequence[int], step_time_s: float, peak: int | None, tokens: int
-    ) -> Observation:
-        if sum(sizes) != self.batch or min(sizes, default=0) < 1 or not step_time_s > 0 or tokens < 0:
-            raise ValueError(
-                f"observed sizes {list(sizes)} must be positive and sum to {self.batch}, "
-                f"step_time_s={step_time_s} > 0, tokens={tokens} >= 0"
-            )
-        obs = Observation(step, tuple(sizes), float(step_time_s), peak, tokens)
-        self.steps, self._sum_time, self._sum_thr = (
-            self.steps + 1,
-            self._sum_time + obs.step_time_s,
-            self._sum_thr + obs.throughput,
-        )
-        return obs
-
-    def _converge(self, step: int) -> None:
-        if self.converged_step is None:
-            self.converged_step, self.steps_to_converge = step, self.steps
-
-    def _stats(self, name: str, split: list[int], converged: bool) -> dict[str, Any]:
-        n = self.steps
-        return {
-            "policy": name,
-            "current_split": split,
-            "history": list(self.history),
-            "mean_latency_s": self._sum_time / n if n else None,
-            "mean_throughput": self._sum_thr / n if n else None,
-            "steps_observed": n,
-            "converged": converged,
-            "steps_to_converge": self.steps_to_converge,
-        }
-
-
-class FixedPolicy(_Recorder):
-    """A fixed split: `count` balanced microbatches, the fewest balanced ones of at most `size`, or
-    explicit `sizes`."""
-
-    def __init__(
-        self,
-        replica_batch: int,
-        *,
-        count: int | None = None,
-        size: int | None = None,
-        sizes: Sequence[int] | None = None,
-    ) -> None:
-        if [count, size, sizes].count(None) != 2:
-            raise ValueError(f"give exactly one of count={count}, size={size} and sizes={sizes}")
-        super().__init__(replica_batch)
-        if sizes is not None:
-            if sum(sizes) != replica_batch or min(sizes, default=0) < 1:
-                raise ValueError(f"microbatch sizes {list(sizes)} must be positive and sum to {replica_batch}")
-            self.split = list(sizes)
-        else:
-            self.split = split_evenly(replica_batch, count) if count is not None else split_by_size(replica_batch, size)
-        self.steps_to_converge = 0
-
-    def propose(self, step: int) -> list[int]:
-        return list(self.split)
-
-    def observe(
-        self, step: int, sizes: Sequence[int], step_time_s: float, peak_activation_bytes: int | None, tokens: int
-    ) -> None:
-        self._record(step, sizes, step_time_s, peak_activation_bytes, tokens)
-
-    def on_oom(self, step: int, sizes: Sequence[int]) -> list[int] | None:
-        return None  # a fixed split has no smaller one to offer: the trainer reports the OOM
-
-    def state_dict(self) -> None:
-        return None  # nothing measured that a resumed run would need
-
-    def load_state_dict(self, d: dict[str, Any]) -> None:
-        pass  # another policy's state (the policy was changed on resume): a fixed split ignores it
-
-    def statistics(self) -> dict[str, Any]:
-        out = self._stats("fixed", self.propose(0), True)
-        out["history"] = [{"split": self.split, "mean_throughput": out["mean_throughput"], "steps": self.steps}]
-        return out
 
 
 class AdaptivePolicy(_Recorder):
@@ -159,6 +23,11 @@ class AdaptivePolicy(_Recorder):
     `steps_per_candidate` measured, smallest microbatches first so memory is learnt before big ones
     run. The whole set is scanned: with unequal splits throughput need not be unimodal in the count
     (under 1F1B costs, 64 samples in 15 microbatches run slower than in 14 or 16).
+    No split is locked in from one block of readings (on a shared machine one block can catch a quiet
+    or a busy moment, issue 19): after the scan the leader by median is re-measured with the runner-up
+    and whichever of the next two is within `drift_margin` of it, in alternating order, and the
+    medians pool every block of a candidate. The scan ends once a re-checked leader beats every other by more than
+    `switch_margin`, or after `max_passes` passes (then the best median, hysteresis applied).
     Hysteresis: a re-scan starts only when the current split's throughput falls by more than
     `drift_margin` (a rise only re-baselines), at least `cooldown_steps` after the last decision, and
     replaces the incumbent only if beaten by more than `switch_margin`. Memory does not wait: a split that
@@ -185,6 +54,7 @@ class AdaptivePolicy(_Recorder):
         drift_margin: float = 0.10,
         drift_window: int = 8,
         cooldown_steps: int = 50,
+        max_passes: int = 4,
     ) -> None:
         if dp < 1 or not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
@@ -209,13 +79,14 @@ class AdaptivePolicy(_Recorder):
                 f"and is a multiple of {count_multiple}"
             )
         if (
-            min(steps_per_candidate, drift_window) < 1
+            min(steps_per_candidate, drift_window, max_passes) < 1
             or min(warmup_steps, cooldown_steps) < 0
             or not 0 <= switch_margin < 1
             or not 0 < drift_margin < 1
         ):
             raise ValueError(
-                f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window} >= 1, "
+                f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window}, "
+                f"max_passes={max_passes} >= 1, "
                 f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
                 f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1)"
             )
@@ -223,6 +94,7 @@ class AdaptivePolicy(_Recorder):
         self.min_microbatches = min_microbatches
         self.k, self.warmup, self.margin = steps_per_candidate, warmup_steps, switch_margin
         self.drift_margin, self.drift_window, self.cooldown = drift_margin, drift_window, cooldown_steps
+        self.max_passes, self._pass = max_passes, 1
         self.budget: float | None = None
         if memory_budget_bytes is not None or memory_fraction is not None:
             self.set_memory_budget(memory_budget_bytes, memory_fraction, memory_total_bytes, memory_baseline_bytes)
@@ -283,13 +155,14 @@ class AdaptivePolicy(_Recorder):
     ) -> None:
         """(Re)start or continue a scan over `queue`, keeping what is measured and still fits."""
         self.rounds += int(new_round)
+        self._pass = 1 if new_round else self._pass
         self.exploring, self.incumbent = True, incumbent
         self._measured = {m: v for m, v in (measured or {}).items() if self.fits(m)}
         self._queue = [m for m in queue if self.fits(m) and m not in self._measured]
         if self._queue:
             self._set(self._queue[0])
         elif self._measured:
-            self._decide(step)
+            self._end_pass(step)
         else:  # nothing fits the budget: run the smallest microbatches (statistics flag over_budget)
             self._queue = [self.candidates[0]]
             self._set(self.candidates[0])
@@ -306,7 +179,8 @@ class AdaptivePolicy(_Recorder):
         self._scan(step, queue, inc, measured, new_round=not self.exploring and not measured)
 
     def _set(self, m: int) -> None:
-        self.current, self._since_change, self._window = m, 0, []
+        # _block: readings of this block (a re-check pass adds a block to a candidate's earlier readings)
+        self.current, self._since_change, self._window, self._block = m, 0, [], 0
 
     def _finish_candidate(self, step: int) -> None:
         m, thr = self.current, self._measured[self.current]
@@ -317,12 +191,35 @@ class AdaptivePolicy(_Recorder):
                 "median_throughput": median(thr),
                 "steps": len(thr),
                 "round": self.rounds,
+                "pass": self._pass,
             }
         )
-        self._scan(step, self._queue[1:], self.incumbent, self._measured, new_round=False)
+        self._queue = [q for q in self._queue[1:] if self.fits(q)]  # measured ones too: a re-check pass
+        if self._queue:
+            self._set(self._queue[0])
+        else:
+            self._end_pass(step)
 
-    def _decide(self, step: int) -> None:
+    def _end_pass(self, step: int) -> None:
+        """Every queued candidate is measured: decide, or re-check the leader (and whoever is close)."""
         med = {m: median(v) for m, v in self._measured.items()}
+        ranked = sorted(med, key=lambda m: (med[m], m), reverse=True)
+        leader, rest = ranked[0], ranked[1:]
+        clear = all(med[m] * (1 + self.margin) < med[leader] for m in rest)
+        if not rest or (self._pass > 1 and clear) or self._pass >= self.max_passes:
+            self._decide(step, med)
+            return
+        # The runner-up is always re-checked once: its block may have caught a busy moment.
+        runner_up = rest[:1] if self._pass == 1 else []
+        close = [m for m in rest[:2] if med[m] >= med[leader] * (1 - self.drift_margin)]
+        group = list(dict.fromkeys([leader] + runner_up + close))
+        self._pass += 1
+        # Alternate the order pass by pass: a machine getting steadily busier or quieter then favours
+        # no candidate.
+        self._queue = group if self._pass % 2 else group[::-1]
+        self._set(self._queue[0])
+
+    def _decide(self, step: int, med: dict[int, float]) -> None:
         best = max(med, key=lambda m: (med[m], m))  # ties: more microbatches (less memory)
         inc = self.incumbent
         if inc in med and best != inc and med[best] <= med[inc] * (1 + self.margin):
@@ -358,7 +255,8 @@ class AdaptivePolicy(_Recorder):
             return
         if self.exploring:
             self._measured.setdefault(self.current, []).append(obs.throughput)
-            if len(self._measured[self.current]) >= self.k:
+            self._block += 1
+            if self._block >= self.k:
                 self._finish_candidate(step)
             return
         self._window = (self._window + [obs.throughput])[-self.drift_window :]
@@ -411,7 +309,9 @@ class AdaptivePolicy(_Recorder):
             "incumbent": self.incumbent,
             "measured": sorted(self._measured.items()),
             "queue": self._queue,
+            "pass": self._pass,
             "current": self.current,
+            "block": self._block,
             "window": self._window,
             "ref": self._ref,
             "recorder": {
@@ -450,7 +350,9 @@ class AdaptivePolicy(_Recorder):
         self.incumbent = d["incumbent"]
         self._measured = {int(m): list(v) for m, v in d["measured"]}
         self._queue = [int(m) for m in d["queue"]]
+        self._pass = int(d.get("pass", 1))  # states written before re-check passes existed
         self._set(int(d["current"]))
+        self._block = int(d.get("block", 0))
         self._window = list(d["window"])
         self._ref = d["ref"]
         r = d["recorder"]

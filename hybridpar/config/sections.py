@@ -14,6 +14,7 @@ from hybridpar.config.families import FAMILIES, rules
 from hybridpar.config.schedules import SCHEDULES, schedule_names, schedule_spec
 
 CPU_BINDINGS = ("none", "cores")  # how topology/cpus.py places local ranks on cores
+RECOMPUTE_MODES = ("none", "full", "selective")  # model/recompute.py
 
 
 def _f(default: Any, help: str, **meta: Any) -> Any:
@@ -172,6 +173,12 @@ class TrainConfig:
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
     grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
+    recompute: str = _f(
+        "none",
+        "activation recomputation of decoder layers in backward: none; full (keep each layer's input, "
+        "rerun its forward); selective (keep the matmul outputs, rerun norms, rotary, attention core, "
+        "activations); one mode for every stage, or one per pipeline stage, comma-separated",
+    )
     seed: int = _f(0, "random seed")
     val_every: int = _f(50, "validate every N steps (0 disables)")
     monitor_every: int = _f(
@@ -182,6 +189,11 @@ class TrainConfig:
     val_batches: int = _f(4, "batches per validation")
     sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
     sample_prompt: str = _f("def ", "prompt for the final sample")
+
+    def recompute_modes(self, n_stages: int) -> list[str]:
+        """The recomputation mode of each of `n_stages` stages (validate checks the entries)."""
+        modes = [m.strip() for m in self.recompute.split(",")]
+        return modes * n_stages if len(modes) == 1 else modes
 
 
 @dataclass

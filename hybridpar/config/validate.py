@@ -17,7 +17,14 @@ from typing import TYPE_CHECKING, Any
 from hybridpar.config.families import OPTIONS, rules, tp_split_sizes
 from hybridpar.config.keys import _is_int, _is_num, _known_keys, _owner, _suggest
 from hybridpar.config.schedules import CONFIG_KEYS, SCHEDULES, schedule_spec
-from hybridpar.config.sections import CheckpointConfig, ModelConfig, ParallelConfig, ResilienceConfig, TrainConfig
+from hybridpar.config.sections import (
+    RECOMPUTE_MODES,
+    CheckpointConfig,
+    ModelConfig,
+    ParallelConfig,
+    ResilienceConfig,
+    TrainConfig,
+)
 
 if TYPE_CHECKING:  # config.py imports this module; the name is needed for annotations only
     from hybridpar.config.config import Config
@@ -34,6 +41,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_world_size(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel, cfg.train)
     _check_schedule(cfg.model, cfg.parallel, cfg.train)
+    _check_recompute(cfg.train, cfg.parallel)
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
@@ -244,6 +252,22 @@ def _check_schedule(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
     )
     problem = spec.count_problem(p.pp, t.microbatches, CONFIG_KEYS)
     _require(problem is None, problem or "")
+
+
+def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
+    _require(isinstance(t.recompute, str), f"train.recompute must be a string, got {t.recompute!r}")
+    modes = [m.strip() for m in t.recompute.split(",")]
+    for i, m in enumerate(modes):
+        where = "train.recompute" if len(modes) == 1 else f"train.recompute entry {i} (stage {i})"
+        _require(
+            m in RECOMPUTE_MODES,
+            f"{where}={m!r} is not one of {', '.join(RECOMPUTE_MODES)}{_suggest(m, RECOMPUTE_MODES)}",
+        )
+    _require(
+        len(modes) in (1, p.n_stages),
+        f"train.recompute has {len(modes)} entries but parallel.pp × parallel.virtual_stages = {p.pp} × "
+        f"{p.chunks} = {p.n_stages} stages: give one mode for all stages or one per stage",
+    )
 
 
 def _replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:

@@ -123,7 +123,7 @@ class GPT2Stage(Stage):
         else:
             h = x
         for lid, block in self.transformer.h.items():
-            h = block(h, None if kv is None else kv.layer(lid))
+            h = self.run_layer(block, h, None if kv is None else kv.layer(lid))
         if not self.last:
             return h
         if kv is not None:

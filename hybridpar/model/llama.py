@@ -168,7 +168,7 @@ class LlamaStage(Stage):
         else:  # each row at its own positions
             cos, sin = (t[kv.positions].unsqueeze(1) for t in self._tables(kv.max_len, h.device))  # (B, 1, T, hd)
         for lid, layer in self.model.layers.items():
-            h = layer(h, cos, sin, None if kv is None else kv.layer(lid))
+            h = self.run_layer(layer, h, cos, sin, None if kv is None else kv.layer(lid))
         if not self.last:
             return h
         if kv is not None:

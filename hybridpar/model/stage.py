@@ -11,7 +11,8 @@ holds bit-for-bit the same values as the same layers inside the full model: the 
 same full model under every (tp, pp, dp) layout.
 
 A family subclasses `Stage`, names its embedding, head and layer container (class attributes), gives
-its tensor-parallel plan and init rule, and implements `forward(x, kv)` and `kv_heads()`.
+its tensor-parallel plan and init rule, and implements `forward(x, kv)` and `kv_heads()`; its forward
+runs each decoder layer through `run_layer`, which applies the stage's activation recomputation.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from torch import nn
 
 from hybridpar.config import ModelConfig
 from hybridpar.model.kvcache import KVCache, KVStep
+from hybridpar.model.recompute import run_layer
 
 
 class Stage(nn.Module):
@@ -43,6 +45,12 @@ class Stage(nn.Module):
         self.cfg = cfg
         self.first, self.last = first, last
         self.layer_ids = list(layers)
+        self.recompute = "none"  # train.recompute for this stage (model/recompute.py)
+        self.recompute_phase: str | None = None  # "forward" / "recompute" while a layer is recomputed
+
+    def run_layer(self, layer: nn.Module, *args: object) -> torch.Tensor:
+        """One decoder layer's forward, under this stage's activation recomputation mode."""
+        return run_layer(self, layer, *args)
 
     # -- structure ----------------------------------------------------------------------------------
     @property

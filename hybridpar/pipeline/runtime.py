@@ -180,7 +180,7 @@ class PipelineRuntime:
                         self.p2p.release(buf)
             st.saved.clear()
             for d in self._deferral.values():
-                d.captured.clear()
+                d.clear()
             if self.meter is not None:
                 self.meter.clear()
             if torch.cuda.is_available():
@@ -266,7 +266,7 @@ class PipelineRuntime:
         # incoming gradient through the residual add unchanged), so they are left to the GC.
         try:
             if st.split:
-                return self._split(s).backward_input(y, g, x)
+                return self._split(s).backward_input(y, g, x, (s, m))
             torch.autograd.backward(y, g)
             return x.grad if x is not None else None
         finally:

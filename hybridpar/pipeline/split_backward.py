@@ -13,6 +13,13 @@ accumulate those weights' gradients. The benchmark's emulated stage uses them (b
 stage without such modules (every model family's) is unaffected. Nothing here knows a family: linear
 layers (biases included: theirs are computed in B with the other non-linear parameters) are found by
 type, a tied head by its weight being another module's too.
+
+Activation recomputation (model/recompute.py): a layer recomputed in backward must not keep its linear
+layers' inputs from F to W — that is the memory recomputation exists to save. Its stage says which
+run of the layer is under way (`recompute_phase`): the first ("forward") records the output-gradient
+hook only; the rerun inside B ("recompute", while `key` names the microbatch being differentiated)
+hands each linear its recomputed input, bit-identical to the first. Between B and W the inputs are
+held, as without recomputation.
 """
 
 from __future__ import annotations
@@ -38,11 +45,16 @@ class WeightGradDeferral:
         self.linears = [m for m in stage.modules() if isinstance(m, nn.Linear) and id(m.weight) not in shared]
         deferred = {id(m.weight) for m in self.linears}
         self.others = [p for p in stage.parameters() if id(p) not in deferred]
+        self.stage = stage
         self.key: Hashable | None = None
         self.captured: dict[Hashable, list[list]] = {}
+        self._pending: dict[tuple[Hashable, int], list] = {}  # (key, id(linear)) -> entry awaiting its input
         for m in self.linears:
             # prepend: see the raw linear output, before any tensor-parallel hook reduces or gathers it.
             m.register_forward_hook(self._capture, prepend=True)
+            # Before the linear runs: a recomputation may stop right after its last saved tensor, inside
+            # the last linear (torch.utils.checkpoint's early stop), so its forward hook would not fire.
+            m.register_forward_pre_hook(self._recomputed_input)
         self.custom = [
             m
             for m in stage.modules()
@@ -51,14 +63,29 @@ class WeightGradDeferral:
         for m in self.custom:
             m.register_forward_pre_hook(self._announce)
 
+    def clear(self) -> None:
+        """Forget every microbatch's captures (a failed step)."""
+        self.captured.clear()
+        self._pending.clear()
+
+    def _phase(self) -> str | None:
+        return getattr(self.stage, "recompute_phase", None)
+
     def _announce(self, mod: nn.Module, args: tuple) -> None:
-        if self.key is not None and torch.is_grad_enabled():
+        if self.key is not None and torch.is_grad_enabled() and self._phase() != "recompute":
             mod.defer_weight_grad(self.key)
 
+    def _recomputed_input(self, mod: nn.Linear, args: tuple) -> None:
+        if self.key is not None and torch.is_grad_enabled() and self._phase() == "recompute":
+            self._pending.pop((self.key, id(mod)))[1] = args[0].detach()
+
     def _capture(self, mod: nn.Linear, args: tuple, out: torch.Tensor) -> None:
-        if self.key is None or not torch.is_grad_enabled():
+        phase = self._phase()
+        if self.key is None or not torch.is_grad_enabled() or phase == "recompute":
             return
-        entry = [mod, args[0].detach(), None]
+        entry = [mod, args[0].detach() if phase is None else None, None]
+        if phase == "forward":  # recomputed in B: the input arrives then
+            self._pending[(self.key, id(mod))] = entry
         self.captured.setdefault(self.key, []).append(entry)
 
         def keep_grad(g: torch.Tensor) -> None:
@@ -67,11 +94,16 @@ class WeightGradDeferral:
         out.register_hook(keep_grad)
 
     def backward_input(
-        self, y: torch.Tensor, grad_y: torch.Tensor | None, x: torch.Tensor | None
+        self, y: torch.Tensor, grad_y: torch.Tensor | None, x: torch.Tensor | None, key: Hashable = None
     ) -> torch.Tensor | None:
-        """B: gradient of the stage input (returned) and of non-linear parameters (accumulated)."""
+        """B of microbatch `key`: gradient of the stage input (returned) and of non-linear parameters
+        (accumulated)."""
         inputs = ([x] if x is not None else []) + self.others
-        grads = torch.autograd.grad(y, inputs, grad_outputs=grad_y, allow_unused=True)
+        self.key = key  # layers recomputed during this B hand their linears' inputs to `key`'s W
+        try:
+            grads = torch.autograd.grad(y, inputs, grad_outputs=grad_y, allow_unused=True)
+        finally:
+            self.key = None
         for p, g in zip(self.others, grads[1:] if x is not None else grads):
             if g is not None:
                 _accumulate(p, g)
@@ -80,7 +112,7 @@ class WeightGradDeferral:
     def weight(self, key: Hashable) -> None:
         """W: accumulate dW = g^T x for every linear used by microbatch `key`."""
         for mod, x, g in self.captured.pop(key, []):  # a stage without linear layers defers nothing
-            assert g is not None, "W before its B: the output gradient was never computed"
+            assert g is not None and x is not None, "W before its B: the output gradient or input is missing"
             g2 = g.flatten(0, -2)
             # Under bf16 autocast g is bf16 and the forward multiplied bf16 copies: the same product
             # autograd's backward forms, widened into the fp32 gradient as its AccumulateGrad would.

@@ -70,6 +70,7 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     # model.init_from: each rank reads only its stages' tensors, and of those only its tp slices.
     hf = SafetensorsDir(cfg.model.init_from) if cfg.model.init_from else None
     stages: dict[int, Stage] = {}
+    recompute = t.recompute_modes(n_stages)
     for s in (s for s, r in enumerate(stage_ranks) if r == topo.pp_rank):
         first, last = s == 0, s == n_stages - 1
         if hf is None:
@@ -77,6 +78,7 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
         else:
             stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
+        stages[s].recompute = recompute[s]
         attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
     low = torch.bfloat16 if t.precision == "bf16" else None
     p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)

@@ -1,0 +1,104 @@
+"""Activation recomputation (`train.recompute`): activation peak and step time of none, full and
+selective, side by side on one trainer (JSON).
+
+    .venv/bin/python bench/recompute.py [--layouts 1x1x1,2x2x1] [--seq-len 256] [--rounds 8] [--json FILE]
+
+Layouts are TPxPPxDP, the model is the default one. In each layout one trainer runs rounds of blocks of
+steps, one block per mode, the modes' order rotating every round, so a shared machine's drift hits all
+of them alike. Peak: the activation meter's bytes held for backward (max over ranks, pipeline/memory.py).
+Time: the median step time per mode, and per round each mode's block median over none's, reported as
+the median ratio with its spread (min, max over rounds). The load average is taken before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+
+from hybridpar.config import Config
+from hybridpar.testing import run_ranks
+
+MODES = ("none", "full", "selective")
+
+
+def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict | None:
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
+    trainer = Trainer(cfg, topo)
+    step = 0
+    times: dict[str, list[list[float]]] = {m: [] for m in MODES}  # per round, the block's step times
+    peaks: dict[str, int] = {}
+    for r in range(rounds + 1):  # round 0 warms every mode up and is not counted
+        for mode in MODES[r % 3 :] + MODES[: r % 3]:
+            for st in trainer.stages.values():
+                st.recompute = mode
+            recs = [trainer.step(s) for s in range(step, step + steps)]
+            step += steps
+            if r > 0:
+                times[mode].append([x["step_time_s"] for x in recs])
+                peaks[mode] = max([peaks.get(mode, 0)] + [x["activation_peak_bytes"] for x in recs])
+    if topo.rank != 0:
+        return None
+    block = {m: [statistics.median(b) for b in times[m]] for m in MODES}
+    out: dict = {"modes": {}}
+    for m in MODES:
+        ratios = [a / b for a, b in zip(block[m], block["none"])]
+        out["modes"][m] = {
+            "activation_peak_bytes": peaks[m],
+            "peak_vs_none": peaks[m] / peaks["none"],
+            "peak_reduction": 1 - peaks[m] / peaks["none"],
+            "median_step_time_s": statistics.median(t for b in times[m] for t in b),
+            "step_time_vs_none": statistics.median(ratios),
+            "step_time_vs_none_spread": [min(ratios), max(ratios)],
+        }
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layouts", default="1x1x1,2x2x1")
+    ap.add_argument("--seq-len", type=int, default=256)
+    ap.add_argument("--rounds", type=int, default=8, help="measured rounds (one block per mode each)")
+    ap.add_argument("--steps", type=int, default=2, help="steps per block")
+    ap.add_argument("--json", default=None, help="also write the records to FILE")
+    a = ap.parse_args()
+    records = []
+    for layout in a.layouts.split(","):
+        tp, pp, dp = map(int, layout.split("x"))
+        cfg = Config()
+        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+        cfg.train.seq_len, cfg.train.val_every, cfg.train.monitor_every = a.seq_len, 0, 0
+        cfg.validate(tp * pp * dp)
+        load_before = os.getloadavg()
+        rec = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.rounds, a.steps, timeout_s=1800)[0]
+        rec = {
+            "layout": f"tp{tp}-pp{pp}-dp{dp}",
+            "schedule": cfg.parallel.schedule,
+            "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L-ffn{cfg.model.ffn_dim}",
+            "seq_len": a.seq_len,
+            "global_batch": cfg.train.global_batch,
+            "microbatches": cfg.train.microbatches,
+            "rounds": a.rounds,
+            "steps_per_block": a.steps,
+            "load_average_before": load_before,
+            "load_average_after": os.getloadavg(),
+            **rec,
+        }
+        records.append(rec)
+        print(json.dumps(rec), file=sys.stderr)
+    out = json.dumps(records, indent=1)
+    print(out)
+    if a.json:
+        with open(a.json, "w") as fh:
+            fh.write(out + "\n")
+
+
+if __name__ == "__main__":
+    main()

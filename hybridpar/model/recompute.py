@@ -1,0 +1,101 @@
+"""Activation recomputation of decoder layers (`train.recompute`, per stage): trade compute for the
+activations a layer keeps between its forward and its backward.
+
+- `none`: autograd keeps everything the layer's backward reads.
+- `full`: the layer keeps only its input; its whole forward runs again in backward (Chen et al. 2016,
+  "Training Deep Nets with Sublinear Memory Cost"; Megatron-LM's full recomputation), collectives of
+  tensor parallelism included. About one extra forward per layer: step time x ~1.3.
+- `selective`: the layer keeps the outputs of its matrix multiplications (q/k/v, o, gate/up, down
+  projections: aten mm/addmm) and recomputes everything between them in backward: the norms, the
+  rotary embedding, the attention core (softmax(QK^T)V in scaled_dot_product_attention), the
+  activation function and gating, the residual adds, and the tensor-parallel all-reduces (a
+  torch.utils.checkpoint selective policy). The expensive part, the matmuls, does not run twice
+  (Korthikanti et al. 2022, "Reducing Activation Recomputation in Large Transformer Models", keep
+  the matmuls and recompute the cheap parts).
+
+Both recompute deterministically the very operations of the forward on the very inputs, so gradients
+and parameters are bit-identical to `none` (tests/test_recompute.py). Non-reentrant checkpointing
+works with `torch.autograd.grad` on chosen inputs, which the zero-bubble B step needs.
+
+Memory accounting: what a recomputed layer keeps must stay visible to whoever counts saved tensors
+(pipeline/memory.py's meter, through saved_tensors_hooks). Full recomputation's input goes through
+autograd's saved tensors; selective's kept matmul outputs live in the checkpoint's own cache, so they
+are also saved, by `_Keep`, on an identity node behind the layer (same storages: counted, not copied).
+
+Zero-bubble split (pipeline/split_backward.py) needs each linear layer's input at W. A layer being
+recomputed says so in `Stage.recompute_phase` ("forward" in its first run, "recompute" in the rerun
+during backward): the first run keeps the output gradient's hook only, the rerun hands over the input.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any, Callable
+
+import torch
+from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+
+from hybridpar.config.sections import RECOMPUTE_MODES
+
+# What selective recomputation keeps: the matrix multiplications (F.linear on (B, T, d) reaches the
+# dispatcher as mm, or addmm with a bias).
+_KEEP_OPS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default, torch.ops.aten.bmm.default)
+
+
+class _Keep(torch.autograd.Function):
+    """Identity on `y` that saves `kept` for backward, so the saved-tensor hooks outside the checkpoint
+    see (and count) what selective recomputation holds in its cache."""
+
+    @staticmethod
+    def forward(ctx: Any, y: torch.Tensor, *kept: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(*kept)
+        ctx.n = len(kept)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        return (g,) + (None,) * ctx.n
+
+
+def _selective_contexts(kept: list[torch.Tensor]) -> tuple[Any, Any]:
+    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+        if op in _KEEP_OPS:
+            if not ctx.is_recompute:
+                kept.append(ctx.op_output)
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.PREFER_RECOMPUTE
+
+    return create_selective_checkpoint_contexts(policy)
+
+
+def run_layer(stage: Any, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    """`layer(*args)` under `stage.recompute`, telling `stage.recompute_phase` which run it is; plain
+    when nothing will be differentiated (evaluation, serving)."""
+    mode = stage.recompute
+    if mode == "none" or not torch.is_grad_enabled():
+        return layer(*args)
+    calls = 0
+
+    def body(*a: Any) -> torch.Tensor:
+        nonlocal calls
+        calls += 1
+        before, stage.recompute_phase = stage.recompute_phase, "forward" if calls == 1 else "recompute"
+        try:
+            return layer(*a)
+        finally:
+            stage.recompute_phase = before
+
+    # No randomness in the layers (no dropout): nothing to replay, so the RNG state is not stashed.
+    if mode == "full":
+        return checkpoint(body, *args, use_reentrant=False, preserve_rng_state=False)
+    if mode != "selective":
+        raise ValueError(f"recompute mode {mode!r} is not one of {', '.join(RECOMPUTE_MODES)}")
+    kept: list[torch.Tensor] = []
+    y = checkpoint(
+        body,
+        *args,
+        use_reentrant=False,
+        preserve_rng_state=False,
+        context_fn=functools.partial(_selective_contexts, kept),
+    )
+    return _Keep.apply(y, *kept)
