@@ -26,6 +26,7 @@ from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
 from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.report.metrics import MetricsWriter, Progress
+from hybridpar.report.step_records import StepRecords
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
@@ -202,11 +203,13 @@ def _train(
                     print(f"hybridpar: microbatch policy starts afresh: {e}", flush=True)
     session.resumed(saved)
     writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step) if rank0 else None
-    progress = Progress(t.steps) if rank0 and log else None
+    progress = Progress(t.steps, every=t.progress_every) if rank0 and log else None
+    records = StepRecords(cfg, topo, res.start_step, restart_count, torch.float32)  # fp32: the only compute dtype
     trace_rows: list[dict] = []
     for step in range(res.start_step, t.steps):
         session.probe("step-begin", step)
-        rec = trainer.step(step)
+        rec = records.add(trainer.step(step))
+        records.timeline(step, trainer.last_output)
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
             mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
             mine["activation_peak_bytes"] = trainer.runtime.meter.peak  # this rank's, for this step

@@ -153,6 +153,9 @@ class TrainConfig:
         "link counters into metrics.jsonl (0 disables)",
     )
     val_batches: int = _f(4, "batches per validation")
+    progress_every: int = _f(
+        25, "print the progress line every N steps when the output is not a terminal (a terminal redraws it)"
+    )
     sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
     sample_prompt: str = _f("def ", "prompt for the final sample")
 

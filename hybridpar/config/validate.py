@@ -51,7 +51,7 @@ def _check_ranges(cfg: Config) -> None:
         (
             "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim parallel.tp parallel.pp "
             "parallel.dp train.steps train.global_batch train.microbatches "
-            "train.seq_len train.val_batches data.max_bytes checkpoint.keep",
+            "train.seq_len train.val_batches train.progress_every data.max_bytes checkpoint.keep",
             count,
             "a positive integer",
         ),
