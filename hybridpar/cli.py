@@ -21,6 +21,7 @@ as --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint and --max-restarts a
 torch.distributed.run.
 
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
+       hybridpar report RUN_DIR [--compare OTHER_RUN] [--out FILE]  (one HTML file: plots, stability figures)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
@@ -251,11 +252,15 @@ def main(argv: list[str] | None = None) -> int:
         from hybridpar.serve.main import main as serve_main
 
         return serve_main(rest)
+    if cmd == "report":
+        from hybridpar.report.page import main as report_main
+
+        return report_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    print(f"hybridpar: unknown command {cmd!r}; commands: train, serve, bench\n\n{USAGE}", file=sys.stderr)
+    print(f"hybridpar: unknown command {cmd!r}; commands: train, serve, report, bench\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

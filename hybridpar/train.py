@@ -31,7 +31,7 @@ from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.probe import install
-from hybridpar.resilience.session import Session
+from hybridpar.resilience.session import Session, ledger_stats
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent
@@ -264,6 +264,7 @@ def _train(
                 "params_digest": res.digest,
                 "steps": t.steps,
                 "samples_applied": session.applied,
+                "ledger": ledger_stats(session.applied, t.steps, t.global_batch),  # for hybridpar report
                 "batching": trainer.policy.statistics(),
                 "oom_retries": trainer.oom_retries,
                 "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()},

@@ -14,11 +14,11 @@ import torch
 from hybridpar.config import Config
 from hybridpar.pipeline.runtime import StepOutput
 from hybridpar.report.mfu import device_peak, mfu, model_flops_per_token
+from hybridpar.report.rundata import TIMELINE_FILE
 from hybridpar.report.step_trace import step_slices
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
 
-TIMELINE_FILE = "step_timeline.json"
 WARMUP_STEPS = 2  # the timeline step comes after these: the first steps allocate and initialise lazily
 
 
