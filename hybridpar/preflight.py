@@ -18,6 +18,7 @@ from pathlib import Path
 
 from hybridpar.config import Config
 from hybridpar.config.keys import _known_keys, _owner
+from hybridpar.report.sinks import missing_packages
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -47,6 +48,8 @@ def preflight(
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
+    if (why := missing_packages(cfg.sinks)) is not None:
+        raise ValueError(why)
     if verify:
         _check_data(cfg)
     _check_resume(cfg, verify)

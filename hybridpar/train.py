@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.balance.monitor import aggregate
-from hybridpar.config import Config, parse_args
+from hybridpar.config import Config, parse_args, step_range
 from hybridpar.data import decode, encode
 from hybridpar.export import gather_full_state, params_digest
 from hybridpar.model.hf import StateSource
@@ -26,6 +26,7 @@ from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
 from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.report.metrics import MetricsWriter, Progress
+from hybridpar.report.sinks import open_sinks
 from hybridpar.report.step_records import StepRecords
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
@@ -37,8 +38,6 @@ from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
-
-TRACE_STEPS = range(1, 4)  # traced with --trace: past the first step's warm-up (allocations, lazy init)
 
 
 @dataclass
@@ -202,7 +201,10 @@ def _train(
                 if topo.rank == 0:
                     print(f"hybridpar: microbatch policy starts afresh: {e}", flush=True)
     session.resumed(saved)
-    writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step) if rank0 else None
+    writer = None
+    if rank0:
+        sinks = open_sinks(cfg.sinks, run_dir, res.start_step, run_id)
+        writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step, sinks=sinks)
     progress = Progress(t.steps, every=t.progress_every) if rank0 and log else None
     records = StepRecords(cfg, topo, res.start_step, restart_count, torch.float32)  # fp32: the only compute dtype
     trace_rows: list[dict] = []
@@ -217,7 +219,7 @@ def _train(
             rec["monitor"] = aggregate(ranks)
             rec["batching"] = trainer.policy.statistics()
             trainer.monitor.reset_peak()
-        if cfg.trace and step in TRACE_STEPS:
+        if cfg.trace and step in step_range(cfg.profile.trace_steps):
             trace_rows += step_slices(trainer.last_output, topo.rank, step)
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")

@@ -279,3 +279,28 @@ class BalanceConfig:
     weight_memory: float = _f(0.4, "load-score weight of memory pressure")
     weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")
     weight_network: float = _f(0.2, "load-score weight of communication wait")
+
+
+@dataclass
+class SinksConfig:
+    tensorboard: str = _f(
+        "auto",
+        "TensorBoard event files under <run_dir>/tb: 'auto' = when the tensorboard package is installed "
+        "(the tensorboard extra), 'on' = required, 'off'",
+        choices=("auto", "on", "off"),
+    )
+    wandb: bool = _f(False, "also log each step to Weights & Biases (needs the wandb package; off unless asked)")
+    wandb_project: str = _f("hybridpar", "the W&B project, when sinks.wandb is on")
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = _f(
+        "",
+        "run torch.profiler on these steps on every rank, e.g. '5-7' or '3' (empty = off); Chrome traces "
+        "<run_dir>/profile/rank<r>.json with a range per pipeline action",
+    )
+    memory: bool = _f(False, "CUDA only: also write a memory snapshot of the profiled steps (<run_dir>/profile)")
+    trace_steps: str = _f(
+        "1-3", "the steps --trace FILE records, e.g. '1-3' (the default: past the first step's warm-up)"
+    )

@@ -37,6 +37,20 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
+    for key in ("profile.steps", "profile.trace_steps"):
+        step_range(getattr(cfg.profile, key.split(".")[1]), key)
+
+
+def step_range(text: str, key: str = "steps") -> range:
+    """'5-7' -> range(5, 8), '3' -> range(3, 4), '' -> an empty range; ValueError naming `key` otherwise."""
+    if text == "":
+        return range(0)
+    lo, sep, hi = text.partition("-")
+    if lo.strip().isdigit() and (not sep or hi.strip().isdigit()):
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first <= last:
+            return range(first, last + 1)
+    raise ValueError(f"{key}={text!r} must be a step or a range of steps like '5-7' (first <= last, from 0)")
 
 
 def _require(ok: bool, message: str) -> None:

@@ -8,7 +8,9 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
+
+from hybridpar.report.sinks import scalars_of
 
 
 def superseded_path(path: Path) -> Path:
@@ -47,9 +49,10 @@ def keep_before(path: Path, step: int) -> int:
 
 
 class MetricsWriter:
-    def __init__(self, path: Path, resume_step: int = 0) -> None:
+    def __init__(self, path: Path, resume_step: int = 0, sinks: Sequence[Any] = ()) -> None:
         """A fresh file, or (`resume_step` > 0) the file of the run being resumed, cut back to the steps
-        before `resume_step`."""
+        before `resume_step`. Step records also go to `sinks` (report/sinks.py), closed with the file."""
+        self.sinks = list(sinks)
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step > 0:
             keep_before(path, resume_step)
@@ -60,9 +63,15 @@ class MetricsWriter:
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        if self.sinks and "loss" in record and isinstance(record.get("step"), int):
+            scalars = scalars_of(record)
+            for sink in self.sinks:
+                sink.write(record["step"], scalars)
 
     def close(self) -> None:
         self._f.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _fmt_s(s: float) -> str:
