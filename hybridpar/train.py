@@ -26,6 +26,7 @@ from hybridpar.model.stage import generate
 from hybridpar.optim import lr_at
 from hybridpar.preflight import checkpoint_dir, preflight
 from hybridpar.report.metrics import MetricsWriter, Progress
+from hybridpar.report.profile import StepProfiler
 from hybridpar.report.sinks import open_sinks
 from hybridpar.report.step_records import StepRecords
 from hybridpar.report.step_trace import step_slices, write_run_trace
@@ -208,9 +209,15 @@ def _train(
     progress = Progress(t.steps, every=t.progress_every) if rank0 and log else None
     records = StepRecords(cfg, topo, res.start_step, restart_count, torch.float32)  # fp32: the only compute dtype
     trace_rows: list[dict] = []
+    trace_steps, profile_steps = step_range(cfg.profile.trace_steps), step_range(cfg.profile.steps)
+    profiler = StepProfiler(profile_steps, run_dir, topo.rank, topo.device) if profile_steps else None
     for step in range(res.start_step, t.steps):
         session.probe("step-begin", step)
+        if profiler:
+            profiler.before(step, trainer.runtime)
         rec = records.add(trainer.step(step))
+        if profiler:
+            profiler.after(step, trainer.runtime)
         records.timeline(step, trainer.last_output)
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
             mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
@@ -219,7 +226,7 @@ def _train(
             rec["monitor"] = aggregate(ranks)
             rec["batching"] = trainer.policy.statistics()
             trainer.monitor.reset_peak()
-        if cfg.trace and step in step_range(cfg.profile.trace_steps):
+        if cfg.trace and step in trace_steps:
             trace_rows += step_slices(trainer.last_output, topo.rank, step)
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")

@@ -300,7 +300,6 @@ class ProfileConfig:
         "run torch.profiler on these steps on every rank, e.g. '5-7' or '3' (empty = off); Chrome traces "
         "<run_dir>/profile/rank<r>.json with a range per pipeline action",
     )
-    memory: bool = _f(False, "CUDA only: also write a memory snapshot of the profiled steps (<run_dir>/profile)")
     trace_steps: str = _f(
         "1-3", "the steps --trace FILE records, e.g. '1-3' (the default: past the first step's warm-up)"
     )

@@ -39,6 +39,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_layer_costs(cfg.parallel, cfg.model)
     for key in ("profile.steps", "profile.trace_steps"):
         step_range(getattr(cfg.profile, key.split(".")[1]), key)
+    profiled = step_range(cfg.profile.steps)
+    _require(
+        not profiled or profiled[-1] < cfg.train.steps,
+        f"profile.steps={cfg.profile.steps!r} reaches past the run's last step {cfg.train.steps - 1} "
+        f"(train.steps={cfg.train.steps}; steps count from 0)",
+    )
 
 
 def step_range(text: str, key: str = "steps") -> range:
