@@ -290,6 +290,11 @@ class SinksConfig:
         choices=("auto", "on", "off"),
     )
     wandb: bool = _f(False, "also log each step to Weights & Biases (needs the wandb package; off unless asked)")
+    step_details: bool = _f(
+        True,
+        "per-rank summaries, measured bubble and MFU in every step record, one step's timeline in "
+        "<run_dir>/step_timeline.json (off only to measure what they cost: bench/records_cost.py)",
+    )
     wandb_project: str = _f("hybridpar", "the W&B project, when sinks.wandb is on")
 
 

@@ -29,14 +29,18 @@ class StepRecords:
         t = cfg.train
         self.tokens = t.global_batch * t.seq_len
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
-        self.peak = device_peak(topo.device, dtype, self.run_dir, topo.rank)
+        self.details = cfg.sinks.step_details
+        self.peak = device_peak(topo.device, dtype, self.run_dir, topo.rank) if self.details else None
         self.first = True
-        self.timeline_step = min(start_step + WARMUP_STEPS, t.steps - 1)
+        # -1: never (no details asked for)
+        self.timeline_step = min(start_step + WARMUP_STEPS, t.steps - 1) if self.details else -1
 
     def add(self, rec: dict[str, Any]) -> dict[str, Any]:
         """`rec` (the trainer's record of one step) with MFU and the attempt added."""
-        rec["mfu"] = mfu(self.flops_per_token, self.tokens, rec["step_time_s"], self.peak["flops_per_s"])
         rec["attempt"] = self.attempt
+        if self.peak is None:
+            return rec
+        rec["mfu"] = mfu(self.flops_per_token, self.tokens, rec["step_time_s"], self.peak["flops_per_s"])
         if self.first:
             rec["device_peak"] = self.peak
             rec["model_flops_per_token"] = self.flops_per_token

@@ -149,13 +149,15 @@ class Trainer:
         # everywhere, so every rank proposes the same next split). The sum also carries every rank's
         # timing summary, each in its own slot, for the records: no collective of their own.
         local = 0.0 if out.loss is None or topo.tp_rank != 0 else float(out.loss)
-        n, world = len(FIELDS), topo.dims.world_size
+        world = topo.dims.world_size if self.cfg.sinks.step_details else 0
+        n = len(FIELDS)
         v = torch.zeros(2 + n * world, dtype=torch.float64)
         v[0], v[1] = local, float(out.out_of_memory is not None)
-        v[2 + n * topo.rank : 2 + n * (topo.rank + 1)] = torch.tensor(rank_summary(out, self._work(sum(sizes))))
+        if world:
+            v[2 + n * topo.rank : 2 + n * (topo.rank + 1)] = torch.tensor(rank_summary(out, self._work(sum(sizes))))
         v = v.to(topo.device)
         dist.all_reduce(v)
-        self.last_ranks = unpack(v[2:].tolist(), world)
+        self.last_ranks = unpack(v[2:].tolist(), world) if world else {}
         w = torch.tensor([time.perf_counter() - t0, float(peak)], dtype=torch.float64, device=topo.device)
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
         if v[1] > 0:
@@ -211,7 +213,7 @@ class Trainer:
                 "microbatches": list(self.plan.sizes[topo.dp_rank]),
                 "activation_peak_bytes": peak,
                 "time": time.time(),  # wall clock at the step's end: lines steps up with restarts and faults
-                **step_fields(self.last_ranks),
+                **(step_fields(self.last_ranks) if self.last_ranks else {}),
             }
         )
         if self.balancer is not None:  # after the update: a move carries the stepped weights and state
