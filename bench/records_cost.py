@@ -6,7 +6,9 @@ alternating repeats in one process tree, so machine load drifts over both arms a
     .venv/bin/python bench/records_cost.py [--steps 40] [--repeats 3] [--json FILE]
 
 First one run whose steps alternate on and off (paired: the fairest comparison on a loaded machine),
-timing the step and what the run loop adds after it; `paired.cost` = added seconds / step time off.
+timing the step and what the run loop adds after it; `paired.cost` = added seconds / step time off, and
+`paired.cost_timed_directly` = (the summaries' own work inside the step, timed alone, plus the loop's
+added seconds) / step time off — the figure that other processes' load on the cores cannot blur.
 Then whole launches, on and off in alternating order, two figures per launch: the median `step_time_s`
 past the warm-up steps (what the trainer measures: the summaries ride on its loss reduction), and the
 whole `train()` call's wall time per step (everything the run loop adds too: records, sinks, the peak
@@ -23,6 +25,7 @@ import statistics
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 from hybridpar.config import Config
 from hybridpar.testing import run_ranks
@@ -60,6 +63,7 @@ def _paired(cfg_dict: dict, steps: int) -> dict | None:
     plain = MetricsWriter(run_dir / "plain.jsonl") if rank0 else None
     step_s: dict[bool, list[float]] = {True: [], False: []}
     after_s: dict[bool, list[float]] = {True: [], False: []}
+    in_step_s: list[float] = []
     for step in range(steps):
         on = step % 2 == 0
         cfg.sinks.step_details = on  # the trainer holds this very config
@@ -73,6 +77,7 @@ def _paired(cfg_dict: dict, steps: int) -> dict | None:
         if step >= WARMUP:
             step_s[on].append(rec["step_time_s"])
             after_s[on].append(time.perf_counter() - t0)
+            in_step_s.append(_summary_s(trainer, topo))
     if not rank0:
         return None
     full.close()
@@ -84,7 +89,31 @@ def _paired(cfg_dict: dict, steps: int) -> dict | None:
     added = (
         med["step_time_s"]["on"] - med["step_time_s"]["off"] + med["after_step_s"]["on"] - med["after_step_s"]["off"]
     )
-    return {"median": med, "cost": added / med["step_time_s"]["off"]}
+    # Timed directly (no noise from other steps): the summaries' own work in the step, plus the loop's.
+    direct = statistics.median(in_step_s) + med["after_step_s"]["on"] - med["after_step_s"]["off"]
+    return {
+        "median": med,
+        "summary_in_step_s": statistics.median(in_step_s),
+        "cost": added / med["step_time_s"]["off"],
+        "cost_timed_directly": direct / med["step_time_s"]["off"],
+    }
+
+
+def _summary_s(trainer: Any, topo: Any) -> float:
+    """Seconds of what the step does for the records beyond its loss reduction: this rank's summary of
+    the step just run, packed into the reduction's vector and unpacked again (report/records.py)."""
+    import torch
+
+    from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
+
+    t0 = time.perf_counter()
+    n, world = len(FIELDS), topo.dims.world_size
+    v = torch.zeros(2 + n * world, dtype=torch.float64)
+    v[2 + n * topo.rank : 2 + n * (topo.rank + 1)] = torch.tensor(
+        rank_summary(trainer.last_output, trainer._work(sum(trainer.plan.sizes[topo.dp_rank])))
+    )
+    step_fields(unpack(v[2:].tolist(), world))
+    return time.perf_counter() - t0
 
 
 def one_launch(on: bool, steps: int, work: Path) -> dict:
