@@ -23,6 +23,7 @@ torch.distributed.run.
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar export SOURCE --out DIR [--step N]     (a run, checkpoint or step as a Hugging Face directory)
        hybridpar data train-tokenizer|prepare [--help]  (a byte-level BPE tokenizer; a corpus as token files)
+       hybridpar report RUN_DIR [--compare OTHER_RUN] [--out FILE]  (one HTML file: plots, stability figures)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
@@ -303,11 +304,15 @@ def main(argv: list[str] | None = None) -> int:
         from hybridpar.prepare import main as data_main
 
         return data_main(rest)
+    if cmd == "report":
+        from hybridpar.report.page import main as report_main
+
+        return report_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    commands = "train, serve, export, data, bench"
+    commands = "train, serve, export, data, report, bench"
     print(f"hybridpar: unknown command {cmd!r}; commands: {commands}\n\n{USAGE}", file=sys.stderr)
     return 2
 

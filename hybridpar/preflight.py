@@ -21,6 +21,7 @@ from pathlib import Path
 
 from hybridpar.config import Config
 from hybridpar.config.keys import _known_keys, _owner
+from hybridpar.report.sinks import missing_packages
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -51,6 +52,8 @@ def preflight(
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
     _check_tokens(cfg)
+    if (why := missing_packages(cfg.sinks)) is not None:
+        raise ValueError(why)
     if verify:
         _check_data(cfg)
         _check_init_weights(cfg)

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.balance.monitor import aggregate
-from hybridpar.config import Config, parse_args, to_toml
+from hybridpar.config import Config, parse_args, step_range, to_toml
 from hybridpar.data import decode, encode
 from hybridpar.export import FINAL_DIR, gather_full_state, params_digest, write_model_dir
 from hybridpar.model.hf import StateSource
@@ -29,20 +29,21 @@ from hybridpar.optim import lr_at
 from hybridpar.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.report.log import run_log
 from hybridpar.report.metrics import MetricsWriter, Progress
+from hybridpar.report.profile import StepProfiler
+from hybridpar.report.sinks import open_sinks
+from hybridpar.report.step_records import StepRecords
 from hybridpar.report.step_trace import step_slices, write_run_trace
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.probe import install
 from hybridpar.resilience.rundir import write_text_atomic
-from hybridpar.resilience.session import Session
+from hybridpar.resilience.session import Session, ledger_stats
 from hybridpar.tokenizer import Tokenizer
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
-
-TRACE_STEPS = range(1, 4)  # traced with --trace: past the first step's warm-up (allocations, lazy init)
 
 
 @dataclass
@@ -233,12 +234,25 @@ def _steps(
                 if topo.rank == 0:
                     logger.info(f"hybridpar: microbatch policy starts afresh: {e}")
     session.resumed(saved)
-    writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step) if rank0 else None
-    progress = Progress(t.steps, logger) if rank0 else None
+    writer = None
+    if rank0:
+        sinks = open_sinks(cfg.sinks, run_dir, res.start_step, run_id)
+        writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step, sinks=sinks)
+    progress = Progress(t.steps, logger, every=t.progress_every) if rank0 else None
+    records = StepRecords(
+        cfg, topo, res.start_step, restart_count, torch.bfloat16 if t.precision == "bf16" else torch.float32
+    )
     trace_rows: list[dict] = []
+    trace_steps, profile_steps = step_range(cfg.profile.trace_steps), step_range(cfg.profile.steps)
+    profiler = StepProfiler(profile_steps, run_dir, topo.rank, topo.device) if profile_steps else None
     for step in range(res.start_step, t.steps):
         session.probe("step-begin", step)
-        rec = trainer.step(step)
+        if profiler:
+            profiler.before(step, trainer.runtime)
+        rec = records.add(trainer.step(step))
+        if profiler:
+            profiler.after(step, trainer.runtime)
+        records.timeline(step, trainer.last_output)
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
             mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
             mine["activation_peak_bytes"] = trainer.runtime.meter.peak  # this rank's, for this step
@@ -246,7 +260,7 @@ def _steps(
             rec["monitor"] = aggregate(ranks)
             rec["batching"] = trainer.policy.statistics()
             trainer.monitor.reset_peak()
-        if cfg.trace and step in TRACE_STEPS:
+        if cfg.trace and step in trace_steps:
             trace_rows += step_slices(trainer.last_output, topo.rank, step)
         if not math.isfinite(rec["loss"]):
             raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")
@@ -291,6 +305,7 @@ def _steps(
                 "params_digest": res.digest,
                 "steps": t.steps,
                 "samples_applied": session.applied,
+                "ledger": ledger_stats(session.applied, t.steps, t.global_batch),  # for hybridpar report
                 "batching": trainer.policy.statistics(),
                 "oom_retries": trainer.oom_retries,
                 "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()},

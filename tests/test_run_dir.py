@@ -125,6 +125,9 @@ def test_metrics_are_cut_back_on_resume(tmp_path: Path) -> None:
     recs = [json.loads(x) for x in path.read_text().splitlines()]
     assert [r.get("step", "final") for r in recs] == [0, 1, 2, 3, 4, 5, 6, 7, "final"]
     assert recs[4]["loss"] == 14.0
+    # The steps trained before the restart and trained again are kept aside, for the stability report.
+    cut = [json.loads(x) for x in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["loss"]) for r in cut] == [(4, 4.0), (5, 5.0)]
     MetricsWriter(path, resume_step=2).close()  # a finished run resumed from an earlier step: no final left
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
 

@@ -24,9 +24,12 @@ from hybridpar.config.sections import (
     EmulateConfig,
     ModelConfig,
     ParallelConfig,
+    ProfileConfig,
     ResilienceConfig,
+    SinksConfig,
     TrainConfig,
 )
+from hybridpar.config.validate import step_range
 
 __all__ = [
     "BalanceConfig",
@@ -37,10 +40,13 @@ __all__ = [
     "EmulateConfig",
     "ModelConfig",
     "ParallelConfig",
+    "ProfileConfig",
     "ResilienceConfig",
+    "SinksConfig",
     "TrainConfig",
     "help_text",
     "load_toml",
     "parse_args",
     "to_toml",
+    "step_range",
 ]

@@ -16,7 +16,9 @@ from hybridpar.config.sections import (
     EmulateConfig,
     ModelConfig,
     ParallelConfig,
+    ProfileConfig,
     ResilienceConfig,
+    SinksConfig,
     TrainConfig,
     _f,
 )
@@ -38,8 +40,12 @@ class Config:
     balance: BalanceConfig = _f(
         BalanceConfig, "dynamic load balancing (stage re-partition, uneven data-parallel split)"
     )
+    sinks: SinksConfig = _f(SinksConfig, "where step records go besides metrics.jsonl (TensorBoard, W&B)")
+    profile: ProfileConfig = _f(ProfileConfig, "torch.profiler and pipeline trace steps")
     run_dir: str = _f("runs/latest", "directory for logs, metrics and checkpoints")
-    trace: str | None = _f(None, "write a Chrome/Perfetto trace (one track per rank) of steps 2-4 to this file")
+    trace: str | None = _f(
+        None, "write a Chrome/Perfetto trace (one track per rank) of the steps profile.trace_steps to this file"
+    )
 
     def validate(self, world_size: int | None = None) -> None:
         """Raise ValueError naming the first bad field (dotted key), its numbers and what would be right."""

@@ -187,6 +187,9 @@ class TrainConfig:
         "link counters into metrics.jsonl (0 disables)",
     )
     val_batches: int = _f(4, "batches per validation")
+    progress_every: int = _f(
+        25, "print the progress line every N steps when the output is not a terminal (a terminal redraws it)"
+    )
     sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
     sample_prompt: str = _f("def ", "prompt for the final sample")
 
@@ -324,3 +327,32 @@ class BalanceConfig:
     weight_memory: float = _f(0.4, "load-score weight of memory pressure")
     weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")
     weight_network: float = _f(0.2, "load-score weight of communication wait")
+
+
+@dataclass
+class SinksConfig:
+    tensorboard: str = _f(
+        "auto",
+        "TensorBoard event files under <run_dir>/tb: 'auto' = when the tensorboard package is installed "
+        "(the tensorboard extra), 'on' = required, 'off'",
+        choices=("auto", "on", "off"),
+    )
+    wandb: bool = _f(False, "also log each step to Weights & Biases (needs the wandb package; off unless asked)")
+    step_details: bool = _f(
+        True,
+        "per-rank summaries, measured bubble and MFU in every step record, one step's timeline in "
+        "<run_dir>/step_timeline.json (off only to measure what they cost: bench/records_cost.py)",
+    )
+    wandb_project: str = _f("hybridpar", "the W&B project, when sinks.wandb is on")
+
+
+@dataclass
+class ProfileConfig:
+    steps: str = _f(
+        "",
+        "run torch.profiler on these steps on every rank, e.g. '5-7' or '3' (empty = off); Chrome traces "
+        "<run_dir>/profile/rank<r>.json with a range per pipeline action",
+    )
+    trace_steps: str = _f(
+        "1-3", "the steps --trace FILE records, e.g. '1-3' (the default: past the first step's warm-up)"
+    )

@@ -45,6 +45,26 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
+    for key in ("profile.steps", "profile.trace_steps"):
+        step_range(getattr(cfg.profile, key.split(".")[1]), key)
+    profiled = step_range(cfg.profile.steps)
+    _require(
+        not profiled or profiled[-1] < cfg.train.steps,
+        f"profile.steps={cfg.profile.steps!r} reaches past the run's last step {cfg.train.steps - 1} "
+        f"(train.steps={cfg.train.steps}; steps count from 0)",
+    )
+
+
+def step_range(text: str, key: str = "steps") -> range:
+    """'5-7' -> range(5, 8), '3' -> range(3, 4), '' -> an empty range; ValueError naming `key` otherwise."""
+    if text == "":
+        return range(0)
+    lo, sep, hi = text.partition("-")
+    if lo.strip().isdigit() and (not sep or hi.strip().isdigit()):
+        first, last = int(lo), int(hi) if sep else int(lo)
+        if first <= last:
+            return range(first, last + 1)
+    raise ValueError(f"{key}={text!r} must be a step or a range of steps like '5-7' (first <= last, from 0)")
 
 
 def _require(ok: bool, message: str) -> None:
@@ -60,7 +80,7 @@ def _check_ranges(cfg: Config) -> None:
             "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim model.rope_original_max_positions "
             "parallel.tp parallel.pp "
             "parallel.dp train.steps train.global_batch train.microbatches "
-            "train.seq_len train.val_batches data.max_bytes checkpoint.keep",
+            "train.seq_len train.val_batches train.progress_every data.max_bytes checkpoint.keep",
             count,
             "a positive integer",
         ),

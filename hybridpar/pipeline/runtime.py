@@ -19,6 +19,7 @@ from typing import Callable, Sequence
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.profiler import record_function
 
 from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
@@ -94,6 +95,7 @@ class PipelineRuntime:
         # travel in the P2P's dtype and are widened back to fp32 on arrival, so the only rounding the
         # pipeline adds to the one-device bf16 model is one per stage boundary and direction.
         self.autocast: torch.dtype | None = None
+        self.profiling = False  # name each action as a torch.profiler range (set for profiled steps only)
 
     def _precision(self) -> contextlib.AbstractContextManager:
         if self.autocast is None:
@@ -133,38 +135,43 @@ class PipelineRuntime:
         timeline: list[ActionTime] = []
         p2p = self.p2p
         for i, a in enumerate(actions):
-            s, m, op = a.stage, a.microbatch, a.op
             t0 = time.perf_counter()
-            # Borrowed receives (the message where it landed, no copy) are released as soon as
-            # nothing reads them; with a split backward W may read them later, so they are not.
-            if op == Op.RECV_F:
-                p2p.queue_recv(("F", s, m), st.shapes[m], self.stage_peer(s - 1), borrow=not split)
-            elif op == Op.RECV_B:
-                p2p.queue_recv(("B", s, m), st.shapes[m], self.stage_peer(s + 1), borrow=not split)
-            elif op == Op.SEND_F:
-                p2p.queue_send(st.to_send.pop(("F", s, m)), self.stage_peer(s + 1))
-            elif op == Op.SEND_B:
-                p2p.queue_send(st.to_send.pop(("B", s, m)), self.stage_peer(s - 1))
-            elif op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
-                n_waits = len(st.waits)
-                if op == Op.FORWARD:
-                    self._forward(st, s, m)
-                elif op == Op.BACKWARD:
-                    self._backward(st, s, m)
-                elif st.failed is None:
-                    p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
-                    self._compute(st, lambda: self._split(s).weight((s, m)))
-                if self.stretch > 1.0:
-                    waited = sum(w.end - w.start for w in st.waits[n_waits:])
-                    time.sleep((self.stretch - 1.0) * max(0.0, time.perf_counter() - t0 - waited))
-            else:
-                raise ValueError(f"runtime cannot execute {a}")
-            if on_stage_done is not None and done_at.get(s) == i and train:
-                on_stage_done(s)
+            # Under torch.profiler (report/profile.py) each action is a range named like the trace's.
+            with record_function(str(a)) if self.profiling else contextlib.nullcontext():
+                self._act(st, a, split, t0)
+            if on_stage_done is not None and done_at.get(a.stage) == i and train:
+                on_stage_done(a.stage)
             timeline.append(ActionTime(a, t0, time.perf_counter()))
         p2p.wait_sends()
         assert not (st.saved or st.to_send or st.local_act or st.local_grad), f"unfinished work: {sorted(st.saved)}"
         return StepOutput(loss=st.loss, timeline=timeline, waits=st.waits, out_of_memory=st.failed)
+
+    def _act(self, st: _Step, a: Action, split: bool, t0: float) -> None:
+        s, m, op, p2p = a.stage, a.microbatch, a.op, self.p2p
+        # Borrowed receives (the message where it landed, no copy) are released as soon as
+        # nothing reads them; with a split backward W may read them later, so they are not.
+        if op == Op.RECV_F:
+            p2p.queue_recv(("F", s, m), st.shapes[m], self.stage_peer(s - 1), borrow=not split)
+        elif op == Op.RECV_B:
+            p2p.queue_recv(("B", s, m), st.shapes[m], self.stage_peer(s + 1), borrow=not split)
+        elif op == Op.SEND_F:
+            p2p.queue_send(st.to_send.pop(("F", s, m)), self.stage_peer(s + 1))
+        elif op == Op.SEND_B:
+            p2p.queue_send(st.to_send.pop(("B", s, m)), self.stage_peer(s - 1))
+        elif op in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
+            n_waits = len(st.waits)
+            if op == Op.FORWARD:
+                self._forward(st, s, m)
+            elif op == Op.BACKWARD:
+                self._backward(st, s, m)
+            elif st.failed is None:
+                p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
+                self._compute(st, lambda: self._split(s).weight((s, m)))
+            if self.stretch > 1.0:
+                waited = sum(w.end - w.start for w in st.waits[n_waits:])
+                time.sleep((self.stretch - 1.0) * max(0.0, time.perf_counter() - t0 - waited))
+        else:
+            raise ValueError(f"runtime cannot execute {a}")
 
     def _compute(self, st: _Step, work: Callable[[], None]) -> None:
         """Run `work`; on out-of-memory drop the step's graphs and go on without computing: peers

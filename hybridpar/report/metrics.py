@@ -9,26 +9,40 @@ import os
 import sys
 import time
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Sequence, TextIO
+
+from hybridpar.report.sinks import scalars_of
+
+
+def superseded_path(path: Path) -> Path:
+    """Where `keep_before` moves the step records it cuts: `metrics.superseded.jsonl` beside `metrics.jsonl`."""
+    return path.with_name(path.stem + ".superseded" + path.suffix)
 
 
 def keep_before(path: Path, step: int) -> int:
     """Rewrite `path` keeping only the records of steps before `step`: a run resumed after `step` steps
     writes steps `step`, `step`+1, ... again, so each step appears once in the final file. Also drops a
-    final record and a line torn by a crash. Atomic (a new file renamed over the old). Returns the number
-    of lines dropped."""
+    final record and a line torn by a crash. Atomic (a new file renamed over the old). The step records
+    cut are appended to `superseded_path(path)` first: steps trained and then redone, which the stability
+    report counts (report/stability.py). Returns the number of lines dropped."""
     if not path.is_file():
         return 0
-    kept, dropped = [], 0
+    kept, cut, dropped = [], [], 0
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
         except ValueError:
             rec = None
-        if isinstance(rec, dict) and isinstance(rec.get("step"), int) and rec["step"] < step and not rec.get("final"):
+        is_step = isinstance(rec, dict) and isinstance(rec.get("step"), int) and not rec.get("final")
+        if is_step and rec["step"] < step:
             kept.append(line)
         else:
             dropped += 1
+            if is_step and "loss" in rec:
+                cut.append(line)
+    if cut:
+        with superseded_path(path).open("a", encoding="utf-8") as fh:
+            fh.write("".join(c + "\n" for c in cut))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
     os.replace(tmp, path)
@@ -36,20 +50,29 @@ def keep_before(path: Path, step: int) -> int:
 
 
 class MetricsWriter:
-    def __init__(self, path: Path, resume_step: int = 0) -> None:
+    def __init__(self, path: Path, resume_step: int = 0, sinks: Sequence[Any] = ()) -> None:
         """A fresh file, or (`resume_step` > 0) the file of the run being resumed, cut back to the steps
-        before `resume_step`."""
+        before `resume_step`. Step records also go to `sinks` (report/sinks.py), closed with the file."""
+        self.sinks = list(sinks)
         path.parent.mkdir(parents=True, exist_ok=True)
         if resume_step > 0:
             keep_before(path, resume_step)
+        else:  # a fresh start: no step of this file was trained before
+            superseded_path(path).unlink(missing_ok=True)
         self._f = path.open("a" if resume_step > 0 else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
         self._f.flush()
+        if self.sinks and "loss" in record and isinstance(record.get("step"), int):
+            scalars = scalars_of(record)
+            for sink in self.sinks:
+                sink.write(record["step"], scalars)
 
     def close(self) -> None:
         self._f.close()
+        for sink in self.sinks:
+            sink.close()
 
 
 def _fmt_s(s: float) -> str:

@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.balance.emulate import SlowdownPlan
-from hybridpar.balance.live import LiveBalancer
+from hybridpar.balance.live import LiveBalancer, cost_model
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.plan import Layout
@@ -31,6 +31,7 @@ from hybridpar.grads import clip_grad_norm, sync_tied_embeddings
 from hybridpar.optim import lr_at, set_lr
 from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule
+from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
 from hybridpar.topology.mesh import Topology
 from hybridpar.trainer.build import build_data_parallel, build_model_parallel, build_optimizer, layer_partition
 from hybridpar.zero import full_optimizer_state
@@ -64,6 +65,8 @@ class Trainer:
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
         self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
         self.oom_retries = 0  # steps redone after running out of memory, over the run
+        self.cost = cost_model(cfg)  # units of work per stage, so per-rank speeds compare (report/records.py)
+        self.last_ranks: dict[str, list[float]] = {}  # every rank's summary of the last step (report/records.py)
         self._actions: dict[int, tuple[list[Action], list[Action]]] = {}  # microbatch count -> (train, eval)
         self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
         self._attached: list[tuple[Attachment, Callable[[], None]]] = []
@@ -137,18 +140,31 @@ class Trainer:
         peak = meter.peak
         if topo.device.type == "cuda":  # the allocator also sees temporaries the meter does not
             peak = max(peak, torch.cuda.max_memory_allocated(topo.device) - resident)
-        # Two scalar reductions tell every rank the loss and whether anyone ran out of memory (sum),
-        # and the step's time and activation peak (max over ranks: what the planner needs, identical
-        # everywhere, so every rank proposes the same next split).
+        # Two reductions tell every rank the loss and whether anyone ran out of memory (sum), and the
+        # step's time and activation peak (max over ranks: what the planner needs, identical
+        # everywhere, so every rank proposes the same next split). The sum also carries every rank's
+        # timing summary, each in its own slot, for the records: no collective of their own.
         local = 0.0 if out.loss is None or topo.tp_rank != 0 else float(out.loss)
-        v = torch.tensor([local, float(out.out_of_memory is not None)], dtype=torch.float64, device=topo.device)
+        world = topo.dims.world_size if self.cfg.sinks.step_details else 0
+        n = len(FIELDS)
+        v = torch.zeros(2 + n * world, dtype=torch.float64)
+        v[0], v[1] = local, float(out.out_of_memory is not None)
+        if world:
+            v[2 + n * topo.rank : 2 + n * (topo.rank + 1)] = torch.tensor(rank_summary(out, self._work(sum(sizes))))
+        v = v.to(topo.device)
         dist.all_reduce(v)
+        self.last_ranks = unpack(v[2:].tolist(), world) if world else {}
         w = torch.tensor([time.perf_counter() - t0, float(peak)], dtype=torch.float64, device=topo.device)
         dist.all_reduce(w, op=dist.ReduceOp.MAX)
         if v[1] > 0:
             self.opt.zero_grad(set_to_none=True)
             raise torch.OutOfMemoryError(out.out_of_memory or f"{int(v[1])} rank(s) ran out of memory")
         return float(v[0]), float(w[0]), int(w[1])
+
+    def _work(self, samples: int) -> float:
+        """The cost model's units of work this rank does for `samples` samples under the current layout."""
+        costs = self.cost.stage_costs(self.layout.parts[self.topo.dp_rank])
+        return samples * sum(costs[s] for s in self.stages)
 
     def step(self, step: int) -> dict[str, Any]:
         """One training step over every dimension; then the balancer's decision, if any, is applied."""
@@ -192,6 +208,8 @@ class Trainer:
                 "tokens_per_s": tokens / dt,
                 "microbatches": list(self.plan.sizes[topo.dp_rank]),
                 "activation_peak_bytes": peak,
+                "time": time.time(),  # wall clock at the step's end: lines steps up with restarts and faults
+                **(step_fields(self.last_ranks) if self.last_ranks else {}),
             }
         )
         if self.balancer is not None:  # after the update: a move carries the stepped weights and state

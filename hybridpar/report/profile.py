@@ -1,0 +1,39 @@
+"""`--profile.steps 5-7`: torch.profiler over those steps on every rank, one Chrome trace per rank
+(`<run_dir>/profile/rank<r>.json`, open it at ui.perfetto.dev). While it runs, the pipeline runtime names
+each action as a `record_function` range (`F0.1`, `SEND_B1.3`, ... as in --trace), so the operators sit
+under the schedule's actions; outside the profiled steps the runtime adds nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+from hybridpar.pipeline.runtime import PipelineRuntime
+
+PROFILE_DIR = "profile"
+
+
+class StepProfiler:
+    def __init__(self, steps: range, run_dir: Path, rank: int, device: torch.device) -> None:
+        assert len(steps) > 0, "profile no steps: build no profiler"
+        self.steps, self.rank = steps, rank
+        self.path = run_dir / PROFILE_DIR / f"rank{rank}.json"
+        self.activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        self._prof: profile | None = None
+
+    def before(self, step: int, runtime: PipelineRuntime) -> None:
+        if self._prof is None and step in self.steps:  # the first step of the range (or of a resume inside it)
+            self._prof = profile(activities=self.activities)
+            self._prof.__enter__()
+        runtime.profiling = self._prof is not None
+
+    def after(self, step: int, runtime: PipelineRuntime) -> None:
+        """After the step: at the range's last step, stop and write this rank's trace."""
+        if self._prof is not None and step == self.steps[-1]:
+            self._prof.__exit__(None, None, None)
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._prof.export_chrome_trace(str(self.path))
+            self._prof = None
+            runtime.profiling = False

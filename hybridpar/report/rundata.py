@@ -1,0 +1,87 @@
+"""A run directory's records, read for `hybridpar report`: metrics.jsonl (and the steps a restart cut,
+metrics.superseded.jsonl), resilience.jsonl, chaos.jsonl, watchdog.jsonl and step_timeline.json. Lines
+torn by a crash are skipped; a directory without step records is refused with a ValueError."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from hybridpar.report.metrics import superseded_path
+from hybridpar.report.stability import Stability, stability
+
+TIMELINE_FILE = "step_timeline.json"  # written by report/step_records.py; here so reading needs no torch
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.is_file():
+        return []
+    out = []
+    for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
+        try:
+            rec = json.loads(line)
+        except ValueError:
+            continue  # torn by a kill: the writers start each record on a fresh line
+        if isinstance(rec, dict):
+            out.append(rec)
+    return out
+
+
+@dataclass
+class Run:
+    path: Path
+    steps: list[dict[str, Any]]  # one record per step the final model contains, in step order
+    superseded: list[dict[str, Any]]  # steps trained, then cut by a restart and trained again
+    final: dict[str, Any] | None
+    events: list[dict[str, Any]]  # resilience.jsonl: start, resumed, first_step, checkpoint
+    faults: list[dict[str, Any]]  # chaos.jsonl: injected faults that fired
+    watchdog: list[dict[str, Any]]  # watchdog.jsonl: ranks named as hung or gone
+    timeline: dict[str, Any] | None  # one step's actions on every rank
+
+    @property
+    def name(self) -> str:
+        return self.path.name
+
+    @property
+    def starts(self) -> list[float]:
+        return [e["time"] for e in self.events if e.get("event") == "start"]
+
+    def stability(self) -> Stability:
+        return stability(
+            [s for s in self.steps if "time" in s],
+            [s for s in self.superseded if "time" in s],
+            self.starts,
+            [f["time"] for f in self.faults],
+            (self.final or {}).get("ledger"),
+        )
+
+
+def load_run(path: str | Path) -> Run:
+    d = Path(path)
+    if not d.is_dir():
+        raise ValueError(f"run directory {str(d)!r} does not exist: give the --run-dir of a hybridpar train run")
+    metrics = read_jsonl(d / "metrics.jsonl")
+    steps = sorted((r for r in metrics if "loss" in r and isinstance(r.get("step"), int)), key=lambda r: r["step"])
+    if not steps:
+        raise ValueError(
+            f"{str(d)!r} holds no step records (metrics.jsonl missing or empty): give the --run-dir of a "
+            "hybridpar train run that finished at least one step"
+        )
+    timeline = None
+    if (d / TIMELINE_FILE).is_file():
+        try:
+            timeline = json.loads((d / TIMELINE_FILE).read_text(encoding="utf-8"))
+        except ValueError:
+            timeline = None
+    return Run(
+        path=d,
+        steps=steps,
+        superseded=read_jsonl(superseded_path(d / "metrics.jsonl")),
+        final=next((r for r in metrics if r.get("final")), None),
+        events=read_jsonl(d / "resilience.jsonl"),
+        faults=read_jsonl(d / "chaos.jsonl"),
+        watchdog=read_jsonl(d / "watchdog.jsonl"),
+        timeline=timeline,
+    )

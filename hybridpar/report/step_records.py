@@ -1,0 +1,57 @@
+"""What the run loop adds to each step's record beyond the trainer's own: MFU against the devices' peak
+(report/mfu.py), the attempt (restart count) the step ran in, the peak itself on the attempt's first
+record, and once per attempt every rank's action timeline of one step (`<run_dir>/step_timeline.json`),
+which `hybridpar report` draws as the per-rank timeline."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from hybridpar.config import Config
+from hybridpar.pipeline.runtime import StepOutput
+from hybridpar.report.mfu import device_peak, mfu, model_flops_per_token
+from hybridpar.report.rundata import TIMELINE_FILE
+from hybridpar.report.step_trace import step_slices
+from hybridpar.topology.collectives import all_gather_json
+from hybridpar.topology.mesh import Topology
+
+WARMUP_STEPS = 2  # the timeline step comes after these: the first steps allocate and initialise lazily
+
+
+class StepRecords:
+    def __init__(self, cfg: Config, topo: Topology, start_step: int, attempt: int, dtype: torch.dtype) -> None:
+        """Collective (the device peak is agreed by every rank). `dtype`: what the matmuls compute in."""
+        self.topo, self.run_dir, self.attempt = topo, Path(cfg.run_dir), attempt
+        t = cfg.train
+        self.tokens = t.global_batch * t.seq_len
+        self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
+        self.details = cfg.sinks.step_details
+        self.peak = device_peak(topo.device, dtype, self.run_dir, topo.rank) if self.details else None
+        self.first = True
+        # -1: never (no details asked for)
+        self.timeline_step = min(start_step + WARMUP_STEPS, t.steps - 1) if self.details else -1
+
+    def add(self, rec: dict[str, Any]) -> dict[str, Any]:
+        """`rec` (the trainer's record of one step) with MFU and the attempt added."""
+        rec["attempt"] = self.attempt
+        if self.peak is None:
+            return rec
+        rec["mfu"] = mfu(self.flops_per_token, self.tokens, rec["step_time_s"], self.peak["flops_per_s"])
+        if self.first:
+            rec["device_peak"] = self.peak
+            rec["model_flops_per_token"] = self.flops_per_token
+            self.first = False
+        return rec
+
+    def timeline(self, step: int, out: StepOutput) -> None:
+        """Collective at the timeline step (a no-op at any other): every rank's slices to rank 0's file."""
+        if step != self.timeline_step:
+            return
+        rows = all_gather_json(step_slices(out, self.topo.rank, step), self.topo.device)
+        if self.topo.rank == 0:
+            doc = {"step": step, "attempt": self.attempt, "slices": [r for rank in rows for r in rank]}
+            (self.run_dir / TIMELINE_FILE).write_text(json.dumps(doc), encoding="utf-8")
