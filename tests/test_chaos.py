@@ -23,6 +23,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.resilience.chaos import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
+from tests.tiny_flags import tiny_flags  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import TOL, final_state, ref_for, tiny_config  # noqa: E402
@@ -291,28 +292,7 @@ def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:
         "1",
         "--parallel.pp",
         "2",
-        "--model.dim",
-        "32",
-        "--model.n_layers",
-        "2",
-        "--model.n_heads",
-        "2",
-        "--model.ffn_dim",
-        "64",
-        "--train.steps",
-        "4",
-        "--train.global_batch",
-        "4",
-        "--train.microbatches",
-        "2",
-        "--train.seq_len",
-        "16",
-        "--train.val_every",
-        "0",
-        "--train.sample_tokens",
-        "0",
-        "--data.max_bytes",
-        "100000",
+        *tiny_flags(4),
         "--checkpoint.every",
         "1",
     ]

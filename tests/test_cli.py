@@ -13,33 +13,9 @@ from pathlib import Path
 import pytest
 
 from hybridpar import cli
+from tests.tiny_flags import tiny_flags
 
-TINY = [
-    "--model.dim",
-    "32",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "2",
-    "--model.ffn_dim",
-    "64",
-    "--train.steps",
-    "3",
-    "--train.global_batch",
-    "4",
-    "--train.microbatches",
-    "2",
-    "--train.seq_len",
-    "16",
-    "--train.val_every",
-    "2",
-    "--train.val_batches",
-    "1",
-    "--train.sample_tokens",
-    "8",
-    "--data.max_bytes",
-    "100000",
-]
+TINY = [*tiny_flags(3, val_every=2, sample_tokens=8), "--train.val_batches", "1"]
 
 
 @pytest.fixture

@@ -17,6 +17,7 @@ import psutil
 import pytest
 
 from hybridpar.cli import main
+from tests.tiny_flags import tiny_flags
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -26,28 +27,7 @@ FLAGS = [
     "1",
     "--parallel.pp",
     "2",
-    "--model.dim",
-    "32",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "2",
-    "--model.ffn_dim",
-    "64",
-    "--train.steps",
-    str(STEPS),
-    "--train.global_batch",
-    "4",
-    "--train.microbatches",
-    "2",
-    "--train.seq_len",
-    "16",
-    "--train.val_every",
-    "0",
-    "--train.sample_tokens",
-    "0",
-    "--data.max_bytes",
-    "100000",
+    *tiny_flags(STEPS),
     "--checkpoint.every",
     "2",
     "--resilience.max_restarts",

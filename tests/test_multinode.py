@@ -20,31 +20,9 @@ from hybridpar.resilience import rundir
 from hybridpar.topology.mesh import ParallelDims
 from hybridpar.topology.nodes import NodeMap, tp_node_problem
 from hybridpar.topology.rendezvous import is_loopback_endpoint
+from tests.tiny_flags import tiny_flags
 
-TINY = [
-    "--model.dim",
-    "32",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "2",
-    "--model.ffn_dim",
-    "64",
-    "--train.steps",
-    "4",
-    "--train.global_batch",
-    "4",
-    "--train.microbatches",
-    "2",
-    "--train.seq_len",
-    "16",
-    "--train.val_every",
-    "0",
-    "--train.sample_tokens",
-    "0",
-    "--data.max_bytes",
-    "100000",
-]
+TINY = tiny_flags(4)
 TP2PP2 = ["--parallel.tp", "2", "--parallel.pp", "2"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}
 CLI = [sys.executable, "-m", "hybridpar.cli", "train"]  # this checkout's hybridpar (PYTHONPATH carries over)

@@ -20,6 +20,7 @@ import pytest
 
 from hybridpar.config import parse_args
 from hybridpar.resilience.session import ledger_stats
+from tests.tiny_flags import tiny_flags  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_chaos import _run  # noqa: E402  (hybridpar.launch in a fresh interpreter)
@@ -35,28 +36,7 @@ FLAGS = [
     "1",
     "--parallel.pp",
     "2",
-    "--model.dim",
-    "32",
-    "--model.n_layers",
-    "2",
-    "--model.n_heads",
-    "2",
-    "--model.ffn_dim",
-    "64",
-    "--train.steps",
-    str(STEPS),
-    "--train.global_batch",
-    "4",
-    "--train.microbatches",
-    "2",
-    "--train.seq_len",
-    "16",
-    "--train.val_every",
-    "0",
-    "--train.sample_tokens",
-    "0",
-    "--data.max_bytes",
-    "100000",
+    *tiny_flags(STEPS),
     "--checkpoint.every",
     "1",
     "--checkpoint.keep",
