@@ -42,6 +42,7 @@ class DataParallelGrads:
         self._ready: dict[tuple[int, int], int] = {}
         self._launched: set[tuple[int, int]] = set()
         self.overlapped = 0  # buckets whose reduction started from a hook, i.e. during backward
+        self.peak_bytes = 0  # most bytes of flattened buckets in flight at once (memory accounting)
         self._hooks: list = []  # removed by close(), when the stages change (live re-partition)
         if self.group is None:
             return
@@ -74,6 +75,8 @@ class DataParallelGrads:
         grads = [p.grad for p in self._buckets[key[0]][key[1]]]
         flat = torch.cat([g.reshape(-1) for g in grads])
         self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+        in_flight = sum(f.numel() * f.element_size() for _, f, _ in self._pending)
+        self.peak_bytes = max(self.peak_bytes, in_flight)
 
     def stage_done(self, s: int) -> None:
         if self.group is None:
@@ -111,6 +114,7 @@ class PlaneGrads:
         self.topo, self.stages, self.n_layers, self.plane = topo, stages, n_layers, plane
         self.dp_group = topo.group("dp")
         self.overlapped = 0
+        self.peak_bytes = 0  # not counted for this rebalanced layout
 
     def stage_done(self, s: int) -> None:
         pass  # everything is reduced in finish(): the buffer spans layers of several stages
@@ -151,15 +155,15 @@ def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int) -> None:
+def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int) -> int:
     """With tied embeddings split over pipeline stages, the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients (Megatron's embedding group). Every pp rank
-    takes part; ranks holding neither copy contribute zeros."""
+    takes part; ranks holding neither copy contribute zeros. Returns the bytes of the buffer summed in."""
     first = stages.get(0)
     last = stages.get(n_stages - 1)
     cfg = next(iter(stages.values())).cfg
     if not (cfg.tied and topo.dims.pp > 1):
-        return
+        return 0
     shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
     copies = ([first.get_parameter(first.EMBED).grad] if first is not None else []) + (
         [last.get_parameter(last.HEAD).grad] if last is not None else []
@@ -170,6 +174,7 @@ def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int
     dist.all_reduce(grad, group=topo.group("pp"))
     for g in copies:
         g.copy_(grad)
+    return grad.numel() * grad.element_size()
 
 
 def clip_grad_norm(topo: Topology, stages: dict[int, Stage], max_norm: float) -> float:
