@@ -157,11 +157,32 @@ def step_saved(cfg: Config, first: bool, last: bool, replica: int) -> int:
     return rope + (ids if first and cfg.parallel.tp == 1 else 0) + (ids if last else 0)
 
 
+def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
+    """What a zero-bubble split keeps from B until W for one microbatch (split_backward.py): each linear
+    layer's input and output gradient — per decoder layer the two norm outputs (fp32), the attention
+    output and the MLP's last input, the projections' output gradients; on the last stage the head's
+    input and its (vocabulary shard of the) logits' gradient. The same whatever the recomputation: a
+    recomputed layer's rerun in B hands over the same tensors."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    bt, d, hd, f = b * t.seq_len, m.dim, m.head_dim, m.ffn_dim // tp
+    hq, hk = m.n_heads // tp, m.kv_heads // tp
+    c = 2 if t.precision == "bf16" else F32
+    inputs = 2 * bt * d * F32 + bt * hq * hd * c + bt * f * c
+    grads = bt * (hq + 2 * hk) * hd * c + 2 * bt * d * c + (2 if m.family == "llama" else 1) * bt * f * c
+    head = bt * d * F32 + bt * (m.vocab_size // tp) * c if last else 0
+    return layers * (inputs + grads) + head
+
+
 def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions: list[list]) -> list[int]:
     """Per rank, the most saved bytes alive at once: a forward adds its microbatch's, its backward (B)
-    frees them, the per-stage constants count while any microbatch of the stage is held."""
+    frees them, the per-stage constants count while any microbatch of the stage is held. Where B and W
+    are split, B trades the saved tensors for what W needs (weight_held), held until W; inside B the
+    first output gradient is held before anything is freed (no recomputation), or every hold is
+    in place while the stage's first layer input is still saved (recomputation: the rerun makes them)."""
     n, replica = len(parts), sum(sizes)
     modes = cfg.train.recompute_modes(n)
+    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
+    c = 2 if cfg.train.precision == "bf16" else F32
     peaks = []
     for acts in actions:
         live, held, peak = 0, {}, 0
@@ -169,13 +190,22 @@ def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions:
             s, b = a.stage, sizes[a.microbatch]
             first, last = s == 0, s == n - 1
             one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
+            const = step_saved(cfg, first, last, replica)
+            kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
             if a.op == Op.FORWARD:
-                live += one + (step_saved(cfg, first, last, replica) if not held.get(s) else 0)
+                live += one + (const if not held.get(s) else 0)
                 held[s] = held.get(s, 0) + 1
-                peak = max(peak, live)
             elif a.op == Op.BACKWARD:
+                bt_d = b * cfg.train.seq_len * cfg.model.dim
+                if split and modes[s] == "none":
+                    peak = max(peak, live + (0 if last else bt_d * c))
+                elif split:
+                    peak = max(peak, live - one + kept + bt_d * F32)
                 held[s] -= 1
-                live -= one + (step_saved(cfg, first, last, replica) if not held[s] else 0)
+                live += kept - one - (const if not held[s] else 0)
+            elif a.op == Op.WEIGHT:
+                live -= weight_held(cfg, b, len(parts[s]), last)
+            peak = max(peak, live)
         peaks.append(peak)
     return peaks
 
@@ -201,7 +231,9 @@ def message_buffers(cfg: Config, sizes: list[int], actions: list[list], ranks: t
     msg = [b * t.seq_len * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
     sim = simulate(actions, pp, len(ranks), Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0), ranks=ranks)
     at = {(e.action.op, e.action.stage, e.action.microbatch): e for e in sim.events}
-    release = Op.WEIGHT if split else Op.BACKWARD
+    # A gradient received in fp32 is the one its W keeps (the last layer's output gradient); a bf16 one
+    # is widened to fp32 first, and goes with its B.
+    release = Op.WEIGHT if split and t.precision == "fp32" else Op.BACKWARD
     sends: dict[tuple[int, int], list[tuple[float, float, int]]] = {}  # link -> (sent, freed, bytes)
     live: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # receive buffers: (time, +-bytes)
     for e in sim.events:
