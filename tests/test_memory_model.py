@@ -222,3 +222,15 @@ def test_model_matches_what_ranks_hold() -> None:
             e = est[r["pp"]]
             for k in ("params", "grads", "optimizer", "activations", "buffers"):
                 assert abs(getattr(e, k) - r[k]) <= 0.10 * r[k], (i, r["pp"], k, getattr(e, k), r[k])
+
+
+def test_bench_grid_skips_zero_without_data_parallelism_and_refuses_unknown_names() -> None:
+    from hybridpar.bench.memory import cases, parse_args
+
+    runs, skipped = cases(["default", "larger"], ["tp2xpp2", "dp2xpp2"], 2)
+    assert (len(runs["tp2xpp2"]), len(runs["dp2xpp2"]), len(skipped)) == (12, 24, 12)
+    assert all("zero=1" in s and "tp2xpp2" in s for s in skipped)
+    for bad in (["--models", "huge"], ["--layouts", "tp3"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(bad)
+        assert e.value.code == 2

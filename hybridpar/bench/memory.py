@@ -20,6 +20,7 @@ import time
 from typing import Any
 
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_names
 from hybridpar.testing import run_ranks
 
 LAYOUTS = {"tp2xpp2": dict(tp=2, pp=2, dp=1), "dp2xpp2": dict(tp=1, pp=2, dp=2)}
@@ -30,19 +31,23 @@ MODELS = {
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
 
 
-def case_config(model: str, layout: str, precision: str, zero: int, recompute: str, steps: int) -> Config:
+def case_config(
+    model: str, layout: str, precision: str, zero: int, recompute: str, steps: int, schedule: str = "1f1b"
+) -> Config:
     cfg = Config()
     for k, v in {**MODELS[model]["model"]}.items():
         setattr(cfg.model, k, v)
     for k, v in {**MODELS[model]["train"], "precision": precision, "recompute": recompute, "steps": steps}.items():
         setattr(cfg.train, k, v)
-    for k, v in {**LAYOUTS[layout], "zero": zero}.items():
+    for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule}.items():
         setattr(cfg.parallel, k, v)
     cfg.data.max_bytes = 2_000_000
     return cfg
 
 
-def cases(models: list[str], layouts: list[str], steps: int) -> tuple[dict[str, list[dict]], list[str]]:
+def cases(
+    models: list[str], layouts: list[str], steps: int, schedule: str = "1f1b"
+) -> tuple[dict[str, list[dict]], list[str]]:
     """Config dicts per layout, and the combinations not run (with why)."""
     runs: dict[str, list[dict]] = {lay: [] for lay in layouts}
     skipped = []
@@ -55,7 +60,7 @@ def cases(models: list[str], layouts: list[str], steps: int) -> tuple[dict[str, 
                         if zero and LAYOUTS[lay]["dp"] == 1:
                             skipped.append(f"{name}: ZeRO-1 shards over dp, and dp=1 here")
                             continue
-                        cfg = case_config(model, lay, precision, zero, recompute, steps)
+                        cfg = case_config(model, lay, precision, zero, recompute, steps, schedule)
                         runs[lay].append({"name": name, "config": cfg.to_dict()})
     return runs, skipped
 
@@ -108,6 +113,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench memory", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="default,larger", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--layouts", default="tp2xpp2,dp2xpp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
+    ap.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule of every case")
     ap.add_argument("--steps", type=int, default=2, help="training steps per case (>= 1; the last is reported)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per layout's launch")
     ap.add_argument("--json", default=None, help="write the results to FILE ('-' or none: stdout)")
@@ -122,7 +128,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    runs, skipped = cases(a.models.split(","), a.layouts.split(","), a.steps)
+    runs, skipped = cases(a.models.split(","), a.layouts.split(","), a.steps, a.schedule)
     results, worst = [], 0.0
     load_before = os.getloadavg()
     for lay, todo in runs.items():
@@ -138,6 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench": "memory",
         "max_rel_error": worst,
         "steps": a.steps,
+        "schedule": a.schedule,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "models": MODELS,
