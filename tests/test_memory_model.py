@@ -178,6 +178,11 @@ def test_activations_follow_the_schedule() -> None:
     assert [e.activations for e in rank_memory(cfg)] == [4 * per_mb(s) + const[s] for s in range(2)]
 
 
+def test_a_bad_configuration_is_named_before_anything_is_computed() -> None:
+    with pytest.raises(ValueError, match="tp=3 does not divide model.n_heads=4"):
+        rank_memory(small("llama", tp=3))
+
+
 def test_stage_shapes_shard_by_the_plan() -> None:
     cfg = small("llama", tp=2)
     whole = {n: s for n, s in full_shapes(cfg.model).items()}

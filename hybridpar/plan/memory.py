@@ -288,6 +288,7 @@ def rank_memory(cfg: Config) -> list[MemoryEstimate]:
     tp/pp/dp, schedule, virtual stages, partition, microbatches/sizes, seq_len, precision, zero,
     recompute. Ranks that differ only in tp/dp coordinate hold the same (up to shard rounding): this is
     tp rank 0 and dp rank 0, the largest shards."""
+    cfg.validate()  # a bad configuration is named before anything is computed
     p, t = cfg.parallel, cfg.train
     parts = layer_partition(cfg)
     ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
