@@ -192,6 +192,11 @@ def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions:
             one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
             const = step_saved(cfg, first, last, replica)
             kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
+            # W's inputs are held from F on (a recomputed layer's from B); under autocast the linear
+            # layers' fp32 inputs (the norms' outputs) are not what autograd saves (their bf16 casts), so
+            # they come on top: two per layer, and the head's (never recomputed).
+            norms = 2 * len(parts[s]) * (modes[s] == "none") + last
+            one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
             if a.op == Op.FORWARD:
                 live += one + (const if not held.get(s) else 0)
                 held[s] = held.get(s, 0) + 1
