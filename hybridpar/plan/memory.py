@@ -232,7 +232,7 @@ def message_buffers(cfg: Config, sizes: list[int], actions: list[list], ranks: t
     behind those the receiver still holds."""
     m, t, pp = cfg.model, cfg.train, cfg.parallel.pp
     split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
-    lent = _transport(cfg) == "shared_memory" and not split  # borrowed in place, freed after the backward
+    lent = _transport(cfg) == "shared_memory" and not split  # read in place in the ring until the backward
     msg = [b * t.seq_len * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
     sim = simulate(actions, pp, len(ranks), Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0), ranks=ranks)
     at = {(e.action.op, e.action.stage, e.action.microbatch): e for e in sim.events}
@@ -255,14 +255,15 @@ def message_buffers(cfg: Config, sizes: list[int], actions: list[list], ranks: t
             kind = Op.RECV_F if a.op == Op.SEND_F else Op.RECV_B
             posted = at[(kind, to, a.microbatch)].end
             live[ranks[to]] += [(posted, msg[a.microbatch]), (done.end, -msg[a.microbatch])]
+    shared = _transport(cfg) == "shared_memory"
     out = []
     for r in range(pp):
         running = peak = 0
         for _, n in sorted(live[r]):
             running += n
             peak = max(peak, running)
-        rings = sum(_ring_peak(v) for (src, _), v in sends.items() if src == r) if lent or split else 0
-        out.append(peak + (rings if _transport(cfg) == "shared_memory" else 0))
+        rings = sum(_ring_peak(v) for (src, _), v in sends.items() if src == r) if shared else 0
+        out.append(peak + rings)
     return out
 
 
