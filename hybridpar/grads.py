@@ -63,6 +63,7 @@ class DataParallelGrads:
         self._ready: dict[tuple[int, int], int] = {}
         self._launched: set[tuple[int, int]] = set()
         self.overlapped = 0  # buckets whose reduction started from a hook, i.e. during backward
+        self.handed = {"all_reduce": 0, "reduce_scatter": 0}  # gradient elements given to each collective
         self._hooks: list = []  # removed by close(), when the stages change (live re-partition)
         if self.group is None:
             return
@@ -101,6 +102,7 @@ class DataParallelGrads:
         if params:
             grads = [p.grad for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
+            self.handed["all_reduce"] += flat.numel()
             self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
 
     def _scatter(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
@@ -117,6 +119,7 @@ class DataParallelGrads:
                 flat[at : at + piece.numel()].view(piece.shape).copy_(piece)
                 at += piece.numel()
         out = flat.new_empty(width)
+        self.handed["reduce_scatter"] += sum(seg)
         self._scattered.append((cut, out, dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)))
 
     def stage_done(self, s: int) -> None:
