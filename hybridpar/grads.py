@@ -120,7 +120,7 @@ class DataParallelGrads:
                 at += piece.numel()
         out = flat.new_empty(width)
         self.handed["reduce_scatter"] += sum(seg)
-        self._scattered.append((cut, out, dist.reduce_scatter_tensor(out, flat, group=self.group, async_op=True)))
+        self._scattered.append((cut, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)))
 
     def stage_done(self, s: int) -> None:
         if self.group is None:

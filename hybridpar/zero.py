@@ -128,6 +128,10 @@ class ShardedAdamW(torch.optim.AdamW):
             v.numel() * v.element_size() for st in self.state.values() for v in st.values() if torch.is_tensor(v)
         )
 
+    def local_state(self) -> dict[torch.Tensor, tuple[dict[str, torch.Tensor], Slice]]:
+        """This rank's AdamW state of each model parameter (that of its slice), with the slice it covers."""
+        return {p: (self.state[q], s) for p, s, q in zip(self.full, self.slices, self.shadows)}
+
     @torch.no_grad()
     def gather_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Collective over dp: the whole AdamW state of every parameter, keyed by the model's parameter

@@ -84,7 +84,8 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 @pytest.mark.multiprocess
 def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None:
     """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-1) to step 3, at dp=1 to step 4,
-    and at dp=2 (ZeRO-1) to the end: the one-device model. DCP re-cuts the whole-parameter state."""
+    and at dp=2 (ZeRO-1) to the end: the one-device model. Each ZeRO-1 rank writes only its slice of the
+    optimizer state (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
     steps = 5
     run = str(tmp_path / "run")
     legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 1, "rank=3:term@step=2:phase=forward")]
@@ -107,6 +108,12 @@ def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
     check_fp64("dp 2 -> 4 -> 1 -> 2 under ZeRO-1", state, ref)
+    from hybridpar.resilience.safe_dcp import load_metadata
+
+    for step, chunks in ((3, 4), (4, 1), (5, 2)):  # written at dp 4 (ZeRO-1), dp 1, dp 2 (ZeRO-1)
+        md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
+        moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
+        assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})
 
 
 def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:
