@@ -194,7 +194,7 @@ class Trainer:
         tokens = t.global_batch * t.seq_len
         self.policy.observe(step, sizes, run_s, peak, tokens)
         sync_tied_embeddings(topo, self.stages, self.n_stages)
-        grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip)
+        grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
