@@ -5,6 +5,7 @@ check's timeout."""
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -35,7 +36,9 @@ def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
         "tp1 pp1 dp2 fp32",
     ]
     for r in eq["layouts"]:
-        assert r["passed"] and 0 <= r["max_loss_diff"], r
+        assert r["passed"] and 0 <= r["max_loss_diff"] and math.isfinite(r["max_param_diff"]), r
+        if r["layout"].endswith("fp32"):  # fp32 runs that sum in another order differ by up to 3e-5 (DESIGN.md)
+            assert r["max_param_diff"] < 1e-4, r
     pipe = out["checks"]["pipeline"]
     assert pipe["backend"] == "gloo" and pipe["ratio"] > 0 and pipe["loss_rel_diff"] <= 1e-5
     mfu = out["checks"]["mfu"]

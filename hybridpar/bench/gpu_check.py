@@ -117,7 +117,11 @@ def check_equivalence(a: argparse.Namespace) -> dict:
             losses, (ref_losses, _, ref_state) = ranks[0][i], refs[1 if prec == "fp32" else prec]
             state = torch.load(work / f"state{i}.pt", weights_only=True)
             diffs = [abs(x - y) for x, y in zip(losses, ref_losses, strict=True)]
-            rec: dict[str, Any] = {"layout": f"tp{tp} pp{pp} dp{dp} {prec}", "max_loss_diff": max(diffs)}
+            rec: dict[str, Any] = {
+                "layout": f"tp{tp} pp{pp} dp{dp} {prec}",
+                "max_loss_diff": max(diffs),
+                "max_param_diff": max((state[n] - r).abs().max().item() for n, r in ref_state.items()),
+            }
             if prec == "fp32":
                 margin = max(ref.fp64_margins(state, ref64, noise).values())
                 rec.update(loss_bound=ref.TOL, worst_fp64_margin=margin, passed=max(diffs) <= ref.TOL and margin <= 1)
