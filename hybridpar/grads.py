@@ -4,6 +4,12 @@ embedding/head tie across pipeline stages, and the global gradient norm for clip
 Losses are pre-scaled by 1 / (tokens in the global batch), so the data-parallel reduction is a plain
 SUM: replicas holding unequal numbers of tokens still yield exactly the gradient of the global token
 mean, which a mean over replicas would not.
+
+Under ZeRO-1 (zero.py) a rank steps only its slice of each parameter, so it needs only that slice of the
+summed gradient: buckets are reduce-scattered instead of all-reduced, half the bytes of an all-reduce,
+and with the optimizer's all-gather of parameters the step moves what plain data parallelism moves. A
+gradient is then summed only on the rank's slice (the rest holds this replica's own contribution):
+the norm for clipping is taken over the slices (`clip_grad_norm(..., slices)`).
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from torch import nn
 from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
+from hybridpar.zero import Slice, part, slice_of
+
+BUCKET_BYTES = 4 << 20  # about this many gradient bytes per data-parallel bucket
 
 
 class DataParallelGrads:
@@ -28,21 +37,37 @@ class DataParallelGrads:
     post-accumulate hook has fired for every microbatch; a bucket whose gradients are all final starts
     its async all-reduce at once, while earlier layers are still in backward. Whatever a hook cannot
     see — gradients written outside autograd's accumulation, as the zero-bubble W actions do — is
-    reduced when the runtime reports the stage done. `finish()` waits and writes the sums back."""
+    reduced when the runtime reports the stage done. `finish()` waits and writes the sums back.
+
+    `sharded` (ZeRO-1): reduce-scatter each bucket so that this rank receives the sum of its own slices
+    (`slices`, zero.slice_of's cut); parameters that are not sliced are all-reduced whole."""
 
     def __init__(
-        self, topo: Topology, stages: dict[int, Stage], microbatches: int | None = None, bucket_bytes: int = 4 << 20
+        self,
+        topo: Topology,
+        stages: dict[int, Stage],
+        microbatches: int | None = None,
+        bucket_bytes: int = BUCKET_BYTES,
+        sharded: bool = False,
     ) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
         self.group = topo.group("dp") if topo.dims.dp > 1 else None
+        self.slices: dict[int, Slice] | None = None
+        if sharded:
+            dp = topo.dims.dp
+            ps = [p for st in stages.values() for p in st.parameters()]
+            self.slices = {id(p): slice_of(p.shape, getattr(p, "tp_dim", None), dp) for p in ps}
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
+        self._scattered: list[tuple[list[tuple[torch.Tensor, Slice]], torch.Tensor, dist.Work]] = []
         self._buckets: dict[int, list[list[nn.Parameter]]] = {}
         self._bucket_of: dict[int, tuple[int, int]] = {}
         self._fired: dict[int, int] = {}
         self._ready: dict[tuple[int, int], int] = {}
         self._launched: set[tuple[int, int]] = set()
         self.overlapped = 0  # buckets whose reduction started from a hook, i.e. during backward
+        self.handed = {"all_reduce": 0, "reduce_scatter": 0}  # gradient elements given to each collective
         self.peak_bytes = 0  # most bytes of flattened buckets in flight at once (memory accounting)
+        self._in_flight = 0
         self._hooks: list = []  # removed by close(), when the stages change (live re-partition)
         if self.group is None:
             return
@@ -72,11 +97,41 @@ class DataParallelGrads:
 
     def _launch(self, key: tuple[int, int]) -> None:
         self._launched.add(key)
-        grads = [p.grad for p in self._buckets[key[0]][key[1]]]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
-        in_flight = sum(f.numel() * f.element_size() for _, f, _ in self._pending)
-        self.peak_bytes = max(self.peak_bytes, in_flight)
+        params = self._buckets[key[0]][key[1]]
+        if self.slices is not None:
+            cut = [(p.grad, self.slices[id(p)]) for p in params if self.slices[id(p)].dim is not None]
+            params = [p for p in params if self.slices[id(p)].dim is None]
+            if cut:
+                self._scatter(cut)
+        if params:
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            self.handed["all_reduce"] += flat.numel()
+            self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+            self._count(flat)
+
+    def _scatter(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
+        """One reduce-scatter: dp rank r's segment of the input is every gradient's slice r, in bucket
+        order, zero-padded to the longest segment (chunks are uneven where a dimension does not divide)."""
+        dp = self.topo.dims.dp
+        seg = [sum(part(g, s, r).numel() for g, s in cut) for r in range(dp)]
+        width = max(seg)
+        flat = torch.zeros(dp * width, dtype=cut[0][0].dtype, device=cut[0][0].device)
+        for r in range(dp):
+            at = r * width
+            for g, s in cut:
+                piece = part(g, s, r)
+                flat[at : at + piece.numel()].view(piece.shape).copy_(piece)
+                at += piece.numel()
+        out = flat.new_empty(width)
+        self.handed["reduce_scatter"] += sum(seg)
+        self._scattered.append((cut, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)))
+        self._count(flat, out)
+
+    def _count(self, *buffers: torch.Tensor) -> None:
+        """Memory accounting: bucket buffers live from their launch until finish()."""
+        self._in_flight += sum(b.numel() * b.element_size() for b in buffers)
+        self.peak_bytes = max(self.peak_bytes, self._in_flight)
 
     def stage_done(self, s: int) -> None:
         if self.group is None:
@@ -90,7 +145,12 @@ class DataParallelGrads:
         for grads, flat, work in self._pending:
             work.wait(timeout)
             _unflatten(flat, grads)
+        for cut, out, work in self._scattered:
+            work.wait(timeout)
+            _unflatten(out, [part(g, s, self.topo.dp_rank) for g, s in cut])
         self._pending.clear()
+        self._scattered.clear()
+        self._in_flight = 0
         self._fired.clear()
         self._ready.clear()
         self._launched.clear()
@@ -114,6 +174,7 @@ class PlaneGrads:
         self.topo, self.stages, self.n_layers, self.plane = topo, stages, n_layers, plane
         self.dp_group = topo.group("dp")
         self.overlapped = 0
+        self.slices = None  # gradients are summed whole (the optimizer is not sharded across the plane)
         self.peak_bytes = 0  # not counted for this rebalanced layout
 
     def stage_done(self, s: int) -> None:
@@ -177,10 +238,14 @@ def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int
     return grad.numel() * grad.element_size()
 
 
-def clip_grad_norm(topo: Topology, stages: dict[int, Stage], max_norm: float) -> float:
+def clip_grad_norm(
+    topo: Topology, stages: dict[int, Stage], max_norm: float, slices: dict[int, Slice] | None = None
+) -> float:
     """Global L2 norm of the whole model's gradient (every parameter counted once: tp shards summed,
     replicated norm gains counted on tp rank 0 only, pipeline stages summed, dp replicas identical),
-    then torch's clip rule: scale by min(1, max_norm / (norm + 1e-6)). max_norm <= 0: measure only."""
+    then torch's clip rule: scale by min(1, max_norm / (norm + 1e-6)). max_norm <= 0: measure only.
+    `slices` (reduce-scattered gradients, ZeRO-1): each dp rank holds the sum of its slice only, so
+    each counts its slices (an unsliced parameter on dp rank 0) and the squares are summed over dp."""
     sq = torch.zeros((), dtype=torch.float64, device=topo.device)
     params: list[nn.Parameter] = []
     for stage in stages.values():
@@ -188,8 +253,16 @@ def clip_grad_norm(topo: Topology, stages: dict[int, Stage], max_norm: float) ->
             params.append(p)
             if stage.stored_name(name) != name:
                 continue  # the embedding's copy: counted on the first stage
-            if is_sharded(p) or topo.tp_rank == 0:
+            if not (is_sharded(p) or topo.tp_rank == 0):
+                continue
+            if slices is None:
                 sq += p.grad.double().pow(2).sum()
+            elif slices[id(p)].dim is not None:
+                sq += part(p.grad, slices[id(p)], topo.dp_rank).double().pow(2).sum()
+            elif topo.dp_rank == 0:
+                sq += p.grad.double().pow(2).sum()
+    if slices is not None and topo.dims.dp > 1:
+        dist.all_reduce(sq, group=topo.group("dp"))
     if topo.dims.tp > 1:
         dist.all_reduce(sq, group=topo.group("tp"))
     if topo.dims.pp > 1:

@@ -52,6 +52,7 @@ def preflight(
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
     _check_tokens(cfg)
+    _check_device(cfg)
     if (why := missing_packages(cfg.sinks)) is not None:
         raise ValueError(why)
     if verify:
@@ -107,6 +108,18 @@ def _check_init_weights(cfg: Config) -> None:
         check_hf_tensors(cfg.model, SafetensorsDir(cfg.model.init_from))
     except ValueError as e:
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
+
+
+def _check_device(cfg: Config) -> None:
+    """What needs CUDA, refused where the run will not get it (the backend is chosen as the workers will)."""
+    from hybridpar.topology.mesh import pick_backend
+
+    _, device = pick_backend(cfg.parallel.backend)
+    if cfg.profile.memory and device != "cuda":
+        raise ValueError(
+            "profile.memory snapshots the CUDA caching allocator, and this run is on CPU (no CUDA here, or "
+            "parallel.backend=gloo): drop --profile.memory (the activation meter's figures are in metrics.jsonl)"
+        )
 
 
 def _check_finite(cfg: Config) -> None:

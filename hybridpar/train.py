@@ -244,7 +244,9 @@ def _steps(
     )
     trace_rows: list[dict] = []
     trace_steps, profile_steps = step_range(cfg.profile.trace_steps), step_range(cfg.profile.steps)
-    profiler = StepProfiler(profile_steps, run_dir, topo.rank, topo.device) if profile_steps else None
+    profiler = (
+        StepProfiler(profile_steps, run_dir, topo.rank, topo.device, cfg.profile.memory) if profile_steps else None
+    )
     for step in range(res.start_step, t.steps):
         session.probe("step-begin", step)
         if profiler:

@@ -9,10 +9,10 @@ keeps its whole state on every dp rank: it is a few hundred numbers.
 
 Each slice is stepped by plain `torch.optim.AdamW` on a contiguous copy, with the decay group of the
 parameter it comes from: AdamW is elementwise, so the slices together take the very step the whole
-parameter would. Gradients arrive already summed over dp (grads.py, bucketed and overlapped with the
-backward as without ZeRO), so the gradient clip and the tied-embedding sum see whole gradients; this
-costs an all-gather of parameters per step on top of today's all-reduce, where a reduce-scatter would
-save half of the reduction (the next step, measured first).
+parameter would. Gradients arrive reduce-scattered (grads.py, bucketed and overlapped with the backward
+as without ZeRO): this rank's slice of each gradient holds the sum over dp, the rest does not, and only
+the slice is read here. Reduce-scatter plus the all-gather of parameters move the bytes of the one
+all-reduce that plain data parallelism does.
 """
 
 from __future__ import annotations
@@ -51,7 +51,8 @@ def slice_of(shape: torch.Size, tp_dim: int | None, dp: int) -> Slice:
     return Slice(dim, offsets, sizes)
 
 
-def _part(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
+def part(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
+    """dp rank r's slice of `p` (a view)."""
     return p if s.dim is None else p.narrow(s.dim, s.offsets[r], s.sizes[r])
 
 
@@ -77,7 +78,7 @@ class ShardedAdamW(torch.optim.AdamW):
             self.full.append(p)
             self.slices.append(s)
             # Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group.
-            self.shadows.append(nn.Parameter(_part(p.detach(), s, self.r).clone()))
+            self.shadows.append(nn.Parameter(part(p.detach(), s, self.r).clone()))
         groups = param_groups([(f"{i}", q) for i, q in enumerate(self.shadows)], t.weight_decay)
         super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
         if carry is not None:
@@ -87,8 +88,8 @@ class ShardedAdamW(torch.optim.AdamW):
         with torch.no_grad():
             for p, s, q in zip(self.full, self.slices, self.shadows):
                 # From the parameter each step: whatever wrote it since (a checkpoint load) is stepped on.
-                q.copy_(_part(p, s, self.r))
-                q.grad = None if p.grad is None else _part(p.grad, s, self.r).contiguous()
+                q.copy_(part(p, s, self.r))
+                q.grad = None if p.grad is None else part(p.grad, s, self.r).contiguous()
         out = super().step(closure)
         self._gather()
         return out
@@ -108,7 +109,7 @@ class ShardedAdamW(torch.optim.AdamW):
         if self.group is None:
             return
         sliced = [(p, s) for p, s in zip(self.full, self.slices) if s.dim is not None]
-        seg = [sum(_part(p, s, r).numel() for p, s in sliced) for r in range(self.dp)]
+        seg = [sum(part(p, s, r).numel() for p, s in sliced) for r in range(self.dp)]
         width = max(seg)
         mine = torch.zeros(width, dtype=self.full[0].dtype, device=self.full[0].device)
         flat = torch.cat([q.reshape(-1) for q, s in zip(self.shadows, self.slices) if s.dim is not None])
@@ -119,15 +120,19 @@ class ShardedAdamW(torch.optim.AdamW):
         for r, buf in enumerate(outs):
             at = 0
             for p, s in sliced:
-                part = _part(p, s, r)
-                part.copy_(buf[at : at + part.numel()].view(part.shape))
-                at += part.numel()
+                piece = part(p, s, r)
+                piece.copy_(buf[at : at + piece.numel()].view(piece.shape))
+                at += piece.numel()
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds, counted from its tensors."""
         return sum(
             v.numel() * v.element_size() for st in self.state.values() for v in st.values() if torch.is_tensor(v)
         )
+
+    def local_state(self) -> dict[torch.Tensor, tuple[dict[str, torch.Tensor], Slice]]:
+        """This rank's AdamW state of each model parameter (that of its slice), with the slice it covers."""
+        return {p: (self.state[q], s) for p, s, q in zip(self.full, self.slices, self.shadows)}
 
     @torch.no_grad()
     def gather_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
@@ -155,8 +160,8 @@ class ShardedAdamW(torch.optim.AdamW):
         outs = [torch.empty_like(pad) for _ in range(self.dp)]
         dist.all_gather(outs, pad, group=self.group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
         for r, buf in enumerate(outs):
-            part = _part(whole, s, r)
-            part.copy_(buf[: part.numel()].view(part.shape))
+            piece = part(whole, s, r)
+            piece.copy_(buf[: piece.numel()].view(piece.shape))
 
     @torch.no_grad()
     def load_full_state(self, full: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
@@ -165,7 +170,7 @@ class ShardedAdamW(torch.optim.AdamW):
             if not full.get(p):
                 continue
             self.state[q] = {
-                k: (_part(v, s, self.r).clone() if v.shape == p.shape else v.clone()) for k, v in full[p].items()
+                k: (part(v, s, self.r).clone() if v.shape == p.shape else v.clone()) for k, v in full[p].items()
             }
 
 

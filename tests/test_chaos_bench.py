@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.bench.chaos import main, plan_faults
+from hybridpar.report.page import main as report_main
 
 STEPS = 6
 
@@ -46,7 +47,7 @@ def test_bench_chaos_smoke(tmp_path: Path) -> None:
             "200",
             "--json",
             str(out),
-            "--work-dir",
+            "--runs-dir",
             str(tmp_path / "work"),
         ]
     )
@@ -68,3 +69,8 @@ def test_bench_chaos_smoke(tmp_path: Path) -> None:
     assert r["foreign_run_refused"] == 1 and r["orphaned_workers"] == 0 and r["run_id_kept"]
     assert r["lost_samples"] == 0 and r["duplicated_samples"] == 0
     assert r["params_identical"] and r["losses_identical"]
+    # The soak's run directory is kept: the report reads its three launches and the faults they met.
+    assert r["runs_dir"] == str(tmp_path / "work")
+    assert report_main([str(tmp_path / "work" / "soak"), "--out", str(tmp_path / "soak.html")]) == 0
+    page = (tmp_path / "soak.html").read_text()
+    assert "Restarts and faults" in page and "goodput" in page

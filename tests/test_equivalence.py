@@ -11,34 +11,23 @@ from typing import Any
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridpar.config import Config, ModelConfig
 from hybridpar.config.schedules import schedule_spec
-from hybridpar.data import TokenData, load_tokens
 from hybridpar.model.registry import build_full_model
-from hybridpar.optim import lr_at, make_optimizer, set_lr
+from hybridpar.reference import (
+    FP64_FLOOR,
+    FP64_RATIO,
+    SINGLE_RUNS,
+    TOL,
+    fp32_noise,
+    param_distances,
+    reference,
+    tiny_config,
+)
 from hybridpar.testing import run_ranks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
-
-TOL = 1e-5
-
-
-def tiny_config(**over: dict) -> Config:
-    cfg = Config()
-    m, t = cfg.model, cfg.train
-    m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = 32, 8, 4, 2, 64  # GQA on
-    t.steps, t.global_batch, t.microbatches, t.seq_len = 3, 11, 4, 16  # 11 samples: unequal splits
-    # lr stays the default (3e-3): Adam turns fp32 reduction-order noise in near-zero gradients into
-    # parameter differences proportional to lr.
-    t.warmup_steps, t.val_every, t.val_batches, t.sample_tokens = 1, 3, 1, 0
-    t.grad_clip = 0.5  # low enough that clipping is active
-    cfg.data.max_bytes = 200_000
-    for section, values in over.items():
-        for k, v in values.items():
-            setattr(getattr(cfg, section), k, v)
-    return cfg
 
 
 def final_state(run_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
@@ -49,40 +38,6 @@ def final_state(run_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
     full = build_full_model(model, 0)
     load_stage_(full, SafetensorsDir(Path(run_dir) / "final"), hf_layout=True)
     return {n: p.detach() for n, p in full.named_parameters()}
-
-
-def reference(
-    cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1
-) -> tuple[list[float], list[tuple[int, float]], dict[str, torch.Tensor]]:
-    """Plain single-process training; with `accumulate` > 1 each step's gradient is summed over that
-    many balanced microbatches (another order of the same sums: an equally valid fp32 run)."""
-    t = cfg.train
-    data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
-    model = build_full_model(cfg.model, t.seed).to(dtype)  # fp64: the same initial values, widened
-    opt = make_optimizer(model.named_parameters(), t)
-    losses, val_losses = [], []
-    vx, vy = data.val_samples(t.val_batches * t.global_batch)
-    for step in range(t.steps):
-        set_lr(opt, lr_at(step, t))
-        x, y = data.step_samples(step, t.global_batch, 0, t.global_batch)
-        if accumulate == 1:
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-        else:
-            loss = torch.zeros((), dtype=dtype)
-            for xs, ys in zip(x.tensor_split(accumulate), y.tensor_split(accumulate)):
-                part = F.cross_entropy(model(xs).flatten(0, 1), ys.flatten(), reduction="sum") / y.numel()
-                part.backward()
-                loss += part.detach()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-        if step == 0 or (step + 1) % t.val_every == 0 or step == t.steps - 1:
-            with torch.no_grad():
-                val_losses.append((step, F.cross_entropy(model(vx).flatten(0, 1), vy.flatten()).item()))
-    return losses, val_losses, {n: p.detach().clone() for n, p in model.named_parameters()}
 
 
 def _worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
@@ -138,28 +93,9 @@ def ref_for(cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1
     return _REF[key]
 
 
-FP64_RATIO = 1.5  # DESIGN.md: no farther from the fp64 run than single-process fp32 runs, within 1.5x
-# Single-process fp32 runs that differ only in the order of their sums: the whole batch at once, and
-# accumulated over 2 and 4 microbatches. A tensor's distance to fp64 is set by one or two elements where
-# Adam turns rounding noise in a near-zero gradient into a step, so it scatters between such runs
-# (measured per tensor: up to 4.9x apart); their largest distance is the tensor's fp32 noise level.
-SINGLE_RUNS = (1, 2, 4)
-# The scatter left: single-process runs accumulating over 3, 5, 8 or all microbatches exceed 1.5x that
-# level by up to 1.4e-6 on some tensor (tiny, odd and GPT-2 models), exact parallel layouts by up to
-# 1.5e-6 (tp=2). The floor sits just above, 5x below the old fixed 1e-5.
-FP64_FLOOR = 2e-6
-
-
-def param_distances(state: dict[str, torch.Tensor], ref64: dict[str, torch.Tensor]) -> dict[str, float]:
-    """Each parameter's distance to the fp64 run: its largest element-wise difference."""
-    return {n: (state[n].double() - r).abs().max().item() for n, r in ref64.items()}
-
-
-def fp32_noise(cfg: Config) -> dict[str, float]:
+def fp32_noise_for(cfg: Config) -> dict[str, float]:
     """Per parameter, the largest distance to the fp64 run among the single-process fp32 runs."""
-    ref64 = ref_for(cfg, torch.float64)[2]
-    runs = [param_distances(ref_for(cfg, torch.float32, k)[2], ref64) for k in SINGLE_RUNS]
-    return {n: max(r[n] for r in runs) for n in ref64}
+    return fp32_noise(ref_for(cfg, torch.float64)[2], [ref_for(cfg, torch.float32, k)[2] for k in SINGLE_RUNS])
 
 
 def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
@@ -169,7 +105,7 @@ def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
     parameter's distance to an fp64 run of the same training is held to single-process fp32 runs':
     at most FP64_RATIO times the largest of theirs, plus FP64_FLOOR. A real error (a gradient term
     missed or counted twice) moves parameters by about lr = 3e-3 per step, far beyond."""
-    ours, noise = param_distances(state, ref_for(cfg, torch.float64)[2]), fp32_noise(cfg)
+    ours, noise = param_distances(state, ref_for(cfg, torch.float64)[2]), fp32_noise_for(cfg)
     for name, d in ours.items():
         bound = FP64_RATIO * noise[name] + FP64_FLOOR
         assert d <= bound, (

@@ -16,7 +16,7 @@ ROOT = Path(__file__).parents[1] / "hybridpar"
 LAYERS: list[set[str]] = [
     {"config"},  # typed configs and their validation: pure
     {"topology"},  # ranks, meshes, collectives, CPUs, rendezvous
-    {"model", "data", "tokenizer", "prepare", "optim", "testing"},  # the model, the corpus and its tokens, AdamW
+    {"model", "data", "tokenizer", "prepare", "optim", "testing", "reference"},  # the model, corpus, tokens, AdamW
     {"pipeline", "grads", "zero"},  # schedules, runtime, p2p, gradient reductions, the sharded optimizer
     {"batching", "balance", "resilience", "report"},  # microbatch policy, load balancing, recovery, records
     {"trainer", "export"},  # one training step over every dimension

@@ -16,43 +16,13 @@ from pathlib import Path
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.data import TokenData, load_tokens
-from hybridpar.model.registry import build_full_model
-from hybridpar.optim import lr_at, make_optimizer, set_lr
+from hybridpar.reference import FP64_RATIO, U_BF16, distance_norms, tiny_config
 from hybridpar.testing import run_ranks
-from tests.test_equivalence import FP64_RATIO, _worker, grid_config, ref_for, tiny_config
+from tests.test_equivalence import _worker, grid_config, ref_for
 
-U_BF16 = 2.0**-9  # bfloat16's unit roundoff (8 significant bits)
 BF16 = dict(precision="bf16")
-
-
-def reference_bf16(cfg: Config) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """One-device bf16 training: the whole model under autocast, fp32 parameters, AdamW and clipping."""
-    t = cfg.train
-    data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
-    model = build_full_model(cfg.model, t.seed)
-    opt = make_optimizer(model.named_parameters(), t)
-    losses = []
-    for step in range(t.steps):
-        set_lr(opt, lr_at(step, t))
-        x, y = data.step_samples(step, t.global_batch, 0, t.global_batch)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            logits = model(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {n: p.detach().clone() for n, p in model.named_parameters()}
-
-
-def _distances(state: dict[str, torch.Tensor], ref64: dict[str, torch.Tensor]) -> tuple[float, float]:
-    diffs = [(state[n].double() - r) for n, r in ref64.items()]
-    return max(d.abs().max().item() for d in diffs), sum(d.pow(2).sum().item() for d in diffs) ** 0.5
 
 
 @pytest.mark.multiprocess
@@ -66,14 +36,14 @@ def test_bf16_layouts_match_one_device_bf16(layouts: list, tmp_path: Path) -> No
     world = cfgs[0].parallel.world_size
     results = run_ranks(_worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
     fp32 = tiny_config()
-    ref_losses, ref_state = reference_bf16(cfgs[0])
+    ref_losses, _, ref_state = ref_for(cfgs[0])  # one-device bf16: autocast over fp32 parameters
     ref64 = ref_for(fp32, torch.float64)[2]
-    single = _distances(ref_state, ref64)
+    single = distance_norms(ref_state, ref64)
     for i, (cfg, (losses, _)) in enumerate(zip(cfgs, results)):
         label = f"{layouts[i]}"
         for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= U_BF16 * abs(b), f"{label}: step {s} loss {a} vs one-device bf16 {b}"
-        ours = _distances(torch.load(tmp_path / f"state{i}.pt", weights_only=True), ref64)
+        ours = distance_norms(torch.load(tmp_path / f"state{i}.pt", weights_only=True), ref64)
         for what, o, r in zip(("largest difference", "L2 norm"), ours, single):
             assert o <= FP64_RATIO * r, f"{label}: {what} to fp64 {o:.3g} > {FP64_RATIO} x one-device bf16's {r:.3g}"
 

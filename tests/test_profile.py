@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from hybridpar.config import Config, parse_args
 from tests.test_equivalence import TOL, ref_for, tiny_config
@@ -55,3 +56,35 @@ def test_profiled_steps_give_chrome_traces_with_our_action_ranges(tmp_path: Path
         sends = "SEND_F0.0" if stage == 0 else "SEND_B1.0"
         assert names.count(sends) == 2
         assert any(n and n.startswith("aten::mm") for n in names)  # the operators under the ranges
+
+
+def test_memory_snapshot_needs_profiled_steps() -> None:
+    with pytest.raises(ValueError, match="profile.memory records the allocator over profile.steps, which is empty"):
+        parse_args(["--profile.memory", "true"]).validate()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
+def test_memory_snapshot_is_refused_before_launch_without_cuda(tmp_path: Path) -> None:
+    from hybridpar.preflight import preflight
+
+    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=1), profile=dict(steps="1", memory=True))
+    cfg.run_dir = str(tmp_path / "run")
+    with pytest.raises(ValueError, match="profile.memory snapshots the CUDA caching allocator, and this run is on CPU"):
+        preflight(cfg, 1, verify=False)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="the allocator's history exists on CUDA only")
+def test_memory_snapshot_is_json_with_the_allocations(tmp_path: Path) -> None:
+    from hybridpar.report.profile import StepProfiler
+
+    class Runtime:
+        profiling = False
+
+    prof = StepProfiler(range(0, 1), tmp_path, 0, torch.device("cuda"), memory=True)
+    prof.before(0, Runtime())
+    x = torch.ones(1 << 20, device="cuda")
+    del x
+    prof.after(0, Runtime())
+    snap = json.loads(prof.memory_path.read_text())
+    events = [e for dev in snap["device_traces"] for e in dev]
+    assert any(e["action"] == "alloc" and e["size"] >= 4 << 20 for e in events), events[:5]

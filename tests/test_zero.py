@@ -40,7 +40,7 @@ def test_zero1_layouts_match_single_device(tmp_path: Path) -> None:
     check_layouts(cfgs, tmp_path)
 
 
-def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:
+def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
@@ -50,20 +50,24 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:
         p = cfg.parallel
         tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60.0))
         tr.step(0)
-        out.append(sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values()))
+        held = sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values())
+        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters())])
     return out
 
 
 @pytest.mark.multiprocess
 def test_zero1_holds_a_dp_th_of_the_optimizer_state() -> None:
-    """Bytes of the tensors in each rank's optimizer state: total / dp within 2%."""
+    """Bytes of the tensors in each rank's optimizer state: total / dp within 2%. And the gradients are
+    reduce-scattered, not all-reduced: every parameter of this model has a dimension to slice."""
     base = tiny_config(parallel=dict(tp=1, pp=1, dp=4), train=dict(global_batch=16))
     zero = tiny_config(parallel=dict(tp=1, pp=1, dp=4, **ZERO), train=dict(global_batch=16))
     ranks = run_ranks(_bytes_worker, 4, [base.to_dict(), zero.to_dict()], timeout_s=240)
-    total = ranks[0][0]
-    assert all(r[0] == total for r in ranks)  # without ZeRO every replica holds all of it
-    for r in ranks:
-        assert abs(r[1] - total / 4) <= 0.02 * total / 4, (r[1], total / 4)
+    total = ranks[0][0][0]
+    assert all(r[0][0] == total for r in ranks)  # without ZeRO every replica holds all of it
+    for (_, plain, n), (held, sharded, _) in ranks:
+        assert abs(held - total / 4) <= 0.02 * total / 4, (held, total / 4)
+        assert plain == {"all_reduce": n, "reduce_scatter": 0}
+        assert sharded == {"all_reduce": 0, "reduce_scatter": n}
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -80,7 +84,8 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 @pytest.mark.multiprocess
 def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None:
     """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-1) to step 3, at dp=1 to step 4,
-    and at dp=2 (ZeRO-1) to the end: the one-device model. DCP re-cuts the whole-parameter state."""
+    and at dp=2 (ZeRO-1) to the end: the one-device model. Each ZeRO-1 rank writes only its slice of the
+    optimizer state (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
     steps = 5
     run = str(tmp_path / "run")
     legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 1, "rank=3:term@step=2:phase=forward")]
@@ -103,6 +108,12 @@ def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
     check_fp64("dp 2 -> 4 -> 1 -> 2 under ZeRO-1", state, ref)
+    from hybridpar.resilience.safe_dcp import load_metadata
+
+    for step, chunks in ((3, 4), (4, 1), (5, 2)):  # written at dp 4 (ZeRO-1), dp 1, dp 2 (ZeRO-1)
+        md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
+        moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
+        assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})
 
 
 def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:

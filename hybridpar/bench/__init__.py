@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import importlib
 import sys
+import time
+from pathlib import Path
 
 BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "memory")
 
@@ -21,3 +23,11 @@ def main(argv: list[str]) -> int:
         print(f"hybridpar: unknown benchmark {argv[0]!r}; benchmarks: {', '.join(BENCHES)}", file=sys.stderr)
         return 2
     return importlib.import_module(f"hybridpar.bench.{argv[0]}").main(argv[1:])
+
+
+def runs_dir(bench: str, given: str | None) -> Path:
+    """Where a bench keeps the run directories it launches (`--runs-dir`), so that `hybridpar report` can
+    read them: the folder given, else runs/bench/<bench>-<time> under the working directory, beside the
+    runs of `hybridpar train` (runs/latest). A new folder by default: a run directory holding another
+    run is refused, so two invocations never share one."""
+    return Path(given) if given else Path("runs", "bench", f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}")

@@ -29,11 +29,11 @@ import json
 import os
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
+from hybridpar.bench import runs_dir
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 
@@ -68,14 +68,13 @@ def _worker(cfg_dict: dict) -> int:
     return 0
 
 
-def run(cfg: Config) -> list[dict[str, Any]]:
-    """Train `cfg` on fresh processes; rank 0's metrics.jsonl rows."""
+def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
+    """Train `cfg` on fresh processes in `run_dir` (kept, for `hybridpar report`); rank 0's metrics.jsonl rows."""
     from hybridpar.testing import run_ranks
 
-    with tempfile.TemporaryDirectory(prefix="hybridpar-bench-balance-") as d:
-        cfg.run_dir = d
-        run_ranks(_worker, cfg.parallel.world_size, cfg.to_dict(), timeout_s=1200)
-        return [json.loads(x) for x in (Path(d) / "metrics.jsonl").read_text().splitlines()]
+    cfg.run_dir = str(run_dir)
+    run_ranks(_worker, cfg.parallel.world_size, cfg.to_dict(), timeout_s=1200)
+    return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def _steps(rows: list[dict]) -> list[dict]:
@@ -90,13 +89,15 @@ def _tail_median(rows: list[dict], n: int) -> float:
     return statistics.median(r["step_time_s"] for r in _steps(rows)[-n:])
 
 
-def run_scenario(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
+def run_scenario(name: str, mode: str, a: argparse.Namespace, runs: Path) -> dict[str, Any]:
+    """The scenario's three runs, each kept in runs/<mode>-<name>-<static|balanced|clean>."""
     load_before = os.getloadavg()
     t0 = time.perf_counter()
-    static = run(scenario_config(name, mode, a.layer_ms, a.steps, True, "off"))
-    balanced = run(scenario_config(name, mode, a.layer_ms, a.steps, True, "auto"))
+    case = f"{mode}-{name}"
+    static = run(scenario_config(name, mode, a.layer_ms, a.steps, True, "off"), runs / f"{case}-static")
+    balanced = run(scenario_config(name, mode, a.layer_ms, a.steps, True, "auto"), runs / f"{case}-balanced")
     clean_steps = a.clean_steps if mode == "emulated" else a.compute_clean_steps
-    clean = run(scenario_config(name, mode, a.layer_ms, clean_steps, False, "auto"))
+    clean = run(scenario_config(name, mode, a.layer_ms, clean_steps, False, "auto"), runs / f"{case}-clean")
     cfg = scenario_config(name, mode, a.layer_ms, a.steps, True, "off")
     t, p = cfg.train, cfg.parallel
     tokens = t.global_batch * t.seq_len
@@ -139,6 +140,7 @@ def run_scenario(name: str, mode: str, a: argparse.Namespace) -> dict[str, Any]:
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "wall_s": time.perf_counter() - t0,
+        "run_dirs": [str(runs / f"{case}-{k}") for k in ("static", "balanced", "clean")],
     }
     if mode == "emulated":
         bubble = 1.0 / (1.0 - schedule_spec(p.schedule).bubble_fraction(p.pp, 1, t.microbatches))  # step / work
@@ -167,6 +169,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="steps of the clean run in compute mode (reported, not an acceptance figure)",
     )
     ap.add_argument("--json", default=None, help="also write the results to this file")
+    ap.add_argument(
+        "--runs-dir",
+        default=None,
+        help="keep every run's directory here, as <mode>-<scenario>-<static|balanced|clean> (`hybridpar report "
+        "DIR/emulated-pp4-balanced` reads one); default: runs/bench/balance-<time>",
+    )
     a = ap.parse_args(argv)
     for s in a.scenarios.split(","):
         if s not in SCENARIOS:
@@ -186,10 +194,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    runs = runs_dir("balance", a.runs_dir)
+    print(f"hybridpar bench balance: run directories in {runs}", file=sys.stderr)
     results = []
     for mode in a.modes.split(","):
         for name in a.scenarios.split(","):
-            r = run_scenario(name, mode, a)
+            r = run_scenario(name, mode, a, runs)
             results.append(r)
             print(
                 f"{mode:8s} {name:8s} ideal {r['ideal_tokens_per_s']:8.0f} static {r['static_tokens_per_s']:8.0f} "
@@ -202,6 +212,7 @@ def main(argv: list[str] | None = None) -> int:
     report = {
         "bench": "balance",
         "cpu_count": os.cpu_count(),
+        "runs_dir": str(runs),
         "args": vars(a),
         "results": results,
         "acceptance_emulated": {

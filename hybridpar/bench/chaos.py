@@ -42,14 +42,14 @@ import argparse
 import json
 import os
 import random
-import shutil
 import statistics
-import tempfile
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from hybridpar.bench import runs_dir
 from hybridpar.bench.chaos_launches import Launch, foreign_run_refused, jsonl, run_id_of, run_launch, steps_checkpointed
 from hybridpar.config import Config
 
@@ -344,24 +344,26 @@ def main(argv: list[str]) -> int:
         help="longest one launch of the soak may take before it is killed and the soak fails",
     )
     ap.add_argument("--json", help="also write the result to this file")
-    ap.add_argument("--work-dir", help="keep run directories and launches.log here (default: a temporary directory)")
+    ap.add_argument(
+        "--runs-dir",
+        help="keep the run directories (reference, soak, ckpt-sync, ckpt-async) and launches.log here; "
+        "`hybridpar report DIR/soak` reads the soak's restarts and faults (default: runs/bench/chaos-<time>)",
+    )
     a = ap.parse_args(argv)
     if a.steps < 3 or a.faults < 1 or a.ckpt_steps < 0 or not 0 < a.launch_timeout_s < float("inf"):
         ap.error("--steps must be >= 3, --faults >= 1, --ckpt-steps >= 0 and --launch-timeout-s a positive number")
-    work = Path(a.work_dir) if a.work_dir else Path(tempfile.mkdtemp(prefix="hybridpar-chaos-"))
-    try:
-        result = {
-            "bench": "chaos",
-            "mode": "soak through `hybridpar train` (torch elastic agent), CPU/gloo",
-            "seed": a.seed,
-            "steps": a.steps,
-            "layout": f"tp{a.tp} x pp2",
-            **soak(work, a.faults, a.steps, a.seed, a.tp, a.launch_timeout_s),
-            **(checkpoint_cost(work, a.ckpt_steps, a.start_method) if a.ckpt_steps else {}),
-        }
-    finally:
-        if not a.work_dir:
-            shutil.rmtree(work, ignore_errors=True)
+    work = runs_dir("chaos", a.runs_dir)
+    print(f"hybridpar bench chaos: run directories in {work}", file=sys.stderr)
+    result = {
+        "bench": "chaos",
+        "mode": "soak through `hybridpar train` (torch elastic agent), CPU/gloo",
+        "seed": a.seed,
+        "steps": a.steps,
+        "layout": f"tp{a.tp} x pp2",
+        "runs_dir": str(work),
+        **soak(work, a.faults, a.steps, a.seed, a.tp, a.launch_timeout_s),
+        **(checkpoint_cost(work, a.ckpt_steps, a.start_method) if a.ckpt_steps else {}),
+    }
     text = json.dumps(result, indent=1)
     print(text)
     if a.json:

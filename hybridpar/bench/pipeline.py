@@ -3,7 +3,7 @@
     hybridpar bench pipeline [--mode compute|emulated|both] [--pp 2,4] [--microbatches 8]
         [--schedules gpipe,1f1b,interleaved-1f1b,zb-h1,zb-v] [--virtual-stages 2] [--repeats 5] [--steps 4]
         [--f-ms 20 --b-ms 40 [--w-ms 20]]
-        [--window-tail autograd|spin] [--p2p
+        [--window-tail autograd|spin] [--backend gloo|nccl] [--p2p
         auto|process_group|shared_memory] [--cpu-bind none|cores] [--act-kb 256] [--global-batch N] [--ping-pongs 200]
         [--trace-dir DIR] [--json FILE]   (or python -m hybridpar.bench.pipeline)
 
@@ -145,6 +145,13 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
     w_ms = a.b_ms / 2 if a.w_ms is None else a.w_ms
     if not 0 <= w_ms <= a.b_ms:
         raise ValueError(f"--w-ms must be between 0 and --b-ms {a.b_ms}, got {w_ms}")
+    if a.backend == "nccl":
+        import torch
+
+        if a.mode != "compute" or a.p2p == "shared_memory":
+            raise ValueError(f"--backend nccl runs --mode compute over --p2p auto|process_group, got {a.mode}/{a.p2p}")
+        if (gpus := torch.cuda.device_count()) < max(a.pp):
+            raise ValueError(f"--backend nccl needs one GPU per rank: --pp {max(a.pp)} but {gpus} GPUs here")
     gb = a.global_batch or 2 * a.microbatches
     if gb < a.microbatches:
         raise ValueError(f"--global-batch {gb} is smaller than --microbatches {a.microbatches}")
@@ -184,6 +191,7 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
                         a.window_tail,
                         a.p2p,
                         a.cpu_bind,
+                        a.backend,
                     )
                 )
     return cases
@@ -242,6 +250,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="none",
         help="each rank's CPU cores, for both implementations: none (the OS schedules) or "
         "cores (rank r on its own share; more ranks than cores: core r %% n)",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="process group of both implementations: gloo (CPU) or nccl (one GPU per rank, compute mode; "
+        "no bubble is measured there, only steps/s)",
     )
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")

@@ -64,6 +64,7 @@ class Case:
     window_tail: str = "autograd"  # emulated: how a window ends (emulated.TAILS)
     p2p: str = "auto"  # our runtime's message transport (pipeline/shm.py transport_for)
     cpu_bind: str = "none"  # each rank's cores, for both implementations (topology/cpus.py)
+    backend: str = "gloo"  # "nccl": one GPU per rank (compute mode on CUDA)
 
     @property
     def n_stages(self) -> int:
@@ -159,7 +160,7 @@ def _case_worker(cd: dict) -> dict:
 
     c = Case(**cd)
     bind_local_rank(c.cpu_bind)  # before the process group starts its threads
-    topo = build_topology(1, c.pp, 1, "gloo", c.timeout_s)
+    topo = build_topology(1, c.pp, 1, c.backend, c.timeout_s)
     r, dev, n = topo.pp_rank, topo.device, c.n_stages
     local = [s for s, rank in enumerate(c.stage_ranks) if rank == r]  # the same placement for both
     emulated = c.mode == "emulated"
@@ -169,7 +170,7 @@ def _case_worker(cd: dict) -> dict:
     wrap = (lambda mod: mod) if emulated else (lambda mod: Timed(mod, timer))
     ours = {s: wrap(_build(c, s, dev, log)) for s in local}
     theirs = {s: wrap(_build(c, s, dev, log)) for s in local}  # same seed: identical parameters
-    x, y = _batch(c)
+    x, y = (t.to(dev) for t in _batch(c))
     # The order our runtime runs unequal microbatches in (torch's schedules cannot run them at all).
     sizes = pipeline_order(split_evenly(c.global_batch, c.m), c.schedule, c.pp, c.v)
     xs, ys = list(torch.split(x, sizes)), list(torch.split(y, sizes))
@@ -248,6 +249,7 @@ def _case_worker(cd: dict) -> dict:
 
     res: dict = {
         "rank": r,
+        "device": dev.type,
         "torch_error": torch_error,
         "loss_ours": None,
         "loss_torch": None,
@@ -378,6 +380,10 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
     t_sps, t_bub, _, t_all = _stats(c, ranks, "torch")
     if schedule_spec(c.schedule).splits_backward and c.mode == "compute":
         t_bub = None  # Timed cannot see torch's W (autograd.grad from saved intermediates, no output mark)
+    if ranks[0]["device"] == "cuda":
+        # Timed reads the host clock around kernel launches, not the kernels: no busy time, no bubble. The
+        # steps/s stay right: each repeat ends at a barrier, which waits for the device.
+        ours_bub = ours_tl = t_bub = None
     last = ranks[c.stage_ranks[-1]]  # the rank holding the last stage: pp - 1, or 0 in a V
     lo, lt = last["loss_ours"], last["loss_torch"]
     rel = abs(lo - lt) / max(abs(lo), 1e-30) if lt is not None else None
@@ -406,6 +412,7 @@ def run_case(c: Case, trace_dir: str | None = None) -> dict:
         "window_tail": c.window_tail if c.mode == "emulated" else None,
         "p2p": ranks[0]["p2p"],
         "cpu_bind": c.cpu_bind,
+        "backend": c.backend,
         "act_kb": (c.hidden * c.seq_len * math.ceil(c.global_batch / c.m) * 4 / 1024 if c.mode == "emulated" else None),
         "layers": c.layers,
         "hybridpar_steps_per_s": ours_sps,

@@ -9,6 +9,11 @@ arrival times, lengths), each with a fresh router that learns the replicas' spee
 measurements. Reported per strategy: p50/p99 latency (arrival to last token), throughput in
 generated tokens per second, completed and failed (refused or timed out) requests, and the share
 sent to the slow replica; plus hybrid's p99 over round_robin's, measured in the same run.
+
+`--dtype bf16` serves in bf16 (`hybridpar serve --dtype`); `--dtype both` measures fp32 against bf16
+instead of the strategies: per repeat, in alternating order, a fresh service in each dtype (no emulated
+slowdown) serves the same burst of `--requests` requests (all at once) after a warm-up; reported are the
+generated tokens per second of each, bf16 over fp32 per repeat and their median, and the load average.
 """
 
 from __future__ import annotations
@@ -16,7 +21,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import random
+import statistics
 import sys
 import threading
 import time
@@ -122,6 +129,36 @@ def pool_runs(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
+def compare_dtypes(cfg: ServeConfig, model: ModelConfig, a: argparse.Namespace) -> dict[str, Any]:
+    """fp32 against bf16 on one burst, alternating which goes first (see the module docstring)."""
+    from hybridpar.serve.service import Service
+
+    burst = make_trace(a.requests, 0.0, a.seed)
+    per: dict[str, list[float]] = {"fp32": [], "bf16": []}
+    load_before = os.getloadavg()
+    for rep in range(a.repeats):
+        for dtype in ("fp32", "bf16") if rep % 2 == 0 else ("bf16", "fp32"):
+            svc = Service(dataclasses.replace(cfg, dtype=dtype, emulate_slowdown=""), model, cfg.source)
+            try:
+                run_trace(svc, burst[:4], "load_balanced", a.timeout_s)  # warm-up
+                r = run_trace(svc, burst, "load_balanced", a.timeout_s)
+            finally:
+                svc.close()
+            if r["failed"]:
+                raise RuntimeError(f"{dtype}: {r['failed']} of {len(burst)} requests failed (raise --timeout-s?)")
+            per[dtype].append(r["tokens_per_s"])
+            print(f"repeat {rep + 1}/{a.repeats} {dtype}: {r['tokens_per_s']:.1f} tok/s", file=sys.stderr, flush=True)
+    ratios = [b / f for f, b in zip(per["fp32"], per["bf16"])]
+    return {
+        **{f"{d}_tokens_per_s": statistics.median(v) for d, v in per.items()},
+        **{f"{d}_tokens_per_s_per_repeat": v for d, v in per.items()},
+        "bf16_over_fp32_tokens_per_s_per_repeat": ratios,
+        "bf16_over_fp32_tokens_per_s": statistics.median(ratios),
+        "load_avg_before": load_before,
+        "load_avg_after": os.getloadavg(),
+    }
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
@@ -132,6 +169,12 @@ def main(argv: list[str]) -> int:
     ap.add_argument("--repeats", type=int, default=2, help="passes over the strategies, alternating (pooled)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--timeout-s", type=float, default=120.0, help="a request not done by then counts as failed")
+    ap.add_argument(
+        "--dtype",
+        choices=("fp32", "bf16", "both"),
+        default="fp32",
+        help="what the replicas serve in; both: fp32 against bf16 on one burst instead of the strategies",
+    )
     ap.add_argument("--json", default=None, help="also write the results to this file")
     a = ap.parse_args(argv)
     strategies = [s for s in a.strategies.split(",") if s]
@@ -156,8 +199,14 @@ def main(argv: list[str]) -> int:
         max_outstanding=64,
         max_pending=512,
         emulate_slowdown=f"1:{a.slow}" if a.slow > 1 else "",
+        dtype="fp32" if a.dtype == "both" else a.dtype,
     )
     cfg.validate(model)
+    if a.dtype == "both":
+        head = {"bench": "serve", "mode": "dtypes", "model": dataclasses.asdict(model), "replicas": a.replicas}
+        out = {**head, "requests": a.requests, "repeats": a.repeats, **compare_dtypes(cfg, model, a)}
+        out["command"] = "hybridpar bench serve " + " ".join(argv)
+        return _emit(out, a.json)
     svc = Service(cfg, model, cfg.source)
     try:
         burst = make_trace(48, 0.0, a.seed + 1)  # all at t=0: the replicas stay saturated until done
@@ -179,6 +228,7 @@ def main(argv: list[str]) -> int:
     out = {
         "bench": "serve",
         "mode": f"emulated: replica 1 {a.slow}x slower" if a.slow > 1 else "real",
+        "dtype": a.dtype,
         "model": dataclasses.asdict(model),
         "replicas": a.replicas,
         "capacity_rps": capacity,
@@ -189,9 +239,13 @@ def main(argv: list[str]) -> int:
         "results": results,
         "hybrid_p99_over_round_robin_p99": ratio,
     }
+    return _emit(out, a.json)
+
+
+def _emit(out: dict[str, Any], path: str | None) -> int:
     print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as fh:
+    if path:
+        with open(path, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
     return 0
 

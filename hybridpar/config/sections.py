@@ -356,3 +356,8 @@ class ProfileConfig:
     trace_steps: str = _f(
         "1-3", "the steps --trace FILE records, e.g. '1-3' (the default: past the first step's warm-up)"
     )
+    memory: bool = _f(
+        False,
+        "CUDA only: also record the caching allocator's history over profile.steps and write each rank's "
+        "snapshot (every allocation and free, with stack traces) to <run_dir>/profile/memory_rank<r>.json",
+    )

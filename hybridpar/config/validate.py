@@ -49,6 +49,10 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         step_range(getattr(cfg.profile, key.split(".")[1]), key)
     profiled = step_range(cfg.profile.steps)
     _require(
+        not cfg.profile.memory or bool(profiled),
+        "profile.memory records the allocator over profile.steps, which is empty: add e.g. --profile.steps 5-7",
+    )
+    _require(
         not profiled or profiled[-1] < cfg.train.steps,
         f"profile.steps={cfg.profile.steps!r} reaches past the run's last step {cfg.train.steps - 1} "
         f"(train.steps={cfg.train.steps}; steps count from 0)",

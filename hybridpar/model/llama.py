@@ -167,6 +167,9 @@ class LlamaStage(Stage):
             cos, sin = (t[:T] for t in self._tables(T, h.device))  # (T, hd)
         else:  # each row at its own positions
             cos, sin = (t[kv.positions].unsqueeze(1) for t in self._tables(kv.max_len, h.device))  # (B, 1, T, hd)
+        # A model cast to bf16 (serving) rotates in bf16, as Hugging Face's Llama does; under autocast the
+        # residual stream, and so the tables, stay fp32.
+        cos, sin = cos.to(h.dtype), sin.to(h.dtype)
         for lid, layer in self.model.layers.items():
             h = self.run_layer(layer, h, cos, sin, None if kv is None else kv.layer(lid))
         if not self.last:

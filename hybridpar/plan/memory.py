@@ -26,6 +26,7 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
+from hybridpar.grads import BUCKET_BYTES
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline import shm
@@ -96,6 +97,32 @@ def optimizer_bytes(shapes: list[Shape], dp: int, zero: int) -> tuple[int, int]:
                 state += 3 * F32 * part + F32 + (F32 * part if _copied(shape, sl.dim, sl.sizes[0]) else 0)
     gather = ((1 + dp) * max(seg) + seg[0]) * F32 if dp > 1 else 0
     return state, gather
+
+
+def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
+    """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (grads.py's
+    grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
+    each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, through
+    dp padded segments in and one out."""
+    if dp == 1:
+        return 0
+    total = 0
+    for shapes in stages:
+        buckets: list[list[Shape]] = [[]]
+        size = 0
+        for shape, d in reversed(shapes):
+            if size >= BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((shape, d))
+            size += _numel(shape) * F32
+        for bucket in buckets:
+            cut = [(s, slice_of(torch.Size(s), d, dp)) for s, d in bucket] if zero else []
+            cut = [(s, sl) for s, sl in cut if sl.dim is not None]
+            seg = [sum(_numel(s) // s[sl.dim] * sl.sizes[r] for s, sl in cut) for r in range(dp)]
+            whole = sum(_numel(s) for s, _ in bucket) - sum(_numel(s) for s, _ in cut)
+            total += ((dp + 1) * max(seg) + whole) * F32
+    return total
 
 
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
@@ -307,12 +334,12 @@ def rank_memory(cfg: Config) -> list[MemoryEstimate]:
     n = len(parts)
     out = []
     for r in range(p.pp):
-        stages = [s for s in range(n) if ranks[s] == r]
-        shapes = [x for s in stages for x in stage_shapes(cfg, parts, s)]
+        per_stage = [stage_shapes(cfg, parts, s) for s in range(n) if ranks[s] == r]
+        shapes = [x for st in per_stage for x in st]
         params = sum(_numel(s) for s, _ in shapes) * F32
         opt, gather = optimizer_bytes(shapes, p.dp, p.zero)
         embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
         tie = embed if cfg.model.tied and p.pp > 1 else 0
-        buckets = params if p.dp > 1 else 0  # every stage's gradients flattened for the all-reduce
+        buckets = bucket_bytes(per_stage, p.dp, p.zero)
         out.append(MemoryEstimate(params, params, opt, acts[r], messages[r] + max(buckets, tie, gather)))
     return out

@@ -5,7 +5,9 @@ Layout-independent: tensors are stored under full-model names (`model.layers.3.m
 where each shard sits in the full tensor and any (tp, pp, dp) can read it back. Stages hold disjoint names;
 replicas (dp, and tp for norm gains) present identical tensors under one (key, offset), and DCP's
 DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A head tied across stages
-(`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys.
+(`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys. Under ZeRO-1 each
+dp rank writes only its slice of the optimizer state, a DTensor over the (dp, tp) sub-mesh (`Where`): no
+rank gathers the whole, and a resume at another dp, or without ZeRO, reads the slices it needs.
 
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
@@ -25,13 +27,15 @@ import re
 import secrets
 import shutil
 import warnings
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterator, Mapping
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import Placement
 
 from hybridpar.config import ModelConfig
 from hybridpar.model.registry import full_shapes
@@ -39,7 +43,7 @@ from hybridpar.model.stage import Stage
 from hybridpar.resilience import safe_dcp
 from hybridpar.resilience.rundir import checkpoint_run_id
 from hybridpar.topology.mesh import Topology
-from hybridpar.zero import ShardedAdamW, full_optimizer_state
+from hybridpar.zero import ShardedAdamW, Slice
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
 FORMAT = "hybridpar-checkpoint/1"
@@ -181,11 +185,30 @@ def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
         shutil.rmtree(old, ignore_errors=True)
 
 
+@dataclass(frozen=True)
+class Where:
+    """Where a rank's tensor sits in the saved whole: its tensor-parallel shard dimension and, for
+    optimizer state under ZeRO-1, its dp slice (zero.Slice) — DCP then writes and reads each rank's slice
+    in place, so a ZeRO-1 checkpoint is saved without gathering and loaded at any dp (or none)."""
+
+    tp_dim: int | None
+    zero: Slice | None = None
+
+
+def _opt_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[dict[str, torch.Tensor], Slice | None]]:
+    """This rank's AdamW state by model parameter, with the dp slice it covers (None: the whole)."""
+    if isinstance(opt, ShardedAdamW):
+        return opt.local_state()
+    return {p: (st, None) for p, st in opt.state.items()}
+
+
 def _tensors(
-    stages: dict[int, Stage], opt_state: Mapping[torch.Tensor, dict[str, torch.Tensor]], tied_copy: bool
-) -> Iterator[tuple[str, torch.Tensor, int | None]]:
-    """(key, local tensor, tp_dim or None) for parameters and their whole optimizer state on this rank
-    (`opt_state`: by parameter, as zero.full_optimizer_state gives it)."""
+    stages: dict[int, Stage],
+    opt_state: Mapping[torch.Tensor, tuple[dict[str, torch.Tensor], Slice | None]],
+    tied_copy: bool,
+) -> Iterator[tuple[str, torch.Tensor, Where]]:
+    """(key, local tensor, where it sits) for parameters and the optimizer state this rank holds of
+    them (`opt_state` as `_opt_state` gives it)."""
     for stage in stages.values():
         for name, p in stage.named_parameters():
             if stage.holds_tied_copy and stage.stored_name(name) != name:
@@ -193,18 +216,35 @@ def _tensors(
                     continue
                 name = stage.stored_name(name)  # the same weight and optimizer state as the first stage's embedding
             dim = getattr(p, "tp_dim", None)
-            yield name, p.detach(), dim
-            state = opt_state[p]
+            yield name, p.detach(), Where(dim)
+            state, cut = opt_state.get(p, ({}, None))
             assert state, f"{name} has no optimizer state: checkpoints are taken after a step"
             for k in sorted(state):
                 t = state[k]
-                yield f"optim/{name}/{k}", t, (dim if t.shape == p.shape else None)
+                if t.dim() != p.dim():  # the step count: one number, the same on every rank
+                    yield f"optim/{name}/{k}", t, Where(None)
+                else:
+                    yield f"optim/{name}/{k}", t, Where(dim, cut if cut is not None and cut.dim is not None else None)
 
 
-def _for_dcp(t: torch.Tensor, dim: int | None, topo: Topology) -> torch.Tensor:
-    if dim is None:
-        return t  # replicated: every holder presents the same tensor under one key; DCP writes it once
-    return DTensor.from_local(t, topo.mesh["tp"], [Shard(dim)], run_check=False)
+def _for_dcp(t: torch.Tensor, where: Where, topo: Topology) -> torch.Tensor:
+    if where.zero is None:
+        if where.tp_dim is None:
+            return t  # replicated: every holder presents the same tensor under one key; DCP writes it once
+        return DTensor.from_local(t, topo.mesh["tp"], [Shard(where.tp_dim)], run_check=False)
+    # A dp slice of a (possibly tp-sharded) tensor: DTensor's uneven Shard follows torch.chunk, the rule
+    # zero.slice_of cuts by, so the global shape and this rank's offset are those of the slice.
+    shape = list(t.shape)
+    shape[where.zero.dim] = sum(where.zero.sizes)
+    tp: Placement = Replicate()
+    if where.tp_dim is not None:
+        shape[where.tp_dim] *= topo.dims.tp
+        tp = Shard(where.tp_dim)
+    size = torch.Size(shape)
+    stride = torch.empty(size, device="meta").stride()
+    return DTensor.from_local(
+        t, topo.mesh["dp", "tp"], [Shard(where.zero.dim), tp], run_check=False, shape=size, stride=stride
+    )
 
 
 def _fresh_adam_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -216,15 +256,13 @@ def _fresh_adam_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch
     return {"step": step, **{k: torch.zeros_like(p, memory_format=torch.preserve_format) for k in moments}}
 
 
-def _state_to_load(opt: torch.optim.Optimizer) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
-    """Whole-parameter AdamW state to load a checkpoint into: the optimizer's own (created where a step
-    has not yet), or under ZeRO-1 fresh whole tensors of which each rank then keeps its slice."""
-    if isinstance(opt, ShardedAdamW):
-        return {p: _fresh_adam_state(opt.param_groups[0], p) for p in opt.full}
+def _state_to_load(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[dict[str, torch.Tensor], Slice | None]]:
+    """The optimizer's own state to load a checkpoint into (created where a step has not yet): under
+    ZeRO-1 this rank's slices, which DCP fills from whatever dp the checkpoint was written at."""
     for group in opt.param_groups:
         for p in (p for p in group["params"] if not opt.state[p]):
             opt.state[p] = _fresh_adam_state(group, p)
-    return opt.state
+    return _opt_state(opt)
 
 
 def _broadcast_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> Any:
@@ -274,19 +312,18 @@ def save_checkpoint(
     `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
     ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
     why this run no longer owns its directory, or None: a refusal leaves the commit undone."""
-    state = {k: _for_dcp(t, dim, topo) for k, t, dim in _tensors(stages, full_optimizer_state(opt), tied_copy=False)}
+    state = {k: _for_dcp(t, where, topo) for k, t, where in _tensors(stages, _opt_state(opt), tied_copy=False)}
     return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
 
 
-def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, int | None]]:
+def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, Where]]:
     """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input;
     `as_dcp_state` turns it into DCP's state dict, off the training thread)."""
-    whole = full_optimizer_state(opt)
-    return [(k, t.detach().clone(), dim) for k, t, dim in _tensors(stages, whole, tied_copy=False)]
+    return [(k, t.detach().clone(), where) for k, t, where in _tensors(stages, _opt_state(opt), tied_copy=False)]
 
 
-def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, int | None]]) -> dict[str, torch.Tensor]:
-    return {k: _for_dcp(t, dim, topo) for k, t, dim in snap}
+def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, Where]]) -> dict[str, torch.Tensor]:
+    return {k: _for_dcp(t, where, topo) for k, t, where in snap}
 
 
 def write_committed(
@@ -369,12 +406,11 @@ def load_checkpoint(
     # with a default spelled out, still holds the same model.
     if diff := ModelConfig(**model_cfg).differences(state.get("config", {}).get("model", {})):
         raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
-    whole = _state_to_load(opt)
     targets: dict[str, list[torch.Tensor]] = {}
     bufs: dict[str, torch.Tensor] = {}
-    for key, t, dim in _tensors(stages, whole, tied_copy=True):
+    for key, t, where in _tensors(stages, _state_to_load(opt), tied_copy=True):
         if key not in bufs:
-            bufs[key] = _for_dcp(torch.empty_like(t), dim, topo)
+            bufs[key] = _for_dcp(torch.empty_like(t), where, topo)
         targets.setdefault(key, []).append(t)
     safe_dcp.load(bufs, path)  # DCP's FileSystemReader would unpickle `.metadata` with pickle.load
     with torch.no_grad():
@@ -382,8 +418,6 @@ def load_checkpoint(
             src = bufs[key].to_local() if isinstance(bufs[key], DTensor) else bufs[key]
             for t in dests:
                 t.copy_(src)
-    if isinstance(opt, ShardedAdamW):
-        opt.load_full_state(whole)
     return state
 
 

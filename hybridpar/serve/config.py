@@ -15,6 +15,7 @@ from hybridpar.config.sections import _f
 from hybridpar.config.validate import check_model
 from hybridpar.serve.router import STRATEGIES, RouterConfig
 
+SERVE_DTYPES = ("fp32", "bf16")  # what a serving stage computes in (serve/worker.py casts to it)
 SECONDS = ("request_timeout_s", "timeout_s", "client_timeout_s")
 MAX_SECONDS = 7 * 24 * 3600
 
@@ -56,6 +57,12 @@ class ServeConfig:
         "(408 if a request had begun)",
     )
     backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
+    dtype: str = _f(
+        "fp32",
+        "weights, KV cache and the activations between pipeline stages: fp32, or bf16 (the source's fp32 "
+        "weights cast after loading: half the memory and KV-cache bytes; logits widened to fp32 before sampling)",
+        choices=SERVE_DTYPES,
+    )
     emulate_slowdown: str = _f(
         "",
         "BENCHMARK/TEST MODE, off by default: 'REPLICA:FACTOR,...' makes a replica's "

@@ -4,13 +4,14 @@ of one token per row. The replica's driver (pp=0, tp=0, see `driver.py`) issues 
 computes its slice and passes the tick on, and the last stage returns the logits to the driver. A
 stage is done with a tick as soon as it has sent it on, so while stage 1 works on group A's step,
 stage 0 already runs group B's: up to pp groups are in flight, one per stage, an asynchronous
-pipeline with real messages (`pipeline/p2p.py`).
+pipeline with real messages (`pipeline/p2p.py`). Weights, KV cache and hidden states are in the stage's
+dtype (fp32, or bf16 with `hybridpar serve --dtype bf16`); logits are fp32 in every case.
 
 Wire format of a tick (all on the P2P links of the training runtime, same tp coordinate):
 header int64 (8,) = [op, group, B, T, seq, max_len, 0, 0]; then, for prefill/decode, meta int64
 (2, B) = (start position, real tokens) per row, and the payload: token ids (B, T) broadcast from
 the driver to stage 0's tp peers, hidden states (B, T, d) between stages, logits (B, V) back to the
-driver. An idle driver sends NOOP ticks so that every wait stays bounded by the timeout.
+driver (fp32, on their own link). An idle driver sends NOOP ticks so that every wait stays bounded by the timeout.
 """
 
 from __future__ import annotations
@@ -58,6 +59,9 @@ class StageRunner:
         # Two message streams to the same peers: distinct tags, since each posts from its own thread.
         self.ctl = P2P(self.device, torch.int64, topo.timeout_s, tag=1)
         self.act = P2P(self.device, self.dtype, topo.timeout_s, tag=2)
+        # Logits go back to the driver in fp32 whatever the stage computes in: sampling reads them whole.
+        fp32 = self.dtype == torch.float32
+        self.logits = self.act if fp32 else P2P(self.device, torch.float32, topo.timeout_s, tag=3)
         # EMULATION MODE (benchmarks only, off by default): a factor f > 1 sleeps (f - 1) times each
         # tick's measured compute, so this rank behaves like a device f times slower.
         self.slowdown = slowdown
@@ -115,13 +119,13 @@ class StageRunner:
     def post_logits_recv(self, seq: int, batch: int) -> None:
         """Driver side (pp > 1): post the receive of a tick's logits from the last stage."""
         last = self.topo.pp_peer(self.pp - 1)
-        self.act.queue_recv(("logits", seq), (batch, self.stage.cfg.vocab_size), last)
-        self.act.flush()
+        self.logits.queue_recv(("logits", seq), (batch, self.stage.cfg.vocab_size), last)
+        self.logits.flush()
 
     def wait_logits(self, seq: int) -> torch.Tensor:
-        buf = self.act.wait_recv(("logits", seq))
-        out = buf.float().clone()
-        self.act.release(buf)
+        buf = self.logits.wait_recv(("logits", seq))
+        out = buf.clone()
+        self.logits.release(buf)
         return out
 
     # -- compute ---------------------------------------------------------------------------------
@@ -151,13 +155,13 @@ class StageRunner:
             self.act.flush()
             return None
         if out is not None and self.pp > 1 and self.tp_rank == 0:
-            self.act.queue_send(out.to(self.dtype), self.driver_rank)
-            self.act.flush()
+            self.logits.queue_send(out, self.driver_rank)  # (B, V) fp32: forward_cached widened them
+            self.logits.flush()
         return out
 
     def drain(self) -> None:
-        self.ctl.wait_sends()
-        self.act.wait_sends()
+        for p2p in {id(p): p for p in (self.ctl, self.act, self.logits)}.values():
+            p2p.wait_sends()
 
     def serve_forever(self) -> None:
         """Loop of every rank except the driver: run ticks until STOP has passed through."""
@@ -166,6 +170,6 @@ class StageRunner:
             self.run(tick)
             if tick.op == OP_STOP:
                 break
-            if self.ctl.pending() > 64 or self.act.pending() > 64:  # sends finish in order: keep few in flight
+            if max(p.pending() for p in (self.ctl, self.act, self.logits)) > 64:  # sends finish in order: few in flight
                 self.drain()
         self.drain()

@@ -100,6 +100,7 @@ class Service:
             slowdown=cfg.slowdowns(),
             timeout_s=cfg.timeout_s,
             backend=cfg.backend,
+            dtype=cfg.dtype,
         )
         self.pool = pool(spec, self._on_event)
 

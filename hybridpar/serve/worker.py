@@ -25,9 +25,15 @@ from hybridpar.model.hf import SafetensorsDir, StateSource, TensorSource
 from hybridpar.model.registry import build_stage, empty_stage, full_shapes, load_stage_, read_hf_config
 from hybridpar.model.stage import Stage
 from hybridpar.pipeline.partition import partition_uniform
+from hybridpar.serve.config import SERVE_DTYPES
 from hybridpar.serve.driver import Channel, Driver, Limits
 from hybridpar.serve.engine import StageRunner
 from hybridpar.topology.mesh import ParallelDims, Topology, build_topology
+
+# What a serving stage computes in. Checkpoints and model directories hold fp32; a bf16 stage is cast
+# after loading, so the engine's KV cache and pipeline messages follow (they take the stage's dtype).
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+assert tuple(TORCH_DTYPES) == SERVE_DTYPES
 
 
 @dataclass
@@ -43,6 +49,11 @@ class WorkerSpec:
     slowdown: list[float] = field(default_factory=list)  # per replica; EMULATION MODE, empty = off
     timeout_s: float = 120.0
     backend: str = "auto"
+    dtype: str = "fp32"  # one of SERVE_DTYPES
+
+    def __post_init__(self) -> None:
+        if self.dtype not in SERVE_DTYPES:
+            raise ValueError(f"serve dtype={self.dtype!r} is not one of {', '.join(SERVE_DTYPES)}")
 
     def model_config(self) -> ModelConfig:
         return ModelConfig(**self.model)
@@ -97,12 +108,13 @@ def build_serving_stage(spec: WorkerSpec, topo: Topology) -> Stage:
     tp_group = topo.group("tp") if spec.tp > 1 else None
     first, last = s == 0, s == spec.pp - 1
     if spec.source.startswith("init:"):
-        return build_stage(cfg, parts[s], first, last, int(spec.source[5:]), topo.device, tp_group).eval()
-    # Sharded while empty: loading then reads only this rank's slices.
-    stage = empty_stage(cfg, parts[s], first, last, topo.device, tp_group)
-    src, hf_layout = _open(spec.source, stage)
-    load_stage_(stage, src, hf_layout, topo.tp_rank, spec.tp)
-    return stage.eval()
+        stage = build_stage(cfg, parts[s], first, last, int(spec.source[5:]), topo.device, tp_group)
+    else:
+        # Sharded while empty: loading then reads only this rank's slices.
+        stage = empty_stage(cfg, parts[s], first, last, topo.device, tp_group)
+        src, hf_layout = _open(spec.source, stage)
+        load_stage_(stage, src, hf_layout, topo.tp_rank, spec.tp)
+    return stage.to(TORCH_DTYPES[spec.dtype]).eval()
 
 
 def local_topology(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> Topology:

@@ -104,7 +104,8 @@ def build_data_parallel(
     (after a per-replica re-partition) reduce each layer over the ranks of the dp x pp plane holding it.
     Making the plane group is collective: every rank builds with the same layout."""
     if layout.shared_partition or cfg.parallel.dp == 1:
-        return DataParallel(DataParallelGrads(topo, stages, cfg.train.microbatches), plane)
+        sharded = cfg.parallel.zero == 1 and cfg.parallel.dp > 1  # the optimizer is a ShardedAdamW
+        return DataParallel(DataParallelGrads(topo, stages, cfg.train.microbatches, sharded=sharded), plane)
     plane = plane or plane_groups(topo)
     return DataParallel(PlaneGrads(topo, stages, cfg.model.n_layers, plane), plane)
 

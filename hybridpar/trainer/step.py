@@ -196,7 +196,7 @@ class Trainer:
         tokens = t.global_batch * t.seq_len
         self.policy.observe(step, sizes, run_s, peak, tokens)
         tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages)
-        grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip)
+        grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
         # Counted before the gradients go: what this rank held at the step's peak (plan/memory.py models it).
         transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))

@@ -1,0 +1,72 @@
+"""The GPU check (scripts/gpu_check.sh): its --dry-run runs every check on CPU processes over gloo and prints
+one JSON summary with real figures; the layouts it plans per GPU count, and a summary that names a
+check's timeout."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from hybridpar.bench.gpu_check import equivalence_layouts, main
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.multiprocess
+def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    cmd = ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dry-run", "--python", sys.executable, "--out", str(tmp_path)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = json.loads(proc.stdout)  # the one JSON summary is all the script prints on stdout
+    assert out == json.loads((tmp_path / "summary.json").read_text())
+    assert out["dry_run"] and out["passed"] and list(out["checks"]) == ["env", "equivalence", "pipeline", "mfu"]
+    eq = out["checks"]["equivalence"]
+    assert [r["layout"] for r in eq["layouts"]] == [
+        "tp1 pp1 dp1 fp32",
+        "tp1 pp1 dp1 bf16",
+        "tp2 pp1 dp1 fp32",
+        "tp1 pp2 dp1 fp32",
+        "tp1 pp1 dp2 fp32",
+    ]
+    for r in eq["layouts"]:
+        assert r["passed"] and 0 <= r["max_loss_diff"] and math.isfinite(r["max_param_diff"]), r
+        if r["layout"].endswith("fp32"):  # fp32 runs that sum in another order differ by up to 3e-5 (DESIGN.md)
+            assert r["max_param_diff"] < 1e-4, r
+    pipe = out["checks"]["pipeline"]
+    assert pipe["backend"] == "gloo" and pipe["ratio"] > 0 and pipe["loss_rel_diff"] <= 1e-5
+    mfu = out["checks"]["mfu"]
+    assert mfu["tokens_per_s"] > 0 and mfu["mfu"] > 0 and mfu["steps_timed"] == 2 and mfu["peak"]["device"] == "cpu"
+
+
+@pytest.mark.multiprocess
+def test_bad_option_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--dryrun"], capture_output=True, text=True, timeout=60
+    )
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip() == (
+        "gpu_check.sh: unknown option --dryrun (options: --dry-run, --no-setup, --python PY, --out DIR)"
+    )
+
+
+def test_layouts_fit_the_gpus() -> None:
+    assert equivalence_layouts(1) == [(1, 1, 1, "fp32"), (1, 1, 1, "bf16")]
+    assert [lay[:3] for lay in equivalence_layouts(8)][2:] == [(2, 1, 1), (1, 2, 1), (1, 1, 2)]
+
+
+def test_summary_names_a_timeout_and_fails(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    (tmp_path / "env.json").write_text(json.dumps({"passed": True}))
+    (tmp_path / "mfu.log").write_text("step 1\nstep 2\n")
+    rc = ["--rc", "setup=0", "--rc", "env=0", "--rc", "mfu=124"]
+    assert main(["summary", "--dir", str(tmp_path), *rc]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert not out["passed"] and out["checks"]["setup"] == {"passed": True, "exit_code": 0}
+    assert out["checks"]["mfu"] == {"passed": False, "error": "timed out", "log_tail": ["step 1", "step 2"]}
+    assert out["checks"]["equivalence"]["error"] == "not run"
