@@ -18,6 +18,7 @@ from hybridpar.pipeline.runtime import token_cross_entropy
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 from hybridpar.plan.memory import (
     _copied,
+    bucket_bytes,
     ends_saved,
     layer_saved,
     optimizer_bytes,
@@ -158,6 +159,17 @@ def test_zero1_slices_uneven_chunks_and_copies_only_strided_gradients() -> None:
             part = p.narrow(s.dim, s.offsets[0], s.sizes[0])
             assert _copied(shape, s.dim, s.sizes[0]) == (part.numel() > 0 and not part.is_contiguous())
     assert optimizer_bytes(shapes, 1, 0)[0] == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
+
+
+def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> None:
+    shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]  # the tp-sharded bias is not sliced
+    assert bucket_bytes([shapes], 1, 0) == 0  # no data parallelism, nothing to reduce
+    assert bucket_bytes([shapes], 2, 0) == (20 + 7 + 6) * 4  # one flat copy of every gradient
+    # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
+    # once out; the bias whole.
+    assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4
+    big = [((1024, 1024), None), ((1024, 1024), None)]  # 4 MiB each: two buckets, each padded alone
+    assert bucket_bytes([big], 2, 1) == 2 * 3 * 512 * 1024 * 4
 
 
 def slice_sizes(shape: tuple[int, ...], tp_dim: int | None, dp: int) -> list[int]:
