@@ -29,6 +29,7 @@ torch.distributed.run.
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
        hybridpar bench chaos [--help] [args ...]      (random-fault soak; sync vs async checkpoint cost)
        hybridpar bench balance [--help] [args ...]    (static layout vs live load balancing, one rank 2x slow)
+       hybridpar bench memory [--help] [args ...]     (bytes per rank by component, measured vs the memory model)
 """
 
 

@@ -26,6 +26,8 @@ from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
 from hybridpar.zero import Slice, part, slice_of
 
+BUCKET_BYTES = 4 << 20  # about this many gradient bytes per data-parallel bucket
+
 
 class DataParallelGrads:
     """Bucketed all-reduce of gradients over dp, overlapped with the backward (as DDP does).
@@ -45,7 +47,7 @@ class DataParallelGrads:
         topo: Topology,
         stages: dict[int, Stage],
         microbatches: int | None = None,
-        bucket_bytes: int = 4 << 20,
+        bucket_bytes: int = BUCKET_BYTES,
         sharded: bool = False,
     ) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
@@ -64,6 +66,8 @@ class DataParallelGrads:
         self._launched: set[tuple[int, int]] = set()
         self.overlapped = 0  # buckets whose reduction started from a hook, i.e. during backward
         self.handed = {"all_reduce": 0, "reduce_scatter": 0}  # gradient elements given to each collective
+        self.peak_bytes = 0  # most bytes of flattened buckets in flight at once (memory accounting)
+        self._in_flight = 0
         self._hooks: list = []  # removed by close(), when the stages change (live re-partition)
         if self.group is None:
             return
@@ -104,6 +108,7 @@ class DataParallelGrads:
             flat = torch.cat([g.reshape(-1) for g in grads])
             self.handed["all_reduce"] += flat.numel()
             self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
+            self._count(flat)
 
     def _scatter(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
         """One reduce-scatter: dp rank r's segment of the input is every gradient's slice r, in bucket
@@ -121,6 +126,12 @@ class DataParallelGrads:
         out = flat.new_empty(width)
         self.handed["reduce_scatter"] += sum(seg)
         self._scattered.append((cut, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)))
+        self._count(flat, out)
+
+    def _count(self, *buffers: torch.Tensor) -> None:
+        """Memory accounting: bucket buffers live from their launch until finish()."""
+        self._in_flight += sum(b.numel() * b.element_size() for b in buffers)
+        self.peak_bytes = max(self.peak_bytes, self._in_flight)
 
     def stage_done(self, s: int) -> None:
         if self.group is None:
@@ -139,6 +150,7 @@ class DataParallelGrads:
             _unflatten(out, [part(g, s, self.topo.dp_rank) for g, s in cut])
         self._pending.clear()
         self._scattered.clear()
+        self._in_flight = 0
         self._fired.clear()
         self._ready.clear()
         self._launched.clear()
@@ -163,6 +175,7 @@ class PlaneGrads:
         self.dp_group = topo.group("dp")
         self.overlapped = 0
         self.slices = None  # gradients are summed whole (the optimizer is not sharded across the plane)
+        self.peak_bytes = 0  # not counted for this rebalanced layout
 
     def stage_done(self, s: int) -> None:
         pass  # everything is reduced in finish(): the buffer spans layers of several stages
@@ -203,15 +216,15 @@ def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int) -> None:
+def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int) -> int:
     """With tied embeddings split over pipeline stages, the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients (Megatron's embedding group). Every pp rank
-    takes part; ranks holding neither copy contribute zeros."""
+    takes part; ranks holding neither copy contribute zeros. Returns the bytes of the buffer summed in."""
     first = stages.get(0)
     last = stages.get(n_stages - 1)
     cfg = next(iter(stages.values())).cfg
     if not (cfg.tied and topo.dims.pp > 1):
-        return
+        return 0
     shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
     copies = ([first.get_parameter(first.EMBED).grad] if first is not None else []) + (
         [last.get_parameter(last.HEAD).grad] if last is not None else []
@@ -222,6 +235,7 @@ def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int
     dist.all_reduce(grad, group=topo.group("pp"))
     for g in copies:
         g.copy_(grad)
+    return grad.numel() * grad.element_size()
 
 
 def clip_grad_norm(

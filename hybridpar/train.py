@@ -258,6 +258,7 @@ def _steps(
         if t.monitor_every and (step + 1) % t.monitor_every == 0:
             mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
             mine["activation_peak_bytes"] = trainer.runtime.meter.peak  # this rank's, for this step
+            mine["memory"] = trainer.memory  # bytes per component at the step's peak (trainer/held.py)
             ranks = all_gather_json(mine, topo.device)
             rec["monitor"] = aggregate(ranks)
             rec["batching"] = trainer.policy.statistics()

@@ -72,6 +72,7 @@ class ShardedAdamW(torch.optim.AdamW):
         self.full: list[nn.Parameter] = []  # the model's parameters, in order
         self.slices: list[Slice] = []
         self.shadows: list[nn.Parameter] = []  # this rank's slice of each, stepped by AdamW
+        self.gather_bytes = 0  # bytes of the last step's all-gather buffers (memory accounting)
         for name, p in named:
             s = slice_of(p.shape, getattr(p, "tp_dim", None), self.dp)
             self.full.append(p)
@@ -114,6 +115,7 @@ class ShardedAdamW(torch.optim.AdamW):
         flat = torch.cat([q.reshape(-1) for q, s in zip(self.shadows, self.slices) if s.dim is not None])
         mine[: flat.numel()] = flat
         outs = [torch.empty_like(mine) for _ in range(self.dp)]
+        self.gather_bytes = ((1 + self.dp) * mine.numel() + flat.numel()) * mine.element_size()
         dist.all_gather(outs, mine, group=self.group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
         for r, buf in enumerate(outs):
             at = 0

@@ -180,6 +180,10 @@ def test_plain_torchrun_module(tmp_path):
     assert all(v > 0 for v in mon["memory_used_bytes"]) and all(v > 0 for v in mon["memory_total_bytes"])
     assert mon["utilization_pct"] == [None, None] and mon["power_w"] == [None, None]  # no sensor: null
     assert all(len(st["F0"]) == 2 and min(st["F0"]) > 0 for st in mon["stage_times_s"])  # 2 microbatches
+    # Bytes held by component (trainer/held.py): both replicas hold the whole model, its gradients and state.
+    held = mon["memory"]
+    assert all(m["params"] > 0 and m["grads"] == m["params"] and m["optimizer"] > m["params"] for m in held)
+    assert all(m["activations"] > 0 and m["buffers"] >= m["grads"] for m in held)  # dp=2: gradient buckets
     events = json.loads((tmp_path / "trace.json").read_text())["traceEvents"]
     slices = [e for e in events if e["ph"] == "X"]
     assert {e["tid"] for e in slices} == {0, 1}, "one track per rank"

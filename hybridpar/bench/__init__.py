@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare")
+BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "memory")
 
 
 def main(argv: list[str]) -> int:

@@ -154,3 +154,15 @@ def full_tensor(p: torch.Tensor, group: dist.ProcessGroup | None) -> torch.Tenso
     parts = [torch.empty_like(p) for _ in range(dist.get_world_size(group))]
     dist.all_gather(parts, p.detach().contiguous(), group=group)
     return torch.cat(parts, dim=p.tp_dim)  # type: ignore[attr-defined]
+
+
+def tp_dims(stage: Stage) -> dict[str, int | None]:
+    """{parameter name: the dimension `apply_tp` shards it along (None: replicated)}, read from the
+    stage's plan without sharding anything (a meta-device stage will do): the memory model's shapes."""
+    out: dict[str, int | None] = {}
+    for name, mod in stage.named_modules():
+        style = next((s for pat, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, pat)), None)
+        for attr, p in mod.named_parameters(recurse=False):
+            dim = {"colwise": 0, "colwise_gather": 0, "vocab": 0, "rowwise": 1 if attr == "weight" else None}
+            out[f"{name}.{attr}" if name else attr] = dim.get(style)
+    return out

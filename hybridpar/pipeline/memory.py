@@ -90,6 +90,11 @@ class ActivationMeter:
             self.live -= entry[1]
             del self._storages[key]
 
+    def hold(self, t: torch.Tensor) -> _Held:
+        """Count `t` as held for backward until the returned handle is dropped: for tensors kept outside
+        autograd's saved tensors (a zero-bubble W's inputs and output gradients, split_backward.py)."""
+        return self._pack(t)
+
     @staticmethod
     def _unpack(held: _Held) -> torch.Tensor:
         return held.tensor

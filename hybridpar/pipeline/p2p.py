@@ -11,6 +11,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
+import weakref
 from collections import defaultdict, deque
 from dataclasses import dataclass
 from datetime import timedelta
@@ -105,6 +106,7 @@ class P2P:
         self.timeout = timedelta(seconds=timeout_s)
         self.stats: dict[int, LinkStats] = defaultdict(LinkStats)
         self._pool: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
+        self._buffers_live = self._buffers_peak = 0  # bytes of receive buffers (memory accounting)
         self._recvs: dict[Hashable, tuple[_Batch | None, int, torch.Tensor, int]] = {}  # batch None: shared memory
         self._sends: list[tuple[_Batch, int, torch.Tensor, int]] = []
         self._ops: list[tuple[str, Hashable, torch.Tensor, int]] = []
@@ -144,8 +146,25 @@ class P2P:
         if borrow and self.transport == "shared_memory":
             self._ops.append(("recv", key, _Borrow(shape), peer))
             return
-        buf = self._pool[shape].pop() if self._pool[shape] else torch.empty(shape, dtype=self.dtype, device=self.device)
+        buf = self._pool[shape].pop() if self._pool[shape] else self._new_buffer(shape)
         self._ops.append(("recv", key, buf, peer))
+
+    def _new_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
+        buf = torch.empty(shape, dtype=self.dtype, device=self.device)
+        n = buf.numel() * buf.element_size()
+        self._buffers_live += n
+        self._buffers_peak = max(self._buffers_peak, self._buffers_live)
+        # Counted down when the buffer is freed: a split backward leaves its buffers to the GC.
+        weakref.finalize(buf, self._buffer_freed, n)
+        return buf
+
+    def _buffer_freed(self, n: int) -> None:
+        self._buffers_live -= n
+
+    def buffer_bytes(self) -> int:
+        """Bytes this P2P allocated for messages, at their most: receive buffers alive at once, plus the
+        rings of its shared-memory send links (the receiver maps the sender's ring: counted there)."""
+        return self._buffers_peak + sum(link.peak_bytes for link in self._out.values())
 
     def flush(self) -> None:
         if self._ops:

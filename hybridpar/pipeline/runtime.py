@@ -108,6 +108,7 @@ class PipelineRuntime:
     def _split(self, s: int) -> WeightGradDeferral:
         if s not in self._deferral:
             self._deferral[s] = WeightGradDeferral(self.stages[s])
+            self._deferral[s].meter = self.meter
         return self._deferral[s]
 
     def run(

@@ -87,6 +87,21 @@ def _align(n: int) -> int:
     return (n + 63) // 64 * 64
 
 
+def record_bytes(message_bytes: int) -> int:
+    """Ring bytes one message takes: its header and its payload, padded to 64 bytes."""
+    return _HDR + _align(message_bytes)
+
+
+def first_capacity(message_bytes: int) -> int:
+    """A new link's ring: room for four of its first message, at least 1 MiB."""
+    return _align(max(_MIN_CAPACITY, 4 * record_bytes(message_bytes)))
+
+
+def grown_capacity(capacity: int, record: int) -> int:
+    """The ring that replaces a full one: twice as large, or four records if that is more."""
+    return _align(max(2 * capacity, 4 * record))
+
+
 class _Ring:
     """One mapped ring. Offsets are byte positions that only grow; position p lives at p % capacity.
     The sender's ring is an unlinked file it keeps open; the receiver opens it through /proc."""
@@ -173,10 +188,11 @@ class SendLink:
         self._bell = os.open(path, os.O_RDWR | os.O_NONBLOCK)
         os.unlink(path)
         os.rmdir(os.path.dirname(path))
-        self._ring = _Ring.create(max(_MIN_CAPACITY, 4 * (_HDR + _align(first_message_bytes))), self._token)
+        self._ring = _Ring.create(first_capacity(first_message_bytes), self._token)
         self._first = self._ring.fd
         self._head = 0
         self._retired: list[tuple[_Ring, int]] = []  # rings left for a bigger one, until the receiver left them
+        self.peak_bytes = _CTL + self._ring.capacity  # most bytes of rings held at once (memory accounting)
 
     def descriptor(self) -> torch.Tensor:
         """(pid, ring fd, doorbell fd, token) as int64."""
@@ -192,10 +208,12 @@ class SendLink:
                 r.release()
                 self._retired.remove((r, end))
         if not self._fits(ring, rec + _RESERVE):
-            bigger = _Ring.create(max(2 * ring.capacity, 4 * rec), self._token)
+            bigger = _Ring.create(grown_capacity(ring.capacity, rec), self._token)
             self._write(ring, _SWITCH, 8, lambda at: struct.pack_into("<q", ring.mm, _CTL + at, bigger.fd))
             self._retired.append((ring, self._head))
             self._ring, self._head, ring = bigger, 0, bigger
+            held = sum(_CTL + r.capacity for r in [bigger, *(r for r, _ in self._retired)])
+            self.peak_bytes = max(self.peak_bytes, held)
         self._write(ring, _DATA, n, lambda at: ring.view(at, t.shape, t.dtype).copy_(t))
         try:
             os.write(self._bell, b"\x01")

@@ -29,6 +29,8 @@ from typing import Hashable
 import torch
 from torch import nn
 
+from hybridpar.pipeline.memory import ActivationMeter
+
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
     if p.grad is None:
@@ -46,6 +48,8 @@ class WeightGradDeferral:
         deferred = {id(m.weight) for m in self.linears}
         self.others = [p for p in stage.parameters() if id(p) not in deferred]
         self.stage = stage
+        # Counts what the captures keep from F and B until W (pipeline/memory.py); set by the runtime.
+        self.meter: ActivationMeter | None = None
         self.key: Hashable | None = None
         self.captured: dict[Hashable, list[list]] = {}
         self._pending: dict[tuple[Hashable, int], list] = {}  # (key, id(linear)) -> entry awaiting its input
@@ -77,21 +81,30 @@ class WeightGradDeferral:
 
     def _recomputed_input(self, mod: nn.Linear, args: tuple) -> None:
         if self.key is not None and torch.is_grad_enabled() and self._phase() == "recompute":
-            self._pending.pop((self.key, id(mod)))[1] = args[0].detach()
+            entry = self._pending.pop((self.key, id(mod)))
+            entry[1] = args[0].detach()
+            self._hold(entry, entry[1])
 
     def _capture(self, mod: nn.Linear, args: tuple, out: torch.Tensor) -> None:
         phase = self._phase()
         if self.key is None or not torch.is_grad_enabled() or phase == "recompute":
             return
-        entry = [mod, args[0].detach() if phase is None else None, None]
+        entry = [mod, args[0].detach() if phase is None else None, None, []]  # [..., meter handles]
         if phase == "forward":  # recomputed in B: the input arrives then
             self._pending[(self.key, id(mod))] = entry
+        else:
+            self._hold(entry, entry[1])
         self.captured.setdefault(self.key, []).append(entry)
 
         def keep_grad(g: torch.Tensor) -> None:
             entry[2] = g
+            self._hold(entry, g)
 
         out.register_hook(keep_grad)
+
+    def _hold(self, entry: list, t: torch.Tensor) -> None:
+        if self.meter is not None:
+            entry[3].append(self.meter.hold(t))  # released with the entry, at W
 
     def backward_input(
         self, y: torch.Tensor, grad_y: torch.Tensor | None, x: torch.Tensor | None, key: Hashable = None
@@ -111,7 +124,7 @@ class WeightGradDeferral:
 
     def weight(self, key: Hashable) -> None:
         """W: accumulate dW = g^T x for every linear used by microbatch `key`."""
-        for mod, x, g in self.captured.pop(key, []):  # a stage without linear layers defers nothing
+        for mod, x, g, _ in self.captured.pop(key, []):  # a stage without linear layers defers nothing
             assert g is not None and x is not None, "W before its B: the output gradient or input is missing"
             g2 = g.flatten(0, -2)
             # Under bf16 autocast g is bf16 and the forward multiplied bf16 copies: the same product

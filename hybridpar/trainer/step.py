@@ -34,6 +34,7 @@ from hybridpar.pipeline.schedules import Action, build_schedule
 from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
 from hybridpar.topology.mesh import Topology
 from hybridpar.trainer.build import build_data_parallel, build_model_parallel, build_optimizer, layer_partition
+from hybridpar.trainer.held import held_bytes
 from hybridpar.zero import full_optimizer_state
 
 # Attaches hooks to a trainer's current pieces and returns the function that detaches them.
@@ -64,6 +65,7 @@ class Trainer:
         self.opt = build_optimizer(cfg, topo, self.mp, self.layout)
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
         self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
+        self.memory: dict[str, int] = {}  # bytes held per component at the last step's peak (trainer/held.py)
         self.oom_retries = 0  # steps redone after running out of memory, over the run
         self.cost = cost_model(cfg)  # units of work per stage, so per-rank speeds compare (report/records.py)
         self.last_ranks: dict[str, list[float]] = {}  # every rank's summary of the last step (report/records.py)
@@ -193,9 +195,14 @@ class Trainer:
                 rec.setdefault("oom", []).append({"microbatches": sizes, "error": str(e)})
         tokens = t.global_batch * t.seq_len
         self.policy.observe(step, sizes, run_s, peak, tokens)
-        sync_tied_embeddings(topo, self.stages, self.n_stages)
+        tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages)
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
+        # Counted before the gradients go: what this rank held at the step's peak (plan/memory.py models it).
+        transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))
+        self.memory = held_bytes(
+            [q for _, q in self.mp.parameters()], self.opt, self.runtime.meter.peak, self.p2p.buffer_bytes(), transient
+        )
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         rec.update(

@@ -1,0 +1,345 @@
+"""The analytic memory model: bytes each pipeline rank holds at its step's peak, from the configuration
+alone (no tensor is allocated). The planner ranks layouts with it; `hybridpar bench memory` checks it
+against what the trainer counts from its tensors (trainer/held.py), component by component.
+
+Components, each at its own high point in the step (their sum bounds the step's peak from above):
+- params: the rank's stages, tensor-parallel shards by the family's plan; a head tied to the embedding
+  is a second copy on the last stage when the two sit on different stages, one tensor otherwise.
+- grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32).
+- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 for the
+  rank's slice only (zero.py's rule), plus the slice's fp32 shadow copy and its gradient.
+- activations: what autograd saves for backward (the meter's quantity, pipeline/memory.py), per
+  decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
+  microbatches whose forward is done and backward is not at each point of the rank's action list.
+- buffers: message memory (receive buffers; the rings of shared-memory send links, replayed from the
+  simulated schedule) plus the largest transient: the data-parallel gradient buckets, the
+  tied-embedding sum, ZeRO-1's all-gather.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from hybridpar.batching.order import pipeline_order
+from hybridpar.batching.policy import plan_for
+from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
+from hybridpar.grads import BUCKET_BYTES
+from hybridpar.model.registry import family
+from hybridpar.model.tp import tp_dims
+from hybridpar.pipeline import shm
+from hybridpar.pipeline.schedules import Op, build_schedule
+from hybridpar.pipeline.simulate import Costs, simulate
+from hybridpar.trainer.build import layer_partition
+from hybridpar.zero import slice_of
+
+F32, I64 = 4, 8
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    """Bytes held by one rank at its step's peak, by component."""
+
+    params: int
+    grads: int
+    optimizer: int
+    activations: int
+    buffers: int
+
+    @property
+    def total(self) -> int:
+        return self.params + self.grads + self.optimizer + self.activations + self.buffers
+
+
+Shape = tuple[tuple[int, ...], int | None]  # tp-local shape, the dimension tp shards (None: replicated)
+
+
+def stage_shapes(cfg: Config, parts: list[range], s: int) -> list[Shape]:
+    """Tensor-parallel rank 0's parameter shapes of stage s (torch.chunk: the first shard is the largest)."""
+    m, n, tp = cfg.model, len(parts), cfg.parallel.tp
+    with torch.device("meta"):
+        stage = family(m).stage(m, parts[s], s == 0, s == n - 1)
+    dims = tp_dims(stage) if tp > 1 else {}
+    out = []
+    for name, p in stage.named_parameters():
+        shape, d = list(p.shape), dims.get(name)
+        if d is not None:
+            shape[d] = -(-shape[d] // tp)
+        out.append((tuple(shape), d))
+    return out
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for x in shape:
+        n *= x
+    return n
+
+
+def _copied(shape: tuple[int, ...], dim: int | None, size: int) -> bool:
+    """Whether a ZeRO-1 slice of a gradient is a copy (`.contiguous()` of a non-contiguous narrow)."""
+    return dim is not None and 0 < size < shape[dim] and _numel(shape[:dim]) > 1
+
+
+def optimizer_bytes(shapes: list[Shape], dp: int, zero: int) -> tuple[int, int]:
+    """(AdamW state + ZeRO-1 shadows and their gradients, bytes of ZeRO's all-gather buffers) of dp rank 0."""
+    if not zero:
+        return sum(2 * F32 * _numel(s) + F32 for s, _ in shapes), 0
+    state, seg = 0, [0] * dp
+    for shape, d in shapes:
+        sl = slice_of(torch.Size(shape), d, dp)
+        for r in range(dp):
+            part = _numel(shape) if sl.dim is None else _numel(shape) // shape[sl.dim] * sl.sizes[r]
+            seg[r] += part if sl.dim is not None else 0
+            if r == 0:  # moments, shadow, the step count; the gradient's slice where it is a copy
+                state += 3 * F32 * part + F32 + (F32 * part if _copied(shape, sl.dim, sl.sizes[0]) else 0)
+    gather = ((1 + dp) * max(seg) + seg[0]) * F32 if dp > 1 else 0
+    return state, gather
+
+
+def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
+    """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (grads.py's
+    grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
+    each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, through
+    dp padded segments in and one out."""
+    if dp == 1:
+        return 0
+    total = 0
+    for shapes in stages:
+        buckets: list[list[Shape]] = [[]]
+        size = 0
+        for shape, d in reversed(shapes):
+            if size >= BUCKET_BYTES:
+                buckets.append([])
+                size = 0
+            buckets[-1].append((shape, d))
+            size += _numel(shape) * F32
+        for bucket in buckets:
+            cut = [(s, slice_of(torch.Size(s), d, dp)) for s, d in bucket] if zero else []
+            cut = [(s, sl) for s, sl in cut if sl.dim is not None]
+            seg = [sum(_numel(s) // s[sl.dim] * sl.sizes[r] for s, sl in cut) for r in range(dp)]
+            whole = sum(_numel(s) for s, _ in bucket) - sum(_numel(s) for s, _ in cut)
+            total += ((dp + 1) * max(seg) + whole) * F32
+    return total
+
+
+def layer_saved(cfg: Config, b: int, mode: str) -> int:
+    """Bytes autograd saves for one decoder layer's backward, microbatch of b samples (tp rank's share).
+    Counted per op from what each backward reads; checked against the meter by tests/test_memory_model.py."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    bt, d, hd = b * t.seq_len, m.dim, m.head_dim
+    hq, hk, f = m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
+    low = t.precision == "bf16"
+    c = 2 if low else F32  # bytes of what the matmuls produce (autocast's dtype)
+    x = bt * d * F32  # the layer's input: all that full recomputation keeps
+    if mode == "full":
+        return x
+    llama = m.family == "llama"
+    if mode == "selective":  # the input and every matmul output
+        outs = (hq + 2 * hk) * hd + 2 * d + (2 * f if llama else f)
+        return x + bt * outs * c
+    attn = 4 * bt * hq * hd * c + b * hq * t.seq_len * F32  # attention's q, k, v, output; log-sum-exp (fp32)
+    if llama:
+        # RMSNorm keeps its input, 1/rms and the normalised input (fp32); the projections keep their
+        # input: the norm's output itself in fp32, bf16 casts (one per projection) under autocast, and
+        # the casts of their weights. SwiGLU keeps gate, up, silu(gate) and the product.
+        norms = 2 * ((2 * bt * d + bt) * F32 + (0 if low else bt * d * F32))
+        casts = 5 * bt * d * 2 + (2 * (hq + 2 * hk) * hd * d + 2 * hq * hd * d + 6 * d * f) if low else 0
+        return norms + casts + attn + 4 * bt * f * c
+    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
+    norms = 2 * (bt * d + 2 * bt) * F32
+    ins = 2 * bt * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs)
+    attn = bt * 3 * hq * hd * c + b * hq * t.seq_len * F32 + bt * hq * hd * c
+    weights = 2 * (3 * hq * hd * d + hq * hd * d + 2 * d * f) if low else 0
+    return norms + ins + attn + weights + 2 * bt * f * c
+
+
+def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
+    """Per microbatch, what the embedding (first stage) and the final norm, head and loss (last) save."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    bt, d, low = b * t.seq_len, m.dim, t.precision == "bf16"
+    out = 0
+    if first:
+        # Vocabulary-parallel lookup: shifted ids and the outside-the-shard mask (one rank: the ids
+        # themselves, a view of the replica's batch, counted once per step in `step_saved`).
+        out += bt * (I64 + 1) if tp > 1 else 0
+        out += t.seq_len * I64 if m.family == "gpt2" else 0  # the positions looked up
+    if last:
+        # The final norm as in the layers, the head's input (cast and weight cast under autocast), the
+        # fp32 log-softmax over the whole vocabulary, the loss's total weight.
+        norm = (2 * bt * d + bt) * F32 if m.family == "llama" else (bt * d + 2 * bt) * F32
+        head_in = bt * d * 2 + (m.vocab_size // tp) * d * 2 if low else bt * d * F32
+        out += norm + head_in + bt * m.vocab_size * F32 + F32
+    return out
+
+
+def step_saved(cfg: Config, first: bool, last: bool, replica: int) -> int:
+    """Saved once per stage while any of its microbatches is held: the rotary tables (one storage per
+    stage), the replica's token ids (first stage, one rank) and targets (last stage)."""
+    m, t = cfg.model, cfg.train
+    rope = 2 * t.seq_len * m.head_dim * F32 if m.family == "llama" else 0
+    ids = replica * t.seq_len * I64
+    return rope + (ids if first and cfg.parallel.tp == 1 else 0) + (ids if last else 0)
+
+
+def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
+    """What a zero-bubble split keeps from B until W for one microbatch (split_backward.py): each linear
+    layer's input and output gradient — per decoder layer the two norm outputs (fp32), the attention
+    output and the MLP's last input, the projections' output gradients; on the last stage the head's
+    input and its (vocabulary shard of the) logits' gradient. The same whatever the recomputation: a
+    recomputed layer's rerun in B hands over the same tensors."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    bt, d, hd, f = b * t.seq_len, m.dim, m.head_dim, m.ffn_dim // tp
+    hq, hk = m.n_heads // tp, m.kv_heads // tp
+    c = 2 if t.precision == "bf16" else F32
+    inputs = 2 * bt * d * F32 + bt * hq * hd * c + bt * f * c
+    grads = bt * (hq + 2 * hk) * hd * c + 2 * bt * d * c + (2 if m.family == "llama" else 1) * bt * f * c
+    head = bt * d * F32 + bt * (m.vocab_size // tp) * c if last else 0
+    return layers * (inputs + grads) + head
+
+
+def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions: list[list]) -> list[int]:
+    """Per rank, the most saved bytes alive at once: a forward adds its microbatch's, its backward (B)
+    frees them, the per-stage constants count while any microbatch of the stage is held. Where B and W
+    are split, B trades the saved tensors for what W needs (weight_held), held until W; inside B the
+    first output gradient is held before anything is freed (no recomputation), or every hold is
+    in place while the stage's first layer input is still saved (recomputation: the rerun makes them)."""
+    n, replica = len(parts), sum(sizes)
+    modes = cfg.train.recompute_modes(n)
+    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
+    c = 2 if cfg.train.precision == "bf16" else F32
+    peaks = []
+    for acts in actions:
+        live, held, peak = 0, {}, 0
+        for a in acts:
+            s, b = a.stage, sizes[a.microbatch]
+            first, last = s == 0, s == n - 1
+            one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
+            const = step_saved(cfg, first, last, replica)
+            kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
+            # W's inputs are held from F on (a recomputed layer's from B); under autocast the linear
+            # layers' fp32 inputs (the norms' outputs) are not what autograd saves (their bf16 casts), so
+            # they come on top: two per layer, and the head's (never recomputed).
+            norms = 2 * len(parts[s]) * (modes[s] == "none") + last
+            one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
+            if a.op == Op.FORWARD:
+                live += one + (const if not held.get(s) else 0)
+                held[s] = held.get(s, 0) + 1
+            elif a.op == Op.BACKWARD:
+                bt_d = b * cfg.train.seq_len * cfg.model.dim
+                if split and modes[s] == "none":
+                    peak = max(peak, live + (0 if last else bt_d * c))
+                elif split:
+                    peak = max(peak, live - one + kept + bt_d * F32)
+                held[s] -= 1
+                live += kept - one - (const if not held[s] else 0)
+            elif a.op == Op.WEIGHT:
+                live -= weight_held(cfg, b, len(parts[s]), last)
+            peak = max(peak, live)
+        peaks.append(peak)
+    return peaks
+
+
+def _transport(cfg: Config) -> str:
+    """The P2P transport a run of `cfg` gets on this machine (pipeline/shm.py's `auto` rule, for CPU ranks
+    on one host; CUDA runs go through the process group)."""
+    p = cfg.parallel.p2p
+    if p != "auto":
+        return p
+    cuda = cfg.parallel.backend == "nccl" or (cfg.parallel.backend == "auto" and torch.cuda.is_available())
+    return "process_group" if cuda else "shared_memory"
+
+
+def message_buffers(cfg: Config, sizes: list[int], actions: list[list], ranks: tuple[int, ...]) -> list[int]:
+    """Per pipeline rank, bytes allocated for messages at their most, replaying the schedule under unit
+    costs (F 1, B 2; B 1 and W 1 where it splits): receive buffers from their posting to their last
+    reader, and (shared memory) each send link's ring, which grows when a message does not fit
+    behind those the receiver still holds."""
+    m, t, pp = cfg.model, cfg.train, cfg.parallel.pp
+    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
+    lent = _transport(cfg) == "shared_memory" and not split  # read in place in the ring until the backward
+    msg = [b * t.seq_len * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
+    sim = simulate(actions, pp, len(ranks), Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0), ranks=ranks)
+    at = {(e.action.op, e.action.stage, e.action.microbatch): e for e in sim.events}
+    # A gradient received in fp32 is the one its W keeps (the last layer's output gradient); a bf16 one
+    # is widened to fp32 first, and goes with its B.
+    release = Op.WEIGHT if split and t.precision == "fp32" else Op.BACKWARD
+    sends: dict[tuple[int, int], list[tuple[float, float, int]]] = {}  # link -> (sent, freed, bytes)
+    live: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # receive buffers: (time, +-bytes)
+    for e in sim.events:
+        a = e.action
+        if a.op not in (Op.SEND_F, Op.SEND_B):
+            continue
+        to = a.stage + 1 if a.op == Op.SEND_F else a.stage - 1
+        reader = at[(Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, to, a.microbatch)]
+        # Its last reader: the backward that saved it; with a split backward W keeps the gradient.
+        done = at[(release if a.op == Op.SEND_B else Op.BACKWARD, to, a.microbatch)]
+        freed = done.end if lent else reader.start
+        sends.setdefault((e.rank, ranks[to]), []).append((e.end, freed, msg[a.microbatch]))
+        if not lent:
+            kind = Op.RECV_F if a.op == Op.SEND_F else Op.RECV_B
+            posted = at[(kind, to, a.microbatch)].end
+            live[ranks[to]] += [(posted, msg[a.microbatch]), (done.end, -msg[a.microbatch])]
+    shared = _transport(cfg) == "shared_memory"
+    out = []
+    for r in range(pp):
+        running = peak = 0
+        for _, n in sorted(live[r]):
+            running += n
+            peak = max(peak, running)
+        rings = sum(_ring_peak(v) for (src, _), v in sends.items() if src == r) if shared else 0
+        out.append(peak + rings)
+    return out
+
+
+def _ring_peak(msgs: list[tuple[float, float, int]]) -> int:
+    """Bytes of ring a send link holds at its most (shm.SendLink's rule), messages given as (sent,
+    freed, bytes) in send order; the receiver frees in arrival order, so the tail only passes a freed prefix."""
+    cap = shm.first_capacity(msgs[0][2])
+    head, pending, peak, rings = 0, [], shm._CTL + cap, [cap]
+    for sent, freed, n in msgs:
+        while pending and pending[0][0] <= sent:  # (freed time, end position, bytes)
+            pending.pop(0)
+        tail = pending[0][1] - pending[0][2] if pending else head
+        rec = shm.record_bytes(n)
+        skip = cap - head % cap if head % cap + rec > cap else 0
+        if head + skip + rec + shm._RESERVE - tail > cap:
+            cap = shm.grown_capacity(cap, rec)
+            rings.append(cap)
+            peak = max(peak, sum(shm._CTL + c for c in rings[-2:]))
+            head, pending, skip = 0, [], 0
+        start = head + skip
+        head = start + rec
+        pending.append((freed, head, rec))
+    return peak
+
+
+def rank_memory(cfg: Config) -> list[MemoryEstimate]:
+    """One estimate per pipeline rank (index = pp rank) for the run `cfg` describes as given: model,
+    tp/pp/dp, schedule, virtual stages, partition, microbatches/sizes, seq_len, precision, zero,
+    recompute. Ranks that differ only in tp/dp coordinate hold the same (up to shard rounding): this is
+    tp rank 0 and dp rank 0, the largest shards."""
+    cfg.validate()  # a bad configuration is named before anything is computed
+    p, t = cfg.parallel, cfg.train
+    parts = layer_partition(cfg)
+    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+    count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
+    planned = plan_for(cfg, count).sizes[0]
+    sizes = pipeline_order(planned, p.schedule, p.pp, p.chunks)
+    actions = build_schedule(p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
+    acts = activation_peaks(cfg, parts, sizes, actions)
+    messages = message_buffers(cfg, sizes, actions, ranks)
+    n = len(parts)
+    out = []
+    for r in range(p.pp):
+        per_stage = [stage_shapes(cfg, parts, s) for s in range(n) if ranks[s] == r]
+        shapes = [x for st in per_stage for x in st]
+        params = sum(_numel(s) for s, _ in shapes) * F32
+        opt, gather = optimizer_bytes(shapes, p.dp, p.zero)
+        embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
+        tie = embed if cfg.model.tied and p.pp > 1 else 0
+        buckets = bucket_bytes(per_stage, p.dp, p.zero)
+        out.append(MemoryEstimate(params, params, opt, acts[r], messages[r] + max(buckets, tie, gather)))
+    return out

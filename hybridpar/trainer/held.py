@@ -1,0 +1,60 @@
+"""What one rank holds at its step's peak, counted from its tensors: the measured side of the analytic
+memory model (plan/memory.py), reported per rank in metrics.jsonl (`monitor.memory`) and by
+`hybridpar bench memory`.
+
+Each component is counted where it is largest in the step, the same definition the model uses:
+gradients after the backward and the data-parallel sum (before the optimizer clears them); optimizer
+state inside the optimizer step (AdamW's moments and step counts and, under ZeRO-1, the rank's shadow
+slices of the parameters with their gradients); activations as the meter's peak (what autograd saves
+for backward, pipeline/memory.py); communication buffers as the most that was allocated for messages
+at once — the receive buffers and shared-memory rings (persistent), plus the largest of the step's
+transient ones: the data-parallel gradient buckets, the tied-embedding sum and ZeRO's all-gather.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+import torch
+
+COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
+
+
+def tensor_bytes(tensors: Iterable[torch.Tensor | None], counted: set[int] | None = None) -> int:
+    """Bytes of the distinct storages behind `tensors` (a tied head and its embedding are one), leaving
+    out storages in `counted` (already counted elsewhere) and adding the new ones to it."""
+    counted = set() if counted is None else counted
+    total = 0
+    for t in tensors:
+        if t is not None:
+            s = t.untyped_storage()
+            if s.data_ptr() not in counted:
+                counted.add(s.data_ptr())
+                total += s.nbytes()
+    return total
+
+
+def optimizer_bytes(opt: torch.optim.Optimizer, counted: set[int]) -> int:
+    """AdamW's state tensors, plus (ZeRO-1) the shadow slices it steps and their gradients — those that
+    are copies: a slice of rows is a view of the parameter's gradient, counted in `counted` already."""
+    state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
+    shadows = list(getattr(opt, "shadows", []))
+    return tensor_bytes([*state, *shadows, *(q.grad for q in shadows)], counted)
+
+
+def held_bytes(
+    params: list[torch.nn.Parameter],
+    opt: torch.optim.Optimizer,
+    activation_peak: int,
+    persistent_buffers: int,
+    transient_buffers: Iterable[int],
+) -> dict[str, int]:
+    """The components of one rank, counted inside the optimizer step (gradients still set)."""
+    counted: set[int] = set()
+    return {
+        "params": tensor_bytes(params, counted),
+        "grads": tensor_bytes((p.grad for p in params), counted),
+        "optimizer": optimizer_bytes(opt, counted),
+        "activations": int(activation_peak),
+        "buffers": persistent_buffers + max(transient_buffers, default=0),
+    }

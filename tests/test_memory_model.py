@@ -1,0 +1,257 @@
+"""The analytic memory model (plan/memory.py) against what is really held: per-op activation formulas
+against the activation meter on real layers (each family, fp32 and bf16, every recomputation mode),
+parameter and optimizer bytes against the registry and ZeRO-1's slicing, the schedule walk, and one
+small multi-process run whose per-rank counts (trainer/held.py) the model must match within 10%."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+from test_equivalence import tiny_config
+
+from hybridpar.config import Config
+from hybridpar.model.registry import build_stage, full_shapes, param_stages
+from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.runtime import token_cross_entropy
+from hybridpar.pipeline.split_backward import WeightGradDeferral
+from hybridpar.plan.memory import (
+    _copied,
+    bucket_bytes,
+    ends_saved,
+    layer_saved,
+    optimizer_bytes,
+    rank_memory,
+    stage_shapes,
+    step_saved,
+    weight_held,
+)
+from hybridpar.testing import run_ranks
+from hybridpar.trainer.build import layer_partition
+from hybridpar.zero import slice_of
+
+MODES = ("none", "full", "selective")
+
+
+def small(family: str, precision: str = "fp32", **parallel: object) -> Config:
+    cfg = tiny_config(parallel={"tp": 1, "pp": 1, "dp": 1, **parallel}, train=dict(precision=precision))
+    if family == "gpt2":
+        cfg.model.family, cfg.model.n_kv_heads, cfg.model.n_positions = "gpt2", None, 64
+    return cfg
+
+
+def metered(cfg: Config, layers: list[int], first: bool, last: bool, b: int, mode: str) -> int:
+    """Bytes the meter counts after one forward (and loss, on a last stage) of a real stage."""
+    stage = build_stage(cfg.model, layers, first, last, 0, torch.device("cpu"))
+    stage.recompute = mode
+    t, d = cfg.train.seq_len, cfg.model.dim
+    g = torch.Generator().manual_seed(0)
+    x = torch.randint(0, 256, (b, t), generator=g) if first else torch.randn(b, t, d, generator=g, requires_grad=True)
+    meter = ActivationMeter()
+    meter.reset(stage.parameters())
+    low = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+    with meter.measuring(), low:
+        y = stage(x)
+        if last:
+            y = token_cross_entropy(y, torch.randint(0, 256, (b, t), generator=g), 1.0)
+    live = meter.live
+    del y
+    return live
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_layer_formula_is_what_autograd_saves(family: str, precision: str, mode: str) -> None:
+    """Two layers, 3 samples: exactly the meter's count (the layer formula, plus the rotary tables)."""
+    cfg = small(family, precision)
+    got = metered(cfg, [0, 1], False, False, 3, mode)
+    assert got == 2 * layer_saved(cfg, 3, mode) + step_saved(cfg, False, False, 3)
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+def test_embedding_head_and_loss_are_what_autograd_saves(family: str, precision: str) -> None:
+    cfg = small(family, precision)
+    got = metered(cfg, [0], True, True, 2, "full")
+    want = layer_saved(cfg, 2, "full") + ends_saved(cfg, 2, True, True) + step_saved(cfg, True, True, 2)
+    assert got == want
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("mode", MODES)
+def test_zero_bubble_b_keeps_what_w_reads_until_w(family: str, precision: str, mode: str) -> None:
+    """A split backward (B, then W later): after B the meter holds exactly what W reads, whatever the
+    recomputation; after W nothing."""
+    cfg = small(family, precision)
+    stage = build_stage(cfg.model, [0, 1], False, True, 0, torch.device("cpu"))
+    stage.recompute = mode
+    meter = ActivationMeter()
+    meter.reset(stage.parameters())
+    split = WeightGradDeferral(stage)
+    split.meter = meter
+    b, t = 3, cfg.train.seq_len
+    x = torch.randn(b, t, cfg.model.dim, requires_grad=True)
+    low = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+    split.key = 0
+    with meter.measuring(), low:
+        y = token_cross_entropy(stage(x), torch.randint(0, 256, (b, t)), 1.0)
+    split.key = None
+    # Under autocast W's fp32 inputs (two norm outputs per layer, the head's) are held from F on.
+    early = (5 if mode == "none" else 1) * b * t * cfg.model.dim * 4 if precision == "bf16" else 0
+    saved = 2 * layer_saved(cfg, b, mode) + ends_saved(cfg, b, False, True) + step_saved(cfg, False, True, b)
+    assert meter.live == saved + early
+    split.backward_input(y, None, x, 0)
+    del y
+    assert meter.live == weight_held(cfg, b, 2, True)
+    split.weight(0)
+    assert meter.live == 0
+
+
+def test_recomputation_keeps_less() -> None:
+    for family in ("llama", "gpt2"):
+        for precision in ("fp32", "bf16"):
+            cfg = small(family, precision)
+            full, sel, none = (layer_saved(cfg, 4, m) for m in MODES[1:] + MODES[:1])
+            assert full < sel < none
+            assert full == 4 * cfg.train.seq_len * cfg.model.dim * 4  # the layer's fp32 input only
+
+
+def test_parameters_per_rank_follow_the_registry_with_virtual_stages() -> None:
+    """Interleaved 1F1B, 2 chunks per rank: a rank holds stages r and r + pp; its bytes are those of
+    every parameter the registry places on them."""
+    cfg = small("llama", pp=2, schedule="interleaved-1f1b", virtual_stages=2)
+    cfg.train.microbatches = 4
+    shapes, stage_of = full_shapes(cfg.model), param_stages(cfg.model, layer_partition(cfg))
+    est = rank_memory(cfg)
+    for r in range(2):
+        want = sum(shapes[n].numel() for n, s in stage_of.items() if s % 2 == r) * 4
+        assert est[r].params == want == est[r].grads
+
+
+def test_tied_embedding_is_one_tensor_on_one_stage_and_a_summed_copy_across_two() -> None:
+    m = small("llama").model
+    v_d = m.vocab_size * m.dim * 4
+    untied, tied = small("llama"), small("llama")
+    tied.model.tie_embeddings = True
+    assert rank_memory(untied)[0].params - rank_memory(tied)[0].params == v_d
+    untied.parallel.pp = tied.parallel.pp = 2
+    a, b = rank_memory(untied), rank_memory(tied)
+    assert [x.params for x in a] == [x.params for x in b]  # the last stage's head is a copy
+    assert [y.buffers - x.buffers for x, y in zip(a, b)] == [v_d, v_d]  # the gradients' sum over pp
+
+
+def test_zero1_slices_uneven_chunks_and_copies_only_strided_gradients() -> None:
+    shapes = [((256, 32), None), ((32, 64), 0), ((64,), 0), ((5,), None)]  # rows / tp rows / tp bias / 5 < 3x2
+    state, gather = optimizer_bytes(shapes, 3, 1)
+    # rank 0 of dp 3 by torch.chunk: 86 rows; 32 x 22 columns (rows are tp's); the bias whole; 2 of 5.
+    parts = [86 * 32, 32 * 22, 64, 2]
+    copies = [0, 32 * 22, 0, 0]  # only the column slice is strided
+    assert state == sum(3 * 4 * n + 4 for n in parts) + 4 * sum(copies)
+    seg = [sum(x) for x in zip(*[slice_sizes(s, d, 3) for s, d in shapes])]
+    assert gather == (4 * max(seg) + seg[0]) * 4
+    for shape, d in shapes:
+        p = torch.empty(shape)
+        s = slice_of(p.shape, d, 3)
+        if s.dim is not None:
+            part = p.narrow(s.dim, s.offsets[0], s.sizes[0])
+            assert _copied(shape, s.dim, s.sizes[0]) == (part.numel() > 0 and not part.is_contiguous())
+    assert optimizer_bytes(shapes, 1, 0)[0] == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
+
+
+def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> None:
+    shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]  # the tp-sharded bias is not sliced
+    assert bucket_bytes([shapes], 1, 0) == 0  # no data parallelism, nothing to reduce
+    assert bucket_bytes([shapes], 2, 0) == (20 + 7 + 6) * 4  # one flat copy of every gradient
+    # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
+    # once out; the bias whole.
+    assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4
+    big = [((1024, 1024), None), ((1024, 1024), None)]  # 4 MiB each: two buckets, each padded alone
+    assert bucket_bytes([big], 2, 1) == 2 * 3 * 512 * 1024 * 4
+
+
+def slice_sizes(shape: tuple[int, ...], tp_dim: int | None, dp: int) -> list[int]:
+    s = slice_of(torch.Size(shape), tp_dim, dp)
+    if s.dim is None:
+        return [0] * dp
+    return [torch.Size(shape).numel() // shape[s.dim] * n for n in s.sizes]
+
+
+def test_activations_follow_the_schedule() -> None:
+    """1F1B on 2 ranks holds 2 microbatches on rank 0 and 1 on rank 1; GPipe holds all 4."""
+    cfg = small("llama", pp=2)
+    cfg.train.global_batch, cfg.train.microbatches = 8, 4
+    parts = layer_partition(cfg)
+
+    def per_mb(s: int) -> int:
+        return len(parts[s]) * layer_saved(cfg, 2, "none") + ends_saved(cfg, 2, s == 0, s == 1)
+
+    const = [step_saved(cfg, s == 0, s == 1, 8) for s in range(2)]
+    assert [e.activations for e in rank_memory(cfg)] == [2 * per_mb(0) + const[0], per_mb(1) + const[1]]
+    cfg.parallel.schedule = "gpipe"
+    assert [e.activations for e in rank_memory(cfg)] == [4 * per_mb(s) + const[s] for s in range(2)]
+
+
+def test_a_bad_configuration_is_named_before_anything_is_computed() -> None:
+    with pytest.raises(ValueError, match="tp=3 does not divide model.n_heads=4"):
+        rank_memory(small("llama", tp=3))
+
+
+def test_stage_shapes_shard_by_the_plan() -> None:
+    cfg = small("llama", tp=2)
+    whole = {n: s for n, s in full_shapes(cfg.model).items()}
+    got = stage_shapes(cfg, layer_partition(cfg), 0)
+    assert sum(torch.Size(s).numel() for s, _ in got) * 2 > sum(s.numel() for s in whole.values())
+    assert ((cfg.model.vocab_size // 2, cfg.model.dim), 0) in got  # the vocabulary-parallel embedding
+
+
+def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.trainer import Trainer
+
+    torch.set_num_threads(1)
+    p = Config.from_dict(cfg_dicts[0]).parallel
+    topo = build_topology(p.dp, p.pp, p.tp, "gloo", 60.0)
+    out = []
+    for d in cfg_dicts:
+        tr = Trainer(Config.from_dict(d), topo)
+        for s in range(2):
+            tr.step(s)
+        tr.p2p.close()
+        out.append({"pp": topo.pp_rank, "dp": topo.dp_rank, **tr.memory})
+    return out
+
+
+@pytest.mark.multiprocess
+def test_model_matches_what_ranks_hold() -> None:
+    """dp2 x pp2 on 11 samples (replicas of 6 and 5, unequal microbatches), GQA: 1F1B with ZeRO-1, bf16,
+    selective recomputation on one stage and full on the other; and ZB-V (two stages per rank, B and W
+    split), bf16 without recomputation. Every component of dp rank 0 (the larger share, which the model
+    describes) within 10% of the model."""
+    cfgs = [
+        tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", recompute="selective,full")),
+        tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="zb-v"), train=dict(microbatches=4, precision="bf16")),
+    ]
+    got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
+    for i, cfg in enumerate(cfgs):
+        est = rank_memory(cfg)
+        for r in (ranks[i] for ranks in got):
+            if r["dp"] != 0:
+                continue
+            e = est[r["pp"]]
+            for k in ("params", "grads", "optimizer", "activations", "buffers"):
+                assert abs(getattr(e, k) - r[k]) <= 0.10 * r[k], (i, r["pp"], k, getattr(e, k), r[k])
+
+
+def test_bench_grid_skips_zero_without_data_parallelism_and_refuses_unknown_names() -> None:
+    from hybridpar.bench.memory import cases, parse_args
+
+    runs, skipped = cases(["default", "larger"], ["tp2xpp2", "dp2xpp2"], 2)
+    assert (len(runs["tp2xpp2"]), len(runs["dp2xpp2"]), len(skipped)) == (12, 24, 12)
+    assert all("zero=1" in s and "tp2xpp2" in s for s in skipped)
+    for bad in (["--models", "huge"], ["--layouts", "tp3"], ["--steps", "0"]):
+        with pytest.raises(SystemExit) as e:
+            parse_args(bad)
+        assert e.value.code == 2
