@@ -7,7 +7,7 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare")
+BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "plan")
 
 
 def main(argv: list[str]) -> int:

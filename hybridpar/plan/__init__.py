@@ -1,0 +1,1 @@
+"""The planner: hardware descriptions, cost and memory models, layout search."""
