@@ -40,7 +40,7 @@ LAYOUTS_4 = [
     (1, 4, 1, "1f1b", 4),
     (1, 4, 1, "1f1b", 8),
     (1, 4, 1, "zb-h1", 8),
-    (1, 4, 1, "interleaved-1f1b", 4),
+    (1, 2, 2, "interleaved-1f1b", 4),
     (1, 2, 2, "1f1b", 4),
     (1, 2, 2, "zb-v", 4),
     (2, 1, 2, "1f1b", 2),
@@ -129,7 +129,21 @@ def main(argv: list[str] | None = None) -> int:
     measured: dict[str, list[float]] = {key(lay): [] for lay in everything}
     predicted: dict[str, list[float]] = {key(lay): [] for lay in everything}
     probes: list[dict[str, Any]] = []
-    loads = []
+    loads: list[float] = []
+
+    def meta(rounds: int) -> dict[str, Any]:
+        return {
+            "rounds": rounds,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "load_average_before": load_before,
+            "load_average_during": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
+            "load_average_after": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "probes": probes,
+            "wall_s": time.time() - t0,
+        }
+
     for r in range(a.rounds):
         order = everything[r % len(everything) :] + everything[: r % len(everything)]
         for lay in order:
@@ -143,9 +157,16 @@ def main(argv: list[str] | None = None) -> int:
             loads.append(os.getloadavg()[0])
             print(
                 f"round {r} {key(lay)}: measured {measured[key(lay)][-1]:.4f} s, predicted "
-                f"{predicted[key(lay)][-1]:.4f} s, load {loads[-1]:.2f}",
+                f"{predicted[key(lay)][-1]:.4f} s, load {loads[-1]:.2f} (probe: {hw.peak_flops('fp32') / 1e9:.1f} "
+                f"GFLOP/s, {hw.cores_per_node:.2f} cores, collective {hw.collective_latency_us:.0f} us)",
                 file=sys.stderr,
             )
+        write(summarize(everything, measured, predicted) | meta(r + 1), a.json)
+    return 0
+
+
+def summarize(everything: list[tuple], measured: dict, predicted: dict) -> dict[str, Any]:
+    """Per-layout medians over the rounds so far, their errors, and each world's top pick against its best."""
     rows = []
     for lay in everything:
         k = key(lay)
@@ -162,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
             }
         )
     ratios = {}
-    for w in worlds:
+    for w in sorted({row["world"] for row in rows}):
         mine = [row for row in rows if row["world"] == w]
         pick = min(mine, key=lambda row: row["predicted_step_s"])
         best = min(mine, key=lambda row: row["measured_step_s"])
@@ -171,28 +192,23 @@ def main(argv: list[str] | None = None) -> int:
             "best_measured": best["layout"],
             "ratio": best["measured_step_s"] / pick["measured_step_s"],
         }
-    out = {
+    return {
         "median_abs_error": statistics.median(abs(row["error"]) for row in rows),
         "top_pick_over_best": min(v["ratio"] for v in ratios.values()),
         "per_world": ratios,
         "layouts": rows,
-        "rounds": a.rounds,
-        "steps": a.steps,
-        "load_average_before": load_before,
-        "load_average_during": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
-        "load_average_after": os.getloadavg(),
-        "cpus": os.cpu_count(),
-        "probes": probes,
-        "wall_s": time.time() - t0,
     }
+
+
+def write(out: dict[str, Any], path: str | None) -> None:
     text = json.dumps(out, indent=1)
-    if a.json in (None, "-"):
+    if path in (None, "-"):
         print(text)
     else:
-        with open(a.json, "w", encoding="utf-8") as fh:
+        with open(path, "w", encoding="utf-8") as fh:
             fh.write(text + "\n")
     print(
-        f"median_abs_error {out['median_abs_error']:.3f}, top_pick_over_best {out['top_pick_over_best']:.3f}",
+        f"after {out['rounds']} round(s): median_abs_error {out['median_abs_error']:.3f}, "
+        f"top_pick_over_best {out['top_pick_over_best']:.3f}",
         file=sys.stderr,
     )
-    return 0

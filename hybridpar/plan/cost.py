@@ -72,9 +72,12 @@ def placement(p: Shape | ParallelConfig, hw: Hardware) -> Placement:
     n = hw.devices_per_node
     world = p.tp * p.pp * p.dp
     link = lambda crosses: hw.inter_node if crosses else hw.intra_node  # noqa: E731
-    speeds = [
-        min(hw.device_speed((d * p.pp + r) * p.tp + t) for d in range(p.dp) for t in range(p.tp)) for r in range(p.pp)
-    ]
+    speeds = [1.0] * p.pp
+    if hw.speed is not None:
+        speeds = [
+            min(hw.device_speed((d * p.pp + r) * p.tp + t) for d in range(p.dp) for t in range(p.tp))
+            for r in range(p.pp)
+        ]
     return Placement(
         tp=link(p.tp > n or n % p.tp != 0),
         pp=link(p.pp > 1 and p.tp * p.pp > n),
@@ -146,6 +149,8 @@ class CostModel:
         self.counts: ParamCounts = param_counts(m)
         self.layer_tensors = layer_tensors(m)
         self._flops: dict[int, float] = {}
+        self._parts: dict[tuple, list[range]] = {}
+        self._last: dict[tuple, dict[int, float]] = {}  # a simulation's key -> when each stage's backward ends
 
     def _rate(self, precision: str) -> float:
         peak = self.hw.peak_flops(precision)
@@ -208,7 +213,11 @@ class CostModel:
         if p.partition == "uniform":
             return partition_uniform(L, n_stages)
         if p.partition == "params":
-            return partition_by_cost([float(c.layer)] * L, n_stages, first_extra=c.embed, last_extra=c.head)
+            if (n_stages,) not in self._parts:
+                self._parts[n_stages,] = partition_by_cost(
+                    [float(c.layer)] * L, n_stages, first_extra=c.embed, last_extra=c.head
+                )
+            return self._parts[n_stages,]
         if p.layer_costs is not None:
             costs = list(p.layer_costs)
         else:
@@ -218,9 +227,10 @@ class CostModel:
         embed, head = self.ends(cfg.train, p.tp, 1, pl.tp)
         lay = self.layer(cfg.train, p.tp, 1, pl.tp, "none")
         unit = lay.f.total + lay.b.total + lay.w.total
-        return partition_by_cost(
-            costs, n_stages, first_extra=(embed.total / unit), last_extra=(head.total / unit), speeds=speeds
-        )
+        key = (tuple(costs), n_stages, round(embed.total / unit, 9), round(head.total / unit, 9), tuple(speeds))
+        if key not in self._parts:
+            self._parts[key] = partition_by_cost(costs, n_stages, first_extra=key[2], last_extra=key[3], speeds=speeds)
+        return self._parts[key]
 
 
 @dataclass(frozen=True)
@@ -305,16 +315,18 @@ def predict(
         message_bytes=msg,
     )
     build = actions or (lambda name, pp, v, mb: build_schedule(name, pp, v, mb, p.recv_lookahead))
-    ranks = spec.stage_ranks(p.pp, p.chunks)
     share = sharing(p, hw, pl)
     key = (p.schedule, p.pp, p.chunks, m, sim_costs, share)
+    ranks = spec.stage_ranks(p.pp, p.chunks)
     sim = (sims or {}).get(key) or simulate(
         build(p.schedule, p.pp, p.chunks, m), p.pp, p.n_stages, sim_costs, ranks=ranks, sharing=share
     )
     if sims is not None:
         sims[key] = sim
     stage_params = model.stage_params(parts)
-    end, reduce_extra = _dp_reductions(sim, cfg, hw, pl, stage_params, ranks)
+    if key not in model._last:
+        model._last[key] = last_backwards(sim)
+    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, pl, stage_params, ranks)
     rank_params = [sum(stage_params[s] for s in range(p.n_stages) if ranks[s] == r) / p.tp for r in range(p.pp)]
     opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n) for n in rank_params)
     fixed = 3 * all_reduce_s(8, p.tp * p.pp * p.dp, pl.world, hw)  # loss, step time and peak, clip norm
@@ -333,18 +345,29 @@ def predict(
     )
 
 
-def _dp_reductions(
-    sim: SimResult, cfg: Config, hw: Hardware, pl: Placement, stage_params: list[int], ranks: tuple[int, ...]
-) -> tuple[float, float]:
-    """(when the last rank's gradient reductions end, how much later that is than the pipeline): each
-    stage's all-reduce starts at its last backward action and runs after the rank's earlier ones."""
-    p = cfg.parallel
-    if p.dp == 1:
-        return sim.step_time_s, 0.0
+def last_backwards(sim: SimResult) -> dict[int, float]:
+    """When each stage's last backward (B or W) action ends."""
     last: dict[int, float] = {}
     for e in sim.events:
         if e.action.op in (Op.BACKWARD, Op.WEIGHT):
             last[e.action.stage] = max(last.get(e.action.stage, 0.0), e.end)
+    return last
+
+
+def _dp_reductions(
+    sim: SimResult,
+    last: dict[int, float],
+    cfg: Config,
+    hw: Hardware,
+    pl: Placement,
+    stage_params: list[int],
+    ranks: tuple[int, ...],
+) -> tuple[float, float]:
+    """(when the last rank's gradient reductions end, how much later that is than the pipeline): each
+    stage's all-reduce starts at its last backward action (`last`) and runs after the rank's earlier ones."""
+    p = cfg.parallel
+    if p.dp == 1:
+        return sim.step_time_s, 0.0
     free = [0.0] * p.pp
     for s in sorted(last, key=last.get):
         r = ranks[s]

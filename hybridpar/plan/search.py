@@ -24,7 +24,7 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from hybridpar.config import Config
 from hybridpar.config.schedules import SCHEDULES
-from hybridpar.pipeline.schedules import Action, build_schedule
+from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
 from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
@@ -111,8 +111,8 @@ def _knobs(base: Config, hw: Hardware, world: int) -> Iterator[dict[str, Any]]:
                 continue
             per_replica = base.train.global_batch // dp
             for spec in SCHEDULES.values():
-                if pp == 1 and spec.name != "1f1b":
-                    continue  # one rank: every schedule runs the same actions; 1F1B holds the fewest
+                if pp == 1 and (spec.splits_backward or spec.min_microbatches_rule != (1, 0)):
+                    continue  # one rank: the schedules differ only in how many microbatches wait; keep 1F1B's one
                 vs = spec.virtual_stages or tuple(v for v in VIRTUAL_STAGES if pp * v <= m.n_layers)
                 for v, mb in itertools.product(vs, _divisors(per_replica)):
                     if spec.layout_problem(pp, v) or spec.count_problem(pp, mb) or pp * v > m.n_layers:
@@ -187,8 +187,15 @@ class Planner:
 
     def actions(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
         key = (name, pp, v, m)
-        if key not in self._actions:
-            self._actions[key] = build_schedule(name, pp, v, m, self.base.parallel.recv_lookahead)
+        if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
+            spec = SCHEDULES[name]
+            self._actions[key] = add_communication(
+                compute_schedule(name, pp, v, m),
+                pp,
+                pp * v,
+                self.base.parallel.recv_lookahead,
+                ranks=spec.stage_ranks(pp, v),
+            )
         return self._actions[key]
 
     def estimate(self, k: dict[str, Any]) -> float:
