@@ -33,6 +33,9 @@ from hybridpar.plan.hardware import to_toml
 from hybridpar.plan.probe import describe
 from hybridpar.testing import run_ranks
 
+# Each probe window (seconds). Under foreign load a short window flatters: a rank that has just slept at a
+# barrier gets the scheduler's sleeper credit for a while, which ranks computing through a step do not.
+PROBE_S = 0.8
 # (tp, pp, dp, schedule, microbatches)
 LAYOUTS_4 = [
     (2, 2, 1, "1f1b", 4),
@@ -76,10 +79,10 @@ def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
-    before = measure(0.3, 30)
+    before = measure(PROBE_S, 20)
     tr = Trainer(cfg, topo)
     times = [tr.step(s)["step_time_s"] for s in range(steps)]
-    return {"times": times, "probe": [before, measure(0.3, 30)]}
+    return {"times": times, "probe": [before, measure(PROBE_S, 20)]}
 
 
 def _no_memory_limit(cfg: Config) -> list[Any]:
