@@ -158,6 +158,10 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
     return cfg
 
 
+def _knob_key(k: dict[str, Any]) -> tuple:
+    return tuple(sorted(k.items()))
+
+
 def _group(k: dict[str, Any]) -> tuple:
     """The knobs memory is not assumed monotone in; within a group, memory is assumed not to grow with
     more recomputation, ZeRO or more (smaller) microbatches."""
@@ -229,6 +233,10 @@ class Planner:
         self._estimates[key] = work + after
         return self._estimates[key]
 
+    def same_parts(self, a: Config, b: Config) -> bool:
+        pl = placement(a.parallel, self.hw)
+        return self.model.parts(a, pl) == self.model.parts(b, pl)
+
     def evaluate(self, cfg: Config, mem: list[int]) -> Candidate:
         pred = predict(self.model, cfg, self.actions, self._sims)
         t = cfg.train
@@ -257,6 +265,7 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
     for k in knobs:
         groups.setdefault(_group(k), []).append(k)
     misfits: dict[tuple, list[dict[str, Any]]] = {}  # per group, knobs found not to fit
+    fitted: set[tuple] = set()
     found: list[Candidate] = []
     smallest: tuple[int, str] | None = None
     problems: list[str] = []
@@ -291,11 +300,16 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
             frugal = _frugal(k, groups[g])
             if frugal in groups[g] and fits(frugal) is None:
                 continue
+        if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
+            continue  # recomputation only costs time: it is worth it only where less of it does not fit
         cfg = fits(k)
         if cfg is None:
             if not found and not bound and smallest is not None:
                 bound = f"faster layouts need more memory ({smallest[1]}: {smallest[0] / GIB:.3g} GiB per device)"
             continue
+        fitted.add(_knob_key(k))
+        if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
+            continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
         found.append(planner.evaluate(cfg, [int(e.total) for e in memory(cfg)]))
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
