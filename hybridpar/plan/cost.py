@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, NamedTuple
+from typing import Callable, NamedTuple
 
 from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig
 from hybridpar.config.schedules import schedule_spec
@@ -387,7 +387,3 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
     gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0
     return memory + ops + gather
-
-
-def describe(pred: Prediction) -> dict[str, Any]:
-    return {k: round(v, 6) for k, v in pred.breakdown().items()} | {"bubble": round(pred.bubble, 4)}
