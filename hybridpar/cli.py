@@ -24,6 +24,7 @@ torch.distributed.run.
        hybridpar export SOURCE --out DIR [--step N]     (a run, checkpoint or step as a Hugging Face directory)
        hybridpar data train-tokenizer|prepare [--help]  (a byte-level BPE tokenizer; a corpus as token files)
        hybridpar report RUN_DIR [--compare OTHER_RUN] [--out FILE]  (one HTML file: plots, stability figures)
+       hybridpar plan (--hardware FILE | --probe) [--world N] [--top 10] [--json FILE] [--help]  (choose a layout)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
@@ -309,11 +310,15 @@ def main(argv: list[str] | None = None) -> int:
         from hybridpar.report.page import main as report_main
 
         return report_main(rest)
+    if cmd == "plan":
+        from hybridpar.plan.main import main as plan_main
+
+        return plan_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    commands = "train, serve, export, data, report, bench"
+    commands = "train, serve, export, data, report, plan, bench"
     print(f"hybridpar: unknown command {cmd!r}; commands: {commands}\n\n{USAGE}", file=sys.stderr)
     return 2
 

@@ -9,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "memory")
+BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "memory", "plan")
 
 
 def main(argv: list[str]) -> int:

@@ -137,6 +137,12 @@ def param_counts(cfg: ModelConfig) -> ParamCounts:
     return ParamCounts(embed, in_layer, sum(p.numel() for p in one.parameters()) - embed - in_layer, matmul)
 
 
+def layer_tensors(cfg: ModelConfig) -> int:
+    """Parameter tensors of one decoder layer (what a per-tensor optimizer loop visits)."""
+    with torch.device("meta"):
+        return len(list(family(cfg).stage(cfg, [0], False, False).parameters()))
+
+
 def layer_flops_per_token(cfg: ModelConfig, seq_len: int) -> float:
     """Forward matmul FLOPs of one decoder layer per token at sequence length T: the projections
     (2 x weights) and attention's two T x d products per query (4 x T x d; the causal half not taken off)."""

@@ -18,6 +18,12 @@ Model (chosen to match ``runtime.py`` + ``p2p.py``):
   overhead ``compute_overhead_s`` followed by its cost. Only the cost counts as busy time, so
   overheads show up in the bubble, as they do on a real GPU.
 
+* Shared cores (optional, ``CoreSharing``): CPU ranks that outnumber their node's cores share them.
+  Compute actions then progress by processor sharing: while n ranks of a node compute, each runs at
+  rate min(1, capacity / n) of its own speed, so a cost is the action's time on a core of its own.
+  This needs the global time order, so the simulation then advances all ranks' compute in time
+  (O(ranks) per event); without it ranks are independent devices, as GPUs are.
+
 Messages are matched by identity, not by posting order: run ``validate_schedule`` (as
 ``build_schedule`` does) to catch receive orders NCCL would mismatch.
 """
@@ -25,7 +31,7 @@ Messages are matched by identity, not by posting order: run ``validate_schedule`
 from __future__ import annotations
 
 import math
-from collections import defaultdict, deque
+from collections import Counter, defaultdict, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -49,6 +55,11 @@ class Costs:
     # Per microbatch, a factor on its compute costs and message bytes (unequal microbatch sizes:
     # size / reference size); None = every microbatch alike.
     microbatch_scale: Sequence[float] | None = None
+    # Per stage, the part of each F/B/W spent waiting on collectives inside it (tensor parallelism), on
+    # top of its cost: time, but no work, so shared cores do not slow it.
+    forward_comm_s: float | Sequence[float] = 0.0
+    backward_comm_s: float | Sequence[float] = 0.0
+    weight_comm_s: float | Sequence[float] = 0.0
 
     def __post_init__(self) -> None:
         for label in ("latency_s", "message_bytes", "send_overhead_s", "recv_overhead_s", "compute_overhead_s"):
@@ -60,14 +71,12 @@ class Costs:
         if self.microbatch_scale is not None and not all(math.isfinite(x) and x > 0 for x in self.microbatch_scale):
             raise ValueError(f"microbatch_scale must be finite numbers > 0, got {list(self.microbatch_scale)}")
 
-    def per_stage(self, n_stages: int) -> dict[Op, list[float]]:
-        """Cost of each compute op at each stage."""
+    def per_stage(self, n_stages: int, comm: bool = False) -> dict[Op, list[float]]:
+        """Cost of each compute op at each stage (`comm`: its collective waits)."""
         out: dict[Op, list[float]] = {}
-        for op, label, value in (
-            (Op.FORWARD, "forward_s", self.forward_s),
-            (Op.BACKWARD, "backward_s", self.backward_s),
-            (Op.WEIGHT, "weight_s", self.weight_s),
-        ):
+        for op, label in ((Op.FORWARD, "forward"), (Op.BACKWARD, "backward"), (Op.WEIGHT, "weight")):
+            label += "_comm_s" if comm else "_s"
+            value = getattr(self, label)
             vals = [float(value)] * n_stages if isinstance(value, (int, float)) else list(value)
             if len(vals) != n_stages:
                 raise ValueError(f"{label} has {len(vals)} entries for {n_stages} stages")
@@ -78,6 +87,21 @@ class Costs:
 
     def transfer_s(self) -> float:
         return 0.0 if self.message_bytes == 0 else self.message_bytes / self.bandwidth_Bps
+
+
+@dataclass(frozen=True)
+class CoreSharing:
+    """Pipeline rank r sits on node node_of[r]; a node sustains `capacity[node]` ranks' compute at once
+    (its cores, in units of one rank's rate)."""
+
+    node_of: tuple[int, ...]
+    capacity: tuple[float, ...]
+
+    def __post_init__(self) -> None:
+        if not all(0 <= n < len(self.capacity) for n in self.node_of):
+            raise ValueError(f"node_of {self.node_of} names nodes outside capacity's {len(self.capacity)}")
+        if not all(math.isfinite(c) and c > 0 for c in self.capacity):
+            raise ValueError(f"capacity must be finite numbers > 0, got {self.capacity}")
 
 
 @dataclass
@@ -93,16 +117,23 @@ class SimEvent:
 class SimResult:
     step_time_s: float
     events: list[SimEvent]
-    busy_s: list[float]  # compute time per rank (overheads excluded)
+    busy_s: list[float]  # compute time per rank (overheads excluded; with shared cores, stretched by sharing)
     bubble_fraction: float  # 1 - sum(busy) / (n_ranks * step_time)
     arrivals: dict[Action, float] = field(default_factory=dict)  # send action -> arrival time
 
 
 def simulate(
-    actions: list[list[Action]], pp: int, n_stages: int, costs: Costs, *, ranks: Sequence[int] | None = None
+    actions: list[list[Action]],
+    pp: int,
+    n_stages: int,
+    costs: Costs,
+    *,
+    ranks: Sequence[int] | None = None,
+    sharing: CoreSharing | None = None,
 ) -> SimResult:
     """Run per-rank action lists (as from ``build_schedule``) under `costs`; `ranks[s]` is the rank of
-    stage s (the schedule's placement, ``ScheduleSpec.stage_ranks``; None = s % pp).
+    stage s (the schedule's placement, ``ScheduleSpec.stage_ranks``; None = s % pp); `sharing`: ranks
+    that share cores (module docstring).
 
     Event-driven: a rank runs until it needs a time that is not known yet, then sleeps on that key
     until it is resolved, so each action is handled O(1) times. Raises ScheduleError when some
@@ -111,7 +142,7 @@ def simulate(
     if len(actions) != pp:
         raise ValueError(f"expected {pp} rank lists, got {len(actions)}")
     ranks = placement(ranks, pp, n_stages)
-    cost = costs.per_stage(n_stages)
+    cost, comm = costs.per_stage(n_stages), costs.per_stage(n_stages, comm=True)
     xfer = costs.transfer_s()
     scale = costs.microbatch_scale
     if scale is not None:
@@ -129,6 +160,10 @@ def simulate(
     link_free: dict[tuple[int, int], float] = defaultdict(float)
     posted: dict[tuple[str, Action], float] = {}  # ("send"|"recv", send action) -> post time
     runnable = deque(range(pp))
+    if sharing is not None and len(sharing.node_of) != pp:
+        raise ValueError(f"sharing.node_of has {len(sharing.node_of)} entries for {pp} ranks")
+    jobs: dict[int, list] = {}  # shared cores: rank -> [action, begin, start of work, work left]
+    now = 0.0
 
     def resolve(key: tuple[str, Action], t: float) -> None:
         known[key] = t
@@ -146,7 +181,21 @@ def simulate(
             resolve(("arrive", send), start + costs.latency_s + x)
             head[link] += 1
 
-    while runnable:
+    def finish(r: int, a: Action, begin: float, end: float) -> None:
+        events.append(SimEvent(r, a, begin, end, begin - free[r]))
+        free[r] = end
+        ptr[r] += 1
+
+    while runnable or jobs:
+        if not runnable:  # shared cores: every rank waits for a compute action in progress
+            now, done = _advance(jobs, now, sharing)
+            for r in done:
+                a, begin, work_start, _ = jobs.pop(r)
+                busy[r] += now - work_start  # with shared cores, busy is the time spent computing
+                finish(r, a, begin, now)
+                resolve(("done", a), now)
+                runnable.append(r)
+            continue
         r = runnable.popleft()
         acts = actions[r]
         while ptr[r] < len(acts):
@@ -175,15 +224,17 @@ def simulate(
                 posted["recv", send] = end
                 pump(link)
             else:
-                c = cost[a.op][a.stage] if scale is None else cost[a.op][a.stage] * scale[a.microbatch]
-                end = begin + costs.compute_overhead_s + c
-                busy[r] += c
+                k = 1.0 if scale is None else scale[a.microbatch]
+                c, wait = cost[a.op][a.stage] * k, comm[a.op][a.stage] * k
                 if ("done", a) in known:
                     raise ScheduleError(f"rank {r}: {a} runs twice")
+                if sharing is not None:  # its end depends on who else computes meanwhile
+                    jobs[r] = [a, begin, begin + costs.compute_overhead_s + wait, c]
+                    break
+                busy[r] += c
+                end = begin + costs.compute_overhead_s + wait + c
                 resolve(("done", a), end)
-            events.append(SimEvent(r, a, begin, end, begin - free[r]))
-            free[r] = end
-            ptr[r] += 1
+            finish(r, a, begin, end)
 
     def describe(kind: str, a: Action) -> str:
         src = ranks[a.stage]
@@ -205,6 +256,23 @@ def simulate(
     step = max([free[r] for r in range(pp)] + list(arrivals.values()), default=0.0)
     frac = 1.0 - sum(busy) / (pp * step) if step > 0 else 0.0
     return SimResult(step, events, busy, frac, arrivals)
+
+
+def _advance(jobs: dict[int, list], now: float, sharing: CoreSharing | None) -> tuple[float, list[int]]:
+    """Processor sharing from `now` to the next event (a job starts or one ends): returns that time and
+    the ranks whose job ended. A job is [action, begin, start of work, work left (s on a core of its own)]."""
+    assert sharing is not None
+    running = [r for r, j in jobs.items() if j[2] <= now]
+    load = Counter(sharing.node_of[r] for r in running)
+    rate = {r: min(1.0, sharing.capacity[sharing.node_of[r]] / load[sharing.node_of[r]]) for r in running}
+    ends = {r: now + jobs[r][3] / rate[r] for r in running}
+    t = min([j[2] for r, j in jobs.items() if r not in rate] + list(ends.values()))
+    done = []
+    for r in running:
+        jobs[r][3] -= (t - now) * rate[r]
+        if ends[r] <= t:  # also when rounding leaves a sliver of work: the end is now
+            done.append(r)
+    return t, done
 
 
 def sim_trace(result: SimResult, process_name: str = "simulated", pid: int = 1) -> dict:

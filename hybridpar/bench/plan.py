@@ -1,0 +1,217 @@
+"""`hybridpar bench plan`: the planner's predicted step times against real training steps, on this machine.
+
+    hybridpar bench plan [--rounds 3] [--steps 5] [--warmup 2] [--json FILE]
+
+Each round runs every swept layout of the default model once — freshly launched ranks that probe the
+machine (plan/probe.py's measurements), build a real `Trainer`, run `--warmup` steps and then `--steps`
+timed ones (the step time the trainer records), and probe again — in an order rotated every round, so
+drift of a shared machine hits every layout alike. Each launch's prediction comes from its own two
+probes, taken in the same processes just before and after its steps (the cost model on the simulator,
+plan/cost.py; nothing fitted to the steps): on a machine shared with other jobs the cores the ranks
+get change from minute to minute, and a probe minutes away would describe another machine. Reported per
+layout: medians over rounds of the measured and of the predicted step time, their error; overall:
+`median_abs_error` (median of |predicted / measured - 1|, a fraction), `top_pick_over_best` (per world,
+the measured throughput of the layout the planner ranks first among those swept over the best measured
+one; the smaller of the two worlds), the load average. The swept set is a spread of layouts chosen by
+hand plus the planner's own top pick at each world.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import os
+import statistics
+import sys
+import time
+from typing import Any
+
+from hybridpar.config import Config
+from hybridpar.plan.cost import CostModel, predict
+from hybridpar.plan.hardware import to_toml
+from hybridpar.plan.probe import describe
+from hybridpar.testing import run_ranks
+
+# Each probe window (seconds). Under foreign load a short window flatters: a rank that has just slept at a
+# barrier gets the scheduler's sleeper credit for a while, which ranks computing through a step do not.
+PROBE_S = 0.8
+# (tp, pp, dp, schedule, microbatches)
+LAYOUTS_4 = [
+    (2, 2, 1, "1f1b", 4),
+    (2, 2, 1, "gpipe", 8),
+    (1, 4, 1, "1f1b", 4),
+    (1, 4, 1, "1f1b", 8),
+    (1, 4, 1, "zb-h1", 8),
+    (1, 2, 2, "interleaved-1f1b", 4),
+    (1, 2, 2, "1f1b", 4),
+    (1, 2, 2, "zb-v", 4),
+    (2, 1, 2, "1f1b", 2),
+    (1, 1, 4, "1f1b", 2),
+    (4, 1, 1, "1f1b", 4),
+    (2, 2, 1, "zb-v", 8),
+]
+LAYOUTS_2 = [
+    (1, 2, 1, "1f1b", 4),
+    (1, 2, 1, "gpipe", 8),
+    (2, 1, 1, "1f1b", 2),
+    (1, 1, 2, "1f1b", 2),
+    (1, 2, 1, "zb-v", 4),
+]
+
+
+def layout_config(tp: int, pp: int, dp: int, schedule: str, m: int) -> Config:
+    cfg = Config()
+    p = cfg.parallel
+    p.tp, p.pp, p.dp, p.schedule = tp, pp, dp, schedule
+    cfg.train.microbatches = m
+    cfg.train.val_every = cfg.train.monitor_every = 0
+    cfg.validate(tp * pp * dp)
+    return cfg
+
+
+def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
+    """Probe, train, probe again, in the same processes: the probe sees the machine as the steps do."""
+    from hybridpar.plan.probe import measure
+    from hybridpar.topology.mesh import build_topology
+    from hybridpar.trainer import Trainer
+
+    cfg = Config.from_dict(cfg_dict)
+    p = cfg.parallel
+    topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
+    before = measure(PROBE_S, 20)
+    tr = Trainer(cfg, topo)
+    times = [tr.step(s)["step_time_s"] for s in range(steps)]
+    return {"times": times, "probe": [before, measure(PROBE_S, 20)]}
+
+
+def _no_memory_limit(cfg: Config) -> list[Any]:
+    """Memory is not binding for this model on this machine; used until plan/memory.py is present."""
+
+    @dataclasses.dataclass
+    class _Zero:
+        total: int = 0
+
+    return [_Zero()] * cfg.parallel.pp
+
+
+def _memory():
+    try:
+        from hybridpar.plan.memory import rank_memory
+
+        return rank_memory
+    except ImportError:
+        return _no_memory_limit
+
+
+def key(layout: tuple) -> str:
+    tp, pp, dp, schedule, m = layout
+    return f"tp{tp}-pp{pp}-dp{dp}-{schedule}-m{m}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    from hybridpar.plan.probe import probe
+    from hybridpar.plan.search import plan
+
+    ap = argparse.ArgumentParser(prog="hybridpar bench plan", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=5, help="timed steps per launch")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
+    ap.add_argument("--json", default=None, help="write the result here ('-' or none: stdout)")
+    a = ap.parse_args(argv)
+    t0, load_before = time.time(), os.getloadavg()
+    worlds = {4: list(LAYOUTS_4), 2: list(LAYOUTS_2)}
+    for w, layouts in worlds.items():  # the planner's own top pick (on a probe of this machine) joins the sweep
+        c = plan(Config(), probe(w), _memory(), world=w, top=1).candidates[0]
+        p, t = c.cfg.parallel, c.cfg.train
+        if t.recompute == "none" and t.precision == "fp32" and p.zero == 0 and p.partition == "params":
+            pick = (p.tp, p.pp, p.dp, p.schedule, t.microbatches)
+            if pick not in layouts and p.virtual_stages in (None, 2):  # the sweep runs the default v
+                layouts.append(pick)
+    everything = [lay for w in worlds for lay in worlds[w]]
+    measured: dict[str, list[float]] = {key(lay): [] for lay in everything}
+    predicted: dict[str, list[float]] = {key(lay): [] for lay in everything}
+    probes: list[dict[str, Any]] = []
+    loads: list[float] = []
+
+    def meta(rounds: int) -> dict[str, Any]:
+        return {
+            "rounds": rounds,
+            "steps": a.steps,
+            "warmup": a.warmup,
+            "load_average_before": load_before,
+            "load_average_during": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
+            "load_average_after": os.getloadavg(),
+            "cpus": os.cpu_count(),
+            "probes": probes,
+            "wall_s": time.time() - t0,
+        }
+
+    for r in range(a.rounds):
+        order = everything[r % len(everything) :] + everything[: r % len(everything)]
+        for lay in order:
+            cfg = layout_config(*lay)
+            world = cfg.parallel.world_size
+            got = run_ranks(_worker, world, cfg.to_dict(), a.warmup + a.steps, timeout_s=900)[0]
+            hw = describe(got["probe"], world)
+            probes.append({"round": r, "layout": key(lay), "hardware": to_toml(hw)})
+            predicted[key(lay)].append(predict(CostModel(cfg.model, hw), cfg).step_s)
+            measured[key(lay)].append(statistics.median(got["times"][a.warmup :]))
+            loads.append(os.getloadavg()[0])
+            print(
+                f"round {r} {key(lay)}: measured {measured[key(lay)][-1]:.4f} s, predicted "
+                f"{predicted[key(lay)][-1]:.4f} s, load {loads[-1]:.2f} (probe: {hw.peak_flops('fp32') / 1e9:.1f} "
+                f"GFLOP/s, {hw.cores_per_node:.2f} cores, collective {hw.collective_latency_us:.0f} us)",
+                file=sys.stderr,
+            )
+        write(summarize(everything, measured, predicted) | meta(r + 1), a.json)
+    return 0
+
+
+def summarize(everything: list[tuple], measured: dict, predicted: dict) -> dict[str, Any]:
+    """Per-layout medians over the rounds so far, their errors, and each world's top pick against its best."""
+    rows = []
+    for lay in everything:
+        k = key(lay)
+        meas, pred = statistics.median(measured[k]), statistics.median(predicted[k])
+        rows.append(
+            {
+                "layout": k,
+                "world": lay[0] * lay[1] * lay[2],
+                "measured_step_s": meas,
+                "predicted_step_s": pred,
+                "error": pred / meas - 1,
+                "measured_rounds": measured[k],
+                "predicted_rounds": predicted[k],
+            }
+        )
+    ratios = {}
+    for w in sorted({row["world"] for row in rows}):
+        mine = [row for row in rows if row["world"] == w]
+        pick = min(mine, key=lambda row: row["predicted_step_s"])
+        best = min(mine, key=lambda row: row["measured_step_s"])
+        ratios[str(w)] = {
+            "top_pick": pick["layout"],
+            "best_measured": best["layout"],
+            "ratio": best["measured_step_s"] / pick["measured_step_s"],
+        }
+    return {
+        "median_abs_error": statistics.median(abs(row["error"]) for row in rows),
+        "top_pick_over_best": min(v["ratio"] for v in ratios.values()),
+        "per_world": ratios,
+        "layouts": rows,
+    }
+
+
+def write(out: dict[str, Any], path: str | None) -> None:
+    text = json.dumps(out, indent=1)
+    if path in (None, "-"):
+        print(text)
+    else:
+        with open(path, "w", encoding="utf-8") as fh:
+            fh.write(text + "\n")
+    print(
+        f"after {out['rounds']} round(s): median_abs_error {out['median_abs_error']:.3f}, "
+        f"top_pick_over_best {out['top_pick_over_best']:.3f}",
+        file=sys.stderr,
+    )

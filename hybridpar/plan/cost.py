@@ -1,0 +1,389 @@
+"""The cost model: seconds of each pipeline action, collective and optimizer step of a layout on a
+hardware description, and the step time they add up to on the simulator.
+
+Per decoder layer and token, from the model family (model/registry.py): the forward's matmul FLOPs
+(projections and attention products), timed at the device's peak for the run's precision; the
+memory-bound elementwise work around them (norms, rotary, activation function, residual adds), as
+bytes over `memory_bandwidth_gbs`; and the framework operations each pass launches, at
+`op_overhead_us` each. A backward costs two forwards of matmuls (input and weight gradients) and
+twice the elementwise work; where the schedule splits it, B is the input-gradient half with the
+elementwise work and W the weight-gradient half. Recomputation adds the forward (full) or its
+non-matmul part (selective) to B. The first stage adds the embedding, the last the head and loss.
+
+Communication, each by latency + bytes / bandwidth over the link the placement gives it (tp inside a
+node; global ranks run tp fastest, then pp, then dp): Megatron tensor parallelism's two all-reduces
+per layer in the forward and two in the backward (plus the embedding's and the head's gather); the
+point-to-point activation messages (simulator's link model); the data-parallel gradient all-reduce of
+each stage, started when its last backward ends and overlapped with what follows (as grads.py does);
+ZeRO-1's all-gather of the updated slices; the step's small all-reduces (loss, clip norm). The
+optimizer step is memory-bound. Ring collectives: an all-reduce moves 2 (n-1)/n of the bytes and
+takes 2 (n-1) hops, an all-gather half of that.
+
+The step time is the simulated action lists (pipeline/simulate.py, on `build_schedule`'s output, with
+the ranks sharing cores where the hardware says they do), then each rank's gradient reductions, then
+the optimizer step.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from hybridpar.config.schedules import schedule_spec
+from hybridpar.model.registry import ParamCounts, layer_flops_per_token, layer_tensors, param_counts
+from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
+from hybridpar.pipeline.schedules import Action, Op, build_schedule
+from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
+from hybridpar.plan.hardware import Hardware, Link
+
+# Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
+# the Llama block (two RMSNorms: square, mean, scale, weight, about 6 accesses per element each; two
+# residual adds, 3 each; rotary on q and k, 9 each; the attention output's layout copy, 2; SwiGLU's
+# SiLU and product, 5 per FFN element). GPT-2's block (LayerNorm, GELU) touches about as many.
+REPLICATED_ELEMENTS = 18  # x dim: the norms and residuals every tp rank runs whole
+ATTENTION_ELEMENTS = 9  # x (q + k width): rotary
+FFN_ELEMENTS = 5  # x ffn_dim
+OPS_PER_LAYER = 30  # framework operations of one decoder layer's forward
+ADAMW_BYTES = 28  # per parameter: read p, g, m, v; write p, m, v (fp32)
+OPS_PER_PARAM_TENSOR = 12  # AdamW's per-tensor operations (torch's for-loop implementation on CPU)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Which link each kind of traffic crosses, and the nodes of the pipeline ranks."""
+
+    tp: Link
+    pp: Link
+    dp: Link
+    world: Link  # the step's world-wide all-reduces
+    pp_nodes: tuple[int, ...]  # node of each pipeline rank (of replica 0, tp rank 0)
+    pp_speed: tuple[float, ...]  # slowest device of each pipeline rank (over its tp and dp ranks)
+
+
+class Shape(NamedTuple):
+    tp: int
+    pp: int
+    dp: int
+
+
+def placement(p: Shape | ParallelConfig, hw: Hardware) -> Placement:
+    n = hw.devices_per_node
+    world = p.tp * p.pp * p.dp
+    link = lambda crosses: hw.inter_node if crosses else hw.intra_node  # noqa: E731
+    speeds = [1.0] * p.pp
+    if hw.speed is not None:
+        speeds = [
+            min(hw.device_speed((d * p.pp + r) * p.tp + t) for d in range(p.dp) for t in range(p.tp))
+            for r in range(p.pp)
+        ]
+    return Placement(
+        tp=link(p.tp > n or n % p.tp != 0),
+        pp=link(p.pp > 1 and p.tp * p.pp > n),
+        dp=link(p.dp > 1 and world > n),
+        world=link(world > n),
+        pp_nodes=tuple(r * p.tp // n for r in range(p.pp)),
+        pp_speed=tuple(speeds),
+    )
+
+
+def all_reduce_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * (_hop_s(link, hw) + nbytes / n / (link.bandwidth_gbs * 1e9))
+
+
+def all_gather_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
+    """All-gather whose result is `nbytes` in all."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (_hop_s(link, hw) + nbytes / n / (link.bandwidth_gbs * 1e9))
+
+
+def _hop_s(link: Link, hw: Hardware) -> float:
+    """Latency of one step of a ring collective: the hardware's collective figure where it has one."""
+    return (hw.collective_latency_us if hw.collective_latency_us is not None else link.latency_us) * 1e-6
+
+
+@dataclass(frozen=True)
+class Work:
+    """One piece of compute, split by what bounds it."""
+
+    matmul_s: float = 0.0
+    memory_s: float = 0.0
+    ops_s: float = 0.0
+    comm_s: float = 0.0  # tensor-parallel collectives inside it
+
+    @property
+    def compute(self) -> float:
+        return self.matmul_s + self.memory_s + self.ops_s
+
+    @property
+    def total(self) -> float:
+        return self.compute + self.comm_s
+
+    def __add__(self, o: Work) -> Work:
+        return Work(
+            self.matmul_s + o.matmul_s, self.memory_s + o.memory_s, self.ops_s + o.ops_s, self.comm_s + o.comm_s
+        )
+
+    def times(self, k: float) -> Work:
+        return Work(self.matmul_s * k, self.memory_s * k, self.ops_s * k, self.comm_s * k)
+
+
+@dataclass(frozen=True)
+class LayerCosts:
+    """Seconds per microbatch on one rank: forward, backward input half (B), weight half (W)."""
+
+    f: Work
+    b: Work
+    w: Work
+
+
+class CostModel:
+    """The costs of one model on one hardware description; the layout comes with each call."""
+
+    def __init__(self, m: ModelConfig, hw: Hardware) -> None:
+        self.m, self.hw = m, hw
+        self.counts: ParamCounts = param_counts(m)
+        self.layer_tensors = layer_tensors(m)
+        self._flops: dict[int, float] = {}
+        self._parts: dict[tuple, list[range]] = {}
+        self._last: dict[tuple, dict[int, float]] = {}  # a simulation's key -> when each stage's backward ends
+
+    def _rate(self, precision: str) -> float:
+        peak = self.hw.peak_flops(precision)
+        if peak <= 0:
+            raise ValueError(f"{self.hw.name} has no {precision} peak: train.precision={precision} cannot run on it")
+        return peak
+
+    def _memory_s(self, elements: float, act_bytes: int) -> float:
+        bw = self.hw.memory_bandwidth_gbs
+        return 0.0 if bw is None else elements * act_bytes / (bw * 1e9)
+
+    def layer(self, t: TrainConfig, tp: int, tokens: int, link: Link, recompute: str) -> LayerCosts:
+        """One decoder layer for a microbatch of `tokens` tokens on one tp rank."""
+        m = self.m
+        if t.seq_len not in self._flops:
+            self._flops[t.seq_len] = layer_flops_per_token(m, t.seq_len)
+        act = 2 if t.precision == "bf16" else 4
+        mm = tokens * self._flops[t.seq_len] / tp / self._rate(t.precision)
+        sharded = ATTENTION_ELEMENTS * (m.dim + m.kv_heads * m.head_dim) + 2 * m.dim + FFN_ELEMENTS * m.ffn_dim
+        mem = self._memory_s(tokens * (REPLICATED_ELEMENTS * m.dim + sharded / tp), act)
+        ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
+        comm = 2 * all_reduce_s(tokens * m.dim * act, tp, link, self.hw)  # after attention and after the MLP
+        f = Work(mm, mem, ops, comm)
+        b = Work(mm, 2 * mem, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
+        if recompute == "full":
+            b = b + f
+        elif recompute == "selective":
+            b = b + Work(0.0, mem, ops)
+        return LayerCosts(f, b, Work(mm, 0.0, 0.5 * ops))
+
+    def ends(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
+        """(embedding forward + backward on the first stage, head + loss forward + backward on the last)."""
+        m = self.m
+        act = 2 if t.precision == "bf16" else 4
+        ovh = self.hw.op_overhead_us * 1e-6
+        embed = Work(
+            0.0, self._memory_s(tokens * m.dim * 4, act), 6 * ovh, all_reduce_s(tokens * m.dim * act, tp, link, self.hw)
+        )
+        mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
+        head = Work(
+            mm,
+            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act),
+            20 * ovh,
+            all_gather_s(tokens * m.vocab_size * act, tp, link, self.hw),
+        )
+        return embed, head
+
+    def stage_params(self, parts: list[range]) -> list[int]:
+        c = self.counts
+        return [
+            len(r) * c.layer + (c.embed if s == 0 else 0) + (c.head if s == len(parts) - 1 else 0)
+            for s, r in enumerate(parts)
+        ]
+
+    def parts(self, cfg: Config, pl: Placement) -> list[range]:
+        """The layers of each stage under cfg.parallel.partition (params: balance parameters, as the
+        runtime does; cost: balance time with the embedding and head as extras and the ranks' speeds)."""
+        p, c = cfg.parallel, self.counts
+        n_stages, L = p.n_stages, self.m.n_layers
+        if p.partition == "uniform":
+            return partition_uniform(L, n_stages)
+        if p.partition == "params":
+            if (n_stages,) not in self._parts:
+                self._parts[n_stages,] = partition_by_cost(
+                    [float(c.layer)] * L, n_stages, first_extra=c.embed, last_extra=c.head
+                )
+            return self._parts[n_stages,]
+        if p.layer_costs is not None:
+            costs = list(p.layer_costs)
+        else:
+            costs = [1.0] * L
+        ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+        speeds = [pl.pp_speed[ranks[s]] for s in range(n_stages)]
+        embed, head = self.ends(cfg.train, p.tp, 1, pl.tp)
+        lay = self.layer(cfg.train, p.tp, 1, pl.tp, "none")
+        unit = lay.f.total + lay.b.total + lay.w.total
+        key = (tuple(costs), n_stages, round(embed.total / unit, 9), round(head.total / unit, 9), tuple(speeds))
+        if key not in self._parts:
+            self._parts[key] = partition_by_cost(costs, n_stages, first_extra=key[2], last_extra=key[3], speeds=speeds)
+        return self._parts[key]
+
+
+@dataclass(frozen=True)
+class Prediction:
+    step_s: float
+    pipeline_s: float  # the simulated action lists
+    dp_reduce_s: float  # what the gradient all-reduces add after the pipeline
+    optimizer_s: float
+    bubble: float  # idle fraction of the pipeline part, from the simulation
+    compute_s: float  # the busiest rank's compute
+    tp_comm_s: float  # of which tensor-parallel collectives
+    message_bytes: int
+    parts: tuple[tuple[int, int], ...]  # (first layer, end) of each stage
+
+    def breakdown(self) -> dict[str, float]:
+        return {
+            "step_s": self.step_s,
+            "compute_s": self.compute_s,
+            "tp_comm_s": self.tp_comm_s,
+            "bubble_s": self.pipeline_s - self.compute_s,
+            "dp_reduce_s": self.dp_reduce_s,
+            "optimizer_s": self.optimizer_s,
+        }
+
+
+def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range], tokens: int) -> list[LayerCosts]:
+    """F, B, W of every stage for a microbatch of `tokens` tokens, at its pipeline rank's speed."""
+    p = cfg.parallel
+    modes = cfg.train.recompute_modes(p.n_stages)
+    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+    embed, head = model.ends(cfg.train, p.tp, tokens, pl.tp)
+    out = []
+    for s, r in enumerate(parts):
+        lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s])
+        f, b, w = lay.f.times(len(r)), lay.b.times(len(r)), lay.w.times(len(r))
+        # The ends: forward a third of their work, backward two thirds (split between B and W alike).
+        for extra in ([embed] if s == 0 else []) + ([head] if s == len(parts) - 1 else []):
+            f, b, w = f + extra.times(1 / 3), b + extra.times(1 / 3), w + extra.times(1 / 3)
+        speed = pl.pp_speed[ranks[s]]
+        out.append(LayerCosts(f.times(1 / speed), b.times(1 / speed), w.times(1 / speed)))
+    return out
+
+
+def sharing(p: Shape | ParallelConfig, hw: Hardware, pl: Placement) -> CoreSharing | None:
+    """Ranks sharing cores: each simulated pipeline rank stands for its tp ranks and the replicas on
+    its node, all computing at once, so a node's cores per pipeline rank are cores / (tp x replicas)."""
+    if hw.cores_per_node is None:
+        return None
+    replicas_per_node = max(1, min(p.dp, hw.devices_per_node // (p.tp * p.pp)))
+    nodes = max(pl.pp_nodes) + 1
+    return CoreSharing(pl.pp_nodes, (hw.cores_per_node / (p.tp * replicas_per_node),) * nodes)
+
+
+def predict(
+    model: CostModel,
+    cfg: Config,
+    actions: Callable[[str, int, int, int], list[list[Action]]] | None = None,
+    sims: dict[tuple, SimResult] | None = None,
+) -> Prediction:
+    """Predicted step of the layout `cfg` describes (equal microbatches: the per-replica batch over
+    train.microbatches, rounded up); `actions(schedule, pp, v, m)` may be a cache of `build_schedule`,
+    `sims` a cache of simulations (layouts that differ only in what follows the pipeline share one)."""
+    hw, p, t = model.hw, cfg.parallel, cfg.train
+    pl = placement(p, hw)
+    parts = model.parts(cfg, pl)
+    m = t.microbatches
+    tokens = math.ceil(t.global_batch / p.dp / m) * t.seq_len
+    costs = stage_costs(model, cfg, pl, parts, tokens)
+    spec = schedule_spec(p.schedule)
+    split = spec.splits_backward
+    act = 2 if t.precision == "bf16" else 4
+    msg = tokens * model.m.dim * act
+    sim_costs = Costs(
+        forward_s=tuple(c.f.compute for c in costs),
+        backward_s=tuple(c.b.compute if split else c.b.compute + c.w.compute for c in costs),
+        weight_s=tuple(c.w.compute for c in costs) if split else 0.0,
+        forward_comm_s=tuple(c.f.comm_s for c in costs),
+        backward_comm_s=tuple(c.b.comm_s if split else c.b.comm_s + c.w.comm_s for c in costs),
+        weight_comm_s=tuple(c.w.comm_s for c in costs) if split else 0.0,
+        latency_s=pl.pp.latency_us * 1e-6,
+        bandwidth_Bps=pl.pp.bandwidth_gbs * 1e9,
+        message_bytes=msg,
+    )
+    build = actions or (lambda name, pp, v, mb: build_schedule(name, pp, v, mb, p.recv_lookahead))
+    share = sharing(p, hw, pl)
+    key = (p.schedule, p.pp, p.chunks, m, sim_costs, share)
+    ranks = spec.stage_ranks(p.pp, p.chunks)
+    sim = (sims or {}).get(key) or simulate(
+        build(p.schedule, p.pp, p.chunks, m), p.pp, p.n_stages, sim_costs, ranks=ranks, sharing=share
+    )
+    if sims is not None:
+        sims[key] = sim
+    stage_params = model.stage_params(parts)
+    if key not in model._last:
+        model._last[key] = last_backwards(sim)
+    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, pl, stage_params, ranks)
+    rank_params = [sum(stage_params[s] for s in range(p.n_stages) if ranks[s] == r) / p.tp for r in range(p.pp)]
+    opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n) for n in rank_params)
+    fixed = 3 * all_reduce_s(8, p.tp * p.pp * p.dp, pl.world, hw)  # loss, step time and peak, clip norm
+    busiest = max(range(p.pp), key=lambda r: sim.busy_s[r])
+    tp_comm = m * sum(c.f.comm_s + c.b.comm_s + c.w.comm_s for s, c in enumerate(costs) if ranks[s] == busiest)
+    return Prediction(
+        step_s=end + opt + fixed,
+        pipeline_s=sim.step_time_s,
+        dp_reduce_s=reduce_extra,
+        optimizer_s=opt + fixed,
+        bubble=sim.bubble_fraction,
+        compute_s=sim.busy_s[busiest],
+        tp_comm_s=tp_comm,
+        message_bytes=msg,
+        parts=tuple((r.start, r.stop) for r in parts),
+    )
+
+
+def last_backwards(sim: SimResult) -> dict[int, float]:
+    """When each stage's last backward (B or W) action ends."""
+    last: dict[int, float] = {}
+    for e in sim.events:
+        if e.action.op in (Op.BACKWARD, Op.WEIGHT):
+            last[e.action.stage] = max(last.get(e.action.stage, 0.0), e.end)
+    return last
+
+
+def _dp_reductions(
+    sim: SimResult,
+    last: dict[int, float],
+    cfg: Config,
+    hw: Hardware,
+    pl: Placement,
+    stage_params: list[int],
+    ranks: tuple[int, ...],
+) -> tuple[float, float]:
+    """(when the last rank's gradient reductions end, how much later that is than the pipeline): each
+    stage's all-reduce starts at its last backward action (`last`) and runs after the rank's earlier ones."""
+    p = cfg.parallel
+    if p.dp == 1:
+        return sim.step_time_s, 0.0
+    free = [0.0] * p.pp
+    for s in sorted(last, key=last.get):
+        r = ranks[s]
+        free[r] = max(free[r], last[s]) + all_reduce_s(4 * stage_params[s] / p.tp, p.dp, pl.dp, hw)
+    end = max([sim.step_time_s] + free)
+    return end, end - sim.step_time_s
+
+
+def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, params: float) -> float:
+    """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
+    over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers."""
+    hw = model.hw
+    mine = params / dp if zero == 1 else params
+    bw = hw.memory_bandwidth_gbs
+    memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / (bw * 1e9)
+    tensors = model.m.n_layers * model.layer_tensors / pp + 3
+    ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
+    gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0
+    return memory + ops + gather

@@ -1,0 +1,200 @@
+"""Hardware descriptions: one TOML file per machine or cluster, read into a validated `Hardware`.
+
+Required keys (units in the names; 1 GB = 1e9 bytes):
+
+    name, source                      strings: what it is, where each figure comes from
+    nodes, devices_per_node           positive integers
+    device_memory_gib                 > 0
+    [peak_tflops]                     dense TFLOP/s per device by precision: fp32, bf16 (fp16, tf32 optional)
+    [intra_node]  bandwidth_gbs, latency_us   between two devices of one node, per direction
+    [inter_node]  bandwidth_gbs, latency_us   between nodes, per device (its share of the NICs), per direction
+
+Optional keys:
+
+    speed = [1.0, 0.5, ...]           relative speed of each device (nodes x devices_per_node entries)
+    memory_bandwidth_gbs              device memory bandwidth: the time of memory-bound work (elementwise
+                                      ops, the optimizer step); none = those are not timed
+    cores_per_node                    CPU machines whose ranks share cores: how many ranks' worth of compute
+                                      a node sustains at once (the probe measures it); none = every device
+                                      computes on its own (GPUs)
+    op_overhead_us                    fixed cost of launching one framework operation (kernel launch, or the
+                                      Python dispatch of an eager CPU op); default 0
+    collective_latency_us             latency of one step of a ring collective (all-reduce, all-gather),
+                                      where it differs from the link's (CPU ranks: gloo over loopback,
+                                      while the pipeline's messages go through shared memory); none = the
+                                      link's latency_us
+
+`plan --probe` writes every key for this machine (plan/probe.py).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
+REQUIRED_PRECISIONS = ("fp32", "bf16")
+
+
+@dataclass(frozen=True)
+class Link:
+    bandwidth_gbs: float  # GB/s per direction
+    latency_us: float
+
+    def seconds(self, nbytes: float) -> float:
+        """One message of `nbytes` over this link: latency + size / bandwidth."""
+        return self.latency_us * 1e-6 + nbytes / (self.bandwidth_gbs * 1e9)
+
+
+@dataclass(frozen=True)
+class Hardware:
+    name: str
+    source: str
+    nodes: int
+    devices_per_node: int
+    device_memory_gib: float
+    peak_tflops: dict[str, float]
+    intra_node: Link
+    inter_node: Link
+    speed: tuple[float, ...] | None = None
+    memory_bandwidth_gbs: float | None = None
+    cores_per_node: float | None = None
+    op_overhead_us: float = 0.0
+    collective_latency_us: float | None = None
+
+    @property
+    def devices(self) -> int:
+        return self.nodes * self.devices_per_node
+
+    @property
+    def device_memory_bytes(self) -> int:
+        return int(self.device_memory_gib * 2**30)
+
+    def peak_flops(self, precision: str) -> float:
+        """Dense FLOP/s per device in `precision` ("fp32" or "bf16"); 0 where the hardware has none."""
+        return self.peak_tflops.get(precision, 0.0) * 1e12
+
+    def precisions(self) -> tuple[str, ...]:
+        """The training precisions this hardware computes (a positive peak)."""
+        return tuple(p for p in REQUIRED_PRECISIONS if self.peak_flops(p) > 0)
+
+    def device_speed(self, device: int) -> float:
+        return 1.0 if self.speed is None else self.speed[device]
+
+
+def _need(ok: bool, where: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{where}: {message}")
+
+
+def _number(d: dict[str, Any], key: str, where: str, *, positive: bool = True, default: Any = ...) -> float:
+    """d[key] as a finite float (> 0, or >= 0 when not `positive`); `default` where it may be absent."""
+    if key not in d:
+        _need(default is not ..., where, f"missing key {key!r}")
+        return default
+    v = d[key]
+    ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    _need(
+        ok and (v > 0 if positive else v >= 0),
+        where,
+        f"{key} must be a number {'> 0' if positive else '>= 0'}, got {v!r}",
+    )
+    return float(v)
+
+
+def _link(d: dict[str, Any], key: str, where: str) -> Link:
+    t = d.get(key)
+    _need(isinstance(t, dict), where, f"missing table [{key}] with bandwidth_gbs and latency_us")
+    unknown = sorted(set(t) - {"bandwidth_gbs", "latency_us"})
+    _need(not unknown, where, f"unknown key(s) in [{key}]: {', '.join(unknown)} (known: bandwidth_gbs, latency_us)")
+    return Link(
+        _number(t, "bandwidth_gbs", f"{where} [{key}]"), _number(t, "latency_us", f"{where} [{key}]", positive=False)
+    )
+
+
+def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
+    """A `Hardware` from the TOML's dict; ValueError naming the file, the key and what it must be."""
+    known = {f.name for f in fields(Hardware)}
+    unknown = sorted(set(d) - known)
+    _need(not unknown, where, f"unknown key(s) {', '.join(unknown)} (known: {', '.join(sorted(known))})")
+    for key in ("name", "source"):
+        _need(isinstance(d.get(key), str) and d[key].strip() != "", where, f"{key} must be a non-empty string")
+    for key in ("nodes", "devices_per_node"):
+        v = d.get(key)
+        _need(
+            isinstance(v, int) and not isinstance(v, bool) and v >= 1,
+            where,
+            f"{key} must be a positive integer, got {v!r}",
+        )
+    peaks = d.get("peak_tflops")
+    _need(isinstance(peaks, dict), where, "missing table [peak_tflops] (dense TFLOP/s per device: fp32, bf16)")
+    bad = sorted(set(peaks) - set(PRECISIONS))
+    _need(not bad, where, f"unknown precision(s) in [peak_tflops]: {', '.join(bad)} (known: {', '.join(PRECISIONS)})")
+    for p in REQUIRED_PRECISIONS:
+        _need(p in peaks, where, f"[peak_tflops] needs {p} (0 where the device has no {p} units)")
+    tflops = {p: _number(peaks, p, f"{where} [peak_tflops]", positive=False) for p in peaks}
+    _need(tflops["fp32"] > 0 or tflops["bf16"] > 0, where, "[peak_tflops] fp32 and bf16 are both 0")
+    n = d["nodes"] * d["devices_per_node"]
+    speed = d.get("speed")
+    if speed is not None:
+        _need(
+            isinstance(speed, list) and len(speed) == n,
+            where,
+            f"speed must list one factor per device (nodes x devices_per_node = {n}), got {speed!r}",
+        )
+        speed = tuple(_number({"speed": s}, "speed", where) for s in speed)
+    opt = lambda key: _number(d, key, where, default=None)  # noqa: E731
+    return Hardware(
+        name=d["name"],
+        source=d["source"],
+        nodes=d["nodes"],
+        devices_per_node=d["devices_per_node"],
+        device_memory_gib=_number(d, "device_memory_gib", where),
+        peak_tflops=tflops,
+        intra_node=_link(d, "intra_node", where),
+        inter_node=_link(d, "inter_node", where),
+        speed=speed,
+        memory_bandwidth_gbs=opt("memory_bandwidth_gbs"),
+        cores_per_node=opt("cores_per_node"),
+        op_overhead_us=_number(d, "op_overhead_us", where, positive=False, default=0.0),
+        collective_latency_us=_number(d, "collective_latency_us", where, positive=False, default=None),
+    )
+
+
+def load_hardware(path: str | Path) -> Hardware:
+    try:
+        with open(path, "rb") as fh:
+            d = tomllib.load(fh)
+    except OSError as e:
+        raise ValueError(f"cannot read hardware file {str(path)!r}: {e.strerror or e}") from None
+    except tomllib.TOMLDecodeError as e:
+        raise ValueError(f"hardware file {str(path)!r} is not valid TOML: {e}") from None
+    return parse_hardware(d, f"hardware file {str(path)!r}")
+
+
+def _value(v: Any) -> str:
+    if isinstance(v, str):
+        return '"' + v.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_value(x) for x in v) + "]"
+    return repr(v)
+
+
+def to_toml(hw: Hardware) -> str:
+    """The TOML text `load_hardware` reads back as `hw`."""
+    lines, tables = [], []
+    for f in fields(Hardware):
+        v = getattr(hw, f.name)
+        if v is None:
+            continue
+        if isinstance(v, Link):
+            tables.append(f"\n[{f.name}]\nbandwidth_gbs = {v.bandwidth_gbs!r}\nlatency_us = {v.latency_us!r}")
+        elif isinstance(v, dict):
+            tables.append(f"\n[{f.name}]\n" + "\n".join(f"{k} = {x!r}" for k, x in v.items()))
+        else:
+            lines.append(f"{f.name} = {_value(v)}")
+    return "\n".join(lines + tables) + "\n"

@@ -1,0 +1,99 @@
+"""`hybridpar plan`: the fastest layouts of a model on a hardware description (or on this machine, probed).
+
+    hybridpar plan [--config FILE] [--model.* V ...] [--train.* V ...] (--hardware FILE | --probe [--out FILE])
+                   [--world N] [--global-batch N] [--top 10] [--json FILE]
+
+Prints a table, fastest first: predicted step time, tokens/s, MFU, memory per rank, bubble and why.
+Exit code 2 and one line when the request cannot be met (no layout fits, the world cannot be split).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from hybridpar.config import Config, parse_args
+from hybridpar.plan.hardware import Hardware, load_hardware, to_toml
+from hybridpar.plan.search import GIB, Memory, Plan, plan
+
+
+def default_memory() -> Memory:
+    try:
+        from hybridpar.plan.memory import rank_memory
+    except ImportError as e:  # a partial installation: say so in one line
+        raise ValueError(f"the memory model hybridpar/plan/memory.py cannot be imported: {e}") from None
+    return rank_memory
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="hybridpar plan", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--hardware", help="hardware description (TOML; docs/hardware/ has examples)")
+    src.add_argument("--probe", action="store_true", help="measure this machine instead (plan/probe.py)")
+    ap.add_argument("--out", help="with --probe: also write the measured hardware file here")
+    ap.add_argument("--world", type=int, help="devices to plan for (default: all of the hardware's)")
+    ap.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch)")
+    ap.add_argument("--top", type=int, default=10, help="layouts listed (default 10)")
+    ap.add_argument("--json", help="write the ranked layouts as JSON to FILE ('-': stdout)")
+    return ap
+
+
+def format_table(result: Plan, hw: Hardware) -> str:
+    head = f"{'#':>2}  {'layout':<52}{'step s':>9}{'tokens/s':>11}{'MFU':>7}{'GiB/rank':>9}{'bubble':>8}  reason"
+    lines = [f"{hw.name}: {result.considered} layouts, {result.simulated} simulated", head, "-" * len(head)]
+    for i, c in enumerate(result.candidates, 1):
+        lines.append(
+            f"{i:>2}  {c.label:<52}{c.prediction.step_s:>9.4g}{c.tokens_per_s:>11.4g}{c.mfu:>7.1%}"
+            f"{max(c.memory) / GIB:>9.3g}{c.prediction.bubble:>8.1%}  {c.reason}"
+        )
+    return "\n".join(lines)
+
+
+def run(argv: list[str], memory: Memory | None = None) -> tuple[Plan, Hardware, argparse.Namespace]:
+    """Parse, probe or load, plan; ValueError for any bad input or impossible request."""
+    a, config_args = _parser().parse_known_args(argv)  # --config and --section.key go to the config parser
+    cfg: Config = parse_args(config_args)
+    if a.global_batch is not None:
+        cfg.train.global_batch = a.global_batch
+    cfg.validate()  # the model and training keys; the layout is what the planner chooses
+    if a.top < 1:
+        raise ValueError(f"--top must be at least 1, got {a.top}")
+    if a.probe:
+        from hybridpar.plan.probe import probe
+
+        hw = probe(a.world or 2)
+        if a.out:
+            with open(a.out, "w", encoding="utf-8") as fh:
+                fh.write(to_toml(hw))
+    else:
+        hw = load_hardware(a.hardware)
+    return plan(cfg, hw, memory or default_memory(), world=a.world, top=a.top), hw, a
+
+
+def main(argv: list[str]) -> int:
+    if any(x in ("-h", "--help") for x in argv):
+        _parser().print_help()
+        return 0
+    try:
+        result, hw, a = run(argv)
+    except ValueError as e:
+        print(f"hybridpar plan: {e}", file=sys.stderr)
+        return 2
+    print(format_table(result, hw))
+    print(f"\nchoice: {result.candidates[0].label.strip()} ({result.candidates[0].reason})")
+    if a.json:
+        out: dict[str, Any] = {
+            "hardware": hw.name,
+            "considered": result.considered,
+            "simulated": result.simulated,
+            "layouts": [c.to_dict() for c in result.candidates],
+        }
+        text = json.dumps(out, indent=1)
+        if a.json == "-":
+            print(text)
+        else:
+            with open(a.json, "w", encoding="utf-8") as fh:
+                fh.write(text + "\n")
+    return 0

@@ -1,0 +1,149 @@
+"""`hybridpar plan --probe`: measure this machine and describe it as a hardware file (plan/hardware.py).
+
+In `ranks` processes on loopback, one intra-op thread each (as the trainer's ranks get), after a
+barrier:
+
+* matmul FLOP/s per device: fp32 and bf16 products of n x n matrices on rank 0 alone, the others
+  waiting (what one rank gets on a core of its own: the peak);
+* cores_per_node: every rank multiplying fp32 matrices at once, their summed rate over the one-rank
+  rate (how many ranks' worth of compute the machine sustains; foreign load on a shared machine
+  lowers it, as it would slow the run); alone and together alternate three times, medians kept;
+* memory_bandwidth_gbs: an elementwise add over activation-sized arrays (read two, write one);
+* op_overhead_us: the same add on 8-element tensors, i.e. dispatching one operation;
+* intra_node link: one-way time of a message between ranks 0 and 1 through the pipeline's own
+  transport (pipeline/p2p.py; shared memory between CPU ranks of one host), round trips halved:
+  latency from a 4-byte message, bandwidth from a 4 MiB one;
+* collective_latency_us: an 8-byte all-reduce over all ranks (gloo, the process group's transport),
+  over its 2 (ranks - 1) ring steps.
+
+One machine is one node; inter_node repeats intra_node (there is no other node to measure).
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import statistics
+import time
+from datetime import timedelta
+from typing import Any
+
+from hybridpar.plan.hardware import Hardware, Link
+
+MATMUL_N = 512
+REPEATS = 3
+ELEMENTS = 1 << 17  # 512 KiB per fp32 array: one microbatch's activations of a small model
+
+
+def _rate(fn, work: float, seconds: float) -> float:
+    """work / seconds of `fn()` run back to back for about `seconds` (after one warm-up call)."""
+    fn()
+    count, t0 = 0, time.perf_counter()
+    while (elapsed := time.perf_counter() - t0) < seconds or count < 3:
+        fn()
+        count += 1
+    return work * count / elapsed
+
+
+def _matmul(dtype: Any, seconds: float) -> float:
+    import torch
+
+    a, b = torch.randn(MATMUL_N, MATMUL_N, dtype=dtype), torch.randn(MATMUL_N, MATMUL_N, dtype=dtype)
+    c = torch.empty(MATMUL_N, MATMUL_N, dtype=dtype)
+    return _rate(lambda: torch.mm(a, b, out=c), 2.0 * MATMUL_N**3, seconds)
+
+
+def _add(n: int, seconds: float) -> float:
+    """Seconds per torch.add of two n-element fp32 tensors."""
+    import torch
+
+    x, y, z = torch.randn(n), torch.randn(n), torch.empty(n)
+    return 1.0 / _rate(lambda: torch.add(x, y, out=z), 1.0, seconds)
+
+
+def _worker(seconds: float, round_trips: int) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    return measure(seconds, round_trips)
+
+
+def measure(seconds: float = 0.5, round_trips: int = 50) -> dict[str, Any]:
+    """Collective over the initialised default group (every rank calls it); rank 0's result holds the
+    figures (`describe` turns them into a Hardware)."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.bench.latency import ping_pong
+    from hybridpar.pipeline.p2p import P2P
+
+    me = dist.get_rank()
+    out: dict[str, Any] = {"alone": [], "together": []}
+    # Alone and together alternate `REPEATS` times (medians kept): foreign load on a shared machine comes
+    # and goes, and the ratio of the two is only meaningful when both see the same load.
+    for _ in range(REPEATS):
+        dist.barrier()
+        if me == 0:  # alone: the others wait at the barrier below
+            out["alone"].append(_matmul(torch.float32, seconds))
+        dist.barrier()
+        together = torch.tensor([_matmul(torch.float32, seconds)], dtype=torch.float64)
+        dist.all_reduce(together)
+        out["together"].append(float(together))
+    if me == 0:
+        out["bf16"] = _matmul(torch.bfloat16, seconds)
+        out["add_s"] = _add(ELEMENTS, seconds)
+        out["op_s"] = _add(8, seconds)
+    p2p = P2P(torch.device("cpu"), torch.float32, 60.0)
+    for label, shape in (("small", (1,)), ("large", (1 << 20,))):
+        dist.barrier()
+        if me in (0, 1):
+            rtts = ping_pong(p2p, me, 0, 1, lambda r: r, shape, round_trips, 3)
+            if rtts:
+                out[label] = statistics.median(rtts) / 2
+    dist.barrier()
+    x = torch.zeros(2)
+    times = []
+    for i in range(round_trips + 3):
+        t0 = time.perf_counter()
+        dist.all_reduce(x)
+        if i >= 3:
+            times.append(time.perf_counter() - t0)
+    out["all_reduce_s"] = statistics.median(times)
+    return out
+
+
+def probe(ranks: int = 2, seconds: float = 0.5, round_trips: int = 50) -> Hardware:
+    """Measure this machine with `ranks` processes (at least 2: the links need two ends)."""
+    from hybridpar.testing import run_ranks
+
+    if ranks < 2:
+        raise ValueError(f"--world must be at least 2 to measure the links between ranks, got {ranks}")
+    return describe([run_ranks(_worker, ranks, seconds, round_trips, timeout_s=120 + 30 * seconds * ranks)[0]], ranks)
+
+
+def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | None = None) -> Hardware:
+    """The hardware file of one or more `measure` results of rank 0 (several: pooled, medians)."""
+    pool = lambda k: [x for r in measured for x in r[k]]  # noqa: E731
+    med = lambda k: statistics.median(r[k] for r in measured)  # noqa: E731
+    alone = statistics.median(pool("alone"))
+    cores = statistics.median(t / a for t, a in zip(pool("together"), pool("alone")))
+    latency = med("small")
+    bandwidth = (1 << 22) / max(med("large") - latency, 1e-9)
+    link = Link(bandwidth / 1e9, latency * 1e6)
+    if memory_gib is None:
+        memory_gib = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30 / ranks
+    return Hardware(
+        name=f"{socket.gethostname()}: {os.cpu_count()} CPUs as {ranks} ranks, one thread each (measured)",
+        source=f"hybridpar plan --probe, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load average "
+        + " ".join(f"{x:.2f}" for x in os.getloadavg()),
+        nodes=1,
+        devices_per_node=ranks,
+        device_memory_gib=round(memory_gib, 3),
+        peak_tflops={"fp32": alone / 1e12, "bf16": med("bf16") / 1e12},
+        intra_node=link,
+        inter_node=link,
+        memory_bandwidth_gbs=3 * 4 * ELEMENTS / med("add_s") / 1e9,
+        cores_per_node=min(float(ranks), cores),
+        op_overhead_us=med("op_s") * 1e6,
+        collective_latency_us=med("all_reduce_s") / (2 * (ranks - 1)) * 1e6,
+    )

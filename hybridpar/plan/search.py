@@ -1,0 +1,369 @@
+"""Layout search: every legal layout of a model on a hardware description, pruned by memory, ranked
+by the step time the cost model predicts on the simulator (plan/cost.py).
+
+Knobs: tp (dividing the model's split sizes, inside a node), pp (at most one layer per stage), dp (the
+rest of the world, dividing the global batch), every registered schedule with its virtual stages,
+microbatch counts dividing each replica's batch, partition (parameter-balanced, as the runtime's
+default, or cost-balanced), ZeRO-1 (with dp > 1), recomputation and precision (those the hardware
+computes). Legality is `Config.validate`'s, not restated here.
+
+Speed: a candidate is first costed without simulation — its busiest possible rank's work (average
+over pipeline ranks, or the node's cores where ranks share them) stretched by the schedule's own
+bubble formula (config/schedules.py) — and candidates are simulated in that order only while the
+estimate could still enter the top list (`PRUNE_SLACK` below the k-th best). Memory (a callable, e.g.
+plan/memory.rank_memory) is asked only of the candidates that get that far; action lists are cached.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import itertools
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol, Sequence
+
+from hybridpar.config import Config
+from hybridpar.config.schedules import SCHEDULES
+from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
+from hybridpar.pipeline.simulate import SimResult
+from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
+from hybridpar.plan.hardware import Hardware
+from hybridpar.report.mfu import model_flops_per_token
+
+PRUNE_SLACK = 0.05  # the estimate is not a strict bound (uneven stages, overheads): keep a margin
+VIRTUAL_STAGES = (2, 4, 8)  # tried for schedules that take any count
+RECOMPUTE = ("none", "selective", "full")
+GIB = 2**30
+
+
+class HasTotal(Protocol):
+    @property
+    def total(self) -> int: ...
+
+
+Memory = Callable[[Config], Sequence[HasTotal]]
+
+
+@dataclass
+class Candidate:
+    cfg: Config
+    prediction: Prediction
+    memory: list[int]  # bytes per pipeline rank
+    tokens_per_s: float
+    mfu: float
+    reason: str = ""
+
+    @property
+    def label(self) -> str:
+        p, t = self.cfg.parallel, self.cfg.train
+        v = f" v{p.chunks}" if p.chunks > 1 else ""
+        extras = [f"zero{p.zero}"] * (p.zero > 0) + [f"recompute={t.recompute}"] * (t.recompute != "none")
+        extras += [t.precision] * (t.precision != "fp32") + ["cost-balanced"] * (p.partition == "cost")
+        return f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule}{v} m{t.microbatches} " + " ".join(extras)
+
+    def to_dict(self) -> dict[str, Any]:
+        p, t = self.cfg.parallel, self.cfg.train
+        return {
+            "layout": self.label.strip(),
+            "parallel": {
+                "tp": p.tp,
+                "pp": p.pp,
+                "dp": p.dp,
+                "schedule": p.schedule,
+                "virtual_stages": p.chunks,
+                "partition": p.partition,
+                "zero": p.zero,
+            },
+            "train": {"microbatches": t.microbatches, "recompute": t.recompute, "precision": t.precision},
+            "step_s": self.prediction.step_s,
+            "tokens_per_s": self.tokens_per_s,
+            "mfu": self.mfu,
+            "bubble": self.prediction.bubble,
+            "memory_per_rank_gib": [round(b / GIB, 3) for b in self.memory],
+            "breakdown_s": self.prediction.breakdown(),
+            "stages": [list(r) for r in self.prediction.parts],
+            "reason": self.reason,
+        }
+
+
+@dataclass
+class Plan:
+    candidates: list[Candidate]
+    considered: int  # layouts enumerated
+    simulated: int
+    memory_checked: int
+    notes: list[str] = field(default_factory=list)
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def _knobs(base: Config, hw: Hardware, world: int) -> Iterator[dict[str, Any]]:
+    """Every combination of knobs (not yet validated)."""
+    m = base.model
+    for tp in _divisors(world):
+        if tp > hw.devices_per_node or hw.devices_per_node % tp:
+            continue
+        for pp in _divisors(world // tp):
+            dp = world // (tp * pp)
+            if pp > m.n_layers or base.train.global_batch % dp:
+                continue
+            per_replica = base.train.global_batch // dp
+            for spec in SCHEDULES.values():
+                if pp == 1 and (spec.splits_backward or spec.min_microbatches_rule != (1, 0)):
+                    continue  # one rank: the schedules differ only in how many microbatches wait; keep 1F1B's one
+                vs = spec.virtual_stages or tuple(v for v in VIRTUAL_STAGES if pp * v <= m.n_layers)
+                for v, mb in itertools.product(vs, _divisors(per_replica)):
+                    if spec.layout_problem(pp, v) or spec.count_problem(pp, mb) or pp * v > m.n_layers:
+                        continue
+                    for zero, rec, prec, part in itertools.product(
+                        (0, 1) if dp > 1 else (0,),
+                        RECOMPUTE,
+                        hw.precisions(),
+                        ("params", "cost") if pp > 1 else ("params",),
+                    ):
+                        yield dict(
+                            tp=tp,
+                            pp=pp,
+                            dp=dp,
+                            schedule=spec.name,
+                            v=v,
+                            m=mb,
+                            zero=zero,
+                            recompute=rec,
+                            precision=prec,
+                            partition=part,
+                        )
+
+
+def _config(base: Config, k: dict[str, Any]) -> Config:
+    """`base` with the knobs `k` set (the sections they touch copied, the others shared)."""
+    cfg = copy.copy(base)
+    cfg.parallel = dataclasses.replace(
+        base.parallel,
+        tp=k["tp"],
+        pp=k["pp"],
+        dp=k["dp"],
+        schedule=k["schedule"],
+        zero=k["zero"],
+        partition=k["partition"],
+        virtual_stages=k["v"] if SCHEDULES[k["schedule"]].virtual_stages is None else None,
+        layer_costs=[1.0] * base.model.n_layers if k["partition"] == "cost" else None,
+    )
+    cfg.train = dataclasses.replace(
+        base.train, microbatches=k["m"], recompute=k["recompute"], precision=k["precision"], microbatch_sizes=None
+    )
+    cfg.batching = dataclasses.replace(base.batching, policy="fixed", microbatch_size=None)
+    return cfg
+
+
+def _knob_key(k: dict[str, Any]) -> tuple:
+    return tuple(sorted(k.items()))
+
+
+def _group(k: dict[str, Any]) -> tuple:
+    """The knobs memory is not assumed monotone in; within a group, memory is assumed not to grow with
+    more recomputation, ZeRO or more (smaller) microbatches."""
+    return tuple(k[n] for n in ("tp", "pp", "dp", "schedule", "v", "precision", "partition"))
+
+
+def _frugal(k: dict[str, Any], knobs_of_group: list[dict[str, Any]]) -> dict[str, Any]:
+    return {**k, "recompute": "full", "zero": 1 if k["dp"] > 1 else 0, "m": max(x["m"] for x in knobs_of_group)}
+
+
+def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
+    """Whether `a` is at least as frugal as `b` in every monotone knob (so `a` not fitting means `b` does not)."""
+    return (
+        RECOMPUTE.index(a["recompute"]) >= RECOMPUTE.index(b["recompute"])
+        and a["zero"] >= b["zero"]
+        and a["m"] >= b["m"]
+    )
+
+
+class Planner:
+    def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
+        self.base, self.hw, self.memory = base, hw, memory
+        self.model = CostModel(base.model, hw)
+        self._actions: dict[tuple, list[list[Action]]] = {}
+        self._estimates: dict[tuple, float] = {}
+        self._sims: dict[tuple, SimResult] = {}
+
+    def actions(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+        key = (name, pp, v, m)
+        if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
+            spec = SCHEDULES[name]
+            self._actions[key] = add_communication(
+                compute_schedule(name, pp, v, m),
+                pp,
+                pp * v,
+                self.base.parallel.recv_lookahead,
+                ranks=spec.stage_ranks(pp, v),
+            )
+        return self._actions[key]
+
+    def estimate(self, k: dict[str, Any]) -> float:
+        """Fast step estimate of knobs `k`: average rank work stretched by the schedule's bubble formula."""
+        key = tuple(v for n, v in k.items() if n != "partition")
+        if key in self._estimates:
+            return self._estimates[key]
+        shape = Shape(k["tp"], k["pp"], k["dp"])
+        pl = placement(shape, self.hw)
+        t = dataclasses.replace(self.base.train, precision=k["precision"])
+        tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
+        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
+        embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
+        per_layer = layer.f.total + layer.b.total + layer.w.total
+        total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
+        share = sharing(shape, self.hw, pl)
+        spec = SCHEDULES[k["schedule"]]
+        t_b = layer.b.total if spec.splits_backward else layer.b.total + layer.w.total
+        t_w = layer.w.total if spec.splits_backward else 0.0
+        try:
+            bubble = spec.bubble_fraction(k["pp"], k["v"], k["m"], t_f=layer.f.total, t_b=t_b, t_w=t_w)
+        except ValueError:
+            bubble = 0.0
+        work = total / k["pp"] / (1.0 - bubble)
+        if share is not None:  # the node's cores bound the whole pipeline's work
+            work = max(work, total / sum(share.capacity))
+        # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
+        params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
+        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params)
+        after += all_reduce_s(4 * params / k["v"], k["dp"], pl.dp, self.hw)
+        self._estimates[key] = work + after
+        return self._estimates[key]
+
+    def same_parts(self, a: Config, b: Config) -> bool:
+        pl = placement(a.parallel, self.hw)
+        return self.model.parts(a, pl) == self.model.parts(b, pl)
+
+    def evaluate(self, cfg: Config, mem: list[int]) -> Candidate:
+        pred = predict(self.model, cfg, self.actions, self._sims)
+        t = cfg.train
+        tokens = t.global_batch * t.seq_len
+        world = cfg.parallel.world_size
+        flops = model_flops_per_token(cfg.model, t.seq_len) * tokens / pred.step_s
+        return Candidate(cfg, pred, mem, tokens / pred.step_s, flops / (world * self.hw.peak_flops(t.precision)))
+
+
+def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, top: int = 10) -> Plan:
+    """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
+    when none does."""
+    world = hw.devices if world is None else world
+    if not isinstance(world, int) or world < 1:
+        raise ValueError(f"world must be a positive number of devices, got {world!r}")
+    if world > hw.devices:
+        raise ValueError(
+            f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
+        )
+    planner = Planner(base, hw, memory)
+    knobs = list(_knobs(base, hw, world))
+    if not knobs:
+        raise ValueError(_no_split(base, hw, world))
+    ranked = sorted(knobs, key=planner.estimate)
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for k in knobs:
+        groups.setdefault(_group(k), []).append(k)
+    misfits: dict[tuple, list[dict[str, Any]]] = {}  # per group, knobs found not to fit
+    fitted: set[tuple] = set()
+    found: list[Candidate] = []
+    smallest: tuple[int, str] | None = None
+    problems: list[str] = []
+    simulated = checked = 0
+    bound = ""
+
+    def fits(k: dict[str, Any]) -> Config | None:
+        nonlocal smallest, checked
+        if any(_covers(x, k) for x in misfits.get(_group(k), ())):
+            return None
+        cfg = _config(base, k)
+        try:
+            cfg.validate(world)
+        except ValueError as e:
+            problems.append(str(e))
+            return None
+        checked += 1
+        need = max(int(e.total) for e in memory(cfg))
+        if need <= hw.device_memory_bytes:
+            return cfg
+        misfits.setdefault(_group(k), []).append(k)
+        if smallest is None or need < smallest[0]:
+            smallest = (need, _config_label(cfg))
+        return None
+
+    for k in ranked:
+        if len(found) >= top and planner.estimate(k) * (1 - PRUNE_SLACK) > found[top - 1].prediction.step_s:
+            break
+        g = _group(k)
+        if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
+            misfits[g] = []
+            frugal = _frugal(k, groups[g])
+            if frugal in groups[g] and fits(frugal) is None:
+                continue
+        if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
+            continue  # recomputation only costs time: it is worth it only where less of it does not fit
+        cfg = fits(k)
+        if cfg is None:
+            if not found and not bound and smallest is not None:
+                bound = f"faster layouts need more memory ({smallest[1]}: {smallest[0] / GIB:.3g} GiB per device)"
+            continue
+        fitted.add(_knob_key(k))
+        if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
+            continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
+        found.append(planner.evaluate(cfg, [int(e.total) for e in memory(cfg)]))
+        simulated += 1
+        found.sort(key=lambda c: c.prediction.step_s)
+    if not found:
+        if smallest is not None:
+            raise ValueError(
+                f"no layout fits: the smallest needs {smallest[0] / GIB:.3g} GiB per device ({smallest[1]}), "
+                f"the hardware has {hw.device_memory_gib:g}"
+            )
+        raise ValueError(f"no layout of world {world} is valid: {problems[0] if problems else 'none enumerated'}")
+    found = found[:top]
+    _explain(found, bound)
+    return Plan(found, len(knobs), simulated, checked)
+
+
+def _config_label(cfg: Config) -> str:
+    p, t = cfg.parallel, cfg.train
+    return (
+        f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule} m{t.microbatches} recompute={t.recompute} zero{p.zero} {t.precision}"
+    )
+
+
+def _no_split(base: Config, hw: Hardware, world: int) -> str:
+    m, t = base.model, base.train
+    tps = [tp for tp in _divisors(world) if tp <= hw.devices_per_node and hw.devices_per_node % tp == 0]
+    return (
+        f"world {world} cannot be split: tp must divide {hw.devices_per_node} devices per node (tp in {tps}), "
+        f"pp at most model.n_layers={m.n_layers}, and dp = world / (tp x pp) must divide "
+        f"train.global_batch={t.global_batch}"
+    )
+
+
+_TERMS = {
+    "compute_s": "compute",
+    "tp_comm_s": "tensor-parallel communication",
+    "bubble_s": "pipeline bubble",
+    "dp_reduce_s": "gradient all-reduce",
+    "optimizer_s": "optimizer step",
+}
+
+
+def _explain(found: list[Candidate], bound: str) -> None:
+    """A reason per candidate: against the runner-up for the first, against the first for the rest,
+    the term of the step that differs most."""
+    for i, c in enumerate(found):
+        if len(found) == 1:
+            c.reason = "the fastest" + (f"; {bound}" if bound else "")
+            continue
+        other = found[1] if i == 0 else found[0]
+        mine, theirs = c.prediction.breakdown(), other.prediction.breakdown()
+        term = max(_TERMS, key=lambda k: abs(mine[k] - theirs[k]))
+        ratio = other.prediction.step_s / c.prediction.step_s - 1
+        verb = "less" if mine[term] < theirs[term] else "more"
+        head = f"{ratio:+.1%} vs #{2 if i == 0 else 1}" if i == 0 else f"{-ratio / (1 + ratio):.1%} slower than #1"
+        c.reason = f"{head}: {verb} {_TERMS[term]} ({mine[term] * 1e3:.3g} vs {theirs[term] * 1e3:.3g} ms)" + (
+            f"; {bound}" if i == 0 and bound else ""
+        )

@@ -1,0 +1,112 @@
+"""The cost model (plan/cost.py) and the simulator's shared cores: pure, no processes."""
+
+from __future__ import annotations
+
+import pytest
+
+from hybridpar.config import Config
+from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.simulate import CoreSharing, Costs, simulate
+from hybridpar.plan.cost import CostModel, Shape, all_gather_s, all_reduce_s, placement, predict, stage_costs
+from hybridpar.plan.hardware import parse_hardware
+
+
+def hw(**extra):
+    return parse_hardware(
+        {
+            "name": "t",
+            "source": "test",
+            "nodes": 2,
+            "devices_per_node": 4,
+            "device_memory_gib": 16.0,
+            "peak_tflops": {"fp32": 1.0, "bf16": 4.0},
+            "intra_node": {"bandwidth_gbs": 100.0, "latency_us": 1.0},
+            "inter_node": {"bandwidth_gbs": 1.0, "latency_us": 50.0},
+        }
+        | extra
+    )
+
+
+def cfg_of(tp=1, pp=1, dp=1, schedule="1f1b", m=4, **train) -> Config:
+    cfg = Config()
+    cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.schedule = tp, pp, dp, schedule
+    cfg.train.microbatches = m
+    for k, v in train.items():
+        setattr(cfg.train, k, v)
+    cfg.validate(tp * pp * dp)
+    return cfg
+
+
+def test_ring_collectives() -> None:
+    h = hw()
+    assert all_reduce_s(1e6, 1, h.intra_node, h) == 0.0
+    # 2 (n-1) steps of latency + 1/n of the bytes each
+    assert all_reduce_s(4e6, 4, h.intra_node, h) == pytest.approx(6 * (1e-6 + 1e6 / 100e9))
+    assert all_gather_s(4e6, 4, h.inter_node, h) == pytest.approx(3 * (50e-6 + 1e6 / 1e9))
+    slow = hw(collective_latency_us=100.0)  # a collective's own step latency replaces the link's
+    assert all_reduce_s(0, 2, slow.intra_node, slow) == pytest.approx(2 * 100e-6)
+
+
+def test_placement_keeps_tp_inside_a_node_and_names_crossings() -> None:
+    h = hw()
+    pl = placement(Shape(4, 2, 1), h)  # 8 ranks on 2 nodes of 4: tp fills a node, pp crosses
+    assert pl.tp is h.intra_node and pl.pp is h.inter_node and pl.pp_nodes == (0, 1)
+    pl = placement(Shape(2, 2, 2), h)  # a replica per node: dp crosses
+    assert pl.tp is h.intra_node and pl.pp is h.intra_node and pl.dp is h.inter_node
+    pl = placement(Shape(1, 2, 2), h)  # one node
+    assert pl.dp is h.intra_node and pl.world is h.intra_node
+    speeds = hw(speed=[1.0] * 7 + [0.25])
+    assert placement(Shape(1, 2, 4), speeds).pp_speed == (1.0, 0.25)  # rank 7 is pp rank 1 of replica 3
+
+
+def test_one_device_step_is_the_sum_of_its_actions() -> None:
+    cfg = cfg_of(m=4)
+    model = CostModel(cfg.model, hw(memory_bandwidth_gbs=10.0))
+    pred = predict(model, cfg)
+    c = stage_costs(model, cfg, placement(cfg.parallel, model.hw), [range(0, 4)], 4 * cfg.train.seq_len)[0]
+    assert pred.pipeline_s == pytest.approx(4 * (c.f.total + c.b.total + c.w.total))
+    assert pred.bubble == pytest.approx(0.0, abs=1e-12) and pred.dp_reduce_s == 0.0
+    assert pred.step_s > pred.pipeline_s  # the optimizer step and the step's small all-reduces
+
+
+def test_matmuls_follow_the_precision_peak_and_tp() -> None:
+    model = CostModel(Config().model, hw())
+    h = model.hw
+    fp32 = model.layer(cfg_of().train, 1, 512, h.intra_node, "none")
+    bf16 = model.layer(cfg_of(precision="bf16").train, 1, 512, h.intra_node, "none")
+    tp2 = model.layer(cfg_of().train, 2, 512, h.intra_node, "none")
+    assert bf16.f.matmul_s == pytest.approx(fp32.f.matmul_s / 4)
+    assert tp2.f.matmul_s == pytest.approx(fp32.f.matmul_s / 2) and tp2.f.comm_s > 0 == fp32.f.comm_s
+    assert fp32.b.matmul_s + fp32.w.matmul_s == pytest.approx(2 * fp32.f.matmul_s)  # backward = 2 forwards
+
+
+def test_recomputation_adds_to_the_backward() -> None:
+    model = CostModel(Config().model, hw(memory_bandwidth_gbs=10.0, op_overhead_us=5.0))
+    t, link = cfg_of().train, model.hw.intra_node
+    none, full, sel = (model.layer(t, 1, 512, link, r) for r in ("none", "full", "selective"))
+    assert full.b.total == pytest.approx(none.b.total + none.f.total)
+    assert none.b.total < sel.b.total < full.b.total and sel.b.matmul_s == none.b.matmul_s
+
+
+def test_slow_inter_node_link_makes_dp_across_nodes_expensive() -> None:
+    fast = hw(inter_node={"bandwidth_gbs": 100.0, "latency_us": 1.0})
+    slow = hw()
+    cfg = cfg_of(tp=2, pp=2, dp=2, m=4)
+    a, b = (predict(CostModel(cfg.model, h), cfg) for h in (fast, slow))
+    assert b.dp_reduce_s > a.dp_reduce_s and b.step_s > a.step_s
+
+
+def test_shared_cores_serialise_work_but_not_waits() -> None:
+    pp, m = 4, 8
+    acts = build_schedule("1f1b", pp, 1, m)
+    alone = simulate(acts, pp, pp, Costs(1.0, 2.0))
+    shared = lambda cap: simulate(acts, pp, pp, Costs(1.0, 2.0), sharing=CoreSharing((0,) * pp, (cap,)))  # noqa: E731
+    assert shared(float(pp)).step_time_s == alone.step_time_s  # a core each: independent devices
+    assert shared(1.0).step_time_s == pytest.approx(3 * m * pp)  # one core: all the work in a row
+    assert alone.step_time_s < shared(2.0).step_time_s < shared(1.0).step_time_s
+    # A collective wait inside an action takes time but no core: with one core, waits still overlap.
+    waits = Costs(1.0, 2.0, forward_comm_s=1.0, backward_comm_s=1.0)
+    one = simulate(acts, pp, pp, waits, sharing=CoreSharing((0,) * pp, (1.0,))).step_time_s
+    assert 3 * m * pp < one < 3 * m * pp + 2 * m * pp
+    with pytest.raises(ValueError, match="node_of"):
+        CoreSharing((0, 1), (1.0,))
