@@ -31,6 +31,7 @@ torch.distributed.run.
        hybridpar bench chaos [--help] [args ...]      (random-fault soak; sync vs async checkpoint cost)
        hybridpar bench balance [--help] [args ...]    (static layout vs live load balancing, one rank 2x slow)
        hybridpar bench memory [--help] [args ...]     (bytes per rank by component, measured vs the memory model)
+       hybridpar bench plan [--help] [args ...]       (the planner's predicted step times vs measured runs)
 """
 
 
