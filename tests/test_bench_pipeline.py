@@ -55,7 +55,7 @@ SIM_FIELDS = (
 )
 
 
-def check_prediction(rec: dict) -> None:
+def check_prediction(rec: dict, min_hops: int = 1) -> None:
     for f in SIM_FIELDS:
         assert f in rec, f
     assert rec["sim_step_time_s"] > 0 and rec["sim_ideal_step_time_s"] > 0 and rec["hop_latency_s"] > 0
@@ -76,7 +76,7 @@ def check_prediction(rec: dict) -> None:
     cp = rec["critical_path_s"]
     parts = ("work_s", "overshoot_s", "hops_s", "intra_s", "start_s", "end_s")
     assert sum(cp[k] for k in parts) == pytest.approx(cp["step_s"])
-    assert cp["work_s"] > 0 and cp["n_hops"] >= 1 and cp["runs"] == rec["repeats"]
+    assert cp["work_s"] > 0 and cp["n_hops"] >= min_hops and cp["runs"] == rec["repeats"]
     assert rec["p2p"] in ("shared_memory", "process_group")
 
 
@@ -232,7 +232,9 @@ def test_smoke_zb_v_emulated_against_torch(tmp_path):
     assert rec["schedule"] == "zb-v" and rec["virtual_stages"] == 2 and rec["w_ms"] == 1.0
     _same_as_torch(rec)  # torch's ScheduleZBVZeroBubble, on the same V placement
     assert 0 < rec["bubble_theory"] < 1
-    check_prediction(rec)
+    # Rank 0 holds both ends of the V: when every activation arrives before rank 0 needs it, its own
+    # chain of windows is the whole critical path and no hop is on it (seen in CI), so none is required.
+    check_prediction(rec, min_hops=0)
     assert list(rec["hop_latency_per_link_s"]) == ["0->1"]  # the V's turn is local: one link
 
 
