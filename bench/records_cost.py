@@ -5,8 +5,11 @@ alternating repeats in one process tree, so machine load drifts over both arms a
 
     .venv/bin/python bench/records_cost.py [--steps 40] [--repeats 3] [--json FILE]
 
-First one run whose steps alternate on and off (paired: the fairest comparison on a loaded machine),
-timing the step and what the run loop adds after it; `paired.cost` = added seconds / step time off, and
+First one run in pairs of steps, one on and one off in a random order (paired: the fairest comparison
+on a loaded machine), timing the step and what the run loop adds after it; `paired.cost` = (the median
+in-pair step difference + the loop's added seconds) / step time off, with `cost_ci95` from the interval
+of that median; `paired.cpu.cost` the same in CPU seconds summed over the ranks (what other jobs' load
+cannot blur, and what wall time follows where ranks share cores); and
 `paired.cost_timed_directly` = (the summaries' own work inside the step, timed alone, plus the loop's
 added seconds) / step time off — the figure that other processes' load on the cores cannot blur.
 Then whole launches, on and off in alternating order, two figures per launch: the median `step_time_s`
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import tempfile
@@ -42,9 +46,13 @@ def _worker(cfg_dict: dict) -> float:
 
 
 def _paired(cfg_dict: dict, steps: int) -> dict | None:
-    """One run whose steps alternate records on and off (the trainer reads `sinks.step_details` every
-    step), so drift in the machine's load falls on both alike; rank 0 also times what the run loop adds
-    after each step (records, metrics.jsonl, sinks) against writing metrics.jsonl alone."""
+    """One run in pairs of consecutive steps, one with records on and one off, the order inside each pair
+    drawn at random (seeded: every rank draws the same), so that neither load drift nor anything that
+    alternates with the step's parity falls on one arm. The trainer reads `sinks.step_details` every
+    step. Rank 0 also times what the run loop adds after each step (records, metrics.jsonl, sinks)
+    against writing metrics.jsonl alone."""
+    import random
+
     import torch
 
     from hybridpar.report.metrics import MetricsWriter
@@ -61,42 +69,83 @@ def _paired(cfg_dict: dict, steps: int) -> dict | None:
     rank0 = topo.rank == 0
     full = MetricsWriter(run_dir / "metrics.jsonl", sinks=open_sinks(cfg.sinks, run_dir, 0, "bench")) if rank0 else None
     plain = MetricsWriter(run_dir / "plain.jsonl") if rank0 else None
-    step_s: dict[bool, list[float]] = {True: [], False: []}
+    rng = random.Random(0)
+    pairs: list[dict[bool, float]] = []  # per pair: step time of each arm
+    cpu_pairs: list[list[float]] = []  # per pair: this process's CPU seconds of [on, off] (every thread)
     after_s: dict[bool, list[float]] = {True: [], False: []}
     in_step_s: list[float] = []
-    for step in range(steps):
-        on = step % 2 == 0
-        cfg.sinks.step_details = on  # the trainer holds this very config
-        rec = trainer.step(step)
-        t0 = time.perf_counter()
-        if on:
-            rec = records.add(rec)
-            records.timeline(step, trainer.last_output)
-        if rank0:
-            (full if on else plain).write(rec)
-        if step >= WARMUP:
-            step_s[on].append(rec["step_time_s"])
-            after_s[on].append(time.perf_counter() - t0)
-            in_step_s.append(_summary_s(trainer, topo))
+    step = 0
+    while step < steps:
+        first = rng.random() < 0.5
+        pair: dict[bool, float] = {}
+        cpu: dict[bool, float] = {}
+        for on in (first, not first):
+            cfg.sinks.step_details = on  # the trainer holds this very config
+            c0 = time.process_time()
+            rec = trainer.step(step)
+            t0 = time.perf_counter()
+            if on:
+                rec = records.add(rec)
+                records.timeline(step, trainer.last_output)
+            if rank0:
+                (full if on else plain).write(rec)
+            pair[on] = rec["step_time_s"]
+            cpu[on] = time.process_time() - c0
+            if step >= WARMUP:
+                after_s[on].append(time.perf_counter() - t0)
+                in_step_s.append(_summary_s(trainer, topo))
+            step += 1
+        if step > WARMUP + 1:
+            pairs.append(pair)
+            cpu_pairs.append([cpu[True], cpu[False]])
     if not rank0:
-        return None
+        return {"cpu_pairs": cpu_pairs}
     full.close()
     plain.close()
-    med = {
-        k: {"on": statistics.median(v[True]), "off": statistics.median(v[False])}
-        for k, v in (("step_time_s", step_s), ("after_step_s", after_s))
-    }
-    added = (
-        med["step_time_s"]["on"] - med["step_time_s"]["off"] + med["after_step_s"]["on"] - med["after_step_s"]["off"]
-    )
+    diffs = [q[True] - q[False] for q in pairs]
+    off = statistics.median(q[False] for q in pairs)
+    after = statistics.median(after_s[True]) - statistics.median(after_s[False])
+    lo, hi = _median_interval(diffs)
     # Timed directly (no noise from other steps): the summaries' own work in the step, plus the loop's.
-    direct = statistics.median(in_step_s) + med["after_step_s"]["on"] - med["after_step_s"]["off"]
+    direct = statistics.median(in_step_s) + after
     return {
-        "median": med,
+        "pairs": len(pairs),
+        "median": {
+            "step_time_s": {"on": statistics.median(q[True] for q in pairs), "off": off},
+            "after_step_s": {"on": statistics.median(after_s[True]), "off": statistics.median(after_s[False])},
+        },
+        "step_difference_s": {"median": statistics.median(diffs), "ci95": [lo, hi]},
         "summary_in_step_s": statistics.median(in_step_s),
-        "cost": added / med["step_time_s"]["off"],
-        "cost_timed_directly": direct / med["step_time_s"]["off"],
+        "cost": (statistics.median(diffs) + after) / off,
+        "cost_ci95": [(lo + after) / off, (hi + after) / off],
+        "cost_timed_directly": direct / off,
+        "cpu_pairs": cpu_pairs,
     }
+
+
+def _cpu_cost(per_rank: list[list[list[float]]]) -> dict:
+    """The records' cost in CPU time: per pair, every rank's CPU seconds of its on step and its off step
+    (step and run loop, all threads) summed over the ranks; the median difference over the median off
+    total. Other processes' load stretches wall time but hardly the CPU time of a given piece of work, so
+    on a shared machine this is the figure that holds; where ranks share cores, as here, wall time follows it."""
+    on = [sum(r[i][0] for r in per_rank) for i in range(len(per_rank[0]))]
+    off = [sum(r[i][1] for r in per_rank) for i in range(len(per_rank[0]))]
+    diffs = [a - b for a, b in zip(on, off)]
+    base = statistics.median(off)
+    lo, hi = _median_interval(diffs)
+    return {
+        "cpu_s_per_step": {"on": statistics.median(on), "off": base},
+        "cost": statistics.median(diffs) / base,
+        "cost_ci95": [lo / base, hi / base],
+    }
+
+
+def _median_interval(xs: list[float]) -> tuple[float, float]:
+    """A distribution-free 95% interval of the median of `xs` (order statistics of the binomial: the
+    ranks n/2 -+ 1.96 sqrt(n)/2), so one noisy pair cannot move it."""
+    s, n = sorted(xs), len(xs)
+    half = 1.96 * math.sqrt(n) / 2
+    return s[max(0, math.floor(n / 2 - half))], s[min(n - 1, math.ceil(n / 2 + half) - 1)]
 
 
 def _summary_s(trainer: Any, topo: Any) -> float:
@@ -148,8 +197,10 @@ def main() -> None:
         cfg.train.steps, cfg.train.val_every, cfg.train.sample_tokens = a.paired_steps, 0, 0
         cfg.run_dir = str(Path(work) / "paired")
         load = os.getloadavg()[0]
-        paired = run_ranks(_paired, cfg.parallel.world_size, cfg.to_dict(), a.paired_steps, timeout_s=900)[0]
-        paired["loadavg_1min_before"] = load
+        ranks = run_ranks(_paired, cfg.parallel.world_size, cfg.to_dict(), a.paired_steps, timeout_s=900)
+        paired = ranks[0]
+        paired["cpu"] = _cpu_cost([r.pop("cpu_pairs") for r in ranks])
+        paired["loadavg_1min_before"], paired["loadavg_1min_after"] = load, os.getloadavg()[0]
         print(json.dumps({"paired": paired}), flush=True)
         for i in range(a.repeats):
             for on in (True, False) if i % 2 == 0 else (False, True):  # alternate which arm goes first
@@ -167,11 +218,11 @@ def main() -> None:
         "paired_steps": a.paired_steps,
         "paired": paired,
         "runs": runs,
-        "median_step_time_s": {"on": med("on", "median_step_time_s"), "off": med("off", "median_step_time_s")},
-        "wall_per_step_s": {"on": med("on", "wall_per_step_s"), "off": med("off", "wall_per_step_s")},
     }
-    for key in ("median_step_time_s", "wall_per_step_s"):
-        out[f"cost_{key}"] = out[key]["on"] / out[key]["off"] - 1
+    if runs:  # --repeats 0: the paired run alone
+        for key in ("median_step_time_s", "wall_per_step_s"):
+            out[key] = {"on": med("on", key), "off": med("off", key)}
+            out[f"cost_{key}"] = out[key]["on"] / out[key]["off"] - 1
     print(json.dumps(out, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")

@@ -63,9 +63,6 @@ def _worker(cfg_dict: dict) -> list[float]:
 @pytest.mark.multiprocess
 def test_tensorboard_reads_back_what_metrics_jsonl_holds(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="the TensorBoard sink needs the tensorboard package")
-    from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
-    from tensorboard.util.tensor_util import make_ndarray
-
     from hybridpar.testing import run_ranks
 
     steps = 4
@@ -81,9 +78,44 @@ def test_tensorboard_reads_back_what_metrics_jsonl_holds(tmp_path: Path) -> None
             for tag, v in scalars_of(r).items():
                 expected.setdefault(tag, {})[r["step"]] = v
     assert {"loss", "val_loss", "mfu", "bubble", "ranks/wait_s/1"} <= set(expected)
-    acc = EventAccumulator(str(tmp_path / "run" / "tb"), size_guidance={TENSORS: 0})
-    acc.Reload()
-    assert set(acc.Tags()["tensors"]) == set(expected)
+    got_all = _read_tensors(tmp_path / "run" / "tb")
+    assert set(got_all) == set(expected)
     for tag, by_step in expected.items():
-        got = {e.step: make_ndarray(e.tensor_proto).item() for e in acc.Tensors(tag)}
+        got = got_all[tag]
         assert got == by_step, tag  # exact: written in double precision
+
+
+def _read_tensors(tb_dir: Path) -> dict[str, dict[int, float]]:
+    """{tag: {step: value}} as TensorBoard reads `tb_dir`; a step read twice for a tag fails."""
+    from tensorboard.backend.event_processing.event_accumulator import TENSORS, EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    acc = EventAccumulator(str(tb_dir), size_guidance={TENSORS: 0})
+    acc.Reload()
+    out = {}
+    for tag in acc.Tags()["tensors"]:
+        events = acc.Tensors(tag)
+        assert len({e.step for e in events}) == len(events), (tag, [e.step for e in events])
+        out[tag] = {e.step: make_ndarray(e.tensor_proto).item() for e in events}
+    return out
+
+
+def test_a_resumed_run_replaces_tensorboard_steps_from_its_restart_step(tmp_path: Path) -> None:
+    pytest.importorskip("tensorboard", reason="the TensorBoard sink needs the tensorboard package")
+    from hybridpar.report.sinks import TB_DIR, TensorBoard
+
+    first = TensorBoard(tmp_path, 0)  # steps 0..5, then a crash after step 5
+    for step in range(6):
+        first.write(step, {"loss": 10.0 + step, "ranks/wait_s/1": 0.5 + step})
+    first.close()
+    again = TensorBoard(tmp_path, 3)  # resumed from the checkpoint of step 3: steps 3.. are trained again
+    for step in range(3, 5):
+        again.write(step, {"loss": 20.0 + step, "ranks/wait_s/1": 1.5 + step})
+    again.close()
+    got = _read_tensors(tmp_path / TB_DIR)
+    assert got["loss"] == {0: 10.0, 1: 11.0, 2: 12.0, 3: 23.0, 4: 24.0}
+    assert got["ranks/wait_s/1"] == {0: 0.5, 1: 1.5, 2: 2.5, 3: 4.5, 4: 5.5}
+    fresh = TensorBoard(tmp_path, 0)  # a fresh start in the same directory keeps nothing of the old run
+    fresh.write(0, {"loss": 7.0})
+    fresh.close()
+    assert _read_tensors(tmp_path / TB_DIR) == {"loss": {0: 7.0}}

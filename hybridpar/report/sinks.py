@@ -3,7 +3,7 @@ files under `<run_dir>/tb` (`sinks.tensorboard`, on by default when the package 
 Weights & Biases (`sinks.wandb`, off unless asked; the package is imported only then). Rank 0 only.
 
 Scalars are written in double precision (TensorBoard's tensor summaries, not the float32 `simple_value`),
-so what TensorBoard's reader returns equals metrics.jsonl exactly. A resumed run purges TensorBoard's
+so what TensorBoard's reader returns equals metrics.jsonl exactly. A resumed run drops TensorBoard's
 events from its restart step on, as metrics.jsonl is cut back (report/metrics.py)."""
 
 from __future__ import annotations
@@ -50,16 +50,37 @@ def missing_packages(cfg: SinksConfig) -> str | None:
 
 class TensorBoard:
     def __init__(self, run_dir: Path, resume_step: int) -> None:
-        from torch.utils.tensorboard import SummaryWriter  # needs the tensorboard package
+        """Event files under `<run_dir>/tb` holding the steps before `resume_step` (none on a fresh start)."""
+        from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+        from torch.utils.tensorboard.writer import FileWriter  # needs the tensorboard package
 
-        self._w = SummaryWriter(str(run_dir / TB_DIR), purge_step=resume_step or None)
+        tb = run_dir / TB_DIR
+        old = sorted(tb.glob("events.out.tfevents.*")) if tb.is_dir() else []
+        # The queue holds a few steps' events; the writer's thread flushes them periodically.
+        self._file = FileWriter(str(tb), max_queue=64)
+        # TensorBoard's readers do not purge tensor summaries at a restart marker, so a resumed run copies
+        # the steps before its restart step into its own file and then drops the old files, as
+        # metrics.jsonl is cut back. A crash in between leaves duplicates of equal values, never a gap.
+        for path in old:
+            for event in EventFileLoader(str(path)).Load():  # protobuf records: reading runs no code
+                if event.HasField("summary") and event.step < resume_step:
+                    self._file.add_event(event)
+        self._file.flush()
+        for path in old:
+            path.unlink()
 
     def write(self, step: int, scalars: dict[str, float]) -> None:
-        for tag, v in scalars.items():
-            self._w.add_scalar(tag, v, step, new_style=True, double_precision=True)
+        from tensorboard.compat.proto.summary_pb2 import Summary
+        from torch.utils.tensorboard.summary import scalar
+
+        # One event per step holding every value, not one per scalar: with ~20 scalars a step, per-scalar
+        # events filled the writer's queue every step and each put then waited for its thread (2.8 ms a
+        # step on 2 cores, against 0.5 ms so).
+        values = [v for tag, x in scalars.items() for v in scalar(tag, x, new_style=True, double_precision=True).value]
+        self._file.add_summary(Summary(value=values), step)
 
     def close(self) -> None:
-        self._w.close()
+        self._file.close()
 
 
 class WandB:
