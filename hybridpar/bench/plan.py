@@ -79,10 +79,13 @@ def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
-    before = measure(PROBE_S, 20)
+    # The layer times at this layout's shape (plan/calibrate.py), timed alongside the rest of the probe.
+    shape = [(p.tp, cfg.train.global_batch // p.dp // cfg.train.microbatches)]
+    probe = lambda: measure(PROBE_S, 20, cfg.model, cfg.train.seq_len, shape)  # noqa: E731
+    before = probe()
     tr = Trainer(cfg, topo)
     times = [tr.step(s)["step_time_s"] for s in range(steps)]
-    return {"times": times, "probe": [before, measure(PROBE_S, 20)]}
+    return {"times": times, "probe": [before, probe()]}
 
 
 def _no_memory_limit(cfg: Config) -> list[Any]:
@@ -110,6 +113,7 @@ def key(layout: tuple) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybridpar.plan.calibrate import shapes_for
     from hybridpar.plan.probe import probe
     from hybridpar.plan.search import plan
 
@@ -122,7 +126,11 @@ def main(argv: list[str] | None = None) -> int:
     t0, load_before = time.time(), os.getloadavg()
     worlds = {4: list(LAYOUTS_4), 2: list(LAYOUTS_2)}
     for w, layouts in worlds.items():  # the planner's own top pick (on a probe of this machine) joins the sweep
-        c = plan(Config(), probe(w), _memory(), world=w, top=1).candidates[0]
+        base = Config()
+        hw = probe(
+            w, model=base.model, seq_len=base.train.seq_len, shapes=shapes_for(base.model, base.train.global_batch, w)
+        )
+        c = plan(base, hw, _memory(), world=w, top=1).candidates[0]
         p, t = c.cfg.parallel, c.cfg.train
         if t.recompute == "none" and t.precision == "fp32" and p.zero == 0 and p.partition == "params":
             pick = (p.tp, p.pp, p.dp, p.schedule, t.microbatches)
