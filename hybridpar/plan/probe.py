@@ -108,7 +108,7 @@ def measure(
         out["add_s"] = _add(ELEMENTS, seconds)
         out["op_s"] = _add(8, seconds)
         if model is not None and shapes:
-            out["calibration"] = dataclasses.asdict(calibrate(model, seq_len, list(shapes), min(seconds, 0.1)))
+            out["calibration"] = dataclasses.asdict(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
     p2p = P2P(torch.device("cpu"), torch.float32, 60.0)
     for label, shape in (("small", (1,)), ("large", (1 << 20,))):
         dist.barrier()
