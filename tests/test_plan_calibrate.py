@@ -65,12 +65,18 @@ def test_the_table_round_trips_through_the_hardware_file() -> None:
         ({"ends": []}, "ends must be a non-empty list"),
         ({"optimizer_layer_us": -1}, "optimizer_layer_us must be a number >= 0"),
         ({"model": 3}, "model must be"),
-        ({"extra": 1}, "needs exactly the keys"),
+        ({"extra": 1}, "needs the keys .* got .*'extra'"),
+        ({"core_share": 0.0}, "core_share must be a number in \\(0, 1\\]"),
     ],
 )
 def test_bad_tables_are_named(change: dict, message: str) -> None:
     with pytest.raises(ValueError, match=message):
         hw(table() | change)
+
+
+def test_foreign_load_stretches_the_measured_cpu_times() -> None:
+    half = parse_calibration(table() | {"core_share": 0.5}, "t")
+    assert half.layer(1, 512).f == pytest.approx(14e-3) and half.end(512).head_b == pytest.approx(2800e-6)
 
 
 def test_calibrated_layers_replace_flops_and_keep_the_collectives() -> None:

@@ -84,8 +84,15 @@ def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
     probe = lambda: measure(PROBE_S, 20, cfg.model, cfg.train.seq_len, shape)  # noqa: E731
     before = probe()
     tr = Trainer(cfg, topo)
-    times = [tr.step(s)["step_time_s"] for s in range(steps)]
-    return {"times": times, "probe": [before, probe()]}
+    recs = [tr.step(s) for s in range(steps)]
+    # The busiest rank's compute and waits of each step (report/records.py): where a step's time went.
+    busiest = [max(range(len(r["ranks"]["compute_s"])), key=r["ranks"]["compute_s"].__getitem__) for r in recs]
+    return {
+        "times": [r["step_time_s"] for r in recs],
+        "compute": [r["ranks"]["compute_s"][i] for r, i in zip(recs, busiest)],
+        "wait": [r["ranks"]["wait_s"][i] for r, i in zip(recs, busiest)],
+        "probe": [before, probe()],
+    }
 
 
 def _no_memory_limit(cfg: Config) -> list[Any]:

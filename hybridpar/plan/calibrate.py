@@ -17,7 +17,10 @@ rank runs), at the shapes the planner asks for:
 `Calibration` is the optional `[calibration]` table of a hardware file (plan/hardware.py); the cost model
 (plan/cost.py) uses it for a model of the same shape (`model`: the signature of the ModelConfig and
 sequence length it was measured on) and fp32, and FLOPs otherwise. Each figure is the median of calls
-timed back to back, in microseconds.
+timed back to back, in microseconds of the thread's CPU time: the work itself, which the machine's other
+jobs do not change. What they do change, the share of a core a computing rank gets, is `core_share` (the
+probe's CPU time over wall time of a rank computing alone; the cost model divides by it), and how much
+of that several ranks get at once is the hardware's `cores_per_node`.
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ class Calibration:
     ends: tuple[EndTime, ...]
     optimizer_layer_s: float  # clip + AdamW step + zero_grad over one decoder layer's parameters
     action_overhead_s: float  # per pipeline action, beside its compute
+    core_share: float = 1.0  # of a core, what one rank computing alone got (foreign load): wall = CPU / share
 
     def fits(self, m: ModelConfig, seq_len: int | None = None) -> bool:
         """Measured on a model of m's shape (and at `seq_len`, unless None: the optimizer's times)."""
@@ -81,8 +85,10 @@ class Calibration:
         rows = sorted((r for r in self.layers if r.tp == tp), key=lambda r: r.tokens)
         if not rows:
             return None
-        k = _weights([r.tokens for r in rows], tokens)
-        return LayerTime(tp, tokens, *(sum(w * getattr(rows[i], f) for i, w in k) for f in ("f", "b", "b_input", "w")))
+        k, s = _weights([r.tokens for r in rows], tokens), self.core_share
+        return LayerTime(
+            tp, tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / s for f in ("f", "b", "b_input", "w"))
+        )
 
     def end(self, tokens: int) -> EndTime | None:
         rows = sorted(self.ends, key=lambda r: r.tokens)
@@ -90,7 +96,7 @@ class Calibration:
             return None
         k = _weights([r.tokens for r in rows], tokens)
         fields = ("embed_f", "embed_b", "head_f", "head_b")
-        return EndTime(tokens, *(sum(w * getattr(rows[i], f) for i, w in k) for f in fields))
+        return EndTime(tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / self.core_share for f in fields))
 
     def to_toml(self) -> str:
         us = lambda x: round(x * 1e6, 2)  # noqa: E731
@@ -102,7 +108,7 @@ class Calibration:
         )
         return (
             f'\n[calibration]\nmodel = "{self.model}"\noptimizer_layer_us = {us(self.optimizer_layer_s)}\n'
-            f"action_overhead_us = {us(self.action_overhead_s)}\n"
+            f"action_overhead_us = {us(self.action_overhead_s)}\ncore_share = {self.core_share!r}\n"
             f"# [tp, tokens, forward, backward, zero-bubble B, zero-bubble W] (us)\nlayer = [{layer}]\n"
             f"# [tokens, embedding forward, backward, head + loss forward, backward] (us)\nends = [{ends}]"
         )
@@ -130,9 +136,14 @@ def _rows(v: Any, width: int, key: str, where: str) -> list[list[float]]:
 def parse_calibration(d: Any, where: str) -> Calibration:
     """The `[calibration]` table of a hardware file; ValueError naming the key and its form."""
     known = {"model", "optimizer_layer_us", "action_overhead_us", "layer", "ends"}
-    if not isinstance(d, dict) or set(d) != known:
+    if not isinstance(d, dict) or not known <= set(d) <= known | {"core_share"}:
         got = sorted(d) if isinstance(d, dict) else repr(d)
-        raise ValueError(f"{where} [calibration]: needs exactly the keys {', '.join(sorted(known))}, got {got}")
+        raise ValueError(
+            f"{where} [calibration]: needs the keys {', '.join(sorted(known))} (and optionally core_share), got {got}"
+        )
+    share = d.get("core_share", 1.0)
+    if not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"{where} [calibration]: core_share must be a number in (0, 1], got {share!r}")
     if not isinstance(d["model"], str):
         raise ValueError(f"{where} [calibration]: model must be the measured model's signature string")
     for k in ("optimizer_layer_us", "action_overhead_us"):
@@ -141,7 +152,7 @@ def parse_calibration(d: Any, where: str) -> Calibration:
     layers = [LayerTime(int(r[0]), int(r[1]), *(x * 1e-6 for x in r[2:])) for r in _rows(d["layer"], 6, "layer", where)]
     ends = [EndTime(int(r[0]), *(x * 1e-6 for x in r[1:])) for r in _rows(d["ends"], 5, "ends", where)]
     return Calibration(
-        d["model"], tuple(layers), tuple(ends), d["optimizer_layer_us"] * 1e-6, d["action_overhead_us"] * 1e-6
+        d["model"], tuple(layers), tuple(ends), d["optimizer_layer_us"] * 1e-6, d["action_overhead_us"] * 1e-6, share
     )
 
 
@@ -155,7 +166,7 @@ def shapes_for(m: ModelConfig, global_batch: int, world: int) -> list[tuple[int,
 
 # -- measuring (torch) ------------------------------------------------------------------------------------
 def _median_s(fn: Callable[[], Any], seconds: float, setup: Callable[[], Any] | None = None) -> float:
-    """Median seconds of `fn()` over calls for about `seconds` (after one warm-up); `setup()` runs
+    """Median CPU seconds of `fn()` over calls for about `seconds` (after one warm-up); `setup()` runs
     untimed before each call and its result is passed on."""
     times: list[float] = []
     arg = setup() if setup else None
@@ -163,9 +174,9 @@ def _median_s(fn: Callable[[], Any], seconds: float, setup: Callable[[], Any] | 
     t_end = time.perf_counter() + seconds
     while time.perf_counter() < t_end or len(times) < 5:
         arg = setup() if setup else None
-        t0 = time.perf_counter()
+        t0 = time.thread_time()
         fn(arg) if setup else fn()
-        times.append(time.perf_counter() - t0)
+        times.append(time.thread_time() - t0)
     return statistics.median(times)
 
 

@@ -300,7 +300,7 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
     split = schedule_spec(p.schedule).splits_backward
     embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
     cal = model.calibrated(cfg.train)
-    action = Work(cal.action_overhead_s if cal is not None else 0.0)  # the runtime's own work per action
+    action = Work(cal.action_overhead_s / cal.core_share if cal is not None else 0.0)  # the runtime's own, per action
     out = []
     for s, r in enumerate(parts):
         lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split)
@@ -427,5 +427,5 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
-        return cal.optimizer_layer_s * mine / model.counts.layer + gather
+        return cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather
     return memory + ops + gather

@@ -8,6 +8,8 @@ barrier:
 * cores_per_node: every rank multiplying fp32 matrices at once, their summed rate over the one-rank
   rate (how many ranks' worth of compute the machine sustains; foreign load on a shared machine
   lowers it, as it would slow the run); alone and together alternate three times, medians kept;
+* the calibration's `core_share`: the CPU time rank 0 got over the wall time while multiplying alone
+  (under foreign load, below 1);
 * memory_bandwidth_gbs: an elementwise add over activation-sized arrays (read two, write one);
 * op_overhead_us: the same add on 8-element tensors, i.e. dispatching one operation;
 * intra_node link: one-way time of a message between ranks 0 and 1 through the pipeline's own
@@ -92,13 +94,15 @@ def measure(
     from hybridpar.pipeline.p2p import P2P
 
     me = dist.get_rank()
-    out: dict[str, Any] = {"alone": [], "together": []}
+    out: dict[str, Any] = {"alone": [], "together": [], "share": []}
     # Alone and together alternate `REPEATS` times (medians kept): foreign load on a shared machine comes
     # and goes, and the ratio of the two is only meaningful when both see the same load.
     for _ in range(REPEATS):
         dist.barrier()
         if me == 0:  # alone: the others wait at the barrier below
+            cpu0, wall0 = time.thread_time(), time.perf_counter()
             out["alone"].append(_matmul(torch.float32, seconds))
+            out["share"].append((time.thread_time() - cpu0) / (time.perf_counter() - wall0))
         dist.barrier()
         together = torch.tensor([_matmul(torch.float32, seconds)], dtype=torch.float64)
         dist.all_reduce(together)
@@ -166,6 +170,7 @@ def _pooled_calibration(measured: list[dict[str, Any]]) -> Calibration | None:
         tuple(dataclasses.replace(x, tokens=int(x.tokens)) for x in med([c["ends"] for c in cals], EndTime)),
         statistics.median(c["optimizer_layer_s"] for c in cals),
         statistics.median(c["action_overhead_s"] for c in cals),
+        min(1.0, statistics.median(x for r in measured for x in r["share"])),
     )
 
 
