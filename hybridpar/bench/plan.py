@@ -147,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     measured: dict[str, list[float]] = {key(lay): [] for lay in everything}
     predicted: dict[str, list[float]] = {key(lay): [] for lay in everything}
     probes: list[dict[str, Any]] = []
+    busiest: dict[str, list[dict[str, float]]] = {key(lay): [] for lay in everything}  # where each step went
     loads: list[float] = []
 
     def meta(rounds: int) -> dict[str, Any]:
@@ -158,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_during": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
             "load_average_after": os.getloadavg(),
             "cpus": os.cpu_count(),
+            "busiest_rank": busiest,  # per layout and round: the busiest rank's compute and wait, medians
             "probes": probes,
             "wall_s": time.time() - t0,
         }
@@ -172,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             probes.append({"round": r, "layout": key(lay), "hardware": to_toml(hw)})
             predicted[key(lay)].append(predict(CostModel(cfg.model, hw), cfg).step_s)
             measured[key(lay)].append(statistics.median(got["times"][a.warmup :]))
+            busiest[key(lay)].append({k: statistics.median(got[k][a.warmup :]) for k in ("compute", "wait")})
             loads.append(os.getloadavg()[0])
             print(
                 f"round {r} {key(lay)}: measured {measured[key(lay)][-1]:.4f} s, predicted "
