@@ -79,10 +79,20 @@ def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
-    before = measure(PROBE_S, 20)
+    # The layer times at this layout's shape (plan/calibrate.py), timed alongside the rest of the probe.
+    shape = [(p.tp, cfg.train.global_batch // p.dp // cfg.train.microbatches)]
+    probe = lambda: measure(PROBE_S, 20, cfg.model, cfg.train.seq_len, shape)  # noqa: E731
+    before = probe()
     tr = Trainer(cfg, topo)
-    times = [tr.step(s)["step_time_s"] for s in range(steps)]
-    return {"times": times, "probe": [before, measure(PROBE_S, 20)]}
+    recs = [tr.step(s) for s in range(steps)]
+    # The busiest rank's compute and waits of each step (report/records.py): where a step's time went.
+    busiest = [max(range(len(r["ranks"]["compute_s"])), key=r["ranks"]["compute_s"].__getitem__) for r in recs]
+    return {
+        "times": [r["step_time_s"] for r in recs],
+        "compute": [r["ranks"]["compute_s"][i] for r, i in zip(recs, busiest)],
+        "wait": [r["ranks"]["wait_s"][i] for r, i in zip(recs, busiest)],
+        "probe": [before, probe()],
+    }
 
 
 def _no_memory_limit(cfg: Config) -> list[Any]:
@@ -110,6 +120,7 @@ def key(layout: tuple) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    from hybridpar.plan.calibrate import shapes_for
     from hybridpar.plan.probe import probe
     from hybridpar.plan.search import plan
 
@@ -122,7 +133,11 @@ def main(argv: list[str] | None = None) -> int:
     t0, load_before = time.time(), os.getloadavg()
     worlds = {4: list(LAYOUTS_4), 2: list(LAYOUTS_2)}
     for w, layouts in worlds.items():  # the planner's own top pick (on a probe of this machine) joins the sweep
-        c = plan(Config(), probe(w), _memory(), world=w, top=1).candidates[0]
+        base = Config()
+        hw = probe(
+            w, model=base.model, seq_len=base.train.seq_len, shapes=shapes_for(base.model, base.train.global_batch, w)
+        )
+        c = plan(base, hw, _memory(), world=w, top=1).candidates[0]
         p, t = c.cfg.parallel, c.cfg.train
         if t.recompute == "none" and t.precision == "fp32" and p.zero == 0 and p.partition == "params":
             pick = (p.tp, p.pp, p.dp, p.schedule, t.microbatches)
@@ -132,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     measured: dict[str, list[float]] = {key(lay): [] for lay in everything}
     predicted: dict[str, list[float]] = {key(lay): [] for lay in everything}
     probes: list[dict[str, Any]] = []
+    busiest: dict[str, list[dict[str, float]]] = {key(lay): [] for lay in everything}  # where each step went
     loads: list[float] = []
 
     def meta(rounds: int) -> dict[str, Any]:
@@ -143,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
             "load_average_during": {"median": statistics.median(loads), "min": min(loads), "max": max(loads)},
             "load_average_after": os.getloadavg(),
             "cpus": os.cpu_count(),
+            "busiest_rank": busiest,  # per layout and round: the busiest rank's compute and wait, medians
             "probes": probes,
             "wall_s": time.time() - t0,
         }
@@ -157,6 +174,7 @@ def main(argv: list[str] | None = None) -> int:
             probes.append({"round": r, "layout": key(lay), "hardware": to_toml(hw)})
             predicted[key(lay)].append(predict(CostModel(cfg.model, hw), cfg).step_s)
             measured[key(lay)].append(statistics.median(got["times"][a.warmup :]))
+            busiest[key(lay)].append({k: statistics.median(got[k][a.warmup :]) for k in ("compute", "wait")})
             loads.append(os.getloadavg()[0])
             print(
                 f"round {r} {key(lay)}: measured {measured[key(lay)][-1]:.4f} s, predicted "

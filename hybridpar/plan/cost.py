@@ -19,6 +19,11 @@ ZeRO-1's all-gather of the updated slices; the step's small all-reduces (loss, c
 optimizer step is memory-bound. Ring collectives: an all-reduce moves 2 (n-1)/n of the bytes and
 takes 2 (n-1) hops, an all-gather half of that.
 
+Where the hardware file carries a calibration of this model's shape (plan/calibrate.py: the layer, the
+embedding, the head and the optimizer timed through the model's own modules on this machine, as CPU
+hosts need), its times replace the FLOP and element counts for fp32 runs, and each pipeline action adds
+the runtime's measured per-action overhead; the communication terms stay as above.
+
 The step time is the simulated action lists (pipeline/simulate.py, on `build_schedule`'s output, with
 the ranks sharing cores where the hardware says they do), then each rank's gradient reductions, then
 the optimizer step.
@@ -36,6 +41,7 @@ from hybridpar.model.registry import ParamCounts, layer_flops_per_token, layer_t
 from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
 from hybridpar.pipeline.schedules import Action, Op, build_schedule
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
+from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -162,8 +168,17 @@ class CostModel:
         bw = self.hw.memory_bandwidth_gbs
         return 0.0 if bw is None else elements * act_bytes / (bw * 1e9)
 
-    def layer(self, t: TrainConfig, tp: int, tokens: int, link: Link, recompute: str) -> LayerCosts:
-        """One decoder layer for a microbatch of `tokens` tokens on one tp rank."""
+    def calibrated(self, t: TrainConfig) -> Calibration | None:
+        """The hardware's measured times where they are of this model's shape and the run is fp32."""
+        cal = self.hw.calibration
+        ok = cal is not None and t.precision == "fp32" and cal.fits(self.m, t.seq_len)
+        return cal if ok else None
+
+    def layer(
+        self, t: TrainConfig, tp: int, tokens: int, link: Link, recompute: str, split: bool = False
+    ) -> LayerCosts:
+        """One decoder layer for a microbatch of `tokens` tokens on one tp rank (`split`: the schedule
+        runs B and W apart; otherwise W may be 0 with the whole backward in B)."""
         m = self.m
         if t.seq_len not in self._flops:
             self._flops[t.seq_len] = layer_flops_per_token(m, t.seq_len)
@@ -175,11 +190,18 @@ class CostModel:
         comm = 2 * all_reduce_s(tokens * m.dim * act, tp, link, self.hw)  # after attention and after the MLP
         f = Work(mm, mem, ops, comm)
         b = Work(mm, 2 * mem, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
+        w = Work(mm, 0.0, 0.5 * ops)
+        cal = self.calibrated(t)
+        timed = cal.layer(tp, tokens) if cal is not None else None
+        if timed is not None:  # measured compute (in matmul_s: the whole layer), the same collectives
+            f = Work(timed.f, comm_s=f.comm_s)
+            b = Work(timed.b_input if split else timed.b, comm_s=b.comm_s)
+            w = Work(timed.w if split else 0.0)
         if recompute == "full":
             b = b + f
-        elif recompute == "selective":
-            b = b + Work(0.0, mem, ops)
-        return LayerCosts(f, b, Work(mm, 0.0, 0.5 * ops))
+        elif recompute == "selective":  # the forward's work outside its matmuls (measured: in the counted share)
+            b = b + (Work(0.0, mem, ops) if timed is None else Work(f.compute * (mem + ops) / (mm + mem + ops)))
+        return LayerCosts(f, b, w)
 
     def ends(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
         """(embedding forward + backward on the first stage, head + loss forward + backward on the last)."""
@@ -197,6 +219,20 @@ class CostModel:
             all_gather_s(tokens * m.vocab_size * act, tp, link, self.hw),
         )
         return embed, head
+
+    def end_costs(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[LayerCosts, LayerCosts]:
+        """F, B, W that the embedding adds to the first stage and the head and loss to the last: measured
+        where calibrated (backward in B), else `ends` with a third of the work in each."""
+        embed, head = self.ends(t, tp, tokens, link)
+        cal = self.calibrated(t)
+        timed = cal.end(tokens) if cal is not None else None
+        if timed is None:
+            third = lambda e: LayerCosts(e.times(1 / 3), e.times(1 / 3), e.times(1 / 3))  # noqa: E731
+            return third(embed), third(head)
+        return (
+            LayerCosts(Work(timed.embed_f, comm_s=embed.comm_s), Work(timed.embed_b), Work()),
+            LayerCosts(Work(timed.head_f, comm_s=head.comm_s), Work(timed.head_b), Work()),
+        )
 
     def stage_params(self, parts: list[range]) -> list[int]:
         c = self.counts
@@ -261,14 +297,17 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
     p = cfg.parallel
     modes = cfg.train.recompute_modes(p.n_stages)
     ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
-    embed, head = model.ends(cfg.train, p.tp, tokens, pl.tp)
+    split = schedule_spec(p.schedule).splits_backward
+    embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
+    cal = model.calibrated(cfg.train)
+    action = Work(cal.action_overhead_s / cal.core_share if cal is not None else 0.0)  # the runtime's own, per action
     out = []
     for s, r in enumerate(parts):
-        lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s])
-        f, b, w = lay.f.times(len(r)), lay.b.times(len(r)), lay.w.times(len(r))
-        # The ends: forward a third of their work, backward two thirds (split between B and W alike).
+        lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split)
+        f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
+        w = w + action if split else w
         for extra in ([embed] if s == 0 else []) + ([head] if s == len(parts) - 1 else []):
-            f, b, w = f + extra.times(1 / 3), b + extra.times(1 / 3), w + extra.times(1 / 3)
+            f, b, w = f + extra.f, b + extra.b, w + extra.w
         speed = pl.pp_speed[ranks[s]]
         out.append(LayerCosts(f.times(1 / speed), b.times(1 / speed), w.times(1 / speed)))
     return out
@@ -386,4 +425,7 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
     gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0
+    cal = hw.calibration
+    if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
+        return cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather
     return memory + ops + gather

@@ -23,6 +23,9 @@ Optional keys:
                                       where it differs from the link's (CPU ranks: gloo over loopback,
                                       while the pipeline's messages go through shared memory); none = the
                                       link's latency_us
+    [calibration]                     the model's own layers, embedding, head and optimizer timed on this
+                                      machine at given (tp, tokens) shapes (plan/calibrate.py); the cost
+                                      model uses them for that model shape in fp32, FLOPs otherwise
 
 `plan --probe` writes every key for this machine (plan/probe.py).
 """
@@ -35,6 +38,8 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+
+from hybridpar.plan.calibrate import Calibration, parse_calibration
 
 PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
 REQUIRED_PRECISIONS = ("fp32", "bf16")
@@ -65,6 +70,7 @@ class Hardware:
     cores_per_node: float | None = None
     op_overhead_us: float = 0.0
     collective_latency_us: float | None = None
+    calibration: Calibration | None = None
 
     @property
     def devices(self) -> int:
@@ -162,6 +168,7 @@ def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
         cores_per_node=opt("cores_per_node"),
         op_overhead_us=_number(d, "op_overhead_us", where, positive=False, default=0.0),
         collective_latency_us=_number(d, "collective_latency_us", where, positive=False, default=None),
+        calibration=None if "calibration" not in d else parse_calibration(d["calibration"], where),
     )
 
 
@@ -191,7 +198,9 @@ def to_toml(hw: Hardware) -> str:
         v = getattr(hw, f.name)
         if v is None:
             continue
-        if isinstance(v, Link):
+        if isinstance(v, Calibration):
+            tables.append(v.to_toml())
+        elif isinstance(v, Link):
             tables.append(f"\n[{f.name}]\nbandwidth_gbs = {v.bandwidth_gbs!r}\nlatency_us = {v.latency_us!r}")
         elif isinstance(v, dict):
             tables.append(f"\n[{f.name}]\n" + "\n".join(f"{k} = {x!r}" for k, x in v.items()))

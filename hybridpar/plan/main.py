@@ -61,9 +61,16 @@ def run(argv: list[str], memory: Memory | None = None) -> tuple[Plan, Hardware, 
     if a.top < 1:
         raise ValueError(f"--top must be at least 1, got {a.top}")
     if a.probe:
+        from hybridpar.plan.calibrate import shapes_for
         from hybridpar.plan.probe import probe
 
-        hw = probe(a.world or 2)
+        world = a.world or 2
+        hw = probe(
+            world,
+            model=cfg.model,
+            seq_len=cfg.train.seq_len,
+            shapes=shapes_for(cfg.model, cfg.train.global_batch, world),
+        )
         if a.out:
             with open(a.out, "w", encoding="utf-8") as fh:
                 fh.write(to_toml(hw))

@@ -8,6 +8,8 @@ barrier:
 * cores_per_node: every rank multiplying fp32 matrices at once, their summed rate over the one-rank
   rate (how many ranks' worth of compute the machine sustains; foreign load on a shared machine
   lowers it, as it would slow the run); alone and together alternate three times, medians kept;
+* the calibration's `core_share`: the CPU time rank 0 got over the wall time while multiplying alone
+  (under foreign load, below 1);
 * memory_bandwidth_gbs: an elementwise add over activation-sized arrays (read two, write one);
 * op_overhead_us: the same add on 8-element tensors, i.e. dispatching one operation;
 * intra_node link: one-way time of a message between ranks 0 and 1 through the pipeline's own
@@ -16,11 +18,15 @@ barrier:
 * collective_latency_us: an 8-byte all-reduce over all ranks (gloo, the process group's transport),
   over its 2 (ranks - 1) ring steps.
 
+* with a model and its shapes: the `[calibration]` table (plan/calibrate.py), rank 0 alone: the model's
+  own layer, embedding, head and optimizer timed at each (tp, sequences per microbatch).
+
 One machine is one node; inter_node repeats intra_node (there is no other node to measure).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import socket
 import statistics
@@ -28,6 +34,8 @@ import time
 from datetime import timedelta
 from typing import Any
 
+from hybridpar.config import ModelConfig
+from hybridpar.plan.calibrate import Calibration, EndTime, LayerTime, calibrate
 from hybridpar.plan.hardware import Hardware, Link
 
 MATMUL_N = 512
@@ -61,16 +69,24 @@ def _add(n: int, seconds: float) -> float:
     return 1.0 / _rate(lambda: torch.add(x, y, out=z), 1.0, seconds)
 
 
-def _worker(seconds: float, round_trips: int) -> dict[str, Any]:
+def _worker(seconds: float, round_trips: int, model: dict | None, seq_len: int, shapes: list) -> dict[str, Any]:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
-    return measure(seconds, round_trips)
+    m = None if model is None else ModelConfig(**model)
+    return measure(seconds, round_trips, m, seq_len, [tuple(x) for x in shapes])
 
 
-def measure(seconds: float = 0.5, round_trips: int = 50) -> dict[str, Any]:
+def measure(
+    seconds: float = 0.5,
+    round_trips: int = 50,
+    model: ModelConfig | None = None,
+    seq_len: int = 0,
+    shapes: list[tuple[int, int]] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
     """Collective over the initialised default group (every rank calls it); rank 0's result holds the
-    figures (`describe` turns them into a Hardware)."""
+    figures (`describe` turns them into a Hardware). With `model`: rank 0 also times its layers at each
+    (tp, sequences per microbatch) of `shapes` while the others wait (plan/calibrate.py)."""
     import torch
     import torch.distributed as dist
 
@@ -78,13 +94,15 @@ def measure(seconds: float = 0.5, round_trips: int = 50) -> dict[str, Any]:
     from hybridpar.pipeline.p2p import P2P
 
     me = dist.get_rank()
-    out: dict[str, Any] = {"alone": [], "together": []}
+    out: dict[str, Any] = {"alone": [], "together": [], "share": []}
     # Alone and together alternate `REPEATS` times (medians kept): foreign load on a shared machine comes
     # and goes, and the ratio of the two is only meaningful when both see the same load.
     for _ in range(REPEATS):
         dist.barrier()
         if me == 0:  # alone: the others wait at the barrier below
+            cpu0, wall0 = time.thread_time(), time.perf_counter()
             out["alone"].append(_matmul(torch.float32, seconds))
+            out["share"].append((time.thread_time() - cpu0) / (time.perf_counter() - wall0))
         dist.barrier()
         together = torch.tensor([_matmul(torch.float32, seconds)], dtype=torch.float64)
         dist.all_reduce(together)
@@ -93,6 +111,8 @@ def measure(seconds: float = 0.5, round_trips: int = 50) -> dict[str, Any]:
         out["bf16"] = _matmul(torch.bfloat16, seconds)
         out["add_s"] = _add(ELEMENTS, seconds)
         out["op_s"] = _add(8, seconds)
+        if model is not None and shapes:
+            out["calibration"] = dataclasses.asdict(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
     p2p = P2P(torch.device("cpu"), torch.float32, 60.0)
     for label, shape in (("small", (1,)), ("large", (1 << 20,))):
         dist.barrier()
@@ -112,13 +132,46 @@ def measure(seconds: float = 0.5, round_trips: int = 50) -> dict[str, Any]:
     return out
 
 
-def probe(ranks: int = 2, seconds: float = 0.5, round_trips: int = 50) -> Hardware:
-    """Measure this machine with `ranks` processes (at least 2: the links need two ends)."""
+def probe(
+    ranks: int = 2,
+    seconds: float = 0.5,
+    round_trips: int = 50,
+    model: ModelConfig | None = None,
+    seq_len: int = 0,
+    shapes: list[tuple[int, int]] = (),  # type: ignore[assignment]
+) -> Hardware:
+    """Measure this machine with `ranks` processes (at least 2: the links need two ends); with a model,
+    calibrate its layers at `shapes` too."""
     from hybridpar.testing import run_ranks
 
     if ranks < 2:
         raise ValueError(f"--world must be at least 2 to measure the links between ranks, got {ranks}")
-    return describe([run_ranks(_worker, ranks, seconds, round_trips, timeout_s=120 + 30 * seconds * ranks)[0]], ranks)
+    m = None if model is None else dataclasses.asdict(model)
+    timeout = 120 + 30 * seconds * ranks + 5 * len(shapes)
+    return describe(
+        [run_ranks(_worker, ranks, seconds, round_trips, m, seq_len, list(shapes), timeout_s=timeout)[0]], ranks
+    )
+
+
+def _pooled_calibration(measured: list[dict[str, Any]]) -> Calibration | None:
+    """Element-wise medians of the measurements' calibrations (same shapes in each); None if any lacks one."""
+    cals = [r.get("calibration") for r in measured]
+    if not cals or any(c is None for c in cals):
+        return None
+    med = lambda rows, cls: tuple(  # noqa: E731
+        cls(**{k: statistics.median(c[i][k] for c in rows) for k in rows[0][i]}) for i in range(len(rows[0]))
+    )
+    return Calibration(
+        cals[0]["model"],
+        tuple(
+            dataclasses.replace(x, tp=int(x.tp), tokens=int(x.tokens))
+            for x in med([c["layers"] for c in cals], LayerTime)
+        ),
+        tuple(dataclasses.replace(x, tokens=int(x.tokens)) for x in med([c["ends"] for c in cals], EndTime)),
+        statistics.median(c["optimizer_layer_s"] for c in cals),
+        statistics.median(c["action_overhead_s"] for c in cals),
+        min(1.0, statistics.median(x for r in measured for x in r["share"])),
+    )
 
 
 def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | None = None) -> Hardware:
@@ -146,4 +199,5 @@ def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | Non
         cores_per_node=min(float(ranks), cores),
         op_overhead_us=med("op_s") * 1e6,
         collective_latency_us=med("all_reduce_s") / (2 * (ranks - 1)) * 1e6,
+        calibration=_pooled_calibration(measured),
     )

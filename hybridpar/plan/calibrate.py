@@ -1,0 +1,295 @@
+"""Calibration: the model's own modules timed on this machine, for hosts where FLOPs predict badly.
+
+On a CPU, a small model's step is mostly the eager framework's per-operation work, not its matmuls'
+FLOPs: the default model's decoder layer at 4 x 128 tokens runs at a few GFLOP/s where a 512 x 512
+matmul reaches 40-90. So the probe times the real code, in one process with one intra-op thread (as a
+rank runs), at the shapes the planner asks for:
+
+* a decoder layer: forward, the whole backward, and the zero-bubble split of it (B: input gradients,
+  then W: weight gradients, through pipeline/split_backward.py), for each (tp, tokens per microbatch);
+  a tp > 1 shape runs the layer's local shard (the rank's heads and FFN columns, rowwise inputs cut
+  likewise) without its collectives, which the cost model adds from the link;
+* the embedding (forward, backward) and the final norm, head and loss (forward, backward), unsharded;
+* the optimizer: gradient clipping, AdamW's step and zeroing the gradients over one layer's parameters;
+* `action_overhead_us`: one pipeline action's bookkeeping around its compute — the measured cost of
+  handing a tensor to autograd and back (detach, requires_grad, grad on a one-element graph) stands for it.
+
+`Calibration` is the optional `[calibration]` table of a hardware file (plan/hardware.py); the cost model
+(plan/cost.py) uses it for a model of the same shape (`model`: the signature of the ModelConfig and
+sequence length it was measured on) and fp32, and FLOPs otherwise. Each figure is the median of calls
+timed back to back, in microseconds of the thread's CPU time: the work itself, which the machine's other
+jobs do not change. What they do change, the share of a core a computing rank gets, is `core_share` (the
+probe's CPU time over wall time of a rank computing alone; the cost model divides by it), and how much
+of that several ranks get at once is the hardware's `cores_per_node`.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from hybridpar.config import ModelConfig
+
+
+def signature(m: ModelConfig, seq_len: int) -> str:
+    """What a layer's time depends on: the model's shape and the sequence length (not its depth)."""
+    return (
+        f"{m.family} dim={m.dim} heads={m.n_heads} kv_heads={m.kv_heads} ffn_dim={m.ffn_dim} "
+        f"vocab={m.vocab_size} seq_len={seq_len}"
+    )
+
+
+@dataclass(frozen=True)
+class LayerTime:
+    """One decoder layer for a microbatch of `tokens` tokens on one of `tp` ranks, seconds."""
+
+    tp: int
+    tokens: int
+    f: float
+    b: float  # the whole backward (input and weight gradients)
+    b_input: float  # zero-bubble B
+    w: float  # zero-bubble W
+
+
+@dataclass(frozen=True)
+class EndTime:
+    """The embedding's and the head's (with the final norm and the loss) times for `tokens` tokens."""
+
+    tokens: int
+    embed_f: float
+    embed_b: float
+    head_f: float
+    head_b: float
+
+
+@dataclass(frozen=True)
+class Calibration:
+    model: str  # signature() of what was measured
+    layers: tuple[LayerTime, ...]
+    ends: tuple[EndTime, ...]
+    optimizer_layer_s: float  # clip + AdamW step + zero_grad over one decoder layer's parameters
+    action_overhead_s: float  # per pipeline action, beside its compute
+    core_share: float = 1.0  # of a core, what one rank computing alone got (foreign load): wall = CPU / share
+
+    def fits(self, m: ModelConfig, seq_len: int | None = None) -> bool:
+        """Measured on a model of m's shape (and at `seq_len`, unless None: the optimizer's times)."""
+        if seq_len is not None:
+            return self.model == signature(m, seq_len)
+        return self.model.rsplit(" seq_len=", 1)[0] == signature(m, 0).rsplit(" seq_len=", 1)[0]
+
+    def layer(self, tp: int, tokens: int) -> LayerTime | None:
+        """The layer's times at `tokens` (interpolated linearly between measured sizes, extrapolated
+        from the nearest two); None where no size was measured at this tp."""
+        rows = sorted((r for r in self.layers if r.tp == tp), key=lambda r: r.tokens)
+        if not rows:
+            return None
+        k, s = _weights([r.tokens for r in rows], tokens), self.core_share
+        return LayerTime(
+            tp, tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / s for f in ("f", "b", "b_input", "w"))
+        )
+
+    def end(self, tokens: int) -> EndTime | None:
+        rows = sorted(self.ends, key=lambda r: r.tokens)
+        if not rows:
+            return None
+        k = _weights([r.tokens for r in rows], tokens)
+        fields = ("embed_f", "embed_b", "head_f", "head_b")
+        return EndTime(tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / self.core_share for f in fields))
+
+    def to_toml(self) -> str:
+        us = lambda x: round(x * 1e6, 2)  # noqa: E731
+        layer = ", ".join(
+            f"[{r.tp}, {r.tokens}, {us(r.f)}, {us(r.b)}, {us(r.b_input)}, {us(r.w)}]" for r in self.layers
+        )
+        ends = ", ".join(
+            f"[{r.tokens}, {us(r.embed_f)}, {us(r.embed_b)}, {us(r.head_f)}, {us(r.head_b)}]" for r in self.ends
+        )
+        return (
+            f'\n[calibration]\nmodel = "{self.model}"\noptimizer_layer_us = {us(self.optimizer_layer_s)}\n'
+            f"action_overhead_us = {us(self.action_overhead_s)}\ncore_share = {self.core_share!r}\n"
+            f"# [tp, tokens, forward, backward, zero-bubble B, zero-bubble W] (us)\nlayer = [{layer}]\n"
+            f"# [tokens, embedding forward, backward, head + loss forward, backward] (us)\nends = [{ends}]"
+        )
+
+
+def _weights(xs: list[int], x: int) -> list[tuple[int, float]]:
+    """Linear interpolation weights over sorted sizes `xs` at `x` (the nearest two; one size: scaled)."""
+    if len(xs) == 1:
+        return [(0, x / xs[0])]
+    i = next((j for j in range(1, len(xs) - 1) if xs[j] >= x), len(xs) - 1)
+    a, b = xs[i - 1], xs[i]
+    t = (x - a) / (b - a)
+    return [(i - 1, 1 - t), (i, t)]
+
+
+def _rows(v: Any, width: int, key: str, where: str) -> list[list[float]]:
+    ok = isinstance(v, list) and all(
+        isinstance(r, list) and len(r) == width and all(isinstance(x, (int, float)) and x >= 0 for x in r) for r in v
+    )
+    if not ok or not v:
+        raise ValueError(f"{where} [calibration]: {key} must be a non-empty list of [{width} numbers >= 0] rows")
+    return v
+
+
+def parse_calibration(d: Any, where: str) -> Calibration:
+    """The `[calibration]` table of a hardware file; ValueError naming the key and its form."""
+    known = {"model", "optimizer_layer_us", "action_overhead_us", "layer", "ends"}
+    if not isinstance(d, dict) or not known <= set(d) <= known | {"core_share"}:
+        got = sorted(d) if isinstance(d, dict) else repr(d)
+        raise ValueError(
+            f"{where} [calibration]: needs the keys {', '.join(sorted(known))} (and optionally core_share), got {got}"
+        )
+    share = d.get("core_share", 1.0)
+    if not isinstance(share, (int, float)) or not 0 < share <= 1:
+        raise ValueError(f"{where} [calibration]: core_share must be a number in (0, 1], got {share!r}")
+    if not isinstance(d["model"], str):
+        raise ValueError(f"{where} [calibration]: model must be the measured model's signature string")
+    for k in ("optimizer_layer_us", "action_overhead_us"):
+        if not isinstance(d[k], (int, float)) or d[k] < 0:
+            raise ValueError(f"{where} [calibration]: {k} must be a number >= 0, got {d[k]!r}")
+    layers = [LayerTime(int(r[0]), int(r[1]), *(x * 1e-6 for x in r[2:])) for r in _rows(d["layer"], 6, "layer", where)]
+    ends = [EndTime(int(r[0]), *(x * 1e-6 for x in r[1:])) for r in _rows(d["ends"], 5, "ends", where)]
+    return Calibration(
+        d["model"], tuple(layers), tuple(ends), d["optimizer_layer_us"] * 1e-6, d["action_overhead_us"] * 1e-6, share
+    )
+
+
+def shapes_for(m: ModelConfig, global_batch: int, world: int) -> list[tuple[int, int]]:
+    """The (tp, sequences per microbatch) a layout search over `world` ranks may ask for: tp dividing the
+    world and the model's split sizes, microbatch sizes dividing the global batch."""
+    sizes = (m.n_heads, m.kv_heads, m.ffn_dim, m.vocab_size)
+    tps = [tp for tp in range(1, world + 1) if world % tp == 0 and all(x % tp == 0 for x in sizes)]
+    return [(tp, b) for tp in tps for b in range(1, global_batch + 1) if global_batch % b == 0]
+
+
+# -- measuring (torch) ------------------------------------------------------------------------------------
+def _median_s(fn: Callable[[], Any], seconds: float, setup: Callable[[], Any] | None = None) -> float:
+    """Median CPU seconds of `fn()` over calls for about `seconds` (after one warm-up); `setup()` runs
+    untimed before each call and its result is passed on."""
+    times: list[float] = []
+    arg = setup() if setup else None
+    fn(arg) if setup else fn()
+    t_end = time.perf_counter() + seconds
+    while time.perf_counter() < t_end or len(times) < 5:
+        arg = setup() if setup else None
+        t0 = time.thread_time()
+        fn(arg) if setup else fn()
+        times.append(time.thread_time() - t0)
+    return statistics.median(times)
+
+
+def _local_shard(stage: Any, tp: int) -> None:
+    """Cut `stage`'s tensor-parallel parameters to one rank's shard, in place (no collectives)."""
+    import torch
+    from torch import nn
+
+    from hybridpar.model.tp import tp_dims
+
+    for name, dim in tp_dims(stage).items():
+        if dim is None:
+            continue
+        mod_name, _, attr = name.rpartition(".")
+        mod = stage.get_submodule(mod_name)
+        full = getattr(mod, attr)
+        setattr(mod, attr, nn.Parameter(full.detach().chunk(tp, dim=dim)[0].clone()))
+    torch.nn.Module.zero_grad(stage)
+
+
+def _layer_times(m: ModelConfig, seq_len: int, tp: int, batch: int, seconds: float) -> LayerTime:
+    import torch
+
+    from hybridpar.model.registry import build_stage
+    from hybridpar.pipeline.split_backward import WeightGradDeferral
+
+    stage = build_stage(m, [0], False, False, 0, torch.device("cpu"))
+    _local_shard(stage, tp)
+    x = torch.randn(batch, seq_len, m.dim, requires_grad=True)
+    g = torch.randn(batch, seq_len, m.dim)
+    f = _median_s(lambda: stage(x), seconds)
+    b = _median_s(lambda y: torch.autograd.backward(y, g), seconds, lambda: stage(x))
+    split = WeightGradDeferral(stage)
+    keys = iter(range(1 << 30))
+
+    def forward_and_b() -> int:
+        k = next(keys)
+        split.key = k
+        y = stage(x)
+        split.key = None
+        split.backward_input(y, g, x, k)
+        return k
+
+    def fresh_b() -> tuple[int, Any]:
+        k = next(keys)
+        split.key = k
+        y = stage(x)
+        split.key = None
+        return k, y
+
+    b_input = _median_s(lambda ky: split.backward_input(ky[1], g, x, ky[0]), seconds, fresh_b)
+    w = _median_s(lambda k: split.weight(k), seconds, forward_and_b)
+    return LayerTime(tp, batch * seq_len, f, b, b_input, w)
+
+
+def _end_times(m: ModelConfig, seq_len: int, batch: int, seconds: float) -> EndTime:
+    import torch
+
+    from hybridpar.model.registry import build_stage
+    from hybridpar.pipeline.runtime import token_cross_entropy
+
+    embed = build_stage(m, [], True, False, 0, torch.device("cpu"))
+    head = build_stage(m, [], False, True, 0, torch.device("cpu"))
+    ids = torch.randint(0, m.vocab_size, (batch, seq_len))
+    h = torch.randn(batch, seq_len, m.dim, requires_grad=True)
+    g = torch.randn(batch, seq_len, m.dim)
+    loss = lambda: token_cross_entropy(head(h), ids, 1.0)  # noqa: E731
+    return EndTime(
+        batch * seq_len,
+        _median_s(lambda: embed(ids), seconds),
+        _median_s(lambda y: torch.autograd.backward(y, g), seconds, lambda: embed(ids)),
+        _median_s(loss, seconds),
+        _median_s(lambda y: y.backward(), seconds, loss),
+    )
+
+
+def _optimizer_s(m: ModelConfig, seconds: float) -> float:
+    import torch
+
+    from hybridpar.config import TrainConfig
+    from hybridpar.model.registry import build_stage
+    from hybridpar.optim import make_optimizer
+
+    stage = build_stage(m, [0], False, False, 0, torch.device("cpu"))
+    opt = make_optimizer(list(stage.named_parameters()), TrainConfig())
+    params = list(stage.parameters())
+
+    def fill() -> None:
+        for p in params:
+            p.grad = torch.ones_like(p)
+
+    def step(_: None) -> None:
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return _median_s(step, seconds, fill)
+
+
+def _action_overhead_s(seconds: float) -> float:
+    import torch
+
+    x = torch.ones(1)
+
+    def hand_off() -> None:
+        y = x.detach().requires_grad_(True)
+        torch.autograd.grad(y * 1.0, y, torch.ones(1))
+
+    return _median_s(hand_off, seconds)
+
+
+def calibrate(m: ModelConfig, seq_len: int, shapes: list[tuple[int, int]], seconds: float = 0.05) -> Calibration:
+    """Time the model's own modules at each (tp, sequences per microbatch) of `shapes`, `seconds` per figure."""
+    layers = tuple(_layer_times(m, seq_len, tp, b, seconds) for tp, b in shapes)
+    ends = tuple(_end_times(m, seq_len, b, seconds) for b in sorted({b for _, b in shapes}))
+    return Calibration(signature(m, seq_len), layers, ends, _optimizer_s(m, seconds), _action_overhead_s(seconds))

@@ -1,0 +1,141 @@
+"""Calibrated costs (plan/calibrate.py): the table's parsing and interpolation, the cost model's use of it,
+and the measurement through the model's own modules (in this process, one tiny shape)."""
+
+from __future__ import annotations
+
+from dataclasses import astuple
+
+import pytest
+
+from hybridpar.config import Config, ModelConfig
+from hybridpar.plan.calibrate import (
+    Calibration,
+    EndTime,
+    LayerTime,
+    _local_shard,
+    calibrate,
+    parse_calibration,
+    shapes_for,
+    signature,
+)
+from hybridpar.plan.cost import CostModel, optimizer_s, placement, predict, stage_costs
+from hybridpar.plan.hardware import parse_hardware, to_toml
+from tests.test_plan_cost import cfg_of
+from tests.test_plan_cost import hw as cost_hw
+
+SEQ = Config().train.seq_len
+
+
+def table(model: str | None = None) -> dict:
+    return {
+        "model": model or signature(Config().model, SEQ),
+        "optimizer_layer_us": 1000.0,
+        "action_overhead_us": 50.0,
+        "layer": [[1, 256, 4000.0, 8000.0, 6000.0, 3000.0], [1, 512, 7000.0, 14000.0, 10000.0, 5000.0]]
+        + [[2, 512, 5000.0, 9000.0, 7000.0, 2500.0]],
+        "ends": [[256, 40.0, 80.0, 400.0, 800.0], [512, 50.0, 100.0, 700.0, 1400.0]],
+    }
+
+
+def hw(cal: dict | None = None):
+    return cost_hw(memory_bandwidth_gbs=30.0, op_overhead_us=5.0, **({"calibration": cal} if cal is not None else {}))
+
+
+def test_measured_sizes_are_used_as_they_are_and_interpolated_between() -> None:
+    cal = parse_calibration(table(), "t")
+    assert astuple(cal.layer(1, 512)) == pytest.approx(astuple(LayerTime(1, 512, 7e-3, 14e-3, 10e-3, 5e-3)))
+    mid = cal.layer(1, 384)  # halfway
+    assert mid.f == pytest.approx(5.5e-3) and mid.w == pytest.approx(4e-3)
+    assert cal.layer(1, 1024).f == pytest.approx(13e-3)  # extrapolated along the last two sizes
+    assert cal.layer(2, 1024).f == pytest.approx(10e-3)  # one size at this tp: proportional to tokens
+    assert cal.layer(4, 512) is None  # not measured at tp=4: the cost model counts FLOPs
+    assert astuple(cal.end(512)) == pytest.approx(astuple(EndTime(512, 50e-6, 100e-6, 700e-6, 1400e-6)))
+
+
+def test_the_table_round_trips_through_the_hardware_file() -> None:
+    h = hw(table())
+    again = parse_hardware(__import__("tomllib").loads(to_toml(h)))
+    assert again == h and isinstance(again.calibration, Calibration)
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        ({"layer": [[1, 512, 1.0]]}, "layer must be a non-empty list of \\[6 numbers"),
+        ({"ends": []}, "ends must be a non-empty list"),
+        ({"optimizer_layer_us": -1}, "optimizer_layer_us must be a number >= 0"),
+        ({"model": 3}, "model must be"),
+        ({"extra": 1}, "needs the keys .* got .*'extra'"),
+        ({"core_share": 0.0}, "core_share must be a number in \\(0, 1\\]"),
+    ],
+)
+def test_bad_tables_are_named(change: dict, message: str) -> None:
+    with pytest.raises(ValueError, match=message):
+        hw(table() | change)
+
+
+def test_foreign_load_stretches_the_measured_cpu_times() -> None:
+    half = parse_calibration(table() | {"core_share": 0.5}, "t")
+    assert half.layer(1, 512).f == pytest.approx(14e-3) and half.end(512).head_b == pytest.approx(2800e-6)
+
+
+def test_calibrated_layers_replace_flops_and_keep_the_collectives() -> None:
+    t, plain = cfg_of().train, CostModel(Config().model, hw())
+    model = CostModel(Config().model, hw(table()))
+    link = model.hw.intra_node
+    lay = model.layer(t, 1, 512, link, "none")
+    assert (lay.f.compute, lay.b.compute, lay.w.compute) == pytest.approx((7e-3, 14e-3, 0.0))
+    split = model.layer(t, 1, 512, link, "none", split=True)
+    assert (split.b.compute, split.w.compute) == pytest.approx((10e-3, 5e-3))
+    tp2, flops = model.layer(t, 2, 512, link, "none"), plain.layer(t, 2, 512, link, "none")
+    assert tp2.f.compute == pytest.approx(5e-3) and tp2.f.comm_s == flops.f.comm_s > 0
+    full = model.layer(t, 1, 512, link, "full")
+    assert full.b.compute == pytest.approx(21e-3)
+    # Outside the measured shapes, precision or model: FLOPs, as without a table.
+    assert model.layer(t, 4, 512, link, "none") == plain.layer(t, 4, 512, link, "none")
+    bf16 = cfg_of(precision="bf16").train
+    assert model.layer(bf16, 1, 512, link, "none") == plain.layer(bf16, 1, 512, link, "none")
+    other = CostModel(ModelConfig(dim=256, n_heads=4, ffn_dim=704), hw(table()))
+    assert other.calibrated(t) is None
+
+
+def test_a_calibrated_one_device_step_adds_up_the_measured_times() -> None:
+    cfg = cfg_of(m=4)  # 4 sequences of 128 tokens per microbatch: the 512-token rows
+    model = CostModel(cfg.model, hw(table()))
+    c = stage_costs(model, cfg, placement(cfg.parallel, model.hw), [range(0, 4)], 512)[0]
+    action = 50e-6
+    assert c.f.compute == pytest.approx(4 * 7e-3 + action + 50e-6 + 700e-6)
+    assert c.b.compute == pytest.approx(4 * 14e-3 + action + 100e-6 + 1400e-6)
+    pred = predict(model, cfg)
+    assert pred.pipeline_s == pytest.approx(4 * (c.f.total + c.b.total))
+    layers = cfg.model.n_layers + (model.counts.embed + model.counts.head) / model.counts.layer
+    opt = optimizer_s(model, 1, 1, 0, model.hw.intra_node, layers * model.counts.layer)
+    assert opt == pytest.approx(1e-3 * layers)
+
+
+def test_shapes_follow_the_splits_the_search_can_make() -> None:
+    m = Config().model  # 4 heads
+    assert shapes_for(m, 4, 4) == [(tp, b) for tp in (1, 2, 4) for b in (1, 2, 4)]
+    assert {tp for tp, _ in shapes_for(m, 16, 3)} == {1}
+
+
+def test_local_shard_keeps_one_ranks_slice() -> None:
+    import torch
+
+    from hybridpar.model.registry import build_stage
+
+    m = Config().model
+    stage = build_stage(m, [0], False, False, 0, torch.device("cpu"))
+    _local_shard(stage, 2)
+    attn = stage.layers["0"].self_attn
+    assert attn.q_proj.weight.shape == (m.dim // 2, m.dim) and attn.o_proj.weight.shape == (m.dim, m.dim // 2)
+    assert stage(torch.randn(1, 8, m.dim)).shape == (1, 8, m.dim)
+
+
+def test_calibrate_times_the_real_modules() -> None:
+    m = ModelConfig(dim=32, n_layers=2, n_heads=2, ffn_dim=64)
+    cal = calibrate(m, 16, [(1, 1), (2, 1)], seconds=0.0)
+    assert cal.model == signature(m, 16) and [(r.tp, r.tokens) for r in cal.layers] == [(1, 16), (2, 16)]
+    assert all(x > 0 for r in cal.layers for x in (r.f, r.b, r.b_input, r.w))
+    assert all(x > 0 for x in (cal.ends[0].embed_f, cal.ends[0].head_b, cal.optimizer_layer_s, cal.action_overhead_s))
+    assert parse_calibration(__import__("tomllib").loads(cal.to_toml())["calibration"], "t").layers[0].tp == 1
