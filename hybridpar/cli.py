@@ -8,9 +8,12 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from hybridpar.config import Config, help_text, parse_args
+
+if TYPE_CHECKING:
+    from hybridpar.plan.launch import AutoPlan
 
 USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite]
                        [--section.key VALUE ...]
@@ -115,7 +118,14 @@ def _set_flag(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
 
 
 def launch_train(argv: list[str]) -> int:
-    from hybridpar.launcher import end_launch, outcome, start_launch, stop_on_permanent_failure
+    from hybridpar.launcher import (
+        end_launch,
+        outcome,
+        planned_flags,
+        report_plan,
+        start_launch,
+        stop_on_permanent_failure,
+    )
     from hybridpar.preflight import preflight, preflight_config
     from hybridpar.topology.nodes import tp_node_problem
 
@@ -129,11 +139,16 @@ def launch_train(argv: list[str]) -> int:
     theirs, ours = split_argv(argv)
     nproc = _flag(theirs, "--nproc-per-node", "--nproc_per_node")
     nnodes = _flag(theirs, "--nnodes") or "1"
+    planned = None
     try:
-        cfg = parse_args(ours)
+        given: set[str] = set()
+        cfg = parse_args(ours, given)
         world = None
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
+        if cfg.parallel.auto:  # plan once, here; the workers get the choice as flags
+            planned = _auto_plan(cfg, given, world, nnodes)
+            cfg, ours = planned.cfg, ours + planned_flags(planned.cfg)
         cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
         if (
             nnodes == "1"
@@ -159,6 +174,8 @@ def launch_train(argv: list[str]) -> int:
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
+    if planned is not None:
+        report_plan(planned, cfg.run_dir, world)
     for note in notes:
         print(note)
     watch = stop_on_permanent_failure(cfg, claim)
@@ -167,6 +184,22 @@ def launch_train(argv: list[str]) -> int:
     finally:
         watch.set()
         end_launch(claim)
+
+
+def _auto_plan(cfg: Config, given: set[str], world: int | None, nnodes: str) -> AutoPlan:
+    from hybridpar.plan.launch import auto_plan
+
+    if world is None:
+        raise ValueError(
+            "parallel.auto plans for a known world size: give --nproc-per-node N and a fixed --nnodes N "
+            "(not auto, not a range)"
+        )
+    if nnodes != "1" and cfg.parallel.hardware is None:
+        raise ValueError(
+            "parallel.auto on several nodes needs --parallel.hardware FILE (each node's launcher plans, and "
+            "must reach the same layout; a probe measures only its own node)"
+        )
+    return auto_plan(cfg, given, world)
 
 
 def _run_agent(

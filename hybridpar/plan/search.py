@@ -246,9 +246,31 @@ class Planner:
         return Candidate(cfg, pred, mem, tokens / pred.step_s, flops / (world * self.hw.peak_flops(t.precision)))
 
 
-def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, top: int = 10) -> Plan:
+# The config key of each knob (`fixed` names knobs by these keys).
+KNOB_KEYS = {
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "dp": "parallel.dp",
+    "schedule": "parallel.schedule",
+    "v": "parallel.virtual_stages",
+    "m": "train.microbatches",
+    "zero": "parallel.zero",
+    "recompute": "train.recompute",
+    "precision": "train.precision",
+    "partition": "parallel.partition",
+}
+
+
+def plan(
+    base: Config,
+    hw: Hardware,
+    memory: Memory,
+    world: int | None = None,
+    top: int = 10,
+    fixed: dict[str, Any] | None = None,
+) -> Plan:
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
-    when none does."""
+    when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices)."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -257,9 +279,13 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
     planner = Planner(base, hw, memory)
-    knobs = list(_knobs(base, hw, world))
+    held = {n: (fixed or {})[k] for n, k in KNOB_KEYS.items() if k in (fixed or {})}
+    knobs = [k for k in _knobs(base, hw, world) if all(k[n] == v for n, v in held.items())]
     if not knobs:
-        raise ValueError(_no_split(base, hw, world))
+        if not held or next(_knobs(base, hw, world), None) is None:
+            raise ValueError(_no_split(base, hw, world))
+        given = ", ".join(f"{KNOB_KEYS[n]}={v}" for n, v in held.items())
+        raise ValueError(f"no layout of world {world} has {given}: leave some of them to the planner")
     ranked = sorted(knobs, key=planner.estimate)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for k in knobs:
