@@ -280,12 +280,18 @@ def plan(
         )
     planner = Planner(base, hw, memory)
     held = {n: (fixed or {})[k] for n, k in KNOB_KEYS.items() if k in (fixed or {})}
-    knobs = [k for k in _knobs(base, hw, world) if all(k[n] == v for n, v in held.items())]
+    every = list(_knobs(base, hw, world))
+    keeps = lambda k, hold: all(k[n] == v for n, v in hold.items())  # noqa: E731
+    knobs = [k for k in every if keeps(k, held)]
     if not knobs:
-        if not held or next(_knobs(base, hw, world), None) is None:
+        if not every:
             raise ValueError(_no_split(base, hw, world))
-        given = ", ".join(f"{KNOB_KEYS[n]}={v}" for n, v in held.items())
-        raise ValueError(f"no layout of world {world} has {given}: leave some of them to the planner")
+        # Binding: the held keys that, let go alone, leave some layout.
+        free = [n for n in held if any(keeps(k, {m: v for m, v in held.items() if m != n}) for k in every)]
+        given = ", ".join(f"{KNOB_KEYS[n]}={held[n]}" for n in free or held)
+        raise ValueError(
+            f"no layout of world {world} has {given}: leave {'it' if len(free) == 1 else 'some'} to the planner"
+        )
     ranked = sorted(knobs, key=planner.estimate)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for k in knobs:
