@@ -147,7 +147,7 @@ def launch_train(argv: list[str]) -> int:
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
         if cfg.parallel.auto:  # plan once, here; the workers get the choice as flags
-            planned = _auto_plan(cfg, given, world, nnodes)
+            planned = _auto_plan(cfg, given, world, nnodes, nproc)
             cfg, ours = planned.cfg, ours + planned_flags(planned.cfg)
         cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
         if (
@@ -175,7 +175,7 @@ def launch_train(argv: list[str]) -> int:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
     if planned is not None:
-        report_plan(planned, cfg.run_dir, world)
+        report_plan(planned, cfg.run_dir, planned.cfg.parallel.world_size)
     for note in notes:
         print(note)
     watch = stop_on_permanent_failure(cfg, claim)
@@ -186,13 +186,23 @@ def launch_train(argv: list[str]) -> int:
         end_launch(claim)
 
 
-def _auto_plan(cfg: Config, given: set[str], world: int | None, nnodes: str) -> AutoPlan:
+def planned_world(world: int | None, nnodes: str, nproc: str | None) -> int | None:
+    """The world a launch plans for: the one it starts, or under `--nnodes MIN:MAX` the largest (the
+    workers of a smaller one re-plan through the planner, as after losing a node)."""
+    lo, sep, hi = nnodes.partition(":")
+    if world is None and sep and hi.isdigit() and nproc is not None and nproc.isdigit():
+        return int(hi) * int(nproc)
+    return world
+
+
+def _auto_plan(cfg: Config, given: set[str], world: int | None, nnodes: str, nproc: str | None) -> AutoPlan:
     from hybridpar.plan.launch import auto_plan
 
+    world = planned_world(world, nnodes, nproc)
     if world is None:
         raise ValueError(
-            "parallel.auto plans for a known world size: give --nproc-per-node N and a fixed --nnodes N "
-            "(not auto, not a range)"
+            "parallel.auto plans for a known world size: give --nproc-per-node N and --nnodes N or MIN:MAX "
+            f"(got --nproc-per-node {nproc or 'unset'}, --nnodes {nnodes})"
         )
     if nnodes != "1" and cfg.parallel.hardware is None:
         raise ValueError(

@@ -164,16 +164,25 @@ def test_replan_without_the_launch_record_is_one_line(tmp_path: Path) -> None:
         (4.0, ["--parallel.dp", "3"], "no layout of world 4 has parallel.dp=3: leave it to the planner"),
         (4.0, ["--batching.policy", "adaptive"], "parallel.auto chooses train.microbatches"),
         (4.0, ["--train.recompute", "full,none"], "gives a mode per stage"),
-        (4.0, ["--nnodes", "1:2"], "parallel.auto plans for a known world size"),
+        (4.0, ["--nnodes", "1:2", "--nproc-per-node", "auto"], "parallel.auto plans for a known world size"),
+        (4.0, ["--nnodes", "2", "--nproc-per-node", "2"], "parallel.auto on several nodes needs --parallel.hardware"),
     ],
 )
 @pytest.mark.usefixtures("no_launch")  # tests/test_cli.py's: a launched worker fails the test
 def test_impossible_requests_are_one_line_and_exit_2(gib, extra, match, tmp_path, capsys) -> None:
-    argv = ["train", "--nproc-per-node", "4", "--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path, gib=gib)]
-    assert cli.main([*argv, *extra, "--run-dir", str(tmp_path / "run")]) == 2
+    argv = ["train", "--parallel.auto", "true"]
+    argv += [] if "--nnodes" in extra else ["--parallel.hardware", _hw(tmp_path, gib=gib)]
+    argv += extra if "--nproc-per-node" in extra else ["--nproc-per-node", "4", *extra]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
     err = capsys.readouterr().err.strip()
     assert match in err and len(err.splitlines()) == 1, err
     assert not (tmp_path / "run" / PLAN_FILE).exists()
+
+
+def test_an_elastic_launch_plans_for_its_largest_world() -> None:
+    assert cli.planned_world(None, "1:3", "2") == 6  # fewer nodes re-plan through the planner
+    assert cli.planned_world(8, "2", "4") == 8
+    assert cli.planned_world(None, "1:2", "auto") is None
 
 
 def test_planner_keys_need_auto() -> None:
