@@ -21,7 +21,9 @@ USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DI
 Trains a Llama-family model (--model.family gpt2 for GPT-2) on the embedded default (the Python
 standard library's source, byte-level) with tp=2 x pp=2 unless told otherwise. torchrun flags such
 as --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint and --max-restarts are passed to
-torch.distributed.run.
+torch.distributed.run. --parallel.auto true plans the layout for the world it gets (--parallel.hardware
+FILE, or this machine probed), holding the keys you give, prints the choice and the runners-up and writes
+<run-dir>/plan.json (docs/planner.md, "Planning at launch").
 
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar export SOURCE --out DIR [--step N]     (a run, checkpoint or step as a Hugging Face directory)
