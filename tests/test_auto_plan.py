@@ -221,3 +221,19 @@ def test_train_auto_runs_the_planned_layout(tmp_path: Path) -> None:
     assert manual.returncode == 0, manual.stderr[-3000:]
     got, want = _losses(tmp_path / "auto"), _losses(tmp_path / "manual")
     assert len(got) == 2 and got == pytest.approx(want, abs=1e-6)
+    first = json.loads((tmp_path / "auto" / "metrics.jsonl").read_text().splitlines()[0])
+    assert sum(first["microbatches"]) == 5  # replica 0's microbatches: its share of the batch, as planned
+
+
+@pytest.mark.multiprocess
+def test_uneven_stages_and_replica_shares_train_the_one_device_model(tmp_path: Path) -> None:
+    """What the planner writes for unequal devices is exact: explicit stage sizes and an uneven batch
+    split against the single-device run (losses within 1e-5, parameters by the fp64 criterion)."""
+    from hybridpar.reference import tiny_config
+    from tests.test_equivalence import check_layouts
+
+    layout = dict(tp=1, pp=2, dp=2, partition="layers", stage_layers=[6, 2], replica_batch=[7, 4])
+    cfgs = [tiny_config(parallel={**layout, "schedule": s}) for s in ("1f1b", "gpipe")]
+    for cfg in cfgs:
+        cfg.validate(world_size=4)
+    check_layouts(cfgs, tmp_path)
