@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -185,9 +186,27 @@ def test_an_elastic_launch_plans_for_its_largest_world() -> None:
     assert cli.planned_world(None, "1:2", "auto") is None
 
 
-def test_planner_keys_need_auto() -> None:
-    with pytest.raises(ValueError, match="parallel.hardware is read by the planner only: add --parallel.auto true"):
-        parse_args(["--parallel.hardware", "x.toml"]).validate()
+@pytest.mark.parametrize(
+    "argv,match",
+    [
+        (["--parallel.hardware", "x.toml"], "parallel.hardware is read by the planner only: add --parallel.auto true"),
+        (["--parallel.stage_layers", "3,1"], "parallel.stage_layers=[3, 1] goes with parallel.partition='layers'"),
+        (["--parallel.partition", "layers"], "parallel.stage_layers=None goes with parallel.partition='layers'"),
+        (["--parallel.partition", "layers", "--parallel.stage_layers", "3"], "has 1 entries but the layout has 2"),
+        (["--parallel.partition", "layers", "--parallel.stage_layers", "3,2"], "sums to 5 but model.n_layers=4"),
+        (["--parallel.partition", "layers", "--parallel.stage_layers", "4,0"], "stage_layers[1]=0 must be a positive"),
+        (["--parallel.dp", "2", "--parallel.replica_batch", "16"], "replica_batch has 1 entries but parallel.dp=2"),
+        (["--parallel.dp", "2", "--parallel.replica_batch", "9,6"], "sums to 15 but train.global_batch=16"),
+        (["--parallel.dp", "2", "--parallel.replica_batch", "13,3"], "train.microbatches=4 exceeds the 3 samples"),
+        (
+            ["--parallel.dp", "2", "--parallel.replica_batch", "10,6", "--batching.policy", "adaptive"],
+            "parallel.replica_batch splits the batch unevenly, which batching.policy=adaptive",
+        ),
+    ],
+)
+def test_bad_planner_keys_are_refused(argv: list[str], match: str) -> None:
+    with pytest.raises(ValueError, match=re.escape(match)):
+        parse_args(argv).validate()
 
 
 def _losses(run_dir: Path) -> list[float]:
