@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 from hybridpar.config import Config, help_text, parse_args
+from hybridpar.config.keys import _owner
 
 if TYPE_CHECKING:
     from hybridpar.plan.launch import AutoPlan
@@ -134,7 +135,8 @@ def launch_train(argv: list[str]) -> int:
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
     argv = [a for a in argv if a != "--overwrite"]
     try:  # config errors first, before torchrun's option table costs the torch import (seconds)
-        preflight_config(parse_args(_ours_by_name(argv)))
+        early: set[str] = set()
+        preflight_config(_layout_left(parse_args(_ours_by_name(argv), early), early))
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
@@ -186,6 +188,19 @@ def launch_train(argv: list[str]) -> int:
     finally:
         watch.set()
         end_launch(claim)
+
+
+def _layout_left(cfg: Config, given: set[str]) -> Config:
+    """Under parallel.auto, the layout keys left to the planner set to what any model takes (one process,
+    one microbatch), so that the first check judges what the user gave, not defaults the plan replaces
+    (a per-stage recomputation list waits for the planner's own check, plan/launch.py)."""
+    left = {"parallel.tp": 1, "parallel.pp": 1, "parallel.dp": 1, "parallel.virtual_stages": None}
+    for key, value in [*left.items(), ("train.microbatches", 1)] if cfg.parallel.auto else ():
+        if key not in given:
+            setattr(*_owner(cfg, key), value)
+    if cfg.parallel.auto and "," in cfg.train.recompute:
+        cfg.train.recompute = "none"
+    return cfg
 
 
 def planned_world(world: int | None, nnodes: str, nproc: str | None) -> int | None:

@@ -180,6 +180,16 @@ def test_impossible_requests_are_one_line_and_exit_2(gib, extra, match, tmp_path
     assert not (tmp_path / "run" / PLAN_FILE).exists()
 
 
+@pytest.mark.usefixtures("no_launch")
+def test_layout_defaults_the_planner_replaces_are_not_held_against_the_model(tmp_path, capsys) -> None:
+    # 3 heads (tp=2, the default, does not divide them) and 2 sequences (fewer than the default 4
+    # microbatches): fine, the planner chooses tp and microbatches; an impossible memory ends it after.
+    argv = ["train", "--nproc-per-node", "2", "--parallel.auto", "true", "--parallel.hardware"]
+    argv += [_hw(tmp_path, n=2, gib=1e-6), "--model.n_heads", "3", "--model.dim", "96", "--train.global_batch", "2"]
+    assert cli.main([*argv, "--run-dir", str(tmp_path / "run")]) == 2
+    assert "no layout fits" in capsys.readouterr().err
+
+
 def test_an_elastic_launch_plans_for_its_largest_world() -> None:
     assert cli.planned_world(None, "1:3", "2") == 6  # fewer nodes re-plan through the planner
     assert cli.planned_world(8, "2", "4") == 8
