@@ -141,7 +141,9 @@ def launch(
     return rank 0's summary: per-step losses of the last attempt, validation losses, the final params digest
     (None if the run was preempted). The elastic agent restarts all workers up to `max_restarts` times
     (default resilience.max_restarts); restarted workers resume from the newest verified checkpoint.
-    `nproc` other than tp*pp*dp with a resume re-plans the layout (resilience.replan). The run directory
+    `nproc` other than tp*pp*dp with a resume re-plans the layout (resilience.replan). With
+    parallel.auto the layout is planned here for `nproc` (default tp*pp*dp), holding the planner's keys
+    set to other than their defaults, and plan.json written (plan/launch.py). The run directory
     is held for the launch: a run_dir holding another run is refused unless `overwrite` (which deletes that
     run's files). Bad config or data raises ValueError before any worker starts, and so does a failure a
     worker found that a restart would repeat. `start_method`
