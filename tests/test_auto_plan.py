@@ -150,6 +150,17 @@ def test_elastic_replan_goes_through_the_planner(tmp_path: Path) -> None:
     assert layout_for_world(running, 4, 0, replan_with_planner) == (running, None)
 
 
+def test_replan_lets_go_of_keys_the_new_world_cannot_keep(tmp_path: Path) -> None:
+    cfg, given = _parse(["--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path), "--run-dir", str(tmp_path)])
+    cfg.parallel.schedule = "zb-v"  # needs two pipeline ranks: none in a world of 1
+    ap = auto_plan(cfg, given | {"parallel.schedule"}, 4)
+    write_record(tmp_path, record(ap, 4))
+    assert ap.cfg.parallel.schedule == "zb-v"
+    ap.cfg.checkpoint.resume = "auto"
+    new, _ = layout_for_world(ap.cfg, 1, 0, replan_with_planner)
+    assert new.parallel.world_size == 1 and new.parallel.schedule != "zb-v"
+
+
 def test_replan_without_the_launch_record_is_one_line(tmp_path: Path) -> None:
     _, running = _resumed(tmp_path, 4)
     (tmp_path / PLAN_FILE).unlink()
@@ -266,3 +277,21 @@ def test_uneven_stages_and_replica_shares_train_the_one_device_model(tmp_path: P
     for cfg in cfgs:
         cfg.validate(world_size=4)
     check_layouts(cfgs, tmp_path)
+
+
+@pytest.mark.multiprocess
+def test_launch_api_plans_too(tmp_path: Path) -> None:
+    """`hybridpar.launch(cfg, nproc=2)`: the keys set to other than their defaults (dp=2) are held, the
+    plan is printed and written, and the run takes the planned shares."""
+    from tests.test_chaos import _run
+
+    hw = _hw(tmp_path, n=2, speed=[1.0, 0.5])
+    cfg = parse_args([*tiny_flags(2), "--train.global_batch", "8", "--parallel.tp", "1", "--parallel.pp", "1"])
+    cfg.parallel.dp, cfg.parallel.auto, cfg.parallel.hardware = 2, True, hw
+    cfg.run_dir = str(tmp_path / "run")
+    result, out = _run(cfg, 2)
+    assert len(result["losses"]) == 2 and "hybridpar: running #1: tp=1 pp=1 dp=2" in out
+    rec = json.loads((tmp_path / "run" / PLAN_FILE).read_text())
+    assert rec["fixed"]["parallel.dp"] == 2 and rec["runs"]["parallel"]["replica_batch"] == [5, 3]
+    first = json.loads((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()[0])
+    assert sum(first["microbatches"]) == 5

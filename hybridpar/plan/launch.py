@@ -199,7 +199,8 @@ def summary(ap: AutoPlan) -> str:
 def replan_with_planner(cfg: Config, world: int) -> Config:
     """The elastic re-plan under parallel.auto: plan again for `world` on the hardware and with the fixed
     keys the launch recorded in plan.json, tp/pp/dp freed (the world changed) and the precision kept
-    (the checkpoint's run goes on computing the same way)."""
+    (the checkpoint's run goes on computing the same way); where the other fixed keys leave no layout for
+    the new world, without them (a run that lost a node goes on rather than stops)."""
     from hybridpar.plan.memory import rank_memory
 
     path = Path(cfg.run_dir) / PLAN_FILE
@@ -214,5 +215,8 @@ def replan_with_planner(cfg: Config, world: int) -> Config:
             "or set resilience.replan=off"
         ) from None
     fixed["train.precision"] = cfg.train.precision
-    result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed=fixed)
+    try:
+        result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed=fixed)
+    except ValueError:  # the user's keys do not suit the new world (a schedule that needs pp > 1): go on without
+        result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed={"train.precision": cfg.train.precision})
     return runnable(result.candidates[0], hw)
