@@ -36,9 +36,9 @@ from typing import Callable, Sequence
 import torch
 
 from hybridpar.pipeline.p2p import P2P
+from hybridpar.pipeline.ping import ping_pong
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.simulate import Costs, SimResult, simulate
-from hybridpar.plan.probe import ping_pong
 
 _COMPUTE = ("F", "B", "W")
 

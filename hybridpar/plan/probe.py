@@ -26,12 +26,9 @@ import socket
 import statistics
 import time
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any
 
 from hybridpar.plan.hardware import Hardware, Link
-
-if TYPE_CHECKING:
-    from hybridpar.pipeline.p2p import P2P
 
 MATMUL_N = 512
 REPEATS = 3
@@ -64,38 +61,6 @@ def _add(n: int, seconds: float) -> float:
     return 1.0 / _rate(lambda: torch.add(x, y, out=z), 1.0, seconds)
 
 
-def ping_pong(
-    p2p: P2P, me: int, a: int, b: int, peer: Callable[[int], int], shape: tuple[int, ...], round_trips: int, warmup: int
-) -> list[float]:
-    """Round trips a -> b -> a of one message of `shape` (float32); run by both ends. Returns the
-    measured round-trip seconds on `a`, [] on `b`."""
-    import torch
-
-    x = torch.zeros(shape, dtype=p2p.dtype, device=p2p.device)
-    rtts: list[float] = []
-    for i in range(warmup + round_trips):
-        if me == a:
-            t0 = time.perf_counter()
-            p2p.queue_send(x, peer(b))
-            p2p.queue_recv(("pong", i), shape, peer(b))
-            p2p.flush()
-            buf = p2p.wait_recv(("pong", i))
-            t1 = time.perf_counter()
-            p2p.release(buf)
-            p2p.wait_sends()
-            if i >= warmup:
-                rtts.append(t1 - t0)
-        else:
-            p2p.queue_recv(("ping", i), shape, peer(a))
-            p2p.flush()
-            buf = p2p.wait_recv(("ping", i))
-            p2p.queue_send(buf, peer(a))
-            p2p.flush()
-            p2p.wait_sends()
-            p2p.release(buf)
-    return rtts
-
-
 def _worker(seconds: float, round_trips: int) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -110,6 +75,7 @@ def measure(seconds: float = 0.5, round_trips: int = 50) -> dict[str, Any]:
     import torch.distributed as dist
 
     from hybridpar.pipeline.p2p import P2P
+    from hybridpar.pipeline.ping import ping_pong
 
     me = dist.get_rank()
     out: dict[str, Any] = {"alone": [], "together": []}
