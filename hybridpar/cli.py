@@ -8,9 +8,13 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 from hybridpar.config import Config, help_text, parse_args
+from hybridpar.config.keys import _owner
+
+if TYPE_CHECKING:
+    from hybridpar.plan.launch import AutoPlan
 
 USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite]
                        [--section.key VALUE ...]
@@ -18,7 +22,9 @@ USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DI
 Trains a Llama-family model (--model.family gpt2 for GPT-2) on the embedded default (the Python
 standard library's source, byte-level) with tp=2 x pp=2 unless told otherwise. torchrun flags such
 as --nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint and --max-restarts are passed to
-torch.distributed.run.
+torch.distributed.run. --parallel.auto true plans the layout for the world it gets (--parallel.hardware
+FILE, or this machine probed), holding the keys you give, prints the choice and the runners-up and writes
+<run-dir>/plan.json (docs/planner.md, "Planning at launch").
 
        hybridpar serve [--help] [--source PATH] ...     (OpenAI-compatible server, see `hybridpar serve --help`)
        hybridpar export SOURCE --out DIR [--step N]     (a run, checkpoint or step as a Hugging Face directory)
@@ -115,25 +121,38 @@ def _set_flag(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
 
 
 def launch_train(argv: list[str]) -> int:
-    from hybridpar.launcher import end_launch, outcome, start_launch, stop_on_permanent_failure
+    from hybridpar.launcher import (
+        end_launch,
+        outcome,
+        planned_flags,
+        report_plan,
+        start_launch,
+        stop_on_permanent_failure,
+    )
     from hybridpar.preflight import preflight, preflight_config
     from hybridpar.topology.nodes import tp_node_problem
 
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
     argv = [a for a in argv if a != "--overwrite"]
     try:  # config errors first, before torchrun's option table costs the torch import (seconds)
-        preflight_config(parse_args(_ours_by_name(argv)))
+        early: set[str] = set()
+        preflight_config(_layout_left(parse_args(_ours_by_name(argv), early), early))
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
     theirs, ours = split_argv(argv)
     nproc = _flag(theirs, "--nproc-per-node", "--nproc_per_node")
     nnodes = _flag(theirs, "--nnodes") or "1"
+    planned = None
     try:
-        cfg = parse_args(ours)
+        given: set[str] = set()
+        cfg = parse_args(ours, given)
         world = None
         if nnodes.isdigit() and (nproc is None or nproc.isdigit()):
             world = int(nnodes) * int(nproc or cfg.parallel.world_size)
+        if cfg.parallel.auto:  # plan once, here; the workers get the choice as flags
+            planned = _auto_plan(cfg, given, world, nnodes, nproc)
+            cfg, ours = planned.cfg, ours + planned_flags(planned.cfg)
         cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
         if (
             nnodes == "1"
@@ -159,6 +178,8 @@ def launch_train(argv: list[str]) -> int:
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
+    if planned is not None:
+        report_plan(planned, cfg.run_dir, planned.cfg.parallel.world_size)
     for note in notes:
         print(note)
     watch = stop_on_permanent_failure(cfg, claim)
@@ -167,6 +188,45 @@ def launch_train(argv: list[str]) -> int:
     finally:
         watch.set()
         end_launch(claim)
+
+
+def _layout_left(cfg: Config, given: set[str]) -> Config:
+    """Under parallel.auto, the layout keys left to the planner set to what any model takes (one process,
+    one microbatch), so that the first check judges what the user gave, not defaults the plan replaces
+    (a per-stage recomputation list waits for the planner's own check, plan/launch.py)."""
+    left = {"parallel.tp": 1, "parallel.pp": 1, "parallel.dp": 1, "parallel.virtual_stages": None}
+    for key, value in [*left.items(), ("train.microbatches", 1)] if cfg.parallel.auto else ():
+        if key not in given:
+            setattr(*_owner(cfg, key), value)
+    if cfg.parallel.auto and "," in cfg.train.recompute:
+        cfg.train.recompute = "none"
+    return cfg
+
+
+def planned_world(world: int | None, nnodes: str, nproc: str | None) -> int | None:
+    """The world a launch plans for: the one it starts, or under `--nnodes MIN:MAX` the largest (the
+    workers of a smaller one re-plan through the planner, as after losing a node)."""
+    lo, sep, hi = nnodes.partition(":")
+    if world is None and sep and hi.isdigit() and nproc is not None and nproc.isdigit():
+        return int(hi) * int(nproc)
+    return world
+
+
+def _auto_plan(cfg: Config, given: set[str], world: int | None, nnodes: str, nproc: str | None) -> AutoPlan:
+    from hybridpar.plan.launch import auto_plan
+
+    world = planned_world(world, nnodes, nproc)
+    if world is None:
+        raise ValueError(
+            "parallel.auto plans for a known world size: give --nproc-per-node N and --nnodes N or MIN:MAX "
+            f"(got --nproc-per-node {nproc or 'unset'}, --nnodes {nnodes})"
+        )
+    if nnodes != "1" and cfg.parallel.hardware is None:
+        raise ValueError(
+            "parallel.auto on several nodes needs --parallel.hardware FILE (each node's launcher plans, and "
+            "must reach the same layout; a probe measures only its own node)"
+        )
+    return auto_plan(cfg, given, world)
 
 
 def _run_agent(

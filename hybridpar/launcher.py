@@ -20,11 +20,15 @@ import signal
 import threading
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from hybridpar.config import Config
+from hybridpar.config.parse import override_flags
 from hybridpar.preflight import checkpoint_dir
 from hybridpar.resilience import rundir
+
+if TYPE_CHECKING:
+    from hybridpar.plan.launch import AutoPlan
 
 
 def start_launch(cfg: Config, overwrite: bool = False, node_key: str | None = None) -> rundir.RunClaim:
@@ -87,6 +91,22 @@ def stop_on_permanent_failure(cfg: Config, claim: rundir.RunClaim, poll_s: float
     return done
 
 
+def planned_flags(cfg: Config) -> list[str]:
+    """The chosen layout as `--key=VALUE` flags, appended to the workers' command line (read after the
+    user's, so they win)."""
+    from hybridpar.plan.launch import PLANNED
+
+    return override_flags(cfg, list(PLANNED))
+
+
+def report_plan(planned: AutoPlan, run_dir: str, world: int) -> None:
+    """Print the choice and the runners-up; write plan.json into the (claimed) run directory."""
+    from hybridpar.plan.launch import record, summary, write_record
+
+    path = write_record(run_dir, record(planned, world))
+    print(f"{summary(planned)}\nhybridpar: the ranked layouts are in {path}", flush=True)
+
+
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.train import enter_worker, train
@@ -121,7 +141,9 @@ def launch(
     return rank 0's summary: per-step losses of the last attempt, validation losses, the final params digest
     (None if the run was preempted). The elastic agent restarts all workers up to `max_restarts` times
     (default resilience.max_restarts); restarted workers resume from the newest verified checkpoint.
-    `nproc` other than tp*pp*dp with a resume re-plans the layout (resilience.replan). The run directory
+    `nproc` other than tp*pp*dp with a resume re-plans the layout (resilience.replan). With
+    parallel.auto the layout is planned here for `nproc` (default tp*pp*dp), holding the planner's keys
+    set to other than their defaults, and plan.json written (plan/launch.py). The run directory
     is held for the launch: a run_dir holding another run is refused unless `overwrite` (which deletes that
     run's files). Bad config or data raises ValueError before any worker starts, and so does a failure a
     worker found that a restart would repeat. `start_method`
@@ -135,9 +157,17 @@ def launch(
     from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
 
     world = nproc or cfg.parallel.world_size
+    planned = None
+    if cfg.parallel.auto:  # the keys set to other than their defaults are the user's, held fixed
+        from hybridpar.plan.launch import auto_plan, given_by_value
+
+        planned = auto_plan(cfg, given_by_value(cfg), world)
+        cfg = planned.cfg
     preflight(cfg, world)
     claim = start_launch(cfg, overwrite)
     try:
+        if planned is not None:
+            report_plan(planned, cfg.run_dir, world)
         register_loopback_rendezvous()
         lc = LaunchConfig(
             min_nodes=1,

@@ -3,7 +3,8 @@ any worker starts, and by every worker before it joins the process group (so pla
 
 Everything that would otherwise fail inside the workers, and fail the same way after every restart, is
 found here and raised as one ValueError naming the key, the value and what would be right: the config
-and its layout for the world size (with the elastic re-plan of a resumed run), the emulation specs, the
+and its layout for the world size (with the elastic re-plan of a resumed run: the planner's under
+parallel.auto, plan/launch.py), the emulation specs, the
 corpus (missing, empty, too short for one window, an odd-length or out-of-vocabulary `.bin`), the run
 and checkpoint directories (a file where a directory belongs), what a resume would load (a path that
 is no hybridpar checkpoint, such as a Hugging Face model directory, or a checkpoint of another model) and
@@ -45,7 +46,12 @@ def preflight(
     if world is None:
         cfg.validate()
     else:
-        cfg, note = layout_for_world(cfg, world, restart_count)
+        if cfg.parallel.auto:  # the launch planned the layout; a re-plan asks the planner again
+            from hybridpar.plan.launch import replan_with_planner
+
+            cfg, note = layout_for_world(cfg, world, restart_count, replan_with_planner)
+        else:
+            cfg, note = layout_for_world(cfg, world, restart_count)
         cfg.validate(world_size=world)
         notes += [note] if note else []
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)

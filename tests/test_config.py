@@ -158,7 +158,7 @@ def test_unknown_schedule_suggests_the_closest() -> None:
 def test_unknown_partition_and_backend() -> None:
     invalid(
         make(parallel__partition="costs"),
-        "parallel.partition='costs' is not one of uniform, params, cost " "(did you mean 'cost'?)",
+        "parallel.partition='costs' is not one of uniform, params, cost, layers " "(did you mean 'cost'?)",
     )
     with pytest.raises(ValueError, match=r"parallel.backend='mpi' is not one of auto, gloo, nccl$"):
         make(parallel__backend="mpi").validate()

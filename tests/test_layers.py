@@ -20,8 +20,8 @@ LAYERS: list[set[str]] = [
     {"pipeline", "grads", "zero"},  # schedules, runtime, p2p, gradient reductions, the sharded optimizer
     {"batching", "balance", "resilience", "report"},  # microbatch policy, load balancing, recovery, records
     {"trainer", "export"},  # one training step over every dimension
-    {"train", "preflight", "launcher"},  # a training run and its launch
-    {"serve", "plan", "bench", "cli"},  # what users run
+    {"train", "preflight", "launcher", "plan"},  # a training run, its launch and the layout planner it may ask
+    {"serve", "bench", "cli"},  # what users run
 ]
 EXEMPT = {"__init__"}  # the package's public names (Config, launch) gather from every layer
 

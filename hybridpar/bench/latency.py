@@ -36,6 +36,7 @@ from typing import Callable, Sequence
 import torch
 
 from hybridpar.pipeline.p2p import P2P
+from hybridpar.pipeline.ping import ping_pong
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.simulate import Costs, SimResult, simulate
 
@@ -51,36 +52,6 @@ def neighbour_links(ranks: Sequence[int]) -> list[tuple[int, int]]:
         if a != b and (a, b) not in links and (b, a) not in links:
             links.append((a, b))
     return links
-
-
-def ping_pong(
-    p2p: P2P, me: int, a: int, b: int, peer: Callable[[int], int], shape: tuple[int, ...], round_trips: int, warmup: int
-) -> list[float]:
-    """Round trips a -> b -> a of one message of `shape` (float32); run by both ends. Returns the
-    measured round-trip seconds on `a`, [] on `b`."""
-    x = torch.zeros(shape, dtype=p2p.dtype, device=p2p.device)
-    rtts: list[float] = []
-    for i in range(warmup + round_trips):
-        if me == a:
-            t0 = time.perf_counter()
-            p2p.queue_send(x, peer(b))
-            p2p.queue_recv(("pong", i), shape, peer(b))
-            p2p.flush()
-            buf = p2p.wait_recv(("pong", i))
-            t1 = time.perf_counter()
-            p2p.release(buf)
-            p2p.wait_sends()
-            if i >= warmup:
-                rtts.append(t1 - t0)
-        else:
-            p2p.queue_recv(("ping", i), shape, peer(a))
-            p2p.flush()
-            buf = p2p.wait_recv(("ping", i))
-            p2p.queue_send(buf, peer(a))
-            p2p.flush()
-            p2p.wait_sends()
-            p2p.release(buf)
-    return rtts
 
 
 def round_trips(

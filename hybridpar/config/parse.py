@@ -26,9 +26,10 @@ def load_toml(path: str) -> dict[str, Any]:
         raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
 
 
-def parse_args(argv: list[str]) -> Config:
+def parse_args(argv: list[str], given: set[str] | None = None) -> Config:
     """Build a Config from `--config FILE` (applied first) then `--section.key VALUE` overrides in order.
-    Does not validate: the caller knows the world size."""
+    Does not validate: the caller knows the world size. `given`, if passed, receives the dotted keys the
+    file or the flags set (what the user chose, as against the defaults)."""
     known = _known_keys(Config)
     config_file: str | None = None
     overrides: list[tuple[str, str, str]] = []  # (flag as typed, dotted key, raw value)
@@ -62,9 +63,25 @@ def parse_args(argv: list[str]) -> Config:
             cfg = Config.from_dict(raw)
         except ValueError as e:  # every bad key of the file, and the file's name
             raise ValueError(f"config file {config_file!r}: {e}") from None
+        if given is not None:
+            for k, v in raw.items():
+                given.update([f"{k}.{x}" for x in v] if isinstance(v, dict) else [k])
     for flag, key, value in overrides:
         setattr(*_owner(cfg, key), _parse_text(flag, value, known[key].type))
+    if given is not None:
+        given.update(key for _, key, _ in overrides)
     return cfg
+
+
+def override_flags(cfg: Config, keys: list[str]) -> list[str]:
+    """`--key=VALUE` for each dotted key, written so that parse_args reads `cfg`'s value back."""
+
+    def text(v: Any) -> str:
+        if v is None or isinstance(v, bool):
+            return str(v).lower()
+        return ",".join(map(str, v)) if isinstance(v, list) else str(v)
+
+    return [f"{_flag(k)}={text(getattr(*_owner(cfg, k)))}" for k in keys]
 
 
 def to_toml(cfg: Config) -> str:

@@ -114,8 +114,34 @@ class ParallelConfig:
         + "); other values only with "
         + " or ".join(s.name for s in SCHEDULES.values() if s.virtual_stages is None),
     )
-    partition: str = _f("params", "how layers are split into stages", choices=("uniform", "params", "cost"))
+    partition: str = _f(
+        "params",
+        "how layers are split into stages (layers = parallel.stage_layers)",
+        choices=("uniform", "params", "cost", "layers"),
+    )
     layer_costs: list[float] | None = _f(None, "per-layer cost, comma-separated (required iff partition=cost)")
+    stage_layers: list[int] | None = _f(
+        None,
+        "decoder layers of each stage, first to last, comma-separated (required iff partition=layers; the "
+        "planner sets it for devices of unequal speed)",
+    )
+    replica_batch: list[int] | None = _f(
+        None,
+        "samples of each data-parallel replica per step, comma-separated, summing to train.global_batch (none = "
+        "even; the planner sets it for devices of unequal speed)",
+    )
+    auto: bool = _f(
+        False,
+        "plan the layout for the world the launch gets (hybridpar train, hybridpar.launch): tp, pp, dp, schedule, "
+        "virtual stages, partition, microbatches, ZeRO, recomputation; keys given explicitly stay as given; "
+        "prints the choice and writes <run_dir>/plan.json",
+    )
+    hardware: str | None = _f(
+        None, "with parallel.auto: hardware description (TOML, docs/hardware/) (none = probe this machine)"
+    )
+    auto_precision: bool = _f(
+        False, "with parallel.auto: let the planner choose train.precision too (off: keep train.precision)"
+    )
     timeout_s: float = _f(120.0, "bound in seconds on every collective and point-to-point wait")
     backend: str = _f("auto", "torch.distributed backend", choices=("auto", "gloo", "nccl"))
     recv_lookahead: int = _f(1, "compute actions ahead of use that receives are posted (>=0)")
@@ -254,7 +280,7 @@ class ResilienceConfig:
     replan: str = _f(
         "auto",
         "when resuming with a world size other than tp*pp*dp: 'auto' picks a new layout "
-        "(keep tp, then pp; dp takes the rest), 'off' refuses",
+        "(with parallel.auto the planner's; else keep tp, then pp; dp takes the rest), 'off' refuses",
         choices=("auto", "off"),
     )
 

@@ -45,6 +45,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
+    _check_planned(cfg)
     for key in ("profile.steps", "profile.trace_steps"):
         step_range(getattr(cfg.profile, key.split(".")[1]), key)
     profiled = step_range(cfg.profile.steps)
@@ -296,6 +297,8 @@ def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
 
 def _replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:
     """(samples of the smallest replica, the words that explain where that number comes from)."""
+    if p.replica_batch is not None and len(p.replica_batch) == p.dp and all(map(_is_int, p.replica_batch)):
+        return min(p.replica_batch), f"(parallel.replica_batch={p.replica_batch})"
     per_replica = t.global_batch // p.dp  # the smallest replica's share; replicas differ by at most one
     over = f"(train.global_batch={t.global_batch} over parallel.dp={p.dp})"
     return per_replica, over
@@ -387,3 +390,38 @@ def _check_layer_costs(p: ParallelConfig, m: ModelConfig) -> None:
         )
         for i, c in enumerate(costs):
             _require(_is_num(c) and c > 0, f"parallel.layer_costs[{i}]={c!r} must be > 0")
+
+
+def _positive_ints(key: str, values: list[int], count: int, what: str) -> None:
+    _require(len(values) == count, f"{key} has {len(values)} entries but {what}")
+    for i, n in enumerate(values):
+        _require(_is_int(n) and n >= 1, f"{key}[{i}]={n!r} must be a positive integer")
+
+
+def _check_planned(cfg: Config) -> None:
+    """The keys the planner sets (an explicit split of layers and of the batch) and the planner's own."""
+    p, t, m, b = cfg.parallel, cfg.train, cfg.model, cfg.batching
+    _require(
+        (p.partition == "layers") == (p.stage_layers is not None),
+        f"parallel.stage_layers={p.stage_layers} goes with parallel.partition='layers' (got {p.partition!r}): "
+        "set both or neither",
+    )
+    if p.stage_layers is not None:
+        _positive_ints("parallel.stage_layers", p.stage_layers, p.n_stages, f"the layout has {p.n_stages} stages")
+        _require(
+            sum(p.stage_layers) == m.n_layers,
+            f"parallel.stage_layers sums to {sum(p.stage_layers)} but model.n_layers={m.n_layers}",
+        )
+    if p.replica_batch is not None:
+        _positive_ints("parallel.replica_batch", p.replica_batch, p.dp, f"parallel.dp={p.dp}")
+        _require(
+            sum(p.replica_batch) == t.global_batch,
+            f"parallel.replica_batch sums to {sum(p.replica_batch)} but train.global_batch={t.global_batch}",
+        )
+        _require(
+            b.policy == "fixed" and b.microbatch_size is None and t.microbatch_sizes is None,
+            "parallel.replica_batch splits the batch unevenly, which batching.policy=adaptive, "
+            "batching.microbatch_size and train.microbatch_sizes (sized for an even split) cannot follow: drop them",
+        )
+    for key in ("hardware", "auto_precision"):
+        _require(p.auto or not getattr(p, key), f"parallel.{key} is read by the planner only: add --parallel.auto true")

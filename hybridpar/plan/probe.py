@@ -90,8 +90,8 @@ def measure(
     import torch
     import torch.distributed as dist
 
-    from hybridpar.bench.latency import ping_pong
     from hybridpar.pipeline.p2p import P2P
+    from hybridpar.pipeline.ping import ping_pong
 
     me = dist.get_rank()
     out: dict[str, Any] = {"alone": [], "together": [], "share": []}

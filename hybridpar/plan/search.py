@@ -137,6 +137,37 @@ def _knobs(base: Config, hw: Hardware, world: int) -> Iterator[dict[str, Any]]:
                         )
 
 
+# The config key of each knob (`fixed` names knobs by these keys).
+KNOB_KEYS = {
+    "tp": "parallel.tp",
+    "pp": "parallel.pp",
+    "dp": "parallel.dp",
+    "schedule": "parallel.schedule",
+    "v": "parallel.virtual_stages",
+    "m": "train.microbatches",
+    "zero": "parallel.zero",
+    "recompute": "train.recompute",
+    "precision": "train.precision",
+    "partition": "parallel.partition",
+}
+
+
+def _held_knobs(base: Config, hw: Hardware, world: int, fixed: dict[str, Any]) -> list[dict[str, Any]]:
+    """The knobs with the `fixed` keys at their values; ValueError naming the binding ones where they
+    leave none of the knobs there are."""
+    held = {n: fixed[k] for n, k in KNOB_KEYS.items() if k in fixed}
+    every = list(_knobs(base, hw, world))
+    keeps = lambda k, hold: all(k[n] == v for n, v in hold.items())  # noqa: E731
+    knobs = [k for k in every if keeps(k, held)]
+    if every and not knobs:  # binding: the held keys that, let go alone, leave some layout
+        free = [n for n in held if any(keeps(k, {m: v for m, v in held.items() if m != n}) for k in every)]
+        given = ", ".join(f"{KNOB_KEYS[n]}={held[n]}" for n in free or held)
+        raise ValueError(
+            f"no layout of world {world} has {given}: leave {'it' if len(free) == 1 else 'some'} to the planner"
+        )
+    return knobs
+
+
 def _config(base: Config, k: dict[str, Any]) -> Config:
     """`base` with the knobs `k` set (the sections they touch copied, the others shared)."""
     cfg = copy.copy(base)
@@ -246,9 +277,16 @@ class Planner:
         return Candidate(cfg, pred, mem, tokens / pred.step_s, flops / (world * self.hw.peak_flops(t.precision)))
 
 
-def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, top: int = 10) -> Plan:
+def plan(
+    base: Config,
+    hw: Hardware,
+    memory: Memory,
+    world: int | None = None,
+    top: int = 10,
+    fixed: dict[str, Any] | None = None,
+) -> Plan:
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
-    when none does."""
+    when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices)."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -257,7 +295,7 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
     planner = Planner(base, hw, memory)
-    knobs = list(_knobs(base, hw, world))
+    knobs = _held_knobs(base, hw, world, fixed or {})
     if not knobs:
         raise ValueError(_no_split(base, hw, world))
     ranked = sorted(knobs, key=planner.estimate)

@@ -10,8 +10,11 @@ Re-plan policy (`replan`), for a world of W processes:
    interleaved and ZB-H1 to 1F1B, 1F1B to GPipe), with that schedule's default virtual stages.
 3. dp = W / (tp * pp) takes the rest. train.global_batch never changes, and sample order depends only on
    (seed, step), so the run sees the same samples in the same order; microbatches per replica are kept
-   if each replica still has that many samples, else lowered; explicit microbatch_sizes are dropped
-   when dp changes (they were sized for the old replica share).
+   if each replica still has that many samples, else lowered; explicit microbatch_sizes and an uneven
+   replica split (parallel.replica_batch) are dropped when dp changes (they were sized for the old
+   replicas), explicit stage sizes (parallel.stage_layers) when the stage count changes.
+With parallel.auto the entry point passes the planner's re-plan instead (`layout_for_world`'s
+`replanner`, plan/launch.py): this module stays below the planner and knows nothing of it.
 The result is checked with Config.validate(world_size=W); the checkpoint is loaded through DCP, which
 reshards tp shards and stages by name into the new layout.
 """
@@ -19,6 +22,7 @@ reshards tp shards and stages by name into the new layout.
 from __future__ import annotations
 
 import copy
+from typing import Callable
 
 from hybridpar.config import Config
 from hybridpar.config.families import tp_split_sizes
@@ -65,7 +69,7 @@ def replan(cfg: Config, world: int) -> Config:
     per_replica = t.global_batch // q.dp
     tr.microbatches = min(t.microbatches, per_replica)
     if q.dp != p.dp:
-        tr.microbatch_sizes = None
+        tr.microbatch_sizes = q.replica_batch = None
     spec = schedule_spec(q.schedule)
     while (
         spec.layout_problem(q.pp, q.chunks) or spec.count_problem(q.pp, tr.microbatches) or m.n_layers < q.n_stages
@@ -74,20 +78,27 @@ def replan(cfg: Config, world: int) -> Config:
         q.schedule, q.virtual_stages = spec.name, None if p.virtual_stages is None else spec.default_virtual_stages
     if q.partition == "cost" and q.layer_costs is not None and len(q.layer_costs) != m.n_layers:
         q.partition, q.layer_costs = "params", None
+    if q.partition == "layers" and q.n_stages != p.n_stages:
+        q.partition, q.stage_layers = "params", None
     out.validate(world_size=world)
     return out
 
 
-def layout_for_world(cfg: Config, world: int, restart_count: int) -> tuple[Config, str | None]:
+def layout_for_world(
+    cfg: Config, world: int, restart_count: int, replanner: Callable[[Config, int], Config] = replan
+) -> tuple[Config, str | None]:
     """What an entry point runs on `world` processes: `cfg` after a restart's resume mode and, when
-    resuming on another world size with resilience.replan=auto, re-planned; plus a line saying so."""
+    resuming on another world size with resilience.replan=auto, re-planned by `replanner` (the rule
+    above unless the caller passes the planner's); plus a line saying so."""
     cfg = resume_mode(cfg, restart_count)
     if cfg.parallel.world_size == world or cfg.checkpoint.resume == "off" or cfg.resilience.replan == "off":
         return cfg, None
-    new = replan(cfg, world)
+    new = replanner(cfg, world)
+    new.validate(world_size=world)  # whoever chose it: a layout the run can take
     p, q = cfg.parallel, new.parallel
     note = (
-        f"hybridpar: elastic re-plan for {world} processes: tp={p.tp} pp={p.pp} dp={p.dp} -> "
+        f"hybridpar: elastic re-plan for {world} processes{' (planner)' if replanner is not replan else ''}: "
+        f"tp={p.tp} pp={p.pp} dp={p.dp} -> "
         f"tp={q.tp} pp={q.pp} dp={q.dp} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
         f"global batch {new.train.global_batch})"
     )

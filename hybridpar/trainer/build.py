@@ -13,6 +13,7 @@ layers; nothing here knows about steps, balancing or probes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -43,6 +44,9 @@ def layer_partition(cfg: Config) -> list[range]:
         return partition_uniform(m.n_layers, n_stages)
     if cfg.parallel.partition == "cost":
         return partition_by_cost(cfg.parallel.layer_costs, n_stages)
+    if cfg.parallel.partition == "layers":  # explicit, e.g. the planner's split for unequal devices
+        ends = list(itertools.accumulate(cfg.parallel.stage_layers))
+        return [range(a, b) for a, b in zip([0] + ends[:-1], ends)]
     n = param_counts(m)
     return partition_by_params([n.layer] * m.n_layers, n_stages, embed_params=n.embed, head_params=n.head)
 

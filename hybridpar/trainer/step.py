@@ -58,9 +58,12 @@ class Trainer:
         self.policy = make_policy(
             cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes, resident_bytes=sample.memory_used_bytes
         )
-        self.plan: BatchPlan = plan_for(cfg, len(self.policy.propose(0)))
-        # Every replica's partition and share of the batch; changed only by the load balancer's decisions.
-        self.layout = Layout.uniform(self.parts, [sum(s) for s in self.plan.sizes])
+        count = len(self.policy.propose(0))
+        # Every replica's partition and share of the batch (parallel.replica_batch: the planner's uneven
+        # split for unequal devices); changed only by the load balancer's decisions.
+        shares = cfg.parallel.replica_batch or [sum(s) for s in plan_for(cfg, count).sizes]
+        self.layout = Layout.uniform(self.parts, shares)
+        self.plan: BatchPlan = self._plan(count)
         self.dp = build_data_parallel(cfg, topo, self.mp.stages, self.layout)
         self.opt = build_optimizer(cfg, topo, self.mp, self.layout)
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
