@@ -7,7 +7,10 @@ Layouts are TPxPPxDP, the model is the default one. In each layout one trainer r
 steps, one block per mode, the modes' order rotating every round, so a shared machine's drift hits all
 of them alike. Peak: the activation meter's bytes held for backward (max over ranks, pipeline/memory.py).
 Time: the median step time per mode, and per round each mode's block median over none's, reported as
-the median ratio with its spread (min, max over rounds). The load average is taken before and after.
+the median ratio with its spread (min, max over rounds). Wall time on a shared, loaded machine mostly
+measures the wait for a core, so beside it the CPU time the ranks spent (process time per step, median
+over blocks, summed over ranks) and its ratio over none's: the work each mode adds, whatever the load.
+The load average is taken before and after.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 from hybridpar.config import Config
 from hybridpar.testing import run_ranks
@@ -24,7 +28,7 @@ from hybridpar.testing import run_ranks
 MODES = ("none", "full", "selective")
 
 
-def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict | None:
+def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict:
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
@@ -35,17 +39,21 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict | None:
     step = 0
     times: dict[str, list[list[float]]] = {m: [] for m in MODES}  # per round, the block's step times
     peaks: dict[str, int] = {}
+    cpu: dict[str, list[float]] = {m: [] for m in MODES}  # per round, this rank's process time per step
     for r in range(rounds + 1):  # round 0 warms every mode up and is not counted
         for mode in MODES[r % 3 :] + MODES[: r % 3]:
             for st in trainer.stages.values():
                 st.recompute = mode
+            c0 = time.process_time()
             recs = [trainer.step(s) for s in range(step, step + steps)]
             step += steps
             if r > 0:
+                cpu[mode].append((time.process_time() - c0) / steps)
                 times[mode].append([x["step_time_s"] for x in recs])
                 peaks[mode] = max([peaks.get(mode, 0)] + [x["activation_peak_bytes"] for x in recs])
+    mine = {m: statistics.median(cpu[m]) for m in MODES}
     if topo.rank != 0:
-        return None
+        return {"cpu_s": mine}
     block = {m: [statistics.median(b) for b in times[m]] for m in MODES}
     out: dict = {"modes": {}}
     for m in MODES:
@@ -58,7 +66,7 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict | None:
             "step_time_vs_none": statistics.median(ratios),
             "step_time_vs_none_spread": [min(ratios), max(ratios)],
         }
-    return out
+    return {**out, "cpu_s": mine}
 
 
 def main() -> None:
@@ -77,7 +85,12 @@ def main() -> None:
         cfg.train.seq_len, cfg.train.val_every, cfg.train.monitor_every = a.seq_len, 0, 0
         cfg.validate(tp * pp * dp)
         load_before = os.getloadavg()
-        rec = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.rounds, a.steps, timeout_s=1800)[0]
+        ranks = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.rounds, a.steps, timeout_s=1800)
+        rec = ranks[0]
+        cpu = {m: sum(r["cpu_s"][m] for r in ranks) for m in MODES}  # CPU seconds per step, all ranks
+        for m in MODES:
+            rec["modes"][m].update(cpu_s_per_step=cpu[m], cpu_time_vs_none=cpu[m] / cpu["none"])
+        del rec["cpu_s"]
         rec = {
             "layout": f"tp{tp}-pp{pp}-dp{dp}",
             "schedule": cfg.parallel.schedule,

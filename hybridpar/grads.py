@@ -24,7 +24,7 @@ from torch import nn
 from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
-from hybridpar.zero import Slice, part, slice_of
+from hybridpar.zero import Slice, in_place, part, slice_of
 
 BUCKET_BYTES = 4 << 20  # about this many gradient bytes per data-parallel bucket
 
@@ -40,7 +40,8 @@ class DataParallelGrads:
     reduced when the runtime reports the stage done. `finish()` waits and writes the sums back.
 
     `sharded` (ZeRO-1): reduce-scatter each bucket so that this rank receives the sum of its own slices
-    (`slices`, zero.slice_of's cut); parameters that are not sliced are all-reduced whole."""
+    (`slices`, zero.slice_of's cut): in place in each gradient where its slices allow (zero.in_place),
+    through a padded flat buffer for the others; parameters that are not sliced are all-reduced whole."""
 
     def __init__(
         self,
@@ -59,6 +60,7 @@ class DataParallelGrads:
             self.slices = {id(p): slice_of(p.shape, getattr(p, "tp_dim", None), dp) for p in ps}
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
         self._scattered: list[tuple[list[tuple[torch.Tensor, Slice]], torch.Tensor, dist.Work]] = []
+        self._in_place: list[dist.Work] = []
         self._buckets: dict[int, list[list[nn.Parameter]]] = {}
         self._bucket_of: dict[int, tuple[int, int]] = {}
         self._fired: dict[int, int] = {}
@@ -101,6 +103,9 @@ class DataParallelGrads:
         if self.slices is not None:
             cut = [(p.grad, self.slices[id(p)]) for p in params if self.slices[id(p)].dim is not None]
             params = [p for p in params if self.slices[id(p)].dim is None]
+            if any(in_place(g.shape, s) for g, s in cut):
+                self._scatter_in_place([(g, s) for g, s in cut if in_place(g.shape, s)])
+            cut = [(g, s) for g, s in cut if not in_place(g.shape, s)]
             if cut:
                 self._scatter(cut)
         if params:
@@ -109,6 +114,15 @@ class DataParallelGrads:
             self.handed["all_reduce"] += flat.numel()
             self._pending.append((grads, flat, dist.all_reduce(flat, group=self.group, async_op=True)))
             self._count(flat)
+
+    def _scatter_in_place(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
+        """Each gradient reduce-scattered into its own slice r (no buffer of ours), coalesced into one
+        collective."""
+        with dist._coalescing_manager(self.group, async_ops=True) as cm:
+            for g, s in cut:
+                dist.reduce_scatter_single(part(g, s, self.topo.dp_rank), g, group=self.group)
+        self.handed["reduce_scatter"] += sum(g.numel() for g, _ in cut)
+        self._in_place += cm.works
 
     def _scatter(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
         """One reduce-scatter: dp rank r's segment of the input is every gradient's slice r, in bucket
@@ -142,6 +156,8 @@ class DataParallelGrads:
 
     def finish(self) -> None:
         timeout = timedelta(seconds=self.topo.timeout_s)
+        for work in self._in_place:
+            work.wait(timeout)
         for grads, flat, work in self._pending:
             work.wait(timeout)
             _unflatten(flat, grads)
@@ -150,6 +166,7 @@ class DataParallelGrads:
             _unflatten(out, [part(g, s, self.topo.dp_rank) for g, s in cut])
         self._pending.clear()
         self._scattered.clear()
+        self._in_place.clear()
         self._in_flight = 0
         self._fired.clear()
         self._ready.clear()

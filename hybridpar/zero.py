@@ -7,12 +7,20 @@ shard — so a slice of a tp shard is a block of rows or columns, and its optimi
 block of the full AdamW state. A parameter whose only dimension is tp-sharded (a column-parallel bias)
 keeps its whole state on every dp rank: it is a few hundred numbers.
 
-Each slice is stepped by plain `torch.optim.AdamW` on a contiguous copy, with the decay group of the
-parameter it comes from: AdamW is elementwise, so the slices together take the very step the whole
-parameter would. Gradients arrive reduce-scattered (grads.py, bucketed and overlapped with the backward
-as without ZeRO): this rank's slice of each gradient holds the sum over dp, the rest does not, and only
-the slice is read here. Reduce-scatter plus the all-gather of parameters move the bytes of the one
-all-reduce that plain data parallelism does.
+Each slice is stepped in place by plain `torch.optim.AdamW`: the tensor it steps is a view of the
+parameter's own storage (no shadow copy), with the decay group of the parameter it comes from. AdamW is
+elementwise, so the slices together take the very step the whole parameter would. Gradients arrive
+reduce-scattered (grads.py, bucketed and overlapped with the backward as without ZeRO): this rank's
+slice of each gradient holds the sum over dp, the rest does not, and only the slice (a view) is read
+here. Reduce-scatter plus the all-gather of parameters move the bytes of the one all-reduce that plain
+data parallelism does.
+
+Where a parameter's dp slices are equal and contiguous in its storage (`in_place`: cut along its first
+dimension, which every parameter is unless tensor parallelism shards that dimension), both collectives
+work inside the tensors themselves: the reduce-scatter reads the whole gradient and writes this rank's
+slice of it, the all-gather reads this rank's slice of the parameter and writes the whole parameter
+(NCCL's in-place forms; gloo stages through its own buffers). Only the others (column slices of
+tp-sharded rows, uneven chunks) go through padded flat buffers of ours.
 """
 
 from __future__ import annotations
@@ -56,9 +64,18 @@ def part(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
     return p if s.dim is None else p.narrow(s.dim, s.offsets[r], s.sizes[r])
 
 
+def in_place(shape: torch.Size | tuple[int, ...], s: Slice) -> bool:
+    """Whether the dp slices of a tensor of `shape` lie one after another in its storage, equally long:
+    then the flat tensor is the all-gather of its slices and the reduce-scatter's input, in place."""
+    lead = 1
+    for x in shape[: s.dim or 0]:
+        lead *= x
+    return s.dim is not None and lead == 1 and len(set(s.sizes)) == 1
+
+
 class ShardedAdamW(torch.optim.AdamW):
-    """AdamW over this dp rank's slices of `named` (stage-qualified name, parameter); `step()` copies
-    the gradients' slices in, steps, and all-gathers the parameters over dp (collective)."""
+    """AdamW over this dp rank's slices of `named` (stage-qualified name, parameter), each a view of its
+    parameter; `step()` steps them in place and all-gathers the parameters over dp (collective)."""
 
     def __init__(
         self,
@@ -71,25 +88,23 @@ class ShardedAdamW(torch.optim.AdamW):
         self.group = topo.group("dp") if self.dp > 1 else None
         self.full: list[nn.Parameter] = []  # the model's parameters, in order
         self.slices: list[Slice] = []
-        self.shadows: list[nn.Parameter] = []  # this rank's slice of each, stepped by AdamW
-        self.gather_bytes = 0  # bytes of the last step's all-gather buffers (memory accounting)
+        self.views: list[nn.Parameter] = []  # this rank's slice of each (a view of its storage), stepped by AdamW
+        self.gather_bytes = 0  # bytes of the last step's padded all-gather buffers (memory accounting)
         for name, p in named:
             s = slice_of(p.shape, getattr(p, "tp_dim", None), self.dp)
             self.full.append(p)
             self.slices.append(s)
             # Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group.
-            self.shadows.append(nn.Parameter(part(p.detach(), s, self.r).clone()))
-        groups = param_groups([(f"{i}", q) for i, q in enumerate(self.shadows)], t.weight_decay)
+            self.views.append(p if s.dim is None else nn.Parameter(part(p.detach(), s, self.r)))
+        groups = param_groups([(f"{i}", q) for i, q in enumerate(self.views)], t.weight_decay)
         super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
         if carry is not None:
             self.load_full_state(carry)
 
     def step(self, closure: Any = None) -> Any:
-        with torch.no_grad():
-            for p, s, q in zip(self.full, self.slices, self.shadows):
-                # From the parameter each step: whatever wrote it since (a checkpoint load) is stepped on.
-                q.copy_(part(p, s, self.r))
-                q.grad = None if p.grad is None else part(p.grad, s, self.r).contiguous()
+        for p, s, q in zip(self.full, self.slices, self.views):
+            if q is not p:  # the summed slice of the gradient, read where the reduce-scatter left it
+                q.grad = None if p.grad is None else part(p.grad, s, self.r)
         out = super().step(closure)
         self._gather()
         return out
@@ -101,25 +116,31 @@ class ShardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def _gather(self) -> None:
-        """Every rank's updated slices into every rank's parameters: one flat all-gather, each rank's
-        segment padded to the longest."""
-        for p, s, q in zip(self.full, self.slices, self.shadows):
-            if s.dim is None:
-                p.copy_(q)
+        """Every rank's updated slices into every rank's parameters: one coalesced in-place all-gather
+        per parameter whose slices allow it, one flat padded all-gather for the others."""
+        self.gather_bytes = 0
         if self.group is None:
             return
-        sliced = [(p, s) for p, s in zip(self.full, self.slices) if s.dim is not None]
-        seg = [sum(part(p, s, r).numel() for p, s in sliced) for r in range(self.dp)]
-        width = max(seg)
-        mine = torch.zeros(width, dtype=self.full[0].dtype, device=self.full[0].device)
-        flat = torch.cat([q.reshape(-1) for q, s in zip(self.shadows, self.slices) if s.dim is not None])
-        mine[: flat.numel()] = flat
+        timeout = timedelta(seconds=self.topo.timeout_s)
+        flat = [(p.detach(), s) for p, s in zip(self.full, self.slices) if in_place(p.shape, s)]
+        if flat:
+            with dist._coalescing_manager(self.group, async_ops=True) as cm:
+                for p, s in flat:
+                    dist.all_gather_single(p.view(-1), part(p, s, self.r).reshape(-1), group=self.group)
+            for work in cm.works:
+                work.wait(timeout)
+        rest = [(p, s) for p, s in zip(self.full, self.slices) if s.dim is not None and not in_place(p.shape, s)]
+        if not rest:
+            return
+        seg = [sum(part(p, s, r).numel() for p, s in rest) for r in range(self.dp)]
+        mine = torch.zeros(max(seg), dtype=rest[0][0].dtype, device=rest[0][0].device)
+        torch.cat([part(p, s, self.r).reshape(-1) for p, s in rest], out=mine[: seg[self.r]])
         outs = [torch.empty_like(mine) for _ in range(self.dp)]
-        self.gather_bytes = ((1 + self.dp) * mine.numel() + flat.numel()) * mine.element_size()
-        dist.all_gather(outs, mine, group=self.group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
+        self.gather_bytes = (1 + self.dp) * mine.numel() * mine.element_size()
+        dist.all_gather(outs, mine, group=self.group, async_op=True).wait(timeout)
         for r, buf in enumerate(outs):
             at = 0
-            for p, s in sliced:
+            for p, s in rest:
                 piece = part(p, s, r)
                 piece.copy_(buf[at : at + piece.numel()].view(piece.shape))
                 at += piece.numel()
@@ -132,14 +153,14 @@ class ShardedAdamW(torch.optim.AdamW):
 
     def local_state(self) -> dict[torch.Tensor, tuple[dict[str, torch.Tensor], Slice]]:
         """This rank's AdamW state of each model parameter (that of its slice), with the slice it covers."""
-        return {p: (self.state[q], s) for p, s, q in zip(self.full, self.slices, self.shadows)}
+        return {p: (self.state[q], s) for p, s, q in zip(self.full, self.slices, self.views)}
 
     @torch.no_grad()
     def gather_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
         """Collective over dp: the whole AdamW state of every parameter, keyed by the model's parameter
         (for checkpoints and layer moves, which work on whole parameters)."""
         out: dict[torch.Tensor, dict[str, torch.Tensor]] = {}
-        for p, s, q in zip(self.full, self.slices, self.shadows):
+        for p, s, q in zip(self.full, self.slices, self.views):
             st = self.state[q]
             full: dict[str, torch.Tensor] = {}
             for k in sorted(st):
@@ -166,7 +187,7 @@ class ShardedAdamW(torch.optim.AdamW):
     @torch.no_grad()
     def load_full_state(self, full: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:
         """Keep this rank's slice of each parameter's whole state (no communication)."""
-        for p, s, q in zip(self.full, self.slices, self.shadows):
+        for p, s, q in zip(self.full, self.slices, self.views):
             if not full.get(p):
                 continue
             self.state[q] = {

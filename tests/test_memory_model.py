@@ -17,7 +17,6 @@ from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.runtime import token_cross_entropy
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 from hybridpar.plan.memory import (
-    _copied,
     bucket_bytes,
     ends_saved,
     layer_saved,
@@ -29,7 +28,7 @@ from hybridpar.plan.memory import (
 )
 from hybridpar.testing import run_ranks
 from hybridpar.trainer.build import layer_partition
-from hybridpar.zero import slice_of
+from hybridpar.zero import in_place, slice_of
 
 MODES = ("none", "full", "selective")
 
@@ -143,21 +142,17 @@ def test_tied_embedding_is_one_tensor_on_one_stage_and_a_summed_copy_across_two(
     assert [y.buffers - x.buffers for x, y in zip(a, b)] == [v_d, v_d]  # the gradients' sum over pp
 
 
-def test_zero1_slices_uneven_chunks_and_copies_only_strided_gradients() -> None:
-    shapes = [((256, 32), None), ((32, 64), 0), ((64,), 0), ((5,), None)]  # rows / tp rows / tp bias / 5 < 3x2
+def test_zero1_holds_its_slices_moments_and_pads_only_what_cannot_gather_in_place() -> None:
+    shapes = [((256, 32), None), ((32, 64), 0), ((64,), 0), ((5,), None), ((6, 2), None)]
     state, gather = optimizer_bytes(shapes, 3, 1)
-    # rank 0 of dp 3 by torch.chunk: 86 rows; 32 x 22 columns (rows are tp's); the bias whole; 2 of 5.
-    parts = [86 * 32, 32 * 22, 64, 2]
-    copies = [0, 32 * 22, 0, 0]  # only the column slice is strided
-    assert state == sum(3 * 4 * n + 4 for n in parts) + 4 * sum(copies)
-    seg = [sum(x) for x in zip(*[slice_sizes(s, d, 3) for s, d in shapes])]
-    assert gather == (4 * max(seg) + seg[0]) * 4
-    for shape, d in shapes:
-        p = torch.empty(shape)
-        s = slice_of(p.shape, d, 3)
-        if s.dim is not None:
-            part = p.narrow(s.dim, s.offsets[0], s.sizes[0])
-            assert _copied(shape, s.dim, s.sizes[0]) == (part.numel() > 0 and not part.is_contiguous())
+    # rank 0 of dp 3 by torch.chunk: 86 rows; 32 x 22 columns (rows are tp's); the bias whole; 2 of 5; 2 of 6.
+    parts = [86 * 32, 32 * 22, 64, 2, 2 * 2]
+    assert state == sum(2 * 4 * n + 4 for n in parts)  # the moments and the step count, no copy of the slice
+    # Uneven rows (86, 86, 84), columns and uneven 2, 2, 1 go through the padded buffer; 6 rows by 3 do not.
+    seg = [sum(x) for x in zip(*[slice_sizes(s, d, 3) for s, d in shapes[:4]])]
+    assert gather == 4 * max(seg) * 4
+    assert [in_place(torch.Size(s), slice_of(torch.Size(s), d, 3)) for s, d in shapes] == [False] * 4 + [True]
+    assert optimizer_bytes([((6, 2), None), ((8, 4), None)], 2, 1)[1] == 0  # every slice in place
     assert optimizer_bytes(shapes, 1, 0)[0] == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
 
 
@@ -168,8 +163,8 @@ def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> 
     # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
     # once out; the bias whole.
     assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4
-    big = [((1024, 1024), None), ((1024, 1024), None)]  # 4 MiB each: two buckets, each padded alone
-    assert bucket_bytes([big], 2, 1) == 2 * 3 * 512 * 1024 * 4
+    big = [((1024, 1024), None), ((1023, 1024), None)]  # 4 MiB each: two buckets
+    assert bucket_bytes([big], 2, 1) == 3 * 512 * 1024 * 4  # even rows reduce-scatter in place, odd padded
 
 
 def slice_sizes(shape: tuple[int, ...], tp_dim: int | None, dp: int) -> list[int]:

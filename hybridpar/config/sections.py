@@ -308,6 +308,11 @@ class BatchingConfig:
     switch_margin: float = _f(0.03, "adaptive: a candidate must beat the current split by this fraction")
     drift_margin: float = _f(0.10, "adaptive: re-scan when throughput drifts by more than this fraction")
     cooldown_steps: int = _f(50, "adaptive: at least this many steps between re-scans")
+    try_recompute: bool = _f(
+        False,
+        "adaptive: also scan every split with full activation recomputation (larger microbatches fit "
+        "the memory budget) and keep it where measured faster (train.recompute must be none)",
+    )
 
 
 @dataclass

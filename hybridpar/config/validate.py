@@ -338,6 +338,15 @@ def _check_batch_split(t: TrainConfig, p: ParallelConfig) -> None:
 def _check_batching(cfg: Config) -> None:
     b, p, t = cfg.batching, cfg.parallel, cfg.train
     per_replica, over = _replica_share(t, p)
+    _require(
+        isinstance(b.try_recompute, bool), f"batching.try_recompute must be true or false, got {b.try_recompute!r}"
+    )
+    if b.try_recompute:
+        _require(
+            b.policy == "adaptive" and {m.strip() for m in t.recompute.split(",")} == {"none"},
+            "batching.try_recompute lets the adaptive policy choose recomputation: it needs batching.policy="
+            f"adaptive (got {b.policy!r}) and train.recompute=none (got {t.recompute!r})",
+        )
     if b.microbatch_size is not None:
         _require(
             b.policy == "fixed" and t.microbatch_sizes is None,

@@ -7,13 +7,14 @@ Components, each at its own high point in the step (their sum bounds the step's 
   is a second copy on the last stage when the two sit on different stages, one tensor otherwise.
 - grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32).
 - optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 for the
-  rank's slice only (zero.py's rule), plus the slice's fp32 shadow copy and its gradient.
+  rank's slice only (zero.py's rule; the slice it steps is a view of the parameter).
 - activations: what autograd saves for backward (the meter's quantity, pipeline/memory.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
 - buffers: message memory (receive buffers; the rings of shared-memory send links, replayed from the
   simulated schedule) plus the largest transient: the data-parallel gradient buckets, the
-  tied-embedding sum, ZeRO-1's all-gather.
+  tied-embedding sum, ZeRO-1's all-gather (both ZeRO-1 collectives work inside the tensors where the
+  slices allow, zero.in_place: only the other tensors' slices go through buffers).
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from hybridpar.pipeline import shm
 from hybridpar.pipeline.schedules import Op, build_schedule
 from hybridpar.pipeline.simulate import Costs, simulate
 from hybridpar.trainer.build import layer_partition
-from hybridpar.zero import slice_of
+from hybridpar.zero import in_place, slice_of
 
 F32, I64 = 4, 8
 
@@ -78,32 +79,25 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _copied(shape: tuple[int, ...], dim: int | None, size: int) -> bool:
-    """Whether a ZeRO-1 slice of a gradient is a copy (`.contiguous()` of a non-contiguous narrow)."""
-    return dim is not None and 0 < size < shape[dim] and _numel(shape[:dim]) > 1
-
-
 def optimizer_bytes(shapes: list[Shape], dp: int, zero: int) -> tuple[int, int]:
-    """(AdamW state + ZeRO-1 shadows and their gradients, bytes of ZeRO's all-gather buffers) of dp rank 0."""
+    """(AdamW state, bytes of ZeRO's padded all-gather buffers) of dp rank 0."""
     if not zero:
         return sum(2 * F32 * _numel(s) + F32 for s, _ in shapes), 0
     state, seg = 0, [0] * dp
     for shape, d in shapes:
         sl = slice_of(torch.Size(shape), d, dp)
-        for r in range(dp):
-            part = _numel(shape) if sl.dim is None else _numel(shape) // shape[sl.dim] * sl.sizes[r]
-            seg[r] += part if sl.dim is not None else 0
-            if r == 0:  # moments, shadow, the step count; the gradient's slice where it is a copy
-                state += 3 * F32 * part + F32 + (F32 * part if _copied(shape, sl.dim, sl.sizes[0]) else 0)
-    gather = ((1 + dp) * max(seg) + seg[0]) * F32 if dp > 1 else 0
-    return state, gather
+        sizes = [_numel(shape) if sl.dim is None else _numel(shape) // shape[sl.dim] * n for n in sl.sizes]
+        state += 2 * F32 * sizes[0] + F32  # the moments of the slice, the step count
+        if sl.dim is not None and not in_place(shape, sl):
+            seg = [a + b for a, b in zip(seg, sizes)]
+    return state, ((1 + dp) * max(seg) * F32 if dp > 1 else 0)
 
 
 def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
-    each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, through
-    dp padded segments in and one out."""
+    each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
+    where the slices allow, else through dp padded segments in and one out."""
     if dp == 1:
         return 0
     total = 0
@@ -118,9 +112,10 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
             size += _numel(shape) * F32
         for bucket in buckets:
             cut = [(s, slice_of(torch.Size(s), d, dp)) for s, d in bucket] if zero else []
-            cut = [(s, sl) for s, sl in cut if sl.dim is not None]
+            sliced = sum(_numel(s) for s, sl in cut if sl.dim is not None)
+            cut = [(s, sl) for s, sl in cut if sl.dim is not None and not in_place(s, sl)]
             seg = [sum(_numel(s) // s[sl.dim] * sl.sizes[r] for s, sl in cut) for r in range(dp)]
-            whole = sum(_numel(s) for s, _ in bucket) - sum(_numel(s) for s, _ in cut)
+            whole = sum(_numel(s) for s, _ in bucket) - sliced
             total += ((dp + 1) * max(seg) + whole) * F32
     return total
 

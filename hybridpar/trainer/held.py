@@ -4,8 +4,8 @@ memory model (plan/memory.py), reported per rank in metrics.jsonl (`monitor.memo
 
 Each component is counted where it is largest in the step, the same definition the model uses:
 gradients after the backward and the data-parallel sum (before the optimizer clears them); optimizer
-state inside the optimizer step (AdamW's moments and step counts and, under ZeRO-1, the rank's shadow
-slices of the parameters with their gradients); activations as the meter's peak (what autograd saves
+state inside the optimizer step (AdamW's moments and step counts; under ZeRO-1 the slices it steps are
+views of the parameters and their gradients, counted there); activations as the meter's peak (what autograd saves
 for backward, pipeline/memory.py); communication buffers as the most that was allocated for messages
 at once — the receive buffers and shared-memory rings (persistent), plus the largest of the step's
 transient ones: the data-parallel gradient buckets, the tied-embedding sum and ZeRO's all-gather.
@@ -35,11 +35,11 @@ def tensor_bytes(tensors: Iterable[torch.Tensor | None], counted: set[int] | Non
 
 
 def optimizer_bytes(opt: torch.optim.Optimizer, counted: set[int]) -> int:
-    """AdamW's state tensors, plus (ZeRO-1) the shadow slices it steps and their gradients — those that
-    are copies: a slice of rows is a view of the parameter's gradient, counted in `counted` already."""
+    """AdamW's state tensors, plus the tensors it steps and their gradients where they are not the
+    parameters' own storages (counted in `counted` already; ZeRO-1's slices are views of them)."""
     state = [v for st in opt.state.values() for v in st.values() if torch.is_tensor(v)]
-    shadows = list(getattr(opt, "shadows", []))
-    return tensor_bytes([*state, *shadows, *(q.grad for q in shadows)], counted)
+    stepped = [q for g in opt.param_groups for q in g["params"]]
+    return tensor_bytes([*state, *stepped, *(q.grad for q in stepped)], counted)
 
 
 def held_bytes(

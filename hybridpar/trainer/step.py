@@ -24,6 +24,7 @@ from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.plan import Layout
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
+from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
 from hybridpar.data import TokenData, load_tokens
@@ -55,9 +56,14 @@ class Trainer:
         self.mp = build_model_parallel(cfg, topo, self.parts)
         self.monitor = DeviceMonitor(topo.device)
         sample = self.monitor.sample()
-        self.policy = make_policy(
-            cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes, resident_bytes=sample.memory_used_bytes
-        )
+        policies = [
+            make_policy(
+                cfg, topo.dp_rank, memory_total_bytes=sample.memory_total_bytes, resident_bytes=sample.memory_used_bytes
+            )
+            for _ in range(1 + cfg.batching.try_recompute)
+        ]
+        b = cfg.batching
+        self.policy = RecomputeChoice(*policies, b.switch_margin, b.warmup_steps) if b.try_recompute else policies[0]
         count = len(self.policy.propose(0))
         # Every replica's partition and share of the batch (parallel.replica_batch: the planner's uneven
         # split for unequal devices); changed only by the load balancer's decisions.
@@ -181,6 +187,10 @@ class Trainer:
         rec: dict = {}
         while True:
             sizes = self.policy.propose(step)
+            if isinstance(self.policy, RecomputeChoice):  # the mode is the policy's, per step
+                rec["recompute"] = self.policy.recompute
+                for st in self.stages.values():
+                    st.recompute = self.policy.recompute
             self.plan = self._plan(len(sizes))
             mine = list(self.plan.sizes[topo.dp_rank])  # differs only where the balancer moved samples
             assert mine == sizes or sum(mine) != sum(sizes), (self.plan.sizes, sizes)

@@ -1,0 +1,125 @@
+"""bf16 compute two ways on this machine: autocast over the fp32 weights (what `train.precision bf16`
+runs) against bf16 working copies (a bf16 copy of every weight made once per step, before the step's
+forwards; forward and backward in bf16 on the copies; each microbatch's weight gradients widened and
+summed into the fp32 masters' gradients; AdamW on the masters). Step time of each, alternating.
+
+    .venv/bin/python bench/bf16_copies.py [--repeats 5] [--microbatches 2] [--json FILE]
+
+One process, one thread, the default model (full, on one device) and its global batch cut into
+`--microbatches`. One round runs one step of each contender, their order alternating round by round;
+the first round warms both up and is not counted. Reported: each contender's median step time, the
+median of the per-round ratios copies / autocast with its spread, the loss of each at the last step
+(the two differ: working copies compute the residual stream and the norms in bf16 too, autocast only
+the matmuls), and the load average before and after.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from hybridpar.config import Config
+from hybridpar.data import TokenData, load_tokens
+from hybridpar.model.registry import build_full_model
+from hybridpar.optim import make_optimizer
+
+
+def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
+    logits = model(x)  # (B, T, vocab)
+    return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n
+
+
+def autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer, mbs: list, n: int) -> float:
+    total = 0.0
+    for x, y in mbs:
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = _loss(model, x, y, n)
+        loss.backward()
+        total += loss.item()
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def copies_step(model: torch.nn.Module, work: torch.nn.Module, opt: torch.optim.Optimizer, mbs: list, n: int) -> float:
+    masters, copies = list(model.parameters()), list(work.parameters())
+    with torch.no_grad():
+        for w, p in zip(copies, masters):
+            w.copy_(p)  # the step's one cast of each weight
+    total = 0.0
+    for x, y in mbs:
+        loss = _loss(work, x, y, n)
+        loss.backward()
+        total += loss.item()
+        with torch.no_grad():  # fp32 accumulation across microbatches, as the masters' gradients
+            for w, p in zip(copies, masters):
+                p.grad = w.grad.float() if p.grad is None else p.grad.add_(w.grad)
+                w.grad = None
+    opt.step()
+    opt.zero_grad()
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeats", type=int, default=5, help="measured rounds (one step of each contender)")
+    ap.add_argument("--microbatches", type=int, default=2)
+    ap.add_argument("--json", default=None, help="also write the result to FILE")
+    a = ap.parse_args()
+    if a.repeats < 1 or a.microbatches < 1:
+        ap.error(f"--repeats and --microbatches must be >= 1, got {a.repeats} and {a.microbatches}")
+    torch.set_num_threads(1)
+    cfg = Config()
+    t = cfg.train
+    data = TokenData(load_tokens(cfg.data.path, 2_000_000), t.seq_len, t.seed, cfg.data.val_fraction)
+    models = {k: build_full_model(cfg.model, t.seed) for k in ("autocast", "copies")}
+    work = copy.deepcopy(models["copies"]).to(torch.bfloat16)
+    opts = {k: make_optimizer(m.named_parameters(), t) for k, m in models.items()}
+    times: dict[str, list[float]] = {k: [] for k in models}
+    losses: dict[str, float] = {}
+    load_before = os.getloadavg()
+    for r in range(a.repeats + 1):
+        x, y = data.step_samples(r, t.global_batch, 0, t.global_batch)
+        mbs = list(zip(x.tensor_split(a.microbatches), y.tensor_split(a.microbatches)))
+        n = y.numel()
+        for k in ("autocast", "copies") if r % 2 == 0 else ("copies", "autocast"):
+            t0 = time.perf_counter()
+            if k == "autocast":
+                losses[k] = autocast_step(models[k], opts[k], mbs, n)
+            else:
+                losses[k] = copies_step(models[k], work, opts[k], mbs, n)
+            if r > 0:
+                times[k].append(time.perf_counter() - t0)
+    ratios = [c / s for c, s in zip(times["copies"], times["autocast"])]
+    out = {
+        "bench": "bf16_copies",
+        "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L-ffn{cfg.model.ffn_dim}",
+        "seq_len": t.seq_len,
+        "global_batch": t.global_batch,
+        "microbatches": a.microbatches,
+        "repeats": a.repeats,
+        "median_step_time_s": {k: statistics.median(v) for k, v in times.items()},
+        "step_times_s": times,
+        "copies_over_autocast": statistics.median(ratios),
+        "copies_over_autocast_spread": [min(ratios), max(ratios)],
+        "last_loss": losses,
+        "load_average_before": load_before,
+        "load_average_after": os.getloadavg(),
+    }
+    text = json.dumps(out, indent=1) + "\n"
+    sys.stdout.write(text)
+    if a.json:
+        Path(a.json).write_text(text)
+
+
+if __name__ == "__main__":
+    main()
