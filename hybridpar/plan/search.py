@@ -24,7 +24,8 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from hybridpar.config import Config
 from hybridpar.config.schedules import SCHEDULES
-from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
+from hybridpar.pipeline.schedules import add_communication, compute_schedule
+from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
@@ -185,21 +186,19 @@ class Planner:
     def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
         self.base, self.hw, self.memory = base, hw, memory
         self.model = CostModel(base.model, hw)
-        self._actions: dict[tuple, list[list[Action]]] = {}
+        self._actions: dict[tuple, Program] = {}
         self._estimates: dict[tuple, float] = {}
         self._sims: dict[tuple, SimResult] = {}
 
-    def actions(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+    def actions(self, name: str, pp: int, v: int, m: int) -> Program:
+        """The schedule's action lists, lowered once for the many simulations that share them."""
         key = (name, pp, v, m)
         if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
-            spec = SCHEDULES[name]
-            self._actions[key] = add_communication(
-                compute_schedule(name, pp, v, m),
-                pp,
-                pp * v,
-                self.base.parallel.recv_lookahead,
-                ranks=spec.stage_ranks(pp, v),
+            ranks = SCHEDULES[name].stage_ranks(pp, v)
+            lists = add_communication(
+                compute_schedule(name, pp, v, m), pp, pp * v, self.base.parallel.recv_lookahead, ranks=ranks
             )
+            self._actions[key] = compile_program(lists, pp, pp * v, ranks)
         return self._actions[key]
 
     def estimate(self, k: dict[str, Any]) -> float:
