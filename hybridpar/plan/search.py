@@ -24,14 +24,15 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from hybridpar.config import Config
 from hybridpar.config.schedules import SCHEDULES
-from hybridpar.pipeline.schedules import add_communication, compute_schedule
+from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
-from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
+from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
+from hybridpar.plan.cost import CostModel, Prediction, Shape, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
 from hybridpar.report.mfu import model_flops_per_token
 
-PRUNE_SLACK = 0.05  # the estimate is not a strict bound (uneven stages, overheads): keep a margin
+TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
 VIRTUAL_STAGES = (2, 4, 8)  # tried for schedules that take any count
 RECOMPUTE = ("none", "selective", "full")
 GIB = 2**30
@@ -187,7 +188,9 @@ class Planner:
         self.base, self.hw, self.memory = base, hw, memory
         self.model = CostModel(base.model, hw)
         self._actions: dict[tuple, Program] = {}
-        self._estimates: dict[tuple, float] = {}
+        self._compute: dict[tuple, list[list[Action]]] = {}
+        self._bounds: dict[tuple, float] = {}
+        self._shapes: dict[tuple, ComputeShape] = {}
         self._sims: dict[tuple, SimResult] = {}
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
@@ -196,41 +199,39 @@ class Planner:
         if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
             ranks = SCHEDULES[name].stage_ranks(pp, v)
             lists = add_communication(
-                compute_schedule(name, pp, v, m), pp, pp * v, self.base.parallel.recv_lookahead, ranks=ranks
+                self.compute(name, pp, v, m), pp, pp * v, self.base.parallel.recv_lookahead, ranks=ranks
             )
             self._actions[key] = compile_program(lists, pp, pp * v, ranks)
         return self._actions[key]
 
-    def estimate(self, k: dict[str, Any]) -> float:
-        """Fast step estimate of knobs `k`: average rank work stretched by the schedule's bubble formula."""
+    def compute(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+        key = (name, pp, v, m)
+        if key not in self._compute:
+            self._compute[key] = compute_schedule(name, pp, v, m)
+        return self._compute[key]
+
+    def bound(self, k: dict[str, Any]) -> float:
+        """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition does not enter)."""
         key = tuple(v for n, v in k.items() if n != "partition")
-        if key in self._estimates:
-            return self._estimates[key]
-        shape = Shape(k["tp"], k["pp"], k["dp"])
-        pl = placement(shape, self.hw)
-        t = dataclasses.replace(self.base.train, precision=k["precision"])
-        tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
-        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
-        embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
-        per_layer = layer.f.total + layer.b.total + layer.w.total
-        total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
-        share = sharing(shape, self.hw, pl)
-        spec = SCHEDULES[k["schedule"]]
-        t_b = layer.b.total if spec.splits_backward else layer.b.total + layer.w.total
-        t_w = layer.w.total if spec.splits_backward else 0.0
-        try:
-            bubble = spec.bubble_fraction(k["pp"], k["v"], k["m"], t_f=layer.f.total, t_b=t_b, t_w=t_w)
-        except ValueError:
-            bubble = 0.0
-        work = total / k["pp"] / (1.0 - bubble)
-        if share is not None:  # the node's cores bound the whole pipeline's work
-            work = max(work, total / sum(share.capacity))
-        # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
-        params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
-        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params)
-        after += all_reduce_s(4 * params / k["v"], k["dp"], pl.dp, self.hw)
-        self._estimates[key] = work + after
-        return self._estimates[key]
+        if key not in self._bounds:
+            shape = Shape(k["tp"], k["pp"], k["dp"])
+            pl = placement(shape, self.hw)
+            t = dataclasses.replace(self.base.train, precision=k["precision"])
+            tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
+            embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
+            share = sharing(shape, self.hw, pl)
+            capacity = None if share is None else sum(share.capacity)
+            self._bounds[key] = knob_bound(self.model, pl, layer, embed.total + head.total, k, capacity)
+        return self._bounds[key]
+
+    def step_bound(self, cfg: Config) -> float:
+        """`step_bound` of the layout: no simulation of it predicts less."""
+        p = cfg.parallel
+        key = (p.schedule, p.pp, p.chunks, cfg.train.microbatches)
+        if key not in self._shapes:
+            self._shapes[key] = compute_shape(self.compute(*key))
+        return step_bound(self.model, cfg, self._shapes[key])
 
     def same_parts(self, a: Config, b: Config) -> bool:
         pl = placement(a.parallel, self.hw)
@@ -245,9 +246,11 @@ class Planner:
         return Candidate(cfg, pred, mem, tokens / pred.step_s, flops / (world * self.hw.peak_flops(t.precision)))
 
 
-def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, top: int = 10) -> Plan:
+def plan(
+    base: Config, hw: Hardware, memory: Memory, world: int | None = None, top: int = 10, prune: bool = True
+) -> Plan:
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
-    when none does."""
+    when none does. `prune=False` simulates every layout that fits (the same list, slower: for tests)."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -259,7 +262,7 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
     knobs = list(_knobs(base, hw, world))
     if not knobs:
         raise ValueError(_no_split(base, hw, world))
-    ranked = sorted(knobs, key=planner.estimate)
+    ranked = sorted(knobs, key=planner.bound)
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for k in knobs:
         groups.setdefault(_group(k), []).append(k)
@@ -290,9 +293,12 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
             smallest = (need, _config_label(cfg))
         return None
 
+    def beaten(bound: float) -> bool:
+        return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
+
     for k in ranked:
-        if len(found) >= top and planner.estimate(k) * (1 - PRUNE_SLACK) > found[top - 1].prediction.step_s:
-            break
+        if beaten(planner.bound(k)):
+            break  # and so is every later one: they are sorted by this bound
         g = _group(k)
         if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
             misfits[g] = []
@@ -309,6 +315,8 @@ def plan(base: Config, hw: Hardware, memory: Memory, world: int | None = None, t
         fitted.add(_knob_key(k))
         if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
             continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
+        if beaten(planner.step_bound(cfg)):
+            continue
         found.append(planner.evaluate(cfg, [int(e.total) for e in memory(cfg)]))
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
