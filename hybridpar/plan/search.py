@@ -7,11 +7,13 @@ microbatch counts dividing each replica's batch, partition (parameter-balanced, 
 default, or cost-balanced), ZeRO-1 (with dp > 1), recomputation and precision (those the hardware
 computes). Legality is `Config.validate`'s, not restated here.
 
-Speed: a candidate is first costed without simulation — its busiest possible rank's work (average
-over pipeline ranks, or the node's cores where ranks share them) stretched by the schedule's own
-bubble formula (config/schedules.py) — and candidates are simulated in that order only while the
-estimate could still enter the top list (`PRUNE_SLACK` below the k-th best). Memory (a callable, e.g.
-plan/memory.rank_memory) is asked only of the candidates that get that far; action lists are cached.
+Speed (branch and bound, exact: the list is the one simulating every layout would give): candidates
+are visited in the order of a fast estimate (average rank work stretched by the schedule's bubble
+formula, config/schedules.py), so the k-th best falls early; a candidate whose lower bound
+(plan/bound.py: first from its knobs, then from its schedule's critical path) exceeds the k-th best
+is skipped before its memory is asked, and the search stops once no remaining candidate's knob bound
+is below it. Memory (a callable, e.g. plan/memory.rank_memory) is asked only of the candidates that
+get that far; action lists are lowered once per schedule and cached.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from hybridpar.pipeline.schedules import Action, add_communication, compute_sche
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
-from hybridpar.plan.cost import CostModel, Prediction, Shape, placement, predict, sharing
+from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
 from hybridpar.report.mfu import model_flops_per_token
 
@@ -190,6 +192,7 @@ class Planner:
         self._actions: dict[tuple, Program] = {}
         self._compute: dict[tuple, list[list[Action]]] = {}
         self._bounds: dict[tuple, float] = {}
+        self._estimates: dict[tuple, float] = {}
         self._shapes: dict[tuple, ComputeShape] = {}
         self._sims: dict[tuple, SimResult] = {}
 
@@ -224,6 +227,38 @@ class Planner:
             capacity = None if share is None else sum(share.capacity)
             self._bounds[key] = knob_bound(self.model, pl, layer, embed.total + head.total, k, capacity)
         return self._bounds[key]
+
+    def estimate(self, k: dict[str, Any]) -> float:
+        """Fast step estimate of knobs `k` (the search's order, not a bound): average rank work stretched by
+        the schedule's bubble formula."""
+        key = tuple(v for n, v in k.items() if n != "partition")
+        if key in self._estimates:
+            return self._estimates[key]
+        shape = Shape(k["tp"], k["pp"], k["dp"])
+        pl = placement(shape, self.hw)
+        t = dataclasses.replace(self.base.train, precision=k["precision"])
+        tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
+        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
+        embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
+        per_layer = layer.f.total + layer.b.total + layer.w.total
+        total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
+        share = sharing(shape, self.hw, pl)
+        spec = SCHEDULES[k["schedule"]]
+        t_b = layer.b.total if spec.splits_backward else layer.b.total + layer.w.total
+        t_w = layer.w.total if spec.splits_backward else 0.0
+        try:
+            bubble = spec.bubble_fraction(k["pp"], k["v"], k["m"], t_f=layer.f.total, t_b=t_b, t_w=t_w)
+        except ValueError:
+            bubble = 0.0
+        work = total / k["pp"] / (1.0 - bubble)
+        if share is not None:  # the node's cores bound the whole pipeline's work
+            work = max(work, total / sum(share.capacity))
+        # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
+        params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
+        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params)
+        after += all_reduce_s(4 * params / k["v"], k["dp"], pl.dp, self.hw)
+        self._estimates[key] = work + after
+        return self._estimates[key]
 
     def step_bound(self, cfg: Config) -> float:
         """`step_bound` of the layout: no simulation of it predicts less."""
@@ -262,7 +297,8 @@ def plan(
     knobs = list(_knobs(base, hw, world))
     if not knobs:
         raise ValueError(_no_split(base, hw, world))
-    ranked = sorted(knobs, key=planner.bound)
+    ranked = sorted(knobs, key=planner.estimate)  # likely fastest first: the k-th best falls early
+    floor = list(itertools.accumulate(reversed([planner.bound(k) for k in ranked]), min))[::-1]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for k in knobs:
         groups.setdefault(_group(k), []).append(k)
@@ -296,9 +332,21 @@ def plan(
     def beaten(bound: float) -> bool:
         return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
 
-    for k in ranked:
-        if beaten(planner.bound(k)):
-            break  # and so is every later one: they are sorted by this bound
+    def step_beaten(k: dict[str, Any]) -> bool:
+        if not beaten(0.0):
+            return False
+        cfg = _config(base, k)
+        try:
+            cfg.validate(world)
+        except ValueError:
+            return False  # fits() reports it
+        return beaten(planner.step_bound(cfg))
+
+    for i, k in enumerate(ranked):
+        if beaten(floor[i]):
+            break  # no layout from here on can be predicted faster than the k-th best
+        if beaten(planner.bound(k)) or step_beaten(k):
+            continue
         g = _group(k)
         if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
             misfits[g] = []
@@ -315,8 +363,6 @@ def plan(
         fitted.add(_knob_key(k))
         if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
             continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
-        if beaten(planner.step_bound(cfg)):
-            continue
         found.append(planner.evaluate(cfg, [int(e.total) for e in memory(cfg)]))
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
