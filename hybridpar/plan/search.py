@@ -310,7 +310,8 @@ def plan(
     simulated = checked = 0
     bound = ""
 
-    def fits(k: dict[str, Any]) -> Config | None:
+    def fits(k: dict[str, Any]) -> tuple[Config, list[int]] | None:
+        """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit."""
         nonlocal smallest, checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
@@ -321,9 +322,10 @@ def plan(
             problems.append(str(e))
             return None
         checked += 1
-        need = max(int(e.total) for e in memory(cfg))
+        per_rank = [int(e.total) for e in memory(cfg)]
+        need = max(per_rank)
         if need <= hw.device_memory_bytes:
-            return cfg
+            return cfg, per_rank
         misfits.setdefault(_group(k), []).append(k)
         if smallest is None or need < smallest[0]:
             smallest = (need, _config_label(cfg))
@@ -355,15 +357,16 @@ def plan(
                 continue
         if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
             continue  # recomputation only costs time: it is worth it only where less of it does not fit
-        cfg = fits(k)
-        if cfg is None:
+        fit = fits(k)
+        if fit is None:
             if not found and not bound and smallest is not None:
                 bound = f"faster layouts need more memory ({smallest[1]}: {smallest[0] / GIB:.3g} GiB per device)"
             continue
+        cfg, per_rank = fit
         fitted.add(_knob_key(k))
         if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
             continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
-        found.append(planner.evaluate(cfg, [int(e.total) for e in memory(cfg)]))
+        found.append(planner.evaluate(cfg, per_rank))
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
     if not found:
