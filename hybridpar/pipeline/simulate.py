@@ -31,11 +31,12 @@ Messages are matched by identity, not by posting order: run ``validate_schedule`
 from __future__ import annotations
 
 import math
-from collections import Counter, defaultdict, deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Sequence
 
-from hybridpar.pipeline.schedules import RECVS, SENDS, Action, Op, ScheduleError, inputs, message_of, placement
+from hybridpar.pipeline.schedules import RECVS, SENDS, Action, Op, ScheduleError, placement
+from hybridpar.pipeline.sim_program import RECV, SEND, Program, compile_program
 from hybridpar.pipeline.trace import Slice, chrome_trace
 
 
@@ -123,7 +124,7 @@ class SimResult:
 
 
 def simulate(
-    actions: list[list[Action]],
+    actions: list[list[Action]] | Program,
     pp: int,
     n_stages: int,
     costs: Costs,
@@ -131,130 +132,160 @@ def simulate(
     ranks: Sequence[int] | None = None,
     sharing: CoreSharing | None = None,
 ) -> SimResult:
-    """Run per-rank action lists (as from ``build_schedule``) under `costs`; `ranks[s]` is the rank of
-    stage s (the schedule's placement, ``ScheduleSpec.stage_ranks``; None = s % pp); `sharing`: ranks
-    that share cores (module docstring).
+    """Run per-rank action lists (as from ``build_schedule``, or lowered once by ``compile_program`` to be
+    simulated under many costs) under `costs`; `ranks[s]` is the rank of stage s (the schedule's placement,
+    ``ScheduleSpec.stage_ranks``; None = s % pp); `sharing`: ranks that share cores (module docstring).
 
     Event-driven: a rank runs until it needs a time that is not known yet, then sleeps on that key
     until it is resolved, so each action is handled O(1) times. Raises ScheduleError when some
     action can never start (deadlock) or a message has no partner.
     """
-    if len(actions) != pp:
-        raise ValueError(f"expected {pp} rank lists, got {len(actions)}")
-    ranks = placement(ranks, pp, n_stages)
+    if isinstance(actions, Program):
+        prog = actions
+        if (prog.pp, prog.n_stages) != (pp, n_stages) or prog.ranks != tuple(placement(ranks, pp, n_stages)):
+            raise ValueError(f"the program is for pp={prog.pp}, {prog.n_stages} stages on ranks {list(prog.ranks)}")
+    else:
+        prog = compile_program(actions, pp, n_stages, ranks)
+    if sharing is not None and len(sharing.node_of) != pp:
+        raise ValueError(f"sharing.node_of has {len(sharing.node_of)} entries for {pp} ranks")
+    acts, kinds, needs, links, messages = prog.acts, prog.kind, prog.need, prog.link, prog.message
+    n = len(acts)
     cost, comm = costs.per_stage(n_stages), costs.per_stage(n_stages, comm=True)
+    by_op = [cost[Op.FORWARD], cost[Op.BACKWARD], cost[Op.WEIGHT]]
+    comm_by_op = [comm[Op.FORWARD], comm[Op.BACKWARD], comm[Op.WEIGHT]]
     xfer = costs.transfer_s()
     scale = costs.microbatch_scale
     if scale is not None:
-        m = 1 + max((a.microbatch for acts in actions for a in acts), default=-1)
+        m = 1 + max((a.microbatch for a in acts), default=-1)
         if len(scale) != m:
             raise ValueError(f"microbatch_scale has {len(scale)} entries for {m} microbatches")
-    known: dict[tuple[str, Action], float] = {}  # resolved keys -> time
-    sleepers: dict[tuple[str, Action], list[int]] = defaultdict(list)
-    ptr, free = [0] * pp, [0.0] * pp
-    busy = [0.0] * pp
-    events: list[SimEvent] = []
-    # Per link: sends in posting order, the next one to transfer, and when the link frees up.
-    queue: dict[tuple[int, int], list[Action]] = defaultdict(list)
-    head: dict[tuple[int, int], int] = defaultdict(int)
-    link_free: dict[tuple[int, int], float] = defaultdict(float)
-    posted: dict[tuple[str, Action], float] = {}  # ("send"|"recv", send action) -> post time
+    # Per action: its compute cost and collective wait (compute), or its transfer time (send).
+    work, wait_of = [0.0] * n, [0.0] * n
+    for i, (a, o) in enumerate(zip(acts, prog.op)):
+        k = 1.0 if scale is None else scale[a.microbatch]
+        if o >= 0:
+            work[i], wait_of[i] = by_op[o][a.stage] * k, comm_by_op[o][a.stage] * k
+        elif kinds[i] == SEND:
+            work[i] = xfer if scale is None else xfer * k
+    known: list[float | None] = [None] * prog.n_keys  # resolved keys -> time
+    sleepers: dict[int, list[int]] = {}
+    lo = prog.lo
+    ptr, free, busy = list(lo[:pp]), [0.0] * pp, [0.0] * pp
+    order: list[int] = []  # actions in the order they finished
+    begins, ends, waits = [0.0] * n, [0.0] * n, [0.0] * n
+    # Per link: sends (message key, transfer time) in posting order, the next one to transfer, when it frees up.
+    queue: list[list[tuple[int, float]]] = [[] for _ in range(prog.links)]
+    head, link_free = [0] * prog.links, [0.0] * prog.links
+    posted_send: list[float | None] = [None] * prog.n_keys  # message key -> post time of its send, receive
+    posted_recv: list[float | None] = [None] * prog.n_keys
+    arrived: list[int] = []
     runnable = deque(range(pp))
-    if sharing is not None and len(sharing.node_of) != pp:
-        raise ValueError(f"sharing.node_of has {len(sharing.node_of)} entries for {pp} ranks")
-    jobs: dict[int, list] = {}  # shared cores: rank -> [action, begin, start of work, work left]
+    jobs: dict[int, list] = {}  # shared cores: rank -> [action index, begin, start of work, work left]
+    latency, send_ovh, recv_ovh, ovh = (
+        costs.latency_s,
+        costs.send_overhead_s,
+        costs.recv_overhead_s,
+        costs.compute_overhead_s,
+    )
     now = 0.0
 
-    def resolve(key: tuple[str, Action], t: float) -> None:
+    def resolve(key: int, t: float) -> None:
         known[key] = t
-        runnable.extend(sleepers.pop(key, ()))
+        woken = sleepers.pop(key, None)
+        if woken:
+            runnable.extend(woken)
 
-    def pump(link: tuple[int, int]) -> None:
+    def pump(link: int) -> None:
         # Transfers leave strictly in send order; one whose receive is not posted holds up the
         # rest of the link (head-of-line blocking, as NCCL's in-order matching does).
-        q = queue[link]
-        while head[link] < len(q) and ("recv", q[head[link]]) in posted:
-            send = q[head[link]]
-            start = max(posted["send", send], posted["recv", send], link_free[link])
-            x = xfer if scale is None else xfer * scale[send.microbatch]
+        q, h = queue[link], head[link]
+        while h < len(q):
+            key, x = q[h]
+            recv = posted_recv[key]
+            if recv is None:
+                break
+            start = max(posted_send[key], recv, link_free[link])
             link_free[link] = start + x
-            resolve(("arrive", send), start + costs.latency_s + x)
-            head[link] += 1
-
-    def finish(r: int, a: Action, begin: float, end: float) -> None:
-        events.append(SimEvent(r, a, begin, end, begin - free[r]))
-        free[r] = end
-        ptr[r] += 1
+            resolve(key, start + latency + x)
+            arrived.append(key)
+            h += 1
+        head[link] = h
 
     while runnable or jobs:
         if not runnable:  # shared cores: every rank waits for a compute action in progress
             now, done = _advance(jobs, now, sharing)
             for r in done:
-                a, begin, work_start, _ = jobs.pop(r)
+                i, begin, work_start, _ = jobs.pop(r)
                 busy[r] += now - work_start  # with shared cores, busy is the time spent computing
-                finish(r, a, begin, now)
-                resolve(("done", a), now)
+                begins[i], ends[i], waits[i] = begin, now, begin - free[r]
+                order.append(i)
+                free[r] = now
+                ptr[r] = i + 1
+                resolve(i, now)
                 runnable.append(r)
             continue
         r = runnable.popleft()
-        acts = actions[r]
-        while ptr[r] < len(acts):
-            a = acts[ptr[r]]
-            if not 0 <= a.stage < n_stages or ranks[a.stage] != r:
-                raise ScheduleError(f"rank {r}: {a} does not belong on this rank")
-            need = inputs(a, ranks)
-            missing = next((k for k in need if k not in known), None)
-            if missing is not None:
-                sleepers[missing].append(r)
-                break
-            begin = max([free[r]] + [known[k] for k in need])
-            if a.op in SENDS:
-                end = begin + costs.send_overhead_s
-                if ("send", a) in posted:
-                    raise ScheduleError(f"rank {r}: {a} posted twice")
-                posted["send", a] = end
-                link = message_of(a, ranks)[0]
-                queue[link].append(a)
-                pump(link)
-            elif a.op in RECVS:
-                end = begin + costs.recv_overhead_s
-                link, send = message_of(a, ranks)
-                if ("recv", send) in posted:
-                    raise ScheduleError(f"rank {r}: {a} posted twice")
-                posted["recv", send] = end
-                pump(link)
-            else:
-                k = 1.0 if scale is None else scale[a.microbatch]
-                c, wait = cost[a.op][a.stage] * k, comm[a.op][a.stage] * k
-                if ("done", a) in known:
-                    raise ScheduleError(f"rank {r}: {a} runs twice")
-                if sharing is not None:  # its end depends on who else computes meanwhile
-                    jobs[r] = [a, begin, begin + costs.compute_overhead_s + wait, c]
+        i, stop, t_free = ptr[r], lo[r + 1], free[r]
+        while i < stop:
+            begin = t_free
+            blocked = False
+            for key in needs[i]:
+                t = known[key]
+                if t is None:
+                    sleepers.setdefault(key, []).append(r)
+                    blocked = True
                     break
-                busy[r] += c
-                end = begin + costs.compute_overhead_s + wait + c
-                resolve(("done", a), end)
-            finish(r, a, begin, end)
+                if t > begin:
+                    begin = t
+            if blocked:
+                break
+            kind = kinds[i]
+            if kind == SEND:
+                end = begin + send_ovh
+                key = messages[i]
+                posted_send[key] = end
+                queue[links[i]].append((key, work[i]))
+                pump(links[i])
+            elif kind == RECV:
+                end = begin + recv_ovh
+                posted_recv[messages[i]] = end
+                pump(links[i])
+            elif sharing is not None:  # its end depends on who else computes meanwhile
+                jobs[r] = [i, begin, begin + ovh + wait_of[i], work[i]]
+                break
+            else:
+                busy[r] += work[i]
+                end = begin + ovh + wait_of[i] + work[i]
+                resolve(i, end)
+            begins[i], ends[i], waits[i] = begin, end, begin - t_free
+            order.append(i)
+            t_free = end
+            i += 1
+        ptr[r], free[r] = i, t_free
 
-    def describe(kind: str, a: Action) -> str:
-        src = ranks[a.stage]
+    def describe(key: int) -> str:
+        kind, a = prog.describe(key)
+        src = prog.ranks[a.stage]
         return f"message {a} from rank {src}" if kind == "arrive" else f"{a} (rank {src})"
 
     stuck = [
-        f"rank {r} at {actions[r][p]} waits for "
-        + ", ".join(describe(*k) for k in inputs(actions[r][p], ranks) if k not in known)
+        f"rank {r} at {acts[p]} waits for " + ", ".join(describe(k) for k in needs[p] if known[k] is None)
         for r, p in enumerate(ptr)
-        if p < len(actions[r])
+        if p < lo[r + 1]
     ]
     if stuck:
         raise ScheduleError("deadlock: " + "; ".join(stuck))
-    unmatched = sorted({str(a) for kind, a in posted if ("send" if kind == "recv" else "recv", a) not in posted})
+    unmatched = sorted(
+        {str(prog.describe(k)[1]) for k in set(messages) - {-1} if (posted_send[k] is None) != (posted_recv[k] is None)}
+    )
     if unmatched:
         raise ScheduleError("messages without a matching send/receive: " + ", ".join(unmatched))
-    arrivals = {a: t for (kind, a), t in known.items() if kind == "arrive"}
+    arrivals = {prog.describe(k)[1]: known[k] for k in arrived}
     # The step ends when every rank is done and its sends have drained (p2p.wait_sends).
-    step = max([free[r] for r in range(pp)] + list(arrivals.values()), default=0.0)
+    step = max(free + list(arrivals.values()), default=0.0)
     frac = 1.0 - sum(busy) / (pp * step) if step > 0 else 0.0
+    rank_of = prog.ranks
+    events = [SimEvent(rank_of[acts[i].stage], acts[i], begins[i], ends[i], waits[i]) for i in order]
     return SimResult(step, events, busy, frac, arrivals)
 
 

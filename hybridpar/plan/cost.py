@@ -40,6 +40,7 @@ from hybridpar.config.schedules import schedule_spec
 from hybridpar.model.registry import ParamCounts, layer_flops_per_token, layer_tensors, param_counts
 from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
 from hybridpar.pipeline.schedules import Action, Op, build_schedule
+from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.hardware import Hardware, Link
@@ -323,25 +324,39 @@ def sharing(p: Shape | ParallelConfig, hw: Hardware, pl: Placement) -> CoreShari
     return CoreSharing(pl.pp_nodes, (hw.cores_per_node / (p.tp * replicas_per_node),) * nodes)
 
 
-def predict(
-    model: CostModel,
-    cfg: Config,
-    actions: Callable[[str, int, int, int], list[list[Action]]] | None = None,
-    sims: dict[tuple, SimResult] | None = None,
-) -> Prediction:
-    """Predicted step of the layout `cfg` describes (equal microbatches: the per-replica batch over
-    train.microbatches, rounded up); `actions(schedule, pp, v, m)` may be a cache of `build_schedule`,
-    `sims` a cache of simulations (layouts that differ only in what follows the pipeline share one)."""
+class Setup(NamedTuple):
+    """What a layout's simulation runs on: its placement, stages, per-stage costs and simulator costs."""
+
+    pl: Placement
+    parts: list[range]
+    costs: list[LayerCosts]
+    sim_costs: Costs
+    share: CoreSharing | None
+    ranks: tuple[int, ...]
+    stage_params: list[int]
+    msg: int
+
+    def after_pipeline(self, model: CostModel, cfg: Config) -> tuple[float, float]:
+        """(The optimizer step of the slowest rank, the step's small all-reduces)."""
+        p, pl = cfg.parallel, self.pl
+        rank_params = [
+            sum(self.stage_params[s] for s in range(p.n_stages) if self.ranks[s] == r) / p.tp for r in range(p.pp)
+        ]
+        opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n) for n in rank_params)
+        return opt, 3 * all_reduce_s(8, p.tp * p.pp * p.dp, pl.world, model.hw)  # loss, step time and peak, clip norm
+
+
+def setup(model: CostModel, cfg: Config) -> Setup:
+    """The simulator's inputs for the layout `cfg` (equal microbatches: the per-replica batch over
+    train.microbatches, rounded up)."""
     hw, p, t = model.hw, cfg.parallel, cfg.train
     pl = placement(p, hw)
     parts = model.parts(cfg, pl)
-    m = t.microbatches
-    tokens = math.ceil(t.global_batch / p.dp / m) * t.seq_len
+    tokens = math.ceil(t.global_batch / p.dp / t.microbatches) * t.seq_len
     costs = stage_costs(model, cfg, pl, parts, tokens)
     spec = schedule_spec(p.schedule)
     split = spec.splits_backward
-    act = 2 if t.precision == "bf16" else 4
-    msg = tokens * model.m.dim * act
+    msg = tokens * model.m.dim * (2 if t.precision == "bf16" else 4)
     sim_costs = Costs(
         forward_s=tuple(c.f.compute for c in costs),
         backward_s=tuple(c.b.compute if split else c.b.compute + c.w.compute for c in costs),
@@ -353,24 +368,35 @@ def predict(
         bandwidth_Bps=pl.pp.bandwidth_gbs * 1e9,
         message_bytes=msg,
     )
-    build = actions or (lambda name, pp, v, mb: build_schedule(name, pp, v, mb, p.recv_lookahead))
-    share = sharing(p, hw, pl)
-    key = (p.schedule, p.pp, p.chunks, m, sim_costs, share)
     ranks = spec.stage_ranks(p.pp, p.chunks)
+    return Setup(pl, parts, costs, sim_costs, sharing(p, hw, pl), ranks, model.stage_params(parts), msg)
+
+
+def predict(
+    model: CostModel,
+    cfg: Config,
+    actions: Callable[[str, int, int, int], list[list[Action]] | Program] | None = None,
+    sims: dict[tuple, SimResult] | None = None,
+) -> Prediction:
+    """Predicted step of the layout `cfg` describes (`setup`); `actions(schedule, pp, v, m)` may be a
+    cache of `build_schedule`, `sims` a cache of simulations (layouts that differ only in what follows
+    the pipeline share one)."""
+    hw, p, t = model.hw, cfg.parallel, cfg.train
+    su = setup(model, cfg)
+    m = t.microbatches
+    build = actions or (lambda name, pp, v, mb: build_schedule(name, pp, v, mb, p.recv_lookahead))
+    key = (p.schedule, p.pp, p.chunks, m, su.sim_costs, su.share)
     sim = (sims or {}).get(key) or simulate(
-        build(p.schedule, p.pp, p.chunks, m), p.pp, p.n_stages, sim_costs, ranks=ranks, sharing=share
+        build(p.schedule, p.pp, p.chunks, m), p.pp, p.n_stages, su.sim_costs, ranks=su.ranks, sharing=su.share
     )
     if sims is not None:
         sims[key] = sim
-    stage_params = model.stage_params(parts)
     if key not in model._last:
         model._last[key] = last_backwards(sim)
-    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, pl, stage_params, ranks)
-    rank_params = [sum(stage_params[s] for s in range(p.n_stages) if ranks[s] == r) / p.tp for r in range(p.pp)]
-    opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n) for n in rank_params)
-    fixed = 3 * all_reduce_s(8, p.tp * p.pp * p.dp, pl.world, hw)  # loss, step time and peak, clip norm
+    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, su.ranks)
+    opt, fixed = su.after_pipeline(model, cfg)
     busiest = max(range(p.pp), key=lambda r: sim.busy_s[r])
-    tp_comm = m * sum(c.f.comm_s + c.b.comm_s + c.w.comm_s for s, c in enumerate(costs) if ranks[s] == busiest)
+    tp_comm = m * sum(c.f.comm_s + c.b.comm_s + c.w.comm_s for s, c in enumerate(su.costs) if su.ranks[s] == busiest)
     return Prediction(
         step_s=end + opt + fixed,
         pipeline_s=sim.step_time_s,
@@ -379,8 +405,8 @@ def predict(
         bubble=sim.bubble_fraction,
         compute_s=sim.busy_s[busiest],
         tp_comm_s=tp_comm,
-        message_bytes=msg,
-        parts=tuple((r.start, r.stop) for r in parts),
+        message_bytes=su.msg,
+        parts=tuple((r.start, r.stop) for r in su.parts),
     )
 
 

@@ -7,11 +7,13 @@ microbatch counts dividing each replica's batch, partition (parameter-balanced, 
 default, or cost-balanced), ZeRO-1 (with dp > 1), recomputation and precision (those the hardware
 computes). Legality is `Config.validate`'s, not restated here.
 
-Speed: a candidate is first costed without simulation — its busiest possible rank's work (average
-over pipeline ranks, or the node's cores where ranks share them) stretched by the schedule's own
-bubble formula (config/schedules.py) — and candidates are simulated in that order only while the
-estimate could still enter the top list (`PRUNE_SLACK` below the k-th best). Memory (a callable, e.g.
-plan/memory.rank_memory) is asked only of the candidates that get that far; action lists are cached.
+Speed (branch and bound, exact: the list is the one simulating every layout would give): candidates
+are visited in the order of a fast estimate (average rank work stretched by the schedule's bubble
+formula, config/schedules.py), so the k-th best falls early; a candidate whose lower bound
+(plan/bound.py: first from its knobs, then from its schedule's critical path) exceeds the k-th best
+is skipped before its memory is asked, and the search stops once no remaining candidate's knob bound
+is below it. Memory (a callable, e.g. plan/memory.rank_memory) is asked only of the candidates that
+get that far; action lists are lowered once per schedule and cached.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 from hybridpar.config import Config
 from hybridpar.config.schedules import SCHEDULES
 from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
+from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
+from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
 from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
 from hybridpar.report.mfu import model_flops_per_token
 
-PRUNE_SLACK = 0.05  # the estimate is not a strict bound (uneven stages, overheads): keep a margin
+TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
 VIRTUAL_STAGES = (2, 4, 8)  # tried for schedules that take any count
 RECOMPUTE = ("none", "selective", "full")
 GIB = 2**30
@@ -216,25 +220,48 @@ class Planner:
     def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
         self.base, self.hw, self.memory = base, hw, memory
         self.model = CostModel(base.model, hw)
-        self._actions: dict[tuple, list[list[Action]]] = {}
+        self._actions: dict[tuple, Program] = {}
+        self._compute: dict[tuple, list[list[Action]]] = {}
+        self._bounds: dict[tuple, float] = {}
         self._estimates: dict[tuple, float] = {}
+        self._shapes: dict[tuple, ComputeShape] = {}
         self._sims: dict[tuple, SimResult] = {}
 
-    def actions(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+    def actions(self, name: str, pp: int, v: int, m: int) -> Program:
+        """The schedule's action lists, lowered once for the many simulations that share them."""
         key = (name, pp, v, m)
         if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
-            spec = SCHEDULES[name]
-            self._actions[key] = add_communication(
-                compute_schedule(name, pp, v, m),
-                pp,
-                pp * v,
-                self.base.parallel.recv_lookahead,
-                ranks=spec.stage_ranks(pp, v),
+            ranks = SCHEDULES[name].stage_ranks(pp, v)
+            lists = add_communication(
+                self.compute(name, pp, v, m), pp, pp * v, self.base.parallel.recv_lookahead, ranks=ranks
             )
+            self._actions[key] = compile_program(lists, pp, pp * v, ranks)
         return self._actions[key]
 
+    def compute(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+        key = (name, pp, v, m)
+        if key not in self._compute:
+            self._compute[key] = compute_schedule(name, pp, v, m)
+        return self._compute[key]
+
+    def bound(self, k: dict[str, Any]) -> float:
+        """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition does not enter)."""
+        key = tuple(v for n, v in k.items() if n != "partition")
+        if key not in self._bounds:
+            shape = Shape(k["tp"], k["pp"], k["dp"])
+            pl = placement(shape, self.hw)
+            t = dataclasses.replace(self.base.train, precision=k["precision"])
+            tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
+            embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
+            share = sharing(shape, self.hw, pl)
+            capacity = None if share is None else sum(share.capacity)
+            self._bounds[key] = knob_bound(self.model, pl, layer, embed.total + head.total, k, capacity)
+        return self._bounds[key]
+
     def estimate(self, k: dict[str, Any]) -> float:
-        """Fast step estimate of knobs `k`: average rank work stretched by the schedule's bubble formula."""
+        """Fast step estimate of knobs `k` (the search's order, not a bound): average rank work stretched by
+        the schedule's bubble formula."""
         key = tuple(v for n, v in k.items() if n != "partition")
         if key in self._estimates:
             return self._estimates[key]
@@ -264,6 +291,14 @@ class Planner:
         self._estimates[key] = work + after
         return self._estimates[key]
 
+    def step_bound(self, cfg: Config) -> float:
+        """`step_bound` of the layout: no simulation of it predicts less."""
+        p = cfg.parallel
+        key = (p.schedule, p.pp, p.chunks, cfg.train.microbatches)
+        if key not in self._shapes:
+            self._shapes[key] = compute_shape(self.compute(*key))
+        return step_bound(self.model, cfg, self._shapes[key])
+
     def same_parts(self, a: Config, b: Config) -> bool:
         pl = placement(a.parallel, self.hw)
         return self.model.parts(a, pl) == self.model.parts(b, pl)
@@ -284,9 +319,11 @@ def plan(
     world: int | None = None,
     top: int = 10,
     fixed: dict[str, Any] | None = None,
+    prune: bool = True,
 ) -> Plan:
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
-    when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices)."""
+    when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices).
+    `prune=False` simulates every layout that fits (the same list, slower: for tests)."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -298,7 +335,8 @@ def plan(
     knobs = _held_knobs(base, hw, world, fixed or {})
     if not knobs:
         raise ValueError(_no_split(base, hw, world))
-    ranked = sorted(knobs, key=planner.estimate)
+    ranked = sorted(knobs, key=planner.estimate)  # likely fastest first: the k-th best falls early
+    floor = list(itertools.accumulate(reversed([planner.bound(k) for k in ranked]), min))[::-1]
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for k in knobs:
         groups.setdefault(_group(k), []).append(k)
@@ -310,7 +348,8 @@ def plan(
     simulated = checked = 0
     bound = ""
 
-    def fits(k: dict[str, Any]) -> Config | None:
+    def fits(k: dict[str, Any]) -> tuple[Config, list[int]] | None:
+        """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit."""
         nonlocal smallest, checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
@@ -321,17 +360,33 @@ def plan(
             problems.append(str(e))
             return None
         checked += 1
-        need = max(int(e.total) for e in memory(cfg))
+        per_rank = [int(e.total) for e in memory(cfg)]
+        need = max(per_rank)
         if need <= hw.device_memory_bytes:
-            return cfg
+            return cfg, per_rank
         misfits.setdefault(_group(k), []).append(k)
         if smallest is None or need < smallest[0]:
             smallest = (need, _config_label(cfg))
         return None
 
-    for k in ranked:
-        if len(found) >= top and planner.estimate(k) * (1 - PRUNE_SLACK) > found[top - 1].prediction.step_s:
-            break
+    def beaten(bound: float) -> bool:
+        return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
+
+    def step_beaten(k: dict[str, Any]) -> bool:
+        if not beaten(0.0):
+            return False
+        cfg = _config(base, k)
+        try:
+            cfg.validate(world)
+        except ValueError:
+            return False  # fits() reports it
+        return beaten(planner.step_bound(cfg))
+
+    for i, k in enumerate(ranked):
+        if beaten(floor[i]):
+            break  # no layout from here on can be predicted faster than the k-th best
+        if beaten(planner.bound(k)) or step_beaten(k):
+            continue
         g = _group(k)
         if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
             misfits[g] = []
@@ -340,15 +395,16 @@ def plan(
                 continue
         if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
             continue  # recomputation only costs time: it is worth it only where less of it does not fit
-        cfg = fits(k)
-        if cfg is None:
+        fit = fits(k)
+        if fit is None:
             if not found and not bound and smallest is not None:
                 bound = f"faster layouts need more memory ({smallest[1]}: {smallest[0] / GIB:.3g} GiB per device)"
             continue
+        cfg, per_rank = fit
         fitted.add(_knob_key(k))
         if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
             continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
-        found.append(planner.evaluate(cfg, [int(e.total) for e in memory(cfg)]))
+        found.append(planner.evaluate(cfg, per_rank))
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
     if not found:

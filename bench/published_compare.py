@@ -1,0 +1,145 @@
+"""The planner beside published GPU training runs (docs/planner/published.toml): for each row, on the row's
+own cluster file, (a) the prediction for the layout the authors used and (b) the planner's own choice, in the
+unit the source published (TFLOP/s per GPU counted the source's way, MFU, or seconds per step) and as tokens/s
+per GPU. One cost model for every row; no constant is tuned per row.
+
+    python bench/published_compare.py [--rows ID,ID] [--json bench/results/published_compare.json] [--markdown]
+
+A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
+virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its precision (fp16 as bf16).
+`fits` says whether our memory model (plan/memory.py) puts it within the cluster file's device memory.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from hybridpar.plan.cost import CostModel, predict  # noqa: E402
+from hybridpar.plan.hardware import load_hardware  # noqa: E402
+from hybridpar.plan.memory import rank_memory  # noqa: E402
+from hybridpar.plan.search import GIB, Memory, plan  # noqa: E402
+from tests.test_published_runs import (  # noqa: E402 - the rows' schema and the sources' FLOP counts live there
+    PLANNER_DOCS,
+    RUNS,
+    peak_tflops,
+    row_config,
+    source_flops_per_token,
+    tokens_per_s_per_gpu,
+)
+
+UNITS = {"TFLOP/s": "TFLOP/s per GPU", "MFU": "MFU", "s/step": "s per step", "tokens/s": "tokens/s"}
+
+
+def in_published_unit(row: dict[str, Any], tokens_per_s_per_gpu_: float, basis: str) -> float:
+    """A rate of tokens/s per GPU in the unit the row's figure was published in (`basis`)."""
+    m = row_config(row).model
+    if basis == "TFLOP/s":
+        return tokens_per_s_per_gpu_ * source_flops_per_token(row, m) / 1e12
+    if basis == "MFU":
+        return tokens_per_s_per_gpu_ * source_flops_per_token(row, m) / (peak_tflops(row) * 1e12)
+    if basis == "s/step":
+        return row["global_batch"] * row["seq_len"] / (tokens_per_s_per_gpu_ * row["gpus"])
+    return tokens_per_s_per_gpu_ * row["gpus"]
+
+
+def published_figure(row: dict[str, Any], basis: str) -> float:
+    key = {"TFLOP/s": "reported_tflops_per_gpu", "MFU": "reported_mfu", "s/step": "reported_s_per_step"}
+    return row[key.get(basis, "reported_tokens_per_s")]
+
+
+def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory) -> dict[str, Any]:
+    """One row: the published figure, the prediction for its layout, the planner's choice (`memory`: the
+    memory model, plan/memory.py's unless a test passes a quicker one)."""
+    hw = load_hardware(PLANNER_DOCS / row["cluster"])
+    cfg = row_config(row)
+    cfg.validate(row["gpus"])
+    tokens = row["global_batch"] * row["seq_len"]
+    rate, basis = tokens_per_s_per_gpu(row)
+    model = CostModel(cfg.model, hw)
+    given = predict(model, cfg)
+    need = max(int(e.total) for e in memory(cfg))
+    given_rate = tokens / given.step_s / row["gpus"]
+    t0 = time.perf_counter()
+    result = plan(row_config(row), hw, memory, world=row["gpus"], top=top)  # the planner sets every knob
+    plan_s = time.perf_counter() - t0
+    best = result.candidates[0]
+    best_rate = best.tokens_per_s / row["gpus"]
+    p = cfg.parallel
+    layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{p.chunks}" if p.chunks > 1 else "")
+    layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}"
+    return {
+        "id": row["id"],
+        "cluster": hw.name,
+        "gpus": row["gpus"],
+        "unit": UNITS[basis],
+        "published_layout": layout,
+        "published": published_figure(row, basis),
+        "published_tokens_per_s_per_gpu": rate,
+        "predicted_for_published_layout": in_published_unit(row, given_rate, basis),
+        "predicted_tokens_per_s_per_gpu": given_rate,
+        "published_layout_gib_per_gpu": round(need / GIB, 2),
+        "published_layout_fits": need <= hw.device_memory_bytes,
+        "choice": best.label.strip(),
+        "choice_predicted": in_published_unit(row, best_rate, basis),
+        "choice_tokens_per_s_per_gpu": best_rate,
+        "choice_breakdown_s": best.prediction.breakdown(),
+        "published_layout_breakdown_s": given.breakdown(),
+        "plan_s": plan_s,
+        "considered": result.considered,
+        "simulated": result.simulated,
+    }
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| run | GPUs | unit | published layout | published | predicted, that layout | planner's choice | "
+        "predicted, choice |",
+        "|---|---:|---|---|---:|---:|---|---:|",
+    ]
+    for r in rows:
+        fmt = (lambda x: f"{x:.1%}") if r["unit"] == "MFU" else (lambda x: f"{x:,.4g}")
+        note = "" if r["published_layout_fits"] else f" (needs {r['published_layout_gib_per_gpu']:g} GiB)"
+        lines.append(
+            f"| {r['id']} | {r['gpus']:,} | {r['unit']} | {r['published_layout']} | {fmt(r['published'])} | "
+            f"{fmt(r['predicted_for_published_layout'])}{note} | {r['choice']} | {fmt(r['choice_predicted'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rows", help="comma-separated row ids (default: every row)")
+    ap.add_argument("--json", help="write the comparison here")
+    ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    a = ap.parse_args()
+    wanted = a.rows.split(",") if a.rows else [r["id"] for r in RUNS]
+    unknown = sorted(set(wanted) - {r["id"] for r in RUNS})
+    if unknown:
+        print(f"published_compare: unknown row ids {unknown}; the rows are {[r['id'] for r in RUNS]}", file=sys.stderr)
+        return 2
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    rows: list[dict[str, Any]] = []
+    for row in RUNS:
+        if row["id"] not in wanted:
+            continue
+        cpu = time.process_time()
+        rows.append(compare(row) | {"cpu_s": time.process_time() - cpu, "load_average": os.getloadavg()})
+        print(f"{row['id']}: planned in {rows[-1]['plan_s']:.1f} s", file=sys.stderr)
+        out = {"rows": rows, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
+        if a.json:  # after every row: a long run keeps what it has
+            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+    print(markdown(rows) if a.markdown else json.dumps(out, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""Lower bounds on the step time `plan/cost.py predict` gives a layout, so that the search can skip what
+cannot enter its top list without changing that list (branch and bound).
+
+Two bounds, each no greater than the prediction (tests/test_plan_bound.py checks both against predict):
+
+* `knob_bound`, from the knobs alone (no partition, no schedule): the pipeline ranks' compute over pp (the
+  busiest rank does at least the average), or over the node's cores where ranks share them, plus the
+  optimizer step of the average rank and the step's small all-reduces. The search sorts every layout by
+  it and stops at the first that exceeds the k-th best prediction: all later ones exceed it too.
+* `step_bound`, from the schedule's compute lists (`ComputeShape`) and the layout's stage costs: each
+  rank must wait for its first forward's microbatch to come down the stages before it, then run all of
+  its F/B/W one after another, then (when it ends on a backward) wait for that microbatch's backward to
+  run down to stage 0 — the simulator's critical path through the first and last microbatch, which for
+  1F1B-like schedules is the whole step. With data parallelism, the rank's last stage's gradient
+  all-reduce starts after its last backward. Messages add their latency and transfer where a hop
+  crosses ranks. The search computes it only for layouts that got past `knob_bound` and fit in memory,
+  and skips the simulation where it exceeds the k-th best.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass
+
+from hybridpar.config import Config
+from hybridpar.pipeline.schedules import Action, Op
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement, all_reduce_s, optimizer_s, setup
+
+COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
+
+
+@dataclass(frozen=True)
+class ComputeShape:
+    """Per pipeline rank of a schedule's compute lists: the first and last action and how many of each
+    (op, stage) it runs."""
+
+    first: tuple[Action | None, ...]
+    last: tuple[Action | None, ...]
+    counts: tuple[dict[tuple[Op, int], int], ...]
+
+
+def compute_shape(compute: list[list[Action]]) -> ComputeShape:
+    return ComputeShape(
+        tuple(acts[0] if acts else None for acts in compute),
+        tuple(acts[-1] if acts else None for acts in compute),
+        tuple(dict(Counter((a.op, a.stage) for a in acts)) for acts in compute),
+    )
+
+
+def knob_bound(
+    model: CostModel, pl: Placement, layer: LayerCosts, ends: float, k: dict, share_capacity: float | None
+) -> float:
+    """Bound from the knobs `k` (tp, pp, dp, m, zero, ...): `layer` is one decoder layer's costs per
+    microbatch, `ends` the embedding's and head's work per microbatch, `share_capacity` the summed capacity
+    of the nodes' cores (None: devices of their own)."""
+    L = model.m.n_layers
+    per_layer = layer.f.total + layer.b.total + layer.w.total
+    speed = max(pl.pp_speed)  # a stage runs at its rank's speed: the fastest bounds them all
+    work = k["m"] * (per_layer * L + ends) / speed / k["pp"]
+    if share_capacity is not None:  # processor sharing: a node computes at most `capacity` ranks' worth
+        compute = layer.f.compute + layer.b.compute + layer.w.compute
+        work = max(work, k["m"] * compute * L / speed / share_capacity)
+    params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
+    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params)  # affine in params: max >= at mean
+    fixed = 3 * all_reduce_s(8, k["tp"] * k["pp"] * k["dp"], pl.world, model.hw)
+    return work + opt + fixed
+
+
+def step_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> float:
+    """Bound for the layout `cfg` whose schedule's compute lists have `shape` (module docstring)."""
+    p = cfg.parallel
+    su = setup(model, cfg)
+    c, n, ranks = su.sim_costs, p.n_stages, su.ranks
+    cost, comm = c.per_stage(n), c.per_stage(n, comm=True)
+    dur = {op: [c.compute_overhead_s + comm[op][s] + cost[op][s] for s in range(n)] for op in COMPUTE}
+    hop = c.send_overhead_s + c.latency_s + c.transfer_s()
+    down = [0.0] * n  # earliest start of stage s's first forward of a microbatch
+    for s in range(1, n):
+        down[s] = down[s - 1] + dur[Op.FORWARD][s - 1] + (hop if ranks[s - 1] != ranks[s] else 0.0)
+    up = [0.0] * n  # from the end of stage s's backward to the end of stage 0's, for one microbatch
+    for s in range(1, n):
+        up[s] = up[s - 1] + dur[Op.BACKWARD][s - 1] + (hop if ranks[s - 1] != ranks[s] else 0.0)
+    end = 0.0
+    for first, last, counts in zip(shape.first, shape.last, shape.counts):
+        if first is None or last is None:
+            continue
+        busy = sum(dur[op][s] * count for (op, s), count in counts.items())
+        done = (down[first.stage] if first.op is Op.FORWARD else 0.0) + busy  # its last action ends no sooner
+        end = max(end, done + (up[last.stage] if last.op is Op.BACKWARD else 0.0))
+        if p.dp > 1 and last.op is not Op.FORWARD:
+            params = su.stage_params[last.stage] / p.tp
+            end = max(end, done + all_reduce_s(4 * params, p.dp, su.pl.dp, model.hw))
+    opt, fixed = su.after_pipeline(model, cfg)
+    return end + opt + fixed

@@ -1,0 +1,113 @@
+"""The search's lower bounds (plan/bound.py) and its branch and bound: pure, no processes.
+
+Every bound is checked against the prediction it bounds for every legal layout of small cases (GPU-like
+devices, CPU nodes whose ranks share cores, devices of unequal speed), and the pruned search must return the
+very list the unpruned one does."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridpar.config import Config
+from hybridpar.plan.bound import compute_shape, step_bound
+from hybridpar.plan.cost import predict
+from hybridpar.plan.hardware import parse_hardware
+from hybridpar.plan.search import GIB, Planner, _config, _knobs, plan
+from tests.test_plan_search import Est, params_memory
+
+
+def hw(nodes: int = 2, per_node: int = 4, **extra):
+    return parse_hardware(
+        {
+            "name": "t",
+            "source": "test",
+            "nodes": nodes,
+            "devices_per_node": per_node,
+            "device_memory_gib": 16.0,
+            "peak_tflops": {"fp32": 1.0, "bf16": 4.0},
+            "intra_node": {"bandwidth_gbs": 100.0, "latency_us": 2.0},
+            "inter_node": {"bandwidth_gbs": 5.0, "latency_us": 20.0},
+            "memory_bandwidth_gbs": 200.0,
+        }
+        | extra
+    )
+
+
+HARDWARE = {
+    "gpu": hw(),
+    "cpu": hw(nodes=1, per_node=8, cores_per_node=2, op_overhead_us=20.0),
+    "uneven": hw(speed=[1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.7]),
+}
+
+
+ONE = dict(tp=1, pp=1, dp=1, schedule="1f1b", v=1, m=1, zero=0, recompute="none", precision="fp32", partition="params")
+
+
+def model(n_layers: int = 4, global_batch: int = 8) -> Config:
+    cfg = Config()
+    cfg.model.n_layers, cfg.train.global_batch = n_layers, global_batch
+    return cfg
+
+
+def layouts(base: Config, h, world: int) -> list[Config]:
+    out = []
+    for k in _knobs(base, h, world):
+        cfg = _config(base, k)
+        try:
+            cfg.validate(world)
+        except ValueError:
+            continue
+        out.append((k, cfg))
+    return out
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+@pytest.mark.parametrize("world", [8])
+def test_bounds_never_exceed_the_prediction(name: str, world: int) -> None:
+    h, base = HARDWARE[name], model()
+    planner = Planner(base, h, lambda cfg: [Est(0)] * cfg.parallel.pp)
+    checked = 0
+    for k, cfg in layouts(base, h, world)[::3]:  # every third: the grid stays quick
+        step = predict(planner.model, cfg, planner.actions).step_s
+        p = cfg.parallel
+        shape = compute_shape(planner.compute(p.schedule, p.pp, p.chunks, cfg.train.microbatches))
+        assert planner.bound(k) <= step * (1 + 1e-9), (name, k)
+        assert step_bound(planner.model, cfg, shape) <= step * (1 + 1e-9), (name, k)
+        checked += 1
+    assert checked > 20
+
+
+def test_step_bound_is_the_step_where_the_critical_path_is() -> None:
+    """1F1B on equal stages, no messages' cost, no data parallelism: the first and last microbatch's path
+    through the stages is the whole pipeline, so the bound meets the prediction."""
+    h = hw(nodes=1, intra_node={"bandwidth_gbs": 1e9, "latency_us": 0.0})
+    base = model(n_layers=4)
+    cfg = _config(
+        base,
+        dict(
+            tp=1, pp=4, dp=1, schedule="1f1b", v=1, m=8, zero=0, recompute="none", precision="fp32", partition="params"
+        ),
+    )
+    cfg.model.vocab_size = 8  # the first and last stage's extras small
+    cfg.validate(4)
+    planner = Planner(cfg, h, lambda c: [Est(0)] * 4)
+    step = predict(planner.model, cfg, planner.actions)
+    bound = planner.step_bound(cfg)
+    assert bound <= step.step_s * (1 + 1e-9)
+    assert bound == pytest.approx(step.step_s, rel=0.02)
+
+
+@pytest.mark.parametrize("name", sorted(HARDWARE))
+@pytest.mark.parametrize("world,top", [(8, 4)])
+def test_pruning_keeps_the_top_list(name: str, world: int, top: int) -> None:
+    h, base = HARDWARE[name], model(n_layers=4, global_batch=16)
+    memory = params_memory()  # a third of the whole model's state fits a device: tp x pp >= 3 (the memory path)
+    h = dataclasses.replace(h, device_memory_gib=memory(_config(base, ONE))[0].total / GIB / 3)
+    pruned = plan(base, h, memory, world=world, top=top)
+    full = plan(base, h, memory, world=world, top=top, prune=False)
+    assert [(c.label, c.prediction.step_s) for c in pruned.candidates] == [
+        (c.label, c.prediction.step_s) for c in full.candidates
+    ]
+    assert pruned.simulated < full.simulated

@@ -1,0 +1,54 @@
+"""bench/published_compare.py on two small published runs: pure (no processes), the planner for real, with a
+quick stand-in for the memory model (weights, gradients and AdamW state of a rank's share: the full model
+replays each schedule and is the slow part of a search)."""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from hybridpar.config import Config
+from hybridpar.model.registry import param_counts
+from tests.test_published_runs import RUNS
+
+SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "published_compare.py"
+
+
+def load():
+    spec = importlib.util.spec_from_file_location("published_compare", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["published_compare"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+@dataclass
+class Held:
+    total: int
+
+
+def weights_only(cfg: Config) -> list[Held]:
+    c, p = param_counts(cfg.model), cfg.parallel
+    n = c.embed + cfg.model.n_layers * c.layer + c.head
+    return [Held(int(n * (8 + (8 / p.dp if p.zero else 8)) / (p.tp * p.pp)))] * p.pp
+
+
+@pytest.mark.parametrize("row_id", ["korthikanti-gpt-22b-a100", "korthikanti-gpt-175b-a100"])
+def test_a_row_is_compared_in_its_published_unit(row_id: str) -> None:
+    pc = load()
+    row = next(r for r in RUNS if r["id"] == row_id)
+    out = pc.compare(row, memory=weights_only)
+    basis = {v: k for k, v in pc.UNITS.items()}[out["unit"]]
+    assert out["published"] == pc.published_figure(row, basis)
+    # The unit conversion round-trips: the published figure in its own unit from its tokens/s.
+    again = pc.in_published_unit(row, out["published_tokens_per_s_per_gpu"], basis)
+    assert again == pytest.approx(out["published"], rel=1e-6)
+    assert out["predicted_for_published_layout"] > 0 and out["choice_predicted"] > 0
+    if out["published_layout_fits"]:  # the planner searched that layout too: its choice is no slower
+        assert out["choice_tokens_per_s_per_gpu"] >= out["predicted_tokens_per_s_per_gpu"] * (1 - 1e-9)
+    line = pc.markdown([out]).splitlines()[-1]
+    assert line.startswith(f"| {row_id} |") and out["choice"] in line
