@@ -355,3 +355,19 @@ def test_median_confidence_interval_of_the_bench() -> None:
     xs = [float(i) for i in range(1, 11)]  # n = 10: P(Binomial(10, 1/2) <= 1) = 1.1% -> 2nd and 9th
     assert median_ci95(xs[::-1]) == (2.0, 9.0)
     assert median_ci95([float(i) for i in range(1, 21)]) == (6.0, 15.0)  # n = 20: 6th and 15th
+
+
+def test_bench_verdict_is_decisive_only_with_a_narrow_interval() -> None:
+    from hybridpar.bench.microbatch import judge_ratios, parse_args
+
+    tight = [1.0 + 0.001 * i for i in range(20)]  # interval 1.005-1.014
+    v = judge_ratios(tight, 0.025)
+    assert v["decisive"] and v["verdict"] == "adaptive >= 0.95x best fixed" and v["ratio_half_width"] < 0.025
+    wide = [0.7 + 0.03 * i for i in range(20)]  # interval 0.85-1.12: median 0.985 decides nothing
+    v = judge_ratios(wide, 0.025)
+    assert not v["decisive"] and v["verdict"] == "not decisive" and v["ratio_ci95"] == pytest.approx([0.85, 1.12])
+    low = [0.90 + 0.001 * i for i in range(20)]
+    assert judge_ratios(low, 0.025)["verdict"] == "adaptive < 0.95x best fixed"
+    straddle = [0.94 + 0.001 * i for i in range(20)]  # narrow, but 0.95 inside: no side to report
+    assert judge_ratios(straddle, 0.025)["verdict"] == "not decisive"
+    assert parse_args(["--background-load", "2"]).background_load == 2
