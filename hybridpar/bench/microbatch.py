@@ -27,6 +27,7 @@ import os
 import statistics
 import subprocess
 import sys
+import time
 from typing import Any, Iterator
 
 from hybridpar.config.schedules import schedule_names
@@ -61,12 +62,14 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     fixed: dict[int, list[float]] = {m: [] for m in counts}
     peak: dict[int, int] = {}
     run(a["warmup"])
+    clock = [time.perf_counter()]  # phase boundaries: sweep, settling, comparison
     for _ in range(a["rounds"]):
         for m in counts:
             tr.policy = FixedPolicy(batch, count=m)
             recs = run(1 + a["steps_per_split"])[1:]  # first step after a change: new shapes, allocations
             fixed[m] += [r["tokens_per_s"] for r in recs]
             peak[m] = max([peak.get(m, 0)] + [r["activation_peak_bytes"] for r in recs])
+    clock.append(time.perf_counter())
     cfg.batching.policy = "adaptive"
     if a["memory_budget"] is not None:
         cfg.batching.memory_budget = a["memory_budget"]
@@ -85,6 +88,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         if flag.item():
             break
     stats = adaptive.statistics()
+    clock.append(time.perf_counter())
     budget = stats["memory_budget_bytes"]
     med = {m: statistics.median(v) for m, v in fixed.items()}
     allowed = [m for m in counts if budget is None or peak[m] <= budget]
@@ -113,6 +117,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         if flag.item():
             break
     tr.policy = adaptive
+    clock.append(time.perf_counter())
     if topo.rank != 0:
         return None
     done, fixed_tps = stats["steps_to_converge"], statistics.median(blocks[f"fixed{best}"])
@@ -155,6 +160,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         "peak_memory_bytes": max(r["activation_peak_bytes"] for r in recs),
         "oom_retries": tr.oom_retries,
         "adaptive_history": stats["history"],
+        "phase_seconds": dict(zip(("sweep", "settle", "compare"), (t1 - t0 for t0, t1 in zip(clock, clock[1:])))),
     }
 
 
@@ -212,7 +218,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--compare-rounds", type=int, default=8, help="least rounds of alternating adaptive / best-fixed blocks"
     )
-    ap.add_argument("--max-compare-rounds", type=int, default=30, help="most rounds, if the interval stays wide")
+    ap.add_argument("--max-compare-rounds", type=int, default=20, help="most rounds, if the interval stays wide")
     ap.add_argument(
         "--half-width", type=float, default=0.025, help="stop once the ratio's 95%% interval is narrower than 2x this"
     )
