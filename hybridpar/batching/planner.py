@@ -102,7 +102,7 @@ class AdaptivePolicy(_Recorder):
             )
         self.candidates, self.in_flight, self.count_multiple = cands, in_flight, count_multiple
         self.min_microbatches = min_microbatches
-        self.k, self.warmup, self.margin = steps_per_candidate, warmup_steps, switch_margin
+        self.k, self.warmup = steps_per_candidate, warmup_steps
         self.drift_margin, self.drift_window, self.cooldown = drift_margin, drift_window, cooldown_steps
         self.max_passes, self._pass = max_passes, 1
         self.race = dict(margin=switch_margin, z=z, noise_prior=noise_prior, keep=keep)
@@ -115,7 +115,7 @@ class AdaptivePolicy(_Recorder):
         self._oom_x: int | None = None  # samples in flight at which an OOM happened: never again
         self.ooms: list[tuple[int, list[int]]] = []
         self.rounds, self._last_decision, self._last_check, self._drift = 0, -(10**9), -(10**9), drift_margin
-        self._ref: float | None = None  # throughput of the split chosen last (set by each decision)
+        self._ref: float | None = None  # drift baseline: the first window's median after a decision
         self._scan(-1, self.candidates)
 
     def set_memory_budget(
@@ -234,7 +234,7 @@ class AdaptivePolicy(_Recorder):
 
     def _decide(self, step: int, v: Verdict) -> None:
         est, best, inc = v.estimates, v.leader, self.incumbent
-        close = est[best] - est[inc] <= math.log1p(self.race["margin"]) if inc in est else False
+        close = inc in est and est[best] - est[inc] <= math.log1p(self.race["margin"])
         if best != inc and (close or (self._recheck and inc in v.survivors)):
             # Hysteresis: a close call never moves us; a re-check (no drift seen) moves us only when
             # it shows the incumbent slower, or every re-check would be another chance to pick wrong.
