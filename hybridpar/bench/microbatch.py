@@ -93,6 +93,10 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     med = {m: statistics.median(v) for m, v in fixed.items()}
     allowed = [m for m in counts if budget is None or peak[m] <= budget]
     finalists = sorted(allowed, key=lambda m: med[m], reverse=True)[:2]
+    # Each rank timed the sweep itself: rank 0's finalists for all, or ranks would run different splits.
+    chosen = torch.tensor(finalists + [0] * (2 - len(finalists)))
+    dist.broadcast(chosen, 0)
+    finalists = [int(m) for m in chosen if m > 0]
     # Every rank must run the same number of rounds: rank 0's measurements decide when to stop.
     contenders: list[tuple[str, Any]] = [("adaptive", adaptive)] + [
         (f"fixed{m}", FixedPolicy(batch, count=m)) for m in finalists
