@@ -151,6 +151,9 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         "compare_rounds": rounds,
         "round_ratios": ratios,
         "adaptive_split": adaptive.statistics()["current_split"],
+        # Settled on the best fixed split itself: the steady-state ratio is then 1 but for the policy's
+        # own overhead, and the measured one is the machine's noise.
+        "adaptive_on_best_fixed_split": adaptive.statistics()["current_split"] == FixedPolicy(batch, count=best).split,
         "adaptive_compare_splits": sorted(used),
         "converged": stats["converged"],
         "steps_to_converge": done,
