@@ -366,6 +366,8 @@ def test_bench_verdict_is_decisive_only_with_a_narrow_interval() -> None:
     wide = [0.7 + 0.03 * i for i in range(20)]  # interval 0.85-1.12: median 0.985 decides nothing
     v = judge_ratios(wide, 0.025)
     assert not v["decisive"] and v["verdict"] == "not decisive" and v["ratio_ci95"] == pytest.approx([0.85, 1.12])
+    assert v["interval_vs_floor"] == "contains"
+    assert judge_ratios([1.0 + 0.03 * i for i in range(20)], 0.025)["interval_vs_floor"] == "above"  # wide
     low = [0.90 + 0.001 * i for i in range(20)]
     assert judge_ratios(low, 0.025)["verdict"] == "adaptive < 0.95x best fixed"
     straddle = [0.94 + 0.001 * i for i in range(20)]  # narrow, but 0.95 inside: no side to report

@@ -184,6 +184,8 @@ def judge_ratios(ratios: list[float], half_width: float, floor: float = 0.95) ->
         "ratio_half_width": (hi - lo) / 2,
         "decisive": decisive,
         "verdict": side if decisive else "not decisive",
+        # Whatever the precision: where the whole interval lies against the floor.
+        "interval_vs_floor": "above" if lo >= floor else "below" if hi < floor else "contains",
     }
 
 
