@@ -6,8 +6,9 @@ is measured in interleaved rounds, so drift of a shared machine hits all of them
 adaptive policy runs from a cold start until it settles (its convergence cost: steps, and its
 throughput over them against the best fixed split's). Last, its steady state: rounds of blocks
 alternate the settled policy with the sweep's two best fixed splits (among those within the memory
-budget, when one is given; two, since the sweep's own best moves between runs), the order rotating
-round by round; the better of the two over the comparison is the best fixed split. Each round gives
+budget, when one is given; two, since the sweep's own best moves between runs) and the policy's own
+split run fixed, when the sweep did not rank it top two; the order rotates round by round, and the
+best of these over the comparison is the best fixed split. Each round gives
 one paired ratio, adaptive's block median over that split's; `ratio` is their median, `ratio_ci95` its
 distribution-free 95% confidence interval (order statistics). Rounds go on until the interval's
 half-width is under `--half-width` (0.025: finer than the 5% the acceptance judges) or
@@ -93,8 +94,11 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     med = {m: statistics.median(v) for m, v in fixed.items()}
     allowed = [m for m in counts if budget is None or peak[m] <= budget]
     finalists = sorted(allowed, key=lambda m: med[m], reverse=True)[:2]
+    # The policy's own choice run as a fixed split too (when the sweep did not rank it top two): a noisy
+    # sweep must not hand the policy a weak baseline; the best fixed split is then at least its split.
+    finalists += [m for m in [len(adaptive.propose(0))] if m in allowed and m not in finalists]
     # Each rank timed the sweep itself: rank 0's finalists for all, or ranks would run different splits.
-    chosen = torch.tensor(finalists + [0] * (2 - len(finalists)))
+    chosen = torch.tensor(finalists + [0] * (3 - len(finalists)))
     dist.broadcast(chosen, 0)
     finalists = [int(m) for m in chosen if m > 0]
     # Every rank must run the same number of rounds: rank 0's measurements decide when to stop.
