@@ -4,9 +4,10 @@ adaptive policy under an activation-memory budget, then show what it measured an
     .venv/bin/python examples/microbatch_planner.py
 
 The policy starts from the smallest microbatches, learns bytes per sample from the measured activation
-peak, never proposes a split predicted over the budget, measures the throughput of each candidate and
-keeps the fastest (with hysteresis). The global batch never changes, so the model trained is the same
-as with any fixed split.
+peak, never proposes a split predicted over the budget, measures the throughput of each candidate in
+blocks of steps and races the best ones again until one is shown fastest (or all left are within a
+few percent), never deciding from one block. The global batch never changes, so the model trained is
+the same as with any fixed split.
 """
 
 import json
@@ -17,7 +18,7 @@ from hybridpar import Config, launch
 if __name__ == "__main__":
     cfg = Config()
     cfg.parallel.tp, cfg.parallel.pp = 2, 2
-    cfg.train.steps, cfg.train.val_every, cfg.train.sample_tokens = 40, 0, 0
+    cfg.train.steps, cfg.train.val_every, cfg.train.sample_tokens = 120, 0, 0  # the race takes up to ~100
     cfg.batching.policy = "adaptive"
     cfg.batching.memory_budget = 16e6  # bytes of activations per rank: rules out 2 microbatches of 8
     cfg.run_dir = "runs/microbatch-example"

@@ -8,6 +8,7 @@ from statistics import fmean, median
 from typing import Any, Sequence
 
 from hybridpar.batching.fixed import _Recorder
+from hybridpar.batching.race import Verdict, block_value, judge
 from hybridpar.batching.split import BatchPlan, split_evenly
 
 
@@ -19,20 +20,23 @@ class AdaptivePolicy(_Recorder):
     conservatively: the larger of the max bytes/sample seen and the least-squares line through the
     per-size maxima. A candidate predicted over the budget is never proposed; before any peak is seen
     only the first candidate (the smallest microbatches) is.
-    Throughput: every candidate runs `warmup_steps` unmeasured (allocator growth, autotuning), then
-    `steps_per_candidate` measured, smallest microbatches first so memory is learnt before big ones
-    run. The whole set is scanned: with unequal splits throughput need not be unimodal in the count
-    (under 1F1B costs, 64 samples in 15 microbatches run slower than in 14 or 16).
-    No split is locked in from one block of readings (on a shared machine one block can catch a quiet
-    or a busy moment, issue 19): after the scan the leader by median is re-measured with the runner-up
-    and whichever of the next two is within `drift_margin` of it, in alternating order, and the
-    medians pool every block of a candidate. The scan ends once a re-checked leader beats every other by more than
-    `switch_margin`, or after `max_passes` passes (then the best median, hysteresis applied).
-    Hysteresis: a re-scan starts only when the current split's throughput falls by more than
-    `drift_margin` (a rise only re-baselines), at least `cooldown_steps` after the last decision, and
-    replaces the incumbent only if beaten by more than `switch_margin`. Memory does not wait: a split that
-    stops fitting (OOM, a
-    higher peak, a lower budget) is left at once for the best measured split that fits."""
+    Throughput: a race (race.py). Every candidate runs `warmup_steps` unmeasured (allocator growth,
+    autotuning), then a block of `steps_per_candidate` measured steps, smallest microbatches first so
+    memory is learnt before big ones run. The whole set is scanned: with unequal splits throughput need
+    not be unimodal in the count. No split is chosen from one block (on a shared machine a block can
+    catch a quiet or a busy spell, one step can be 3x slow: issue 19): the best `keep` of the scan are
+    measured again, and pass by pass, in alternating order, the candidates the block medians do not
+    show slower than the leader (by `z` standard errors, noise estimated from the blocks themselves)
+    are measured again, until one is left, all left are within `switch_margin` of the leader, or
+    `max_passes` passes ran (then the best estimate).
+    Hysteresis: the incumbent of a re-scan stays unless beaten by more than `switch_margin`. Once
+    decided, throughput is watched in disjoint windows of `drift_window` steps: two medians in a row
+    below the decision's by more than `drift_margin`, at least `cooldown_steps` after it, re-scan
+    every candidate afresh (the machine changed); a rise only re-baselines. Every `recheck_steps`
+    after a decision the winner races the runner-up again, afresh (cost bounded: about
+    2 * passes * (warmup + steps_per_candidate) steps each time). Memory does not wait: a split that
+    stops fitting (OOM, a higher peak, a lower budget) is left at once for the best measured split
+    that fits. The memory rule is `fits()`: every proposal goes through it."""
 
     def __init__(
         self,
@@ -54,7 +58,11 @@ class AdaptivePolicy(_Recorder):
         drift_margin: float = 0.10,
         drift_window: int = 8,
         cooldown_steps: int = 50,
-        max_passes: int = 4,
+        max_passes: int = 8,
+        keep: int = 3,
+        z: float = 2.0,
+        noise_prior: float = 0.05,
+        recheck_steps: int = 500,
     ) -> None:
         if dp < 1 or not 0 <= dp_rank < dp:
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
@@ -79,30 +87,35 @@ class AdaptivePolicy(_Recorder):
                 f"and is a multiple of {count_multiple}"
             )
         if (
-            min(steps_per_candidate, drift_window, max_passes) < 1
+            min(steps_per_candidate, drift_window, max_passes, keep, recheck_steps) < 1
             or min(warmup_steps, cooldown_steps) < 0
             or not 0 <= switch_margin < 1
             or not 0 < drift_margin < 1
+            or not (z > 0 and noise_prior > 0)
         ):
             raise ValueError(
                 f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window}, "
-                f"max_passes={max_passes} >= 1, "
+                f"max_passes={max_passes}, keep={keep}, recheck_steps={recheck_steps} >= 1, "
                 f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
-                f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1)"
+                f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1), "
+                f"z={z} and noise_prior={noise_prior} > 0"
             )
         self.candidates, self.in_flight, self.count_multiple = cands, in_flight, count_multiple
         self.min_microbatches = min_microbatches
-        self.k, self.warmup, self.margin = steps_per_candidate, warmup_steps, switch_margin
+        self.k, self.warmup = steps_per_candidate, warmup_steps
         self.drift_margin, self.drift_window, self.cooldown = drift_margin, drift_window, cooldown_steps
         self.max_passes, self._pass = max_passes, 1
+        self.race = dict(margin=switch_margin, z=z, noise_prior=noise_prior, keep=keep)
+        self.recheck_steps, self.rechecks, self.explore_steps = recheck_steps, 0, 0
+        self._challengers: list[int] = []  # the others of the last race, next to be raced again first
         self.budget: float | None = None
         if memory_budget_bytes is not None or memory_fraction is not None:
             self.set_memory_budget(memory_budget_bytes, memory_fraction, memory_total_bytes, memory_baseline_bytes)
         self._peak_at: dict[int, int] = {}  # samples in flight -> max activation peak seen
         self._oom_x: int | None = None  # samples in flight at which an OOM happened: never again
         self.ooms: list[tuple[int, list[int]]] = []
-        self.rounds, self._last_decision = 0, -(10**9)
-        self._ref: float | None = None  # throughput of the split chosen last (set by each decision)
+        self.rounds, self._last_decision, self._last_check, self._drift = 0, -(10**9), -(10**9), drift_margin
+        self._ref: float | None = None  # drift baseline: the first window's median after a decision
         self._scan(-1, self.candidates)
 
     def set_memory_budget(
@@ -150,84 +163,103 @@ class AdaptivePolicy(_Recorder):
         step: int,
         queue: Sequence[int],
         incumbent: int | None = None,
-        measured: dict[int, list[float]] | None = None,
+        blocks: dict[int, list[float]] | None = None,
         new_round: bool = True,
+        recheck: bool = False,
     ) -> None:
-        """(Re)start or continue a scan over `queue`, keeping what is measured and still fits."""
-        self.rounds += int(new_round)
+        """(Re)start or continue a race over `queue`, keeping block values that still fit."""
+        self.rounds += int(new_round and not recheck)
+        self.rechecks += int(recheck)
+        self._recheck = recheck if new_round else self._recheck
         self._pass = 1 if new_round else self._pass
         self.exploring, self.incumbent = True, incumbent
-        self._measured = {m: v for m, v in (measured or {}).items() if self.fits(m)}
-        self._queue = [m for m in queue if self.fits(m) and m not in self._measured]
+        self._blocks = {m: v for m, v in (blocks or {}).items() if self.fits(m)}
+        self._queue = [m for m in queue if self.fits(m) and m not in self._blocks]
         if self._queue:
             self._set(self._queue[0])
-        elif self._measured:
+        elif self._blocks:
             self._end_pass(step)
         else:  # nothing fits the budget: run the smallest microbatches (statistics flag over_budget)
             self._queue = [self.candidates[0]]
             self._set(self.candidates[0])
 
     def _refit(self, step: int, first: int | None = None) -> None:
-        """The split in use no longer fits. Measured throughputs stay valid under the new cap: a scan
-        goes on with what fits; once converged, take the best measured split that fits, re-scanning
+        """The split in use no longer fits. Measured throughputs stay valid under the new cap: a race
+        goes on with what fits; once decided, take the best measured split that fits, re-scanning
         (from `first`, the gentlest shrink) only if none does."""
-        measured = {m: v for m, v in self._measured.items() if self.fits(m)}
-        scan = self.exploring or not measured
+        blocks = {m: v for m, v in self._blocks.items() if self.fits(m)}
+        scan = self.exploring or not blocks
         rest = (self._queue[1:] if self.exploring else self.candidates) if scan else []
         queue = list(dict.fromkeys(([first] if first is not None and scan else []) + rest))
-        inc = self.incumbent if self.exploring and self.incumbent in measured else None
-        self._scan(step, queue, inc, measured, new_round=not self.exploring and not measured)
+        inc = self.incumbent if self.exploring and self.incumbent in blocks else None
+        self._scan(step, queue, inc, blocks, new_round=not self.exploring and not blocks)
 
     def _set(self, m: int) -> None:
-        # _block: readings of this block (a re-check pass adds a block to a candidate's earlier readings)
-        self.current, self._since_change, self._window, self._block = m, 0, [], 0
+        # _readings: the block being measured (a later pass adds another block to the candidate)
+        self.current, self._since_change, self._window, self._readings = m, 0, [], []
+        self._strikes = 0  # windows in a row beyond drift_margin: > 0 faster, < 0 slower
 
-    def _finish_candidate(self, step: int) -> None:
-        m, thr = self.current, self._measured[self.current]
+    def _finish_block(self, step: int) -> None:
+        m, thr = self.current, self._readings
+        self._blocks.setdefault(m, []).append(block_value(thr))
         self.history.append(
             {
                 "split": split_evenly(self.batch, m),
-                "mean_throughput": fmean(thr),
                 "median_throughput": median(thr),
                 "steps": len(thr),
                 "round": self.rounds,
+                "recheck": self.rechecks,
                 "pass": self._pass,
             }
         )
-        self._queue = [q for q in self._queue[1:] if self.fits(q)]  # measured ones too: a re-check pass
+        self._queue = [q for q in self._queue[1:] if self.fits(q)]
         if self._queue:
             self._set(self._queue[0])
         else:
             self._end_pass(step)
 
     def _end_pass(self, step: int) -> None:
-        """Every queued candidate is measured: decide, or re-check the leader (and whoever is close)."""
-        med = {m: median(v) for m, v in self._measured.items()}
-        ranked = sorted(med, key=lambda m: (med[m], m), reverse=True)
-        leader, rest = ranked[0], ranked[1:]
-        clear = all(med[m] * (1 + self.margin) < med[leader] for m in rest)
-        if not rest or (self._pass > 1 and clear) or self._pass >= self.max_passes:
-            self._decide(step, med)
+        """Every queued candidate has a new block: decide, or race the survivors again."""
+        v = judge(self._blocks, **self.race)
+        # The leader must have been measured in two blocks: a lone lucky block never wins.
+        confirmed = len(self._blocks[v.leader]) > 1 or len(self._blocks) == 1
+        if (v.settled and confirmed) or self._pass >= self.max_passes:
+            self._decide(step, v)
             return
-        # The runner-up is always re-checked once: its block may have caught a busy moment.
-        runner_up = rest[:1] if self._pass == 1 else []
-        close = [m for m in rest[:2] if med[m] >= med[leader] * (1 - self.drift_margin)]
-        group = list(dict.fromkeys([leader] + runner_up + close))
         self._pass += 1
         # Alternate the order pass by pass: a machine getting steadily busier or quieter then favours
         # no candidate.
-        self._queue = group if self._pass % 2 else group[::-1]
+        self._queue = v.survivors if self._pass % 2 else v.survivors[::-1]
         self._set(self._queue[0])
 
-    def _decide(self, step: int, med: dict[int, float]) -> None:
-        best = max(med, key=lambda m: (med[m], m))  # ties: more microbatches (less memory)
-        inc = self.incumbent
-        if inc in med and best != inc and med[best] <= med[inc] * (1 + self.margin):
-            best = inc  # hysteresis: a close call never moves us
-        self.exploring, self._ref, self._last_decision = False, med[best], step
+    def _decide(self, step: int, v: Verdict) -> None:
+        est, best, inc = v.estimates, v.leader, self.incumbent
+        close = inc in est and est[best] - est[inc] <= math.log1p(self.race["margin"])
+        if best != inc and (close or (self._recheck and inc in v.survivors)):
+            # Hysteresis: a close call never moves us; a re-check (no drift seen) moves us only when
+            # it shows the incumbent slower, or every re-check would be another chance to pick wrong.
+            best = inc
+        if self._recheck and best != inc:
+            # The runner-up now beats the winner: the machine changed, and a third split may have
+            # overtaken both. Race every candidate afresh.
+            self._scan(step, self.candidates, incumbent=best)
+            return
+        self.exploring, self._last_check = False, step
+        if not (self._recheck and best == inc):  # a re-check that keeps the split keeps its baseline
+            # Re-checks race the winner against the others in turn, best first: a split dropped by bad
+            # luck, or one that got faster since, is not out for good.
+            self._challengers = sorted((m for m in est if m != best), key=lambda m: (est[m], m), reverse=True)
+            # The baseline for drift is the first window of steady state, not the race's estimate:
+            # the winner's estimate is biased high (it won partly by luck), a drift test against it
+            # fires. What counts as drift: drift_margin, or 3 standard errors of the difference of two
+            # window medians if the race found the machine noisier than that (a block value is the
+            # median of k readings, a window's of drift_window).
+            self._ref, self._last_decision = None, step
+            spread = 3 * math.sqrt(2 * self.k / self.drift_window) * (v.noise or 0.0)
+            self._drift = min(max(self.drift_margin, math.expm1(spread)), 0.5)
         if best != self.current:
             self._set(best)  # a real change: warm up again
-        self._window = []
+        self._window, self._strikes = [], 0
         self._converge(step)
 
     def propose(self, step: int) -> list[int]:
@@ -254,21 +286,41 @@ class AdaptivePolicy(_Recorder):
         if self._since_change <= self.warmup:
             return
         if self.exploring:
-            self._measured.setdefault(self.current, []).append(obs.throughput)
-            self._block += 1
-            if self._block >= self.k:
-                self._finish_candidate(step)
+            self.explore_steps += 1
+            r = self._readings
+            r.append(obs.throughput)
+            # A block whose median reading is far below its best (most of its steps hit something
+            # else's job, 0.7% of blocks at 5% of steps 3x slow) is measured on, up to 3k steps:
+            # one such block must not drop a split from a race.
+            doubtful = median(r) * 1.5 < max(r) and len(r) < 3 * self.k
+            if len(r) >= self.k and not doubtful:
+                self._finish_block(step)
             return
-        self._window = (self._window + [obs.throughput])[-self.drift_window :]
+        self._window.append(obs.throughput)
         if len(self._window) < self.drift_window:
             return
-        now = median(self._window)
-        if now > self._ref * (1 + self.drift_margin):
+        # Disjoint windows: one test per window, not one per step over overlapping ones (on a noisy
+        # machine a sliding median crosses any threshold sooner or later).
+        now, self._window = median(self._window), []
+        since = step - self._last_decision
+        if self._ref is None:
+            self._ref = now
+            return
+        # A move counts once two windows in a row agree on its direction: one busy or quiet window
+        # is noise, not a changed machine.
+        sign = (now > self._ref * (1 + self._drift)) - (now < self._ref * (1 - self._drift))
+        self._strikes = self._strikes + sign if sign and sign * self._strikes >= 0 else sign
+        if self._strikes >= 2:
             # Faster than when chosen (warm caches, a quieter machine): nothing argues against the
             # split, and a re-scan would spend steps on the slower ones. Re-baseline instead.
-            self._ref = now
-        elif now < self._ref * (1 - self.drift_margin) and step - self._last_decision >= self.cooldown:
+            self._ref, self._strikes = now, 0
+        elif self._strikes <= -2 and since >= self.cooldown:
             self._scan(step, self.candidates, incumbent=self.current)
+        elif step - self._last_check >= self.recheck_steps and any(map(self.fits, self._challengers)):
+            # The winner, re-checked: another split may have become faster without this one slowing.
+            rival = next(m for m in self._challengers if self.fits(m))
+            self._challengers = [m for m in self._challengers if m != rival] + [rival]
+            self._scan(step, [self.current, rival], incumbent=self.current, recheck=True)
 
     def on_oom(self, step: int, sizes: Sequence[int]) -> list[int]:
         """`sizes` ran out of memory at `step`: cap the samples in flight below it and return the split
@@ -296,7 +348,7 @@ class AdaptivePolicy(_Recorder):
     def state_dict(self) -> dict[str, Any]:
         """What a checkpoint keeps of the policy (JSON): what it measured and where its scan stands."""
         return {
-            "version": 1,
+            "version": 2,
             "batch": self.batch,
             "replicas": self.replicas,
             "candidates": self.candidates,
@@ -304,16 +356,23 @@ class AdaptivePolicy(_Recorder):
             "oom_x": self._oom_x,
             "ooms": self.ooms,
             "rounds": self.rounds,
+            "rechecks": self.rechecks,
+            "recheck": self._recheck,
+            "explore_steps": self.explore_steps,
+            "challengers": self._challengers,
             "last_decision": self._last_decision,
+            "last_check": self._last_check,
             "exploring": self.exploring,
             "incumbent": self.incumbent,
-            "measured": sorted(self._measured.items()),
+            "blocks": sorted(self._blocks.items()),
             "queue": self._queue,
             "pass": self._pass,
             "current": self.current,
-            "block": self._block,
+            "readings": self._readings,
             "window": self._window,
+            "strikes": self._strikes,
             "ref": self._ref,
+            "drift": self._drift,
             "recorder": {
                 "steps": self.steps,
                 "sum_time": self._sum_time,
@@ -328,8 +387,8 @@ class AdaptivePolicy(_Recorder):
         """Continue from `state_dict()` of a policy over the same batch and replicas (ValueError, naming
         the difference, otherwise: start afresh then). The current split warms up again, unmeasured:
         a restarted process runs its first steps on cold caches and a fresh allocator."""
-        if d.get("version") != 1:
-            raise ValueError(f"policy state version {d.get('version')!r}, this build reads version 1")
+        if d.get("version") != 2:
+            raise ValueError(f"policy state version {d.get('version')!r}, this build reads version 2")
         if d["batch"] != self.batch or list(d["replicas"]) != self.replicas:
             raise ValueError(f"policy state is for replica batches {d['replicas']}, this run has {self.replicas}")
         cands = [int(m) for m in d["candidates"]]
@@ -347,14 +406,18 @@ class AdaptivePolicy(_Recorder):
         self._oom_x = d["oom_x"]
         self.ooms = [(int(s), list(z)) for s, z in d["ooms"]]
         self.rounds, self._last_decision, self.exploring = d["rounds"], d["last_decision"], d["exploring"]
+        self._last_check = d["last_check"]
+        self.rechecks, self.explore_steps = d["rechecks"], d["explore_steps"]
+        self._challengers = [int(m) for m in d["challengers"]]
+        self._recheck = bool(d["recheck"])
         self.incumbent = d["incumbent"]
-        self._measured = {int(m): list(v) for m, v in d["measured"]}
+        self._blocks = {int(m): list(v) for m, v in d["blocks"]}
         self._queue = [int(m) for m in d["queue"]]
-        self._pass = int(d.get("pass", 1))  # states written before re-check passes existed
+        self._pass = int(d["pass"])
         self._set(int(d["current"]))
-        self._block = int(d.get("block", 0))
-        self._window = list(d["window"])
-        self._ref = d["ref"]
+        self._readings = list(d["readings"])
+        self._window, self._strikes = list(d["window"]), int(d["strikes"])
+        self._ref, self._drift = d["ref"], float(d["drift"])
         r = d["recorder"]
         self.steps, self._sum_time, self._sum_thr = r["steps"], r["sum_time"], r["sum_thr"]
         self.history, self.converged_step, self.steps_to_converge = (
@@ -369,6 +432,8 @@ class AdaptivePolicy(_Recorder):
         per_sample = max((p / x for x, p in self._peak_at.items()), default=None)
         out.update(
             rounds=self.rounds,
+            rechecks=self.rechecks,
+            explore_steps=self.explore_steps,
             candidates=list(self.candidates),
             memory_budget_bytes=self.budget,
             predicted_peak_bytes=pred,

@@ -305,8 +305,16 @@ class BatchingConfig:
     )
     steps_per_candidate: int = _f(3, "adaptive: measured steps per candidate split")
     warmup_steps: int = _f(1, "adaptive: unmeasured steps after each change of split")
-    switch_margin: float = _f(0.03, "adaptive: a candidate must beat the current split by this fraction")
-    drift_margin: float = _f(0.10, "adaptive: re-scan when throughput drifts by more than this fraction")
+    switch_margin: float = _f(
+        0.03,
+        "adaptive: splits within this fraction count as equal (a race ends once all left are shown "
+        "within it of the leader; an incumbent is kept against a smaller gain)",
+    )
+    drift_margin: float = _f(
+        0.10,
+        "adaptive: race every split again when throughput falls by more than this fraction (or three "
+        "standard errors of the noise the race measured, if more) in two windows of 8 steps in a row",
+    )
     cooldown_steps: int = _f(50, "adaptive: at least this many steps between re-scans")
     try_recompute: bool = _f(
         False,

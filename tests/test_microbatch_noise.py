@@ -1,0 +1,137 @@
+"""The adaptive microbatch policy on a noisy machine (issue 19), with synthetic readings: pure, seeded,
+no processes, no clocks.
+
+Noise model: every step's time is the true one times a factor uniform in [0.85, 1.15] (30% spread) and,
+in 5% of steps, times 3 (a neighbour's job). The true curve is the 1F1B one of test_planner.py over the
+default candidates of a 64-sample batch at pp=4: 8 microbatches are best, 4 reach 94.3% of it, 16
+86.8%, 32 62.9%, 64 39.4%. "Right" means a split within 5% of the true best: only 8 is."""
+
+from __future__ import annotations
+
+import math
+import random
+from statistics import median
+
+import pytest
+
+from hybridpar.batching.planner import AdaptivePolicy
+from hybridpar.batching.race import judge
+from hybridpar.batching.split import split_evenly
+
+N, COUNTS, SEEDS = 64, (64, 32, 16, 8, 4), range(200)
+
+
+def pipeline_time(sizes: list[int], pp: int = 4, a: float = 1e-3, b: float = 2.5e-4) -> float:
+    return (len(sizes) + pp - 1) * (a + b * max(sizes))
+
+
+def noise(rng: random.Random) -> float:
+    return (1 + rng.uniform(-0.15, 0.15)) * (3.0 if rng.random() < 0.05 else 1.0)
+
+
+def right(m: int, time_fn=pipeline_time, margin: float = 0.05) -> bool:
+    best = min(time_fn(split_evenly(N, c)) for c in COUNTS)
+    return best / time_fn(split_evenly(N, m)) >= 1 - margin
+
+
+def run(seed: int, steps: int, time_fn, policy: AdaptivePolicy | None = None, start: int = 0) -> AdaptivePolicy:
+    """Drive a policy from step `start` to `steps` (time_fn(step, sizes)), then on until its race ends."""
+    rng = random.Random(seed)
+    p = policy or AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4)
+    step = start
+    while step < steps or p.exploring:
+        s = p.propose(step)
+        p.observe(step, s, time_fn(step, s) * noise(rng), None, sum(s) * 128)
+        step += 1
+    return p
+
+
+def stationary(step: int, sizes: list[int]) -> float:
+    return pipeline_time(sizes)
+
+
+def naive(seed: int) -> int:
+    """The policy issue 19 warns against: one reading per candidate, keep the fastest."""
+    rng = random.Random(seed)
+    return min(COUNTS, key=lambda m: pipeline_time(split_evenly(N, m)) * noise(rng))
+
+
+def test_noisy_readings_find_the_best_where_one_reading_does_not() -> None:
+    policies, racing = [], []  # racing: per seed, the fraction of steps after settling spent racing
+    for seed in SEEDS:
+        rng, p, flags = random.Random(seed), AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4), []
+        for step in range(1000):
+            s = p.propose(step)
+            flags.append(p.exploring)
+            p.observe(step, s, pipeline_time(s) * noise(rng), None, sum(s) * 128)
+        policies.append(p)
+        after = flags[p.statistics()["steps_to_converge"] :]
+        racing.append(sum(after) / len(after))
+    hits = sum(right(len(p.propose(0))) for p in policies) / len(SEEDS)
+    naive_hits = sum(right(naive(seed)) for seed in SEEDS) / len(SEEDS)
+    assert hits >= 0.90 and naive_hits <= 0.70, (hits, naive_hits)  # measured: 0.96 and 0.63
+    # The cost of settling: 5 candidates x (1 warm-up + 3 measured) steps, then at most 7 passes over
+    # the best three: 5 x 4 + 7 x 3 x 4 = 104, plus the few blocks measured on because most of their
+    # steps were slow. Measured: median 80 steps, at most 108.
+    settle = sorted(p.statistics()["steps_to_converge"] for p in policies)
+    assert settle[-1] <= 120 and median(settle) <= 80, settle
+    # Settled, the policy races now and then: a re-check of the winner every 500 steps (both splits'
+    # steps count here), rarely a re-scan for drift that was noise (measured: 11% of seeds, 1000 steps).
+    racing.sort()
+    assert racing[len(racing) // 2] <= 0.08 and racing[int(0.9 * len(racing))] <= 0.15, racing[-20:]
+    assert sum(p.rounds > 1 for p in policies) <= 0.15 * len(SEEDS)
+
+
+def test_no_split_is_chosen_from_one_block() -> None:
+    """Noise-free and a 2x gap: still the leader's block is repeated before the decision."""
+    p = AdaptivePolicy(8, 1, candidates=[2, 4], cooldown_steps=1000)
+    run(0, 0, lambda step, s: 1.0 if len(s) == 2 else 2.0, p)
+    passes = [(len(h["split"]), h["pass"]) for h in p.statistics()["history"]]
+    assert passes[:2] == [(4, 1), (2, 1)] and (2, 2) in passes and len(p.propose(0)) == 2
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_adapts_when_the_incumbent_slows_down(seed: int) -> None:
+    """After step 300 a neighbour's job slows microbatches of 8+ samples 1.6x: 16 x 4 becomes best.
+    The incumbent (8 x 8) drifts down, the policy races afresh and moves."""
+
+    def load(step: int, s: list[int]) -> float:
+        return pipeline_time(s) * (1.6 if step >= 300 and max(s) >= 8 else 1.0)
+
+    p = run(seed, 300, load)
+    before = len(p.propose(0))
+    p = run(seed + 1000, 600, load, p, start=300)
+    assert len(p.propose(0)) == 16 and (p.rounds >= 2 or before == 16), p.statistics()["history"][-6:]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_a_recheck_finds_a_runner_up_that_got_faster(seed: int) -> None:
+    """The incumbent (8 x 8) keeps its speed, the runner-up (4 x 16) gets 1.3x faster: no drift to
+    see, the periodic re-checks of the winner (against each other split in turn) find it."""
+    p = run(seed, 100, stationary, AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4, recheck_steps=250))
+
+    def faster(step: int, s: list[int]) -> float:
+        return pipeline_time(s) / (1.3 if len(s) == 4 else 1.0)
+
+    p = run(seed + 1000, 800, faster, p, start=100)
+    assert len(p.propose(0)) == 4 and p.rechecks >= 1
+
+
+def test_race_verdicts() -> None:
+    log = math.log
+    # One block each: noise unknown, nothing settled, the best three go on.
+    v = judge({1: [log(1.0)], 2: [log(2.0)], 3: [log(1.5)], 4: [log(0.5)]}, margin=0.03)
+    assert v.noise is None and not v.settled and v.survivors == [2, 3, 1]
+    # Two blocks, a clear gap: the loser is dropped, settled.
+    v = judge({1: [log(1.0), log(1.02)], 2: [log(2.0), log(1.96)]}, margin=0.03)
+    assert v.settled and v.survivors == [2]
+    # A close call with noisy blocks: both stay, not settled.
+    v = judge({1: [log(1.0), log(1.2)], 2: [log(1.05), log(1.15)]}, margin=0.03)
+    assert not v.settled and set(v.survivors) == {1, 2}
+    # Equal within the margin and quiet: settled without a winner shown; ties go to more microbatches.
+    v = judge({1: [0.0] * 12, 2: [0.0] * 12}, margin=0.03)
+    assert v.settled and v.leader == 2 and v.survivors == [2, 1]
+    # One block of three slow steps' worth (log 3) is one large residual, not the noise level.
+    quiet = {m: [log(m)] * 4 for m in (1, 2)}
+    v = judge({**quiet, 3: [log(3.0)] * 3 + [log(1.0)]}, margin=0.03)
+    assert v.noise < 0.1
