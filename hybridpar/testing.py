@@ -17,7 +17,12 @@ from pathlib import Path
 from typing import Any, Callable
 
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, args: tuple) -> None:
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, parent: int, args: tuple) -> None:
+    from hybridpar.topology.lifetime import die_with_parent
+
+    # A caller killed outright (a bench stopped with SIGTERM, a test run cut off) takes its ranks with it.
+    if not die_with_parent(parent):
+        os._exit(1)
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=str(port),
@@ -58,7 +63,10 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
     store = loopback_store(0)
     port = store.port
     with tempfile.TemporaryDirectory(prefix="hybridpar-ranks-") as out:
-        procs = [ctx.Process(target=_entry, args=(fn, r, world, port, out, args), daemon=True) for r in range(world)]
+        procs = [
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, os.getpid(), args), daemon=True)
+            for r in range(world)
+        ]
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s

@@ -77,3 +77,50 @@ def test_subgroup_collective_without_peer_times_out(tmp_path):
     waited = run_ranks(_stuck_collective, 4, 2.0, str(tmp_path / "flag"), timeout_s=90)[2]
     assert waited is not None and waited >= 0, "the all-reduce completed without its peer"
     assert waited < 2.0 + 5.0, f"the 2 s collective timeout fired only after {waited:.1f} s"
+
+
+def _sleep_and_report_pid(path: str) -> None:
+    import os
+
+    Path(path, f"{os.getpid()}.pid").write_text("")
+    time.sleep(120)
+
+
+@pytest.mark.multiprocess
+def test_ranks_die_with_a_caller_killed_outright(tmp_path):
+    """A caller of run_ranks stopped with SIGKILL (no cleanup of its own runs) takes its ranks with it."""
+    import os
+    import signal
+    import subprocess
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        pytest.skip("the parent-death signal is Linux only")
+    code = (
+        "import sys; from hybridpar.testing import run_ranks; from tests.test_timeouts import _sleep_and_report_pid; "
+        f"run_ranks(_sleep_and_report_pid, 2, {str(tmp_path)!r}, timeout_s=120)"
+    )
+    root = str(Path(__file__).parents[1])
+    caller = subprocess.Popen([sys.executable, "-c", code], cwd=root, env={**os.environ, "PYTHONPATH": root})
+    try:
+        deadline = time.monotonic() + 90
+        while len(list(tmp_path.glob("*.pid"))) < 2 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+        assert len(pids) == 2, "the ranks did not start"
+    finally:
+        caller.send_signal(signal.SIGKILL)
+        caller.wait(30)
+
+    def alive(pid: int) -> bool:
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        # A zombie (exited, not yet reaped by init) counts as gone.
+        return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
+
+    deadline = time.monotonic() + 30
+    while any(alive(p) for p in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(alive(p) for p in pids), f"ranks {pids} outlived their caller"
