@@ -3,10 +3,11 @@ runs) against bf16 working copies (a bf16 copy of every weight made once per ste
 forwards; forward and backward in bf16 on the copies; each microbatch's weight gradients widened and
 summed into the fp32 masters' gradients; AdamW on the masters). Step time of each, alternating.
 
-    .venv/bin/python bench/bf16_copies.py [--repeats 5] [--microbatches 2] [--json FILE]
+    .venv/bin/python bench/bf16_copies.py [--repeats 5] [--microbatches 2] [--json FILE] [--model.dim N ...]
 
-One process, one thread, the default model (full, on one device) and its global batch cut into
-`--microbatches`. One round runs one step of each contender, their order alternating round by round;
+One process (one thread on a CPU; the GPU where there is one), the default model (full, on one device)
+and its global batch cut into `--microbatches`; `--section.key VALUE` flags of `hybridpar train` change
+the model and the batch. One round runs one step of each contender, their order alternating round by round;
 the first round warms both up and is not counted. Reported: each contender's median step time, the
 median of the per-round ratios copies / autocast with its spread, the loss of each at the last step
 (the two differ: working copies compute the residual stream and the norms in bf16 too, autocast only
@@ -27,7 +28,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from hybridpar.config import Config
+from hybridpar.config.parse import parse_args
 from hybridpar.data import TokenData, load_tokens
 from hybridpar.model.registry import build_full_model
 from hybridpar.optim import make_optimizer
@@ -41,7 +42,7 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> t
 def autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer, mbs: list, n: int) -> float:
     total = 0.0
     for x, y in mbs:
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(x.device.type, dtype=torch.bfloat16):
             loss = _loss(model, x, y, n)
         loss.backward()
         total += loss.item()
@@ -74,34 +75,40 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="measured rounds (one step of each contender)")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the result to FILE")
-    a = ap.parse_args()
+    a, rest = ap.parse_known_args()
     if a.repeats < 1 or a.microbatches < 1:
         ap.error(f"--repeats and --microbatches must be >= 1, got {a.repeats} and {a.microbatches}")
     torch.set_num_threads(1)
-    cfg = Config()
+    cfg = parse_args(rest)
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t = cfg.train
     data = TokenData(load_tokens(cfg.data.path, 2_000_000), t.seq_len, t.seed, cfg.data.val_fraction)
-    models = {k: build_full_model(cfg.model, t.seed) for k in ("autocast", "copies")}
+    models = {k: build_full_model(cfg.model, t.seed).to(dev) for k in ("autocast", "copies")}
     work = copy.deepcopy(models["copies"]).to(torch.bfloat16)
     opts = {k: make_optimizer(m.named_parameters(), t) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
     losses: dict[str, float] = {}
     load_before = os.getloadavg()
     for r in range(a.repeats + 1):
-        x, y = data.step_samples(r, t.global_batch, 0, t.global_batch)
+        x, y = (v.to(dev) for v in data.step_samples(r, t.global_batch, 0, t.global_batch))
         mbs = list(zip(x.tensor_split(a.microbatches), y.tensor_split(a.microbatches)))
         n = y.numel()
         for k in ("autocast", "copies") if r % 2 == 0 else ("copies", "autocast"):
+            sync()
             t0 = time.perf_counter()
             if k == "autocast":
                 losses[k] = autocast_step(models[k], opts[k], mbs, n)
             else:
                 losses[k] = copies_step(models[k], work, opts[k], mbs, n)
+            sync()
             if r > 0:
                 times[k].append(time.perf_counter() - t0)
     ratios = [c / s for c, s in zip(times["copies"], times["autocast"])]
     out = {
         "bench": "bf16_copies",
+        "device": str(dev),
+        "overrides": rest,
         "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L-ffn{cfg.model.ffn_dim}",
         "seq_len": t.seq_len,
         "global_batch": t.global_batch,

@@ -29,11 +29,19 @@ during backward): the first run keeps the output gradient's hook only, the rerun
 
 from __future__ import annotations
 
+import contextlib
 import functools
-from typing import Any, Callable
+import inspect
+from typing import Any, Callable, Iterator
 
 import torch
-from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.checkpoint import (
+    CheckpointPolicy,
+    SelectiveCheckpointContext,
+    checkpoint,
+    create_selective_checkpoint_contexts,
+)
 
 from hybridpar.config.sections import RECOMPUTE_MODES
 
@@ -57,15 +65,46 @@ class _Keep(torch.autograd.Function):
         return (g,) + (None,) * ctx.n
 
 
-def _selective_contexts(kept: list[torch.Tensor]) -> tuple[Any, Any]:
-    def policy(ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
-        if op in _KEEP_OPS:
-            if not ctx.is_recompute:
-                kept.append(ctx.op_output)
-            return CheckpointPolicy.MUST_SAVE
-        return CheckpointPolicy.PREFER_RECOMPUTE
+class _Record(TorchDispatchMode):
+    """Appends the output of every kept op to `kept` (the first run only). Entered above the selective
+    checkpoint's caching mode, so each op passes through here, then through the cache: for the torch
+    versions pyproject.toml allows whose policy does not see the output."""
 
-    return create_selective_checkpoint_contexts(policy)
+    def __init__(self, kept: list[torch.Tensor]) -> None:
+        super().__init__()
+        self.kept = kept
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        if func in _KEEP_OPS:
+            self.kept.append(out)
+        return out
+
+
+def _keep_policy(kept: list[torch.Tensor] | None, ctx: Any, op: Any, *args: Any, **kwargs: Any) -> CheckpointPolicy:
+    if op not in _KEEP_OPS:
+        return CheckpointPolicy.PREFER_RECOMPUTE
+    if kept is not None and not ctx.is_recompute:
+        kept.append(ctx.op_output)
+    return CheckpointPolicy.MUST_SAVE
+
+
+@contextlib.contextmanager
+def _recording(cache: Any, kept: list[torch.Tensor]) -> Iterator[None]:
+    with cache, _Record(kept):
+        yield
+
+
+# Whether the policy sees each op's output (torch >= 2.13); else a second dispatch mode records it, at the
+# cost of one more Python call per op in the first run (on a GPU that CPU time can show in the step).
+_POLICY_SEES_OUTPUT = "op_output" in inspect.signature(SelectiveCheckpointContext).parameters
+
+
+def _selective_contexts(kept: list[torch.Tensor]) -> tuple[Any, Any]:
+    if _POLICY_SEES_OUTPUT:
+        return create_selective_checkpoint_contexts(functools.partial(_keep_policy, kept))
+    first, rerun = create_selective_checkpoint_contexts(functools.partial(_keep_policy, None))
+    return _recording(first, kept), rerun
 
 
 def run_layer(stage: Any, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
