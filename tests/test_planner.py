@@ -361,15 +361,18 @@ def test_bench_verdict_is_decisive_only_with_a_narrow_interval() -> None:
     from hybridpar.bench.microbatch import judge_ratios, parse_args
 
     tight = [1.0 + 0.001 * i for i in range(20)]  # interval 1.005-1.014
-    v = judge_ratios(tight, 0.025)
+    v = judge_ratios(tight)
     assert v["decisive"] and v["verdict"] == "adaptive >= 0.95x best fixed" and v["ratio_half_width"] < 0.025
+    above = [0.97 + 0.006 * i for i in range(20)]  # interval 1.0-1.054: half-width 0.027, wholly above 0.95
+    assert judge_ratios(above)["verdict"] == "adaptive >= 0.95x best fixed"
     wide = [0.7 + 0.03 * i for i in range(20)]  # interval 0.85-1.12: median 0.985 decides nothing
-    v = judge_ratios(wide, 0.025)
+    v = judge_ratios(wide)
     assert not v["decisive"] and v["verdict"] == "not decisive" and v["ratio_ci95"] == pytest.approx([0.85, 1.12])
     assert v["interval_vs_floor"] == "contains"
-    assert judge_ratios([1.0 + 0.03 * i for i in range(20)], 0.025)["interval_vs_floor"] == "above"  # wide
+    v = judge_ratios([1.0 + 0.0134 * i for i in range(20)])  # above 0.95, but half-width 0.06: spread > 5%
+    assert v["interval_vs_floor"] == "above" and not v["decisive"]
     low = [0.90 + 0.001 * i for i in range(20)]
-    assert judge_ratios(low, 0.025)["verdict"] == "adaptive < 0.95x best fixed"
+    assert judge_ratios(low)["verdict"] == "adaptive < 0.95x best fixed"
     straddle = [0.94 + 0.001 * i for i in range(20)]  # narrow, but 0.95 inside: no side to report
-    assert judge_ratios(straddle, 0.025)["verdict"] == "not decisive"
+    assert judge_ratios(straddle)["verdict"] == "not decisive"
     assert parse_args(["--background-load", "2"]).background_load == 2

@@ -12,10 +12,12 @@ best of these over the comparison is the best fixed split. Each round gives
 one paired ratio, adaptive's block median over that split's; `ratio` is their median, `ratio_ci95` its
 distribution-free 95% confidence interval (order statistics). Rounds go on until the interval's
 half-width is under `--half-width` (0.025: finer than the 5% the acceptance judges) or
-`--max-compare-rounds` is reached; then `decisive` is false and `verdict` says "not decisive" rather
-than reading a verdict into noise. Throughput is the trainer's own tokens/s per full optimizer step,
-measured on rank 0. `--background-load N` runs N busy-looping processes for the whole measurement
-(other jobs on a shared machine), started and stopped by the bench; the load average is reported.
+`--max-compare-rounds` is reached (precision alone decides when to stop). The verdict is decisive when
+the interval lies wholly on one side of 0.95 and its half-width is under the 5% it judges; otherwise
+`verdict` says "not decisive" rather than reading a verdict into noise. Throughput is the trainer's own
+tokens/s per full optimizer step, measured on rank 0. `--background-load N` runs N busy-looping
+processes for the whole measurement (other jobs on a shared machine), started and stopped by the bench;
+the load average is reported.
 """
 
 from __future__ import annotations
@@ -118,8 +120,8 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         rounds += 1
         best = max(finalists, key=lambda m: statistics.median(blocks[f"fixed{m}"]))
         ratios = [x / y for x, y in zip(blocks["adaptive"], blocks[f"fixed{best}"])]
-        v = judge_ratios(ratios, a["half_width"])
-        done = rounds >= a["compare_rounds"] and v["decisive"]
+        v = judge_ratios(ratios)
+        done = rounds >= a["compare_rounds"] and v["ratio_half_width"] < a["half_width"]
         flag = torch.tensor([float(done or rounds >= a["max_compare_rounds"])])
         dist.broadcast(flag, 0)
         if flag.item():
@@ -175,12 +177,14 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     }
 
 
-def judge_ratios(ratios: list[float], half_width: float, floor: float = 0.95) -> dict[str, Any]:
-    """The comparison's verdict from its paired per-round ratios: decisive once the median's 95%
-    interval is narrower than 2 x `half_width` and then on the same side of `floor` as the whole
-    interval; otherwise "not decisive", whatever the median says."""
+def judge_ratios(ratios: list[float], floor: float = 0.95) -> dict[str, Any]:
+    """The comparison's verdict from its paired per-round ratios: decisive when the median's 95% interval
+    lies wholly on one side of `floor` and is narrower than the margin it judges (half-width under
+    1 - floor: 5% for 0.95); otherwise "not decisive", whatever the median says. The number of rounds is
+    set by precision alone (`--half-width`, `--max-compare-rounds`), never by which side the interval is
+    on, so stopping does not bias the verdict."""
     lo, hi = median_ci95(ratios)
-    decisive = (hi - lo) / 2 < half_width and not lo < floor <= hi
+    decisive = (hi - lo) / 2 < 1.0 - floor and not lo < floor <= hi
     side = f"adaptive >= {floor}x best fixed" if lo >= floor else f"adaptive < {floor}x best fixed"
     return {
         "ratio": statistics.median(ratios),
@@ -231,7 +235,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--compare-rounds", type=int, default=8, help="least rounds of alternating adaptive / best-fixed blocks"
     )
-    ap.add_argument("--max-compare-rounds", type=int, default=20, help="most rounds, if the interval stays wide")
+    ap.add_argument("--max-compare-rounds", type=int, default=40, help="most rounds, if the interval stays wide")
     ap.add_argument(
         "--half-width", type=float, default=0.025, help="stop once the ratio's 95%% interval is narrower than 2x this"
     )
