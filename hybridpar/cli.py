@@ -153,7 +153,8 @@ def launch_train(argv: list[str]) -> int:
         if cfg.parallel.auto:  # plan once, here; the workers get the choice as flags
             planned = _auto_plan(cfg, given, world, nnodes, nproc)
             cfg, ours = planned.cfg, ours + planned_flags(planned.cfg)
-        cfg, notes = preflight(cfg, world)  # the very check each worker runs again (train.enter_worker)
+        local = int(nproc) if nproc and nproc.isdigit() else (world if nnodes == "1" else None)
+        cfg, notes = preflight(cfg, world, local_ranks=local)  # each worker runs it again (train.enter_worker)
         if (
             nnodes == "1"
             and not overwrite

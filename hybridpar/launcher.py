@@ -163,7 +163,7 @@ def launch(
 
         planned = auto_plan(cfg, given_by_value(cfg), world)
         cfg = planned.cfg
-    preflight(cfg, world)
+    preflight(cfg, world, local_ranks=world)
     claim = start_launch(cfg, overwrite)
     try:
         if planned is not None:

@@ -30,13 +30,14 @@ def checkpoint_dir(cfg: Config) -> Path:
 
 
 def preflight(
-    cfg: Config, world: int | None, restart_count: int = 0, *, verify: bool = True
+    cfg: Config, world: int | None, restart_count: int = 0, *, verify: bool = True, local_ranks: int | None = None
 ) -> tuple[Config, list[str]]:
     """The config a worker runs on `world` processes after `restart_count` restarts (re-planned if a
     resume changes the world size), and lines to print; ValueError for anything that cannot run.
     `world` None (unknown until the rendezvous, e.g. --nproc-per-node auto) checks the layout without it.
     `verify` False skips the checks a worker repeats anyway (reading the corpus, which the Trainer loads
-    with the same errors; hashing a named checkpoint, which rank 0 verifies on resume)."""
+    with the same errors; hashing a named checkpoint, which rank 0 verifies on resume). `local_ranks`: the
+    processes this node starts, where known (NCCL needs a GPU for each)."""
     from hybridpar.balance.emulate import SlowdownPlan
     from hybridpar.resilience.chaos import parse_faults
     from hybridpar.resilience.elastic import layout_for_world
@@ -58,7 +59,7 @@ def preflight(
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
     _check_tokens(cfg)
-    _check_device(cfg)
+    _check_device(cfg, local_ranks)
     if (why := missing_packages(cfg.sinks)) is not None:
         raise ValueError(why)
     if verify:
@@ -116,8 +117,11 @@ def _check_init_weights(cfg: Config) -> None:
         raise ValueError(f"model.init_from={cfg.model.init_from!r}: {e}") from None
 
 
-def _check_device(cfg: Config) -> None:
-    """What needs CUDA, refused where the run will not get it (the backend is chosen as the workers will)."""
+def _check_device(cfg: Config, local_ranks: int | None = None) -> None:
+    """What needs CUDA, refused where the run will not get it (the backend is chosen as the workers will);
+    NCCL ranks beyond this node's GPUs (NCCL takes one GPU per rank), refused before any process starts."""
+    import torch
+
     from hybridpar.topology.mesh import pick_backend
 
     _, device = pick_backend(cfg.parallel.backend)
@@ -125,6 +129,12 @@ def _check_device(cfg: Config) -> None:
         raise ValueError(
             "profile.memory snapshots the CUDA caching allocator, and this run is on CPU (no CUDA here, or "
             "parallel.backend=gloo): drop --profile.memory (the activation meter's figures are in metrics.jsonl)"
+        )
+    if device == "cuda" and local_ranks is not None and local_ranks > (gpus := torch.cuda.device_count()):
+        raise ValueError(
+            f"{local_ranks} ranks on this node over NCCL need {local_ranks} GPUs, one each, and it has {gpus}: "
+            f"use a layout of at most {gpus} ranks per node (tp x pp x dp; e.g. --parallel.tp 1 --parallel.pp 1 "
+            f"on one GPU), or --parallel.backend gloo to run on the CPU"
         )
 
 

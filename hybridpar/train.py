@@ -344,7 +344,8 @@ def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
         if rec and rec.get("launch") == token and rec.get("state") == "failed" and rec.get("permanent"):
             raise SystemExit(2)  # restarted after a failure that would repeat: end now, said once already
     try:
-        return preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts, verify=False)
+        local = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
+        return preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts, verify=False, local_ranks=local)
     except ValueError as e:
         if token:
             rundir.record_state(run_dir, token, state="failed", permanent=True, error=str(e))

@@ -169,3 +169,25 @@ def test_bad_command_line_through_the_real_cli(tmp_path: Path, flags: list[str])
     )
     assert out.returncode == 2 and len(out.stderr.strip().splitlines()) == 1, out.stderr
     assert out.stderr.startswith("hybridpar: error: ") and not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize(
+    ("gpus", "flags", "refused"),
+    [(1, [], True), (4, [], False), (1, ["--parallel.tp", "1", "--parallel.pp", "1"], False)],
+)
+def test_more_nccl_ranks_than_gpus_is_refused(
+    tmp_path: Path, capsys, monkeypatch, gpus: int, flags: list[str], refused: bool
+) -> None:
+    """NCCL takes one GPU per rank: the default tp2 x pp2 on a one-GPU machine ends with one line naming
+    both counts before any worker starts (torch's own error would come from every worker: an invalid device
+    ordinal). CUDA is faked; only the pre-flight runs (a layout that fits stops at the next check)."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: gpus)
+    run = tmp_path / "run"
+    rc = main(["train", *BASE, "--run-dir", str(run), "--data.path", "/no/such/corpus.txt", *flags])
+    err = capsys.readouterr().err.strip()
+    assert rc == 2 and len(err.splitlines()) == 1 and not run.exists(), err
+    expect = "4 ranks on this node over NCCL need 4 GPUs, one each, and it has 1" if refused else "/no/such/corpus.txt"
+    assert expect in err, err
