@@ -133,8 +133,8 @@ def _check_device(cfg: Config, local_ranks: int | None = None) -> None:
     if device == "cuda" and local_ranks is not None and local_ranks > (gpus := torch.cuda.device_count()):
         raise ValueError(
             f"{local_ranks} ranks on this node over NCCL need {local_ranks} GPUs, one each, and it has {gpus}: "
-            f"use a layout of at most {gpus} ranks per node (tp x pp x dp; e.g. --parallel.tp 1 --parallel.pp 1 "
-            f"on one GPU), or --parallel.backend gloo to run on the CPU"
+            f"use a layout of at most {gpus} rank{'s' if gpus != 1 else ''} per node (tp x pp x dp; e.g. "
+            "--parallel.tp 1 --parallel.pp 1 on one GPU), or --parallel.backend gloo to run on the CPU"
         )
 
 
