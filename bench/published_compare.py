@@ -3,7 +3,7 @@ own cluster file, (a) the prediction for the layout the authors used and (b) the
 unit the source published (TFLOP/s per GPU counted the source's way, MFU, or seconds per step) and as tokens/s
 per GPU. One cost model for every row; no constant is tuned per row.
 
-    python bench/published_compare.py [--rows ID,ID] [--json bench/results/published_compare.json] [--markdown]
+    python bench/published_compare.py [--rows ID,ID] [--no-search] [--json FILE] [--markdown]
 
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its precision (fp16 as bf16).
@@ -56,9 +56,10 @@ def published_figure(row: dict[str, Any], basis: str) -> float:
     return row[key.get(basis, "reported_tokens_per_s")]
 
 
-def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory) -> dict[str, Any]:
+def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, search: bool = True) -> dict[str, Any]:
     """One row: the published figure, the prediction for its layout, the planner's choice (`memory`: the
-    memory model, plan/memory.py's unless a test passes a quicker one)."""
+    memory model, plan/memory.py's unless a test passes a quicker one; `search=False` skips the planner's
+    search, the slow part at cluster scale, and leaves the choice fields None)."""
     hw = load_hardware(PLANNER_DOCS / row["cluster"])
     cfg = row_config(row)
     cfg.validate(row["gpus"])
@@ -68,15 +69,10 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory) -> 
     given = predict(model, cfg)
     need = max(int(e.total) for e in memory(cfg))
     given_rate = tokens / given.step_s / row["gpus"]
-    t0 = time.perf_counter()
-    result = plan(row_config(row), hw, memory, world=row["gpus"], top=top)  # the planner sets every knob
-    plan_s = time.perf_counter() - t0
-    best = result.candidates[0]
-    best_rate = best.tokens_per_s / row["gpus"]
     p = cfg.parallel
     layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{p.chunks}" if p.chunks > 1 else "")
     layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}"
-    return {
+    out = {
         "id": row["id"],
         "cluster": hw.name,
         "gpus": row["gpus"],
@@ -88,12 +84,27 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory) -> 
         "predicted_tokens_per_s_per_gpu": given_rate,
         "published_layout_gib_per_gpu": round(need / GIB, 2),
         "published_layout_fits": need <= hw.device_memory_bytes,
+        "published_layout_breakdown_s": given.breakdown(),
+        "choice": None,
+        "choice_predicted": None,
+        "choice_tokens_per_s_per_gpu": None,
+        "choice_breakdown_s": None,
+        "plan_s": None,
+        "considered": None,
+        "simulated": None,
+    }
+    if not search:
+        return out
+    t0 = time.perf_counter()
+    result = plan(row_config(row), hw, memory, world=row["gpus"], top=top)  # the planner sets every knob
+    best = result.candidates[0]
+    best_rate = best.tokens_per_s / row["gpus"]
+    return out | {
         "choice": best.label.strip(),
         "choice_predicted": in_published_unit(row, best_rate, basis),
         "choice_tokens_per_s_per_gpu": best_rate,
         "choice_breakdown_s": best.prediction.breakdown(),
-        "published_layout_breakdown_s": given.breakdown(),
-        "plan_s": plan_s,
+        "plan_s": time.perf_counter() - t0,
         "considered": result.considered,
         "simulated": result.simulated,
     }
@@ -110,7 +121,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         note = "" if r["published_layout_fits"] else f" (needs {r['published_layout_gib_per_gpu']:g} GiB)"
         lines.append(
             f"| {r['id']} | {r['gpus']:,} | {r['unit']} | {r['published_layout']} | {fmt(r['published'])} | "
-            f"{fmt(r['predicted_for_published_layout'])}{note} | {r['choice']} | {fmt(r['choice_predicted'])} |"
+            f"{fmt(r['predicted_for_published_layout'])}{note} | "
+            + (f"{r['choice']} | {fmt(r['choice_predicted'])} |" if r["choice"] else "(search not run) | |")
         )
     return "\n".join(lines)
 
@@ -120,6 +132,7 @@ def main() -> int:
     ap.add_argument("--rows", help="comma-separated row ids (default: every row)")
     ap.add_argument("--json", help="write the comparison here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--no-search", action="store_true", help="only the published layouts' predictions (fast)")
     a = ap.parse_args()
     wanted = a.rows.split(",") if a.rows else [r["id"] for r in RUNS]
     unknown = sorted(set(wanted) - {r["id"] for r in RUNS})
@@ -132,8 +145,10 @@ def main() -> int:
         if row["id"] not in wanted:
             continue
         cpu = time.process_time()
-        rows.append(compare(row) | {"cpu_s": time.process_time() - cpu, "load_average": os.getloadavg()})
-        print(f"{row['id']}: planned in {rows[-1]['plan_s']:.1f} s", file=sys.stderr)
+        rows.append(
+            compare(row, search=not a.no_search) | {"cpu_s": time.process_time() - cpu, "load_average": os.getloadavg()}
+        )
+        print(f"{row['id']}: done in {rows[-1]['cpu_s']:.1f} s CPU", file=sys.stderr)
         out = {"rows": rows, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
         if a.json:  # after every row: a long run keeps what it has
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")

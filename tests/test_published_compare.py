@@ -52,3 +52,13 @@ def test_a_row_is_compared_in_its_published_unit(row_id: str) -> None:
         assert out["choice_tokens_per_s_per_gpu"] >= out["predicted_tokens_per_s_per_gpu"] * (1 - 1e-9)
     line = pc.markdown([out]).splitlines()[-1]
     assert line.startswith(f"| {row_id} |") and out["choice"] in line
+
+
+def test_without_the_search_the_published_layout_alone_is_scored() -> None:
+    pc = load()
+    row = next(r for r in RUNS if r["id"] == "korthikanti-gpt-22b-a100")
+    quick = pc.compare(row, memory=weights_only, search=False)
+    full = pc.compare(row, memory=weights_only)
+    assert quick["choice"] is None and quick["plan_s"] is None
+    assert quick["predicted_for_published_layout"] == full["predicted_for_published_layout"]
+    assert pc.markdown([quick]).splitlines()[-1].endswith("(search not run) | |")
