@@ -19,13 +19,15 @@ Components, each at its own high point in the step (their sum bounds the step's 
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 from dataclasses import dataclass
 
 import torch
 
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
-from hybridpar.config import Config
+from hybridpar.config import Config, ModelConfig
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.grads import BUCKET_BYTES
 from hybridpar.model.registry import family
@@ -59,9 +61,18 @@ Shape = tuple[tuple[int, ...], int | None]  # tp-local shape, the dimension tp s
 
 def stage_shapes(cfg: Config, parts: list[range], s: int) -> list[Shape]:
     """Tensor-parallel rank 0's parameter shapes of stage s (torch.chunk: the first shard is the largest)."""
-    m, n, tp = cfg.model, len(parts), cfg.parallel.tp
+    m, n = cfg.model, len(parts)
+    key = tuple((f.name, getattr(m, f.name)) for f in dataclasses.fields(m))
+    return list(_stage_shapes(key, cfg.parallel.tp, parts[s], s == 0, s == n - 1))
+
+
+# Memoised: the planner asks for the same stages under many layouts (dp, zero, precision, schedule do not
+# change them), and building a stage on the meta device dominated its time. Keyed by plain values only.
+@functools.lru_cache(maxsize=4096)
+def _stage_shapes(model: tuple, tp: int, layers: range, first: bool, last: bool) -> tuple[Shape, ...]:
+    m = ModelConfig(**dict(model))
     with torch.device("meta"):
-        stage = family(m).stage(m, parts[s], s == 0, s == n - 1)
+        stage = family(m).stage(m, layers, first, last)
     dims = tp_dims(stage) if tp > 1 else {}
     out = []
     for name, p in stage.named_parameters():
@@ -69,7 +80,7 @@ def stage_shapes(cfg: Config, parts: list[range], s: int) -> list[Shape]:
         if d is not None:
             shape[d] = -(-shape[d] // tp)
         out.append((tuple(shape), d))
-    return out
+    return tuple(out)
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -311,6 +322,13 @@ def _ring_peak(msgs: list[tuple[float, float, int]]) -> int:
     return peak
 
 
+# Memoised for the planner: the action lists depend on the schedule's shape only, not on tp/dp/zero/precision,
+# and building and validating them per layout was a large share of its time. Read-only to every caller here.
+@functools.lru_cache(maxsize=1024)
+def _actions(name: str, pp: int, chunks: int, count: int, lookahead: int) -> list[list]:
+    return build_schedule(name, pp, chunks, count, lookahead)
+
+
 def rank_memory(cfg: Config) -> list[MemoryEstimate]:
     """One estimate per pipeline rank (index = pp rank) for the run `cfg` describes as given: model,
     tp/pp/dp, schedule, virtual stages, partition, microbatches/sizes, seq_len, precision, zero,
@@ -323,7 +341,7 @@ def rank_memory(cfg: Config) -> list[MemoryEstimate]:
     count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
     planned = plan_for(cfg, count).sizes[0]
     sizes = pipeline_order(planned, p.schedule, p.pp, p.chunks)
-    actions = build_schedule(p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
+    actions = _actions(p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
     acts = activation_peaks(cfg, parts, sizes, actions)
     messages = message_buffers(cfg, sizes, actions, ranks)
     n = len(parts)
