@@ -172,14 +172,18 @@ def main(argv: list[str] | None = None) -> int:
             got = run_ranks(_worker, world, cfg.to_dict(), a.warmup + a.steps, timeout_s=900)[0]
             hw = describe(got["probe"], world)
             probes.append({"round": r, "layout": key(lay), "hardware": to_toml(hw)})
-            predicted[key(lay)].append(predict(CostModel(cfg.model, hw), cfg).step_s)
+            pred = predict(CostModel(cfg.model, hw), cfg)
+            predicted[key(lay)].append(pred.step_s)
             measured[key(lay)].append(statistics.median(got["times"][a.warmup :]))
             busiest[key(lay)].append({k: statistics.median(got[k][a.warmup :]) for k in ("compute", "wait")})
             loads.append(os.getloadavg()[0])
+            got_b = busiest[key(lay)][-1]
             print(
                 f"round {r} {key(lay)}: measured {measured[key(lay)][-1]:.4f} s, predicted "
                 f"{predicted[key(lay)][-1]:.4f} s, load {loads[-1]:.2f} (probe: {hw.peak_flops('fp32') / 1e9:.1f} "
-                f"GFLOP/s, {hw.cores_per_node:.2f} cores, collective {hw.collective_latency_us:.0f} us)",
+                f"GFLOP/s, {hw.cores_per_node:.2f} cores, collective {hw.collective_latency_us:.0f} us); busiest rank "
+                f"compute {got_b['compute']:.4f} s (predicted {pred.compute_s:.4f}), wait {got_b['wait']:.4f} s "
+                f"(predicted step - compute {pred.step_s - pred.compute_s:.4f})",
                 file=sys.stderr,
             )
         write(summarize(everything, measured, predicted) | meta(r + 1), a.json)

@@ -69,10 +69,14 @@ def _add(n: int, seconds: float) -> float:
     return 1.0 / _rate(lambda: torch.add(x, y, out=z), 1.0, seconds)
 
 
-def _worker(seconds: float, round_trips: int, model: dict | None, seq_len: int, shapes: list) -> dict[str, Any]:
+def _worker(
+    seconds: float, round_trips: int, model: dict | None, seq_len: int, shapes: list, timeout_s: float
+) -> dict[str, Any]:
     import torch.distributed as dist
 
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    # The others wait at a barrier while rank 0 calibrates every shape alone, which under foreign load took
+    # over a minute; the launch's own deadline (run_ranks kills all ranks) is what bounds the wait.
+    dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     m = None if model is None else ModelConfig(**model)
     return measure(seconds, round_trips, m, seq_len, [tuple(x) for x in shapes])
 
@@ -149,7 +153,8 @@ def probe(
     m = None if model is None else dataclasses.asdict(model)
     timeout = 120 + 30 * seconds * ranks + 5 * len(shapes)
     return describe(
-        [run_ranks(_worker, ranks, seconds, round_trips, m, seq_len, list(shapes), timeout_s=timeout)[0]], ranks
+        [run_ranks(_worker, ranks, seconds, round_trips, m, seq_len, list(shapes), timeout, timeout_s=timeout)[0]],
+        ranks,
     )
 
 
