@@ -75,11 +75,46 @@ def test_noisy_readings_find_the_best_where_one_reading_does_not() -> None:
     # steps were slow. Measured: median 80 steps, at most 108.
     settle = sorted(p.statistics()["steps_to_converge"] for p in policies)
     assert settle[-1] <= 120 and median(settle) <= 80, settle
-    # Settled, the policy races now and then: a re-check of the winner every 500 steps (both splits'
-    # steps count here), rarely a re-scan for drift that was noise (measured: 11% of seeds, 1000 steps).
+    # Settled, the policy races now and then: a re-check of the winner 500 steps after its decision
+    # (both splits' steps count here; two passes while the winner leads), rarely a re-scan for drift
+    # that was noise. Measured: racing median 1.75%, 90th percentile 2.7%, re-scans in 4% of seeds
+    # (before the re-check cap and the windowed baseline: 6.8%, 7.5%, 10.5%).
     racing.sort()
-    assert racing[len(racing) // 2] <= 0.08 and racing[int(0.9 * len(racing))] <= 0.15, racing[-20:]
-    assert sum(p.rounds > 1 for p in policies) <= 0.15 * len(SEEDS)
+    assert racing[len(racing) // 2] <= 0.025 and racing[int(0.9 * len(racing))] <= 0.04, racing[-20:]
+    assert sum(p.rounds > 1 for p in policies) <= 0.06 * len(SEEDS)
+
+
+def test_rechecks_space_out_while_they_keep_the_winner() -> None:
+    """A long stationary run: each full cycle of re-checks that keeps the winner doubles the interval
+    (500, then 1000, 2000, 4000 steps), so racing stays a small share of the run."""
+    rng, p, flags = random.Random(7), AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4), []
+    for step in range(20_000):
+        s = p.propose(step)
+        flags.append(p.exploring)
+        p.observe(step, s, pipeline_time(s) * noise(rng), None, sum(s) * 128)
+    starts = [i for i in range(1, len(flags)) if flags[i] and not flags[i - 1]]
+    gaps = [b - a for a, b in zip(starts, starts[1:])]
+    after = flags[p.statistics()["steps_to_converge"] :]
+    # Four other splits: four re-checks ~500 apart, four ~1000 apart, ... (a race lasts ~16 steps);
+    # with a fixed 500-step interval there would be ~39. Measured: 14 re-checks, racing 1.6% of the
+    # steps (one noise-driven re-scan included); before the back-off and the cap, 5.7% over 5000 steps.
+    assert p.rechecks <= 16 and max(gaps) >= 3900, (p.rechecks, gaps)
+    assert sum(after) / len(after) <= 0.02 and right(len(p.propose(0)))
+
+
+def test_one_lucky_window_is_not_the_drift_baseline() -> None:
+    """The first steady window after the decision catches a quiet spell (25% faster); after it the
+    machine is as before. Judged against that one window, every later one would look 20% slower and
+    the policy would re-scan; against the median of its steady windows it stays."""
+    p = AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4, cooldown_steps=0)
+    step, quiet = 0, None
+    while step < 400:
+        s = p.propose(step)
+        if quiet is None and not p.exploring:
+            quiet = range(step, step + p.drift_window)
+        p.observe(step, s, pipeline_time(s) / (1.25 if quiet and step in quiet else 1.0), None, sum(s) * 128)
+        step += 1
+    assert p.rounds == 1 and p.rechecks == 0 and p.propose(0) == [8] * 8
 
 
 def test_no_split_is_chosen_from_one_block() -> None:

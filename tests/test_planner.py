@@ -375,4 +375,7 @@ def test_bench_verdict_is_decisive_only_with_a_narrow_interval() -> None:
     assert judge_ratios(low)["verdict"] == "adaptive < 0.95x best fixed"
     straddle = [0.94 + 0.001 * i for i in range(20)]  # narrow, but 0.95 inside: no side to report
     assert judge_ratios(straddle)["verdict"] == "not decisive"
+    # Five rounds: even their full range is not a 95% interval (2 / 32 > 5%); one round is no interval.
+    assert not judge_ratios([1.0, 1.001, 1.002, 1.003, 1.004])["decisive"] and not judge_ratios([0.1])["decisive"]
+    assert judge_ratios([1.0, 1.001, 1.002, 1.003, 1.004, 1.005])["decisive"]
     assert parse_args(["--background-load", "2"]).background_load == 2

@@ -106,8 +106,8 @@ def _runs(base: dict, out: str, budget_factor: float) -> dict:
 @pytest.mark.multiprocess
 def test_recompute_switches_per_step_and_the_run_stays_exact(tmp_path: Path) -> None:
     """pp=2, 8 samples: the budget fits 4 samples in flight without recomputation; with it the policy
-    runs 2 x 4 (8 samples in flight) too. Each step's loss is the fixed split's (recomputation is
-    bit-identical), and every step held within the budget."""
+    runs 2 x 4 (8 samples in flight) too. Each step's loss is the fixed split's within 1e-5, and every
+    step held within the budget."""
     steps = 24
     cfg = tiny_config(
         parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
@@ -116,8 +116,10 @@ def test_recompute_switches_per_step_and_the_run_stays_exact(tmp_path: Path) -> 
     res = run_ranks(_runs, 2, cfg.to_dict(), str(tmp_path), 4.5, timeout_s=400)[0]
     fixed, choice, budget = res["fixed"], res["choice"], res["budget"]
     assert [r["step"] for r in choice] == list(range(steps))
+    # Other splits sum the gradients in another order: the project's exactness bound (1e-5 per step),
+    # not bit identity, holds between splits (recomputation's bit identity: tests/test_recompute.py).
     for a, b in zip(choice, fixed):
-        assert abs(a["loss"] - b["loss"]) <= 1e-6, (a["step"], a["loss"], b["loss"])
+        assert abs(a["loss"] - b["loss"]) <= 1e-5, (a["step"], a["loss"], b["loss"])
     assert max(r["activation_peak_bytes"] for r in choice) <= budget
     # 2 x 4 ran, with recomputation only (without, it passes the budget); the mode changed between steps.
     modes = [r["recompute"] for r in choice]

@@ -31,10 +31,14 @@ class AdaptivePolicy(_Recorder):
     `max_passes` passes ran (then the best estimate).
     Hysteresis: the incumbent of a re-scan stays unless beaten by more than `switch_margin`. Once
     decided, throughput is watched in disjoint windows of `drift_window` steps: two medians in a row
-    below the decision's by more than `drift_margin`, at least `cooldown_steps` after it, re-scan
-    every candidate afresh (the machine changed); a rise only re-baselines. Every `recheck_steps`
-    after a decision the winner races the runner-up again, afresh (cost bounded: about
-    2 * passes * (warmup + steps_per_candidate) steps each time). Memory does not wait: a split that
+    below the baseline (the median of the last steady windows) by more than `drift_margin`, at least
+    `cooldown_steps` after the decision, re-scan every candidate afresh (the machine changed); a rise
+    only re-baselines. `recheck_steps` after a decision the winner races the next other split again,
+    afresh; while the winner leads, that race ends after `recheck_passes` passes (a rival in the lead
+    is raced on, up to `max_passes`). Each full cycle of re-checks that keeps the winner doubles the
+    interval, up to 8x, so their cost (2 * recheck_passes * (warmup + steps_per_candidate) steps, half
+    on the rival) is a small and shrinking share of a long run: at a fixed 500-step interval and up to
+    8 passes, re-checks cost ~1-2% of throughput on a noisy machine. Memory does not wait: a split that
     stops fitting (OOM, a higher peak, a lower budget) is left at once for the best measured split
     that fits. The memory rule is `fits()`: every proposal goes through it."""
 
@@ -59,6 +63,7 @@ class AdaptivePolicy(_Recorder):
         drift_window: int = 8,
         cooldown_steps: int = 50,
         max_passes: int = 8,
+        recheck_passes: int = 2,
         keep: int = 3,
         z: float = 2.0,
         noise_prior: float = 0.05,
@@ -87,7 +92,7 @@ class AdaptivePolicy(_Recorder):
                 f"and is a multiple of {count_multiple}"
             )
         if (
-            min(steps_per_candidate, drift_window, max_passes, keep, recheck_steps) < 1
+            min(steps_per_candidate, drift_window, max_passes, recheck_passes, keep, recheck_steps) < 1
             or min(warmup_steps, cooldown_steps) < 0
             or not 0 <= switch_margin < 1
             or not 0 < drift_margin < 1
@@ -95,7 +100,8 @@ class AdaptivePolicy(_Recorder):
         ):
             raise ValueError(
                 f"need steps_per_candidate={steps_per_candidate}, drift_window={drift_window}, "
-                f"max_passes={max_passes}, keep={keep}, recheck_steps={recheck_steps} >= 1, "
+                f"max_passes={max_passes}, recheck_passes={recheck_passes}, keep={keep}, "
+                f"recheck_steps={recheck_steps} >= 1, "
                 f"warmup_steps={warmup_steps}, cooldown_steps={cooldown_steps} >= 0, "
                 f"switch_margin={switch_margin} in [0, 1), drift_margin={drift_margin} in (0, 1), "
                 f"z={z} and noise_prior={noise_prior} > 0"
@@ -104,9 +110,10 @@ class AdaptivePolicy(_Recorder):
         self.min_microbatches = min_microbatches
         self.k, self.warmup = steps_per_candidate, warmup_steps
         self.drift_margin, self.drift_window, self.cooldown = drift_margin, drift_window, cooldown_steps
-        self.max_passes, self._pass = max_passes, 1
+        self.max_passes, self.recheck_passes, self._pass = max_passes, recheck_passes, 1
         self.race = dict(margin=switch_margin, z=z, noise_prior=noise_prior, keep=keep)
         self.recheck_steps, self.rechecks, self.explore_steps = recheck_steps, 0, 0
+        self._confirmed = 0  # re-checks in a row that kept the winner: they space the next (docstring)
         self._challengers: list[int] = []  # the others of the last race, next to be raced again first
         self.budget: float | None = None
         if memory_budget_bytes is not None or memory_fraction is not None:
@@ -115,7 +122,9 @@ class AdaptivePolicy(_Recorder):
         self._oom_x: int | None = None  # samples in flight at which an OOM happened: never again
         self.ooms: list[tuple[int, list[int]]] = []
         self.rounds, self._last_decision, self._last_check, self._drift = 0, -(10**9), -(10**9), drift_margin
-        self._ref: float | None = None  # drift baseline: the first window's median after a decision
+        # Drift baseline: the median of the last few steady windows since the decision (one window is
+        # as noisy as the one tested against it: a lucky first window made later ones look slow).
+        self._refs: list[float] = []
         self._scan(-1, self.candidates)
 
     def set_memory_budget(
@@ -223,7 +232,10 @@ class AdaptivePolicy(_Recorder):
         v = judge(self._blocks, **self.race)
         # The leader must have been measured in two blocks: a lone lucky block never wins.
         confirmed = len(self._blocks[v.leader]) > 1 or len(self._blocks) == 1
-        if (v.settled and confirmed) or self._pass >= self.max_passes:
+        # A re-check stops early while the winner leads: the rival was not shown faster, and a re-check
+        # that found none is the common case. A rival in the lead is raced on, up to max_passes.
+        cap = self.recheck_passes if self._recheck and v.leader == self.incumbent else self.max_passes
+        if (v.settled and confirmed) or self._pass >= cap:
             self._decide(step, v)
             return
         self._pass += 1
@@ -245,16 +257,19 @@ class AdaptivePolicy(_Recorder):
             self._scan(step, self.candidates, incumbent=best)
             return
         self.exploring, self._last_check = False, step
-        if not (self._recheck and best == inc):  # a re-check that keeps the split keeps its baseline
+        if self._recheck and best == inc:  # confirmed again: a re-check that keeps the split keeps its baseline
+            self._confirmed += 1
+        else:  # a new decision: re-checks start afresh
+            self._confirmed = 0
             # Re-checks race the winner against the others in turn, best first: a split dropped by bad
             # luck, or one that got faster since, is not out for good.
             self._challengers = sorted((m for m in est if m != best), key=lambda m: (est[m], m), reverse=True)
-            # The baseline for drift is the first window of steady state, not the race's estimate:
-            # the winner's estimate is biased high (it won partly by luck), a drift test against it
-            # fires. What counts as drift: drift_margin, or 3 standard errors of the difference of two
+            # The baseline for drift is steady state's windows, not the race's estimate: the winner's
+            # estimate is biased high (it won partly by luck), a drift test against it fires. What
+            # counts as drift: drift_margin, or 3 standard errors of the difference of two
             # window medians if the race found the machine noisier than that (a block value is the
             # median of k readings, a window's of drift_window).
-            self._ref, self._last_decision = None, step
+            self._refs, self._last_decision = [], step
             spread = 3 * math.sqrt(2 * self.k / self.drift_window) * (v.noise or 0.0)
             self._drift = min(max(self.drift_margin, math.expm1(spread)), 0.5)
         if best != self.current:
@@ -303,24 +318,32 @@ class AdaptivePolicy(_Recorder):
         # machine a sliding median crosses any threshold sooner or later).
         now, self._window = median(self._window), []
         since = step - self._last_decision
-        if self._ref is None:
-            self._ref = now
+        if len(self._refs) < 3:  # the baseline first: three windows, so one lucky window cannot be it
+            self._refs.append(now)
             return
         # A move counts once two windows in a row agree on its direction: one busy or quiet window
-        # is noise, not a changed machine.
-        sign = (now > self._ref * (1 + self._drift)) - (now < self._ref * (1 - self._drift))
+        # is noise, not a changed machine. Windows within the band join the baseline (the last 8).
+        ref = median(self._refs)
+        sign = (now > ref * (1 + self._drift)) - (now < ref * (1 - self._drift))
         self._strikes = self._strikes + sign if sign and sign * self._strikes >= 0 else sign
+        self._refs = self._refs if sign else (self._refs + [now])[-8:]
         if self._strikes >= 2:
             # Faster than when chosen (warm caches, a quieter machine): nothing argues against the
             # split, and a re-scan would spend steps on the slower ones. Re-baseline instead.
-            self._ref, self._strikes = now, 0
+            self._refs, self._strikes = [now], 0
         elif self._strikes <= -2 and since >= self.cooldown:
             self._scan(step, self.candidates, incumbent=self.current)
-        elif step - self._last_check >= self.recheck_steps and any(map(self.fits, self._challengers)):
+        elif step - self._last_check >= self._recheck_interval() and any(map(self.fits, self._challengers)):
             # The winner, re-checked: another split may have become faster without this one slowing.
             rival = next(m for m in self._challengers if self.fits(m))
             self._challengers = [m for m in self._challengers if m != rival] + [rival]
             self._scan(step, [self.current, rival], incumbent=self.current, recheck=True)
+
+    def _recheck_interval(self) -> int:
+        """Steps from a decision or re-check to the next re-check: `recheck_steps`, doubled for every
+        full cycle of re-checks (each other split once) that kept the winner, at most 8x."""
+        cycles = self._confirmed // max(1, len(self._challengers))
+        return self.recheck_steps * 2 ** min(cycles, 3)
 
     def on_oom(self, step: int, sizes: Sequence[int]) -> list[int]:
         """`sizes` ran out of memory at `step`: cap the samples in flight below it and return the split
@@ -358,6 +381,7 @@ class AdaptivePolicy(_Recorder):
             "rounds": self.rounds,
             "rechecks": self.rechecks,
             "recheck": self._recheck,
+            "confirmed": self._confirmed,
             "explore_steps": self.explore_steps,
             "challengers": self._challengers,
             "last_decision": self._last_decision,
@@ -371,7 +395,7 @@ class AdaptivePolicy(_Recorder):
             "readings": self._readings,
             "window": self._window,
             "strikes": self._strikes,
-            "ref": self._ref,
+            "refs": self._refs,
             "drift": self._drift,
             "recorder": {
                 "steps": self.steps,
@@ -410,6 +434,7 @@ class AdaptivePolicy(_Recorder):
         self.rechecks, self.explore_steps = d["rechecks"], d["explore_steps"]
         self._challengers = [int(m) for m in d["challengers"]]
         self._recheck = bool(d["recheck"])
+        self._confirmed = int(d.get("confirmed", 0))  # absent in a state saved before the back-off
         self.incumbent = d["incumbent"]
         self._blocks = {int(m): list(v) for m, v in d["blocks"]}
         self._queue = [int(m) for m in d["queue"]]
@@ -417,7 +442,9 @@ class AdaptivePolicy(_Recorder):
         self._set(int(d["current"]))
         self._readings = list(d["readings"])
         self._window, self._strikes = list(d["window"]), int(d["strikes"])
-        self._ref, self._drift = d["ref"], float(d["drift"])
+        # A state saved before the baseline became a list holds one window as "ref".
+        self._refs = list(d["refs"]) if "refs" in d else [d["ref"]] if d.get("ref") is not None else []
+        self._drift = float(d["drift"])
         r = d["recorder"]
         self.steps, self._sum_time, self._sum_thr = r["steps"], r["sum_time"], r["sum_thr"]
         self.history, self.converged_step, self.steps_to_converge = (

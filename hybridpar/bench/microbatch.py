@@ -91,6 +91,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         if flag.item():
             break
     stats = adaptive.statistics()
+    settled = {k: stats[k] for k in ("rounds", "rechecks", "explore_steps")}
     clock.append(time.perf_counter())
     budget = stats["memory_budget_bytes"]
     med = {m: statistics.median(v) for m, v in fixed.items()}
@@ -109,6 +110,8 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     ]
     blocks: dict[str, list[float]] = {name: [] for name, _ in contenders}  # per round, the block median
     used: set[tuple[int, ...]] = set()  # splits the converged policy ran while compared
+    off_rounds = 0  # rounds whose adaptive block ran some other split than the settled one (its races)
+    settled_split = tuple(adaptive.propose(0))
     rounds = 0
     while True:
         order = contenders[rounds % len(contenders) :] + contenders[: rounds % len(contenders)]
@@ -116,7 +119,9 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
             tr.policy = policy
             block = run(1 + a["steps_per_split"])
             blocks[name].append(statistics.median(r["tokens_per_s"] for r in block[1:]))
-            used |= {tuple(r["microbatches"]) for r in block} if name == "adaptive" else set()
+            if name == "adaptive":
+                used |= {tuple(r["microbatches"]) for r in block}
+                off_rounds += any(tuple(r["microbatches"]) != settled_split for r in block[1:])
         rounds += 1
         best = max(finalists, key=lambda m: statistics.median(blocks[f"fixed{m}"]))
         ratios = [x / y for x, y in zip(blocks["adaptive"], blocks[f"fixed{best}"])]
@@ -161,6 +166,12 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         # own overhead, and the measured one is the machine's noise.
         "adaptive_on_best_fixed_split": adaptive.statistics()["current_split"] == FixedPolicy(batch, count=best).split,
         "adaptive_compare_splits": sorted(used),
+        # What the settled policy raced while compared: its re-checks and drift re-scans are part of its
+        # steady-state cost, and these say how much of the comparison they touched.
+        "adaptive_off_split_rounds": off_rounds,
+        "adaptive_compare_rechecks": adaptive.rechecks - settled["rechecks"],
+        "adaptive_compare_rescans": adaptive.rounds - settled["rounds"],
+        "adaptive_compare_explore_steps": adaptive.explore_steps - settled["explore_steps"],
         "converged": stats["converged"],
         "steps_to_converge": done,
         "explore_steps": stats["explore_steps"],
@@ -184,7 +195,8 @@ def judge_ratios(ratios: list[float], floor: float = 0.95) -> dict[str, Any]:
     set by precision alone (`--half-width`, `--max-compare-rounds`), never by which side the interval is
     on, so stopping does not bias the verdict."""
     lo, hi = median_ci95(ratios)
-    decisive = (hi - lo) / 2 < 1.0 - floor and not lo < floor <= hi
+    # Under 6 rounds even the full range is less than a 95% interval (2 * 0.5**n > 5%): nothing decided.
+    decisive = len(ratios) >= 6 and (hi - lo) / 2 < 1.0 - floor and not lo < floor <= hi
     side = f"adaptive >= {floor}x best fixed" if lo >= floor else f"adaptive < {floor}x best fixed"
     return {
         "ratio": statistics.median(ratios),
@@ -200,7 +212,7 @@ def judge_ratios(ratios: list[float], floor: float = 0.95) -> dict[str, Any]:
 def median_ci95(xs: list[float]) -> tuple[float, float]:
     """Distribution-free 95% confidence interval of the median of `xs` (order statistics: the k-th
     smallest and largest, k the largest with P(Binomial(n, 1/2) < k) <= 2.5%); the full range when n is
-    too small for that."""
+    too small for that (under 6: then it is not a 95% interval, and judge_ratios decides nothing)."""
     n, s = len(xs), sorted(xs)
     k, tail = 0, 0.0
     while k < n // 2 and tail + math.comb(n, k) / 2**n <= 0.025:
@@ -235,7 +247,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--compare-rounds", type=int, default=8, help="least rounds of alternating adaptive / best-fixed blocks"
     )
-    ap.add_argument("--max-compare-rounds", type=int, default=40, help="most rounds, if the interval stays wide")
+    ap.add_argument("--max-compare-rounds", type=int, default=80, help="most rounds, if the interval stays wide")
     ap.add_argument(
         "--half-width", type=float, default=0.025, help="stop once the ratio's 95%% interval is narrower than 2x this"
     )
