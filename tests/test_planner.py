@@ -379,3 +379,14 @@ def test_bench_verdict_is_decisive_only_with_a_narrow_interval() -> None:
     assert not judge_ratios([1.0, 1.001, 1.002, 1.003, 1.004])["decisive"] and not judge_ratios([0.1])["decisive"]
     assert judge_ratios([1.0, 1.001, 1.002, 1.003, 1.004, 1.005])["decisive"]
     assert parse_args(["--background-load", "2"]).background_load == 2
+
+
+def test_bench_drops_a_finalist_only_when_shown_more_than_5_percent_slower() -> None:
+    from hybridpar.bench.microbatch import slower
+
+    best = [100.0 + i % 3 for i in range(20)]
+    assert slower([90.0] * 20, best)  # 10% slower in every round
+    assert not slower([97.0] * 20, best)  # 3% slower: could still be the best fixed split under noise
+    assert not slower([90.0] * 5, best[:5])  # five rounds are no 95% interval
+    noisy = [90.0 * (1.3 if i % 2 else 0.8) for i in range(20)]  # median 0.9x, interval up to ~1.2x
+    assert not slower(noisy, best)

@@ -8,7 +8,8 @@ throughput over them against the best fixed split's). Last, its steady state: ro
 alternate the settled policy with the sweep's two best fixed splits (among those within the memory
 budget, when one is given; two, since the sweep's own best moves between runs) and the policy's own
 split run fixed, when the sweep did not rank it top two; the order rotates round by round, and the
-best of these over the comparison is the best fixed split. Each round gives
+best of these over the comparison is the best fixed split. A fixed finalist shown more than 5% slower than
+the best (its paired interval below 0.95, after `--compare-rounds`) stops running. Each round gives
 one paired ratio, adaptive's block median over that split's; `ratio` is their median, `ratio_ci95` its
 distribution-free 95% confidence interval (order statistics). Rounds go on until the interval's
 half-width is under `--half-width` (0.025: finer than the 5% the acceptance judges) or
@@ -112,7 +113,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     used: set[tuple[int, ...]] = set()  # splits the converged policy ran while compared
     off_rounds = 0  # rounds whose adaptive block ran some other split than the settled one (its races)
     settled_split = tuple(adaptive.propose(0))
-    rounds = 0
+    rounds, dropped = 0, []
     while True:
         order = contenders[rounds % len(contenders) :] + contenders[: rounds % len(contenders)]
         for name, policy in order:
@@ -123,14 +124,23 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
                 used |= {tuple(r["microbatches"]) for r in block}
                 off_rounds += any(tuple(r["microbatches"]) != settled_split for r in block[1:])
         rounds += 1
-        best = max(finalists, key=lambda m: statistics.median(blocks[f"fixed{m}"]))
+        live = [m for m in finalists if m not in dropped]
+        best = max(live, key=lambda m: statistics.median(blocks[f"fixed{m}"]))
         ratios = [x / y for x, y in zip(blocks["adaptive"], blocks[f"fixed{best}"])]
         v = judge_ratios(ratios)
         done = rounds >= a["compare_rounds"] and v["ratio_half_width"] < a["half_width"]
-        flag = torch.tensor([float(done or rounds >= a["max_compare_rounds"])])
+        # A finalist shown more than 5% slower than the best (the upper end of its paired interval
+        # below 0.95) cannot be the best fixed split: it stops running, and the rounds left are shorter,
+        # so adaptive's blocks and the best's lie closer in time. Rank 0's readings decide, for all.
+        slow = [
+            m for m in live if rounds >= a["compare_rounds"] and slower(blocks[f"fixed{m}"], blocks[f"fixed{best}"])
+        ]
+        flag = torch.tensor([float(done or rounds >= a["max_compare_rounds"])] + [float(m in slow) for m in finalists])
         dist.broadcast(flag, 0)
-        if flag.item():
+        if flag[0].item():
             break
+        dropped += [m for m, f in zip(finalists, flag[1:].tolist()) if f and m not in dropped]
+        contenders = [(n, q) for n, q in contenders if n == "adaptive" or int(n[5:]) not in dropped]
     tr.policy = adaptive
     clock.append(time.perf_counter())
     if topo.rank != 0:
@@ -155,6 +165,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         ],
         "best_fixed_microbatches": best,
         "compared_fixed_microbatches": finalists,
+        "dropped_fixed_microbatches": dropped,  # shown >5% slower than the best: not run to the end
         "best_fixed_sweep_tokens_per_s": med[best],
         "best_fixed_tokens_per_s": fixed_tps,
         "adaptive_tokens_per_s": statistics.median(blocks["adaptive"]),
@@ -207,6 +218,13 @@ def judge_ratios(ratios: list[float], floor: float = 0.95) -> dict[str, Any]:
         # Whatever the precision: where the whole interval lies against the floor.
         "interval_vs_floor": "above" if lo >= floor else "below" if hi < floor else "contains",
     }
+
+
+def slower(xs: list[float], best: list[float], floor: float = 0.95) -> bool:
+    """Whether the paired per-round ratios of `xs` to `best` (the rounds both ran) have their median's
+    95% interval wholly below `floor`."""
+    ratios = [x / y for x, y in zip(xs, best)]
+    return len(ratios) >= 6 and median_ci95(ratios)[1] < floor
 
 
 def median_ci95(xs: list[float]) -> tuple[float, float]:
