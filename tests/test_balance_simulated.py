@@ -177,3 +177,17 @@ def test_uniform_speeds_keep_the_even_partition() -> None:
     for pp, m in ((2, 4), (4, 4), (4, 8)):
         sim = ScheduleSim("1f1b", m)
         assert choose_partition(sim, EIGHT, [1.0] * pp, pp, margin=0.05) == tuple(partition_uniform(8, pp))
+
+
+def test_bound_leads_back_to_min_bottleneck_after_recovery() -> None:
+    # 1f1b, pp=4, 4 microbatches, all at full speed again on 3/2/1/2 (where a straggler left it): it
+    # simulates no slower than the even 2/2/2/2 (a 14 s step for both, one sample per microbatch), so only the bound
+    # (7 x 3 -> 7 x 2) leads back to the min-bottleneck partition.
+    sim = ScheduleSim("1f1b", 4)
+    assert sim.per_sample(R(3, 2, 1, 2), EIGHT, [1.0] * 4) == pytest.approx(
+        sim.per_sample(R(2, 2, 2, 2), EIGHT, [1.0] * 4)
+    )
+    bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4)
+    (d,), layout = run(bal, Layout.uniform(R(3, 2, 1, 2), [4]), [[1.0] * 4 for _ in range(10)])
+    assert layout.parts == (R(2, 2, 2, 2),) and d.gain == pytest.approx(0.0, abs=1e-12)
+    assert d.predicted_step_before_s == pytest.approx(7 * 3.0) and d.predicted_step_after_s == pytest.approx(7 * 2.0)
