@@ -4,9 +4,12 @@ A decision is due once the detector has a full window (devices unequal from the 
 every straggler change (a slowdown, or a recovery that should get its work back); a change seen
 inside the interval waits for it to end. Each position (replica d, stage s) of the (dp, pp) grid is
 one "rank" of the detector (`RankSample.rank = d * pp + s`; tensor-parallel peers of a stage move
-together, so the caller reports their slowest). The planner (`plan.plan_layout`) then re-partitions
-each replica's stages and re-splits the batch; the move is proposed only if the predicted step time
-falls by at least `min_gain` (moving layers costs a weight and optimizer-state transfer).
+together, so the caller reports their slowest). The planner (`simulated.plan_layout_simulated`) then
+re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
+schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
+max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
+time or its bottleneck bound (`plan.predicted_step`) falls by at least `min_gain` (moving layers costs a
+weight and optimizer-state transfer).
 """
 
 from __future__ import annotations
@@ -16,8 +19,9 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.balance.detect import StragglerDetector
-from hybridpar.balance.plan import CostModel, Layout, check_modelled, plan_layout, predicted_step
+from hybridpar.balance.plan import CostModel, Layout, check_modelled, predicted_step
 from hybridpar.balance.scores import RankSample, load_scores
+from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig
 
 MODES: tuple[str, ...] = ("off", "detect", "auto")
@@ -33,15 +37,19 @@ class Decision:
     reason: str
     old: Layout
     new: Layout
-    predicted_step_before_s: float
+    predicted_step_before_s: float  # bubble-formula bound: m x slowest stage / (1 - bubble), per replica
     predicted_step_after_s: float
     speeds: tuple[float, ...]  # smoothed relative speed per position d * pp + s, fastest = 1
     scores: tuple[float, ...]  # load score per position (memory, compute, network weighted)
     stragglers: tuple[int, ...]
+    simulated_step_before_s: float  # the run's schedule simulated (simulated.ScheduleSim): what is gated
+    simulated_step_after_s: float
+    margin: float  # simulated gain needed to leave the min-bottleneck partition
 
     @property
     def gain(self) -> float:
-        return 1.0 - self.predicted_step_after_s / self.predicted_step_before_s
+        """The simulated gain, the one `balance.min_gain` gates."""
+        return 1.0 - self.simulated_step_after_s / self.simulated_step_before_s
 
     def to_record(self) -> dict[str, object]:
         """JSON row for metrics.jsonl (layer ranges become [start, stop])."""
@@ -55,6 +63,9 @@ class Decision:
             "new": self.new.to_record(),
             "predicted_step_before_s": self.predicted_step_before_s,
             "predicted_step_after_s": self.predicted_step_after_s,
+            "simulated_step_before_s": self.simulated_step_before_s,
+            "simulated_step_after_s": self.simulated_step_after_s,
+            "margin": self.margin,
             "gain": self.gain,
             "speeds": list(self.speeds),
             "load_scores": list(self.scores),
@@ -75,6 +86,9 @@ class Decision:
             tuple(rec["speeds"]),
             tuple(rec["load_scores"]),
             tuple(rec["stragglers"]),
+            rec["simulated_step_before_s"],
+            rec["simulated_step_after_s"],
+            rec["margin"],
         )
 
 
@@ -105,6 +119,7 @@ class Balancer:
             raise ValueError(f"microbatches={microbatches} and min_per_replica={min_per_replica} must be >= 1")
         self.config, self.cost = c, cost
         self.microbatches, self.schedule, self.min_per_replica = microbatches, schedule, min_per_replica
+        self.sim = ScheduleSim(schedule, microbatches)
         self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
         self.detector = StragglerDetector(c.threshold, c.window, c.patience)
         self._updates = 0
@@ -134,12 +149,20 @@ class Balancer:
         # Absolute speeds (units of work per second) so that predicted steps come out in seconds.
         speeds = [[1.0 / smooth[d * layout.pp + s] for s in range(layout.pp)] for d in range(layout.dp)]
         why, self._pending = self._pending, None
-        new = plan_layout(
-            layout, self.cost, speeds, repartition=True, resplit=True, min_per_replica=self.min_per_replica
+        # Speeds off by a relative e move a simulated step by up to e, so two candidates' difference is
+        # only real beyond twice the measured noise; and never below the gain a move must bring anyway.
+        margin = min(max(c.min_gain, 2.0 * self.detector.noise()), 0.99)
+        new = plan_layout_simulated(
+            layout, self.cost, speeds, self.sim, margin=margin, min_per_replica=self.min_per_replica
         )
-        before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule)
-        after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule)
-        if new == layout or 1.0 - after / before < c.min_gain:
+        before = self.sim.layout_step(layout, self.cost, speeds)
+        after = self.sim.layout_step(new, self.cost, speeds)
+        bound_before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule)
+        bound_after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule)
+        # The simulation alone leads away from the min-bottleneck partition (beyond the margin); the bound
+        # leads back to it once the simulated advantage is within the margin (e.g. a straggler recovered
+        # and a partition one layer off simulates no faster than the even one, but no slower either).
+        if new == layout or max(1.0 - after / before, 1.0 - bound_after / bound_before) < c.min_gain:
             return None
         moved, resplit = new.parts != layout.parts, new.split != layout.split
         kind: Literal["pipeline", "data", "pipeline+data"] = (
@@ -149,7 +172,10 @@ class Balancer:
             why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
         if resplit:
             why += f"; samples per replica {list(layout.split)} -> {list(new.split)}"
-        why += f"; predicted step {before:.4g} s -> {after:.4g} s (-{1 - after / before:.1%})"
+        why += (
+            f"; simulated step {before:.4g} s -> {after:.4g} s ({after / before - 1:+.1%}; bound "
+            f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
+        )
         self._last_decision = step
         fastest = min(smooth[r] for r in range(n))
         scores = load_scores(samples, self.weights)
@@ -160,9 +186,12 @@ class Balancer:
             why,
             layout,
             new,
-            before,
-            after,
+            bound_before,
+            bound_after,
             tuple(fastest / smooth[r] for r in range(n)),
             tuple(scores.get(r, 0.0) for r in range(n)),
             tuple(sorted(state.stragglers)),
+            before,
+            after,
+            margin,
         )

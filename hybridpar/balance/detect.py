@@ -79,6 +79,16 @@ class StragglerDetector:
         """Median time per unit over each rank's window."""
         return {r: statistics.median(h) for r, h in sorted(self._history.items())}
 
+    def noise(self) -> float:
+        """The largest relative spread of any rank's window: median absolute deviation / median (robust
+        to one spike, unlike the range; 0 until a rank has two observations)."""
+        spreads = [0.0]
+        for h in self._history.values():
+            if len(h) >= 2:
+                med = statistics.median(h)
+                spreads.append(statistics.median(abs(x - med) for x in h) / med)
+        return max(spreads)
+
     def update(self, samples: Sequence[RankSample]) -> StragglerState:
         by = by_rank(samples)
         for r, s in by.items():

@@ -7,9 +7,9 @@ waits taken out, `monitor.stage_times`), its message waits and memory. A positio
 of work is compute / (its replica's samples x its stage's modelled cost); tensor-parallel peers of a
 stage run in lock-step, so the position reports the slowest of them.
 
-Every decision is logged (why, old and new layout, predicted step time before and after), and once
-`window` steps have run on an applied layout a second record gives the step time measured before
-and after it, beside the prediction.
+Every decision is logged (why, old and new layout, step time before and after as simulated on the run's
+schedule and as the bottleneck bound), and once `window` steps have run on an applied layout a second
+record gives the step time measured before and after it, beside the predictions.
 """
 
 from __future__ import annotations
@@ -152,6 +152,8 @@ class LiveBalancer:
                 "step": step,
                 "predicted_step_before_s": rec["predicted_step_before_s"],
                 "predicted_step_after_s": rec["predicted_step_after_s"],
+                "simulated_step_before_s": rec["simulated_step_before_s"],
+                "simulated_step_after_s": rec["simulated_step_after_s"],
                 "measured_step_before_s": statistics.median(self.step_times),
             }
         )

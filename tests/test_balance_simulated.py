@@ -1,0 +1,193 @@
+"""Balancer layouts scored by simulating the run's schedule (balance/simulated.py, pure): the simulated
+choice is taken when it beats the min-bottleneck partition by more than the margin, a noise-level gap
+leaves the partition alone, the margin grows with measured noise, and the batch follows simulated speed."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from hybridpar.balance.control import Balancer, Decision
+from hybridpar.balance.detect import StragglerDetector
+from hybridpar.balance.plan import CostModel, Layout, plan_layout, predicted_step
+from hybridpar.balance.simulated import ScheduleSim, choose_partition, neighbours, plan_layout_simulated
+from hybridpar.config import BalanceConfig
+from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
+from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.simulate import Costs, simulate
+from tests.test_balancer import group
+
+EIGHT = CostModel((1.0,) * 8)
+
+
+def R(*sizes: int) -> tuple[range, ...]:
+    out, start = [], 0
+    for n in sizes:
+        out.append(range(start, start + n))
+        start += n
+    return tuple(out)
+
+
+def test_pipeline_step_is_the_simulated_schedule() -> None:
+    # gpipe, one microbatch: the stages run one after another, so the step is the sum of stage times.
+    assert ScheduleSim("gpipe", 1).pipeline_step([5.0, 2.0]) == pytest.approx(7.0)
+    # Equal stages: the bubble formula, (m + p - 1) x stage time.
+    assert ScheduleSim("1f1b", 4).pipeline_step([3.0] * 4) == pytest.approx(7 * 3.0)
+    # Unequal stages: the simulator on the registry's action lists, forward : backward = 1 : 2.
+    t = [2.0, 2.0, 4.0, 2.0]
+    direct = simulate(build_schedule("1f1b", 4, 1, 4), 4, 4, Costs([x / 3 for x in t], [2 * x / 3 for x in t]))
+    sim = ScheduleSim("1f1b", 4)
+    assert sim.pipeline_step(t) == pytest.approx(direct.step_time_s) and direct.step_time_s < 7 * 4.0
+    assert sim.pipeline_step(t) == sim.pipeline_step(t)  # the lowered program is reused
+
+
+def test_sim_errors() -> None:
+    with pytest.raises(ValueError, match="not one the balancer models"):
+        ScheduleSim("zb-h1", 4)
+    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+        ScheduleSim("1f1b", 0)
+    with pytest.raises(ValueError, match="positive stage times"):
+        ScheduleSim("1f1b", 4).pipeline_step([1.0, 0.0])
+    with pytest.raises(ValueError, match=r"margin must be in \[0, 1\)"):
+        plan_layout_simulated(Layout.uniform(R(4, 4), [4]), EIGHT, [[1.0, 1.0]], ScheduleSim("1f1b", 4), margin=1.0)
+
+
+def test_neighbours_move_one_layer() -> None:
+    assert neighbours(R(5, 3)) == [R(4, 4), R(6, 2)]
+    assert neighbours(R(1, 2, 1)) == [R(2, 1, 1), R(1, 1, 2)]  # never an empty stage
+    assert neighbours(R(1, 1)) == [] and neighbours(R(8)) == []
+
+
+def test_simulated_choice_beats_min_bottleneck_by_a_clear_margin() -> None:
+    # gpipe, one microbatch, stage 1 at 0.55 speed: the min-max partition is 5/3 (stages 5 and 5.45),
+    # but the step is the sum of the stages, 5 + 3 / 0.55 = 10.45, and 6/2 makes it 6 + 2 / 0.55 = 9.64:
+    # 7.8% shorter, beyond a 5% margin, though its slowest stage (6) is slower.
+    speeds = [1.0, 0.55]
+    assert tuple(partition_by_cost(EIGHT.layer_costs, 2, speeds=speeds)) == R(5, 3)
+    sim = ScheduleSim("gpipe", 1)
+    assert sim.per_sample(R(5, 3), EIGHT, speeds) == pytest.approx(5 + 3 / 0.55)
+    assert sim.per_sample(R(6, 2), EIGHT, speeds) == pytest.approx(6 + 2 / 0.55)
+    assert choose_partition(sim, EIGHT, speeds, 2, margin=0.05) == R(6, 2)
+    assert choose_partition(sim, EIGHT, speeds, 2, margin=0.08) == R(5, 3)  # 7.8% is not beyond 8%
+    # The bottleneck rule keeps 5/3.
+    cur = Layout.uniform(R(4, 4), [1])
+    assert plan_layout(cur, EIGHT, [speeds], repartition=True, resplit=True).parts == (R(5, 3),)
+    assert plan_layout_simulated(cur, EIGHT, [speeds], sim, margin=0.05).parts == (R(6, 2),)
+
+
+def test_simulation_agrees_with_min_bottleneck_1f1b_pp4() -> None:
+    # 1f1b, pp=4, 4 microbatches, stage 2 at half speed: the min-bottleneck partition 3/2/1/2 also
+    # simulates fastest of it and its one-layer neighbours, > 5% ahead (each checked against simulate()).
+    speeds = [1.0, 1.0, 0.5, 1.0]
+    sim = ScheduleSim("1f1b", 4)
+    base = tuple(partition_by_cost(EIGHT.layer_costs, 4, speeds=speeds))
+
+    def direct(parts: tuple[range, ...]) -> float:
+        t = [c / v for c, v in zip(EIGHT.stage_costs(parts), speeds)]
+        costs = Costs([x / 3 for x in t], [2 * x / 3 for x in t])
+        return simulate(build_schedule("1f1b", 4, 1, 4), 4, 4, costs).step_time_s
+
+    assert base == R(3, 2, 1, 2) and choose_partition(sim, EIGHT, speeds, 4, margin=0.0) == base
+    assert direct(base) == pytest.approx(15.0) == 4 * sim.per_sample(base, EIGHT, speeds)
+    assert all(direct(base) < 0.95 * direct(p) for p in neighbours(base))
+
+
+def test_noise_level_gap_leaves_the_partition_alone() -> None:
+    # 1f1b, pp=2, 4 microbatches (the live test's run), stage 1 10% slow: 5/3 simulates 0.5% faster
+    # than 4/4, far inside the margin, so 4/4 stays; without a margin it would move.
+    speeds = [1.0, 0.9]
+    sim = ScheduleSim("1f1b", 4)
+    gap = 1 - sim.per_sample(R(5, 3), EIGHT, speeds) / sim.per_sample(R(4, 4), EIGHT, speeds)
+    assert 0 < gap < 0.01
+    cur = Layout.uniform(R(4, 4), [11])
+    assert plan_layout_simulated(cur, EIGHT, [speeds], sim, margin=0.05) == cur
+    assert plan_layout_simulated(cur, EIGHT, [speeds], sim, margin=0.0).parts == (R(5, 3),)
+
+
+def run(bal: Balancer, layout: Layout, series: list[list[float]]) -> tuple[list[Decision], Layout]:
+    decisions = []
+    for step, times in enumerate(series):
+        d = bal.update(step, group(step, times), layout)
+        if d is not None:
+            decisions.append(d)
+            layout = d.new
+    return decisions, layout
+
+
+def test_balancer_holds_still_on_jitter_at_pp2() -> None:
+    # Stage 1 within 10% of stage 0, jittering: the first full window decides nothing.
+    jitter = [0.97, 1.0, 1.03, 0.99, 1.01]
+    series = [[1.0, 1.1 * jitter[s % 5]] for s in range(100)]
+    bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4)
+    assert run(bal, Layout.uniform(R(4, 4), [11]), series)[0] == []
+    # From a lopsided 3/5 the same readings move to the min-bottleneck 4/4, not to 5/3, which simulates
+    # 0.5% faster still: inside the margin.
+    bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4)
+    (d,), layout = run(bal, Layout.uniform(R(3, 5), [11]), series)
+    assert layout.parts == (R(4, 4),) and d.margin == pytest.approx(0.05)
+    assert d.simulated_step_after_s < d.simulated_step_before_s * 0.9
+
+
+@pytest.mark.parametrize("spread, margin, sizes", [(0.0, 0.05, [6, 2]), (0.05, 0.10, [5, 3])])
+def test_margin_grows_with_measured_noise(spread: float, margin: float, sizes: list[int]) -> None:
+    # The gpipe case above through the Balancer: stage 1 at 0.55 speed from the start, decided on the
+    # first full window (threshold 3: no straggler). Steady readings: margin = min_gain, the simulated
+    # 6/2 is taken. Readings spread by a median absolute deviation of 5% (the window's median is the
+    # same): margin = 2 x 5% = 10% > 7.8%, the min-bottleneck 5/3 is kept.
+    series = [[1.0, (1 + spread * ((s % 5) - 2)) / 0.55] for s in range(30)]
+    bal = Balancer(BalanceConfig(mode="auto", threshold=3.0), EIGHT, microbatches=1, schedule="gpipe")
+    (d,), _ = run(bal, Layout.uniform(R(4, 4), [1]), series)
+    assert [len(r) for r in d.new.parts[0]] == sizes and d.margin == pytest.approx(margin)
+    assert d.simulated_step_before_s == pytest.approx(4 + 4 / 0.55)
+    assert d.simulated_step_after_s == pytest.approx(sizes[0] + sizes[1] / 0.55)
+    # The bound, beside: (m + p - 1) x the slowest stage.
+    assert d.predicted_step_after_s == pytest.approx(2 * max(sizes[0], sizes[1] / 0.55))
+    rec = json.loads(json.dumps(d.to_record()))
+    assert rec["margin"] == pytest.approx(margin) and rec["gain"] == pytest.approx(d.gain)
+    assert Decision.from_record(rec) == d
+
+
+def test_detector_noise_is_relative_mad() -> None:
+    det = StragglerDetector(window=5)
+    assert det.noise() == 0.0
+    for x in (0.9, 0.95, 1.0, 1.05, 3.0):  # one spike: the range would say 2.1, the MAD says 0.05
+        det.update(group(0, [2.0, x]))
+    assert det.noise() == pytest.approx(0.05)
+
+
+def test_split_follows_simulated_speed() -> None:
+    # dp=2 x pp=2, gpipe, one microbatch: replica 0 at full speed (4/4, 8 per sample), replica 1's
+    # stage 1 at 0.55 (6/2, 9.64 per sample). Samples go 1/8 : 1/9.64 -> 11/9 of 20; the bottleneck
+    # rule (slowest stages 4 and 5.45, partition 5/3) would give 12/8.
+    speeds = [[1.0, 1.0], [1.0, 0.55]]
+    cur = Layout.uniform(R(4, 4), [10, 10])
+    sim = ScheduleSim("gpipe", 1)
+    new = plan_layout_simulated(cur, EIGHT, speeds, sim, margin=0.05)
+    assert new.parts == (R(4, 4), R(6, 2)) and new.split == (11, 9)
+    old = plan_layout(cur, EIGHT, speeds, repartition=True, resplit=True)
+    assert old.parts == (R(4, 4), R(5, 3)) and old.split == (12, 8)
+    assert sim.layout_step(new, EIGHT, speeds) == pytest.approx(max(11 * 8, 9 * (6 + 2 / 0.55)))
+    assert sim.layout_step(new, EIGHT, speeds) < sim.layout_step(old, EIGHT, speeds)
+    # The bound prefers the old layout: only the simulation sees the fill and drain.
+    assert predicted_step(old, EIGHT, speeds, 1, "gpipe") < predicted_step(new, EIGHT, speeds, 1, "gpipe")
+
+
+def test_uniform_speeds_keep_the_even_partition() -> None:
+    for pp, m in ((2, 4), (4, 4), (4, 8)):
+        sim = ScheduleSim("1f1b", m)
+        assert choose_partition(sim, EIGHT, [1.0] * pp, pp, margin=0.05) == tuple(partition_uniform(8, pp))
+
+
+def test_bound_leads_back_to_min_bottleneck_after_recovery() -> None:
+    # 1f1b, pp=4, 4 microbatches, all at full speed again on 3/2/1/2 (where a straggler left it): it
+    # simulates no slower than the even 2/2/2/2 (a 14 s step for both, one sample per microbatch), so only the bound
+    # (7 x 3 -> 7 x 2) leads back to the min-bottleneck partition.
+    sim = ScheduleSim("1f1b", 4)
+    assert sim.per_sample(R(3, 2, 1, 2), EIGHT, [1.0] * 4) == pytest.approx(
+        sim.per_sample(R(2, 2, 2, 2), EIGHT, [1.0] * 4)
+    )
+    bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4)
+    (d,), layout = run(bal, Layout.uniform(R(3, 2, 1, 2), [4]), [[1.0] * 4 for _ in range(10)])
+    assert layout.parts == (R(2, 2, 2, 2),) and d.gain == pytest.approx(0.0, abs=1e-12)
+    assert d.predicted_step_before_s == pytest.approx(7 * 3.0) and d.predicted_step_after_s == pytest.approx(7 * 2.0)
