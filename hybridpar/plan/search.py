@@ -32,6 +32,7 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
 from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
+from hybridpar.plan.memory import MemoryModel, rank_memory
 from hybridpar.report.mfu import model_flops_per_token
 
 TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
@@ -218,7 +219,9 @@ def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 class Planner:
     def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
-        self.base, self.hw, self.memory = base, hw, memory
+        self.base, self.hw = base, hw
+        # The memory model's caches live as long as this search: one MemoryModel per planner.
+        self.memory = MemoryModel() if memory is rank_memory else memory
         self.model = CostModel(base.model, hw)
         self._actions: dict[tuple, Program] = {}
         self._compute: dict[tuple, list[list[Action]]] = {}
@@ -332,6 +335,7 @@ def plan(
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
     planner = Planner(base, hw, memory)
+    memory = planner.memory
     knobs = _held_knobs(base, hw, world, fixed or {})
     if not knobs:
         raise ValueError(_no_split(base, hw, world))
