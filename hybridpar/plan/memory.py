@@ -31,7 +31,7 @@ from hybridpar.config.schedules import schedule_spec
 from hybridpar.grads import BUCKET_BYTES
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
-from hybridpar.pipeline.schedules import Op, build_schedule
+from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
 from hybridpar.plan.messages import Replay, message_buffers, replay, transport
 from hybridpar.trainer.build import layer_partition
 from hybridpar.zero import in_place, slice_of
@@ -262,12 +262,18 @@ class MemoryModel:
     (dp, ZeRO, precision and schedule do not change them), their schedule (tp, dp, ZeRO, precision,
     recomputation do not change its action lists or their replay) or all of their activations (ZeRO and dp
     do not change them). Each part is computed once per distinct input and looked up after, so the
-    answers are `rank_memory`'s exactly. Owned by its caller (the planner makes one per search)."""
+    answers are `rank_memory`'s exactly. Owned by its caller (the planner makes one per search).
 
-    def __init__(self) -> None:
+    `validate_schedules=False` skips re-checking the registry's action lists (build_schedule's validation,
+    which dominated a search over many microbatch counts; the lists are the same, and the registry's
+    schedules are validated by their tests and by the runtime)."""
+
+    def __init__(self, validate_schedules: bool = True) -> None:
+        self.validate_schedules = validate_schedules
         self._shapes: dict[tuple, tuple[Shape, ...]] = {}
         self._parts: dict[tuple, list[range]] = {}
         self._actions: dict[tuple, list[list]] = {}
+        self._compute: dict[tuple, list[list]] = {}
         self._replays: dict[tuple, Replay] = {}
         self._messages: dict[tuple, list[int]] = {}
         self._activations: dict[tuple, list[int]] = {}
@@ -275,30 +281,67 @@ class MemoryModel:
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
         cfg.validate()  # a bad configuration is named before anything is computed
-        p, t, mk = cfg.parallel, cfg.train, _model_key(cfg.model)
+        p, t = cfg.parallel, cfg.train
+        mk, parts, ranks = self._layout(cfg)
+        sizes, sched = self._sizes(cfg)
+        actions = self._get(self._actions, sched, lambda: self._lists(*sched))
+        acts = self._activations_of(cfg, mk, parts, sizes, sched)
+        rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks))
+        messages = self._get(
+            self._messages,
+            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len, tuple(sizes)),
+            lambda: message_buffers(cfg, sizes, actions, ranks, rep),
+        )
+        static = self._static_of(cfg, mk, parts, ranks)
+        return [MemoryEstimate(w, w, opt, acts[r], messages[r] + rest) for r, (w, opt, rest) in enumerate(static)]
+
+    def lower_bound(self, cfg: Config, enough: int | None = None) -> int:
+        """No more than `max(e.total for e in self(cfg))`: the fullest rank's parameters, gradients,
+        optimizer state and activations (the buffers, never negative, left out), without the schedule's
+        communication or its replay — the planner's cheap test of layouts that cannot fit. Where the
+        parameters, gradients and optimizer state alone exceed `enough`, their bytes (the activations not
+        asked)."""
+        mk, parts, ranks = self._layout(cfg)
+        static = self._static_of(cfg, mk, parts, ranks)
+        held = max(2 * w + opt for w, opt, _ in static)
+        if enough is not None and held > enough:
+            return held
+        acts = self._activations_of(cfg, mk, parts, *self._sizes(cfg))
+        return max(2 * w + opt + a for (w, opt, _), a in zip(static, acts))
+
+    def _sizes(self, cfg: Config) -> tuple[list[int], tuple]:
+        """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
+        p, t = cfg.parallel, cfg.train
+        count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
+        sizes = pipeline_order(plan_for(cfg, count).sizes[0], p.schedule, p.pp, p.chunks)
+        return sizes, (p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
+
+    def _activations_of(self, cfg: Config, mk: tuple, parts: list[range], sizes: list[int], sched: tuple) -> list[int]:
+        # The compute lists are enough: messages save nothing (activation_peaks skips them).
+        p, t = cfg.parallel, cfg.train
+        key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
+        compute = lambda: self._get(self._compute, sched[:4], lambda: compute_schedule(*sched[:4]))  # noqa: E731
+        return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, compute()))
+
+    def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int]]:
+        p = cfg.parallel
+        key = (mk, p.tp, p.pp, p.dp, p.zero, tuple(parts), ranks)
+        return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
+
+    def _layout(self, cfg: Config) -> tuple[tuple, list[range], tuple[int, ...]]:
+        """(the model's key, the stages' layers, each stage's rank)."""
+        p, mk = cfg.parallel, _model_key(cfg.model)
         costs = tuple(p.layer_costs) if p.layer_costs is not None else None
         layers = tuple(p.stage_layers) if p.stage_layers is not None else None
         parts = self._get(self._parts, (mk, p.partition, p.n_stages, costs, layers), lambda: layer_partition(cfg))
-        ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
-        count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
-        sizes = pipeline_order(plan_for(cfg, count).sizes[0], p.schedule, p.pp, p.chunks)
-        sched = (p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
-        actions = self._get(self._actions, sched, lambda: build_schedule(*sched))
-        modes = tuple(t.recompute_modes(len(parts)))
-        acts = self._get(
-            self._activations,
-            (mk, p.tp, t.precision, t.seq_len, modes, tuple(parts), tuple(sizes), sched),
-            lambda: activation_peaks(cfg, parts, sizes, actions),
-        )
-        rep = self._get(self._replays, (sched, tuple(ranks)), lambda: replay(actions, p.pp, tuple(ranks)))
-        messages = self._get(
-            self._messages,
-            (mk, sched, tuple(ranks), transport(cfg), t.precision, t.seq_len, tuple(sizes)),
-            lambda: message_buffers(cfg, sizes, actions, tuple(ranks), rep),
-        )
-        held_key = (mk, p.tp, p.pp, p.dp, p.zero, tuple(parts), tuple(ranks))
-        static = self._get(self._static, held_key, lambda: self._held(cfg, parts, ranks))
-        return [MemoryEstimate(w, w, opt, acts[r], messages[r] + rest) for r, (w, opt, rest) in enumerate(static)]
+        return mk, parts, tuple(schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks))
+
+    def _lists(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> list[list]:
+        if self.validate_schedules:
+            return build_schedule(name, pp, chunks, count, lookahead)
+        ranks = schedule_spec(name).stage_ranks(pp, chunks)  # build_schedule's steps, less its validation
+        compute = self._get(self._compute, (name, pp, chunks, count), lambda: compute_schedule(name, pp, chunks, count))
+        return add_communication(compute, pp, pp * chunks, lookahead, ranks=ranks)
 
     @staticmethod
     def _get(cache: dict, key: tuple, make):  # noqa: ANN001, ANN205 - one lookup rule for every cache

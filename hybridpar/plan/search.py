@@ -221,7 +221,7 @@ class Planner:
     def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
         self.base, self.hw = base, hw
         # The memory model's caches live as long as this search: one MemoryModel per planner.
-        self.memory = MemoryModel() if memory is rank_memory else memory
+        self.memory = MemoryModel(validate_schedules=False) if memory is rank_memory else memory
         self.model = CostModel(base.model, hw)
         self._actions: dict[tuple, Program] = {}
         self._compute: dict[tuple, list[list[Action]]] = {}
@@ -347,14 +347,18 @@ def plan(
     misfits: dict[tuple, list[dict[str, Any]]] = {}  # per group, knobs found not to fit
     fitted: set[tuple] = set()
     found: list[Candidate] = []
-    smallest: tuple[int, str] | None = None
+    smallest: tuple[int, int, str] | None = None  # (bytes, check number, layout) of the least misfit
+    # Layouts whose weights, optimizer state and activations overflow (MemoryModel.lower_bound) are misfits
+    # without their schedule's replay; their full need only names the smallest, so it is asked when read.
+    lower = getattr(memory, "lower_bound", None)
+    unpriced: list[tuple[int, Config]] = []
     problems: list[str] = []
     simulated = checked = 0
     bound = ""
 
     def fits(k: dict[str, Any]) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit."""
-        nonlocal smallest, checked
+        nonlocal checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
         cfg = _config(base, k)
@@ -364,14 +368,30 @@ def plan(
             problems.append(str(e))
             return None
         checked += 1
+        if lower is not None and lower(cfg, hw.device_memory_bytes) > hw.device_memory_bytes:
+            misfits.setdefault(_group(k), []).append(k)
+            unpriced.append((checked, cfg))  # its full need is asked only if `smallest` is read
+            return None
         per_rank = [int(e.total) for e in memory(cfg)]
         need = max(per_rank)
         if need <= hw.device_memory_bytes:
             return cfg, per_rank
         misfits.setdefault(_group(k), []).append(k)
-        if smallest is None or need < smallest[0]:
-            smallest = (need, _config_label(cfg))
+        note(need, checked, cfg)
         return None
+
+    def note(need: int, order: int, cfg: Config) -> None:
+        """`smallest`: the least need of the misfits, the first checked of equals."""
+        nonlocal smallest
+        if smallest is None or (need, order) < smallest[:2]:
+            smallest = (need, order, _config_label(cfg))
+
+    def settled() -> tuple[int, int, str] | None:
+        """`smallest` with the misfits found by the lower bound priced in."""
+        for order, cfg in unpriced:
+            note(max(int(e.total) for e in memory(cfg)), order, cfg)
+        unpriced.clear()
+        return smallest
 
     def beaten(bound: float) -> bool:
         return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
@@ -401,8 +421,8 @@ def plan(
             continue  # recomputation only costs time: it is worth it only where less of it does not fit
         fit = fits(k)
         if fit is None:
-            if not found and not bound and smallest is not None:
-                bound = f"faster layouts need more memory ({smallest[1]}: {smallest[0] / GIB:.3g} GiB per device)"
+            if not found and not bound and (least := settled()) is not None:
+                bound = f"faster layouts need more memory ({least[2]}: {least[0] / GIB:.3g} GiB per device)"
             continue
         cfg, per_rank = fit
         fitted.add(_knob_key(k))
@@ -412,9 +432,9 @@ def plan(
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
     if not found:
-        if smallest is not None:
+        if (least := settled()) is not None:
             raise ValueError(
-                f"no layout fits: the smallest needs {smallest[0] / GIB:.3g} GiB per device ({smallest[1]}), "
+                f"no layout fits: the smallest needs {least[0] / GIB:.3g} GiB per device ({least[2]}), "
                 f"the hardware has {hw.device_memory_gib:g}"
             )
         raise ValueError(f"no layout of world {world} is valid: {problems[0] if problems else 'none enumerated'}")
