@@ -20,6 +20,7 @@ Components, each at its own high point in the step (their sum bounds the step's 
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,7 @@ from hybridpar.grads import BUCKET_BYTES
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
+from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.plan.messages import Replay, message_buffers, replay, transport
 from hybridpar.trainer.build import layer_partition
 from hybridpar.zero import in_place, slice_of
@@ -89,21 +91,35 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def optimizer_bytes(shapes: list[Shape], dp: int, zero: int) -> tuple[int, int]:
+def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> tuple[bool, int, tuple | None]:
+    """ZeRO-1's cut of one tensor among dp ranks (zero.slice_of): (sliced, elements of dp rank 0's slice,
+    elements per rank that go through buffers — None where in place or not sliced). `cache`: kept across
+    calls, since the layers repeat the same few shapes."""
+    key = (shape, d, dp)
+    if cache is not None and key in cache:
+        return cache[key]
+    sl, n = slice_of(torch.Size(shape), d, dp), _numel(shape)
+    sizes = tuple(n if sl.dim is None else n // shape[sl.dim] * k for k in sl.sizes)
+    out = (sl.dim is not None, sizes[0], sizes if sl.dim is not None and not in_place(shape, sl) else None)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None = None) -> tuple[int, int]:
     """(AdamW state, bytes of ZeRO's padded all-gather buffers) of dp rank 0."""
     if not zero:
         return sum(2 * F32 * _numel(s) + F32 for s, _ in shapes), 0
     state, seg = 0, [0] * dp
-    for shape, d in shapes:
-        sl = slice_of(torch.Size(shape), d, dp)
-        sizes = [_numel(shape) if sl.dim is None else _numel(shape) // shape[sl.dim] * n for n in sl.sizes]
-        state += 2 * F32 * sizes[0] + F32  # the moments of the slice, the step count
-        if sl.dim is not None and not in_place(shape, sl):
-            seg = [a + b for a, b in zip(seg, sizes)]
+    for (shape, d), count in Counter(shapes).items():  # equal shapes add equal terms: once each, times count
+        _, own, through = _cut(shape, d, dp, cache)
+        state += count * (2 * F32 * own + F32)  # the moments of the slice, the step count
+        if through is not None:
+            seg = [a + count * b for a, b in zip(seg, through)]
     return state, ((1 + dp) * max(seg) * F32 if dp > 1 else 0)
 
 
-def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
+def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
     each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
@@ -121,11 +137,12 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
             buckets[-1].append((shape, d))
             size += _numel(shape) * F32
         for bucket in buckets:
-            cut = [(s, slice_of(torch.Size(s), d, dp)) for s, d in bucket] if zero else []
-            sliced = sum(_numel(s) for s, sl in cut if sl.dim is not None)
-            cut = [(s, sl) for s, sl in cut if sl.dim is not None and not in_place(s, sl)]
-            seg = [sum(_numel(s) // s[sl.dim] * sl.sizes[r] for s, sl in cut) for r in range(dp)]
-            whole = sum(_numel(s) for s, _ in bucket) - sliced
+            whole, seg = 0, [0] * dp
+            for (shape, d), count in Counter(bucket).items():
+                sliced, _, through = _cut(shape, d, dp, cache) if zero else (False, 0, None)
+                whole += 0 if sliced else count * _numel(shape)
+                if through is not None:
+                    seg = [a + count * b for a, b in zip(seg, through)]
             total += ((dp + 1) * max(seg) + whole) * F32
     return total
 
@@ -274,6 +291,8 @@ class MemoryModel:
         self._parts: dict[tuple, list[range]] = {}
         self._actions: dict[tuple, list[list]] = {}
         self._compute: dict[tuple, list[list]] = {}
+        self._cuts: dict[tuple, tuple] = {}
+        self._programs: dict[tuple, Program] = {}
         self._replays: dict[tuple, Replay] = {}
         self._messages: dict[tuple, list[int]] = {}
         self._activations: dict[tuple, list[int]] = {}
@@ -286,7 +305,7 @@ class MemoryModel:
         sizes, sched = self._sizes(cfg)
         actions = self._get(self._actions, sched, lambda: self._lists(*sched))
         acts = self._activations_of(cfg, mk, parts, sizes, sched)
-        rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks))
+        rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks, self.program(*sched)))
         messages = self._get(
             self._messages,
             (mk, sched, ranks, transport(cfg), t.precision, t.seq_len, tuple(sizes)),
@@ -328,6 +347,14 @@ class MemoryModel:
         key = (mk, p.tp, p.pp, p.dp, p.zero, tuple(parts), ranks)
         return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
 
+    def program(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> Program:
+        """The schedule's action lists lowered for the simulator (sim_program.py), once: the replay here and
+        the planner's predictions simulate the same lists."""
+        key = (name, pp, chunks, count, lookahead)
+        ranks = schedule_spec(name).stage_ranks(pp, chunks)
+        lists = lambda: self._get(self._actions, key, lambda: self._lists(*key))  # noqa: E731
+        return self._get(self._programs, key, lambda: compile_program(lists(), pp, pp * chunks, ranks))
+
     def _layout(self, cfg: Config) -> tuple[tuple, list[range], tuple[int, ...]]:
         """(the model's key, the stages' layers, each stage's rank)."""
         p, mk = cfg.parallel, _model_key(cfg.model)
@@ -356,10 +383,10 @@ class MemoryModel:
             per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in range(n) if ranks[s] == r]
             shapes = [x for st in per_stage for x in st]
             params = sum(_numel(s) for s, _ in shapes) * F32
-            opt, gather = optimizer_bytes(shapes, p.dp, p.zero)
+            opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
             embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
             tie = embed if cfg.model.tied and p.pp > 1 else 0
-            out.append((params, opt, max(bucket_bytes(per_stage, p.dp, p.zero), tie, gather)))
+            out.append((params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)))
         return out
 
 

@@ -15,6 +15,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.pipeline import shm
 from hybridpar.pipeline.schedules import Op
+from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import Costs, SimEvent, simulate
 
 F32 = 4
@@ -30,9 +31,11 @@ class Replay:
     at: dict[tuple[Op, int, int], SimEvent]
 
 
-def replay(actions: list[list], pp: int, ranks: tuple[int, ...]) -> Replay:
+def replay(actions: list[list], pp: int, ranks: tuple[int, ...], program: Program | None = None) -> Replay:
+    """`program`: the same lists already lowered (compile_program), to be simulated as they are."""
     split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
-    sim = simulate(actions, pp, len(ranks), Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0), ranks=ranks)
+    costs = Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0)
+    sim = simulate(actions if program is None else program, pp, len(ranks), costs, ranks=ranks)
     at = {(e.action.op, e.action.stage, e.action.microbatch): e for e in sim.events}
     return Replay(split, tuple(e for e in sim.events if e.action.op in (Op.SEND_F, Op.SEND_B)), at)
 

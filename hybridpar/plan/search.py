@@ -232,6 +232,8 @@ class Planner:
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
         """The schedule's action lists, lowered once for the many simulations that share them."""
+        if isinstance(self.memory, MemoryModel):  # the memory model replays the same lists: lower them once
+            return self.memory.program(name, pp, v, m, self.base.parallel.recv_lookahead)
         key = (name, pp, v, m)
         if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
             ranks = SCHEDULES[name].stage_ranks(pp, v)
