@@ -399,7 +399,7 @@ def plan(
         return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
 
     def step_beaten(k: dict[str, Any]) -> bool:
-        if not beaten(0.0):
+        if not (prune and len(found) >= top):  # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
             return False
         cfg = _config(base, k)
         try:
