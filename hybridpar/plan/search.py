@@ -358,8 +358,9 @@ def plan(
     simulated = checked = 0
     bound = ""
 
-    def fits(k: dict[str, Any]) -> tuple[Config, list[int]] | None:
-        """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit."""
+    def fits(k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
+        """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
+        `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes."""
         nonlocal checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
@@ -374,6 +375,8 @@ def plan(
             misfits.setdefault(_group(k), []).append(k)
             unpriced.append((checked, cfg))  # its full need is asked only if `smallest` is read
             return None
+        if not full and lower is not None:
+            return cfg, []
         per_rank = [int(e.total) for e in memory(cfg)]
         need = max(per_rank)
         if need <= hw.device_memory_bytes:
@@ -417,7 +420,9 @@ def plan(
         if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
             misfits[g] = []
             frugal = _frugal(k, groups[g])
-            if frugal in groups[g] and fits(frugal) is None:
+            # Once a layout is found the misfits no longer name the smallest: the group's test only needs to
+            # rule it out, which the lower bound does without the schedule's replay (or leaves to its layouts).
+            if frugal in groups[g] and fits(frugal, full=not found) is None:
                 continue
         if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
             continue  # recomputation only costs time: it is worth it only where less of it does not fit
