@@ -6,7 +6,8 @@ per GPU. One cost model for every row; no constant is tuned per row.
     python bench/published_compare.py [--rows ID,ID] [--no-search] [--json FILE] [--markdown]
 
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
-virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its precision (fp16 as bf16).
+virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
+where the source's run sharded it), its precision (fp16 as bf16).
 `fits` says whether our memory model (plan/memory.py) puts it within the cluster file's device memory.
 """
 
@@ -71,7 +72,7 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     given_rate = tokens / given.step_s / row["gpus"]
     p = cfg.parallel
     layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{p.chunks}" if p.chunks > 1 else "")
-    layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}"
+    layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}" + (f" zero{p.zero}" if p.zero else "")
     out = {
         "id": row["id"],
         "cluster": hw.name,

@@ -55,6 +55,7 @@ OPTIONAL: dict[str, type] = {
     "virtual_stages": int,
     "microbatch_size": int,
     "recompute": str,
+    "zero": int,  # 1 where the source's run sharded the optimizer state over data parallelism (ZeRO-1 or more)
     **REPORTED,
 }
 PRECISIONS = ("fp32", "bf16", "fp16")  # fp16 runs are planned as bf16: same tensor-core peak
@@ -95,7 +96,7 @@ def row_config(row: dict[str, Any]) -> Config:
     if row["family"] == "gpt2":  # learned positions: as many as the run's sequence
         model["n_positions"] = row["seq_len"]
     chunks = row.get("virtual_stages", 1)
-    parallel = {k: row[k] for k in ("tp", "pp", "dp")}
+    parallel = {k: row[k] for k in ("tp", "pp", "dp")} | {"zero": row.get("zero", 0)}
     if chunks > 1:
         parallel.update(schedule="interleaved-1f1b", virtual_stages=chunks)
     train = {

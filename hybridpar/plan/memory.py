@@ -20,7 +20,7 @@ Components, each at its own high point in the step (their sum bounds the step's 
 from __future__ import annotations
 
 import dataclasses
-import functools
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -32,9 +32,9 @@ from hybridpar.config.schedules import schedule_spec
 from hybridpar.grads import BUCKET_BYTES
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
-from hybridpar.pipeline import shm
-from hybridpar.pipeline.schedules import Op, build_schedule
-from hybridpar.pipeline.simulate import Costs, simulate
+from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
+from hybridpar.pipeline.sim_program import Program, compile_program
+from hybridpar.plan.messages import Replay, message_buffers, replay, transport
 from hybridpar.trainer.build import layer_partition
 from hybridpar.zero import in_place, slice_of
 
@@ -59,28 +59,29 @@ class MemoryEstimate:
 Shape = tuple[tuple[int, ...], int | None]  # tp-local shape, the dimension tp shards (None: replicated)
 
 
-def stage_shapes(cfg: Config, parts: list[range], s: int) -> list[Shape]:
-    """Tensor-parallel rank 0's parameter shapes of stage s (torch.chunk: the first shard is the largest)."""
+def stage_shapes(cfg: Config, parts: list[range], s: int, cache: dict | None = None) -> list[Shape]:
+    """Tensor-parallel rank 0's parameter shapes of stage s (torch.chunk: the first shard is the largest).
+    `cache`: a dict kept across calls (MemoryModel's), since building a stage on the meta device is slow."""
     m, n = cfg.model, len(parts)
-    key = tuple((f.name, getattr(m, f.name)) for f in dataclasses.fields(m))
-    return list(_stage_shapes(key, cfg.parallel.tp, parts[s], s == 0, s == n - 1))
-
-
-# Memoised: the planner asks for the same stages under many layouts (dp, zero, precision, schedule do not
-# change them), and building a stage on the meta device dominated its time. Keyed by plain values only.
-@functools.lru_cache(maxsize=4096)
-def _stage_shapes(model: tuple, tp: int, layers: range, first: bool, last: bool) -> tuple[Shape, ...]:
-    m = ModelConfig(**dict(model))
+    key = (_model_key(m), cfg.parallel.tp, parts[s], s == 0, s == n - 1)
+    if cache is not None and key in cache:
+        return list(cache[key])
     with torch.device("meta"):
-        stage = family(m).stage(m, layers, first, last)
-    dims = tp_dims(stage) if tp > 1 else {}
+        stage = family(m).stage(m, parts[s], s == 0, s == n - 1)
+    dims = tp_dims(stage) if cfg.parallel.tp > 1 else {}
     out = []
     for name, p in stage.named_parameters():
         shape, d = list(p.shape), dims.get(name)
         if d is not None:
-            shape[d] = -(-shape[d] // tp)
+            shape[d] = -(-shape[d] // cfg.parallel.tp)
         out.append((tuple(shape), d))
-    return tuple(out)
+    if cache is not None:
+        cache[key] = tuple(out)
+    return out
+
+
+def _model_key(m: ModelConfig) -> tuple:
+    return tuple((f.name, getattr(m, f.name)) for f in dataclasses.fields(m))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
@@ -90,21 +91,35 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def optimizer_bytes(shapes: list[Shape], dp: int, zero: int) -> tuple[int, int]:
+def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> tuple[bool, int, tuple | None]:
+    """ZeRO-1's cut of one tensor among dp ranks (zero.slice_of): (sliced, elements of dp rank 0's slice,
+    elements per rank that go through buffers — None where in place or not sliced). `cache`: kept across
+    calls, since the layers repeat the same few shapes."""
+    key = (shape, d, dp)
+    if cache is not None and key in cache:
+        return cache[key]
+    sl, n = slice_of(torch.Size(shape), d, dp), _numel(shape)
+    sizes = tuple(n if sl.dim is None else n // shape[sl.dim] * k for k in sl.sizes)
+    out = (sl.dim is not None, sizes[0], sizes if sl.dim is not None and not in_place(shape, sl) else None)
+    if cache is not None:
+        cache[key] = out
+    return out
+
+
+def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None = None) -> tuple[int, int]:
     """(AdamW state, bytes of ZeRO's padded all-gather buffers) of dp rank 0."""
     if not zero:
         return sum(2 * F32 * _numel(s) + F32 for s, _ in shapes), 0
     state, seg = 0, [0] * dp
-    for shape, d in shapes:
-        sl = slice_of(torch.Size(shape), d, dp)
-        sizes = [_numel(shape) if sl.dim is None else _numel(shape) // shape[sl.dim] * n for n in sl.sizes]
-        state += 2 * F32 * sizes[0] + F32  # the moments of the slice, the step count
-        if sl.dim is not None and not in_place(shape, sl):
-            seg = [a + b for a, b in zip(seg, sizes)]
+    for (shape, d), count in Counter(shapes).items():  # equal shapes add equal terms: once each, times count
+        _, own, through = _cut(shape, d, dp, cache)
+        state += count * (2 * F32 * own + F32)  # the moments of the slice, the step count
+        if through is not None:
+            seg = [a + count * b for a, b in zip(seg, through)]
     return state, ((1 + dp) * max(seg) * F32 if dp > 1 else 0)
 
 
-def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
+def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
     each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
@@ -122,11 +137,12 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int) -> int:
             buckets[-1].append((shape, d))
             size += _numel(shape) * F32
         for bucket in buckets:
-            cut = [(s, slice_of(torch.Size(s), d, dp)) for s, d in bucket] if zero else []
-            sliced = sum(_numel(s) for s, sl in cut if sl.dim is not None)
-            cut = [(s, sl) for s, sl in cut if sl.dim is not None and not in_place(s, sl)]
-            seg = [sum(_numel(s) // s[sl.dim] * sl.sizes[r] for s, sl in cut) for r in range(dp)]
-            whole = sum(_numel(s) for s, _ in bucket) - sliced
+            whole, seg = 0, [0] * dp
+            for (shape, d), count in Counter(bucket).items():
+                sliced, _, through = _cut(shape, d, dp, cache) if zero else (False, 0, None)
+                whole += 0 if sliced else count * _numel(shape)
+                if through is not None:
+                    seg = [a + count * b for a, b in zip(seg, through)]
             total += ((dp + 1) * max(seg) + whole) * F32
     return total
 
@@ -216,143 +232,167 @@ def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions:
     modes = cfg.train.recompute_modes(n)
     split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
     c = 2 if cfg.train.precision == "bf16" else F32
+    terms: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+
+    def term(s: int, b: int) -> tuple[int, int, int, int]:
+        """(saved per microbatch, per-stage constant, kept from B to W, B's own high point above `live`)
+        of stage s, microbatch of b samples: the same for every action of the pair, so counted once."""
+        first, last = s == 0, s == n - 1
+        one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
+        const = step_saved(cfg, first, last, replica)
+        kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
+        # W's inputs are held from F on (a recomputed layer's from B); under autocast the linear
+        # layers' fp32 inputs (the norms' outputs) are not what autograd saves (their bf16 casts), so
+        # they come on top: two per layer, and the head's (never recomputed).
+        norms = 2 * len(parts[s]) * (modes[s] == "none") + last
+        one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
+        bt_d = b * cfg.train.seq_len * cfg.model.dim
+        inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
+        return one, const, kept, inside
+
     peaks = []
     for acts in actions:
         live, held, peak = 0, {}, 0
         for a in acts:
-            s, b = a.stage, sizes[a.microbatch]
-            first, last = s == 0, s == n - 1
-            one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
-            const = step_saved(cfg, first, last, replica)
-            kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
-            # W's inputs are held from F on (a recomputed layer's from B); under autocast the linear
-            # layers' fp32 inputs (the norms' outputs) are not what autograd saves (their bf16 casts), so
-            # they come on top: two per layer, and the head's (never recomputed).
-            norms = 2 * len(parts[s]) * (modes[s] == "none") + last
-            one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
+            if a.op not in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
+                continue  # messages save nothing: `live` and so the peak are unchanged
+            s = a.stage
+            key = (s, sizes[a.microbatch])
+            one, const, kept, inside = terms[key] if key in terms else terms.setdefault(key, term(*key))
             if a.op == Op.FORWARD:
                 live += one + (const if not held.get(s) else 0)
                 held[s] = held.get(s, 0) + 1
             elif a.op == Op.BACKWARD:
-                bt_d = b * cfg.train.seq_len * cfg.model.dim
-                if split and modes[s] == "none":
-                    peak = max(peak, live + (0 if last else bt_d * c))
-                elif split:
-                    peak = max(peak, live - one + kept + bt_d * F32)
+                if split:
+                    peak = max(peak, live + inside)
                 held[s] -= 1
                 live += kept - one - (const if not held[s] else 0)
-            elif a.op == Op.WEIGHT:
-                live -= weight_held(cfg, b, len(parts[s]), last)
+            else:
+                live -= kept
             peak = max(peak, live)
         peaks.append(peak)
     return peaks
 
 
-def _transport(cfg: Config) -> str:
-    """The P2P transport a run of `cfg` gets on this machine (pipeline/shm.py's `auto` rule, for CPU ranks
-    on one host; CUDA runs go through the process group)."""
-    p = cfg.parallel.p2p
-    if p != "auto":
-        return p
-    cuda = cfg.parallel.backend == "nccl" or (cfg.parallel.backend == "auto" and torch.cuda.is_available())
-    return "process_group" if cuda else "shared_memory"
+class MemoryModel:
+    """`rank_memory` with caches for one search: the planner asks for many layouts that share their stages
+    (dp, ZeRO, precision and schedule do not change them), their schedule (tp, dp, ZeRO, precision,
+    recomputation do not change its action lists or their replay) or all of their activations (ZeRO and dp
+    do not change them). Each part is computed once per distinct input and looked up after, so the
+    answers are `rank_memory`'s exactly. Owned by its caller (the planner makes one per search).
 
+    `validate_schedules=False` skips re-checking the registry's action lists (build_schedule's validation,
+    which dominated a search over many microbatch counts; the lists are the same, and the registry's
+    schedules are validated by their tests and by the runtime)."""
 
-def message_buffers(cfg: Config, sizes: list[int], actions: list[list], ranks: tuple[int, ...]) -> list[int]:
-    """Per pipeline rank, bytes allocated for messages at their most, replaying the schedule under unit
-    costs (F 1, B 2; B 1 and W 1 where it splits): receive buffers from their posting to their last
-    reader, and (shared memory) each send link's ring, which grows when a message does not fit
-    behind those the receiver still holds."""
-    m, t, pp = cfg.model, cfg.train, cfg.parallel.pp
-    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
-    lent = _transport(cfg) == "shared_memory" and not split  # read in place in the ring until the backward
-    msg = [b * t.seq_len * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
-    sim = simulate(actions, pp, len(ranks), Costs(1.0, 1.0 if split else 2.0, 1.0 if split else 0.0), ranks=ranks)
-    at = {(e.action.op, e.action.stage, e.action.microbatch): e for e in sim.events}
-    # A gradient received in fp32 is the one its W keeps (the last layer's output gradient); a bf16 one
-    # is widened to fp32 first, and goes with its B.
-    release = Op.WEIGHT if split and t.precision == "fp32" else Op.BACKWARD
-    sends: dict[tuple[int, int], list[tuple[float, float, int]]] = {}  # link -> (sent, freed, bytes)
-    live: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # receive buffers: (time, +-bytes)
-    for e in sim.events:
-        a = e.action
-        if a.op not in (Op.SEND_F, Op.SEND_B):
-            continue
-        to = a.stage + 1 if a.op == Op.SEND_F else a.stage - 1
-        reader = at[(Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, to, a.microbatch)]
-        # Its last reader: the backward that saved it; with a split backward W keeps the gradient.
-        done = at[(release if a.op == Op.SEND_B else Op.BACKWARD, to, a.microbatch)]
-        freed = done.end if lent else reader.start
-        sends.setdefault((e.rank, ranks[to]), []).append((e.end, freed, msg[a.microbatch]))
-        if not lent:
-            kind = Op.RECV_F if a.op == Op.SEND_F else Op.RECV_B
-            posted = at[(kind, to, a.microbatch)].end
-            live[ranks[to]] += [(posted, msg[a.microbatch]), (done.end, -msg[a.microbatch])]
-    shared = _transport(cfg) == "shared_memory"
-    out = []
-    for r in range(pp):
-        running = peak = 0
-        for _, n in sorted(live[r]):
-            running += n
-            peak = max(peak, running)
-        rings = sum(_ring_peak(v) for (src, _), v in sends.items() if src == r) if shared else 0
-        out.append(peak + rings)
-    return out
+    def __init__(self, validate_schedules: bool = True) -> None:
+        self.validate_schedules = validate_schedules
+        self._shapes: dict[tuple, tuple[Shape, ...]] = {}
+        self._parts: dict[tuple, list[range]] = {}
+        self._actions: dict[tuple, list[list]] = {}
+        self._compute: dict[tuple, list[list]] = {}
+        self._cuts: dict[tuple, tuple] = {}
+        self._programs: dict[tuple, Program] = {}
+        self._replays: dict[tuple, Replay] = {}
+        self._messages: dict[tuple, list[int]] = {}
+        self._activations: dict[tuple, list[int]] = {}
+        self._static: dict[tuple, list[tuple[int, int, int]]] = {}
 
+    def __call__(self, cfg: Config) -> list[MemoryEstimate]:
+        cfg.validate()  # a bad configuration is named before anything is computed
+        p, t = cfg.parallel, cfg.train
+        mk, parts, ranks = self._layout(cfg)
+        sizes, sched = self._sizes(cfg)
+        actions = self._get(self._actions, sched, lambda: self._lists(*sched))
+        acts = self._activations_of(cfg, mk, parts, sizes, sched)
+        rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks, self.program(*sched)))
+        messages = self._get(
+            self._messages,
+            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len, tuple(sizes)),
+            lambda: message_buffers(cfg, sizes, actions, ranks, rep),
+        )
+        static = self._static_of(cfg, mk, parts, ranks)
+        return [MemoryEstimate(w, w, opt, acts[r], messages[r] + rest) for r, (w, opt, rest) in enumerate(static)]
 
-def _ring_peak(msgs: list[tuple[float, float, int]]) -> int:
-    """Bytes of ring a send link holds at its most (shm.SendLink's rule), messages given as (sent,
-    freed, bytes) in send order; the receiver frees in arrival order, so the tail only passes a freed prefix."""
-    cap = shm.first_capacity(msgs[0][2])
-    head, pending, peak, rings = 0, [], shm._CTL + cap, [cap]
-    for sent, freed, n in msgs:
-        while pending and pending[0][0] <= sent:  # (freed time, end position, bytes)
-            pending.pop(0)
-        tail = pending[0][1] - pending[0][2] if pending else head
-        rec = shm.record_bytes(n)
-        skip = cap - head % cap if head % cap + rec > cap else 0
-        if head + skip + rec + shm._RESERVE - tail > cap:
-            cap = shm.grown_capacity(cap, rec)
-            rings.append(cap)
-            peak = max(peak, sum(shm._CTL + c for c in rings[-2:]))
-            head, pending, skip = 0, [], 0
-        start = head + skip
-        head = start + rec
-        pending.append((freed, head, rec))
-    return peak
+    def lower_bound(self, cfg: Config, enough: int | None = None) -> int:
+        """No more than `max(e.total for e in self(cfg))`: the fullest rank's parameters, gradients,
+        optimizer state and activations (the buffers, never negative, left out), without the schedule's
+        communication or its replay — the planner's cheap test of layouts that cannot fit. Where the
+        parameters, gradients and optimizer state alone exceed `enough`, their bytes (the activations not
+        asked)."""
+        mk, parts, ranks = self._layout(cfg)
+        static = self._static_of(cfg, mk, parts, ranks)
+        held = max(2 * w + opt for w, opt, _ in static)
+        if enough is not None and held > enough:
+            return held
+        acts = self._activations_of(cfg, mk, parts, *self._sizes(cfg))
+        return max(2 * w + opt + a for (w, opt, _), a in zip(static, acts))
 
+    def _sizes(self, cfg: Config) -> tuple[list[int], tuple]:
+        """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
+        p, t = cfg.parallel, cfg.train
+        count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
+        sizes = pipeline_order(plan_for(cfg, count).sizes[0], p.schedule, p.pp, p.chunks)
+        return sizes, (p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
 
-# Memoised for the planner: the action lists depend on the schedule's shape only, not on tp/dp/zero/precision,
-# and building and validating them per layout was a large share of its time. Read-only to every caller here.
-@functools.lru_cache(maxsize=1024)
-def _actions(name: str, pp: int, chunks: int, count: int, lookahead: int) -> list[list]:
-    return build_schedule(name, pp, chunks, count, lookahead)
+    def _activations_of(self, cfg: Config, mk: tuple, parts: list[range], sizes: list[int], sched: tuple) -> list[int]:
+        # The compute lists are enough: messages save nothing (activation_peaks skips them).
+        p, t = cfg.parallel, cfg.train
+        key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
+        compute = lambda: self._get(self._compute, sched[:4], lambda: compute_schedule(*sched[:4]))  # noqa: E731
+        return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, compute()))
+
+    def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int]]:
+        p = cfg.parallel
+        key = (mk, p.tp, p.pp, p.dp, p.zero, tuple(parts), ranks)
+        return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
+
+    def program(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> Program:
+        """The schedule's action lists lowered for the simulator (sim_program.py), once: the replay here and
+        the planner's predictions simulate the same lists."""
+        key = (name, pp, chunks, count, lookahead)
+        ranks = schedule_spec(name).stage_ranks(pp, chunks)
+        lists = lambda: self._get(self._actions, key, lambda: self._lists(*key))  # noqa: E731
+        return self._get(self._programs, key, lambda: compile_program(lists(), pp, pp * chunks, ranks))
+
+    def _layout(self, cfg: Config) -> tuple[tuple, list[range], tuple[int, ...]]:
+        """(the model's key, the stages' layers, each stage's rank)."""
+        p, mk = cfg.parallel, _model_key(cfg.model)
+        costs = tuple(p.layer_costs) if p.layer_costs is not None else None
+        layers = tuple(p.stage_layers) if p.stage_layers is not None else None
+        parts = self._get(self._parts, (mk, p.partition, p.n_stages, costs, layers), lambda: layer_partition(cfg))
+        return mk, parts, tuple(schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks))
+
+    def _lists(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> list[list]:
+        if self.validate_schedules:
+            return build_schedule(name, pp, chunks, count, lookahead)
+        ranks = schedule_spec(name).stage_ranks(pp, chunks)  # build_schedule's steps, less its validation
+        compute = self._get(self._compute, (name, pp, chunks, count), lambda: compute_schedule(name, pp, chunks, count))
+        return add_communication(compute, pp, pp * chunks, lookahead, ranks=ranks)
+
+    @staticmethod
+    def _get(cache: dict, key: tuple, make):  # noqa: ANN001, ANN205 - one lookup rule for every cache
+        if key not in cache:
+            cache[key] = make()
+        return cache[key]
+
+    def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, int, int]]:
+        """Per pipeline rank: (parameter bytes, optimizer bytes, largest transient buffer)."""
+        p, n, out = cfg.parallel, len(parts), []
+        for r in range(p.pp):
+            per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in range(n) if ranks[s] == r]
+            shapes = [x for st in per_stage for x in st]
+            params = sum(_numel(s) for s, _ in shapes) * F32
+            opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
+            embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
+            tie = embed if cfg.model.tied and p.pp > 1 else 0
+            out.append((params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)))
+        return out
 
 
 def rank_memory(cfg: Config) -> list[MemoryEstimate]:
     """One estimate per pipeline rank (index = pp rank) for the run `cfg` describes as given: model,
     tp/pp/dp, schedule, virtual stages, partition, microbatches/sizes, seq_len, precision, zero,
     recompute. Ranks that differ only in tp/dp coordinate hold the same (up to shard rounding): this is
-    tp rank 0 and dp rank 0, the largest shards."""
-    cfg.validate()  # a bad configuration is named before anything is computed
-    p, t = cfg.parallel, cfg.train
-    parts = layer_partition(cfg)
-    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
-    count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
-    planned = plan_for(cfg, count).sizes[0]
-    sizes = pipeline_order(planned, p.schedule, p.pp, p.chunks)
-    actions = _actions(p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
-    acts = activation_peaks(cfg, parts, sizes, actions)
-    messages = message_buffers(cfg, sizes, actions, ranks)
-    n = len(parts)
-    out = []
-    for r in range(p.pp):
-        per_stage = [stage_shapes(cfg, parts, s) for s in range(n) if ranks[s] == r]
-        shapes = [x for st in per_stage for x in st]
-        params = sum(_numel(s) for s, _ in shapes) * F32
-        opt, gather = optimizer_bytes(shapes, p.dp, p.zero)
-        embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
-        tie = embed if cfg.model.tied and p.pp > 1 else 0
-        buckets = bucket_bytes(per_stage, p.dp, p.zero)
-        out.append(MemoryEstimate(params, params, opt, acts[r], messages[r] + max(buckets, tie, gather)))
-    return out
+    tp rank 0 and dp rank 0, the largest shards. One call, nothing kept: a search asks a `MemoryModel`."""
+    return MemoryModel()(cfg)

@@ -32,6 +32,7 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
 from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
 from hybridpar.plan.hardware import Hardware
+from hybridpar.plan.memory import MemoryModel, rank_memory
 from hybridpar.report.mfu import model_flops_per_token
 
 TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
@@ -218,7 +219,9 @@ def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
 
 class Planner:
     def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
-        self.base, self.hw, self.memory = base, hw, memory
+        self.base, self.hw = base, hw
+        # The memory model's caches live as long as this search: one MemoryModel per planner.
+        self.memory = MemoryModel(validate_schedules=False) if memory is rank_memory else memory
         self.model = CostModel(base.model, hw)
         self._actions: dict[tuple, Program] = {}
         self._compute: dict[tuple, list[list[Action]]] = {}
@@ -229,6 +232,8 @@ class Planner:
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
         """The schedule's action lists, lowered once for the many simulations that share them."""
+        if isinstance(self.memory, MemoryModel):  # the memory model replays the same lists: lower them once
+            return self.memory.program(name, pp, v, m, self.base.parallel.recv_lookahead)
         key = (name, pp, v, m)
         if key not in self._actions:  # the registry's builders, validated by their tests and by the runtime
             ranks = SCHEDULES[name].stage_ranks(pp, v)
@@ -332,6 +337,7 @@ def plan(
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
     planner = Planner(base, hw, memory)
+    memory = planner.memory
     knobs = _held_knobs(base, hw, world, fixed or {})
     if not knobs:
         raise ValueError(_no_split(base, hw, world))
@@ -343,14 +349,19 @@ def plan(
     misfits: dict[tuple, list[dict[str, Any]]] = {}  # per group, knobs found not to fit
     fitted: set[tuple] = set()
     found: list[Candidate] = []
-    smallest: tuple[int, str] | None = None
+    smallest: tuple[int, int, str] | None = None  # (bytes, check number, layout) of the least misfit
+    # Layouts whose weights, optimizer state and activations overflow (MemoryModel.lower_bound) are misfits
+    # without their schedule's replay; their full need only names the smallest, so it is asked when read.
+    lower = getattr(memory, "lower_bound", None)
+    unpriced: list[tuple[int, Config]] = []
     problems: list[str] = []
     simulated = checked = 0
     bound = ""
 
-    def fits(k: dict[str, Any]) -> tuple[Config, list[int]] | None:
-        """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit."""
-        nonlocal smallest, checked
+    def fits(k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
+        """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
+        `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes."""
+        nonlocal checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
         cfg = _config(base, k)
@@ -360,20 +371,38 @@ def plan(
             problems.append(str(e))
             return None
         checked += 1
+        if lower is not None and lower(cfg, hw.device_memory_bytes) > hw.device_memory_bytes:
+            misfits.setdefault(_group(k), []).append(k)
+            unpriced.append((checked, cfg))  # its full need is asked only if `smallest` is read
+            return None
+        if not full and lower is not None:
+            return cfg, []
         per_rank = [int(e.total) for e in memory(cfg)]
         need = max(per_rank)
         if need <= hw.device_memory_bytes:
             return cfg, per_rank
         misfits.setdefault(_group(k), []).append(k)
-        if smallest is None or need < smallest[0]:
-            smallest = (need, _config_label(cfg))
+        note(need, checked, cfg)
         return None
+
+    def note(need: int, order: int, cfg: Config) -> None:
+        """`smallest`: the least need of the misfits, the first checked of equals."""
+        nonlocal smallest
+        if smallest is None or (need, order) < smallest[:2]:
+            smallest = (need, order, _config_label(cfg))
+
+    def settled() -> tuple[int, int, str] | None:
+        """`smallest` with the misfits found by the lower bound priced in."""
+        for order, cfg in unpriced:
+            note(max(int(e.total) for e in memory(cfg)), order, cfg)
+        unpriced.clear()
+        return smallest
 
     def beaten(bound: float) -> bool:
         return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
 
     def step_beaten(k: dict[str, Any]) -> bool:
-        if not beaten(0.0):
+        if not (prune and len(found) >= top):  # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
             return False
         cfg = _config(base, k)
         try:
@@ -391,14 +420,16 @@ def plan(
         if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
             misfits[g] = []
             frugal = _frugal(k, groups[g])
-            if frugal in groups[g] and fits(frugal) is None:
+            # Once a layout is found the misfits no longer name the smallest: the group's test only needs to
+            # rule it out, which the lower bound does without the schedule's replay (or leaves to its layouts).
+            if frugal in groups[g] and fits(frugal, full=not found) is None:
                 continue
         if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
             continue  # recomputation only costs time: it is worth it only where less of it does not fit
         fit = fits(k)
         if fit is None:
-            if not found and not bound and smallest is not None:
-                bound = f"faster layouts need more memory ({smallest[1]}: {smallest[0] / GIB:.3g} GiB per device)"
+            if not found and not bound and (least := settled()) is not None:
+                bound = f"faster layouts need more memory ({least[2]}: {least[0] / GIB:.3g} GiB per device)"
             continue
         cfg, per_rank = fit
         fitted.add(_knob_key(k))
@@ -408,9 +439,9 @@ def plan(
         simulated += 1
         found.sort(key=lambda c: c.prediction.step_s)
     if not found:
-        if smallest is not None:
+        if (least := settled()) is not None:
             raise ValueError(
-                f"no layout fits: the smallest needs {smallest[0] / GIB:.3g} GiB per device ({smallest[1]}), "
+                f"no layout fits: the smallest needs {least[0] / GIB:.3g} GiB per device ({least[2]}), "
                 f"the hardware has {hw.device_memory_gib:g}"
             )
         raise ValueError(f"no layout of world {world} is valid: {problems[0] if problems else 'none enumerated'}")

@@ -1,0 +1,47 @@
+"""The planner's fast memory path is exact: MemoryModel (caches, lower bound, replay shared with the planner)
+answers as rank_memory does, and a pruned search over it ranks what a brute-force one over plain rank_memory
+ranks (every layout simulated, every memory asked without caches or bounds)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from hybridpar.plan.memory import MemoryModel, rank_memory
+from hybridpar.plan.search import GIB, plan
+from tests.test_plan_bound import HARDWARE, layouts, model
+
+
+def test_memory_model_answers_as_rank_memory_and_bounds_from_below() -> None:
+    base, h = model(n_layers=6, global_batch=16), HARDWARE["gpu"]
+    cached = MemoryModel(validate_schedules=False)
+    cfgs = [cfg for _, cfg in layouts(base, h, 8)]
+    assert len(cfgs) > 100
+    for cfg in cfgs:
+        want = rank_memory(cfg)
+        assert cached(cfg) == want
+        assert cached.lower_bound(cfg) <= max(e.total for e in want)
+
+
+@pytest.mark.parametrize("name", ["gpu", "cpu"])
+def test_fast_search_ranks_as_brute_force(name: str) -> None:
+    base, h = model(n_layers=6, global_batch=16), HARDWARE[name]
+    need = sorted(max(e.total for e in rank_memory(c)) for _, c in layouts(base, h, 8))
+    # Device memory between the smallest and the largest need: both the lower bound and the replay decide.
+    h = dataclasses.replace(h, device_memory_gib=need[len(need) // 3] / GIB)
+    fast = plan(base, h, rank_memory, world=8, top=6)
+    brute = plan(base, h, lambda c: rank_memory(c), world=8, top=6, prune=False)  # noqa: PLW0108 - no MemoryModel
+    key = lambda p: [(c.label, c.prediction.step_s, c.memory, c.reason) for c in p.candidates]  # noqa: E731
+    assert key(fast) == key(brute)
+    assert fast.simulated < brute.simulated
+
+
+def test_no_fit_names_the_same_smallest_as_brute_force() -> None:
+    base, h = model(n_layers=6, global_batch=16), HARDWARE["gpu"]
+    h = dataclasses.replace(h, device_memory_gib=1e-4)
+    with pytest.raises(ValueError) as fast:
+        plan(base, h, rank_memory, world=8)
+    with pytest.raises(ValueError) as brute:
+        plan(base, h, lambda c: rank_memory(c), world=8, prune=False)  # noqa: PLW0108
+    assert str(fast.value) == str(brute.value) and str(fast.value).startswith("no layout fits")
