@@ -63,7 +63,9 @@ def stage_shapes(cfg: Config, parts: list[range], s: int, cache: dict | None = N
     """Tensor-parallel rank 0's parameter shapes of stage s (torch.chunk: the first shard is the largest).
     `cache`: a dict kept across calls (MemoryModel's), since building a stage on the meta device is slow."""
     m, n = cfg.model, len(parts)
-    key = (_model_key(m), cfg.parallel.tp, parts[s], s == 0, s == n - 1)
+    # The families' decoder layers are alike (model/llama.py, model/gpt2.py): a stage's shapes, in order,
+    # depend on how many layers it holds and on its ends, not on which layers, so stages of equal size share one build.
+    key = (_model_key(m), cfg.parallel.tp, len(parts[s]), s == 0, s == n - 1)
     if cache is not None and key in cache:
         return list(cache[key])
     with torch.device("meta"):
@@ -297,6 +299,7 @@ class MemoryModel:
         self._messages: dict[tuple, list[int]] = {}
         self._activations: dict[tuple, list[int]] = {}
         self._static: dict[tuple, list[tuple[int, int, int]]] = {}
+        self._ranks: dict[tuple, tuple[int, int, int]] = {}
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
         cfg.validate()  # a bad configuration is named before anything is computed
@@ -379,15 +382,23 @@ class MemoryModel:
     def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """Per pipeline rank: (parameter bytes, optimizer bytes, largest transient buffer)."""
         p, n, out = cfg.parallel, len(parts), []
+        mk = _model_key(cfg.model)
         for r in range(p.pp):
-            per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in range(n) if ranks[s] == r]
-            shapes = [x for st in per_stage for x in st]
-            params = sum(_numel(s) for s, _ in shapes) * F32
-            opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
-            embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
-            tie = embed if cfg.model.tied and p.pp > 1 else 0
-            out.append((params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)))
+            mine = [s for s in range(n) if ranks[s] == r]
+            # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
+            key = (mk, p.tp, p.pp, p.dp, p.zero, tuple((len(parts[s]), s == 0, s == n - 1) for s in mine))
+            out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
+
+    def _rank_held(self, cfg: Config, parts: list[range], mine: list[int]) -> tuple[int, int, int]:
+        p = cfg.parallel
+        per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
+        shapes = [x for st in per_stage for x in st]
+        params = sum(_numel(s) for s, _ in shapes) * F32
+        opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
+        embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
+        tie = embed if cfg.model.tied and p.pp > 1 else 0
+        return params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)
 
 
 def rank_memory(cfg: Config) -> list[MemoryEstimate]:

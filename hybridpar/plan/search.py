@@ -355,8 +355,22 @@ def plan(
     lower = getattr(memory, "lower_bound", None)
     unpriced: list[tuple[int, Config]] = []
     problems: list[str] = []
+    layouts: dict[tuple, Config | str] = {}
     simulated = checked = 0
     bound = ""
+
+    def layout(k: dict[str, Any]) -> Config | str:
+        """The validated layout of knobs `k`, or why it is not valid: built once for the step bound and the
+        memory check that both ask for it."""
+        key = _knob_key(k)
+        if key not in layouts:
+            cfg = _config(base, k)
+            try:
+                cfg.validate(world)
+                layouts[key] = cfg
+            except ValueError as e:
+                layouts[key] = str(e)
+        return layouts[key]
 
     def fits(k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
@@ -364,11 +378,9 @@ def plan(
         nonlocal checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
-        cfg = _config(base, k)
-        try:
-            cfg.validate(world)
-        except ValueError as e:
-            problems.append(str(e))
+        cfg = layout(k)
+        if isinstance(cfg, str):
+            problems.append(cfg)
             return None
         checked += 1
         if lower is not None and lower(cfg, hw.device_memory_bytes) > hw.device_memory_bytes:
@@ -404,10 +416,8 @@ def plan(
     def step_beaten(k: dict[str, Any]) -> bool:
         if not (prune and len(found) >= top):  # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
             return False
-        cfg = _config(base, k)
-        try:
-            cfg.validate(world)
-        except ValueError:
+        cfg = layout(k)
+        if isinstance(cfg, str):
             return False  # fits() reports it
         return beaten(planner.step_bound(cfg))
 
