@@ -29,8 +29,18 @@ from hybridpar.config.schedules import SCHEDULES
 from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
-from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
-from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
+from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
+from hybridpar.plan.cost import (
+    CostModel,
+    Prediction,
+    Setup,
+    Shape,
+    all_reduce_s,
+    optimizer_s,
+    placement,
+    predict,
+    sharing,
+)
 from hybridpar.plan.hardware import Hardware
 from hybridpar.plan.memory import MemoryModel, rank_memory
 from hybridpar.report.mfu import model_flops_per_token
@@ -228,6 +238,7 @@ class Planner:
         self._bounds: dict[tuple, float] = {}
         self._estimates: dict[tuple, float] = {}
         self._shapes: dict[tuple, ComputeShape] = {}
+        self._pipeline_bounds: dict[tuple, tuple[float, Setup]] = {}
         self._sims: dict[tuple, SimResult] = {}
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
@@ -298,11 +309,17 @@ class Planner:
 
     def step_bound(self, cfg: Config) -> float:
         """`step_bound` of the layout: no simulation of it predicts less."""
-        p = cfg.parallel
-        key = (p.schedule, p.pp, p.chunks, cfg.train.microbatches)
+        p, t = cfg.parallel, cfg.train
+        key = (p.schedule, p.pp, p.chunks, t.microbatches)
         if key not in self._shapes:
             self._shapes[key] = compute_shape(self.compute(*key))
-        return step_bound(self.model, cfg, self._shapes[key])
+        # The layouts come in pairs that differ in ZeRO only, which changes what follows the pipeline only.
+        layout = key + (p.tp, p.dp, p.partition, t.recompute, t.precision)
+        if layout not in self._pipeline_bounds:
+            self._pipeline_bounds[layout] = pipeline_bound(self.model, cfg, self._shapes[key])
+        end, su = self._pipeline_bounds[layout]
+        opt, fixed = su.after_pipeline(self.model, cfg)
+        return end + opt + fixed
 
     def same_parts(self, a: Config, b: Config) -> bool:
         pl = placement(a.parallel, self.hw)
