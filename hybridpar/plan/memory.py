@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -35,6 +36,7 @@ from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.plan.messages import Replay, message_buffers, replay, transport
+from hybridpar.plan.trace import Trace, activation_trace
 from hybridpar.trainer.build import layer_partition
 from hybridpar.zero import in_place, slice_of
 
@@ -224,15 +226,19 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     return layers * (inputs + grads) + head
 
 
-def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions: list[list]) -> list[int]:
+def activation_peaks(
+    cfg: Config, parts: list[range], sizes: list[int], actions: list[list], trace: Trace | None = None
+) -> list[int]:
     """Per rank, the most saved bytes alive at once: a forward adds its microbatch's, its backward (B)
     frees them, the per-stage constants count while any microbatch of the stage is held. Where B and W
     are split, B trades the saved tensors for what W needs (weight_held), held until W; inside B the
     first output gradient is held before anything is freed (no recomputation), or every hold is
-    in place while the stage's first layer input is still saved (recomputation: the rerun makes them)."""
+    in place while the stage's first layer input is still saved (recomputation: the rerun makes them).
+    `trace`: the lists' `activation_trace` for these sizes, where the caller keeps it."""
+    trace = trace or activation_trace(sizes, actions)
     n, replica = len(parts), sum(sizes)
     modes = cfg.train.recompute_modes(n)
-    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
+    split = trace.split
     c = 2 if cfg.train.precision == "bf16" else F32
     terms: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -252,27 +258,26 @@ def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions:
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
         return one, const, kept, inside
 
+    # Per distinct step: what it adds to `live`, and (B, split) how far above `live` after it B peaks inside.
+    delta, above = [], []
+    for op, s, b, edge in trace.steps:
+        key = (s, b)
+        one, const, kept, inside = terms[key] if key in terms else terms.setdefault(key, term(*key))
+        if op == Op.FORWARD:
+            d = one + (const if edge else 0)
+        elif op == Op.BACKWARD:
+            d = kept - one - (const if edge else 0)
+        else:
+            d = -kept
+        delta.append(d)
+        above.append(inside - d)  # B's peak was live before it + inside
     peaks = []
-    for acts in actions:
-        live, held, peak = 0, {}, 0
-        for a in acts:
-            if a.op not in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
-                continue  # messages save nothing: `live` and so the peak are unchanged
-            s = a.stage
-            key = (s, sizes[a.microbatch])
-            one, const, kept, inside = terms[key] if key in terms else terms.setdefault(key, term(*key))
-            if a.op == Op.FORWARD:
-                live += one + (const if not held.get(s) else 0)
-                held[s] = held.get(s, 0) + 1
-            elif a.op == Op.BACKWARD:
-                if split:
-                    peak = max(peak, live + inside)
-                held[s] -= 1
-                live += kept - one - (const if not held[s] else 0)
-            else:
-                live -= kept
-            peak = max(peak, live)
-        peaks.append(peak)
+    for seq, bpos in zip(trace.ranks, trace.backwards):
+        live = list(accumulate(map(delta.__getitem__, seq)))
+        peak = max(live, default=0)
+        if split:
+            peak = max([peak] + [live[i] + above[seq[i]] for i in bpos])
+        peaks.append(max(peak, 0))
     return peaks
 
 
@@ -300,6 +305,7 @@ class MemoryModel:
         self._activations: dict[tuple, list[int]] = {}
         self._static: dict[tuple, list[tuple[int, int, int]]] = {}
         self._ranks: dict[tuple, tuple[int, int, int]] = {}
+        self._traces: dict[tuple, Trace] = {}
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
         cfg.validate()  # a bad configuration is named before anything is computed
@@ -343,7 +349,8 @@ class MemoryModel:
         p, t = cfg.parallel, cfg.train
         key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
         compute = lambda: self._get(self._compute, sched[:4], lambda: compute_schedule(*sched[:4]))  # noqa: E731
-        return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, compute()))
+        trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
+        return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))
 
     def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int]]:
         p = cfg.parallel
