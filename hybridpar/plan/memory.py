@@ -348,7 +348,7 @@ class MemoryModel:
         # The compute lists are enough: messages save nothing (activation_peaks skips them).
         p, t = cfg.parallel, cfg.train
         key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
-        compute = lambda: self._get(self._compute, sched[:4], lambda: compute_schedule(*sched[:4]))  # noqa: E731
+        compute = lambda: self.compute(*sched[:4])  # noqa: E731
         trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
         return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))
 
@@ -365,6 +365,10 @@ class MemoryModel:
         lists = lambda: self._get(self._actions, key, lambda: self._lists(*key))  # noqa: E731
         return self._get(self._programs, key, lambda: compile_program(lists(), pp, pp * chunks, ranks))
 
+    def compute(self, name: str, pp: int, chunks: int, count: int) -> list[list]:
+        """The schedule's compute lists, built once (the planner's step bounds read the same lists)."""
+        return self._get(self._compute, (name, pp, chunks, count), lambda: compute_schedule(name, pp, chunks, count))
+
     def _layout(self, cfg: Config) -> tuple[tuple, list[range], tuple[int, ...]]:
         """(the model's key, the stages' layers, each stage's rank)."""
         p, mk = cfg.parallel, _model_key(cfg.model)
@@ -377,7 +381,7 @@ class MemoryModel:
         if self.validate_schedules:
             return build_schedule(name, pp, chunks, count, lookahead)
         ranks = schedule_spec(name).stage_ranks(pp, chunks)  # build_schedule's steps, less its validation
-        compute = self._get(self._compute, (name, pp, chunks, count), lambda: compute_schedule(name, pp, chunks, count))
+        compute = self.compute(name, pp, chunks, count)
         return add_communication(compute, pp, pp * chunks, lookahead, ranks=ranks)
 
     @staticmethod

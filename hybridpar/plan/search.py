@@ -255,6 +255,8 @@ class Planner:
         return self._actions[key]
 
     def compute(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+        if isinstance(self.memory, MemoryModel):  # the memory model builds the same lists: build them once
+            return self.memory.compute(name, pp, v, m)
         key = (name, pp, v, m)
         if key not in self._compute:
             self._compute[key] = compute_schedule(name, pp, v, m)
