@@ -325,17 +325,17 @@ class MemoryModel:
 
     def lower_bound(self, cfg: Config, enough: int | None = None) -> int:
         """No more than `max(e.total for e in self(cfg))`: the fullest rank's parameters, gradients,
-        optimizer state and activations (the buffers, never negative, left out), without the schedule's
-        communication or its replay — the planner's cheap test of layouts that cannot fit. Where the
-        parameters, gradients and optimizer state alone exceed `enough`, their bytes (the activations not
-        asked)."""
+        optimizer state, activations and largest transient buffer (the message buffers, never negative,
+        left out), without the schedule's communication or its replay — the planner's cheap test of
+        layouts that cannot fit. Where the parameters, gradients, optimizer state and transient alone
+        exceed `enough`, their bytes (the activations not asked)."""
         mk, parts, ranks = self._layout(cfg)
         static = self._static_of(cfg, mk, parts, ranks)
-        held = max(2 * w + opt for w, opt, _ in static)
+        held = max(2 * w + opt + rest for w, opt, rest in static)
         if enough is not None and held > enough:
             return held
         acts = self._activations_of(cfg, mk, parts, *self._sizes(cfg))
-        return max(2 * w + opt + a for (w, opt, _), a in zip(static, acts))
+        return max(2 * w + opt + rest + a for (w, opt, rest), a in zip(static, acts))
 
     def _sizes(self, cfg: Config) -> tuple[list[int], tuple]:
         """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
