@@ -374,7 +374,8 @@ def plan(
     lower = getattr(memory, "lower_bound", None)
     unpriced: list[tuple[int, Config]] = []
     problems: list[str] = []
-    layouts: dict[tuple, Config | str] = {}
+    layouts: dict[tuple, Config | str] = {}  # validated layouts, or why not valid
+    built: dict[tuple, Config] = {}  # layouts built for the step bound, not validated yet
     simulated = checked = 0
     bound = ""
 
@@ -383,7 +384,7 @@ def plan(
         memory check that both ask for it."""
         key = _knob_key(k)
         if key not in layouts:
-            cfg = _config(base, k)
+            cfg = built.pop(key, None) or _config(base, k)
             try:
                 cfg.validate(world)
                 layouts[key] = cfg
@@ -435,10 +436,17 @@ def plan(
     def step_beaten(k: dict[str, Any]) -> bool:
         if not (prune and len(found) >= top):  # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
             return False
-        cfg = layout(k)
+        # Not validated first: most layouts that get here are pruned by this bound, and the list is full, so an
+        # invalid one's reason would never be read (`problems` names only a search that found nothing). A
+        # layout the bound does not prune is validated by fits().
+        key = _knob_key(k)
+        cfg = layouts.get(key) or built.setdefault(key, _config(base, k))
         if isinstance(cfg, str):
             return False  # fits() reports it
-        return beaten(planner.step_bound(cfg))
+        try:
+            return beaten(planner.step_bound(cfg))
+        except ValueError:
+            return False  # an invalid layout the bound cannot price: fits() reports it
 
     for i, k in enumerate(ranked):
         if beaten(floor[i]):
