@@ -70,17 +70,33 @@ def stage_shapes(cfg: Config, parts: list[range], s: int, cache: dict | None = N
     key = (_model_key(m), cfg.parallel.tp, len(parts[s]), s == 0, s == n - 1)
     if cache is not None and key in cache:
         return list(cache[key])
+    # One decoder layer is built and its shapes repeated (building every layer on the meta device is what
+    # costs), where the layers' parameters come as one block between the ends' (else the whole stage).
+    r = parts[s]
+    one = _built_shapes(cfg, r[:1], s == 0, s == n - 1)
+    inside = [i for i, (name, _) in enumerate(one) if name.startswith(family(m).stage.LAYERS + ".")]
+    if inside and inside == list(range(inside[0], inside[-1] + 1)):
+        block = [x for _, x in one[inside[0] : inside[-1] + 1]]
+        out = [x for _, x in one[: inside[0]]] + block * len(r) + [x for _, x in one[inside[-1] + 1 :]]
+    else:
+        out = [x for _, x in _built_shapes(cfg, r, s == 0, s == n - 1)]
+    if cache is not None:
+        cache[key] = tuple(out)
+    return out
+
+
+def _built_shapes(cfg: Config, layers: range, first: bool, last: bool) -> list[tuple[str, Shape]]:
+    """(name, shape) of each parameter of the stage holding `layers`, built on the meta device."""
+    m = cfg.model
     with torch.device("meta"):
-        stage = family(m).stage(m, parts[s], s == 0, s == n - 1)
+        stage = family(m).stage(m, layers, first, last)
     dims = tp_dims(stage) if cfg.parallel.tp > 1 else {}
     out = []
     for name, p in stage.named_parameters():
         shape, d = list(p.shape), dims.get(name)
         if d is not None:
             shape[d] = -(-shape[d] // cfg.parallel.tp)
-        out.append((tuple(shape), d))
-    if cache is not None:
-        cache[key] = tuple(out)
+        out.append((name, (tuple(shape), d)))
     return out
 
 
