@@ -149,7 +149,9 @@ def add_communication(
     # order on a link is dictated by the sender's list order.
     link_recvs: dict[tuple[int, int], list[Action]] = defaultdict(list)
     for send in (x for row in sends for x in row if x is not None):
-        link_recvs[message_of(send, ranks)[0]].append(_recv_of(send))
+        # message_of's link of a send, without building its pair of candidate senders per message
+        dst = send.stage + 1 if send.op is Op.SEND_F else send.stage - 1
+        link_recvs[ranks[send.stage], ranks[dst]].append(_recv_of(send))
 
     out: list[list[Action]] = []
     for dst, acts in enumerate(compute):
@@ -173,7 +175,10 @@ def add_communication(
         full: list[Action] = []
         for i, a in enumerate(acts):
             send = sends[dst][i]
-            full += post_at[i] + [a] + ([send] if send is not None else [])
+            full += post_at[i]
+            full.append(a)
+            if send is not None:
+                full.append(send)
         out.append(full + post_at[len(acts)])
     return out
 

@@ -70,7 +70,7 @@ def compile_program(actions: list[list[Action]], pp: int, n_stages: int, ranks: 
         lo.append(len(index))
     # What an action waits for and which message it is part of depend on its stage and op only (the
     # microbatch is the action's own): ask the shared rule (`inputs`, `message_of`) once per (stage, op).
-    rules: dict[tuple[int, int], tuple] = {}
+    rules: dict[tuple[int, int], tuple] = {}  # (deps, link, sender, kind, op index)
     extra: dict[tuple[str, int, int, int], int] = {}
     links: dict[tuple[int, int], int] = {}
 
@@ -81,24 +81,22 @@ def compile_program(actions: list[list[Action]], pp: int, n_stages: int, ranks: 
 
     kind, op, need, link, message = [], [], [], [], []
     for a, (s, c, mb) in zip(acts, index):
-        if (s, c) not in rules:
+        rule = rules.get((s, c))
+        if rule is None:  # with the action's kind and op index, so that each action only looks its rule up
             deps = tuple((k, x.stage, code[x.op]) for k, x in inputs(Action(s, a.op, 0), placed))
             if a.op in SENDS or a.op in RECVS:
                 pair, send = message_of(Action(s, a.op, 0), placed)
-                rules[s, c] = (deps, links.setdefault(pair, len(links)), (send.stage, code[send.op]))
+                what = SEND if a.op in SENDS else RECV
+                rule = (deps, links.setdefault(pair, len(links)), (send.stage, code[send.op]), what, -1)
             else:
-                rules[s, c] = (deps, -1, None)
-        deps, ln, send = rules[s, c]
-        need.append(tuple(key(k, ds, dc, mb) for k, ds, dc in deps))
+                rule = (deps, -1, None, COMPUTE, OP_INDEX[a.op])
+            rules[s, c] = rule
+        deps, ln, send, what, o = rule
+        need.append(tuple([key(k, ds, dc, mb) for k, ds, dc in deps]))
         link.append(ln)
-        if send is None:
-            kind.append(COMPUTE)
-            op.append(OP_INDEX[a.op])
-            message.append(-1)
-        else:
-            kind.append(SEND if a.op in SENDS else RECV)
-            op.append(-1)
-            message.append(key("arrive", send[0], send[1], mb))
+        kind.append(what)
+        op.append(o)
+        message.append(-1 if send is None else key("arrive", send[0], send[1], mb))
     info = tuple((k, Action(s, ops[c], mb)) for k, s, c, mb in extra)
     return Program(
         pp,

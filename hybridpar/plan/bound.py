@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op
-from hybridpar.plan.cost import CostModel, LayerCosts, Placement, all_reduce_s, optimizer_s, setup
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, all_reduce_s, optimizer_s, setup
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 
@@ -68,6 +68,14 @@ def knob_bound(
 
 def step_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> float:
     """Bound for the layout `cfg` whose schedule's compute lists have `shape` (module docstring)."""
+    end, su = pipeline_bound(model, cfg, shape)
+    opt, fixed = su.after_pipeline(model, cfg)
+    return end + opt + fixed
+
+
+def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[float, Setup]:
+    """`step_bound` less the optimizer step and the small all-reduces after the pipeline, and the layout's
+    setup: the part ZeRO does not change (a search shares it between a layout with ZeRO-1 and without)."""
     p = cfg.parallel
     su = setup(model, cfg)
     c, n, ranks = su.sim_costs, p.n_stages, su.ranks
@@ -90,5 +98,4 @@ def step_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> float:
         if p.dp > 1 and last.op is not Op.FORWARD:
             params = su.stage_params[last.stage] / p.tp
             end = max(end, done + all_reduce_s(4 * params, p.dp, su.pl.dp, model.hw))
-    opt, fixed = su.after_pipeline(model, cfg)
-    return end + opt + fixed
+    return end, su

@@ -302,9 +302,11 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
     embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
     cal = model.calibrated(cfg.train)
     action = Work(cal.action_overhead_s / cal.core_share if cal is not None else 0.0)  # the runtime's own, per action
-    out = []
+    out, layers = [], {}  # one layer's costs per recomputation mode: the stages repeat the same few
     for s, r in enumerate(parts):
-        lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split)
+        if modes[s] not in layers:
+            layers[modes[s]] = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split)
+        lay = layers[modes[s]]
         f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
         w = w + action if split else w
         for extra in ([embed] if s == 0 else []) + ([head] if s == len(parts) - 1 else []):

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 from collections import Counter
 from dataclasses import dataclass
+from itertools import accumulate
 
 import torch
 
@@ -35,6 +36,7 @@ from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.plan.messages import Replay, message_buffers, replay, transport
+from hybridpar.plan.trace import Trace, activation_trace
 from hybridpar.trainer.build import layer_partition
 from hybridpar.zero import in_place, slice_of
 
@@ -63,20 +65,38 @@ def stage_shapes(cfg: Config, parts: list[range], s: int, cache: dict | None = N
     """Tensor-parallel rank 0's parameter shapes of stage s (torch.chunk: the first shard is the largest).
     `cache`: a dict kept across calls (MemoryModel's), since building a stage on the meta device is slow."""
     m, n = cfg.model, len(parts)
-    key = (_model_key(m), cfg.parallel.tp, parts[s], s == 0, s == n - 1)
+    # The families' decoder layers are alike (model/llama.py, model/gpt2.py): a stage's shapes, in order,
+    # depend on how many layers it holds and on its ends, not on which layers, so stages of equal size share one build.
+    key = (_model_key(m), cfg.parallel.tp, len(parts[s]), s == 0, s == n - 1)
     if cache is not None and key in cache:
         return list(cache[key])
+    # One decoder layer is built and its shapes repeated (building every layer on the meta device is what
+    # costs), where the layers' parameters come as one block between the ends' (else the whole stage).
+    r = parts[s]
+    one = _built_shapes(cfg, r[:1], s == 0, s == n - 1)
+    inside = [i for i, (name, _) in enumerate(one) if name.startswith(family(m).stage.LAYERS + ".")]
+    if inside and inside == list(range(inside[0], inside[-1] + 1)):
+        block = [x for _, x in one[inside[0] : inside[-1] + 1]]
+        out = [x for _, x in one[: inside[0]]] + block * len(r) + [x for _, x in one[inside[-1] + 1 :]]
+    else:
+        out = [x for _, x in _built_shapes(cfg, r, s == 0, s == n - 1)]
+    if cache is not None:
+        cache[key] = tuple(out)
+    return out
+
+
+def _built_shapes(cfg: Config, layers: range, first: bool, last: bool) -> list[tuple[str, Shape]]:
+    """(name, shape) of each parameter of the stage holding `layers`, built on the meta device."""
+    m = cfg.model
     with torch.device("meta"):
-        stage = family(m).stage(m, parts[s], s == 0, s == n - 1)
+        stage = family(m).stage(m, layers, first, last)
     dims = tp_dims(stage) if cfg.parallel.tp > 1 else {}
     out = []
     for name, p in stage.named_parameters():
         shape, d = list(p.shape), dims.get(name)
         if d is not None:
             shape[d] = -(-shape[d] // cfg.parallel.tp)
-        out.append((tuple(shape), d))
-    if cache is not None:
-        cache[key] = tuple(out)
+        out.append((name, (tuple(shape), d)))
     return out
 
 
@@ -222,15 +242,19 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     return layers * (inputs + grads) + head
 
 
-def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions: list[list]) -> list[int]:
+def activation_peaks(
+    cfg: Config, parts: list[range], sizes: list[int], actions: list[list], trace: Trace | None = None
+) -> list[int]:
     """Per rank, the most saved bytes alive at once: a forward adds its microbatch's, its backward (B)
     frees them, the per-stage constants count while any microbatch of the stage is held. Where B and W
     are split, B trades the saved tensors for what W needs (weight_held), held until W; inside B the
     first output gradient is held before anything is freed (no recomputation), or every hold is
-    in place while the stage's first layer input is still saved (recomputation: the rerun makes them)."""
+    in place while the stage's first layer input is still saved (recomputation: the rerun makes them).
+    `trace`: the lists' `activation_trace` for these sizes, where the caller keeps it."""
+    trace = trace or activation_trace(sizes, actions)
     n, replica = len(parts), sum(sizes)
     modes = cfg.train.recompute_modes(n)
-    split = any(a.op == Op.WEIGHT for acts in actions for a in acts)
+    split = trace.split
     c = 2 if cfg.train.precision == "bf16" else F32
     terms: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -250,27 +274,26 @@ def activation_peaks(cfg: Config, parts: list[range], sizes: list[int], actions:
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
         return one, const, kept, inside
 
+    # Per distinct step: what it adds to `live`, and (B, split) how far above `live` after it B peaks inside.
+    delta, above = [], []
+    for op, s, b, edge in trace.steps:
+        key = (s, b)
+        one, const, kept, inside = terms[key] if key in terms else terms.setdefault(key, term(*key))
+        if op == Op.FORWARD:
+            d = one + (const if edge else 0)
+        elif op == Op.BACKWARD:
+            d = kept - one - (const if edge else 0)
+        else:
+            d = -kept
+        delta.append(d)
+        above.append(inside - d)  # B's peak was live before it + inside
     peaks = []
-    for acts in actions:
-        live, held, peak = 0, {}, 0
-        for a in acts:
-            if a.op not in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
-                continue  # messages save nothing: `live` and so the peak are unchanged
-            s = a.stage
-            key = (s, sizes[a.microbatch])
-            one, const, kept, inside = terms[key] if key in terms else terms.setdefault(key, term(*key))
-            if a.op == Op.FORWARD:
-                live += one + (const if not held.get(s) else 0)
-                held[s] = held.get(s, 0) + 1
-            elif a.op == Op.BACKWARD:
-                if split:
-                    peak = max(peak, live + inside)
-                held[s] -= 1
-                live += kept - one - (const if not held[s] else 0)
-            else:
-                live -= kept
-            peak = max(peak, live)
-        peaks.append(peak)
+    for seq, bpos in zip(trace.ranks, trace.backwards):
+        live = list(accumulate(map(delta.__getitem__, seq)))
+        peak = max(live, default=0)
+        if split:
+            peak = max([peak] + [live[i] + above[seq[i]] for i in bpos])
+        peaks.append(max(peak, 0))
     return peaks
 
 
@@ -297,6 +320,8 @@ class MemoryModel:
         self._messages: dict[tuple, list[int]] = {}
         self._activations: dict[tuple, list[int]] = {}
         self._static: dict[tuple, list[tuple[int, int, int]]] = {}
+        self._ranks: dict[tuple, tuple[int, int, int]] = {}
+        self._traces: dict[tuple, Trace] = {}
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
         cfg.validate()  # a bad configuration is named before anything is computed
@@ -316,17 +341,17 @@ class MemoryModel:
 
     def lower_bound(self, cfg: Config, enough: int | None = None) -> int:
         """No more than `max(e.total for e in self(cfg))`: the fullest rank's parameters, gradients,
-        optimizer state and activations (the buffers, never negative, left out), without the schedule's
-        communication or its replay — the planner's cheap test of layouts that cannot fit. Where the
-        parameters, gradients and optimizer state alone exceed `enough`, their bytes (the activations not
-        asked)."""
+        optimizer state, activations and largest transient buffer (the message buffers, never negative,
+        left out), without the schedule's communication or its replay — the planner's cheap test of
+        layouts that cannot fit. Where the parameters, gradients, optimizer state and transient alone
+        exceed `enough`, their bytes (the activations not asked)."""
         mk, parts, ranks = self._layout(cfg)
         static = self._static_of(cfg, mk, parts, ranks)
-        held = max(2 * w + opt for w, opt, _ in static)
+        held = max(2 * w + opt + rest for w, opt, rest in static)
         if enough is not None and held > enough:
             return held
         acts = self._activations_of(cfg, mk, parts, *self._sizes(cfg))
-        return max(2 * w + opt + a for (w, opt, _), a in zip(static, acts))
+        return max(2 * w + opt + rest + a for (w, opt, rest), a in zip(static, acts))
 
     def _sizes(self, cfg: Config) -> tuple[list[int], tuple]:
         """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
@@ -339,8 +364,9 @@ class MemoryModel:
         # The compute lists are enough: messages save nothing (activation_peaks skips them).
         p, t = cfg.parallel, cfg.train
         key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
-        compute = lambda: self._get(self._compute, sched[:4], lambda: compute_schedule(*sched[:4]))  # noqa: E731
-        return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, compute()))
+        compute = lambda: self.compute(*sched[:4])  # noqa: E731
+        trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
+        return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))
 
     def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int]]:
         p = cfg.parallel
@@ -355,6 +381,10 @@ class MemoryModel:
         lists = lambda: self._get(self._actions, key, lambda: self._lists(*key))  # noqa: E731
         return self._get(self._programs, key, lambda: compile_program(lists(), pp, pp * chunks, ranks))
 
+    def compute(self, name: str, pp: int, chunks: int, count: int) -> list[list]:
+        """The schedule's compute lists, built once (the planner's step bounds read the same lists)."""
+        return self._get(self._compute, (name, pp, chunks, count), lambda: compute_schedule(name, pp, chunks, count))
+
     def _layout(self, cfg: Config) -> tuple[tuple, list[range], tuple[int, ...]]:
         """(the model's key, the stages' layers, each stage's rank)."""
         p, mk = cfg.parallel, _model_key(cfg.model)
@@ -367,7 +397,7 @@ class MemoryModel:
         if self.validate_schedules:
             return build_schedule(name, pp, chunks, count, lookahead)
         ranks = schedule_spec(name).stage_ranks(pp, chunks)  # build_schedule's steps, less its validation
-        compute = self._get(self._compute, (name, pp, chunks, count), lambda: compute_schedule(name, pp, chunks, count))
+        compute = self.compute(name, pp, chunks, count)
         return add_communication(compute, pp, pp * chunks, lookahead, ranks=ranks)
 
     @staticmethod
@@ -379,15 +409,23 @@ class MemoryModel:
     def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, int, int]]:
         """Per pipeline rank: (parameter bytes, optimizer bytes, largest transient buffer)."""
         p, n, out = cfg.parallel, len(parts), []
+        mk = _model_key(cfg.model)
         for r in range(p.pp):
-            per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in range(n) if ranks[s] == r]
-            shapes = [x for st in per_stage for x in st]
-            params = sum(_numel(s) for s, _ in shapes) * F32
-            opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
-            embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
-            tie = embed if cfg.model.tied and p.pp > 1 else 0
-            out.append((params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)))
+            mine = [s for s in range(n) if ranks[s] == r]
+            # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
+            key = (mk, p.tp, p.pp, p.dp, p.zero, tuple((len(parts[s]), s == 0, s == n - 1) for s in mine))
+            out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
+
+    def _rank_held(self, cfg: Config, parts: list[range], mine: list[int]) -> tuple[int, int, int]:
+        p = cfg.parallel
+        per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
+        shapes = [x for st in per_stage for x in st]
+        params = sum(_numel(s) for s, _ in shapes) * F32
+        opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
+        embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
+        tie = embed if cfg.model.tied and p.pp > 1 else 0
+        return params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)
 
 
 def rank_memory(cfg: Config) -> list[MemoryEstimate]:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import gc
 import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
@@ -29,8 +30,18 @@ from hybridpar.config.schedules import SCHEDULES
 from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
-from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, step_bound
-from hybridpar.plan.cost import CostModel, Prediction, Shape, all_reduce_s, optimizer_s, placement, predict, sharing
+from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
+from hybridpar.plan.cost import (
+    CostModel,
+    Prediction,
+    Setup,
+    Shape,
+    all_reduce_s,
+    optimizer_s,
+    placement,
+    predict,
+    sharing,
+)
 from hybridpar.plan.hardware import Hardware
 from hybridpar.plan.memory import MemoryModel, rank_memory
 from hybridpar.report.mfu import model_flops_per_token
@@ -228,6 +239,7 @@ class Planner:
         self._bounds: dict[tuple, float] = {}
         self._estimates: dict[tuple, float] = {}
         self._shapes: dict[tuple, ComputeShape] = {}
+        self._pipeline_bounds: dict[tuple, tuple[float, Setup]] = {}
         self._sims: dict[tuple, SimResult] = {}
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
@@ -244,6 +256,8 @@ class Planner:
         return self._actions[key]
 
     def compute(self, name: str, pp: int, v: int, m: int) -> list[list[Action]]:
+        if isinstance(self.memory, MemoryModel):  # the memory model builds the same lists: build them once
+            return self.memory.compute(name, pp, v, m)
         key = (name, pp, v, m)
         if key not in self._compute:
             self._compute[key] = compute_schedule(name, pp, v, m)
@@ -298,11 +312,17 @@ class Planner:
 
     def step_bound(self, cfg: Config) -> float:
         """`step_bound` of the layout: no simulation of it predicts less."""
-        p = cfg.parallel
-        key = (p.schedule, p.pp, p.chunks, cfg.train.microbatches)
+        p, t = cfg.parallel, cfg.train
+        key = (p.schedule, p.pp, p.chunks, t.microbatches)
         if key not in self._shapes:
             self._shapes[key] = compute_shape(self.compute(*key))
-        return step_bound(self.model, cfg, self._shapes[key])
+        # The layouts come in pairs that differ in ZeRO only, which changes what follows the pipeline only.
+        layout = key + (p.tp, p.dp, p.partition, t.recompute, t.precision)
+        if layout not in self._pipeline_bounds:
+            self._pipeline_bounds[layout] = pipeline_bound(self.model, cfg, self._shapes[key])
+        end, su = self._pipeline_bounds[layout]
+        opt, fixed = su.after_pipeline(self.model, cfg)
+        return end + opt + fixed
 
     def same_parts(self, a: Config, b: Config) -> bool:
         pl = placement(a.parallel, self.hw)
@@ -329,6 +349,29 @@ def plan(
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
     when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices).
     `prune=False` simulates every layout that fits (the same list, slower: for tests)."""
+    # The search allocates millions of short-lived objects (action lists, simulated events) beside its
+    # caches, which hold hundreds of thousands: the cycle collector's full passes over them cost as much as
+    # the search itself, and the search makes no garbage that needs them (its caches die with it). It is
+    # paused for the search and resumed after, where it was on.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _search(base, hw, memory, world, top, fixed, prune)
+    finally:
+        if collecting:
+            gc.enable()
+
+
+def _search(
+    base: Config,
+    hw: Hardware,
+    memory: Memory,
+    world: int | None = None,
+    top: int = 10,
+    fixed: dict[str, Any] | None = None,
+    prune: bool = True,
+) -> Plan:
+    """`plan` with the cycle collector as the caller left it."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -355,8 +398,23 @@ def plan(
     lower = getattr(memory, "lower_bound", None)
     unpriced: list[tuple[int, Config]] = []
     problems: list[str] = []
+    layouts: dict[tuple, Config | str] = {}  # validated layouts, or why not valid
+    built: dict[tuple, Config] = {}  # layouts built for the step bound, not validated yet
     simulated = checked = 0
     bound = ""
+
+    def layout(k: dict[str, Any]) -> Config | str:
+        """The validated layout of knobs `k`, or why it is not valid: built once for the step bound and the
+        memory check that both ask for it."""
+        key = _knob_key(k)
+        if key not in layouts:
+            cfg = built.pop(key, None) or _config(base, k)
+            try:
+                cfg.validate(world)
+                layouts[key] = cfg
+            except ValueError as e:
+                layouts[key] = str(e)
+        return layouts[key]
 
     def fits(k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
@@ -364,11 +422,9 @@ def plan(
         nonlocal checked
         if any(_covers(x, k) for x in misfits.get(_group(k), ())):
             return None
-        cfg = _config(base, k)
-        try:
-            cfg.validate(world)
-        except ValueError as e:
-            problems.append(str(e))
+        cfg = layout(k)
+        if isinstance(cfg, str):
+            problems.append(cfg)
             return None
         checked += 1
         if lower is not None and lower(cfg, hw.device_memory_bytes) > hw.device_memory_bytes:
@@ -404,12 +460,17 @@ def plan(
     def step_beaten(k: dict[str, Any]) -> bool:
         if not (prune and len(found) >= top):  # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
             return False
-        cfg = _config(base, k)
-        try:
-            cfg.validate(world)
-        except ValueError:
+        # Not validated first: most layouts that get here are pruned by this bound, and the list is full, so an
+        # invalid one's reason would never be read (`problems` names only a search that found nothing). A
+        # layout the bound does not prune is validated by fits().
+        key = _knob_key(k)
+        cfg = layouts.get(key) or built.setdefault(key, _config(base, k))
+        if isinstance(cfg, str):
             return False  # fits() reports it
-        return beaten(planner.step_bound(cfg))
+        try:
+            return beaten(planner.step_bound(cfg))
+        except ValueError:
+            return False  # an invalid layout the bound cannot price: fits() reports it
 
     for i, k in enumerate(ranked):
         if beaten(floor[i]):
