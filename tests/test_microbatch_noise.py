@@ -77,7 +77,7 @@ def test_noisy_readings_find_the_best_where_one_reading_does_not() -> None:
     assert settle[-1] <= 120 and median(settle) <= 80, settle
     # Settled, the policy races now and then: a re-check of the winner 500 steps after its decision
     # (both splits' steps count here; two passes while the winner leads), rarely a re-scan for drift
-    # that was noise. Measured: racing median 1.75%, 90th percentile 2.7%, re-scans in 4% of seeds
+    # that was noise. Measured: racing median 1.75%, 90th percentile 2.6%, re-scans in 3.5% of seeds
     # (before the re-check cap and the windowed baseline: 6.8%, 7.5%, 10.5%).
     racing.sort()
     assert racing[len(racing) // 2] <= 0.025 and racing[int(0.9 * len(racing))] <= 0.04, racing[-20:]
@@ -170,3 +170,25 @@ def test_race_verdicts() -> None:
     quiet = {m: [log(m)] * 4 for m in (1, 2)}
     v = judge({**quiet, 3: [log(3.0)] * 3 + [log(1.0)]}, margin=0.03)
     assert v.noise < 0.1
+
+
+def test_load_that_comes_and_goes_is_judged_by_the_windows_own_spread() -> None:
+    """A neighbour's load that moves whole stretches of steps together (log step time an AR(1) process,
+    sd 0.11, time constant ~10 steps) on top of 8% per-step noise: the band a window may stray from the
+    baseline is widened to three robust sds of the baseline windows themselves. Measured: re-scans in
+    13.5% of 200 runs of 1,000 steps; judged by the race's per-step noise alone, 20.5%."""
+    rescans, hits = 0, 0
+    for seed in SEEDS:
+        rng, x = random.Random(seed), 0.0
+        p = AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4)
+        for step in range(1000):
+            x = 0.9 * x + rng.gauss(0, 0.05)
+            s = p.propose(step)
+            p.observe(step, s, pipeline_time(s) * math.exp(x) * (1 + rng.gauss(0, 0.08)), None, sum(s) * 128)
+        rescans += p.rounds > 1
+        hits += right(len(p.propose(0)))
+        # Every drift re-scan is on record (a re-check the runner-up wins re-scans too, without a drift).
+        assert len(p.statistics()["drifts"]) <= p.rounds - 1 and all(
+            d["window"] < d["baseline"] * (1 - d["band"]) for d in p.statistics()["drifts"]
+        )
+    assert rescans <= 0.16 * len(SEEDS) and hits >= 0.85 * len(SEEDS), (rescans, hits)

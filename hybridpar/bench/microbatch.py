@@ -92,7 +92,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         if flag.item():
             break
     stats = adaptive.statistics()
-    settled = {k: stats[k] for k in ("rounds", "rechecks", "explore_steps")}
+    settled = {k: stats[k] for k in ("rounds", "rechecks", "explore_steps")} | {"drifts": len(stats["drifts"])}
     clock.append(time.perf_counter())
     budget = stats["memory_budget_bytes"]
     med = {m: statistics.median(v) for m, v in fixed.items()}
@@ -183,6 +183,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         "adaptive_compare_rechecks": adaptive.rechecks - settled["rechecks"],
         "adaptive_compare_rescans": adaptive.rounds - settled["rounds"],
         "adaptive_compare_explore_steps": adaptive.explore_steps - settled["explore_steps"],
+        "adaptive_compare_drifts": adaptive.drifts[settled["drifts"] :],  # what started those re-scans
         "converged": stats["converged"],
         "steps_to_converge": done,
         "explore_steps": stats["explore_steps"],
