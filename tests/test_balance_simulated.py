@@ -17,16 +17,9 @@ from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.simulate import Costs, simulate
 from tests.test_balancer import group
+from tests.test_rebalance import R
 
 EIGHT = CostModel((1.0,) * 8)
-
-
-def R(*sizes: int) -> tuple[range, ...]:
-    out, start = [], 0
-    for n in sizes:
-        out.append(range(start, start + n))
-        start += n
-    return tuple(out)
 
 
 def test_pipeline_step_is_the_simulated_schedule() -> None:
