@@ -3,8 +3,9 @@ no processes, no clocks.
 
 Noise model: every step's time is the true one times a factor uniform in [0.85, 1.15] (30% spread) and,
 in 5% of steps, times 3 (a neighbour's job). The true curve is the 1F1B one of test_planner.py over the
-default candidates of a 64-sample batch at pp=4: 8 microbatches are best, 4 reach 94.3% of it, 16
-86.8%, 32 62.9%, 64 39.4%. "Right" means a split within 5% of the true best: only 8 is."""
+default candidates of a 64-sample batch at pp=4: 8 microbatches are best, 6 reach 97.8% of it, 5
+97.1%, 4 and 7 94.3%, 16 86.8%, 32 62.9%, 64 39.4%. "Right" means a split within 5% of the true best:
+8, 6 or 5."""
 
 from __future__ import annotations
 
@@ -18,7 +19,7 @@ from hybridpar.batching.planner import AdaptivePolicy
 from hybridpar.batching.race import judge
 from hybridpar.batching.split import split_evenly
 
-N, COUNTS, SEEDS = 64, (64, 32, 16, 8, 4), range(200)
+N, COUNTS, SEEDS = 64, (64, 32, 16, 8, 7, 6, 5, 4), range(200)
 
 
 def pipeline_time(sizes: list[int], pp: int = 4, a: float = 1e-3, b: float = 2.5e-4) -> float:
@@ -57,31 +58,41 @@ def naive(seed: int) -> int:
 
 
 def test_noisy_readings_find_the_best_where_one_reading_does_not() -> None:
-    policies, racing = [], []  # racing: per seed, the fraction of steps after settling spent racing
+    policies, racing, loss = [], [], []  # per seed, after settling: share of steps racing, time lost
+    best = min(pipeline_time(split_evenly(N, c)) for c in COUNTS)
     for seed in SEEDS:
-        rng, p, flags = random.Random(seed), AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4), []
+        rng, p, flags, times = random.Random(seed), AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4), [], []
         for step in range(1000):
             s = p.propose(step)
             flags.append(p.exploring)
-            p.observe(step, s, pipeline_time(s) * noise(rng), None, sum(s) * 128)
+            times.append(pipeline_time(s))
+            p.observe(step, s, times[-1] * noise(rng), None, sum(s) * 128)
         policies.append(p)
-        after = flags[p.statistics()["steps_to_converge"] :]
-        racing.append(sum(after) / len(after))
+        settled = p.statistics()["steps_to_converge"]
+        racing.append(sum(flags[settled:]) / len(flags[settled:]))
+        loss.append(sum(times[settled:]) / (best * len(times[settled:])) - 1)
     hits = sum(right(len(p.propose(0))) for p in policies) / len(SEEDS)
     naive_hits = sum(right(naive(seed)) for seed in SEEDS) / len(SEEDS)
-    assert hits >= 0.90 and naive_hits <= 0.70, (hits, naive_hits)  # measured: 0.96 and 0.63
-    # The cost of settling: 5 candidates x (1 warm-up + 3 measured) steps, then at most 7 passes over
-    # the best three: 5 x 4 + 7 x 3 x 4 = 104, plus the few blocks measured on because most of their
-    # steps were slow. Measured: median 80 steps, at most 108.
+    # Measured: 0.975 and 0.785 (three of the eight splits count as right; with the five power-of-two
+    # counts alone, where only 8 does: 0.96 and 0.63).
+    assert hits >= 0.95 and naive_hits <= 0.85, (hits, naive_hits)
+    # The cost of settling: 8 candidates x (1 warm-up + 3 measured) steps, then at most 7 passes over
+    # the best three: 8 x 4 + 7 x 3 x 4 = 116, plus the few blocks measured on because most of their
+    # steps were slow. 8, 6 and 5 lie within 3% of each other, so most races take every pass.
+    # Measured: median 116 steps, at most 120.
     settle = sorted(p.statistics()["steps_to_converge"] for p in policies)
-    assert settle[-1] <= 120 and median(settle) <= 80, settle
+    assert settle[-1] <= 130 and median(settle) <= 120, settle
     # Settled, the policy races now and then: a re-check of the winner 500 steps after its decision
-    # (both splits' steps count here; two passes while the winner leads), rarely a re-scan for drift
-    # that was noise. Measured: racing median 1.75%, 90th percentile 2.6%, re-scans in 3.5% of seeds
-    # (before the re-check cap and the windowed baseline: 6.8%, 7.5%, 10.5%).
+    # (both splits' steps count here; two passes while the winner leads, up to eight when a rival a
+    # few % away leads), rarely a re-scan for drift that was noise. Measured: racing median 1.8%,
+    # 90th percentile 7.1%, re-scans in 1% of seeds. What racing near-equal splits costs is small: the
+    # time lost against the true best after settling is median 0.07%, 90th percentile 3.0% (a run
+    # settled on 5 or 6 microbatches).
     racing.sort()
-    assert racing[len(racing) // 2] <= 0.025 and racing[int(0.9 * len(racing))] <= 0.04, racing[-20:]
-    assert sum(p.rounds > 1 for p in policies) <= 0.06 * len(SEEDS)
+    loss.sort()
+    assert racing[len(racing) // 2] <= 0.025 and racing[int(0.9 * len(racing))] <= 0.08, racing[-20:]
+    assert loss[len(loss) // 2] <= 0.005 and loss[int(0.9 * len(loss))] <= 0.035, loss[-20:]
+    assert sum(p.rounds > 1 for p in policies) <= 0.03 * len(SEEDS)
 
 
 def test_rechecks_space_out_while_they_keep_the_winner() -> None:
@@ -95,9 +106,9 @@ def test_rechecks_space_out_while_they_keep_the_winner() -> None:
     starts = [i for i in range(1, len(flags)) if flags[i] and not flags[i - 1]]
     gaps = [b - a for a, b in zip(starts, starts[1:])]
     after = flags[p.statistics()["steps_to_converge"] :]
-    # Four other splits: four re-checks ~500 apart, four ~1000 apart, ... (a race lasts ~16 steps);
-    # with a fixed 500-step interval there would be ~39. Measured: 14 re-checks, racing 1.6% of the
-    # steps (one noise-driven re-scan included); before the back-off and the cap, 5.7% over 5000 steps.
+    # Seven other splits: three re-checks ~500 apart, three ~1000 apart, ... (a race lasts ~16 steps);
+    # with a fixed 500-step interval there would be ~39. Measured: 12 re-checks, racing 1.7% of the
+    # steps; before the back-off and the cap, 5.7% over 5000 steps.
     assert p.rechecks <= 16 and max(gaps) >= 3900, (p.rechecks, gaps)
     assert sum(after) / len(after) <= 0.02 and right(len(p.propose(0)))
 
@@ -139,17 +150,22 @@ def test_adapts_when_the_incumbent_slows_down(seed: int) -> None:
     assert len(p.propose(0)) == 16 and (p.rounds >= 2 or before == 16), p.statistics()["history"][-6:]
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_a_recheck_finds_a_runner_up_that_got_faster(seed: int) -> None:
+def test_a_recheck_finds_a_runner_up_that_got_faster() -> None:
     """The incumbent (8 x 8) keeps its speed, the runner-up (4 x 16) gets 1.3x faster: no drift to
-    see, the periodic re-checks of the winner (against each other split in turn) find it."""
-    p = run(seed, 100, stationary, AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4, recheck_steps=250))
+    see, the periodic re-checks of the winner (against each other split in turn) find it. With seven
+    other splits, 4 comes up third or fourth; a re-check it loses by bad luck (one of its two blocks
+    hit slow steps) puts it last, and the interval doubles every three re-checks that keep the winner:
+    then it is found a cycle later. Measured: 89 of 100 seeds within 1,600 steps, 99 within 3,000."""
+    found = 0
+    for seed in range(40):
+        p = run(seed, 100, stationary, AdaptivePolicy(N, 1, min_microbatches=4, in_flight=4, recheck_steps=250))
 
-    def faster(step: int, s: list[int]) -> float:
-        return pipeline_time(s) / (1.3 if len(s) == 4 else 1.0)
+        def faster(step: int, s: list[int]) -> float:
+            return pipeline_time(s) / (1.3 if len(s) == 4 else 1.0)
 
-    p = run(seed + 1000, 800, faster, p, start=100)
-    assert len(p.propose(0)) == 4 and p.rechecks >= 1
+        p = run(seed + 1000, 3000, faster, p, start=100)
+        found += len(p.propose(0)) == 4 and p.rechecks >= 1
+    assert found >= 38, found
 
 
 def test_race_verdicts() -> None:
@@ -176,7 +192,8 @@ def test_load_that_comes_and_goes_is_judged_by_the_windows_own_spread() -> None:
     """A neighbour's load that moves whole stretches of steps together (log step time an AR(1) process,
     sd 0.11, time constant ~10 steps) on top of 8% per-step noise: the band a window may stray from the
     baseline is widened to three robust sds of the baseline windows themselves. Measured: re-scans in
-    13.5% of 200 runs of 1,000 steps; judged by the race's per-step noise alone, 20.5%."""
+    6% of 200 runs of 1,000 steps (13.5% when a re-check the rival won re-scanned too); judged by the
+    race's per-step noise alone, 20.5%."""
     rescans, hits = 0, 0
     for seed in SEEDS:
         rng, x = random.Random(seed), 0.0

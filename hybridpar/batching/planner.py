@@ -35,7 +35,7 @@ class AdaptivePolicy(_Recorder):
     `cooldown_steps` after the decision, re-scan every candidate afresh (the machine changed); a rise
     only re-baselines. `recheck_steps` after a decision the winner races the next other split again,
     afresh; while the winner leads, that race ends after `recheck_passes` passes (a rival in the lead
-    is raced on, up to `max_passes`). Each full cycle of re-checks that keeps the winner doubles the
+    is raced on, up to `max_passes`, and becomes the winner if shown faster). Every `keep` re-checks in a row that keep the winner double the
     interval, up to 8x, so their cost (2 * recheck_passes * (warmup + steps_per_candidate) steps, half
     on the rival) is a small and shrinking share of a long run: at a fixed 500-step interval and up to
     8 passes, re-checks cost ~1-2% of throughput on a noisy machine. Memory does not wait: a split that
@@ -79,10 +79,13 @@ class AdaptivePolicy(_Recorder):
                 f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
                 f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None"
             )
-        if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus the schedule's minimum
+        if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus every count from the
+            # schedule's minimum to twice it: near the minimum the pipeline bubble and the per-microbatch
+            # cost trade off most finely (issue 19: 7 microbatches beat 4 and 8 at pp4 under load).
             # From the smallest replica's batch, not this one's: every replica must hold the same list
             # to propose the same count each step (6 and 5 samples would give 6, 3, 2, 1 and 5, 3, 2, 1).
-            candidates = {math.ceil(hi / 2**k) for k in range(hi.bit_length() + 1)} | {min_microbatches}
+            candidates = {math.ceil(hi / 2**k) for k in range(hi.bit_length() + 1)}
+            candidates |= set(range(min_microbatches, 2 * min_microbatches))
         cands = sorted(
             {m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0}, reverse=True
         )  # most microbatches (smallest, safest) first
@@ -252,19 +255,22 @@ class AdaptivePolicy(_Recorder):
             # Hysteresis: a close call never moves us; a re-check (no drift seen) moves us only when
             # it shows the incumbent slower, or every re-check would be another chance to pick wrong.
             best = inc
-        if self._recheck and best != inc:
-            # The runner-up now beats the winner: the machine changed, and a third split may have
-            # overtaken both. Race every candidate afresh.
-            self._scan(step, self.candidates, incumbent=best)
-            return
         self.exploring, self._last_check = False, step
         if self._recheck and best == inc:  # confirmed again: a re-check that keeps the split keeps its baseline
             self._confirmed += 1
         else:  # a new decision: re-checks start afresh
             self._confirmed = 0
-            # Re-checks race the winner against the others in turn, best first: a split dropped by bad
-            # luck, or one that got faster since, is not out for good.
-            self._challengers = sorted((m for m in est if m != best), key=lambda m: (est[m], m), reverse=True)
+            if self._recheck:
+                # The rival was shown faster than the winner: move to it, the old winner challenges
+                # first. No full re-scan: with every count near the minimum among the candidates most
+                # such re-checks are between splits a few % apart, and a re-scan would also re-measure
+                # splits far slower (1 x 64: 40% of the best). A third split that overtook both is
+                # found by the next re-checks; a machine that changed under the winner, by drift.
+                self._challengers = [inc] + [m for m in self._challengers if m not in (inc, best)]
+            else:
+                # Re-checks race the winner against the others in turn, best first: a split dropped by
+                # bad luck, or one that got faster since, is not out for good.
+                self._challengers = sorted((m for m in est if m != best), key=lambda m: (est[m], m), reverse=True)
             # The baseline for drift is steady state's windows, not the race's estimate: the winner's
             # estimate is biased high (it won partly by luck), a drift test against it fires. What
             # counts as drift: drift_margin, or 3 standard errors of the difference of two
@@ -355,8 +361,10 @@ class AdaptivePolicy(_Recorder):
 
     def _recheck_interval(self) -> int:
         """Steps from a decision or re-check to the next re-check: `recheck_steps`, doubled for every
-        full cycle of re-checks (each other split once) that kept the winner, at most 8x."""
-        cycles = self._confirmed // max(1, len(self._challengers))
+        `keep` re-checks in a row that kept the winner, at most 8x. Per `keep`, not per full cycle of
+        the others: challengers go best first, and with many candidates (every count up to twice the
+        schedule's minimum) a full cycle would re-check splits far slower at the short interval."""
+        cycles = self._confirmed // max(1, min(self.race["keep"], len(self._challengers)))
         return self.recheck_steps * 2 ** min(cycles, 3)
 
     def on_oom(self, step: int, sizes: Sequence[int]) -> list[int]:
