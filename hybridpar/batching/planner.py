@@ -35,9 +35,10 @@ class AdaptivePolicy(_Recorder):
     `cooldown_steps` after the decision, re-scan every candidate afresh (the machine changed); a rise
     only re-baselines. `recheck_steps` after a decision the winner races the next other split again,
     afresh; while the winner leads, that race ends after `recheck_passes` passes (a rival in the lead
-    is raced on, up to `max_passes`, and becomes the winner if shown faster). Every `keep` re-checks in a row that keep the winner double the
-    interval, up to 8x, so their cost (2 * recheck_passes * (warmup + steps_per_candidate) steps, half
-    on the rival) is a small and shrinking share of a long run: at a fixed 500-step interval and up to
+    is raced on, up to `max_passes`, and becomes the winner if shown faster). Every `keep` re-checks
+    in a row that keep the winner double the interval, up to 8x, so their cost (2 * recheck_passes *
+    (warmup + steps_per_candidate) steps, half on the rival) is a small and shrinking share of a long
+    run: at a fixed 500-step interval and up to
     8 passes, re-checks cost ~1-2% of throughput on a noisy machine. Memory does not wait: a split that
     stops fitting (OOM, a higher peak, a lower budget) is left at once for the best measured split
     that fits. The memory rule is `fits()`: every proposal goes through it."""
