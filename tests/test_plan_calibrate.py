@@ -53,9 +53,28 @@ def test_measured_sizes_are_used_as_they_are_and_interpolated_between() -> None:
 
 
 def test_the_table_round_trips_through_the_hardware_file() -> None:
-    h = hw(table())
-    again = parse_hardware(__import__("tomllib").loads(to_toml(h)))
-    assert again == h and isinstance(again.calibration, Calibration)
+    for t in (table(), table() | {"tp_all_reduce": [[2, 256, 900.0], [2, 512, 1500.0]]}):
+        h = hw(t)
+        again = parse_hardware(__import__("tomllib").loads(to_toml(h)))
+        assert again == h and isinstance(again.calibration, Calibration)
+    assert len(again.calibration.collectives) == 2
+
+
+def test_measured_tp_all_reduces_replace_the_link_formula() -> None:
+    """A tensor-parallel all-reduce measured in place (4x the idle link's figure on a CPU host) is what
+    each layer's two forward and two backward all-reduces and the embedding's cost; other tp sizes,
+    and bf16, keep the formula."""
+    t, plain = cfg_of().train, CostModel(Config().model, hw(table()))
+    model = CostModel(Config().model, hw(table() | {"tp_all_reduce": [[2, 256, 900.0], [2, 512, 1500.0]]}))
+    link = model.hw.intra_node
+    assert model.calibrated(t).tp_all_reduce(2, 384) == pytest.approx(1200e-6)  # interpolated
+    assert model.calibrated(t).tp_all_reduce(4, 512) is None
+    lay = model.layer(t, 2, 512, link, "none")
+    assert lay.f.comm_s == pytest.approx(2 * 1500e-6) and lay.b.comm_s == pytest.approx(2 * 1500e-6)
+    assert model.ends(t, 2, 512, link)[0].comm_s == pytest.approx(1500e-6)
+    assert model.layer(t, 4, 512, link, "none").f.comm_s == plain.layer(t, 4, 512, link, "none").f.comm_s
+    bf16 = cfg_of(precision="bf16").train
+    assert model.layer(bf16, 2, 512, link, "none").f.comm_s == plain.layer(bf16, 2, 512, link, "none").f.comm_s
 
 
 @pytest.mark.parametrize(
@@ -67,6 +86,7 @@ def test_the_table_round_trips_through_the_hardware_file() -> None:
         ({"model": 3}, "model must be"),
         ({"extra": 1}, "needs the keys .* got .*'extra'"),
         ({"core_share": 0.0}, "core_share must be a number in \\(0, 1\\]"),
+        ({"tp_all_reduce": [[2, 512]]}, "tp_all_reduce must be a non-empty list of \\[3 numbers"),
     ],
 )
 def test_bad_tables_are_named(change: dict, message: str) -> None:

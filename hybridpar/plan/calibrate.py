@@ -12,7 +12,13 @@ rank runs), at the shapes the planner asks for:
 * the embedding (forward, backward) and the final norm, head and loss (forward, backward), unsharded;
 * the optimizer: gradient clipping, AdamW's step and zeroing the gradients over one layer's parameters;
 * `action_overhead_us`: one pipeline action's bookkeeping around its compute — the measured cost of
-  handing a tensor to autograd and back (detach, requires_grad, grad on a one-element graph) stands for it.
+  handing a tensor to autograd and back (detach, requires_grad, grad on a one-element graph) stands for it;
+* `tp_all_reduce` (measured by the probe with every rank taking part, plan/probe.py): one tensor-parallel
+  all-reduce of a microbatch's activations (tokens x dim, fp32) in groups of tp consecutive ranks, all
+  groups at once, each rank computing half a sharded layer's forward between two, as a step does. On a
+  CPU host that costs 3-10x what latency and bandwidth of an idle link say (gloo's threads wake for
+  each call; with more ranks than cores they wait for a core): 2.4 ms per 512 KiB at tp=2 on 2 cores,
+  where an idle pair's all-reduce takes 0.6 ms.
 
 `Calibration` is the optional `[calibration]` table of a hardware file (plan/hardware.py); the cost model
 (plan/cost.py) uses it for a model of the same shape (`model`: the signature of the ModelConfig and
@@ -65,6 +71,15 @@ class EndTime:
 
 
 @dataclass(frozen=True)
+class CollectiveTime:
+    """One tensor-parallel all-reduce of `tokens` tokens' activations in a group of `tp` ranks, seconds."""
+
+    tp: int
+    tokens: int
+    all_reduce: float
+
+
+@dataclass(frozen=True)
 class Calibration:
     model: str  # signature() of what was measured
     layers: tuple[LayerTime, ...]
@@ -72,6 +87,7 @@ class Calibration:
     optimizer_layer_s: float  # clip + AdamW step + zero_grad over one decoder layer's parameters
     action_overhead_s: float  # per pipeline action, beside its compute
     core_share: float = 1.0  # of a core, what one rank computing alone got (foreign load): wall = CPU / share
+    collectives: tuple[CollectiveTime, ...] = ()  # measured in place, wall seconds (none: link formulas)
 
     def fits(self, m: ModelConfig, seq_len: int | None = None) -> bool:
         """Measured on a model of m's shape (and at `seq_len`, unless None: the optimizer's times)."""
@@ -90,6 +106,16 @@ class Calibration:
             tp, tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / s for f in ("f", "b", "b_input", "w"))
         )
 
+    def tp_all_reduce(self, tp: int, tokens: int) -> float | None:
+        """Seconds of one tensor-parallel all-reduce of `tokens` tokens' activations at `tp` (interpolated
+        like `layer`); None where none was measured at this tp. Wall time as measured: it already holds
+        what sharing the cores costs."""
+        rows = sorted((r for r in self.collectives if r.tp == tp), key=lambda r: r.tokens)
+        if not rows:
+            return None
+        k = _weights([r.tokens for r in rows], tokens)
+        return max(0.0, sum(w * rows[i].all_reduce for i, w in k))
+
     def end(self, tokens: int) -> EndTime | None:
         rows = sorted(self.ends, key=lambda r: r.tokens)
         if not rows:
@@ -106,11 +132,17 @@ class Calibration:
         ends = ", ".join(
             f"[{r.tokens}, {us(r.embed_f)}, {us(r.embed_b)}, {us(r.head_f)}, {us(r.head_b)}]" for r in self.ends
         )
+        coll = ", ".join(f"[{r.tp}, {r.tokens}, {us(r.all_reduce)}]" for r in self.collectives)
         return (
             f'\n[calibration]\nmodel = "{self.model}"\noptimizer_layer_us = {us(self.optimizer_layer_s)}\n'
             f"action_overhead_us = {us(self.action_overhead_s)}\ncore_share = {self.core_share!r}\n"
             f"# [tp, tokens, forward, backward, zero-bubble B, zero-bubble W] (us)\nlayer = [{layer}]\n"
             f"# [tokens, embedding forward, backward, head + loss forward, backward] (us)\nends = [{ends}]"
+            + (
+                f"\n# [tp, tokens, one tensor-parallel all-reduce in place] (us)\ntp_all_reduce = [{coll}]"
+                if coll
+                else ""
+            )
         )
 
 
@@ -136,10 +168,11 @@ def _rows(v: Any, width: int, key: str, where: str) -> list[list[float]]:
 def parse_calibration(d: Any, where: str) -> Calibration:
     """The `[calibration]` table of a hardware file; ValueError naming the key and its form."""
     known = {"model", "optimizer_layer_us", "action_overhead_us", "layer", "ends"}
-    if not isinstance(d, dict) or not known <= set(d) <= known | {"core_share"}:
+    if not isinstance(d, dict) or not known <= set(d) <= known | {"core_share", "tp_all_reduce"}:
         got = sorted(d) if isinstance(d, dict) else repr(d)
         raise ValueError(
-            f"{where} [calibration]: needs the keys {', '.join(sorted(known))} (and optionally core_share), got {got}"
+            f"{where} [calibration]: needs the keys {', '.join(sorted(known))} (and optionally core_share, "
+            f"tp_all_reduce), got {got}"
         )
     share = d.get("core_share", 1.0)
     if not isinstance(share, (int, float)) or not 0 < share <= 1:
@@ -151,8 +184,18 @@ def parse_calibration(d: Any, where: str) -> Calibration:
             raise ValueError(f"{where} [calibration]: {k} must be a number >= 0, got {d[k]!r}")
     layers = [LayerTime(int(r[0]), int(r[1]), *(x * 1e-6 for x in r[2:])) for r in _rows(d["layer"], 6, "layer", where)]
     ends = [EndTime(int(r[0]), *(x * 1e-6 for x in r[1:])) for r in _rows(d["ends"], 5, "ends", where)]
+    coll = [
+        CollectiveTime(int(r[0]), int(r[1]), r[2] * 1e-6)
+        for r in (_rows(d["tp_all_reduce"], 3, "tp_all_reduce", where) if "tp_all_reduce" in d else [])
+    ]
     return Calibration(
-        d["model"], tuple(layers), tuple(ends), d["optimizer_layer_us"] * 1e-6, d["action_overhead_us"] * 1e-6, share
+        d["model"],
+        tuple(layers),
+        tuple(ends),
+        d["optimizer_layer_us"] * 1e-6,
+        d["action_overhead_us"] * 1e-6,
+        share,
+        tuple(coll),
     )
 
 

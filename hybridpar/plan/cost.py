@@ -22,7 +22,9 @@ takes 2 (n-1) hops, an all-gather half of that.
 Where the hardware file carries a calibration of this model's shape (plan/calibrate.py: the layer, the
 embedding, the head and the optimizer timed through the model's own modules on this machine, as CPU
 hosts need), its times replace the FLOP and element counts for fp32 runs, and each pipeline action adds
-the runtime's measured per-action overhead; the communication terms stay as above.
+the runtime's measured per-action overhead; a tensor-parallel all-reduce takes its time measured in
+place (all ranks computing and reducing at once) where the calibration has one, and the other
+communication terms stay as above.
 
 The step time is the simulated action lists (pipeline/simulate.py, on `build_schedule`'s output, with
 the ranks sharing cores where the hardware says they do), then each rank's gradient reductions, then
@@ -188,7 +190,7 @@ class CostModel:
         sharded = ATTENTION_ELEMENTS * (m.dim + m.kv_heads * m.head_dim) + 2 * m.dim + FFN_ELEMENTS * m.ffn_dim
         mem = self._memory_s(tokens * (REPLICATED_ELEMENTS * m.dim + sharded / tp), act)
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
-        comm = 2 * all_reduce_s(tokens * m.dim * act, tp, link, self.hw)  # after attention and after the MLP
+        comm = 2 * self.tp_all_reduce_s(t, tp, tokens, link)  # after attention and after the MLP
         f = Work(mm, mem, ops, comm)
         b = Work(mm, 2 * mem, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
         w = Work(mm, 0.0, 0.5 * ops)
@@ -204,14 +206,21 @@ class CostModel:
             b = b + (Work(0.0, mem, ops) if timed is None else Work(f.compute * (mem + ops) / (mm + mem + ops)))
         return LayerCosts(f, b, w)
 
+    def tp_all_reduce_s(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> float:
+        """One tensor-parallel all-reduce of a microbatch's activations: measured in place where the
+        calibration has it (plan/probe.py), else latency and bandwidth of the link."""
+        cal = self.calibrated(t)
+        timed = cal.tp_all_reduce(tp, tokens) if cal is not None and tp > 1 else None
+        if timed is not None:
+            return timed
+        return all_reduce_s(tokens * self.m.dim * (2 if t.precision == "bf16" else 4), tp, link, self.hw)
+
     def ends(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
         """(embedding forward + backward on the first stage, head + loss forward + backward on the last)."""
         m = self.m
         act = 2 if t.precision == "bf16" else 4
         ovh = self.hw.op_overhead_us * 1e-6
-        embed = Work(
-            0.0, self._memory_s(tokens * m.dim * 4, act), 6 * ovh, all_reduce_s(tokens * m.dim * act, tp, link, self.hw)
-        )
+        embed = Work(0.0, self._memory_s(tokens * m.dim * 4, act), 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
         mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
         head = Work(
             mm,

@@ -19,7 +19,8 @@ barrier:
   over its 2 (ranks - 1) ring steps.
 
 * with a model and its shapes: the `[calibration]` table (plan/calibrate.py), rank 0 alone: the model's
-  own layer, embedding, head and optimizer timed at each (tp, sequences per microbatch).
+  own layer, embedding, head and optimizer timed at each (tp, sequences per microbatch); then, every
+  rank at once, one tensor-parallel all-reduce of a microbatch's activations at each tp > 1 of them.
 
 One machine is one node; inter_node repeats intra_node (there is no other node to measure).
 """
@@ -35,7 +36,7 @@ from datetime import timedelta
 from typing import Any
 
 from hybridpar.config import ModelConfig
-from hybridpar.plan.calibrate import Calibration, EndTime, LayerTime, calibrate
+from hybridpar.plan.calibrate import Calibration, CollectiveTime, EndTime, LayerTime, calibrate
 from hybridpar.plan.hardware import Hardware, Link
 
 MATMUL_N = 512
@@ -117,6 +118,10 @@ def measure(
         out["op_s"] = _add(8, seconds)
         if model is not None and shapes:
             out["calibration"] = dataclasses.asdict(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
+    if model is not None and shapes:
+        coll = _tp_all_reduces(out.get("calibration"), shapes, seq_len, model.dim, round_trips)
+        if me == 0:
+            out["calibration"]["collectives"] = coll
     p2p = P2P(torch.device("cpu"), torch.float32, 60.0)
     for label, shape in (("small", (1,)), ("large", (1 << 20,))):
         dist.barrier()
@@ -133,6 +138,48 @@ def measure(
         if i >= 3:
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
+    return out
+
+
+def _tp_all_reduces(
+    cal: dict[str, Any] | None, shapes: list[tuple[int, int]], seq_len: int, dim: int, rounds: int
+) -> list[dict[str, float]]:
+    """Collective over the default group: per tp > 1 of `shapes` dividing the world, the median wall time
+    of one all-reduce of a fresh (sequences x seq_len, dim) fp32 tensor in groups of tp consecutive ranks
+    (tensor parallelism's groups: global ranks run tp fastest), every group at once, each rank computing
+    half the sharded layer's calibrated forward (rank 0's `cal`) between two, as a step's layers do.
+    On a CPU host that is what the collective costs: gloo's threads wake for it, and where ranks outnumber
+    cores they wait for one (calibrate.py's docstring has the figures)."""
+    import torch
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    todo = sorted({(tp, b) for tp, b in shapes if 1 < tp <= world and world % tp == 0})
+    half = torch.zeros(len(todo), dtype=torch.float64)  # CPU seconds of work between two all-reduces
+    if me == 0 and cal is not None:
+        rows = {(r["tp"], r["tokens"]): r["f"] for r in cal["layers"]}
+        for i, (tp, b) in enumerate(todo):
+            half[i] = rows.get((tp, b * seq_len), 0.0) / 2
+    dist.broadcast(half, 0)
+    groups: dict[int, Any] = {}
+    a, c = torch.randn(64, 64), torch.empty(64, 64)
+    out = []
+    for i, (tp, b) in enumerate(todo):
+        if tp not in groups:  # every rank creates every group, in the same order (new_group is collective)
+            mine = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
+            groups[tp] = mine[me // tp]
+        times = []
+        dist.barrier()
+        for k in range(rounds + 3):
+            end = time.thread_time() + float(half[i])
+            while time.thread_time() < end:
+                torch.mm(a, a, out=c)
+            x = torch.full((b * seq_len, dim), 1.0)
+            t0 = time.perf_counter()
+            dist.all_reduce(x, group=groups[tp])
+            if k >= 3:
+                times.append(time.perf_counter() - t0)
+        out.append({"tp": tp, "tokens": b * seq_len, "all_reduce": statistics.median(times)})
     return out
 
 
@@ -176,6 +223,10 @@ def _pooled_calibration(measured: list[dict[str, Any]]) -> Calibration | None:
         statistics.median(c["optimizer_layer_s"] for c in cals),
         statistics.median(c["action_overhead_s"] for c in cals),
         min(1.0, statistics.median(x for r in measured for x in r["share"])),
+        tuple(
+            dataclasses.replace(x, tp=int(x.tp), tokens=int(x.tokens))
+            for x in med([c.get("collectives", []) for c in cals], CollectiveTime)
+        ),
     )
 
 
