@@ -3,7 +3,7 @@ and the measurement through the model's own modules (in this process, one tiny s
 
 from __future__ import annotations
 
-from dataclasses import astuple
+from dataclasses import astuple, replace
 
 import pytest
 
@@ -18,7 +18,7 @@ from hybridpar.plan.calibrate import (
     shapes_for,
     signature,
 )
-from hybridpar.plan.cost import CostModel, optimizer_s, placement, predict, stage_costs
+from hybridpar.plan.cost import CostModel, all_reduce_s, optimizer_s, placement, predict, stage_costs
 from hybridpar.plan.hardware import parse_hardware, to_toml
 from tests.test_plan_cost import cfg_of
 from tests.test_plan_cost import hw as cost_hw
@@ -58,6 +58,15 @@ def test_the_table_round_trips_through_the_hardware_file() -> None:
         again = parse_hardware(__import__("tomllib").loads(to_toml(h)))
         assert again == h and isinstance(again.calibration, Calibration)
     assert len(again.calibration.collectives) == 2
+
+
+def test_a_measured_step_sync_replaces_three_small_all_reduces() -> None:
+    cfg = cfg_of(m=4)
+    base = predict(CostModel(cfg.model, hw(table())), cfg)
+    timed = predict(CostModel(cfg.model, replace(hw(table()), step_sync_us=8000.0)), cfg)
+    formula = 3 * all_reduce_s(8, 1, hw().intra_node, hw())  # one rank: nothing to reduce
+    assert timed.step_s - base.step_s == pytest.approx(8e-3 - formula)
+    assert timed.optimizer_s - base.optimizer_s == pytest.approx(8e-3 - formula)
 
 
 def test_measured_tp_all_reduces_replace_the_link_formula() -> None:

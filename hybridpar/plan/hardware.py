@@ -23,6 +23,11 @@ Optional keys:
                                       where it differs from the link's (CPU ranks: gloo over loopback,
                                       while the pipeline's messages go through shared memory); none = the
                                       link's latency_us
+    step_sync_us                      what a step's closing reductions take (loss and flags, step time and
+                                      peak, gradient norm: three small all-reduces over every rank, each
+                                      after compute), measured in place by the probe: on a CPU host whose
+                                      ranks outnumber its cores, 10 ms where an idle 8-byte all-reduce
+                                      says 1.3; none = three all-reduces by collective_latency_us
     [calibration]                     the model's own layers, embedding, head and optimizer timed on this
                                       machine at given (tp, tokens) shapes (plan/calibrate.py); the cost
                                       model uses them for that model shape in fp32, FLOPs otherwise
@@ -70,6 +75,7 @@ class Hardware:
     cores_per_node: float | None = None
     op_overhead_us: float = 0.0
     collective_latency_us: float | None = None
+    step_sync_us: float | None = None
     calibration: Calibration | None = None
 
     @property
@@ -168,6 +174,7 @@ def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
         cores_per_node=opt("cores_per_node"),
         op_overhead_us=_number(d, "op_overhead_us", where, positive=False, default=0.0),
         collective_latency_us=_number(d, "collective_latency_us", where, positive=False, default=None),
+        step_sync_us=_number(d, "step_sync_us", where, positive=False, default=None),
         calibration=None if "calibration" not in d else parse_calibration(d["calibration"], where),
     )
 

@@ -16,7 +16,10 @@ barrier:
   transport (pipeline/p2p.py; shared memory between CPU ranks of one host), round trips halved:
   latency from a 4-byte message, bandwidth from a 4 MiB one;
 * collective_latency_us: an 8-byte all-reduce over all ranks (gloo, the process group's transport),
-  over its 2 (ranks - 1) ring steps.
+  over its 2 (ranks - 1) ring steps;
+* step_sync_us: a step's three closing all-reduces (plan/hardware.py), every rank computing for
+  `SYNC_WORK_S` of CPU time before them as a step's optimizer does, no barrier between: the way ranks
+  reach them in a step, which idle back-to-back all-reduces do not show.
 
 * with a model and its shapes: the `[calibration]` table (plan/calibrate.py), rank 0 alone: the model's
   own layer, embedding, head and optimizer timed at each (tp, sequences per microbatch); then, every
@@ -42,6 +45,7 @@ from hybridpar.plan.hardware import Hardware, Link
 MATMUL_N = 512
 REPEATS = 3
 ELEMENTS = 1 << 17  # 512 KiB per fp32 array: one microbatch's activations of a small model
+SYNC_WORK_S = 2e-3  # CPU seconds each rank computes before a step's closing reductions (an optimizer step)
 
 
 def _rate(fn, work: float, seconds: float) -> float:
@@ -138,7 +142,31 @@ def measure(
         if i >= 3:
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
+    out["step_sync_s"] = _step_sync(round_trips)
     return out
+
+
+def _step_sync(rounds: int) -> float:
+    """Median wall seconds of a step's closing reductions (trainer/step.py: the loss and out-of-memory
+    flags with the ranks' timings, the step time and peak by max, the gradient norm's square), each
+    round after SYNC_WORK_S of CPU work on every rank; collective over the default group."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    a, c = torch.randn(64, 64), torch.empty(64, 64)
+    times = []
+    for k in range(rounds + 3):
+        end = time.thread_time() + SYNC_WORK_S
+        while time.thread_time() < end:
+            torch.mm(a, a, out=c)
+        t0 = time.perf_counter()
+        dist.all_reduce(torch.zeros(2 + 5 * world, dtype=torch.float64))
+        dist.all_reduce(torch.zeros(2, dtype=torch.float64), op=dist.ReduceOp.MAX)
+        dist.all_reduce(torch.zeros((), dtype=torch.float64))
+        if k >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _tp_all_reduces(
@@ -255,5 +283,6 @@ def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | Non
         cores_per_node=min(float(ranks), cores),
         op_overhead_us=med("op_s") * 1e6,
         collective_latency_us=med("all_reduce_s") / (2 * (ranks - 1)) * 1e6,
+        step_sync_us=med("step_sync_s") * 1e6 if all("step_sync_s" in r for r in measured) else None,
         calibration=_pooled_calibration(measured),
     )
