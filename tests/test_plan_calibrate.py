@@ -69,6 +69,17 @@ def test_a_measured_step_sync_replaces_three_small_all_reduces() -> None:
     assert timed.optimizer_s - base.optimizer_s == pytest.approx(8e-3 - formula)
 
 
+def test_a_slower_collective_bandwidth_caps_the_links() -> None:
+    h = hw()
+    slow = replace(h, collective_bandwidth_gbs=h.intra_node.bandwidth_gbs / 4)
+    fast = replace(h, collective_bandwidth_gbs=h.intra_node.bandwidth_gbs * 4)
+    big = 64 << 20
+    assert all_reduce_s(big, 4, h.intra_node, fast) == all_reduce_s(big, 4, h.intra_node, h)  # the link's, then
+    hops = 2 * 3 * h.collective_latency_us * 1e-6 if h.collective_latency_us is not None else 0.0
+    moved = all_reduce_s(big, 4, h.intra_node, h) - (hops or 2 * 3 * h.intra_node.latency_us * 1e-6)
+    assert all_reduce_s(big, 4, h.intra_node, slow) - all_reduce_s(big, 4, h.intra_node, h) == pytest.approx(3 * moved)
+
+
 def test_measured_tp_all_reduces_replace_the_link_formula() -> None:
     """A tensor-parallel all-reduce measured in place (4x the idle link's figure on a CPU host) is what
     each layer's two forward and two backward all-reduces and the embedding's cost; other tp sizes,

@@ -24,7 +24,7 @@ def test_probe_writes_a_hardware_file(tmp_path: Path) -> None:
     assert hw.nodes == 1 and hw.devices_per_node == 2 and hw.peak_flops("fp32") > 1e8
     assert 0 < hw.cores_per_node <= 2 and hw.memory_bandwidth_gbs > 0 and hw.op_overhead_us > 0
     assert hw.intra_node.latency_us > 0 and hw.intra_node.bandwidth_gbs > 0 and hw.collective_latency_us > 0
-    assert hw.step_sync_us > 0
+    assert hw.step_sync_us > 0 and hw.collective_bandwidth_gbs > 0
     (tmp_path / "me.toml").write_text(to_toml(hw))
     again = load_hardware(tmp_path / "me.toml")
     assert replace(again, calibration=None) == replace(hw, calibration=None)  # the calibration: to 0.01 us

@@ -100,14 +100,24 @@ def placement(p: Shape | ParallelConfig, hw: Hardware) -> Placement:
 def all_reduce_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
     if n <= 1:
         return 0.0
-    return 2 * (n - 1) * (_hop_s(link, hw) + nbytes / n / (link.bandwidth_gbs * 1e9))
+    return 2 * (n - 1) * (_hop_s(link, hw) + nbytes / n / _ring_bps(link, hw))
 
 
 def all_gather_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
     """All-gather whose result is `nbytes` in all."""
     if n <= 1:
         return 0.0
-    return (n - 1) * (_hop_s(link, hw) + nbytes / n / (link.bandwidth_gbs * 1e9))
+    return (n - 1) * (_hop_s(link, hw) + nbytes / n / _ring_bps(link, hw))
+
+
+def _ring_bps(link: Link, hw: Hardware) -> float:
+    """Bytes/s of one ring step: the link's, or the hardware's collective figure where that is lower."""
+    bw = (
+        link.bandwidth_gbs
+        if hw.collective_bandwidth_gbs is None
+        else min(link.bandwidth_gbs, hw.collective_bandwidth_gbs)
+    )
+    return bw * 1e9
 
 
 def _hop_s(link: Link, hw: Hardware) -> float:

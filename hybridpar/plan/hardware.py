@@ -23,6 +23,9 @@ Optional keys:
                                       where it differs from the link's (CPU ranks: gloo over loopback,
                                       while the pipeline's messages go through shared memory); none = the
                                       link's latency_us
+    collective_bandwidth_gbs          bandwidth of a ring collective's step where it is below the link's
+                                      (CPU ranks: gloo over loopback, measured by the probe with a 4 MiB
+                                      all-reduce after compute); none = the link's bandwidth_gbs
     step_sync_us                      what a step's closing reductions take (loss and flags, step time and
                                       peak, gradient norm: three small all-reduces over every rank, each
                                       after compute), measured in place by the probe: on a CPU host whose
@@ -75,6 +78,7 @@ class Hardware:
     cores_per_node: float | None = None
     op_overhead_us: float = 0.0
     collective_latency_us: float | None = None
+    collective_bandwidth_gbs: float | None = None
     step_sync_us: float | None = None
     calibration: Calibration | None = None
 
@@ -174,6 +178,7 @@ def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
         cores_per_node=opt("cores_per_node"),
         op_overhead_us=_number(d, "op_overhead_us", where, positive=False, default=0.0),
         collective_latency_us=_number(d, "collective_latency_us", where, positive=False, default=None),
+        collective_bandwidth_gbs=opt("collective_bandwidth_gbs"),
         step_sync_us=_number(d, "step_sync_us", where, positive=False, default=None),
         calibration=None if "calibration" not in d else parse_calibration(d["calibration"], where),
     )

@@ -17,6 +17,8 @@ barrier:
   latency from a 4-byte message, bandwidth from a 4 MiB one;
 * collective_latency_us: an 8-byte all-reduce over all ranks (gloo, the process group's transport),
   over its 2 (ranks - 1) ring steps;
+* collective_bandwidth_gbs: a fresh 4 MiB all-reduce over all ranks after SYNC_WORK_S of compute (a
+  data-parallel gradient reduction), its time less the ring's hops over the bytes each step moves;
 * step_sync_us: a step's three closing all-reduces (plan/hardware.py), every rank computing for
   `SYNC_WORK_S` of CPU time before them as a step's optimizer does, no barrier between: the way ranks
   reach them in a step, which idle back-to-back all-reduces do not show.
@@ -143,7 +145,25 @@ def measure(
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
     out["step_sync_s"] = _step_sync(round_trips)
+    out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))
     return out
+
+
+def _after_work(fn: Any, rounds: int) -> float:
+    """Median wall seconds of `fn()` run on every rank after SYNC_WORK_S of CPU work each, no barrier."""
+    import torch
+
+    a, c = torch.randn(64, 64), torch.empty(64, 64)
+    times = []
+    for k in range(rounds + 3):
+        end = time.thread_time() + SYNC_WORK_S
+        while time.thread_time() < end:
+            torch.mm(a, a, out=c)
+        t0 = time.perf_counter()
+        fn()
+        if k >= 3:
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
 
 
 def _step_sync(rounds: int) -> float:
@@ -154,19 +174,13 @@ def _step_sync(rounds: int) -> float:
     import torch.distributed as dist
 
     world = dist.get_world_size()
-    a, c = torch.randn(64, 64), torch.empty(64, 64)
-    times = []
-    for k in range(rounds + 3):
-        end = time.thread_time() + SYNC_WORK_S
-        while time.thread_time() < end:
-            torch.mm(a, a, out=c)
-        t0 = time.perf_counter()
+
+    def closing() -> None:
         dist.all_reduce(torch.zeros(2 + 5 * world, dtype=torch.float64))
         dist.all_reduce(torch.zeros(2, dtype=torch.float64), op=dist.ReduceOp.MAX)
         dist.all_reduce(torch.zeros((), dtype=torch.float64))
-        if k >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+
+    return _after_work(closing, rounds)
 
 
 def _tp_all_reduces(
@@ -258,6 +272,17 @@ def _pooled_calibration(measured: list[dict[str, Any]]) -> Calibration | None:
     )
 
 
+def _ring_gbs(measured: list[dict[str, Any]], ranks: int) -> float | None:
+    """GB/s of a ring step from the 4 MiB all-reduce: each of its 2 (ranks - 1) steps moves 1/ranks of
+    the bytes after one hop's latency (the 8-byte all-reduce's share)."""
+    if not all("big_all_reduce_s" in r for r in measured):
+        return None
+    steps = 2 * (ranks - 1)
+    big = statistics.median(r["big_all_reduce_s"] for r in measured)
+    hop = statistics.median(r["all_reduce_s"] for r in measured) / steps
+    return (4 << 20) / ranks / max(big / steps - hop, 1e-9) / 1e9
+
+
 def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | None = None) -> Hardware:
     """The hardware file of one or more `measure` results of rank 0 (several: pooled, medians)."""
     pool = lambda k: [x for r in measured for x in r[k]]  # noqa: E731
@@ -283,6 +308,7 @@ def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | Non
         cores_per_node=min(float(ranks), cores),
         op_overhead_us=med("op_s") * 1e6,
         collective_latency_us=med("all_reduce_s") / (2 * (ranks - 1)) * 1e6,
+        collective_bandwidth_gbs=_ring_gbs(measured, ranks),
         step_sync_us=med("step_sync_s") * 1e6 if all("step_sync_s" in r for r in measured) else None,
         calibration=_pooled_calibration(measured),
     )
