@@ -149,18 +149,20 @@ def measure(
     return out
 
 
-def _after_work(fn: Any, rounds: int) -> float:
-    """Median wall seconds of `fn()` run on every rank after SYNC_WORK_S of CPU work each, no barrier."""
+def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = None) -> float:
+    """Median wall seconds of `fn()` (of `fn(setup())` with `setup`, made untimed) run on every rank
+    after `work_s` of CPU work each, no barrier: how ranks reach a collective in a step."""
     import torch
 
     a, c = torch.randn(64, 64), torch.empty(64, 64)
     times = []
     for k in range(rounds + 3):
-        end = time.thread_time() + SYNC_WORK_S
+        end = time.thread_time() + work_s
         while time.thread_time() < end:
             torch.mm(a, a, out=c)
+        args = () if setup is None else (setup(),)
         t0 = time.perf_counter()
-        fn()
+        fn(*args)
         if k >= 3:
             times.append(time.perf_counter() - t0)
     return statistics.median(times)
@@ -204,24 +206,19 @@ def _tp_all_reduces(
             half[i] = rows.get((tp, b * seq_len), 0.0) / 2
     dist.broadcast(half, 0)
     groups: dict[int, Any] = {}
-    a, c = torch.randn(64, 64), torch.empty(64, 64)
     out = []
     for i, (tp, b) in enumerate(todo):
         if tp not in groups:  # every rank creates every group, in the same order (new_group is collective)
             mine = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
             groups[tp] = mine[me // tp]
-        times = []
         dist.barrier()
-        for k in range(rounds + 3):
-            end = time.thread_time() + float(half[i])
-            while time.thread_time() < end:
-                torch.mm(a, a, out=c)
-            x = torch.full((b * seq_len, dim), 1.0)
-            t0 = time.perf_counter()
-            dist.all_reduce(x, group=groups[tp])
-            if k >= 3:
-                times.append(time.perf_counter() - t0)
-        out.append({"tp": tp, "tokens": b * seq_len, "all_reduce": statistics.median(times)})
+        t = _after_work(
+            lambda x, g=groups[tp]: dist.all_reduce(x, group=g),
+            rounds,
+            float(half[i]),
+            lambda n=b * seq_len: torch.full((n, dim), 1.0),
+        )
+        out.append({"tp": tp, "tokens": b * seq_len, "all_reduce": t})
     return out
 
 
