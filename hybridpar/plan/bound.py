@@ -61,8 +61,9 @@ def knob_bound(
         compute = layer.f.compute + layer.b.compute + layer.w.compute
         work = max(work, k["m"] * compute * L / speed / share_capacity)
     params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
-    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params)  # affine in params: max >= at mean
-    fixed = 3 * all_reduce_s(8, k["tp"] * k["pp"] * k["dp"], pl.world, model.hw)
+    world = k["tp"] * k["pp"] * k["dp"]
+    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world)  # affine in params: max >= at mean
+    fixed = 3 * all_reduce_s(8, world, pl.world, model.hw)
     return work + opt + fixed
 
 

@@ -363,7 +363,7 @@ class Setup(NamedTuple):
         rank_params = [
             sum(self.stage_params[s] for s in range(p.n_stages) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
-        opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n) for n in rank_params)
+        opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n, p.tp * p.pp * p.dp) for n in rank_params)
         # The loss and flags, the step time and peak, the clip norm: measured in place where the hardware
         # file has it (a CPU host's probe), else three small all-reduces.
         sync = model.hw.step_sync_us
@@ -465,10 +465,12 @@ def _dp_reductions(
     return end, end - sim.step_time_s
 
 
-def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, params: float) -> float:
+def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, params: float, world: int = 1) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
-    over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers."""
+    over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
+    of the `world` steps at once: where a node's ranks outnumber its cores they share them."""
     hw = model.hw
+    stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     mine = params / dp if zero == 1 else params
     bw = hw.memory_bandwidth_gbs
     memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / (bw * 1e9)
@@ -477,5 +479,5 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
-        return cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather
-    return memory + ops + gather
+        return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather
+    return stretch * (memory + ops) + gather

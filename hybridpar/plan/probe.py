@@ -23,9 +23,12 @@ barrier:
   `SYNC_WORK_S` of CPU time before them as a step's optimizer does, no barrier between: the way ranks
   reach them in a step, which idle back-to-back all-reduces do not show.
 
-* with a model and its shapes: the `[calibration]` table (plan/calibrate.py), rank 0 alone: the model's
-  own layer, embedding, head and optimizer timed at each (tp, sequences per microbatch); then, every
-  rank at once, one tensor-parallel all-reduce of a microbatch's activations at each tp > 1 of them.
+* with a model and its shapes: the `[calibration]` table (plan/calibrate.py), every rank at once (the
+  figures averaged over them): the model's own layer, embedding, head and optimizer timed at each (tp,
+  sequences per microbatch); then one tensor-parallel all-reduce of a microbatch's activations at each
+  tp > 1 of them.
+
+Collectives' figures are means over their rounds, the other figures medians (see `_after_work`).
 
 One machine is one node; inter_node repeats intra_node (there is no other node to measure).
 """
@@ -96,8 +99,8 @@ def measure(
     shapes: list[tuple[int, int]] = (),  # type: ignore[assignment]
 ) -> dict[str, Any]:
     """Collective over the initialised default group (every rank calls it); rank 0's result holds the
-    figures (`describe` turns them into a Hardware). With `model`: rank 0 also times its layers at each
-    (tp, sequences per microbatch) of `shapes` while the others wait (plan/calibrate.py)."""
+    figures (`describe` turns them into a Hardware). With `model`: every rank also times its layers at
+    each (tp, sequences per microbatch) of `shapes` (plan/calibrate.py), all at once."""
     import torch
     import torch.distributed as dist
 
@@ -122,12 +125,14 @@ def measure(
         out["bf16"] = _matmul(torch.bfloat16, seconds)
         out["add_s"] = _add(ELEMENTS, seconds)
         out["op_s"] = _add(8, seconds)
-        if model is not None and shapes:
-            out["calibration"] = dataclasses.asdict(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
     if model is not None and shapes:
-        coll = _tp_all_reduces(out.get("calibration"), shapes, seq_len, model.dim, round_trips)
+        # Every rank at once, as a run's ranks compute: where they share cores, each operation costs more
+        # CPU time than alone (caches, switches; the default model's layer +10% at 4 ranks on 2 cores).
+        dist.barrier()
+        cal = _mean_over_ranks(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
+        coll = _tp_all_reduces(cal, shapes, seq_len, model.dim, 4 * round_trips)
         if me == 0:
-            out["calibration"]["collectives"] = coll
+            out["calibration"] = dataclasses.asdict(dataclasses.replace(cal, collectives=tuple(coll)))
     p2p = P2P(torch.device("cpu"), torch.float32, 60.0)
     for label, shape in (("small", (1,)), ("large", (1 << 20,))):
         dist.barrier()
@@ -144,14 +149,17 @@ def measure(
         if i >= 3:
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
-    out["step_sync_s"] = _step_sync(round_trips)
+    out["step_sync_s"] = _step_sync(2 * round_trips)
     out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))
     return out
 
 
 def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = None) -> float:
-    """Median wall seconds of `fn()` (of `fn(setup())` with `setup`, made untimed) run on every rank
-    after `work_s` of CPU work each, no barrier: how ranks reach a collective in a step."""
+    """Mean wall seconds of `fn()` (of `fn(setup())` with `setup`, made untimed) run on every rank
+    after `work_s` of CPU work each, no barrier: how ranks reach a collective in a step. The mean, not
+    the median: a step pays every call, and under shared cores the slow ones are a tenth of the calls
+    and half the time (gloo's tensor-parallel all-reduce in a tp=2 step on 2 cores: median 1.1 ms, mean
+    2.1, 90th percentile 5)."""
     import torch
 
     a, c = torch.randn(64, 64), torch.empty(64, 64)
@@ -165,11 +173,11 @@ def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = 
         fn(*args)
         if k >= 3:
             times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return statistics.fmean(times)
 
 
 def _step_sync(rounds: int) -> float:
-    """Median wall seconds of a step's closing reductions (trainer/step.py: the loss and out-of-memory
+    """Mean wall seconds of a step's closing reductions (trainer/step.py: the loss and out-of-memory
     flags with the ranks' timings, the step time and peak by max, the gradient norm's square), each
     round after SYNC_WORK_S of CPU work on every rank; collective over the default group."""
     import torch
@@ -185,13 +193,32 @@ def _step_sync(rounds: int) -> float:
     return _after_work(closing, rounds)
 
 
+def _mean_over_ranks(cal: Calibration) -> Calibration:
+    """Every rank's calibration of the same shapes, averaged figure by figure (collective)."""
+    import torch
+    import torch.distributed as dist
+
+    rows = [*cal.layers, *cal.ends]
+    names = [[f.name for f in dataclasses.fields(r) if f.name not in ("tp", "tokens")] for r in rows]
+    figures = [getattr(r, k) for r, ks in zip(rows, names) for k in ks] + [cal.optimizer_layer_s, cal.action_overhead_s]
+    v = torch.tensor(figures, dtype=torch.float64)
+    dist.all_reduce(v)
+    it = iter((v / dist.get_world_size()).tolist())
+    mean = [dataclasses.replace(r, **{k: next(it) for k in ks}) for r, ks in zip(rows, names)]
+    n = len(cal.layers)
+    return dataclasses.replace(
+        cal, layers=tuple(mean[:n]), ends=tuple(mean[n:]), optimizer_layer_s=next(it), action_overhead_s=next(it)
+    )
+
+
 def _tp_all_reduces(
-    cal: dict[str, Any] | None, shapes: list[tuple[int, int]], seq_len: int, dim: int, rounds: int
+    cal: Calibration, shapes: list[tuple[int, int]], seq_len: int, dim: int, rounds: int
 ) -> list[dict[str, float]]:
-    """Collective over the default group: per tp > 1 of `shapes` dividing the world, the median wall time
+    """Collective over the default group: per tp > 1 of `shapes` dividing the world, the mean wall time
     of one all-reduce of a fresh (sequences x seq_len, dim) fp32 tensor in groups of tp consecutive ranks
     (tensor parallelism's groups: global ranks run tp fastest), every group at once, each rank computing
-    half the sharded layer's calibrated forward (rank 0's `cal`) between two, as a step's layers do.
+    half the sharded layer's calibrated forward (`cal`, the same on every rank) between two, as a step's
+    layers do.
     On a CPU host that is what the collective costs: gloo's threads wake for it, and where ranks outnumber
     cores they wait for one (calibrate.py's docstring has the figures)."""
     import torch
@@ -199,12 +226,8 @@ def _tp_all_reduces(
 
     world, me = dist.get_world_size(), dist.get_rank()
     todo = sorted({(tp, b) for tp, b in shapes if 1 < tp <= world and world % tp == 0})
-    half = torch.zeros(len(todo), dtype=torch.float64)  # CPU seconds of work between two all-reduces
-    if me == 0 and cal is not None:
-        rows = {(r["tp"], r["tokens"]): r["f"] for r in cal["layers"]}
-        for i, (tp, b) in enumerate(todo):
-            half[i] = rows.get((tp, b * seq_len), 0.0) / 2
-    dist.broadcast(half, 0)
+    forward = {(r.tp, r.tokens): r.f for r in cal.layers}
+    half = [forward.get((tp, b * seq_len), 0.0) / 2 for tp, b in todo]  # CPU seconds between two all-reduces
     groups: dict[int, Any] = {}
     out = []
     for i, (tp, b) in enumerate(todo):
@@ -215,7 +238,7 @@ def _tp_all_reduces(
         t = _after_work(
             lambda x, g=groups[tp]: dist.all_reduce(x, group=g),
             rounds,
-            float(half[i]),
+            half[i],
             lambda n=b * seq_len: torch.full((n, dim), 1.0),
         )
         out.append({"tp": tp, "tokens": b * seq_len, "all_reduce": t})

@@ -305,7 +305,7 @@ class Planner:
             work = max(work, total / sum(share.capacity))
         # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
         params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
-        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params)
+        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, k["tp"] * k["pp"] * k["dp"])
         after += all_reduce_s(4 * params / k["v"], k["dp"], pl.dp, self.hw)
         self._estimates[key] = work + after
         return self._estimates[key]
