@@ -2,8 +2,9 @@
 
 On a CPU, a small model's step is mostly the eager framework's per-operation work, not its matmuls'
 FLOPs: the default model's decoder layer at 4 x 128 tokens runs at a few GFLOP/s where a 512 x 512
-matmul reaches 40-90. So the probe times the real code, in one process with one intra-op thread (as a
-rank runs), at the shapes the planner asks for:
+matmul reaches 40-90. So the probe times the real code, with one intra-op thread per process (as a
+rank runs) and every rank timing at once (as a run's ranks compute: where they share cores, each
+operation costs more CPU time than alone), at the shapes the planner asks for:
 
 * a decoder layer: forward, the whole backward, and the zero-bubble split of it (B: input gradients,
   then W: weight gradients, through pipeline/split_backward.py), for each (tp, tokens per microbatch),
@@ -25,10 +26,11 @@ rank runs), at the shapes the planner asks for:
 `Calibration` is the optional `[calibration]` table of a hardware file (plan/hardware.py); the cost model
 (plan/cost.py) uses it for a model of the same shape (`model`: the signature of the ModelConfig and
 sequence length it was measured on) and fp32, and FLOPs otherwise. Each figure is the median of calls
-timed back to back, in microseconds of the thread's CPU time: the work itself, which the machine's other
-jobs do not change. What they do change, the share of a core a computing rank gets, is `core_share` (the
-probe's CPU time over wall time of a rank computing alone; the cost model divides by it), and how much
-of that several ranks get at once is the hardware's `cores_per_node`.
+timed back to back (the probe averages it over its ranks), in microseconds of the thread's CPU time: the
+work itself, which the machine's other jobs do not change. What they do change, the share of a core a
+computing rank gets, is `core_share` (the probe's CPU time over wall time of a rank computing alone; the
+cost model divides by it), and how much of that several ranks get at once is the hardware's
+`cores_per_node`.
 """
 
 from __future__ import annotations

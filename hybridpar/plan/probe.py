@@ -130,7 +130,7 @@ def measure(
         # CPU time than alone (caches, switches; the default model's layer +10% at 4 ranks on 2 cores).
         dist.barrier()
         cal = _mean_over_ranks(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
-        coll = _tp_all_reduces(cal, shapes, seq_len, model.dim, 4 * round_trips)
+        coll = _tp_layers(cal, model, seq_len, list(shapes), max(5, round_trips // 2))
         if me == 0:
             out["calibration"] = dataclasses.asdict(dataclasses.replace(cal, collectives=tuple(coll)))
     p2p = P2P(torch.device("cpu"), torch.float32, 60.0)
@@ -140,6 +140,11 @@ def measure(
             rtts = ping_pong(p2p, me, 0, 1, lambda r: r, shape, round_trips, 3)
             if rtts:
                 out[label] = statistics.median(rtts) / 2
+    if model is not None and shapes:
+        dist.barrier()
+        overhead = _action_overhead(p2p, model, seq_len, shapes[len(shapes) // 2][1], seconds)
+        if me == 0:
+            out["calibration"]["action_overhead_s"] = overhead
     dist.barrier()
     x = torch.zeros(2)
     times = []
@@ -150,21 +155,22 @@ def measure(
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
     out["step_sync_s"] = _step_sync(2 * round_trips)
-    out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))
+    out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))[0]
     return out
 
 
-def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = None) -> float:
+def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = None) -> tuple[float, float]:
     """Mean wall seconds of `fn()` (of `fn(setup())` with `setup`, made untimed) run on every rank
-    after `work_s` of CPU work each, no barrier: how ranks reach a collective in a step. The mean, not
-    the median: a step pays every call, and under shared cores the slow ones are a tenth of the calls
-    and half the time (gloo's tensor-parallel all-reduce in a tp=2 step on 2 cores: median 1.1 ms, mean
-    2.1, 90th percentile 5)."""
+    after `work_s` of CPU work each, no barrier: how ranks reach a collective in a step; and the mean
+    of the whole round, work included. The mean, not the median: a step pays every call, and under
+    shared cores the slow ones are a tenth of the calls and half the time (gloo's tensor-parallel
+    all-reduce in a tp=2 step on 2 cores: median 1.1 ms, mean 2.1, 90th percentile 5)."""
     import torch
 
     a, c = torch.randn(64, 64), torch.empty(64, 64)
-    times = []
+    calls, whole = [], []
     for k in range(rounds + 3):
+        t_work = time.perf_counter()
         end = time.thread_time() + work_s
         while time.thread_time() < end:
             torch.mm(a, a, out=c)
@@ -172,8 +178,9 @@ def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = 
         t0 = time.perf_counter()
         fn(*args)
         if k >= 3:
-            times.append(time.perf_counter() - t0)
-    return statistics.fmean(times)
+            calls.append(time.perf_counter() - t0)
+            whole.append(time.perf_counter() - t_work)
+    return statistics.fmean(calls), statistics.fmean(whole)
 
 
 def _step_sync(rounds: int) -> float:
@@ -190,7 +197,7 @@ def _step_sync(rounds: int) -> float:
         dist.all_reduce(torch.zeros(2, dtype=torch.float64), op=dist.ReduceOp.MAX)
         dist.all_reduce(torch.zeros((), dtype=torch.float64))
 
-    return _after_work(closing, rounds)
+    return _after_work(closing, rounds)[0]
 
 
 def _mean_over_ranks(cal: Calibration) -> Calibration:
@@ -211,37 +218,48 @@ def _mean_over_ranks(cal: Calibration) -> Calibration:
     )
 
 
-def _tp_all_reduces(
-    cal: Calibration, shapes: list[tuple[int, int]], seq_len: int, dim: int, rounds: int
-) -> list[dict[str, float]]:
-    """Collective over the default group: per tp > 1 of `shapes` dividing the world, the mean wall time
-    of one all-reduce of a fresh (sequences x seq_len, dim) fp32 tensor in groups of tp consecutive ranks
-    (tensor parallelism's groups: global ranks run tp fastest), every group at once, each rank computing
-    half the sharded layer's calibrated forward (`cal`, the same on every rank) between two, as a step's
-    layers do.
-    On a CPU host that is what the collective costs: gloo's threads wake for it, and where ranks outnumber
-    cores they wait for one (calibrate.py's docstring has the figures)."""
+def _tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list, rounds: int) -> list[dict]:
+    """Collective over the default group: per tp > 1 of `shapes` dividing the world, the model's own
+    tensor-parallel layers (a stack of `calibrate.STACK` at most, their collectives included) run
+    forward and backward in groups of tp consecutive ranks (global ranks run tp fastest), every group
+    at once, as a step's layers run: per layer, the mean wall seconds of a forward and a backward
+    (averaged over the ranks) beside the CPU seconds the calibration measured for its shard alone
+    (`cal`, the same on every rank). What the collectives add to a step is the difference (`_in_step`):
+    on a CPU host more than the calls alone take, since gloo's threads wake for each and burn CPU that
+    the other ranks' compute lacks (calibrate.py's docstring has the figures)."""
     import torch
     import torch.distributed as dist
 
+    from hybridpar.model.registry import build_stage
+    from hybridpar.plan.calibrate import STACK, _metered
+
     world, me = dist.get_world_size(), dist.get_rank()
-    todo = sorted({(tp, b) for tp, b in shapes if 1 < tp <= world and world % tp == 0})
-    forward = {(r.tp, r.tokens): r.f for r in cal.layers}
-    half = [forward.get((tp, b * seq_len), 0.0) / 2 for tp, b in todo]  # CPU seconds between two all-reduces
+    cpu = {(r.tp, r.tokens): (r.f, r.b) for r in cal.layers}
+    depth = min(model.n_layers, STACK)
     groups: dict[int, Any] = {}
     out = []
-    for i, (tp, b) in enumerate(todo):
+    for tp, b in sorted({(tp, b) for tp, b in shapes if 1 < tp <= world and world % tp == 0}):
         if tp not in groups:  # every rank creates every group, in the same order (new_group is collective)
             mine = [dist.new_group(list(range(s, s + tp))) for s in range(0, world, tp)]
             groups[tp] = mine[me // tp]
+        forward = _metered(build_stage(model, list(range(depth)), False, False, 0, torch.device("cpu"), groups[tp]))
+        g = torch.randn(b, seq_len, model.dim)
+        fs, bs = [], []
         dist.barrier()
-        t = _after_work(
-            lambda x, g=groups[tp]: dist.all_reduce(x, group=g),
-            rounds,
-            half[i],
-            lambda n=b * seq_len: torch.full((n, dim), 1.0),
-        )
-        out.append({"tp": tp, "tokens": b * seq_len, "all_reduce": t})
+        for k in range(rounds + 1):  # a fixed count: the group's collectives pair up call for call
+            x = torch.randn(b, seq_len, model.dim, requires_grad=True)
+            t0 = time.perf_counter()
+            y = forward(x)
+            t1 = time.perf_counter()
+            torch.autograd.backward(y, g)
+            if k:  # the first pair warms up
+                fs.append(t1 - t0)
+                bs.append(time.perf_counter() - t1)
+        v = torch.tensor([statistics.fmean(fs) / depth, statistics.fmean(bs) / depth], dtype=torch.float64)
+        dist.all_reduce(v)
+        wall_f, wall_b = (v / world).tolist()
+        f, bw = cpu[tp, b * seq_len]
+        out.append({"tp": tp, "tokens": b * seq_len, "wall": wall_f + wall_b, "work": f + bw})
     return out
 
 
@@ -267,7 +285,59 @@ def probe(
     )
 
 
-def _pooled_calibration(measured: list[dict[str, Any]]) -> Calibration | None:
+def _action_overhead(p2p: Any, model: ModelConfig, seq_len: int, batch: int, seconds: float) -> float:
+    """Collective over the default group: what the pipeline runtime costs per compute action beyond the
+    action's own work, in CPU seconds, averaged over the ranks. Each rank holds one decoder layer as a
+    stage of a pipeline over all ranks and times it alone (forward and backward on fresh input, as
+    calibrate.py does); then the real runtime runs 1F1B over 2 x ranks microbatches of `batch`
+    sequences through `p2p`, and the process's CPU time of a step (its transport threads too) less the
+    layer's work is spread over the step's compute actions. That holds what a step adds around its
+    layers: messages, bookkeeping, and caches refilled after each wait, which a layer timed in a loop
+    never sees (at 4 ranks on 2 cores ~0.7 ms per action, where handing a tensor to autograd takes 20 us)."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.model.registry import build_stage
+    from hybridpar.pipeline.memory import ActivationMeter
+    from hybridpar.pipeline.runtime import PipelineRuntime
+    from hybridpar.pipeline.schedules import build_schedule
+    from hybridpar.plan.calibrate import _forward_backward_s, _metered
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    stage = build_stage(model, [0], False, False, 0, torch.device("cpu"))
+    shape = (batch, seq_len, model.dim)
+    fresh = lambda: torch.randn(shape, requires_grad=True)  # noqa: E731
+    f, b = _forward_backward_s(_metered(stage), fresh, torch.randn(shape), min(seconds, 0.25))
+    stage.zero_grad(set_to_none=True)
+    runtime = PipelineRuntime({me: stage}, world, lambda s: s, p2p, model.dim, lambda y, t, k: y.square().mean() * k)
+    runtime.meter = ActivationMeter()
+    runtime.meter.lent = p2p.lent
+    m = 2 * world
+    actions = build_schedule("1f1b", world, 1, m)[me]
+    xs = [torch.randn(shape) if me == 0 else None for _ in range(m)]
+    ys = [torch.zeros(batch, seq_len, dtype=torch.long)] * m
+    cpu = []
+    for k in range(REPEATS + 2):  # the same count on every rank: the messages pair up
+        runtime.meter.reset(stage.parameters())
+        t0 = time.process_time()
+        runtime.run(actions, xs, ys, 1.0)
+        if k >= 2:  # two steps warm up
+            cpu.append(time.process_time() - t0)
+        stage.zero_grad(set_to_none=True)
+    v = torch.tensor([max(0.0, (statistics.median(cpu) - m * (f + b)) / (2 * m))], dtype=torch.float64)
+    dist.all_reduce(v)
+    return float(v) / world
+
+
+def _in_step(row: dict[str, float], ranks: int, cores: float) -> dict[str, float]:
+    """One tensor-parallel all-reduce's share of what a layer's collectives add to a step beyond the
+    compute the simulator already stretches for shared cores (`_tp_layers`: a layer's forward and
+    backward, two all-reduces each, in place, less their CPU so stretched)."""
+    extra = row["wall"] - max(1.0, ranks / cores) * row["work"]
+    return {"tp": row["tp"], "tokens": row["tokens"], "all_reduce": max(0.0, extra / 4)}
+
+
+def _pooled_calibration(measured: list[dict[str, Any]], ranks: int, cores: float) -> Calibration | None:
     """Element-wise medians of the measurements' calibrations (same shapes in each); None if any lacks one."""
     cals = [r.get("calibration") for r in measured]
     if not cals or any(c is None for c in cals):
@@ -287,7 +357,7 @@ def _pooled_calibration(measured: list[dict[str, Any]]) -> Calibration | None:
         min(1.0, statistics.median(x for r in measured for x in r["share"])),
         tuple(
             dataclasses.replace(x, tp=int(x.tp), tokens=int(x.tokens))
-            for x in med([c.get("collectives", []) for c in cals], CollectiveTime)
+            for x in med([[_in_step(r, ranks, cores) for r in c.get("collectives", [])] for c in cals], CollectiveTime)
         ),
     )
 
@@ -330,5 +400,5 @@ def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | Non
         collective_latency_us=med("all_reduce_s") / (2 * (ranks - 1)) * 1e6,
         collective_bandwidth_gbs=_ring_gbs(measured, ranks),
         step_sync_us=med("step_sync_s") * 1e6 if all("step_sync_s" in r for r in measured) else None,
-        calibration=_pooled_calibration(measured),
+        calibration=_pooled_calibration(measured, ranks, min(float(ranks), cores)),
     )
