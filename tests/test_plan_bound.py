@@ -53,7 +53,7 @@ def model(n_layers: int = 4, global_batch: int = 8) -> Config:
 
 def layouts(base: Config, h, world: int) -> list[Config]:
     out = []
-    for k in _knobs(base, h, world):
+    for k in _knobs(base, h, world, h.precisions()):
         cfg = _config(base, k)
         try:
             cfg.validate(world)

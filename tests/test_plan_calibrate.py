@@ -179,3 +179,17 @@ def test_calibrate_times_the_real_modules() -> None:
     assert all(x > 0 for r in cal.layers for x in (r.f, r.b, r.b_input, r.w))
     assert all(x > 0 for x in (cal.ends[0].embed_f, cal.ends[0].head_b, cal.optimizer_layer_s, cal.action_overhead_s))
     assert parse_calibration(__import__("tomllib").loads(cal.to_toml())["calibration"], "t").layers[0].tp == 1
+
+
+def test_a_calibrated_host_is_planned_in_the_precision_it_timed() -> None:
+    """The calibration times fp32 only, and on a CPU host a FLOP peak says nothing of bf16's speed: the
+    planner offers fp32 there, and bf16 only where the user holds it."""
+    from hybridpar.plan.memory import rank_memory
+    from hybridpar.plan.search import plan
+
+    base, h = Config(), hw(table())
+    assert hw().precisions() == ("fp32", "bf16") and h.precisions() == ("fp32",)
+    free = plan(base, h, rank_memory, world=2, top=50).candidates
+    assert {c.cfg.train.precision for c in free} == {"fp32"}
+    held = plan(base, h, rank_memory, world=2, top=5, fixed={"train.precision": "bf16"}).candidates
+    assert held and {c.cfg.train.precision for c in held} == {"bf16"}

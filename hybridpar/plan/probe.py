@@ -130,7 +130,7 @@ def measure(
         # CPU time than alone (caches, switches; the default model's layer +10% at 4 ranks on 2 cores).
         dist.barrier()
         cal = _mean_over_ranks(calibrate(model, seq_len, list(shapes), min(seconds, 0.25)))
-        coll = _tp_layers(cal, model, seq_len, list(shapes), max(5, round_trips // 2))
+        coll = _tp_layers(cal, model, seq_len, list(shapes), max(5, round_trips // 5))
         if me == 0:
             out["calibration"] = dataclasses.asdict(dataclasses.replace(cal, collectives=tuple(coll)))
     p2p = P2P(torch.device("cpu"), torch.float32, 60.0)

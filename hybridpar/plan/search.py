@@ -115,7 +115,7 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
-def _knobs(base: Config, hw: Hardware, world: int) -> Iterator[dict[str, Any]]:
+def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) -> Iterator[dict[str, Any]]:
     """Every combination of knobs (not yet validated)."""
     m = base.model
     for tp in _divisors(world):
@@ -136,7 +136,7 @@ def _knobs(base: Config, hw: Hardware, world: int) -> Iterator[dict[str, Any]]:
                     for zero, rec, prec, part in itertools.product(
                         (0, 1) if dp > 1 else (0,),
                         RECOMPUTE,
-                        hw.precisions(),
+                        precisions,
                         ("params", "cost") if pp > 1 else ("params",),
                     ):
                         yield dict(
@@ -172,7 +172,10 @@ def _held_knobs(base: Config, hw: Hardware, world: int, fixed: dict[str, Any]) -
     """The knobs with the `fixed` keys at their values; ValueError naming the binding ones where they
     leave none of the knobs there are."""
     held = {n: fixed[k] for n, k in KNOB_KEYS.items() if k in fixed}
-    every = list(_knobs(base, hw, world))
+    precisions = hw.precisions()
+    if held.get("precision") not in (None, *precisions) and hw.peak_flops(held["precision"]) > 0:
+        precisions += (held["precision"],)  # the user's own, costed from the peak where nothing timed it
+    every = list(_knobs(base, hw, world, precisions))
     keeps = lambda k, hold: all(k[n] == v for n, v in hold.items())  # noqa: E731
     knobs = [k for k in every if keeps(k, held)]
     if every and not knobs:  # binding: the held keys that, let go alone, leave some layout
