@@ -11,17 +11,17 @@ operation costs more CPU time than alone), at the shapes the planner asks for:
   per layer of a stack of the model's layers (at most `STACK`), forward and backward alternating on
   fresh input under the activation meter, as a step runs them;
   a tp > 1 shape runs the layer's local shard (the rank's heads and FFN columns, rowwise inputs cut
-  likewise) without its collectives, which the cost model adds from the link;
+  likewise) without its collectives;
 * the embedding (forward, backward) and the final norm, head and loss (forward, backward), unsharded;
 * the optimizer: gradient clipping, AdamW's step and zeroing the gradients over one layer's parameters;
-* `action_overhead_us`: one pipeline action's bookkeeping around its compute — the measured cost of
-  handing a tensor to autograd and back (detach, requires_grad, grad on a one-element graph) stands for it;
-* `tp_all_reduce` (measured by the probe with every rank taking part, plan/probe.py): one tensor-parallel
-  all-reduce of a microbatch's activations (tokens x dim, fp32) in groups of tp consecutive ranks, all
-  groups at once, each rank computing half a sharded layer's forward between two, as a step does. On a
-  CPU host that costs 3-10x what latency and bandwidth of an idle link say (gloo's threads wake for
-  each call; with more ranks than cores they wait for a core): 2.4 ms per 512 KiB at tp=2 on 2 cores,
-  where an idle pair's all-reduce takes 0.6 ms.
+* `action_overhead_us`: one pipeline action's work around its compute. Here the cost of handing a tensor
+  to autograd and back (detach, requires_grad, grad on a one-element graph) stands for it; the probe
+  replaces it with the real runtime's, measured on a pipeline over its ranks (plan/probe.py), ~20x more;
+* `tp_all_reduce` (measured by the probe, every rank taking part, plan/probe.py): what one
+  tensor-parallel all-reduce of a microbatch's activations adds to a step, from the model's own sharded
+  layers run with their collectives in groups of tp ranks, all groups at once. On a CPU host that is
+  several times what latency and bandwidth of an idle link say (gloo's threads wake for each call and
+  burn CPU the other ranks then lack; with more ranks than cores they wait for one).
 
 `Calibration` is the optional `[calibration]` table of a hardware file (plan/hardware.py); the cost model
 (plan/cost.py) uses it for a model of the same shape (`model`: the signature of the ModelConfig and

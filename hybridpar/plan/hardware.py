@@ -99,7 +99,7 @@ class Hardware:
         peak); where it carries a calibration (a CPU host's probe), only fp32, the one timed. There the
         eager per-operation work outweighs the matmuls, so a FLOP peak says nothing of a precision: on
         the development machine bf16 trains the default model 4.7x slower than fp32, where the peaks
-        alone would predict it 7x faster."""
+        alone predicted it about 6x faster."""
         if self.calibration is not None:
             return ("fp32",) if self.peak_flops("fp32") > 0 else ()
         return tuple(p for p in REQUIRED_PRECISIONS if self.peak_flops(p) > 0)

@@ -84,8 +84,9 @@ def _worker(
 ) -> dict[str, Any]:
     import torch.distributed as dist
 
-    # The others wait at a barrier while rank 0 calibrates every shape alone, which under foreign load took
-    # over a minute; the launch's own deadline (run_ranks kills all ranks) is what bounds the wait.
+    # A rank that finishes calibrating first waits at the next collective for the others (every shape
+    # under foreign load took over a minute); the launch's own deadline (run_ranks kills all ranks) is
+    # what bounds the wait.
     dist.init_process_group("gloo", timeout=timedelta(seconds=timeout_s))
     m = None if model is None else ModelConfig(**model)
     return measure(seconds, round_trips, m, seq_len, [tuple(x) for x in shapes])
