@@ -12,9 +12,10 @@ non-matmul part (selective) to B. The first stage adds the embedding, the last t
 
 Communication, each by latency + bytes / bandwidth over the link the placement gives it (tp inside a
 node; global ranks run tp fastest, then pp, then dp): Megatron tensor parallelism's two all-reduces
-per layer in the forward and two in the backward (plus the embedding's and the head's gather); the
-point-to-point activation messages (simulator's link model); the data-parallel gradient all-reduce of
-each stage, started when its last backward ends and overlapped with what follows (as grads.py does);
+per layer in the forward and two in the backward (plus the embedding's all-reduce, the head's gather
+and its input gradient's all-reduce); the point-to-point activation messages (simulator's link model);
+the data-parallel gradient all-reduce of each stage, started when its last backward ends and overlapped
+with what follows (as grads.py does);
 ZeRO-1's all-gather of the updated slices; the step's small all-reduces (loss, clip norm). The
 optimizer step is memory-bound. Ring collectives: an all-reduce moves 2 (n-1)/n of the bytes and
 takes 2 (n-1) hops, an all-gather half of that.
@@ -236,9 +237,21 @@ class CostModel:
             mm,
             self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act),
             20 * ovh,
-            all_gather_s(tokens * m.vocab_size * act, tp, link, self.hw),
+            sum(self.head_comm(t, tp, tokens, link)),
         )
         return embed, head
+
+    def head_comm(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[float, float]:
+        """The head's tensor-parallel collectives: (the forward's all-gather of the logits, the backward's
+        all-reduce of its input gradient). Where the all-reduce is measured in place, the gather is that
+        time in the ring's proportions: half the steps, vocab / dim of the bytes."""
+        if tp <= 1:
+            return 0.0, 0.0
+        reduce = self.tp_all_reduce_s(t, tp, tokens, link)
+        cal = self.calibrated(t)
+        if cal is not None and cal.tp_all_reduce(tp, tokens) is not None:
+            return reduce * self.m.vocab_size / self.m.dim / 2, reduce
+        return all_gather_s(tokens * self.m.vocab_size * (2 if t.precision == "bf16" else 4), tp, link, self.hw), reduce
 
     def end_costs(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[LayerCosts, LayerCosts]:
         """F, B, W that the embedding adds to the first stage and the head and loss to the last: measured
@@ -249,9 +262,10 @@ class CostModel:
         if timed is None:
             third = lambda e: LayerCosts(e.times(1 / 3), e.times(1 / 3), e.times(1 / 3))  # noqa: E731
             return third(embed), third(head)
+        gather, reduce = self.head_comm(t, tp, tokens, link)
         return (
             LayerCosts(Work(timed.embed_f, comm_s=embed.comm_s), Work(timed.embed_b), Work()),
-            LayerCosts(Work(timed.head_f, comm_s=head.comm_s), Work(timed.head_b), Work()),
+            LayerCosts(Work(timed.head_f, comm_s=gather), Work(timed.head_b, comm_s=reduce), Work()),
         )
 
     def stage_params(self, parts: list[range]) -> list[int]:
