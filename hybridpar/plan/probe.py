@@ -156,32 +156,28 @@ def measure(
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
     out["step_sync_s"] = _step_sync(2 * round_trips)
-    out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))[0]
+    out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))
     return out
 
 
-def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S, setup: Any = None) -> tuple[float, float]:
-    """Mean wall seconds of `fn()` (of `fn(setup())` with `setup`, made untimed) run on every rank
-    after `work_s` of CPU work each, no barrier: how ranks reach a collective in a step; and the mean
-    of the whole round, work included. The mean, not the median: a step pays every call, and under
+def _after_work(fn: Any, rounds: int, work_s: float = SYNC_WORK_S) -> float:
+    """Mean wall seconds of `fn()` run on every rank after `work_s` of CPU work each, no barrier: how
+    ranks reach a collective in a step. The mean, not the median: a step pays every call, and under
     shared cores the slow ones are a tenth of the calls and half the time (gloo's tensor-parallel
     all-reduce in a tp=2 step on 2 cores: median 1.1 ms, mean 2.1, 90th percentile 5)."""
     import torch
 
     a, c = torch.randn(64, 64), torch.empty(64, 64)
-    calls, whole = [], []
+    calls = []
     for k in range(rounds + 3):
-        t_work = time.perf_counter()
         end = time.thread_time() + work_s
         while time.thread_time() < end:
             torch.mm(a, a, out=c)
-        args = () if setup is None else (setup(),)
         t0 = time.perf_counter()
-        fn(*args)
+        fn()
         if k >= 3:
             calls.append(time.perf_counter() - t0)
-            whole.append(time.perf_counter() - t_work)
-    return statistics.fmean(calls), statistics.fmean(whole)
+    return statistics.fmean(calls)
 
 
 def _step_sync(rounds: int) -> float:
@@ -198,20 +194,25 @@ def _step_sync(rounds: int) -> float:
         dist.all_reduce(torch.zeros(2, dtype=torch.float64), op=dist.ReduceOp.MAX)
         dist.all_reduce(torch.zeros((), dtype=torch.float64))
 
-    return _after_work(closing, rounds)[0]
+    return _after_work(closing, rounds)
+
+
+def _rank_mean(figures: list[float]) -> list[float]:
+    """Each figure averaged over the ranks (collective over the default group)."""
+    import torch
+    import torch.distributed as dist
+
+    v = torch.tensor(figures, dtype=torch.float64)
+    dist.all_reduce(v)
+    return (v / dist.get_world_size()).tolist()
 
 
 def _mean_over_ranks(cal: Calibration) -> Calibration:
     """Every rank's calibration of the same shapes, averaged figure by figure (collective)."""
-    import torch
-    import torch.distributed as dist
-
     rows = [*cal.layers, *cal.ends]
     names = [[f.name for f in dataclasses.fields(r) if f.name not in ("tp", "tokens")] for r in rows]
     figures = [getattr(r, k) for r, ks in zip(rows, names) for k in ks] + [cal.optimizer_layer_s, cal.action_overhead_s]
-    v = torch.tensor(figures, dtype=torch.float64)
-    dist.all_reduce(v)
-    it = iter((v / dist.get_world_size()).tolist())
+    it = iter(_rank_mean(figures))
     mean = [dataclasses.replace(r, **{k: next(it) for k in ks}) for r, ks in zip(rows, names)]
     n = len(cal.layers)
     return dataclasses.replace(
@@ -223,7 +224,7 @@ def _tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list,
     """Collective over the default group: per tp > 1 of `shapes` dividing the world, the model's own
     tensor-parallel layers (a stack of `calibrate.STACK` at most, their collectives included) run
     forward and backward in groups of tp consecutive ranks (global ranks run tp fastest), every group
-    at once, as a step's layers run: per layer, the mean wall seconds of a forward and a backward
+    at once, as a step's layers run: per layer, the mean wall seconds of a forward and its backward
     (averaged over the ranks) beside the CPU seconds the calibration measured for its shard alone
     (`cal`, the same on every rank). What the collectives add to a step is the difference (`_in_step`):
     on a CPU host more than the calls alone take, since gloo's threads wake for each and burn CPU that
@@ -245,22 +246,16 @@ def _tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list,
             groups[tp] = mine[me // tp]
         forward = _metered(build_stage(model, list(range(depth)), False, False, 0, torch.device("cpu"), groups[tp]))
         g = torch.randn(b, seq_len, model.dim)
-        fs, bs = [], []
+        walls = []
         dist.barrier()
         for k in range(rounds + 1):  # a fixed count: the group's collectives pair up call for call
             x = torch.randn(b, seq_len, model.dim, requires_grad=True)
             t0 = time.perf_counter()
-            y = forward(x)
-            t1 = time.perf_counter()
-            torch.autograd.backward(y, g)
+            torch.autograd.backward(forward(x), g)
             if k:  # the first pair warms up
-                fs.append(t1 - t0)
-                bs.append(time.perf_counter() - t1)
-        v = torch.tensor([statistics.fmean(fs) / depth, statistics.fmean(bs) / depth], dtype=torch.float64)
-        dist.all_reduce(v)
-        wall_f, wall_b = (v / world).tolist()
-        f, bw = cpu[tp, b * seq_len]
-        out.append({"tp": tp, "tokens": b * seq_len, "wall": wall_f + wall_b, "work": f + bw})
+                walls.append(time.perf_counter() - t0)
+        (wall,) = _rank_mean([statistics.fmean(walls) / depth])
+        out.append({"tp": tp, "tokens": b * seq_len, "wall": wall, "work": sum(cpu[tp, b * seq_len])})
     return out
 
 
@@ -294,7 +289,8 @@ def _action_overhead(p2p: Any, model: ModelConfig, seq_len: int, batch: int, sec
     sequences through `p2p`, and the process's CPU time of a step (its transport threads too) less the
     layer's work is spread over the step's compute actions. That holds what a step adds around its
     layers: messages, bookkeeping, and caches refilled after each wait, which a layer timed in a loop
-    never sees (at 4 ranks on 2 cores ~0.7 ms per action, where handing a tensor to autograd takes 20 us)."""
+    never sees (0.35-0.55 ms per action on the 2-core development machine, where handing a tensor to
+    autograd takes 20 us)."""
     import torch
     import torch.distributed as dist
 
@@ -325,9 +321,7 @@ def _action_overhead(p2p: Any, model: ModelConfig, seq_len: int, batch: int, sec
         if k >= 2:  # two steps warm up
             cpu.append(time.process_time() - t0)
         stage.zero_grad(set_to_none=True)
-    v = torch.tensor([max(0.0, (statistics.median(cpu) - m * (f + b)) / (2 * m))], dtype=torch.float64)
-    dist.all_reduce(v)
-    return float(v) / world
+    return _rank_mean([max(0.0, (statistics.median(cpu) - m * (f + b)) / (2 * m))])[0]
 
 
 def _in_step(row: dict[str, float], ranks: int, cores: float) -> dict[str, float]:
