@@ -53,11 +53,27 @@ def test_measured_sizes_are_used_as_they_are_and_interpolated_between() -> None:
 
 
 def test_the_table_round_trips_through_the_hardware_file() -> None:
-    for t in (table(), table() | {"tp_all_reduce": [[2, 256, 900.0], [2, 512, 1500.0]]}):
+    for t in (table(), table() | {"tp_all_reduce": [[2, 256, 900.0], [2, 512, 1500.0, 3000.0]]}):
         h = hw(t)
         again = parse_hardware(__import__("tomllib").loads(to_toml(h)))
         assert again == h and isinstance(again.calibration, Calibration)
     assert len(again.calibration.collectives) == 2
+
+
+def test_the_heads_collectives_measured_in_place_replace_the_ring_proportions() -> None:
+    cfg = cfg_of(tp=2, m=4)
+    tokens = 4 * SEQ  # global batch 16 over 4 microbatches
+    per_layer = {"tp_all_reduce": [[2, tokens, 1000.0]]}
+    both = {"tp_all_reduce": [[2, tokens, 1000.0, 6000.0]]}
+    old, new = CostModel(cfg.model, hw(table() | per_layer)), CostModel(cfg.model, hw(table() | both))
+    assert old.hw.calibration.tp_head(2, tokens) is None and new.hw.calibration.tp_head(2, tokens) == 6e-3
+    link = placement(cfg.parallel, old.hw).tp
+    ratio = cfg.model.vocab_size / cfg.model.dim / 2  # the gather's share in the ring
+    assert old.head_comm(cfg.train, 2, tokens, link) == pytest.approx((1e-3 * ratio, 1e-3))
+    gather, reduce = new.head_comm(cfg.train, 2, tokens, link)
+    assert gather + reduce == pytest.approx(6e-3) and gather / reduce == pytest.approx(ratio)
+    extra = predict(new, cfg).step_s - predict(old, cfg).step_s  # 4 microbatches on the one pipeline rank
+    assert extra == pytest.approx(4 * (6e-3 - 1e-3 * (ratio + 1)))
 
 
 def test_a_measured_step_sync_replaces_three_small_all_reduces() -> None:
@@ -67,6 +83,21 @@ def test_a_measured_step_sync_replaces_three_small_all_reduces() -> None:
     formula = 3 * all_reduce_s(8, 1, hw().intra_node, hw())  # one rank: nothing to reduce
     assert timed.step_s - base.step_s == pytest.approx(8e-3 - formula)
     assert timed.optimizer_s - base.optimizer_s == pytest.approx(8e-3 - formula)
+
+
+def test_replicas_arriving_apart_delay_the_data_parallel_reduction() -> None:
+    late_hw = replace(hw(table()), sync_wait=((2, 0.0, 0.0), (2, 1e6, 1e6)))  # waits as long as it computed
+    for dp, pp in ((2, 1), (2, 2), (1, 2)):
+        cfg = cfg_of(pp=pp, dp=dp, m=4)
+        base = predict(CostModel(cfg.model, hw(table())), cfg)
+        late = predict(CostModel(cfg.model, late_hw), cfg)
+        if dp == 1:  # nothing waits for replicas
+            assert late == base
+        elif pp == 1:  # one rank computing one stage (no tp: its busy time is its work): waits that long
+            assert late.step_s - base.step_s == pytest.approx(base.compute_s)
+            assert late.dp_reduce_s - base.dp_reduce_s == pytest.approx(base.compute_s)
+        else:  # each rank waits for its own work after its last backward: at most the busiest rank's
+            assert 0 < late.step_s - base.step_s <= base.compute_s + 1e-12
 
 
 def test_a_slower_collective_bandwidth_caps_the_links() -> None:
@@ -106,7 +137,7 @@ def test_measured_tp_all_reduces_replace_the_link_formula() -> None:
         ({"model": 3}, "model must be"),
         ({"extra": 1}, "needs the keys .* got .*'extra'"),
         ({"core_share": 0.0}, "core_share must be a number in \\(0, 1\\]"),
-        ({"tp_all_reduce": [[2, 512]]}, "tp_all_reduce must be a non-empty list of \\[3 numbers"),
+        ({"tp_all_reduce": [[2, 512]]}, "tp_all_reduce must be a non-empty list of \\[3-4 numbers"),
     ],
 )
 def test_bad_tables_are_named(change: dict, message: str) -> None:

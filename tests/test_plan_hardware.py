@@ -44,11 +44,22 @@ def test_optional_keys_round_trip(tmp_path: Path) -> None:
         "cores_per_node": 1.5,
         "op_overhead_us": 4.0,
         "collective_latency_us": 30.0,
+        "sync_wait": [[2, 2000.0, 500.0], [2, 20000.0, 5000.0], [4, 20000.0, 9000.0]],
     }
     hw = parse_hardware(d)
     assert hw.device_speed(7) == 0.5 and hw.device_speed(0) == 1.0 and hw.precisions() == ("fp32", "bf16")
     (tmp_path / "h.toml").write_text(to_toml(hw))
     assert load_hardware(tmp_path / "h.toml") == hw
+
+
+def test_sync_wait_reads_between_measured_works_and_holds_beyond() -> None:
+    hw = parse_hardware(good() | {"sync_wait": [[2, 2000.0, 500.0], [2, 20000.0, 5000.0], [4, 20000.0, 9000.0]]})
+    assert hw.sync_wait_s(2, 11e-3) == pytest.approx(2.75e-3)  # halfway between the two works
+    assert hw.sync_wait_s(2, 1e-3) == pytest.approx(0.5e-3) and hw.sync_wait_s(2, 1.0) == pytest.approx(5e-3)
+    assert hw.sync_wait_s(4, 1e-3) == pytest.approx(9e-3)  # one row at 4 ranks: flat
+    assert hw.sync_wait_s(8, 20e-3) == pytest.approx(9e-3)  # 8 ranks: the nearest size measured
+    assert hw.sync_wait_s(3, 20e-3) == pytest.approx(5e-3)  # as near to 2 as to 4: the smaller
+    assert hw.sync_wait_s(1, 1.0) == 0.0 and parse_hardware(good()).sync_wait_s(2, 1.0) == 0.0
 
 
 @pytest.mark.parametrize(
@@ -63,6 +74,10 @@ def test_optional_keys_round_trip(tmp_path: Path) -> None:
         ({"speed": [1.0, 2.0]}, "speed must list one factor per device (nodes x devices_per_node = 8)"),
         ({"colour": "red"}, "unknown key(s) colour"),
         ({"name": ""}, "name must be a non-empty string"),
+        ({"sync_wait": [[2, 1000.0]]}, "sync_wait must list [ranks, work_us, wait_us] rows"),
+        ({"sync_wait": [[1, 1000.0, 5.0]]}, "sync_wait: ranks must be an integer >= 2, got 1"),
+        ({"sync_wait": [[2, 1000.0, -5.0]]}, "wait_us must be a number >= 0, got -5.0"),
+        ({"sync_wait": [[2, 1e3, 5.0], [2, 1e3, 6.0]]}, "sync_wait lists a (ranks, work_us) twice"),
     ],
 )
 def test_bad_files_name_the_key(change: dict, words: str) -> None:

@@ -25,11 +25,15 @@ def test_probe_writes_a_hardware_file(tmp_path: Path) -> None:
     assert 0 < hw.cores_per_node <= 2 and hw.memory_bandwidth_gbs > 0 and hw.op_overhead_us > 0
     assert hw.intra_node.latency_us > 0 and hw.intra_node.bandwidth_gbs > 0 and hw.collective_latency_us > 0
     assert hw.step_sync_us > 0 and hw.collective_bandwidth_gbs > 0
+    # one group of both ranks, after each amount of work (plan/probe.py SYNC_WAIT_WORK_S)
+    assert [(n, w) for n, w, _ in hw.sync_wait] == [(2, 2000.0), (2, 50000.0)]
+    assert all(x >= 0 for _, _, x in hw.sync_wait)
     (tmp_path / "me.toml").write_text(to_toml(hw))
     again = load_hardware(tmp_path / "me.toml")
     assert replace(again, calibration=None) == replace(hw, calibration=None)  # the calibration: to 0.01 us
     assert again.calibration.layers[0].f == pytest.approx(cal.layers[0].f, abs=1e-8)
     assert again.calibration.collectives[0].all_reduce == pytest.approx(cal.collectives[0].all_reduce, abs=1e-8)
+    assert again.calibration.collectives[0].head == pytest.approx(cal.collectives[0].head, abs=1e-8)
 
 
 def test_probe_needs_two_ranks() -> None:

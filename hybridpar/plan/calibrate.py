@@ -21,7 +21,9 @@ operation costs more CPU time than alone), at the shapes the planner asks for:
   tensor-parallel all-reduce of a microbatch's activations adds to a step, from the model's own sharded
   layers run with their collectives in groups of tp ranks, all groups at once. On a CPU host that is
   several times what latency and bandwidth of an idle link say (gloo's threads wake for each call and
-  burn CPU the other ranks then lack; with more ranks than cores they wait for one).
+  burn CPU the other ranks then lack; with more ranks than cores they wait for one). Beside it, the
+  head's collectives (its logits' gather, its input gradient's all-reduce) from the model's own sharded
+  head and loss run likewise.
 
 `Calibration` is the optional `[calibration]` table of a hardware file (plan/hardware.py); the cost model
 (plan/cost.py) uses it for a model of the same shape (`model`: the signature of the ModelConfig and
@@ -76,11 +78,14 @@ class EndTime:
 
 @dataclass(frozen=True)
 class CollectiveTime:
-    """One tensor-parallel all-reduce of `tokens` tokens' activations in a group of `tp` ranks, seconds."""
+    """One tensor-parallel all-reduce of `tokens` tokens' activations in a group of `tp` ranks, and the
+    head's collectives for a microbatch of them (its logits' gather, its input gradient's all-reduce; 0:
+    not measured), seconds in place."""
 
     tp: int
     tokens: int
     all_reduce: float
+    head: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -120,6 +125,15 @@ class Calibration:
         k = _weights([r.tokens for r in rows], tokens)
         return max(0.0, sum(w * rows[i].all_reduce for i, w in k))
 
+    def tp_head(self, tp: int, tokens: int) -> float | None:
+        """Seconds of the head's collectives for a microbatch of `tokens` tokens at `tp` (interpolated like
+        `layer`); None where they were not measured at this tp."""
+        rows = sorted((r for r in self.collectives if r.tp == tp and r.head > 0), key=lambda r: r.tokens)
+        if not rows:
+            return None
+        k = _weights([r.tokens for r in rows], tokens)
+        return max(0.0, sum(w * rows[i].head for i, w in k))
+
     def end(self, tokens: int) -> EndTime | None:
         rows = sorted(self.ends, key=lambda r: r.tokens)
         if not rows:
@@ -136,14 +150,15 @@ class Calibration:
         ends = ", ".join(
             f"[{r.tokens}, {us(r.embed_f)}, {us(r.embed_b)}, {us(r.head_f)}, {us(r.head_b)}]" for r in self.ends
         )
-        coll = ", ".join(f"[{r.tp}, {r.tokens}, {us(r.all_reduce)}]" for r in self.collectives)
+        coll = ", ".join(f"[{r.tp}, {r.tokens}, {us(r.all_reduce)}, {us(r.head)}]" for r in self.collectives)
         return (
             f'\n[calibration]\nmodel = "{self.model}"\noptimizer_layer_us = {us(self.optimizer_layer_s)}\n'
             f"action_overhead_us = {us(self.action_overhead_s)}\ncore_share = {self.core_share!r}\n"
             f"# [tp, tokens, forward, backward, zero-bubble B, zero-bubble W] (us)\nlayer = [{layer}]\n"
             f"# [tokens, embedding forward, backward, head + loss forward, backward] (us)\nends = [{ends}]"
             + (
-                f"\n# [tp, tokens, one tensor-parallel all-reduce in place] (us)\ntp_all_reduce = [{coll}]"
+                "\n# [tp, tokens, one tensor-parallel all-reduce in place, the head's collectives in place] (us)"
+                f"\ntp_all_reduce = [{coll}]"
                 if coll
                 else ""
             )
@@ -160,13 +175,18 @@ def _weights(xs: list[int], x: int) -> list[tuple[int, float]]:
     return [(i - 1, 1 - t), (i, t)]
 
 
-def _rows(v: Any, width: int, key: str, where: str) -> list[list[float]]:
+def _rows(v: Any, width: int, key: str, where: str, optional: int = 0) -> list[list[float]]:
+    """`v` as rows of `width` numbers >= 0 (the last `optional` of them may be left out: 0)."""
     ok = isinstance(v, list) and all(
-        isinstance(r, list) and len(r) == width and all(isinstance(x, (int, float)) and x >= 0 for x in r) for r in v
+        isinstance(r, list)
+        and width - optional <= len(r) <= width
+        and all(isinstance(x, (int, float)) and x >= 0 for x in r)
+        for r in v
     )
     if not ok or not v:
-        raise ValueError(f"{where} [calibration]: {key} must be a non-empty list of [{width} numbers >= 0] rows")
-    return v
+        n = f"{width - optional}-{width}" if optional else f"{width}"
+        raise ValueError(f"{where} [calibration]: {key} must be a non-empty list of [{n} numbers >= 0] rows")
+    return [r + [0] * (width - len(r)) for r in v]
 
 
 def parse_calibration(d: Any, where: str) -> Calibration:
@@ -189,8 +209,8 @@ def parse_calibration(d: Any, where: str) -> Calibration:
     layers = [LayerTime(int(r[0]), int(r[1]), *(x * 1e-6 for x in r[2:])) for r in _rows(d["layer"], 6, "layer", where)]
     ends = [EndTime(int(r[0]), *(x * 1e-6 for x in r[1:])) for r in _rows(d["ends"], 5, "ends", where)]
     coll = [
-        CollectiveTime(int(r[0]), int(r[1]), r[2] * 1e-6)
-        for r in (_rows(d["tp_all_reduce"], 3, "tp_all_reduce", where) if "tp_all_reduce" in d else [])
+        CollectiveTime(int(r[0]), int(r[1]), r[2] * 1e-6, r[3] * 1e-6)
+        for r in (_rows(d["tp_all_reduce"], 4, "tp_all_reduce", where, optional=1) if "tp_all_reduce" in d else [])
     ]
     return Calibration(
         d["model"],

@@ -243,14 +243,19 @@ class CostModel:
 
     def head_comm(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[float, float]:
         """The head's tensor-parallel collectives: (the forward's all-gather of the logits, the backward's
-        all-reduce of its input gradient). Where the all-reduce is measured in place, the gather is that
-        time in the ring's proportions: half the steps, vocab / dim of the bytes."""
+        all-reduce of its input gradient). Measured in place where the calibration has them (their sum,
+        split in the ring's proportions: the gather takes half the steps with vocab / dim of the bytes);
+        else, where the all-reduce is measured in place, the gather is that time in those proportions."""
         if tp <= 1:
             return 0.0, 0.0
         reduce = self.tp_all_reduce_s(t, tp, tokens, link)
         cal = self.calibrated(t)
+        gather = self.m.vocab_size / self.m.dim / 2  # the gather's time over the all-reduce's, in the ring
+        head = cal.tp_head(tp, tokens) if cal is not None else None
+        if head is not None:  # the two measured together in place: split in those proportions
+            return head * gather / (gather + 1), head / (gather + 1)
         if cal is not None and cal.tp_all_reduce(tp, tokens) is not None:
-            return reduce * self.m.vocab_size / self.m.dim / 2, reduce
+            return reduce * gather, reduce
         return all_gather_s(tokens * self.m.vocab_size * (2 if t.precision == "bf16" else 4), tp, link, self.hw), reduce
 
     def end_costs(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[LayerCosts, LayerCosts]:
@@ -431,7 +436,11 @@ def predict(
         sims[key] = sim
     if key not in model._last:
         model._last[key] = last_backwards(sim)
-    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, su.ranks)
+    work = [
+        m * sum(c.f.compute + c.b.compute + c.w.compute for s, c in enumerate(su.costs) if su.ranks[s] == r)
+        for r in range(p.pp)
+    ]
+    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, su.ranks, work)
     opt, fixed = su.after_pipeline(model, cfg)
     busiest = max(range(p.pp), key=lambda r: sim.busy_s[r])
     tp_comm = m * sum(c.f.comm_s + c.b.comm_s + c.w.comm_s for s, c in enumerate(su.costs) if su.ranks[s] == busiest)
@@ -465,16 +474,23 @@ def _dp_reductions(
     pl: Placement,
     stage_params: list[int],
     ranks: tuple[int, ...],
+    work: list[float],
 ) -> tuple[float, float]:
     """(when the last rank's gradient reductions end, how much later that is than the pipeline): each
-    stage's all-reduce starts at its last backward action (`last`) and runs after the rank's earlier ones."""
+    stage's all-reduce starts at its last backward action (`last`) and runs after the rank's earlier ones.
+    A rank's first one also waits for its replicas, which reach it apart after the step's `work` (its
+    compute seconds) where ranks share cores (`Hardware.sync_wait_s`): nothing synchronises replicas
+    before it."""
     p = cfg.parallel
     if p.dp == 1:
         return sim.step_time_s, 0.0
     free = [0.0] * p.pp
+    waited: set[int] = set()
     for s in sorted(last, key=last.get):
         r = ranks[s]
-        free[r] = max(free[r], last[s]) + all_reduce_s(4 * stage_params[s] / p.tp, p.dp, pl.dp, hw)
+        wait = 0.0 if r in waited else hw.sync_wait_s(p.dp, work[r])
+        waited.add(r)
+        free[r] = max(free[r], last[s]) + wait + all_reduce_s(4 * stage_params[s] / p.tp, p.dp, pl.dp, hw)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s
 

@@ -31,6 +31,12 @@ Optional keys:
                                       after compute), measured in place by the probe: on a CPU host whose
                                       ranks outnumber its cores, 10 ms where an idle 8-byte all-reduce
                                       says 1.3; none = three all-reduces by collective_latency_us
+    sync_wait = [[ranks, work_us, wait_us], ...]
+                                      what a collective over groups of `ranks` waits beyond an idle one when
+                                      it follows `work_us` of compute on each rank, every group at once (a
+                                      data-parallel reduction after the pipeline): where ranks share cores
+                                      the scheduler's time slices make ranks that did the same work arrive
+                                      apart, by more the longer they computed; none = they arrive together
     [calibration]                     the model's own layers, embedding, head and optimizer timed on this
                                       machine at given (tp, tokens) shapes (plan/calibrate.py); the cost
                                       model uses them for that model shape in fp32, FLOPs otherwise
@@ -80,6 +86,7 @@ class Hardware:
     collective_latency_us: float | None = None
     collective_bandwidth_gbs: float | None = None
     step_sync_us: float | None = None
+    sync_wait: tuple[tuple[int, float, float], ...] | None = None
     calibration: Calibration | None = None
 
     @property
@@ -106,6 +113,21 @@ class Hardware:
 
     def device_speed(self, device: int) -> float:
         return 1.0 if self.speed is None else self.speed[device]
+
+    def sync_wait_s(self, ranks: int, work_s: float) -> float:
+        """Seconds a collective over `ranks` waits for ranks arriving apart after `work_s` of compute
+        each (`sync_wait`): the rows of the nearest group size, linear in the work between them, flat
+        beyond; 0 without the table or for one rank."""
+        if self.sync_wait is None or ranks <= 1:
+            return 0.0
+        n = min({r for r, _, _ in self.sync_wait}, key=lambda r: (abs(r - ranks), r))
+        pts = sorted((w * 1e-6, x * 1e-6) for r, w, x in self.sync_wait if r == n)
+        if work_s <= pts[0][0]:
+            return pts[0][1]
+        for (w0, x0), (w1, x1) in zip(pts, pts[1:]):
+            if work_s <= w1:
+                return x0 + (x1 - x0) * (work_s - w0) / (w1 - w0)
+        return pts[-1][1]
 
 
 def _need(ok: bool, where: str, message: str) -> None:
@@ -186,8 +208,34 @@ def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
         collective_latency_us=_number(d, "collective_latency_us", where, positive=False, default=None),
         collective_bandwidth_gbs=opt("collective_bandwidth_gbs"),
         step_sync_us=_number(d, "step_sync_us", where, positive=False, default=None),
+        sync_wait=_sync_wait(d.get("sync_wait"), where),
         calibration=None if "calibration" not in d else parse_calibration(d["calibration"], where),
     )
+
+
+def _sync_wait(rows: Any, where: str) -> tuple[tuple[int, float, float], ...] | None:
+    if rows is None:
+        return None
+    ok = isinstance(rows, list) and rows and all(isinstance(r, list) and len(r) == 3 for r in rows)
+    _need(ok, where, f"sync_wait must list [ranks, work_us, wait_us] rows, got {rows!r}")
+    out = []
+    for r in rows:
+        n, w, x = r
+        _need(
+            isinstance(n, int) and not isinstance(n, bool) and n >= 2,
+            where,
+            f"sync_wait: ranks must be an integer >= 2, got {n!r}",
+        )
+        out.append(
+            (
+                n,
+                _number({"work_us": w}, "work_us", where, positive=False),
+                _number({"wait_us": x}, "wait_us", where, positive=False),
+            )
+        )
+    works = [(n, w) for n, w, _ in out]
+    _need(len(set(works)) == len(works), where, f"sync_wait lists a (ranks, work_us) twice: {rows!r}")
+    return tuple(out)
 
 
 def load_hardware(path: str | Path) -> Hardware:

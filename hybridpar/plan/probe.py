@@ -22,6 +22,10 @@ barrier:
 * step_sync_us: a step's three closing all-reduces (plan/hardware.py), every rank computing for
   `SYNC_WORK_S` of CPU time before them as a step's optimizer does, no barrier between: the way ranks
   reach them in a step, which idle back-to-back all-reduces do not show.
+* sync_wait: per group size n dividing the world, groups of ranks world / n apart (as data-parallel
+  replicas are placed) all at once, an 8-byte all-reduce after each of `SYNC_WAIT_WORK_S` of compute on
+  every rank, less the same all-reduce back to back: how far apart ranks that did the same work reach a
+  collective (averaged over the ranks).
 
 * with a model and its shapes: the `[calibration]` table (plan/calibrate.py), every rank at once (the
   figures averaged over them): the model's own layer, embedding, head and optimizer timed at each (tp,
@@ -51,6 +55,10 @@ MATMUL_N = 512
 REPEATS = 3
 ELEMENTS = 1 << 17  # 512 KiB per fp32 array: one microbatch's activations of a small model
 SYNC_WORK_S = 2e-3  # CPU seconds each rank computes before a step's closing reductions (an optimizer step)
+# CPU seconds of compute before the collective whose wait `sync_wait` measures: a few layers' worth and a
+# small model's whole pipeline per rank (the default model's is 50-60 ms at 4 ranks); the cost model
+# reads between them and holds the last beyond.
+SYNC_WAIT_WORK_S = (0.002, 0.05)
 
 
 def _rate(fn, work: float, seconds: float) -> float:
@@ -156,6 +164,7 @@ def measure(
             times.append(time.perf_counter() - t0)
     out["all_reduce_s"] = statistics.median(times)
     out["step_sync_s"] = _step_sync(2 * round_trips)
+    out["sync_wait"] = _sync_wait(max(10, round_trips // 2))
     out["big_all_reduce_s"] = _after_work(lambda: dist.all_reduce(torch.zeros(1 << 20)), max(5, round_trips // 4))
     return out
 
@@ -197,6 +206,31 @@ def _step_sync(rounds: int) -> float:
     return _after_work(closing, rounds)
 
 
+def _sync_wait(rounds: int) -> list[list[float]]:
+    """Collective over the default group: [ranks, work_us, wait_us] rows (plan/hardware.py's
+    `sync_wait`), per group size n dividing the world (groups of ranks world / n apart, all at once) and
+    work in SYNC_WAIT_WORK_S: the mean wall of an 8-byte all-reduce after that work on every rank, less
+    its mean back to back, averaged over the ranks. On 2 cores shared by 4 ranks: 1-2 ms after 2 ms of
+    work, 3-5 ms after 50 ms in groups of 2 (noisy: the scheduler's placement of ranks decides it)."""
+    import torch
+    import torch.distributed as dist
+
+    world, me = dist.get_world_size(), dist.get_rank()
+    x = torch.zeros(2)
+    rows = []
+    for n in [d for d in range(2, world + 1) if world % d == 0]:
+        mine = None  # the default group
+        if n < world:  # every rank creates every group, in the same order (new_group is collective)
+            stride = world // n  # replicas as the mesh places them (topology/mesh.py: dp outermost)
+            mine = [dist.new_group(list(range(s, world, stride))) for s in range(stride)][me % stride]
+        dist.barrier()
+        reduce = lambda: dist.all_reduce(x, group=mine)  # noqa: E731
+        idle = _after_work(reduce, rounds, 0.0)
+        rows += [[n, w * 1e6, max(0.0, _after_work(reduce, rounds, w) - idle) * 1e6] for w in SYNC_WAIT_WORK_S]
+    waits = _rank_mean([r[2] for r in rows])
+    return [[n, w, x] for (n, w, _), x in zip(rows, waits)]
+
+
 def _rank_mean(figures: list[float]) -> list[float]:
     """Each figure averaged over the ranks (collective over the default group)."""
     import torch
@@ -233,10 +267,12 @@ def _tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list,
     import torch.distributed as dist
 
     from hybridpar.model.registry import build_stage
+    from hybridpar.pipeline.runtime import token_cross_entropy
     from hybridpar.plan.calibrate import STACK, _metered
 
     world, me = dist.get_world_size(), dist.get_rank()
     cpu = {(r.tp, r.tokens): (r.f, r.b) for r in cal.layers}
+    ends = {r.tokens: r for r in cal.ends}
     depth = min(model.n_layers, STACK)
     groups: dict[int, Any] = {}
     out = []
@@ -254,8 +290,28 @@ def _tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list,
             torch.autograd.backward(forward(x), g)
             if k:  # the first pair warms up
                 walls.append(time.perf_counter() - t0)
-        (wall,) = _rank_mean([statistics.fmean(walls) / depth])
-        out.append({"tp": tp, "tokens": b * seq_len, "wall": wall, "work": sum(cpu[tp, b * seq_len])})
+        head = _metered(build_stage(model, [], False, True, 0, torch.device("cpu"), groups[tp]))
+        ids = torch.randint(0, model.vocab_size, (b, seq_len))
+        heads = []
+        dist.barrier()
+        for k in range(rounds + 1):
+            x = torch.randn(b, seq_len, model.dim, requires_grad=True)
+            t0 = time.perf_counter()
+            token_cross_entropy(head(x), ids, 1.0).backward()
+            if k:
+                heads.append(time.perf_counter() - t0)
+        wall, head_wall = _rank_mean([statistics.fmean(walls) / depth, statistics.fmean(heads)])
+        end = ends[b * seq_len]
+        out.append(
+            {
+                "tp": tp,
+                "tokens": b * seq_len,
+                "wall": wall,
+                "work": sum(cpu[tp, b * seq_len]),
+                "head_wall": head_wall,
+                "head_work": end.head_f + end.head_b,
+            }
+        )
     return out
 
 
@@ -327,9 +383,12 @@ def _action_overhead(p2p: Any, model: ModelConfig, seq_len: int, batch: int, sec
 def _in_step(row: dict[str, float], ranks: int, cores: float) -> dict[str, float]:
     """One tensor-parallel all-reduce's share of what a layer's collectives add to a step beyond the
     compute the simulator already stretches for shared cores (`_tp_layers`: a layer's forward and
-    backward, two all-reduces each, in place, less their CPU so stretched)."""
-    extra = row["wall"] - max(1.0, ranks / cores) * row["work"]
-    return {"tp": row["tp"], "tokens": row["tokens"], "all_reduce": max(0.0, extra / 4)}
+    backward, two all-reduces each, in place, less their CPU so stretched); likewise the head's two
+    collectives (beyond the unsharded head's calibrated CPU, which the cost model charges it)."""
+    stretch = max(1.0, ranks / cores)
+    extra = row["wall"] - stretch * row["work"]
+    head = row.get("head_wall", 0.0) - stretch * row.get("head_work", 0.0)
+    return {"tp": row["tp"], "tokens": row["tokens"], "all_reduce": max(0.0, extra / 4), "head": max(0.0, head)}
 
 
 def _pooled_calibration(measured: list[dict[str, Any]], ranks: int, cores: float) -> Calibration | None:
@@ -355,6 +414,14 @@ def _pooled_calibration(measured: list[dict[str, Any]], ranks: int, cores: float
             for x in med([[_in_step(r, ranks, cores) for r in c.get("collectives", [])] for c in cals], CollectiveTime)
         ),
     )
+
+
+def _pooled_sync_wait(measured: list[dict[str, Any]]) -> tuple[tuple[int, float, float], ...] | None:
+    """The measurements' `sync_wait` rows, the waits' medians (the same rows in each); None if any lacks them."""
+    if not all(r.get("sync_wait") for r in measured):
+        return None
+    rows = zip(*(r["sync_wait"] for r in measured))
+    return tuple((int(rs[0][0]), float(rs[0][1]), statistics.median(r[2] for r in rs)) for rs in rows)
 
 
 def _ring_gbs(measured: list[dict[str, Any]], ranks: int) -> float | None:
@@ -395,5 +462,6 @@ def describe(measured: list[dict[str, Any]], ranks: int, memory_gib: float | Non
         collective_latency_us=med("all_reduce_s") / (2 * (ranks - 1)) * 1e6,
         collective_bandwidth_gbs=_ring_gbs(measured, ranks),
         step_sync_us=med("step_sync_s") * 1e6 if all("step_sync_s" in r for r in measured) else None,
+        sync_wait=_pooled_sync_wait(measured),
         calibration=_pooled_calibration(measured, ranks, min(float(ranks), cores)),
     )
