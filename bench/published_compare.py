@@ -8,7 +8,8 @@ per GPU. One cost model for every row; no constant is tuned per row.
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
 where the source's run sharded it), its precision (fp16 as bf16).
-`fits` says whether our memory model (plan/memory.py) puts it within the cluster file's device memory.
+`fits` says whether our memory model (plan/memory.py) puts it within the cluster file's device memory;
+where the planner finds no layout at all, `no_choice` says why (its one-line error).
 """
 
 from __future__ import annotations
@@ -97,7 +98,10 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     if not search:
         return out
     t0 = time.perf_counter()
-    result = plan(row_config(row), hw, memory, world=row["gpus"], top=top)  # the planner sets every knob
+    try:
+        result = plan(row_config(row), hw, memory, world=row["gpus"], top=top)  # the planner sets every knob
+    except ValueError as e:  # e.g. no layout fits: a row to state, not a crash of the whole comparison
+        return out | {"no_choice": str(e), "plan_s": time.perf_counter() - t0}
     best = result.candidates[0]
     best_rate = best.tokens_per_s / row["gpus"]
     return out | {
@@ -123,7 +127,11 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['id']} | {r['gpus']:,} | {r['unit']} | {r['published_layout']} | {fmt(r['published'])} | "
             f"{fmt(r['predicted_for_published_layout'])}{note} | "
-            + (f"{r['choice']} | {fmt(r['choice_predicted'])} |" if r["choice"] else "(search not run) | |")
+            + (
+                f"{r['choice']} | {fmt(r['choice_predicted'])} |"
+                if r["choice"]
+                else f"({r.get('no_choice', 'search not run')}) | |"
+            )
         )
     return "\n".join(lines)
 
