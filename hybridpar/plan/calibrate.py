@@ -16,8 +16,8 @@ operation costs more CPU time than alone), at the shapes the planner asks for:
 * the optimizer: gradient clipping, AdamW's step and zeroing the gradients over one layer's parameters;
 * `action_overhead_us`: one pipeline action's work around its compute. Here the cost of handing a tensor
   to autograd and back (detach, requires_grad, grad on a one-element graph) stands for it; the probe
-  replaces it with the real runtime's, measured on a pipeline over its ranks (plan/probe.py), ~20x more;
-* `tp_all_reduce` (measured by the probe, every rank taking part, plan/probe.py): what one
+  replaces it with the real runtime's, measured on a pipeline over its ranks (plan/in_place.py), ~20x more;
+* `tp_all_reduce` (measured by the probe, every rank taking part, plan/in_place.py): what one
   tensor-parallel all-reduce of a microbatch's activations adds to a step, from the model's own sharded
   layers run with their collectives in groups of tp ranks, all groups at once. On a CPU host that is
   several times what latency and bandwidth of an idle link say (gloo's threads wake for each call and
