@@ -76,13 +76,21 @@ def test_the_heads_collectives_measured_in_place_replace_the_ring_proportions() 
     assert extra == pytest.approx(4 * (6e-3 - 1e-3 * (ratio + 1)))
 
 
-def test_a_measured_step_sync_replaces_three_small_all_reduces() -> None:
-    cfg = cfg_of(m=4)
+@pytest.mark.parametrize(
+    "tp, pp, dp, zero, calls",
+    [(1, 1, 1, 0, 2), (1, 1, 2, 0, 2), (1, 1, 2, 1, 3), (2, 1, 1, 0, 3), (1, 2, 1, 0, 3), (2, 2, 2, 1, 5)],
+)
+def test_a_measured_step_sync_is_shared_by_the_steps_closing_reductions(tp, pp, dp, zero, calls) -> None:
+    # The probe times three (two over every rank, one for the clip norm); a step makes two plus one per
+    # dimension whose ranks hold different parts of the gradient: tp, pp, and dp under ZeRO-1.
+    cfg = cfg_of(tp=tp, pp=pp, dp=dp, m=4)
+    cfg.parallel.zero = zero
     base = predict(CostModel(cfg.model, hw(table())), cfg)
-    timed = predict(CostModel(cfg.model, replace(hw(table()), step_sync_us=8000.0)), cfg)
-    formula = 3 * all_reduce_s(8, 1, hw().intra_node, hw())  # one rank: nothing to reduce
-    assert timed.step_s - base.step_s == pytest.approx(8e-3 - formula)
-    assert timed.optimizer_s - base.optimizer_s == pytest.approx(8e-3 - formula)
+    timed = predict(CostModel(cfg.model, replace(hw(table()), step_sync_us=9000.0)), cfg)
+    world = placement(cfg.parallel, hw()).world
+    formula = calls * all_reduce_s(8, tp * pp * dp, world, hw())
+    assert timed.step_s - base.step_s == pytest.approx(9e-3 * calls / 3 - formula)
+    assert timed.optimizer_s - base.optimizer_s == pytest.approx(9e-3 * calls / 3 - formula)
 
 
 def test_replicas_arriving_apart_delay_the_data_parallel_reduction() -> None:

@@ -5,7 +5,7 @@ Two bounds, each no greater than the prediction (tests/test_plan_bound.py checks
 
 * `knob_bound`, from the knobs alone (no partition, no schedule): the pipeline ranks' compute over pp (the
   busiest rank does at least the average), or over the node's cores where ranks share them, plus the
-  optimizer step of the average rank and the step's small all-reduces. The search sorts every layout by
+  optimizer step of the average rank and the step's closing reductions. The search sorts every layout by
   it and stops at the first that exceeds the k-th best prediction: all later ones exceed it too.
 * `step_bound`, from the schedule's compute lists (`ComputeShape`) and the layout's stage costs: each
   rank must wait for its first forward's microbatch to come down the stages before it, then run all of
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op
-from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, all_reduce_s, optimizer_s, setup
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, all_reduce_s, closing_s, optimizer_s, setup
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 
@@ -63,8 +63,7 @@ def knob_bound(
     params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
     world = k["tp"] * k["pp"] * k["dp"]
     opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world)  # affine in params: max >= at mean
-    fixed = 3 * all_reduce_s(8, world, pl.world, model.hw)
-    return work + opt + fixed
+    return work + opt + closing_s(model.hw, k["tp"], k["pp"], k["dp"], k["zero"], pl.world)
 
 
 def step_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> float:

@@ -383,10 +383,18 @@ class Setup(NamedTuple):
             sum(self.stage_params[s] for s in range(p.n_stages) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
         opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n, p.tp * p.pp * p.dp) for n in rank_params)
-        # The loss and flags, the step time and peak, the clip norm: measured in place where the hardware
-        # file has it (a CPU host's probe), else three small all-reduces.
-        sync = model.hw.step_sync_us
-        return opt, sync * 1e-6 if sync is not None else 3 * all_reduce_s(8, p.tp * p.pp * p.dp, pl.world, model.hw)
+        return opt, closing_s(model.hw, p.tp, p.pp, p.dp, p.zero, pl.world)
+
+
+def closing_s(hw: Hardware, tp: int, pp: int, dp: int, zero: int, link: Link) -> float:
+    """A step's closing reductions: the loss and flags, the step time and peak over every rank, then the
+    clip norm's square over each dimension whose ranks hold different parts of the gradient
+    (grads.clip_grad_norm: tp, pp, and dp under ZeRO-1). Each is a third of `step_sync_us` where the
+    hardware has it (a CPU host's probe times three in place), else a small all-reduce over every rank."""
+    calls = 2 + (tp > 1) + (pp > 1) + (dp > 1 and zero == 1)
+    if hw.step_sync_us is not None:
+        return hw.step_sync_us * 1e-6 * calls / 3
+    return calls * all_reduce_s(8, tp * pp * dp, link, hw)
 
 
 def setup(model: CostModel, cfg: Config) -> Setup:
