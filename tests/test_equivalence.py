@@ -6,6 +6,7 @@ dp=3 with replicas of 4, 3 and 3 samples, a sequence of 33 tokens."""
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 from typing import Any
 
@@ -114,53 +115,38 @@ def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
         )
 
 
-def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
-    """Each config's run (all of one world size, in one launch) against the single-device reference: the
-    loss of every step and every validation within TOL, every parameter by the fp64 criterion."""
+def run_layouts(cfgs: list[Config], out: Path, worker=_worker) -> list[tuple[list, list]]:
+    """Each config's run (all of one world size, in one launch, in order): rank 0's (losses, validation
+    losses) per config, and its final state in out/state{i}.pt."""
     world = cfgs[0].parallel.world_size
-    results = run_ranks(worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)
+    return run_ranks(worker, world, [c.to_dict() for c in cfgs], str(out), timeout_s=400)[0]
+
+
+def check_results(cfgs: list[Config], results: list, out: Path, first: int = 0) -> None:
+    """Runs of `cfgs` (results[i], out/state{first + i}.pt) against the single-device reference: the loss
+    of every step and every validation within TOL, every parameter by the fp64 criterion."""
     for i, cfg in enumerate(cfgs):
         ref_losses, ref_val, ref_state = ref_for(cfg)
         p = cfg.parallel
         label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={p.chunks} m={cfg.train.microbatches}"
-        losses, val = results[0][i]
+        losses, val = results[i]
         assert len(losses) == len(ref_losses) and len(val) == len(ref_val) == 2
         for (s, a), (_, b) in zip(val, ref_val):
             assert abs(a - b) <= TOL, f"{label}: validation loss after step {s}: {a} vs single device {b}"
         for s, (a, b) in enumerate(zip(losses, ref_losses)):
             assert abs(a - b) <= TOL, f"{label}: step {s} loss {a} vs single device {b}"
-        state = torch.load(tmp_path / f"state{i}.pt", weights_only=True)
+        state = torch.load(out / f"state{first + i}.pt", weights_only=True)
         assert list(state) == list(ref_state), f"{label}: parameter names/order differ"
         check_fp64(label, state, cfg)
 
 
-@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in LAYOUTS])
-def test_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path) -> None:
-    cfgs = [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp)) for s, v in schedules_for(pp)]
-    check_layouts(cfgs, tmp_path)
+def check_layouts(cfgs: list[Config], tmp_path: Path, worker=_worker) -> None:
+    """Each config's run (all of one world size, in one launch) against the single-device reference."""
+    check_results(cfgs, run_layouts(cfgs, tmp_path, worker), tmp_path)
 
 
-def test_pipelines_over_tight_shared_memory_rings(tmp_path: Path) -> None:
-    cfgs = [grid_config(4, s, v, parallel=dict(tp=1, pp=4, dp=1, p2p="shared_memory")) for s, v in schedules_for(4)]
-    check_layouts(cfgs, tmp_path, _tight_rings_worker)
-
-
-def test_tied_embeddings_across_stages(tmp_path: Path) -> None:
-    cfgs = [
-        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b")),
-        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe")),
-        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
-        # zb-v: the embedding and the head it is tied to are two stages of rank 0
-        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="zb-v")),
-    ]
-    check_layouts(cfgs, tmp_path)
-
-
-def test_explicit_unequal_microbatches(tmp_path: Path) -> None:
-    cfg = tiny_config(
-        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"), train=dict(global_batch=10, microbatch_sizes=[4, 1, 2, 3])
-    )
-    check_layouts([cfg], tmp_path)
+def layout_configs(tp: int, pp: int, dp: int) -> list[Config]:
+    return [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp)) for s, v in schedules_for(pp)]
 
 
 GPT2_LAYOUTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
@@ -171,10 +157,99 @@ def gpt2_config(**parallel: Any) -> Config:
     return tiny_config(model=dict(family="gpt2", n_kv_heads=None, n_positions=24), parallel=parallel)
 
 
-@pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}" for a, b, c in GPT2_LAYOUTS])
-def test_gpt2_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path) -> None:
-    cfgs = [gpt2_config(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v) for s, v in schedules_for(pp)]
-    check_layouts(cfgs, tmp_path)
+def gpt2_configs(tp: int, pp: int, dp: int) -> list[Config]:
+    return [gpt2_config(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v) for s, v in schedules_for(pp)]
+
+
+def tied_configs() -> list[Config]:
+    return [
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b")),
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=1, pp=2, dp=2, schedule="gpipe")),
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, schedule="1f1b")),
+        # zb-v: the embedding and the head it is tied to are two stages of rank 0
+        tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=2, dp=1, schedule="zb-v")),
+    ]
+
+
+def unequal_configs() -> list[Config]:
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"), train=dict(global_batch=10, microbatch_sizes=[4, 1, 2, 3])
+    )
+    return [cfg]
+
+
+def _ids(layouts: list[tuple[int, int, int]]) -> list[str]:
+    return [f"tp{a}-pp{b}-dp{c}" for a, b, c in layouts]
+
+
+# Tests whose runs share one launch per world size. Each launch of 2 or 4 ranks costs 2-5 s before its
+# first step (interpreters importing torch, and torch._dynamo at the first model build), more than the
+# runs of most of these tests; every run still trains its own directory from scratch and each test checks
+# exactly its own runs. Two launches at world 4 keep each well inside pytest's timeout on a loaded machine.
+SHARED = {
+    "world2": {
+        **{f"layout-{k}": (layout_configs, lay) for k, lay in zip(_ids(LAYOUTS), LAYOUTS) if math.prod(lay) == 2},
+        "unequal": (unequal_configs, ()),
+    },
+    "world4-llama": {
+        f"layout-{k}": (layout_configs, lay) for k, lay in zip(_ids(LAYOUTS), LAYOUTS) if math.prod(lay) == 4
+    },
+    "world4-gpt2-tied": {
+        **{f"gpt2-{k}": (gpt2_configs, lay) for k, lay in zip(_ids(GPT2_LAYOUTS), GPT2_LAYOUTS)},
+        "tied": (tied_configs, ()),
+    },
+}
+
+
+@pytest.fixture(scope="module")
+def shared(tmp_path_factory: pytest.TempPathFactory):
+    """check(key): the runs of SHARED's `key` against the single-device reference, out of its group's one
+    launch (started by the first test that asks; a failed launch fails each test of its group)."""
+    launched: dict[str, tuple[Path, list] | BaseException] = {}
+
+    def check(key: str) -> None:
+        group = next(g for g, cases in SHARED.items() if key in cases)
+        cases = {k: make(*lay) for k, (make, lay) in SHARED[group].items()}
+        if group not in launched:
+            out = tmp_path_factory.mktemp(group)
+            try:
+                launched[group] = (out, run_layouts([c for cfgs in cases.values() for c in cfgs], out))
+            except Exception as e:
+                launched[group] = e
+        if isinstance(launched[group], BaseException):
+            raise launched[group]
+        out, results = launched[group]
+        keys = list(cases)
+        first = sum(len(cases[k]) for k in keys[: keys.index(key)])  # its runs' place in the launch
+        check_results(cases[key], results[first : first + len(cases[key])], out, first)
+
+    return check
+
+
+@pytest.mark.parametrize("tp,pp,dp", LAYOUTS, ids=_ids(LAYOUTS))
+def test_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path, shared) -> None:
+    if tp * pp * dp == 8:  # the only layout of its world size: its own launch
+        check_layouts(layout_configs(tp, pp, dp), tmp_path)
+    else:
+        shared(f"layout-tp{tp}-pp{pp}-dp{dp}")
+
+
+def test_pipelines_over_tight_shared_memory_rings(tmp_path: Path) -> None:
+    cfgs = [grid_config(4, s, v, parallel=dict(tp=1, pp=4, dp=1, p2p="shared_memory")) for s, v in schedules_for(4)]
+    check_layouts(cfgs, tmp_path, _tight_rings_worker)
+
+
+def test_tied_embeddings_across_stages(shared) -> None:
+    shared("tied")
+
+
+def test_explicit_unequal_microbatches(shared) -> None:
+    shared("unequal")
+
+
+@pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=_ids(GPT2_LAYOUTS))
+def test_gpt2_layout_matches_single_device(tp: int, pp: int, dp: int, shared) -> None:
+    shared(f"gpt2-tp{tp}-pp{pp}-dp{dp}")
 
 
 def odd_config(**parallel: Any) -> Config:
