@@ -125,22 +125,42 @@ def test_recompute_per_stage() -> None:
 RECOMPUTE_LAYOUTS = [(2, 2, 1, "1f1b"), (1, 2, 2, "1f1b"), (1, 4, 1, "zb-h1")]
 
 
+def _modes(pp: int) -> list[str]:
+    mixed = ",".join(["full", "selective", "none", "full"][:pp])  # one mode per stage
+    return ["none", "full", "selective", mixed]
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
+    """Every layout's runs in one launch (all are 4 ranks): a launch costs ~5 s of interpreters importing
+    torch before its first step, more than a layout's four 3-step runs. Each run trains its own directory
+    from scratch; each test compares only its own layout's runs."""
+    out = tmp_path_factory.mktemp("recompute-layouts")
+    cfgs = [
+        grid_config(pp, schedule, 1, parallel=dict(tp=tp, pp=pp, dp=dp), train=dict(recompute=m))
+        for tp, pp, dp, schedule in RECOMPUTE_LAYOUTS
+        for m in _modes(pp)
+    ]
+    assert {c.parallel.world_size for c in cfgs} == {4}
+    return out, run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(out), timeout_s=400)[0]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize(
     "tp,pp,dp,schedule", RECOMPUTE_LAYOUTS, ids=[f"tp{a}-pp{b}-dp{c}-{s}" for a, b, c, s in RECOMPUTE_LAYOUTS]
 )
-def test_recompute_layouts_bit_identical(tp: int, pp: int, dp: int, schedule: str, tmp_path: Path) -> None:
+def test_recompute_layouts_bit_identical(tp: int, pp: int, dp: int, schedule: str, layout_runs) -> None:
     """fp32: the loss of every step and every parameter after 3 AdamW steps exactly equal to no
     recomputation's, in the same layout (tensor-parallel all-reduces rerun in backward included)."""
-    mixed = ",".join(["full", "selective", "none", "full"][:pp])  # one mode per stage
-    modes = ["none", "full", "selective", mixed]
-    cfgs = [grid_config(pp, schedule, 1, parallel=dict(tp=tp, pp=pp, dp=dp), train=dict(recompute=m)) for m in modes]
-    results = run_ranks(_worker, tp * pp * dp, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
+    out, all_results = layout_runs
+    modes = _modes(pp)
+    first = sum(len(_modes(lay[1])) for lay in RECOMPUTE_LAYOUTS[: RECOMPUTE_LAYOUTS.index((tp, pp, dp, schedule))])
+    results = all_results[first : first + len(modes)]
     ref_losses, ref_val = results[0]
-    ref_state = torch.load(tmp_path / "state0.pt", weights_only=True)
+    ref_state = torch.load(out / f"state{first}.pt", weights_only=True)
     for i, mode in enumerate(modes[1:], start=1):
         losses, val = results[i]
         assert losses == ref_losses and val == ref_val, f"recompute={mode}: losses {losses} vs {ref_losses}"
-        state = torch.load(tmp_path / f"state{i}.pt", weights_only=True)
+        state = torch.load(out / f"state{first + i}.pt", weights_only=True)
         for name, ref in ref_state.items():
             assert torch.equal(state[name], ref), f"recompute={mode}: {name} differs from no recomputation"
