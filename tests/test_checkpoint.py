@@ -294,11 +294,32 @@ OTHER_LAYOUT = {
 }
 
 
+def _case_config(case: str) -> Config:
+    return tiny_config(train=dict(steps=6, val_every=2), **CASES[case])
+
+
+def _cases_worker(cases: list[tuple[dict, str, int, dict]]) -> list[dict]:
+    """_worker for each case in turn, each in its own directory."""
+    return [_worker(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def case_runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, dict]]:
+    """Every case in one launch (all are 4 ranks): a launch costs ~5 s of interpreters importing torch
+    before its first step. Each case still trains, kills, damages and resumes in a directory of its own
+    from scratch, and each test reads only its own case."""
+    roots = {case: tmp_path_factory.mktemp(case) for case in CASES}
+    cases = [(_case_config(c).to_dict(), str(roots[c]), 5, OTHER_LAYOUT[c]) for c in CASES]
+    # The three take ~45 s on 2 idle cores; pytest's 300 s (the first test's setup) bounds them too.
+    results = run_ranks(_cases_worker, 4, cases, timeout_s=400)[0]
+    return {c: (roots[c], r) for c, r in zip(CASES, results)}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("case", list(CASES))
-def test_resume_is_bit_exact_and_skips_bad_checkpoints(case: str, tmp_path: Path) -> None:
-    cfg = tiny_config(train=dict(steps=6, val_every=2), **CASES[case])
-    r = run_ranks(_worker, 4, cfg.to_dict(), str(tmp_path), 5, OTHER_LAYOUT[case], timeout_s=400)[0]
+def test_resume_is_bit_exact_and_skips_bad_checkpoints(case: str, case_runs: dict) -> None:
+    cfg = _case_config(case)
+    tmp_path, r = case_runs[case]
     full, resumed, fallback = r["full"], r["resumed"], r["fallback"]
     assert r["killed"] == {"killed": True} and len(full["losses"]) == 6
     # Killed during step 5 (0-based): the last commit is after 4 steps; the uncommitted step 6 is ignored.
