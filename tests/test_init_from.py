@@ -103,15 +103,33 @@ def _finetune(hf_dir: Path, run_dir: Path, tp: int, pp: int) -> Config:
     return preflight(cfg, tp * pp)[0]
 
 
+def _train_ranks(cfg_ds: list[dict]) -> list[list[float]]:
+    return [_train_rank(d) for d in cfg_ds]
+
+
+TIES = [False, True]
+
+
+@pytest.fixture(scope="module")
+def finetuned(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[Path, Config, Config, list, list]]:
+    """Both models (untied, tied) fine-tuned on one device in one launch and at tp2 x pp2 in another: a
+    launch costs 2-5 s of interpreters importing torch before its first step, more than these 2-step runs.
+    Each run trains its own directory from its own Hugging Face model; each test reads only its own."""
+    runs = {}
+    for tie in TIES:
+        tmp = tmp_path_factory.mktemp(f"tie{tie}")
+        llama3_hf(tmp / "hf", tie)
+        runs[tie] = (tmp, _finetune(tmp / "hf", tmp / "one", 1, 1), _finetune(tmp / "hf", tmp / "four", 2, 2))
+    refs = run_ranks(_train_ranks, 1, [runs[t][1].to_dict() for t in TIES], timeout_s=120)[0]
+    gots = run_ranks(_train_ranks, 4, [runs[t][2].to_dict() for t in TIES], timeout_s=180)[0]
+    return {t: (*runs[t], refs[i], gots[i]) for i, t in enumerate(TIES)}
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tie", [False, True])
-def test_finetuning_from_hf_at_tp2_pp2_equals_one_device(tie: bool, tmp_path: Path) -> None:
-    llama3_hf(tmp_path / "hf", tie)
-    one = _finetune(tmp_path / "hf", tmp_path / "one", 1, 1)
-    four = _finetune(tmp_path / "hf", tmp_path / "four", 2, 2)
+@pytest.mark.parametrize("tie", TIES)
+def test_finetuning_from_hf_at_tp2_pp2_equals_one_device(tie: bool, finetuned: dict) -> None:
+    tmp_path, one, four, ref, got = finetuned[tie]
     assert four.model == one.model and one.model.rope_scaling == "llama3" and one.model.tied == tie
-    ref = run_ranks(_train_rank, 1, one.to_dict(), timeout_s=120)[0]
-    got = run_ranks(_train_rank, 4, four.to_dict(), timeout_s=180)[0]
     assert len(ref) == 2 and ref[0] != ref[1]
     assert max(abs(a - b) for a, b in zip(got, ref)) <= 1e-5, (got, ref)
     # The first loss is the HF model's own on the first batch: nothing of ours was initialised.
