@@ -18,7 +18,7 @@ from hybridpar.plan.calibrate import (
     shapes_for,
     signature,
 )
-from hybridpar.plan.cost import CostModel, all_reduce_s, optimizer_s, placement, predict, stage_costs
+from hybridpar.plan.cost import CostModel, Work, all_reduce_s, busy_comm, optimizer_s, placement, predict, stage_costs
 from hybridpar.plan.hardware import parse_hardware, to_toml
 from tests.test_plan_cost import cfg_of
 from tests.test_plan_cost import hw as cost_hw
@@ -106,6 +106,28 @@ def test_replicas_arriving_apart_delay_the_data_parallel_reduction() -> None:
             assert late.dp_reduce_s - base.dp_reduce_s == pytest.approx(base.compute_s)
         else:  # each rank waits for its own work after its last backward: at most the busiest rank's
             assert 0 < late.step_s - base.step_s <= base.compute_s + 1e-12
+
+
+def test_collectives_measured_on_shared_cores_keep_their_cores_busy() -> None:
+    assert busy_comm(Work(1.0, 0.5, 0.25, 3.0), 2.0) == Work(1.0, 0.5, 1.75, 0.0)
+    assert busy_comm(Work(1.0, comm_s=3.0), None) == Work(1.0, comm_s=3.0)
+    coll = hw(table() | {"tp_all_reduce": [[2, 4 * SEQ, 1000.0, 2000.0]]})  # 4 sequences per microbatch
+    shared = replace(coll, cores_per_node=2.0)  # 4 devices a node
+    assert CostModel(Config().model, shared).comm_stretch(Config().train) == 2.0
+    assert CostModel(Config().model, coll).comm_stretch(Config().train) is None  # cores of their own
+
+    def step(cfg: Config, as_wait: bool) -> float:
+        model = CostModel(cfg.model, shared)
+        if as_wait:  # the simulator's idle wait, during which other ranks get the cores
+            model.comm_stretch = lambda t: None
+        return predict(model, cfg).step_s
+
+    # One pipeline rank standing for every rank: all are busy, so work or wait costs the same.
+    cfg = cfg_of(tp=2, dp=2, m=4)
+    assert step(cfg, False) == pytest.approx(step(cfg, True))
+    # Two: a rank in a collective no longer lends its cores to the other stage's ranks.
+    cfg = cfg_of(tp=2, pp=2, m=4)
+    assert step(cfg, False) > step(cfg, True) * 1.02
 
 
 def test_a_slower_collective_bandwidth_caps_the_links() -> None:

@@ -152,6 +152,18 @@ class Work:
         return Work(self.matmul_s * k, self.memory_s * k, self.ops_s * k, self.comm_s * k)
 
 
+def busy_comm(w: Work, stretch: float | None) -> Work:
+    """`w` with its collectives' time as CPU work, where they were measured in place on ranks sharing
+    cores under `stretch` (`CostModel.comm_stretch`; None: unchanged). There a collective's wall time is
+    not idle: gloo's threads and the waits' wake-ups burn the cores the other ranks compute on (a tp step's
+    wall time is its ranks' summed CPU time over the cores), so the simulator must not hand those cores
+    to another pipeline rank meanwhile; as work it costs what it was measured to while every rank computes,
+    and less while some idle."""
+    if stretch is None or not w.comm_s:
+        return w
+    return Work(w.matmul_s, w.memory_s, w.ops_s + w.comm_s / stretch)
+
+
 @dataclass(frozen=True)
 class LayerCosts:
     """Seconds per microbatch on one rank: forward, backward input half (B), weight half (W)."""
@@ -181,6 +193,14 @@ class CostModel:
     def _memory_s(self, elements: float, act_bytes: int) -> float:
         bw = self.hw.memory_bandwidth_gbs
         return 0.0 if bw is None else elements * act_bytes / (bw * 1e9)
+
+    def comm_stretch(self, t: TrainConfig) -> float | None:
+        """On a calibrated host whose ranks share cores, the stretch its collectives were measured in place
+        under (every rank of the node computing: devices over cores); None elsewhere (`busy_comm`)."""
+        hw = self.hw
+        if hw.cores_per_node is None or self.calibrated(t) is None:
+            return None
+        return max(1.0, hw.devices_per_node / hw.cores_per_node)
 
     def calibrated(self, t: TrainConfig) -> Calibration | None:
         """The hardware's measured times where they are of this model's shape and the run is fp32."""
@@ -408,13 +428,15 @@ def setup(model: CostModel, cfg: Config) -> Setup:
     spec = schedule_spec(p.schedule)
     split = spec.splits_backward
     msg = tokens * model.m.dim * (2 if t.precision == "bf16" else 4)
+    st = model.comm_stretch(t)
+    sim = [LayerCosts(busy_comm(c.f, st), busy_comm(c.b, st), busy_comm(c.w, st)) for c in costs]
     sim_costs = Costs(
-        forward_s=tuple(c.f.compute for c in costs),
-        backward_s=tuple(c.b.compute if split else c.b.compute + c.w.compute for c in costs),
-        weight_s=tuple(c.w.compute for c in costs) if split else 0.0,
-        forward_comm_s=tuple(c.f.comm_s for c in costs),
-        backward_comm_s=tuple(c.b.comm_s if split else c.b.comm_s + c.w.comm_s for c in costs),
-        weight_comm_s=tuple(c.w.comm_s for c in costs) if split else 0.0,
+        forward_s=tuple(c.f.compute for c in sim),
+        backward_s=tuple(c.b.compute if split else c.b.compute + c.w.compute for c in sim),
+        weight_s=tuple(c.w.compute for c in sim) if split else 0.0,
+        forward_comm_s=tuple(c.f.comm_s for c in sim),
+        backward_comm_s=tuple(c.b.comm_s if split else c.b.comm_s + c.w.comm_s for c in sim),
+        weight_comm_s=tuple(c.w.comm_s for c in sim) if split else 0.0,
         latency_s=pl.pp.latency_us * 1e-6,
         bandwidth_Bps=pl.pp.bandwidth_gbs * 1e9,
         message_bytes=msg,

@@ -33,10 +33,12 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
 from hybridpar.plan.cost import (
     CostModel,
+    LayerCosts,
     Prediction,
     Setup,
     Shape,
     all_reduce_s,
+    busy_comm,
     optimizer_s,
     placement,
     predict,
@@ -274,8 +276,10 @@ class Planner:
             pl = placement(shape, self.hw)
             t = dataclasses.replace(self.base.train, precision=k["precision"])
             tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
-            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
-            embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
+            st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
+            lay = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
+            layer = LayerCosts(busy_comm(lay.f, st), busy_comm(lay.b, st), busy_comm(lay.w, st))
+            embed, head = (busy_comm(e, st) for e in self.model.ends(t, k["tp"], tokens, pl.tp))
             share = sharing(shape, self.hw, pl)
             capacity = None if share is None else sum(share.capacity)
             self._bounds[key] = knob_bound(self.model, pl, layer, embed.total + head.total, k, capacity)
