@@ -83,9 +83,14 @@ def _cfg(run_dir: Path, fault: str = "", **parallel) -> Config:
 # child hangs in libgomp (gomp_team_barrier_wait_end) at its first parallel op once its parent has run one
 # — this test process has, and so does launch()'s pre-flight (the corpus scan) unless the launcher keeps to
 # one intra-op thread, which it does here (workers set their own thread count, the model is unchanged).
+# The launcher imports what every worker would import after the fork (torch._dynamo, which the first
+# model build pulls in, and the trainer): ~1 s of four workers importing on 2 cores, at each launch's
+# start. Importing starts no thread and runs no parallel op, so the fork stays safe.
 _LAUNCH = """
 import json, sys
 import torch
+import torch._dynamo
+import hybridpar.train
 from hybridpar.config import Config
 from hybridpar.launcher import launch
 torch.set_num_threads(1)
@@ -253,7 +258,8 @@ def test_faults_after_a_live_rebalance_fire_and_the_run_recovers(tmp_path: Path)
     reduction and the optimizer, and faults planned in the all-reduce and optimizer phases after it
     still fire (they went silent when the probe was installed once, at start). The run recovers from
     both and trains the one-device model."""
-    steps, fault_step = 14, 10
+    # The balancer decides after steps 3 and 7 (interval 4): two chances to move before the faults.
+    steps, fault_step = 12, 8
     faults = [f"rank=0:raise@step={fault_step}:phase=all-reduce", f"rank=1:kill@step={fault_step + 1}:phase=optimizer"]
     cfg = tiny_config(
         parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b", partition="uniform", timeout_s=30.0),
