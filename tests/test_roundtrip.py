@@ -26,14 +26,23 @@ def _train_rank(cfg_d: dict) -> str | None:
     return train(Config.from_dict(cfg_d), log=False).digest
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("tie", [False, True])
-def test_hugging_face_in_and_out_with_a_trained_tokenizer(tie: bool, tmp_path: Path) -> None:
-    transformers = pytest.importorskip("transformers")
-    openai = pytest.importorskip("openai")
+def _train_ranks(cfg_ds: list[dict]) -> list[str | None]:
+    return [_train_rank(d) for d in cfg_ds]
+
+
+TIES = [False, True]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[Config, torch.nn.Module, Path]]:
+    """One tokenizer and dataset for both models (the same inputs, so made once), and both fine-tunings in
+    one 4-rank launch (a launch costs ~5 s of interpreters importing torch before its first step). Each
+    model starts from its own Hugging Face directory and trains its own run directory."""
+    pytest.importorskip("transformers")
     from test_init_from import llama3_hf
 
-    tok, data, hf_dir, run = tmp_path / "tok", tmp_path / "d.bin", tmp_path / "hf", tmp_path / "run"
+    tmp = tmp_path_factory.mktemp("roundtrip")
+    tok, data = tmp / "tok", tmp / "d.bin"
     assert cli.main(["data", "train-tokenizer", "--vocab-size", "512", "--out", str(tok), "--max-bytes", "300000"]) == 0
     assert (
         cli.main(
@@ -52,14 +61,27 @@ def test_hugging_face_in_and_out_with_a_trained_tokenizer(tie: bool, tmp_path: P
         )
         == 0
     )
-    start = llama3_hf(hf_dir, tie, vocab=512)
-    cfg = parse_args(["--model.init_from", str(hf_dir), "--data.path", str(data), "--data.tokenizer", str(tok)])
-    t = cfg.train
-    t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.warmup_steps = 5, 4, 2, 32, 0, 0
-    cfg.data.max_bytes, cfg.run_dir = 400_000, str(run)
-    cfg = preflight(cfg, 4)[0]
+    out = {}
+    for tie in TIES:
+        hf_dir, run = tmp / f"hf-{tie}", tmp / f"run-{tie}"
+        start = llama3_hf(hf_dir, tie, vocab=512)
+        cfg = parse_args(["--model.init_from", str(hf_dir), "--data.path", str(data), "--data.tokenizer", str(tok)])
+        t = cfg.train
+        t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.warmup_steps = 5, 4, 2, 32, 0, 0
+        cfg.data.max_bytes, cfg.run_dir = 400_000, str(run)
+        out[tie] = (preflight(cfg, 4)[0], start, run)
+    run_ranks(_train_ranks, 4, [out[tie][0].to_dict() for tie in TIES], timeout_s=240)
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("tie", TIES)
+def test_hugging_face_in_and_out_with_a_trained_tokenizer(tie: bool, trained: dict) -> None:
+    transformers = pytest.importorskip("transformers")
+    openai = pytest.importorskip("openai")
+
+    cfg, start, run = trained[tie]
     assert (cfg.model.vocab_size, cfg.model.rope_scaling, cfg.model.kv_heads, cfg.model.tied) == (512, "llama3", 2, tie)
-    run_ranks(_train_rank, 4, cfg.to_dict(), timeout_s=240)
 
     final = run / "final"
     assert {p.name for p in final.iterdir()} >= {"config.json", "model.safetensors", "tokenizer.json", "hybridpar.json"}
