@@ -13,7 +13,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.testing import run_ranks
 from hybridpar.zero import slice_of
-from tests.test_equivalence import TOL, check_fp64, check_layouts, grid_config, ref_for, tiny_config
+from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
 
 
 def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
@@ -31,13 +31,57 @@ def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
 ZERO = dict(zero=1)
 
 
-@pytest.mark.multiprocess
-def test_zero1_layouts_match_single_device(tmp_path: Path) -> None:
-    """World 4: pp2 x dp2 under every schedule, tp2 x dp2 with tied embeddings. Global batch 11: the
-    replicas hold 6 and 5 samples."""
+def _layout_configs() -> list[Config]:
     cfgs = [grid_config(2, s, v, parallel=dict(tp=1, pp=2, dp=2, **ZERO)) for s, v in (("1f1b", 1), ("zb-v", 2))]
     cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, **ZERO)))
-    check_layouts(cfgs, tmp_path)
+    return cfgs
+
+
+def _holds_configs() -> list[Config]:
+    base = tiny_config(parallel=dict(tp=1, pp=1, dp=4), train=dict(global_batch=16))
+    zero = tiny_config(parallel=dict(tp=1, pp=1, dp=4, **ZERO), train=dict(global_batch=16))
+    return [base, zero]
+
+
+REBALANCE_STEPS = 12
+
+
+def _rebalance_config() -> Config:
+    return tiny_config(
+        parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", **ZERO),
+        train=dict(steps=REBALANCE_STEPS, val_every=REBALANCE_STEPS, monitor_every=0),
+        emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+    )
+
+
+def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, out: str) -> dict:
+    """The three 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance
+    first: its timing sees nothing else run before it)."""
+    return {
+        "rebalance": _rebalance_worker(rebalance, str(Path(out, "rebalance"))),
+        "layouts": _worker(layouts, str(Path(out, "layouts"))),
+        "holds": _bytes_worker(holds),
+    }
+
+
+@pytest.fixture(scope="module")
+def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One launch for the 4-rank tests below: a launch costs ~5 s of four interpreters importing torch
+    before their first step. Each test reads only its own part (rank 0's, or every rank's)."""
+    out = tmp_path_factory.mktemp("world4")
+    for d in ("rebalance", "layouts"):
+        (out / d).mkdir()
+    layouts, holds = [c.to_dict() for c in _layout_configs()], [c.to_dict() for c in _holds_configs()]
+    return out, run_ranks(_world4_worker, 4, layouts, holds, _rebalance_config().to_dict(), str(out), timeout_s=400)
+
+
+@pytest.mark.multiprocess
+def test_zero1_layouts_match_single_device(world4: tuple[Path, list[dict]]) -> None:
+    """World 4: pp2 x dp2 under every schedule, tp2 x dp2 with tied embeddings. Global batch 11: the
+    replicas hold 6 and 5 samples."""
+    out, ranks = world4
+    check_results(_layout_configs(), ranks[0]["layouts"], out / "layouts")
 
 
 def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
@@ -56,12 +100,10 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
 
 
 @pytest.mark.multiprocess
-def test_zero1_holds_a_dp_th_of_the_optimizer_state() -> None:
+def test_zero1_holds_a_dp_th_of_the_optimizer_state(world4: tuple[Path, list[dict]]) -> None:
     """Bytes of the tensors in each rank's optimizer state: total / dp within 2%. And the gradients are
     reduce-scattered, not all-reduced: every parameter of this model has a dimension to slice."""
-    base = tiny_config(parallel=dict(tp=1, pp=1, dp=4), train=dict(global_batch=16))
-    zero = tiny_config(parallel=dict(tp=1, pp=1, dp=4, **ZERO), train=dict(global_batch=16))
-    ranks = run_ranks(_bytes_worker, 4, [base.to_dict(), zero.to_dict()], timeout_s=240)
+    ranks = [r["holds"] for r in world4[1]]
     total = ranks[0][0][0]
     assert all(r[0][0] == total for r in ranks)  # without ZeRO every replica holds all of it
     for (_, plain, n), (held, sharded, _) in ranks:
@@ -128,17 +170,13 @@ def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:
 
 
 @pytest.mark.multiprocess
-def test_zero1_live_rebalance_is_exact(tmp_path: Path) -> None:
+def test_zero1_live_rebalance_is_exact(world4: tuple[Path, list[dict]]) -> None:
     """pp2 x dp2 under ZeRO-1, rank 1 three times slower: layers move with their (gathered) optimizer
     state, and the optimizer is re-cut for the new stages."""
-    steps = 12
-    cfg = tiny_config(
-        parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", **ZERO),
-        train=dict(steps=steps, val_every=steps, monitor_every=0),
-        emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
-    )
-    losses = run_ranks(_rebalance_worker, 4, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
+    cfg = _rebalance_config()
+    out, ranks = world4
+    tmp_path, losses = out / "rebalance", ranks[0]["rebalance"]
+    assert len(losses) == REBALANCE_STEPS
     rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     moves = [e for r in rows for e in r.get("balance", []) if e["event"] == "rebalance" and e["applied"]]
     assert moves and moves[0]["move"], rows
