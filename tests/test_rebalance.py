@@ -87,28 +87,64 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_rebalance_is_exact(case: str, tmp_path: Path) -> None:
+def _case(case: str) -> tuple[Config, dict[int, Layout]]:
+    if case == "gpt2-tp2-pp2":  # GPT-2's layers move with their biases, row-parallel ones included
+        cfg = tiny_config(
+            model=dict(family="gpt2", n_kv_heads=None, n_positions=16),
+            parallel=dict(schedule="1f1b", tp=2, pp=2, dp=1),
+            train={"steps": 3},
+        )
+        return cfg, {1: Layout.uniform(R(2, 6), [11])}
     par, train, moves = CASES[case]
-    check_rebalance(
-        case, tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train}), moves, tmp_path
-    )
+    return tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train}), moves
 
 
-def test_gpt2_rebalance_is_exact(tmp_path: Path) -> None:
+def _cases_worker(cases: list[tuple[dict, dict, str]]) -> list[dict]:
+    """_worker for each case in turn: each builds its own topology and trainers from scratch."""
+    return [_worker(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def rebalanced(tmp_path_factory: pytest.TempPathFactory):
+    """run(case): (its config, moves, rank 0's result, its directory). The cases of one world size run in
+    one launch (started by the first test that asks): a launch costs 2-5 s of interpreters importing
+    torch before their first step, more than most of these runs. A failed launch fails each of its tests."""
+    launched: dict[int, tuple[dict, dict] | BaseException] = {}
+
+    def run(case: str) -> tuple[Config, dict[int, Layout], dict, Path]:
+        cfg, moves = _case(case)
+        world = cfg.parallel.world_size
+        if world not in launched:
+            group = [c for c in [*CASES, "gpt2-tp2-pp2"] if _case(c)[0].parallel.world_size == world]
+            dirs = {c: tmp_path_factory.mktemp(c) for c in group}
+            args = [(_case(c)[0].to_dict(), _plan(_case(c)[1]), str(dirs[c])) for c in group]
+            try:
+                launched[world] = (dirs, dict(zip(group, run_ranks(_cases_worker, world, args, timeout_s=400)[0])))
+            except Exception as e:
+                launched[world] = e
+        if isinstance(launched[world], BaseException):
+            raise launched[world]
+        dirs, results = launched[world]
+        return cfg, moves, results[case], dirs[case]
+
+    return run
+
+
+def _plan(moves: dict[int, Layout]) -> dict[str, dict]:
+    return {str(k): v.to_record() for k, v in moves.items()}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_rebalance_is_exact(case: str, rebalanced) -> None:
+    check_rebalance(case, *rebalanced(case))
+
+
+def test_gpt2_rebalance_is_exact(rebalanced) -> None:
     """GPT-2's layers move with their biases, row-parallel ones included (built by the registry)."""
-    cfg = tiny_config(
-        model=dict(family="gpt2", n_kv_heads=None, n_positions=16),
-        parallel=dict(schedule="1f1b", tp=2, pp=2, dp=1),
-        train={"steps": 3},
-    )
-    check_rebalance("gpt2-tp2-pp2", cfg, {1: Layout.uniform(R(2, 6), [11])}, tmp_path)
+    check_rebalance("gpt2-tp2-pp2", *rebalanced("gpt2-tp2-pp2"))
 
 
-def check_rebalance(case: str, cfg: Config, moves: dict[int, Layout], tmp_path: Path) -> None:
-    world = cfg.parallel.world_size
-    plan = {str(k): v.to_record() for k, v in moves.items()}
-    res = run_ranks(_worker, world, cfg.to_dict(), plan, str(tmp_path), timeout_s=240)[0]
+def check_rebalance(case: str, cfg: Config, moves: dict[int, Layout], res: dict, tmp_path: Path) -> None:
     ref_losses, _, ref_state = ref_for(cfg)
     static, moved = res["static"], res["moved"]
     if cfg.parallel.pp > 1:
