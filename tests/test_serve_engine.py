@@ -67,34 +67,71 @@ def test_local_engine_greedy_matches_generate() -> None:
     assert local_engine(requests()) == want
 
 
+def _sampled(reqs: list[dict]) -> list[dict]:
+    return [{**r, "id": "s" + r["id"], "temperature": 0.9, "top_p": 0.8} for r in reqs]
+
+
+# (tp, pp, model) -> the requests it serves; tp2 x pp2 Llama also samples.
+SHARDED = {
+    (2, 1, "llama"): requests(),
+    (1, 2, "llama"): requests(),
+    (2, 2, "llama"): requests() + _sampled(requests()),
+    (2, 2, "gpt2"): requests(),
+}
+
+
+def _ranks(cases: list[tuple[dict, list[dict]]]) -> list[dict | None]:
+    """_rank for each case in turn: each builds its own topology and stages from scratch."""
+    return [_rank(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def served():
+    """serve(case): rank 0's result of SHARDED's `case`. The cases of one world size are served in turn in
+    one launch (started by the first test that asks): a launch costs 2-5 s of interpreters importing
+    torch before their first request, more than serving these. A failed launch fails each of its tests."""
+    launched: dict[int, dict | BaseException] = {}
+
+    def serve(case: tuple[int, int, str]) -> dict:
+        world = case[0] * case[1]
+        if world not in launched:
+            group = [c for c in SHARDED if c[0] * c[1] == world]
+            args = [(spec(tp, pp, {"llama": CFG, "gpt2": GPT2}[m]), SHARDED[(tp, pp, m)]) for tp, pp, m in group]
+            try:
+                launched[world] = dict(zip(group, run_ranks(_ranks, world, args, timeout_s=120 * len(group))[0]))
+            except Exception as e:
+                launched[world] = e
+        if isinstance(launched[world], BaseException):
+            raise launched[world]
+        return launched[world][case]
+
+    return serve
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
-def test_sharded_greedy_matches_generate(tp: int, pp: int) -> None:
+def test_sharded_greedy_matches_generate(tp: int, pp: int, served) -> None:
     model = build_full_model(CFG, SEED)
     want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
-    reqs = requests() + (
-        [{**r, "id": "s" + r["id"], "temperature": 0.9, "top_p": 0.8} for r in requests()] if (tp, pp) == (2, 2) else []
-    )
-    out = run_ranks(_rank, tp * pp, spec(tp, pp), reqs, timeout_s=120)
-    driver = out[0]
+    driver = served((tp, pp, "llama"))
     got = driver["results"]
     assert {k: v for k, v in got.items() if k.startswith("r")} == want
     if pp > 1:  # several groups were in the pipeline at once, one per stage
         assert driver["status"]["max_in_flight"] == pp
     if (tp, pp) == (2, 2):  # seeded temperature/top-p sampling: same tokens as on one device
-        sampled = local_engine([{**r, "id": "s" + r["id"], "temperature": 0.9, "top_p": 0.8} for r in requests()])
+        sampled = local_engine(_sampled(requests()))
         assert {k: v for k, v in got.items() if k.startswith("s")} == sampled
         assert any(sampled[f"sr{i}"] != want[f"r{i}"] for i in range(len(PROMPTS)))  # it did sample
 
 
 @pytest.mark.multiprocess
-def test_gpt2_sharded_greedy_matches_generate() -> None:
+def test_gpt2_sharded_greedy_matches_generate(served) -> None:
     """GPT-2's cached forward (learned positions read at each row's own offsets, biases, fused q/k/v
     split per head over tp) serves what its full forward generates."""
     model = build_full_model(GPT2, SEED)
     want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
-    out = run_ranks(_rank, 4, spec(2, 2, GPT2), requests(), timeout_s=120)
-    assert out[0]["results"] == want and out[0]["status"]["max_in_flight"] == 2
+    out = served((2, 2, "gpt2"))
+    assert out["results"] == want and out["status"]["max_in_flight"] == 2
 
 
 class _CancellingChannel(ListChannel):
