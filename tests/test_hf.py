@@ -88,10 +88,34 @@ def _sharded_rank(spec_d: dict, ids: list[list[int]], reqs: list[dict]) -> dict 
     return {"logits": logits, "results": ch.results() if topo.rank == 0 else None}
 
 
+def _sharded_ranks(cases: list[tuple[dict, list[list[int]], list[dict]]]) -> list[dict | None]:
+    """_sharded_rank for each case in turn: each builds its own topology and stages from scratch."""
+    return [_sharded_rank(*case) for case in cases]
+
+
+@pytest.fixture(scope="module")
+def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, torch.nn.Module, list]]:
+    """Each family's HF model (its own directory) through _sharded_rank at tp2 x pp2, both families in one
+    launch: a launch costs ~5 s of four interpreters importing torch, more than this work. Per family:
+    (directory, the HF model, every rank's result)."""
+    dirs = {f: tmp_path_factory.mktemp(f"hf-{f}") for f in FAMILIES}
+    models = {f: tiny_hf(dirs[f], family=f) for f in FAMILIES}
+    reqs = [
+        {"type": "generate", "id": str(i), "prompt": p, "max_tokens": 12, "temperature": 0} for i, p in enumerate(IDS)
+    ]
+    cases = []
+    for f in FAMILIES:
+        cfg = read_hf_config(dirs[f])
+        spec = WorkerSpec(model=dataclasses.asdict(cfg), source=str(dirs[f]), tp=2, pp=2, limits=LIMITS, timeout_s=60)
+        cases.append((spec_dict(spec), IDS, reqs))
+    out = run_ranks(_sharded_ranks, 4, cases, timeout_s=240)  # per rank, per family
+    return {f: (dirs[f], models[f], [r[i] for r in out]) for i, f in enumerate(FAMILIES)}
+
+
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("family", FAMILIES)
-def test_hf_checkpoint_tp2_pp2(family: str, tmp_path: Path) -> None:
-    hf = tiny_hf(tmp_path, family=family)
+def test_hf_checkpoint_tp2_pp2(family: str, sharded: dict) -> None:
+    tmp_path, hf, out = sharded[family]
     cfg = read_hf_config(tmp_path)
     assert (cfg.family, cfg.dim, cfg.n_layers, cfg.n_heads, cfg.kv_heads, cfg.ffn_dim) == (
         family,
@@ -108,13 +132,6 @@ def test_hf_checkpoint_tp2_pp2(family: str, tmp_path: Path) -> None:
             for i, p in enumerate(IDS)
         }
     assert all(len(set(g)) > 3 for g in greedy.values())  # varied tokens: a stuck decoder would not match
-    spec = spec_dict(
-        WorkerSpec(model=dataclasses.asdict(cfg), source=str(tmp_path), tp=2, pp=2, limits=LIMITS, timeout_s=60)
-    )
-    reqs = [
-        {"type": "generate", "id": str(i), "prompt": p, "max_tokens": 12, "temperature": 0} for i, p in enumerate(IDS)
-    ]
-    out = run_ranks(_sharded_rank, 4, spec, IDS, reqs, timeout_s=120)
     for r in (2, 3):  # both tp ranks of the last stage hold the gathered logits
         assert (torch.tensor(out[r]["logits"]) - want).abs().max().item() < 1e-4
     assert out[0]["results"] == greedy
@@ -171,17 +188,33 @@ def _train_rank(cfg_d: dict) -> float:
     return train(Config.from_dict(cfg_d), log=False).losses[-1]
 
 
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("family", FAMILIES)
-def test_trained_checkpoint_is_served(family: str, tmp_path: Path) -> None:
+def _train_ranks(cfg_ds: list[dict]) -> list[float]:
+    return [_train_rank(d) for d in cfg_ds]
+
+
+def _trained_config(family: str, run_dir: Path) -> Config:
     cfg = Config()
     cfg.model = ModelConfig(family=family, dim=32, n_layers=2, n_heads=4, ffn_dim=64)
     cfg.parallel.tp, cfg.parallel.pp = 2, 1
     t = cfg.train
     t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.sample_tokens = 2, 4, 2, 16, 0, 0
-    cfg.checkpoint.every, cfg.data.max_bytes, cfg.run_dir = 2, 100_000, str(tmp_path / "run")
-    run_ranks(_train_rank, 2, cfg.to_dict(), timeout_s=120)
-    run = tmp_path / "run"
+    cfg.checkpoint.every, cfg.data.max_bytes, cfg.run_dir = 2, 100_000, str(run_dir)
+    return cfg
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Config]:
+    """Both families trained (each into its own run directory) in one 2-rank launch, not one each."""
+    cfgs = {f: _trained_config(f, tmp_path_factory.mktemp(f"trained-{f}") / "run") for f in FAMILIES}
+    run_ranks(_train_ranks, 2, [cfgs[f].to_dict() for f in FAMILIES], timeout_s=240)
+    return cfgs
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("family", FAMILIES)
+def test_trained_checkpoint_is_served(family: str, trained: dict) -> None:
+    cfg = trained[family]
+    run = Path(cfg.run_dir)
     final = read_full_model(run / "checkpoints" / "step-000002", cfg.model)
     model = build_full_model(cfg.model, 0)
     load_stage_(model, StateSource(final), hf_layout=False)
