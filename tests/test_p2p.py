@@ -50,8 +50,8 @@ def _exchange(threaded: bool | None, transport: str) -> dict:
     "threaded,transport", [(True, "process_group"), (False, "process_group"), (None, "shared_memory")]
 )
 @pytest.mark.multiprocess
-def test_messages_arrive_whole_and_in_order(threaded, transport):
-    for rank, res in enumerate(run_ranks(_exchange, 2, threaded, transport, timeout_s=90)):
+def test_messages_arrive_whole_and_in_order(threaded, transport, p2p_runs):
+    for rank, res in enumerate(p2p_runs["_exchange", (threaded, transport)]):
         other = 100.0 * (1 - rank)
         assert res["got"] == [[[1 + i % 3, 5], other + i, other + i] for i in range(24)]
         assert res["sent"] == res["received"] == 24 and res["pending"] == 0
@@ -79,8 +79,8 @@ def _bad_peer() -> str | None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
-def test_a_peer_outside_the_world_is_refused_before_posting():
-    assert run_ranks(_bad_peer, 2, timeout_s=90) == [None, None]
+def test_a_peer_outside_the_world_is_refused_before_posting(p2p_runs):
+    assert p2p_runs["_bad_peer", ()] == [None, None]
 
 
 def test_a_message_the_posting_thread_cannot_post_fails_at_its_wait():
@@ -268,8 +268,8 @@ def _borrowing(transport: str) -> dict:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(120)
 @pytest.mark.parametrize("transport", ["shared_memory", "process_group"])
-def test_borrowed_receives_hold_their_message_until_released(transport):
-    for rank, res in enumerate(run_ranks(_borrowing, 2, transport, timeout_s=90)):
+def test_borrowed_receives_hold_their_message_until_released(transport, p2p_runs):
+    for rank, res in enumerate(p2p_runs["_borrowing", (transport,)]):
         other = 100.0 * (1 - rank)
         assert res["seen"] == [[[other + i] * 3] * 2 for i in range(40)]
         assert res["at_release"] == res["seen"][:38]
@@ -314,7 +314,33 @@ def _eager_sends() -> dict:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(90)
-def test_shared_memory_sends_go_at_once_and_releases_free_at_the_next_flush():
-    r0, r1 = run_ranks(_eager_sends, 2, timeout_s=60)
+def test_shared_memory_sends_go_at_once_and_releases_free_at_the_next_flush(p2p_runs):
+    r0, r1 = p2p_runs["_eager_sends", ()]
     assert r1 == {"a": [0.0] * 4, "b": [1.0] * 4}
     assert r0 == {"g": [2.0] * 4, "held_after_release": 1, "held_after_flush": 0}
+
+
+# Every 2-rank exchange above, in one launch: each builds its own topology and P2P from scratch and
+# returns its own result, and each test checks only its own. A launch costs ~1.5 s of two interpreters
+# importing torch, more than any of these exchanges. The refused peer goes last: it posts nothing, and
+# its P2P is never closed.
+P2P_RUNS = [
+    ("_exchange", (True, "process_group")),
+    ("_exchange", (False, "process_group")),
+    ("_exchange", (None, "shared_memory")),
+    ("_borrowing", ("shared_memory",)),
+    ("_borrowing", ("process_group",)),
+    ("_eager_sends", ()),
+    ("_bad_peer", ()),
+]
+
+
+def _all_runs(runs: list[tuple[str, tuple]]) -> list:
+    return [globals()[name](*args) for name, args in runs]
+
+
+@pytest.fixture(scope="module")
+def p2p_runs() -> dict[tuple[str, tuple], list]:
+    """Each run of P2P_RUNS: every rank's result. Bounded within the 90 s the first test allows."""
+    ranks = run_ranks(_all_runs, 2, P2P_RUNS, timeout_s=80)
+    return {(name, tuple(args)): [r[i] for r in ranks] for i, (name, args) in enumerate(P2P_RUNS)}
