@@ -21,7 +21,10 @@ from hybridpar.serve.http import serving_in_background
 pytestmark = pytest.mark.multiprocess  # every test here starts a live server with a worker process
 
 MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
-TIMEOUT_S = 4.0  # the server's --client-timeout-s here
+# The server's --client-timeout-s here. Four waits below last about as long as it (the slow-body test
+# waits twice), so it is short; a request sent whole (every /health probe) is read as soon as it
+# arrives, far inside it even on loaded cores, and the slow heads would still take 20 s.
+TIMEOUT_S = 2.5
 
 
 @pytest.fixture(scope="module")
