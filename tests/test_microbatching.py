@@ -47,12 +47,8 @@ def _budget_and_oom_runs(base: dict, out: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(tmp_path: Path) -> None:
-    cfg = tiny_config(
-        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
-        train=dict(global_batch=8, microbatches=2, steps=STEPS, val_every=0),
-    )
-    res = run_ranks(_budget_and_oom_runs, 2, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
+def test_budget_holds_oom_is_redone_and_losses_equal_the_fixed_split(two_rank_runs: dict) -> None:
+    res = two_rank_runs["budget"]
     fixed, budgeted, oom, budget = res["fixed"], res["budget"], res["oom"], res["budget_bytes"]
     for name, recs in (("budget", budgeted), ("oom", oom)):
         assert [r["step"] for r in recs] == list(range(STEPS)), f"{name}: a step was skipped or repeated"
@@ -128,15 +124,10 @@ def _resume_runs(base: dict, out: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_resume_goes_on_with_the_adaptive_policy_measurements(tmp_path: Path) -> None:
+def test_resume_goes_on_with_the_adaptive_policy_measurements(two_rank_runs: dict) -> None:
     """dp=2 with unequal replicas (6/5): both model the largest replica, so the checkpoint's one policy
     state is every rank's; the resumed run proposes the split the policy was at and keeps its history."""
-    cfg = tiny_config(
-        parallel=dict(tp=1, pp=1, dp=2, schedule="gpipe"),
-        train=dict(val_every=0),
-        batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0),
-    )
-    r = run_ranks(_resume_runs, 2, cfg.to_dict(), str(tmp_path), timeout_s=300)[0]
+    r = two_rank_runs["resume"]
     saved, recs = r["policy"], r["records"]
     assert saved["replicas"] == [6, 5] and len(saved["recorder"]["history"]) == 3
     assert [x["step"] for x in recs] == [0, 1, 2, 3, 4, 5, 6]
@@ -144,3 +135,25 @@ def test_resume_goes_on_with_the_adaptive_policy_measurements(tmp_path: Path) ->
     assert len(first_resumed) == saved["current"] and saved["current"] not in [len(x["microbatches"]) for x in recs[:3]]
     hist = r["final"]["batching"]["history"]
     assert hist[:3] == saved["recorder"]["history"] and len(hist) > 3
+
+
+def _both(budget: dict, resume: dict, out: str) -> dict:
+    """The two 2-rank tests' runs in turn, each in its own directory from scratch."""
+    return {"budget": _budget_and_oom_runs(budget, f"{out}/budget"), "resume": _resume_runs(resume, f"{out}/resume")}
+
+
+@pytest.fixture(scope="module")
+def two_rank_runs(tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Rank 0's results of the budget/OOM runs and of the resumed adaptive run, from one launch (a launch
+    costs ~2.5 s of two interpreters importing torch before their first step)."""
+    budget = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
+        train=dict(global_batch=8, microbatches=2, steps=STEPS, val_every=0),
+    )
+    resume = tiny_config(
+        parallel=dict(tp=1, pp=1, dp=2, schedule="gpipe"),
+        train=dict(val_every=0),
+        batching=dict(policy="adaptive", steps_per_candidate=1, warmup_steps=0),
+    )
+    out = tmp_path_factory.mktemp("two-rank")
+    return run_ranks(_both, 2, budget.to_dict(), resume.to_dict(), str(out), timeout_s=300)[0]
