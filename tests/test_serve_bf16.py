@@ -149,11 +149,27 @@ def test_bf16_kv_cache_bytes_halve(model_dir: str) -> None:
     assert sizes["fp32"] > 0 and sizes["bf16"] * 2 == sizes["fp32"], sizes
 
 
+SHARDED = [(1, 2), (2, 1)]
+
+
+def _ranks(spec_ds: list[dict]) -> list[dict | None]:
+    """_rank for each spec in turn: each builds its own topology and stages from scratch."""
+    return [_rank(d) for d in spec_ds]
+
+
+@pytest.fixture(scope="module")
+def sharded(model_dir: str) -> dict[tuple[int, int], dict]:
+    """Rank 0's result for each 2-rank layout of SHARDED, served in turn in one launch (a launch costs ~2 s
+    of two interpreters importing torch, more than serving these requests)."""
+    specs = [spec_dict(spec(model_dir, "bf16", tp, pp)) for tp, pp in SHARDED]
+    return dict(zip(SHARDED, run_ranks(_ranks, 2, specs, timeout_s=180)[0]))
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize("tp,pp", [(1, 2), (2, 1)])
-def test_sharded_bf16_serves_what_one_process_does(model_dir: str, tp: int, pp: int) -> None:
+@pytest.mark.parametrize("tp,pp", SHARDED)
+def test_sharded_bf16_serves_what_one_process_does(model_dir: str, tp: int, pp: int, sharded: dict) -> None:
     single = serve_local(model_dir, "bf16")
-    out = run_ranks(_rank, tp * pp, spec_dict(spec(model_dir, "bf16", tp, pp)), timeout_s=180)[0]
+    out = sharded[tp, pp]
     if pp > 1:  # no rounding added at a stage boundary: bit for bit
         assert out["results"] == single[0] and out["logits"] == single[1]
     else:
