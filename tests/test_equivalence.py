@@ -41,11 +41,12 @@ def final_state(run_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
     return {n: p.detach() for n, p in full.named_parameters()}
 
 
-def _worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
+def _worker(cfg_dicts: list[dict], out_dir: str, first: int = 0) -> list[tuple[list, list]]:
+    """Each config's run in turn, as run{first + i} with its final state in state{first + i}.pt."""
     from hybridpar.train import train
 
     all_losses = []
-    for i, d in enumerate(cfg_dicts):
+    for i, d in enumerate(cfg_dicts, start=first):
         cfg = Config.from_dict(d)
         cfg.run_dir = str(Path(out_dir) / f"run{i}")  # one run per directory
         res = train(cfg, log=False)
@@ -55,13 +56,20 @@ def _worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
     return all_losses
 
 
-def _tight_rings_worker(cfg_dicts: list[dict], out_dir: str) -> list[tuple[list, list]]:
+def _tight_rings_worker(cfg_dicts: list[dict], out_dir: str, first: int = 0) -> list[tuple[list, list]]:
     """_worker with shared-memory rings of 4 messages at first: they wrap and grow all the time, so
     a message released while something still reads it would be overwritten (and the result wrong)."""
     from hybridpar.pipeline import shm
 
     shm._MIN_CAPACITY = 0
-    return _worker(cfg_dicts, out_dir)
+    return _worker(cfg_dicts, out_dir, first)
+
+
+def _shared_worker(cfg_dicts: list[dict], out_dir: str, tight: int) -> list[tuple[list, list]]:
+    """_worker, the last `tight` configs over tight rings: after the others, since the setting stays for
+    the rest of the process."""
+    n = len(cfg_dicts) - tight
+    return _worker(cfg_dicts[:n], out_dir) + (_tight_rings_worker(cfg_dicts[n:], out_dir, n) if tight else [])
 
 
 LAYOUTS = [(2, 1, 1), (1, 2, 1), (1, 1, 2), (2, 2, 1), (1, 2, 2), (2, 1, 2), (1, 4, 1), (2, 2, 2)]
@@ -178,6 +186,13 @@ def unequal_configs() -> list[Config]:
     return [cfg]
 
 
+def tight_ring_configs() -> list[Config]:
+    return [grid_config(4, s, v, parallel=dict(tp=1, pp=4, dp=1, p2p="shared_memory")) for s, v in schedules_for(4)]
+
+
+TIGHT = {"tight-rings"}  # run by _tight_rings_worker, after every other case of their launch
+
+
 def _ids(layouts: list[tuple[int, int, int]]) -> list[str]:
     return [f"tp{a}-pp{b}-dp{c}" for a, b, c in layouts]
 
@@ -192,7 +207,8 @@ SHARED = {
         "unequal": (unequal_configs, ()),
     },
     "world4-llama": {
-        f"layout-{k}": (layout_configs, lay) for k, lay in zip(_ids(LAYOUTS), LAYOUTS) if math.prod(lay) == 4
+        **{f"layout-{k}": (layout_configs, lay) for k, lay in zip(_ids(LAYOUTS), LAYOUTS) if math.prod(lay) == 4},
+        "tight-rings": (tight_ring_configs, ()),  # last: TIGHT
     },
     "world4-gpt2-tied": {
         **{f"gpt2-{k}": (gpt2_configs, lay) for k, lay in zip(_ids(GPT2_LAYOUTS), GPT2_LAYOUTS)},
@@ -212,8 +228,12 @@ def shared(tmp_path_factory: pytest.TempPathFactory):
         cases = {k: make(*lay) for k, (make, lay) in SHARED[group].items()}
         if group not in launched:
             out = tmp_path_factory.mktemp(group)
+            assert all(k in TIGHT for k in list(cases)[len(set(cases) - TIGHT) :]), "TIGHT cases go last"
+            tight = sum(len(cases[k]) for k in TIGHT & set(cases))
+            cfg_dicts = [c.to_dict() for cfgs in cases.values() for c in cfgs]
+            world = next(iter(cases.values()))[0].parallel.world_size
             try:
-                launched[group] = (out, run_layouts([c for cfgs in cases.values() for c in cfgs], out))
+                launched[group] = (out, run_ranks(_shared_worker, world, cfg_dicts, str(out), tight, timeout_s=400)[0])
             except Exception as e:
                 launched[group] = e
         if isinstance(launched[group], BaseException):
@@ -234,9 +254,8 @@ def test_layout_matches_single_device(tp: int, pp: int, dp: int, tmp_path: Path,
         shared(f"layout-tp{tp}-pp{pp}-dp{dp}")
 
 
-def test_pipelines_over_tight_shared_memory_rings(tmp_path: Path) -> None:
-    cfgs = [grid_config(4, s, v, parallel=dict(tp=1, pp=4, dp=1, p2p="shared_memory")) for s, v in schedules_for(4)]
-    check_layouts(cfgs, tmp_path, _tight_rings_worker)
+def test_pipelines_over_tight_shared_memory_rings(shared) -> None:
+    shared("tight-rings")
 
 
 def test_tied_embeddings_across_stages(shared) -> None:
