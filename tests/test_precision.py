@@ -25,16 +25,25 @@ from tests.test_equivalence import _worker, grid_config, ref_for
 BF16 = dict(precision="bf16")
 
 
+LAYOUTS = {
+    "world4": [(2, 2, 1, "1f1b", 1), (1, 2, 2, "zb-h1", 1)],
+    "world2": [(1, 2, 1, "zb-v", 2), (1, 2, 1, "interleaved-1f1b", 2)],
+}
+
+
+def _layout_configs(key: str) -> list[Config]:
+    return [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp), train=BF16) for tp, pp, dp, s, v in LAYOUTS[key]]
+
+
 @pytest.mark.multiprocess
-@pytest.mark.parametrize(
-    "layouts",
-    [[(2, 2, 1, "1f1b", 1), (1, 2, 2, "zb-h1", 1)], [(1, 2, 1, "zb-v", 2), (1, 2, 1, "interleaved-1f1b", 2)]],
-    ids=["world4", "world2"],
-)
-def test_bf16_layouts_match_one_device_bf16(layouts: list, tmp_path: Path) -> None:
-    cfgs = [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp), train=BF16) for tp, pp, dp, s, v in layouts]
-    world = cfgs[0].parallel.world_size
-    results = run_ranks(_worker, world, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
+@pytest.mark.parametrize("key", list(LAYOUTS))
+def test_bf16_layouts_match_one_device_bf16(key: str, tmp_path: Path, request: pytest.FixtureRequest) -> None:
+    layouts, cfgs = LAYOUTS[key], _layout_configs(key)
+    if key == "world2":  # out of the module's one 2-rank launch
+        out, ranks = request.getfixturevalue("world2")
+        tmp_path, results = out / "layouts", ranks[0]["layouts"]
+    else:
+        results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
     fp32 = tiny_config()
     ref_losses, _, ref_state = ref_for(cfgs[0])  # one-device bf16: autocast over fp32 parameters
     ref64 = ref_for(fp32, torch.float64)[2]
@@ -63,9 +72,8 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:
 
 
 @pytest.mark.multiprocess
-def test_bf16_halves_the_pipeline_bytes() -> None:
-    cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr) for tr in ({}, BF16)]
-    for fp32, bf16 in run_ranks(_bytes_worker, 2, [c.to_dict() for c in cfgs], timeout_s=240):
+def test_bf16_halves_the_pipeline_bytes(world2: tuple[Path, list[dict]]) -> None:
+    for fp32, bf16 in (r["bytes"] for r in world2[1]):
         assert fp32 > 0 and bf16 * 2 == fp32, (fp32, bf16)
 
 
@@ -80,32 +88,48 @@ def _resume_worker(cfg_d: dict, run_dir: str) -> dict:
     return {"losses": res.losses, "start": res.start_step}
 
 
-def _resume_workers(runs: list[tuple[dict, str]]) -> list[dict]:
-    return [_resume_worker(*run) for run in runs]
+STEPS = 4
+TERM = "rank=1:term@step=1:phase=forward"
+
+
+def _resume_config(fault: str, resume: str) -> dict:
+    c = tiny_config(
+        parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
+        train=dict(steps=STEPS, **BF16),
+        checkpoint=dict(every=STEPS, resume=resume),
+        emulate=dict(fault=fault),
+    )
+    return c.to_dict()
+
+
+def _world2_worker(layouts: list[dict], bytes_cfgs: list[dict], resume_runs: list[tuple[dict, str]], out: str) -> dict:
+    """The 2-rank tests' work in turn, each from scratch: the bf16 layouts, the pipeline bytes, then the
+    uninterrupted and the preempted bf16 runs (the preempted one last: its SIGTERM ends the training)."""
+    res = {"layouts": _worker(layouts, f"{out}/layouts"), "bytes": _bytes_worker(bytes_cfgs)}
+    res["resume"] = [_resume_worker(*run) for run in resume_runs]
+    return res
+
+
+@pytest.fixture(scope="module")
+def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+    """One launch for the 2-rank work of the tests here (a launch costs ~2.5 s of two interpreters
+    importing torch before their first step); each test reads only its own part."""
+    out = tmp_path_factory.mktemp("world2")
+    (out / "layouts").mkdir()
+    bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16)]
+    resume = [(_resume_config("", "off"), str(out / "whole")), (_resume_config(TERM, "off"), str(out / "cut"))]
+    layouts = [c.to_dict() for c in _layout_configs("world2")]
+    return out, run_ranks(_world2_worker, 2, layouts, bytes_cfgs, resume, str(out), timeout_s=400)
 
 
 @pytest.mark.multiprocess
-def test_bf16_resumes_exactly_from_its_fp32_masters(tmp_path: Path) -> None:
+def test_bf16_resumes_exactly_from_its_fp32_masters(world2: tuple[Path, list[dict]]) -> None:
     """Checkpoints hold the fp32 masters and AdamW state: a bf16 run preempted after step 2 and resumed
     ends bit for bit where the uninterrupted bf16 run does."""
-    steps = 4
-
-    def cfg(fault: str, resume: str) -> dict:
-        c = tiny_config(
-            parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"),
-            train=dict(steps=steps, **BF16),
-            checkpoint=dict(every=steps, resume=resume),
-            emulate=dict(fault=fault),
-        )
-        return c.to_dict()
-
-    run = str(tmp_path / "cut")
-    # The uninterrupted run and the preempted one share a launch (the preempted one last: its SIGTERM
-    # ends that launch's training), saving a launch's ~3 s of interpreters importing torch; the resume
-    # needs a launch of its own, as after a real preemption.
-    both = [(cfg("", "off"), str(tmp_path / "whole")), (cfg("rank=1:term@step=1:phase=forward", "off"), run)]
-    whole, first = run_ranks(_resume_workers, 2, both, timeout_s=240)[0]
-    second = run_ranks(_resume_worker, 2, cfg("", "auto"), run, timeout_s=240)[0]
+    tmp_path, ranks = world2
+    whole, first = ranks[0]["resume"]
+    # The resume needs a launch of its own, as after a real preemption.
+    second = run_ranks(_resume_worker, 2, _resume_config("", "auto"), str(tmp_path / "cut"), timeout_s=240)[0]
     assert second["start"] == 2 and first["losses"] + second["losses"] == whole["losses"]
     a = torch.load(tmp_path / "whole.pt", weights_only=True)
     b = torch.load(tmp_path / "cut.pt", weights_only=True)
