@@ -76,9 +76,15 @@ def _steps_once(run: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
+    """The fault-free run of FLAGS through `hybridpar.launch` (the launcher `hybridpar train` runs) in a
+    fresh process that forks its workers with torch already imported (tests/test_chaos.py's _run): the
+    same model as the command, without two interpreters importing torch. The tests' own runs go through
+    the command."""
+    from hybridpar.config import parse_args
+    from tests.test_chaos import _run
+
     run = tmp_path_factory.mktemp("reference")
-    out = _train(run)
-    assert out.returncode == 0, out.stderr[-3000:]
+    _run(parse_args([*FLAGS, "--run-dir", str(run)]))
     return _steps_once(run)["params_digest"]
 
 

@@ -178,8 +178,8 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, s
 @pytest.fixture(scope="module")
 def one_agent(tmp_path_factory) -> str:
     """The one-agent run: `hybridpar.launch` (the elastic agent `hybridpar train` runs) of the same flags,
-    in a fresh interpreter that forks its four workers with torch already imported; `hybridpar train`
-    would spawn four interpreters importing it (~3 s more on 2 cores) to train the same model."""
+    in a fresh process that forks its four workers with torch already imported (tests/test_chaos.py's
+    _run); `hybridpar train` would spawn four interpreters importing it, ~4 s more, for the same model."""
     from hybridpar.config import parse_args
     from tests.test_chaos import _run
 

@@ -23,7 +23,7 @@ from hybridpar.resilience.session import ledger_stats
 from tests.tiny_flags import tiny_flags  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_chaos import _run  # noqa: E402  (hybridpar.launch in a fresh interpreter)
+from test_chaos import _run  # noqa: E402  (hybridpar.launch in a fresh process)
 from test_equivalence import final_state  # noqa: E402
 from test_multinode import CLI, ENV, free_port, records, wait_all  # noqa: E402
 
