@@ -177,14 +177,11 @@ def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, s
 
 @pytest.fixture(scope="module")
 def one_agent(tmp_path_factory) -> str:
-    """The one-agent run: `hybridpar.launch` (the elastic agent `hybridpar train` runs) of the same flags,
-    in a fresh process that forks its four workers with torch already imported (tests/test_chaos.py's
-    _run); `hybridpar train` would spawn four interpreters importing it, ~4 s more, for the same model."""
-    from hybridpar.config import parse_args
-    from tests.test_chaos import _run
-
     run = tmp_path_factory.mktemp("one") / "run"
-    _run(parse_args([*TP2PP2, *TINY, "--run-dir", str(run)]))
+    out = subprocess.run(
+        [*CLI, *TP2PP2, *TINY, "--run-dir", str(run)], capture_output=True, text=True, env=ENV, timeout=150
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
     return digest(run)
 
 
