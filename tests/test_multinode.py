@@ -165,10 +165,23 @@ def node_cmd(run: Path, port: int, rdzv_id: str, nnodes: str = "2", nproc: str =
     ]
 
 
+def spawn(cmd: list[str], logs: Path) -> subprocess.Popen:
+    """`cmd` in a session of its own, its stdout and stderr in the files `logs`.out and `logs`.err: an agent
+    logs while it runs, and a pipe that nobody reads until it ends would block it once full (a hang where a
+    failure showing its output was due)."""
+    paths = (logs.with_name(logs.name + ".out"), logs.with_name(logs.name + ".err"))
+    with open(paths[0], "w") as out, open(paths[1], "w") as err:
+        p = subprocess.Popen(cmd, stdout=out, stderr=err, text=True, env=ENV, start_new_session=True)
+    p.logs = paths  # type: ignore[attr-defined]
+    return p
+
+
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
+    """(exit code, stdout, stderr) of each of `procs` (started by `spawn`), killed past `timeout` seconds."""
     deadline = time.monotonic() + timeout
     try:
-        return [(p.wait(max(1.0, deadline - time.monotonic())), *p.communicate()) for p in procs]
+        codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
+        return [(c, p.logs[0].read_text(), p.logs[1].read_text()) for c, p in zip(codes, procs)]
     finally:
         for p in procs:
             if p.poll() is None:
@@ -192,15 +205,7 @@ def test_two_agents_through_hybridpar_train_equal_one_agent(tmp_path: Path, one_
     before any worker starts; the model is the one-agent model bit for bit."""
     run, port = tmp_path / "run", free_port()
     procs = [
-        subprocess.Popen(
-            node_cmd(run, port, "job1", "2", "2", "--node-rank", str(n)),
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=ENV,
-            start_new_session=True,
-        )
-        for n in (0, 1)
+        spawn(node_cmd(run, port, "job1", "2", "2", "--node-rank", str(n)), tmp_path / f"agent{n}") for n in (0, 1)
     ]
     try:
         deadline = time.monotonic() + 60
@@ -230,14 +235,10 @@ def test_two_agents_through_plain_torchrun_equal_one_agent(tmp_path: Path, one_a
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
     rdzv = ["--rdzv-backend", "hybridpar-loopback", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j"]
     procs = [
-        subprocess.Popen(
+        spawn(
             [*torchrun, "--node-rank", str(n), *rdzv, "--local-addr", "127.0.0.1", "-m", "hybridpar.train"]
             + [*TP2PP2, *TINY, "--run-dir", str(run)],
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            env=ENV,
-            start_new_session=True,
+            tmp_path / f"agent{n}",
         )
         for n in (0, 1)
     ]

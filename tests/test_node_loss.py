@@ -25,7 +25,7 @@ from tests.tiny_flags import tiny_flags  # noqa: E402
 sys.path.insert(0, str(Path(__file__).parent))
 from test_chaos import _run  # noqa: E402  (hybridpar.launch in a fresh process)
 from test_equivalence import final_state  # noqa: E402
-from test_multinode import CLI, ENV, free_port, records, wait_all  # noqa: E402
+from test_multinode import CLI, free_port, records, spawn, wait_all  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -53,14 +53,7 @@ def agent(run: Path, port: int) -> subprocess.Popen:
     # with fewer than the most nodes waits last_call_timeout for more.
     conf = ["--rdzv-conf", "last_call_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=3"]
     cmd = [*CLI, "--nnodes", "1:2", "--nproc-per-node", "1", *rdzv, *conf, "--max-restarts", "3"]
-    return subprocess.Popen(
-        [*cmd, *FLAGS, *SLOW, "--run-dir", str(run)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=ENV,
-        start_new_session=True,
-    )
+    return spawn([*cmd, *FLAGS, *SLOW, "--run-dir", str(run)], run.with_name(f"agent-{time.time_ns()}"))
 
 
 def events(run: Path) -> list[dict]:
