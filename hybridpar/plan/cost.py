@@ -172,6 +172,10 @@ class LayerCosts:
     b: Work
     w: Work
 
+    def busy(self, stretch: float | None) -> LayerCosts:
+        """Each of F, B, W with its collectives as CPU work (`busy_comm`)."""
+        return LayerCosts(busy_comm(self.f, stretch), busy_comm(self.b, stretch), busy_comm(self.w, stretch))
+
 
 class CostModel:
     """The costs of one model on one hardware description; the layout comes with each call."""
@@ -429,7 +433,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
     split = spec.splits_backward
     msg = tokens * model.m.dim * (2 if t.precision == "bf16" else 4)
     st = model.comm_stretch(t)
-    sim = [LayerCosts(busy_comm(c.f, st), busy_comm(c.b, st), busy_comm(c.w, st)) for c in costs]
+    sim = [c.busy(st) for c in costs]
     sim_costs = Costs(
         forward_s=tuple(c.f.compute for c in sim),
         backward_s=tuple(c.b.compute if split else c.b.compute + c.w.compute for c in sim),

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Any
+from typing import Any, Callable
 
 from hybridpar.config import ModelConfig
 from hybridpar.plan.calibrate import Calibration
@@ -68,25 +68,12 @@ def tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list, 
             groups[tp] = mine[me // tp]
         forward = _metered(build_stage(model, list(range(depth)), False, False, 0, torch.device("cpu"), groups[tp]))
         g = torch.randn(b, seq_len, model.dim)
-        walls = []
-        dist.barrier()
-        for k in range(rounds + 1):  # a fixed count: the group's collectives pair up call for call
-            x = torch.randn(b, seq_len, model.dim, requires_grad=True)
-            t0 = time.perf_counter()
-            torch.autograd.backward(forward(x), g)
-            if k:  # the first pair warms up
-                walls.append(time.perf_counter() - t0)
-        head = _metered(build_stage(model, [], False, True, 0, torch.device("cpu"), groups[tp]))
         ids = torch.randint(0, model.vocab_size, (b, seq_len))
-        heads = []
-        dist.barrier()
-        for k in range(rounds + 1):
-            x = torch.randn(b, seq_len, model.dim, requires_grad=True)
-            t0 = time.perf_counter()
-            token_cross_entropy(head(x), ids, 1.0).backward()
-            if k:
-                heads.append(time.perf_counter() - t0)
-        wall, head_wall = rank_mean([statistics.fmean(walls) / depth, statistics.fmean(heads)])
+        head = _metered(build_stage(model, [], False, True, 0, torch.device("cpu"), groups[tp]))
+        fresh = lambda: torch.randn(b, seq_len, model.dim, requires_grad=True)  # noqa: E731
+        layers_s = _mean_wall(lambda x: torch.autograd.backward(forward(x), g), fresh, rounds)
+        head_s = _mean_wall(lambda x: token_cross_entropy(head(x), ids, 1.0).backward(), fresh, rounds)
+        wall, head_wall = rank_mean([layers_s / depth, head_s])
         end = ends[b * seq_len]
         out.append(
             {
@@ -99,6 +86,22 @@ def tp_layers(cal: Calibration, model: ModelConfig, seq_len: int, shapes: list, 
             }
         )
     return out
+
+
+def _mean_wall(run: Callable[[Any], Any], make: Callable[[], Any], rounds: int) -> float:
+    """Mean wall seconds of `run(make())` (the input made untimed) over `rounds` calls after one that
+    warms up, from a barrier; a fixed count on every rank: a group's collectives pair up call for call."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    walls = []
+    for k in range(rounds + 1):
+        x = make()
+        t0 = time.perf_counter()
+        run(x)
+        if k:
+            walls.append(time.perf_counter() - t0)
+    return statistics.fmean(walls)
 
 
 def action_overhead(p2p: Any, model: ModelConfig, seq_len: int, batch: int, seconds: float) -> float:

@@ -33,7 +33,6 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
 from hybridpar.plan.cost import (
     CostModel,
-    LayerCosts,
     Prediction,
     Setup,
     Shape,
@@ -277,8 +276,7 @@ class Planner:
             t = dataclasses.replace(self.base.train, precision=k["precision"])
             tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
-            lay = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
-            layer = LayerCosts(busy_comm(lay.f, st), busy_comm(lay.b, st), busy_comm(lay.w, st))
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"]).busy(st)
             embed, head = (busy_comm(e, st) for e in self.model.ends(t, k["tp"], tokens, pl.tp))
             share = sharing(shape, self.hw, pl)
             capacity = None if share is None else sum(share.capacity)
