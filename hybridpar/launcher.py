@@ -109,6 +109,7 @@ def report_plan(planned: AutoPlan, run_dir: str, world: int) -> None:
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     from hybridpar.topology.cpus import bind_local_rank
+    from hybridpar.topology.lifetime import release_groups
     from hybridpar.train import enter_worker, train
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
@@ -116,7 +117,10 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     bind_local_rank(cfg.parallel.cpu_bind)  # before any thread starts
     if notes and os.environ.get("RANK") == "0":
         print("\n".join(notes), flush=True)
-    res = train(cfg, restart_count=restarts)
+    try:
+        res = train(cfg, restart_count=restarts)
+    finally:
+        release_groups()  # before the interpreter ends: see topology/lifetime.py
     if res.digest is None:
         return None
     return {

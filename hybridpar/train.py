@@ -41,7 +41,7 @@ from hybridpar.resilience.session import Session, ledger_stats
 from hybridpar.tokenizer import Tokenizer
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
-from hybridpar.topology.lifetime import die_with_parent
+from hybridpar.topology.lifetime import die_with_parent, release_groups
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
 
@@ -366,8 +366,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         train(cfg, restart_count=restarts)
     finally:
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        release_groups()
     return 0
 
 

@@ -3,6 +3,8 @@ whole and in order, and a message that cannot be posted fails where it is waited
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridpar.testing import run_ranks
@@ -332,7 +334,53 @@ P2P_RUNS = [
     ("_borrowing", ("process_group",)),
     ("_eager_sends", ()),
     ("_bad_peer", ()),
+    ("_released", ()),  # last: it destroys the groups
 ]
+
+
+def _released() -> dict:
+    """A pipeline's posting thread is left running (the trainer never closes its P2P), then the groups
+    are released as a worker does at its end: no gloo worker thread may be left to the interpreter's
+    finalisation, where releasing a finished work's tensors aborts the process (topology/lifetime.py)."""
+    import os
+    import threading
+
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.pipeline.p2p import P2P
+    from hybridpar.topology.lifetime import release_groups
+    from hybridpar.topology.mesh import build_topology
+
+    def native_threads() -> int:  # threads Python did not start, less gloo's socket loop (it holds no work)
+        names = [Path(f"/proc/self/task/{t}/comm").read_text().strip() for t in os.listdir("/proc/self/task")]
+        return len([n for n in names if n != "gloo_tcp_loop"]) - threading.active_count()
+
+    def train() -> P2P:  # a run's end: its Topology is gone, its P2P's thread still waits for messages
+        topo = build_topology(1, 2, 1, "gloo", 20.0)
+        p2p = P2P(topo.device, torch.float32, 20.0, post_from_thread=True, transport="process_group")
+        p2p.queue_send(torch.ones(3), 1 - topo.rank)
+        p2p.queue_recv(0, (3,), 1 - topo.rank)
+        p2p.flush()
+        p2p.wait_recv(0)
+        p2p.wait_sends()
+        dist.all_gather([torch.zeros(1), torch.zeros(1)], torch.ones(1), group=topo.group("pp"))
+        cycle: list = [topo]
+        cycle.append(cycle)  # as the trainer's objects refer to each other: freed by the collector only
+        return p2p
+
+    p2p = train()
+    during = native_threads()
+    release_groups()
+    return {"during": during, "after": native_threads(), "posting": p2p._thread.is_alive()}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_released_groups_leave_no_worker_thread_to_the_interpreters_end(p2p_runs):
+    for res in p2p_runs["_released", ()]:
+        assert res["during"] >= 2 and res["posting"], res  # the groups' worker threads ran; the poster still does
+        assert res["after"] == 0, res
 
 
 def _all_runs(runs: list[tuple[str, tuple]]) -> list:

@@ -236,18 +236,23 @@ class P2P:
         return pg_ops
 
     def _post_loop(self) -> None:
-        pg = dist.group.WORLD  # peers are global ranks: their ranks in the default group
         while (batch := self._queue.get()) is not None:
-            try:
-                batch.works = [
-                    pg.send([t], peer, self.tag) if kind == "send" else pg.recv([t], peer, self.tag)
-                    for kind, _, t, peer in batch.ops
-                ]
-            except BaseException as e:  # re-raised where the caller waits for one of these messages
-                batch.error = e
+            self._post_batch(batch)
             with self._cond:
                 self._posted = batch.seq
                 self._cond.notify_all()
+
+    def _post_batch(self, batch: _Batch) -> None:
+        # The group is looked up per batch, not held while the loop waits: a reference kept here would keep
+        # the default group (and its worker threads) alive past destroy_process_group (topology/lifetime.py).
+        pg = dist.group.WORLD  # peers are global ranks: their ranks in the default group
+        try:
+            batch.works = [
+                pg.send([t], peer, self.tag) if kind == "send" else pg.recv([t], peer, self.tag)
+                for kind, _, t, peer in batch.ops
+            ]
+        except BaseException as e:  # re-raised where the caller waits for one of these messages
+            batch.error = e
 
     def _wait(self, batch: _Batch, i: int, what: str) -> None:
         if self._posted < batch.seq:

@@ -32,3 +32,23 @@ def die_with_parent(expected_parent: int | None) -> bool:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
     return expected_parent is None or os.getppid() == expected_parent
+
+
+def release_groups() -> None:
+    """Destroy every process group and join their backends' threads while the interpreter is whole.
+
+    `destroy_process_group` forgets the groups, but the DeviceMesh's sub-groups live on while anything
+    (the Topology, a cycle through the trainer) still refers to them, and their gloo worker threads with
+    them. Such a thread may still hold the last reference to the work of the last collective, whose
+    tensors it must release under the GIL; if the interpreter is finalising by then, Python ends the
+    thread inside a C++ destructor and the process aborts ("terminate called without an active
+    exception") after a run that succeeded -- and the elastic agent restarts a finished run. Collecting
+    here drops the last references, and each group's destructor joins its threads (it lets go of the GIL
+    while it waits)."""
+    import gc
+
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.destroy_process_group()
+    gc.collect()
