@@ -5,11 +5,13 @@ train` and through plain torchrun. Node loss and grow-back: tests/test_node_loss
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -103,6 +105,28 @@ def test_single_node_launch_refuses_a_node(tmp_path: Path) -> None:
     one.release()
 
 
+def test_a_node_arriving_while_the_first_is_mid_claim_joins_it(tmp_path: Path) -> None:
+    """The first node holds the lock but has not written who it is yet: the second waits, then joins."""
+    run, ck, key = tmp_path / "run", tmp_path / "run" / "checkpoints", "c10d|job|127.0.0.1:1"
+    run.mkdir()
+    fd = os.open(run / rundir.LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o644)
+    fcntl.flock(fd, fcntl.LOCK_EX)  # as `_lock` between its flock and its pwrite
+    first: list[rundir.RunClaim] = []
+
+    def finish() -> None:
+        time.sleep(0.3)
+        os.close(fd)
+        first.append(rundir.claim_node(run, ck, "off", False, key, wait_s=10))
+
+    t = threading.Thread(target=finish)
+    t.start()
+    second = rundir.claim_node(run, ck, "off", False, key, wait_s=10)
+    t.join(15)
+    assert first and first[0].run_id == second.run_id
+    first[0].release()
+    second.release()
+
+
 # ---- two agents on this machine -----------------------------------------------------------------------
 
 
@@ -177,11 +201,15 @@ def spawn(cmd: list[str], logs: Path) -> subprocess.Popen:
 
 
 def wait_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple[int, str, str]]:
-    """(exit code, stdout, stderr) of each of `procs` (started by `spawn`), killed past `timeout` seconds."""
+    """(exit code, stdout, stderr) of each of `procs` (started by `spawn`), killed past `timeout` seconds
+    with a failure that shows the end of what each wrote (a hang must say where it stood)."""
     deadline = time.monotonic() + timeout
     try:
         codes = [p.wait(max(1.0, deadline - time.monotonic())) for p in procs]
         return [(c, p.logs[0].read_text(), p.logs[1].read_text()) for c, p in zip(codes, procs)]
+    except subprocess.TimeoutExpired:
+        ends = [f"--- {log.name} ---\n{log.read_text()[-1500:]}" for p in procs for log in p.logs]
+        raise AssertionError(f"agents still running after {timeout:g} s:\n" + "\n".join(ends)) from None
     finally:
         for p in procs:
             if p.poll() is None:

@@ -306,7 +306,9 @@ def _join(run_dir: Path, key: str) -> RunClaim | str | None:
     except BlockingIOError:  # held exclusively: a single-node launch, or the first node still claiming
         holder = _holder(fd)
         os.close(fd)
-        if holder.get("key") == key:
+        # No holder written yet: a claim between its lock and its pwrite (`_lock`), maybe this launch's
+        # first node; refusing here would leave that node waiting for this one at the rendezvous.
+        if not holder or holder.get("key") == key:
             return "wait"
         raise _in_use(run_dir, holder) from None
     holder = _holder(fd)
