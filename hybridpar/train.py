@@ -362,7 +362,7 @@ def main(argv: list[str] | None = None) -> int:
     if int(os.environ.get("RANK", "0")) == 0:
         for note in notes:
             print(note, flush=True)
-    bind_local_rank(cfg.parallel.cpu_bind)  # ranks share the cores; before any thread starts
+    bind_local_rank(cfg.parallel.cpu_bind, layout=cfg.parallel.layout)  # before any thread starts
     try:
         train(cfg, restart_count=restarts)
     finally:

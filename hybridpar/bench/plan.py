@@ -19,7 +19,6 @@ hand plus the planner's own top pick at each world.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import statistics
@@ -28,6 +27,7 @@ import time
 from typing import Any
 
 from hybridpar.config import Config
+from hybridpar.config.sections import CPU_BINDINGS
 from hybridpar.plan.cost import CostModel, predict
 from hybridpar.plan.hardware import to_toml
 from hybridpar.plan.probe import describe
@@ -60,10 +60,10 @@ LAYOUTS_2 = [
 ]
 
 
-def layout_config(tp: int, pp: int, dp: int, schedule: str, m: int) -> Config:
+def layout_config(tp: int, pp: int, dp: int, schedule: str, m: int, cpu_bind: str = "none") -> Config:
     cfg = Config()
     p = cfg.parallel
-    p.tp, p.pp, p.dp, p.schedule = tp, pp, dp, schedule
+    p.tp, p.pp, p.dp, p.schedule, p.cpu_bind = tp, pp, dp, schedule, cpu_bind
     cfg.train.microbatches = m
     cfg.train.val_every = cfg.train.monitor_every = 0
     cfg.validate(tp * pp * dp)
@@ -73,11 +73,13 @@ def layout_config(tp: int, pp: int, dp: int, schedule: str, m: int) -> Config:
 def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
     """Probe, train, probe again, in the same processes: the probe sees the machine as the steps do."""
     from hybridpar.plan.probe import measure
+    from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
+    bind_local_rank(p.cpu_bind, layout=p.layout)  # as `hybridpar train` does, before any thread starts
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
     # The layer times at this layout's shape (plan/calibrate.py), timed alongside the rest of the probe.
     shape = [(p.tp, cfg.train.global_batch // p.dp // cfg.train.microbatches)]
@@ -95,25 +97,6 @@ def _worker(cfg_dict: dict, steps: int) -> dict[str, Any]:
     }
 
 
-def _no_memory_limit(cfg: Config) -> list[Any]:
-    """Memory is not binding for this model on this machine; used until plan/memory.py is present."""
-
-    @dataclasses.dataclass
-    class _Zero:
-        total: int = 0
-
-    return [_Zero()] * cfg.parallel.pp
-
-
-def _memory():
-    try:
-        from hybridpar.plan.memory import rank_memory
-
-        return rank_memory
-    except ImportError:
-        return _no_memory_limit
-
-
 def key(layout: tuple) -> str:
     tp, pp, dp, schedule, m = layout
     return f"tp{tp}-pp{pp}-dp{dp}-{schedule}-m{m}"
@@ -121,6 +104,7 @@ def key(layout: tuple) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from hybridpar.plan.calibrate import shapes_for
+    from hybridpar.plan.main import default_memory
     from hybridpar.plan.probe import probe
     from hybridpar.plan.search import plan
 
@@ -129,6 +113,12 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=5, help="timed steps per launch")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")
     ap.add_argument("--json", default=None, help="write the result here ('-' or none: stdout)")
+    ap.add_argument(
+        "--cpu-bind",
+        default="none",
+        choices=CPU_BINDINGS,
+        help="the ranks' cores in every launch, probes included (--parallel.cpu_bind)",
+    )
     a = ap.parse_args(argv)
     t0, load_before = time.time(), os.getloadavg()
     worlds = {4: list(LAYOUTS_4), 2: list(LAYOUTS_2)}
@@ -137,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = probe(
             w, model=base.model, seq_len=base.train.seq_len, shapes=shapes_for(base.model, base.train.global_batch, w)
         )
-        c = plan(base, hw, _memory(), world=w, top=1).candidates[0]
+        c = plan(base, hw, default_memory(), world=w, top=1).candidates[0]
         p, t = c.cfg.parallel, c.cfg.train
         if t.recompute == "none" and t.precision == "fp32" and p.zero == 0 and p.partition == "params":
             pick = (p.tp, p.pp, p.dp, p.schedule, t.microbatches)
@@ -153,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     def meta(rounds: int) -> dict[str, Any]:
         return {
             "rounds": rounds,
+            "cpu_bind": a.cpu_bind,
             "steps": a.steps,
             "warmup": a.warmup,
             "load_average_before": load_before,
@@ -167,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.rounds):
         order = everything[r % len(everything) :] + everything[: r % len(everything)]
         for lay in order:
-            cfg = layout_config(*lay)
+            cfg = layout_config(*lay, a.cpu_bind)
             world = cfg.parallel.world_size
             got = run_ranks(_worker, world, cfg.to_dict(), a.warmup + a.steps, timeout_s=900)[0]
             hw = describe(got["probe"], world)

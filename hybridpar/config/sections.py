@@ -160,13 +160,19 @@ class ParallelConfig:
     cpu_bind: str = _f(
         "none",
         "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "
-        "own share of the cores (more ranks than cores: rank r on core r % n)",
+        "own share of the cores, the ranks of one pipeline stage on different cores (more ranks than "
+        "cores: round robin over the ranks in pipeline, data-parallel, tensor-parallel order)",
         choices=CPU_BINDINGS,
     )
 
     @property
     def world_size(self) -> int:
         return self.tp * self.pp * self.dp
+
+    @property
+    def layout(self) -> tuple[int, int, int]:
+        """(dp, pp, tp): the mesh's axes in rank order (topology/mesh.py)."""
+        return (self.dp, self.pp, self.tp)
 
     @property
     def chunks(self) -> int:
