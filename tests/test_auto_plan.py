@@ -89,6 +89,22 @@ def test_given_keys_are_held_and_precision_kept_unless_asked(tmp_path: Path) -> 
     assert auto_plan(cfg, given, 4).cfg.train.precision == "bf16"
 
 
+def test_ranks_sharing_cores_are_bound_unless_the_binding_was_given(tmp_path: Path) -> None:
+    from hybridpar.launcher import planned_flags
+    from hybridpar.plan.launch import summary
+
+    cfg, given = _parse(["--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path, n=4)])
+    ap = auto_plan(cfg, given, 4)  # 4 ranks on 2 cores
+    assert ap.cfg.parallel.cpu_bind == "cores" and "--parallel.cpu_bind=cores" in planned_flags(ap.cfg)
+    assert "cpu_bind=cores" in summary(ap).splitlines()[-1]
+    cfg, given = _parse(
+        ["--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path, n=4), "--parallel.cpu_bind", "none"]
+    )
+    assert auto_plan(cfg, given, 4).cfg.parallel.cpu_bind == "none"  # given: kept
+    cfg, given = _parse(["--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path, n=1)])
+    assert auto_plan(cfg, given, 1).cfg.parallel.cpu_bind == "none"  # cores to spare: the OS places it
+
+
 def test_plan_record_is_json_with_the_hardware_and_every_candidate(tmp_path: Path) -> None:
     cfg, given = _parse(["--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path), "--train.microbatches", "2"])
     ap = auto_plan(cfg, given, 4)

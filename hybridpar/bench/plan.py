@@ -1,6 +1,6 @@
 """`hybridpar bench plan`: the planner's predicted step times against real training steps, on this machine.
 
-    hybridpar bench plan [--rounds 3] [--steps 5] [--warmup 2] [--json FILE]
+    hybridpar bench plan [--rounds 3] [--steps 5] [--warmup 2] [--cpu-bind auto] [--json FILE]
 
 Each round runs every swept layout of the default model once — freshly launched ranks that probe the
 machine (plan/probe.py's measurements), build a real `Trainer`, run `--warmup` steps and then `--steps`
@@ -13,7 +13,9 @@ layout: medians over rounds of the measured and of the predicted step time, thei
 `median_abs_error` (median of |predicted / measured - 1|, a fraction), `top_pick_over_best` (per world,
 the measured throughput of the layout the planner ranks first among those swept over the best measured
 one; the smaller of the two worlds), the load average. The swept set is a spread of layouts chosen by
-hand plus the planner's own top pick at each world.
+hand plus the planner's own top pick at each world. Every launch binds its ranks to cores as
+`--parallel.auto` would run the layout (plan/launch.py `fills_cores`): where the ranks take all the
+cores, a stage's ranks on different cores (topology/cpus.py), else left to the OS.
 """
 
 from __future__ import annotations
@@ -104,6 +106,7 @@ def key(layout: tuple) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from hybridpar.plan.calibrate import shapes_for
+    from hybridpar.plan.launch import fills_cores
     from hybridpar.plan.main import default_memory
     from hybridpar.plan.probe import probe
     from hybridpar.plan.search import plan
@@ -115,18 +118,21 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--json", default=None, help="write the result here ('-' or none: stdout)")
     ap.add_argument(
         "--cpu-bind",
-        default="none",
-        choices=CPU_BINDINGS,
-        help="the ranks' cores in every launch, probes included (--parallel.cpu_bind)",
+        default="auto",
+        choices=("auto", *CPU_BINDINGS),
+        help="the ranks' cores in every launch, probes included (--parallel.cpu_bind); auto: as "
+        "--parallel.auto runs them, bound where the ranks take all the cores",
     )
     a = ap.parse_args(argv)
     t0, load_before = time.time(), os.getloadavg()
     worlds = {4: list(LAYOUTS_4), 2: list(LAYOUTS_2)}
+    binding: dict[int, str] = {}
     for w, layouts in worlds.items():  # the planner's own top pick (on a probe of this machine) joins the sweep
         base = Config()
         hw = probe(
             w, model=base.model, seq_len=base.train.seq_len, shapes=shapes_for(base.model, base.train.global_batch, w)
         )
+        binding[w] = a.cpu_bind if a.cpu_bind != "auto" else "cores" if fills_cores(hw, w) else "none"
         c = plan(base, hw, default_memory(), world=w, top=1).candidates[0]
         p, t = c.cfg.parallel, c.cfg.train
         if t.recompute == "none" and t.precision == "fp32" and p.zero == 0 and p.partition == "params":
@@ -143,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
     def meta(rounds: int) -> dict[str, Any]:
         return {
             "rounds": rounds,
-            "cpu_bind": a.cpu_bind,
+            "cpu_bind": {str(w): b for w, b in binding.items()},
             "steps": a.steps,
             "warmup": a.warmup,
             "load_average_before": load_before,
@@ -158,8 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     for r in range(a.rounds):
         order = everything[r % len(everything) :] + everything[: r % len(everything)]
         for lay in order:
-            cfg = layout_config(*lay, a.cpu_bind)
-            world = cfg.parallel.world_size
+            world = lay[0] * lay[1] * lay[2]
+            cfg = layout_config(*lay, binding[world])
             got = run_ranks(_worker, world, cfg.to_dict(), a.warmup + a.steps, timeout_s=900)[0]
             hw = describe(got["probe"], world)
             probes.append({"round": r, "layout": key(lay), "hardware": to_toml(hw)})
