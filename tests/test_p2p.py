@@ -344,6 +344,7 @@ def _released() -> dict:
     finalisation, where releasing a finished work's tensors aborts the process (topology/lifetime.py)."""
     import os
     import threading
+    import time
 
     import torch
     import torch.distributed as dist
@@ -372,7 +373,14 @@ def _released() -> dict:
     p2p = train()
     during = native_threads()
     release_groups()
-    return {"during": during, "after": native_threads(), "posting": p2p._thread.is_alive()}
+    # A thread the earlier runs here joined can linger in /proc for a moment after Python forgot it; a
+    # group's worker thread left alive would stay.
+    deadline = time.monotonic() + 3.0
+    while (after := native_threads()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    stats = [Path(f"/proc/self/task/{t}/stat").read_text() for t in os.listdir("/proc/self/task")]
+    tasks = [s[s.index("(") : s.rindex(")") + 3] for s in stats]  # "(name) state": to read when it fails
+    return {"during": during, "after": after, "posting": p2p._thread.is_alive(), "tasks": tasks}
 
 
 @pytest.mark.multiprocess

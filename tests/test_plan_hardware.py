@@ -52,6 +52,13 @@ def test_optional_keys_round_trip(tmp_path: Path) -> None:
     assert load_hardware(tmp_path / "h.toml") == hw
 
 
+def test_ranks_fill_the_cores_only_on_hosts_that_say_how_many_they_have() -> None:
+    assert not parse_hardware(good()).fills_cores(8)  # GPUs: no cores_per_node
+    cpu = lambda cores: parse_hardware(good() | {"cores_per_node": cores})  # noqa: E731  (4 ranks a node)
+    assert cpu(1.96).fills_cores(2) and cpu(2.05).fills_cores(2) and cpu(1.96).fills_cores(8)
+    assert not cpu(1.96).fills_cores(1) and not cpu(7.7).fills_cores(4) and not cpu(7.7).fills_cores(8)
+
+
 def test_sync_wait_reads_between_measured_works_and_holds_beyond() -> None:
     hw = parse_hardware(good() | {"sync_wait": [[2, 2000.0, 500.0], [2, 20000.0, 5000.0], [4, 20000.0, 9000.0]]})
     assert hw.sync_wait_s(2, 11e-3) == pytest.approx(2.75e-3)  # halfway between the two works

@@ -14,8 +14,8 @@ layout: medians over rounds of the measured and of the predicted step time, thei
 the measured throughput of the layout the planner ranks first among those swept over the best measured
 one; the smaller of the two worlds), the load average. The swept set is a spread of layouts chosen by
 hand plus the planner's own top pick at each world. Every launch binds its ranks to cores as
-`--parallel.auto` would run the layout (plan/launch.py `fills_cores`): where the ranks take all the
-cores, a stage's ranks on different cores (topology/cpus.py), else left to the OS.
+`--parallel.auto` would run the layout (`Hardware.fills_cores`, plan/hardware.py): where the ranks take
+all the cores, a stage's ranks on different cores (topology/cpus.py), else left to the OS.
 """
 
 from __future__ import annotations
@@ -106,7 +106,6 @@ def key(layout: tuple) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from hybridpar.plan.calibrate import shapes_for
-    from hybridpar.plan.launch import fills_cores
     from hybridpar.plan.main import default_memory
     from hybridpar.plan.probe import probe
     from hybridpar.plan.search import plan
@@ -132,7 +131,7 @@ def main(argv: list[str] | None = None) -> int:
         hw = probe(
             w, model=base.model, seq_len=base.train.seq_len, shapes=shapes_for(base.model, base.train.global_batch, w)
         )
-        binding[w] = a.cpu_bind if a.cpu_bind != "auto" else "cores" if fills_cores(hw, w) else "none"
+        binding[w] = a.cpu_bind if a.cpu_bind != "auto" else "cores" if hw.fills_cores(w) else "none"
         c = plan(base, hw, default_memory(), world=w, top=1).candidates[0]
         p, t = c.cfg.parallel, c.cfg.train
         if t.recompute == "none" and t.precision == "fp32" and p.zero == 0 and p.partition == "params":

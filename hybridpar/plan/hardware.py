@@ -97,6 +97,16 @@ class Hardware:
     def device_memory_bytes(self) -> int:
         return int(self.device_memory_gib * 2**30)
 
+    def fills_cores(self, world: int) -> bool:
+        """Whether `world` ranks take all the cores of a node or more (a CPU host; the probe measures a
+        little under or over the whole cores it finds, 1.92-2.05 of 2 here, hence the rounding). The cost
+        model counts the cores as one pool that the computing ranks split (plan/cost.py); left to the OS,
+        tensor-parallel partners or a stage's replicas can land on one core and wait for each other at
+        every collective (tp2 x dp2 at 4 ranks on 2 cores stepped 0.24-0.26 s against 0.19-0.20 bound).
+        Ranks bound stage-major (parallel.cpu_bind=cores, topology/cpus.py) run as predicted, so
+        `--parallel.auto` binds them here (plan/launch.py)."""
+        return self.cores_per_node is not None and min(world, self.devices_per_node) >= round(self.cores_per_node)
+
     def peak_flops(self, precision: str) -> float:
         """Dense FLOP/s per device in `precision` ("fp32" or "bf16"); 0 where the hardware has none."""
         return self.peak_tflops.get(precision, 0.0) * 1e12

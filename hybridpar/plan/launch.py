@@ -148,20 +148,10 @@ def auto_plan(cfg: Config, given: set[str], world: int, hw: Hardware | None = No
     hw = hw or hardware_for(cfg, world)
     result = plan(_base(cfg), hw, rank_memory, world=world, top=TOP, fixed=fixed)
     chosen = runnable(result.candidates[0], hw)
-    if fills_cores(hw, world) and cfg.parallel.cpu_bind == "none" and "parallel.cpu_bind" not in given:
+    if hw.fills_cores(world) and cfg.parallel.cpu_bind == "none" and "parallel.cpu_bind" not in given:
         chosen.parallel.cpu_bind = "cores"
     chosen.validate(world_size=world)
     return AutoPlan(chosen, result, hw, fixed)
-
-
-def fills_cores(hw: Hardware, world: int) -> bool:
-    """Whether the ranks of a node take all its cores or more (a CPU host; the probe measures a little
-    under or over the whole cores it finds, 1.92-2.05 of 2 here, hence the rounding). The cost model
-    counts the cores as one pool that the computing ranks split (plan/cost.py); left to the OS,
-    tensor-parallel partners or a stage's replicas can land on one core and wait for each other at every
-    collective (tp2 x dp2 at 4 ranks on 2 cores stepped 0.24-0.26 s against 0.19-0.20 bound). Binding
-    the ranks stage-major (parallel.cpu_bind=cores, topology/cpus.py) runs the layout as predicted."""
-    return hw.cores_per_node is not None and min(world, hw.devices_per_node) >= round(hw.cores_per_node)
 
 
 def hardware_dict(hw: Hardware) -> dict[str, Any]:

@@ -90,9 +90,13 @@ def main(argv: list[str]) -> int:
         return 2
     print(format_table(result, hw))
     print(f"\nchoice: {result.candidates[0].label.strip()} ({result.candidates[0].reason})")
+    bind = "cores" if hw.fills_cores(a.world) else "none"
+    if bind == "cores":
+        print("predicted for ranks bound to cores, as --parallel.auto runs them here: --parallel.cpu_bind cores")
     if a.json:
         out: dict[str, Any] = {
             "hardware": hw.name,
+            "cpu_bind": bind,
             "considered": result.considered,
             "simulated": result.simulated,
             "layouts": [c.to_dict() for c in result.candidates],
