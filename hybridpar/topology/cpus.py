@@ -43,19 +43,17 @@ def share_of(local_rank: int, local_world: int, allowed: Sequence[int]) -> list[
 def stage_major_position(rank: int, local_rank: int, local_world: int, dp: int, pp: int, tp: int) -> int:
     """Where global `rank` (local rank `local_rank` of `local_world` on its node, whose ranks are
     consecutive) stands among its node's ranks ordered by (pipeline, data-parallel, tensor-parallel)
-    coordinates. Ranks are laid out (dp, pp, tp) with tp fastest (topology/mesh.py)."""
+    coordinates (the mesh's own, topology/mesh.py)."""
+    from hybridpar.topology.mesh import ParallelDims
+
     if not 0 <= local_rank < local_world or rank < local_rank or rank - local_rank + local_world > dp * pp * tp:
         raise ValueError(
             f"rank {rank} as local rank {local_rank} of {local_world} does not fit a world of "
             f"dp={dp} x pp={pp} x tp={tp} = {dp * pp * tp}"
         )
-
-    def key(r: int) -> tuple[int, int, int]:
-        d, rest = divmod(r, pp * tp)
-        return (rest // tp, d, rest % tp)
-
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dp * pp * tp)
     node = range(rank - local_rank, rank - local_rank + local_world)
-    return sorted(node, key=key).index(rank)
+    return sorted(node, key=lambda r: (dims.coord(r, "pp"), dims.coord(r, "dp"), dims.coord(r, "tp"))).index(rank)
 
 
 def bind_local_rank(
