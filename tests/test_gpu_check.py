@@ -36,6 +36,7 @@ def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
         "tp1 pp1 dp2 fp32",
     ]
     for r in eq["layouts"]:
+        print(f"fp64 criterion gpu_check {r['layout']}: worst margin {r['worst_fp64_margin']:.3f}")  # shown by -s
         assert r["passed"] and 0 <= r["max_loss_diff"] and math.isfinite(r["max_param_diff"]), r
         if r["layout"].endswith("fp32"):  # fp32 runs that sum in another order differ by up to 3e-5 (DESIGN.md)
             assert r["max_param_diff"] < 1e-4, r
