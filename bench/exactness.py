@@ -1,4 +1,4 @@
-"""Derives the parameter criterion's factors (hybridpar/reference.py: DECAY, factor) and estimates its
+"""Derives the parameter criterion's factors (hybridpar/reference.py: TAIL, factor) and estimates its
 false-alarm rate, on runs that are exact by construction: single-process training of the test models
 (the tiny Llama, GPT-2, the odd shapes; fp32 and bf16), each step's batch shuffled by another seed and
 accumulated over 1 to 6 microbatches — the same program, another order of the same sums. Each such run
@@ -89,7 +89,7 @@ def summarise(logs: dict, k: int) -> dict:
             "per_model_largest_ratio": {m: math.exp(max(v[s])) for m, v in logs.items()},
             "counts_above": {
                 str(r): {"observed": sum(x > math.log(r) for x in xs), "predicted": round(predicted(r), 2)}
-                for r in (1.5, 2.0, 3.0, 5.0)
+                for r in (1.5, 2.0, 3.0, 5.0, ref.factor(s))
             },
         }
     return res
