@@ -15,6 +15,7 @@ Exit codes of `hybridpar train`:
 
 from __future__ import annotations
 
+import gc
 import os
 import signal
 import threading
@@ -133,6 +134,37 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
+START_METHODS = ("spawn", "fork")
+
+
+def threads_forked() -> int:
+    """How many threads besides the caller's this process runs (every OS thread: an OpenMP or BLAS pool,
+    a store's event loop, not only Python's), which a fork would copy the state of but not run."""
+    try:
+        return len(os.listdir("/proc/self/task")) - 1
+    except OSError:  # no procfs (macOS): Python's own threads are what can be seen
+        return threading.active_count() - 1
+
+
+def fork_refusal(start_method: str) -> str | None:
+    """Why `launch(start_method=...)` must not start its workers that way, or None. A forked worker
+    inherits every lock and half-done structure of the caller's other threads without the threads: a
+    second fork-started launch from one process once died in its workers (SIGSEGV in the garbage
+    collector, freeing the first launch's store). CPython 3.12 warns on the same condition."""
+    if start_method not in START_METHODS:
+        return f"start_method={start_method!r} is not one of {', '.join(START_METHODS)}"
+    n = threads_forked() if start_method == "fork" else 0
+    if n == 0:
+        return None
+    return (
+        f"start_method='fork' would fork this process, which runs {n} thread(s) besides this one (a BLAS or "
+        "OpenMP pool, a store, a past launch's leftovers): a forked worker inherits their locks without them; "
+        "use start_method='spawn', or fork only from a process that has started no threads (a fresh "
+        "interpreter with OPENBLAS_NUM_THREADS=1 set before numpy or torch is imported, no torch operation "
+        "run, no launch before)"
+    )
+
+
 def launch(
     cfg: Config,
     *,
@@ -150,16 +182,17 @@ def launch(
     set to other than their defaults, and plan.json written (plan/launch.py). The run directory
     is held for the launch: a run_dir holding another run is refused unless `overwrite` (which deletes that
     run's files). Bad config or data raises ValueError before any worker starts, and so does a failure a
-    worker found that a restart would repeat. `start_method`
-    'fork' starts workers faster (CPU only: CUDA cannot be forked once initialised), but forks
-    whatever threads and locks the caller holds: a fork-started run once hung at start-up in a test
-    process that had run other torch work, so prefer 'spawn' from anything long-lived."""
+    worker found that a restart would repeat. `start_method`: 'spawn' (a fresh interpreter per worker) or
+    'fork' (faster; CPU only: CUDA cannot be forked once initialised), refused as a ValueError where the
+    caller runs other threads (`fork_refusal`)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hybridpar.preflight import preflight
     from hybridpar.resilience.rundir import EXIT_USAGE, exit_code
     from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
 
+    if why := fork_refusal(start_method):
+        raise ValueError(why)
     world = nproc or cfg.parallel.world_size
     planned = None
     if cfg.parallel.auto:  # the keys set to other than their defaults are the user's, held fixed
@@ -195,3 +228,7 @@ def launch(
         return results[0]
     finally:
         end_launch(claim)
+        # The agent's rendezvous store sits in reference cycles and keeps two event-loop threads alive
+        # until a garbage collection frees it: collect now, so that a launch leaves no thread behind
+        # (for a later fork to copy, or a forked child's collector to free again).
+        gc.collect()

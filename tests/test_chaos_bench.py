@@ -74,3 +74,22 @@ def test_bench_chaos_smoke(tmp_path: Path) -> None:
     assert report_main([str(tmp_path / "work" / "soak"), "--out", str(tmp_path / "soak.html")]) == 0
     page = (tmp_path / "soak.html").read_text()
     assert "Restarts and faults" in page and "goodput" in page
+
+
+def test_a_failed_part_keeps_the_parts_before_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The soak's figures are on disk before the checkpoint cost starts, and stay when it fails."""
+    from hybridpar.bench import chaos
+
+    seen = {}
+
+    def ckpt_fails(work: Path, steps: int) -> dict:
+        seen["on_disk"] = json.loads(out.read_text())
+        raise RuntimeError("a worker died")
+
+    out = tmp_path / "chaos.json"
+    monkeypatch.setattr(chaos, "soak", lambda *a: {"params_identical": True, "faults": 3})
+    monkeypatch.setattr(chaos, "checkpoint_cost", ckpt_fails)
+    code = chaos.main(["--json", str(out), "--runs-dir", str(tmp_path / "work")])
+    r = json.loads(out.read_text())
+    assert seen["on_disk"]["faults"] == 3 and "checkpoint_cost_error" not in seen["on_disk"]
+    assert code == 1 and r["faults"] == 3 and r["checkpoint_cost_error"] == "RuntimeError: a worker died"
