@@ -110,38 +110,37 @@ prepare          encodes a corpus with a tokenizer into DATA.bin (uint16 ids whe
 --max-bytes      corpus bytes read (default 16000000)"""
 
 
+def parse_data_args(argv: list[str]) -> tuple[str, dict[str, str | None]]:
+    """`train-tokenizer|prepare --key VALUE ...` -> (command, options), or ValueError; reads no file."""
+    cmd, opts = argv[0], {"input": None, "max_bytes": "16000000", "dtype": "auto"}
+    if cmd not in ("train-tokenizer", "prepare"):
+        raise ValueError(f"unknown data command {cmd!r}; commands: train-tokenizer, prepare")
+    rest = argv[1:]
+    while rest:
+        name, eq, value = rest.pop(0).partition("=")
+        key = name[2:].replace("-", "_")
+        if not name.startswith("--") or key not in ("input", "max_bytes", "dtype", "out", "vocab_size", "tokenizer"):
+            raise ValueError(f"unexpected argument {name!r}")
+        if not eq:
+            if not rest:
+                raise ValueError(f"missing value for {name}")
+            value = rest.pop(0)
+        opts[key] = value
+    need = ("vocab_size", "out") if cmd == "train-tokenizer" else ("tokenizer", "out")
+    if missing := [f"--{k.replace('_', '-')}" for k in need if k not in opts]:
+        raise ValueError(f"{cmd} needs {' and '.join(missing)}")
+    for key in ("max_bytes", "vocab_size"):
+        if key in opts and not (str(opts[key]).isdigit() and int(opts[key]) > 0):
+            raise ValueError(f"--{key.replace('_', '-')} expects a positive integer, got {opts[key]!r}")
+    return cmd, opts
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or any(a in ("-h", "--help") for a in argv):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2
-    cmd, opts = argv[0], {"input": None, "max_bytes": "16000000", "dtype": "auto"}
     try:
-        if cmd not in ("train-tokenizer", "prepare"):
-            raise ValueError(f"unknown data command {cmd!r}; commands: train-tokenizer, prepare")
-        rest = argv[1:]
-        while rest:
-            name, eq, value = rest.pop(0).partition("=")
-            key = name[2:].replace("-", "_")
-            if not name.startswith("--") or key not in (
-                "input",
-                "max_bytes",
-                "dtype",
-                "out",
-                "vocab_size",
-                "tokenizer",
-            ):
-                raise ValueError(f"unexpected argument {name!r}")
-            if not eq:
-                if not rest:
-                    raise ValueError(f"missing value for {name}")
-                value = rest.pop(0)
-            opts[key] = value
-        need = ("vocab_size", "out") if cmd == "train-tokenizer" else ("tokenizer", "out")
-        if missing := [f"--{k.replace('_', '-')}" for k in need if k not in opts]:
-            raise ValueError(f"{cmd} needs {' and '.join(missing)}")
-        for key in ("max_bytes", "vocab_size"):
-            if key in opts and not (str(opts[key]).isdigit() and int(opts[key]) > 0):
-                raise ValueError(f"--{key.replace('_', '-')} expects a positive integer, got {opts[key]!r}")
+        cmd, opts = parse_data_args(argv)
         t0 = time.perf_counter()
         if cmd == "train-tokenizer":
             out = train_bpe(documents(opts["input"], int(opts["max_bytes"])), int(opts["vocab_size"]), opts["out"])

@@ -175,11 +175,17 @@ def render(runs: Sequence[Run]) -> str:
     return "\n".join(parts)
 
 
-def main(argv: list[str]) -> int:
+def parser() -> argparse.ArgumentParser:
+    """`hybridpar report`'s options."""
     ap = argparse.ArgumentParser(prog="hybridpar report", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="the --run-dir of a hybridpar train run")
     ap.add_argument("--compare", metavar="OTHER_RUN", help="a second run directory, overlaid")
     ap.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html)")
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    ap = parser()
     args = ap.parse_args(argv)
     try:
         runs = [load_run(args.run_dir)] + ([load_run(args.compare)] if args.compare else [])

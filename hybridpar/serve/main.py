@@ -10,7 +10,8 @@ from hybridpar.serve.config import ServeConfig, help_text, parse_serve_args
 
 USAGE = """usage: hybridpar serve [--source PATH|init:SEED] [--tp N --pp N --dp N] [--port P] [--strategy S] ...
 
-Serves a model over an OpenAI-compatible API (/v1/completions, /v1/models), /health and /metrics.
+Serves a model over an OpenAI-compatible API (/v1/completions, /v1/chat/completions, /v1/models), /health
+and /metrics.
 """
 
 

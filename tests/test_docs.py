@@ -1,0 +1,258 @@
+"""The documentation stays true: every command of the README's code blocks parses with the parser the
+real command uses (nothing is launched), every repository path the README and docs/ name exists, and
+docs/configuration.md is what the config's help texts render."""
+
+from __future__ import annotations
+
+import json
+import re
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from hybridpar.config import parse_args
+from hybridpar.config.reference_doc import COMMAND, render
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+# Pages other work is writing on main at the same time; drop each once it has landed here.
+PENDING = {"docs/exactness.md"}
+
+
+# ---- the README's commands ----
+
+
+def bash_blocks(text: str) -> list[str]:
+    return re.findall(r"```bash\n(.*?)```", text, re.S)
+
+
+def commands(block: str) -> list[list[str]]:
+    """The block's commands as argument lists: comments dropped, `\\` continuations and quoted newlines
+    joined, `&&` split, a trailing `&` removed."""
+    out: list[list[str]] = []
+    pending = ""
+    for line in block.splitlines():
+        pending += line + "\n"
+        if pending.rstrip().endswith("\\"):
+            pending = pending.rstrip()[:-1] + " "
+            continue
+        try:
+            words = shlex.split(pending, comments=True)
+        except ValueError:  # an open quote: the command goes on on the next line
+            continue
+        pending = ""
+        cmd: list[str] = []
+        for w in [*words, "&&"]:
+            if w in ("&&", "&"):
+                if cmd:
+                    out.append(cmd)
+                cmd = []
+            else:
+                cmd.append(w)
+    assert not pending.strip(), f"unterminated command: {pending!r}"
+    return out
+
+
+def check_hybridpar(args: list[str]) -> None:
+    """Parse `hybridpar SUB ARGS` the way cli.main hands it to each command, without running it."""
+    sub, rest = args[0], args[1:]
+    if "--help" in rest or "-h" in rest:
+        assert sub in ("train", "serve", "export", "data", "report", "plan", "bench"), sub
+        return
+    if sub == "train":
+        from hybridpar.cli import split_argv
+
+        theirs, ours = split_argv(rest)
+        cfg = parse_args(ours)
+        if cfg.model.init_from is None:  # else the shape is the model directory's, read at launch
+            nproc = next((int(v) for k, v in zip(theirs, theirs[1:]) if k == "--nproc-per-node"), None)
+            cfg.validate(nproc or cfg.parallel.world_size)
+    elif sub == "serve":
+        from hybridpar.serve.config import parse_serve_args
+
+        serve_cfg, model = parse_serve_args(rest)
+        serve_cfg.validate(model)
+    elif sub == "data":
+        from hybridpar.prepare import parse_data_args
+
+        parse_data_args(rest)
+    elif sub == "export":
+        from hybridpar.cli import parse_export_args
+
+        parse_export_args(rest)
+    elif sub == "report":
+        from hybridpar.report.page import parser
+
+        parser().parse_args(rest)
+    else:
+        raise AssertionError(f"no check for `hybridpar {sub}` yet: add one to tests/test_docs.py")
+
+
+def check_request(path: str, body: dict[str, Any]) -> None:
+    """A request body of the README as the server's own validation reads it."""
+    from hybridpar.serve.api import parse_completion
+    from hybridpar.serve.chat import parse_chat
+    from hybridpar.serve.config import ServeConfig
+    from hybridpar.serve.http import ROUTES
+
+    assert path in ROUTES and "POST" in ROUTES[path], f"the server has no POST {path}"
+    raw, name = json.dumps(body).encode(), ServeConfig().model_name
+    tokenize = lambda p: list(p.encode()) if isinstance(p, str) else p  # noqa: E731  (bytes, as a 256-id model)
+    if path == "/v1/chat/completions":
+        parse_chat(raw, name, 1024, lambda msgs: "".join(m["content"] for m in msgs), tokenize)
+    else:
+        parse_completion(raw, name, 1024, 256, tokenize)
+
+
+def check_curl(args: list[str]) -> None:
+    url = next(a for a in args if a.startswith("http"))
+    data = next((v for k, v in zip(args, args[1:]) if k in ("-d", "--data")), None)
+    path = re.sub(r"^https?://[^/]+", "", url)
+    if data is None:
+        from hybridpar.serve.http import ROUTES
+
+        assert "GET" in ROUTES.get(path, ()), f"the server has no GET {path}"
+    else:
+        check_request(path, json.loads(data))
+
+
+def check_python(args: list[str]) -> None:
+    """`python -c CODE` with the openai client: it compiles, talks to /v1, and each call it makes is a
+    route the server has, with a body the server accepts."""
+    if args[:2] == ["-m", "pytest"]:
+        return
+    assert args[0] == "-c", args
+    code = args[1]
+    compile(code, "<README>", "exec")
+    assert re.search(r'base_url="http://127\.0\.0\.1:\d+/v1"', code), code
+    for kind, call in re.findall(r"\.(chat\.completions|completions)\.create\(([^()]*(?:\([^()]*\)[^()]*)*)\)", code):
+        body = eval(f"dict({call})")  # the keyword arguments are literals: model=..., messages=[...]
+        check_request("/v1/chat/completions" if kind.startswith("chat") else "/v1/completions", body)
+
+
+def check_command(cmd: list[str]) -> None:
+    prog = cmd[0]
+    if prog.endswith("/hybridpar"):
+        check_hybridpar(cmd[1:])
+    elif prog == "curl":
+        check_curl(cmd[1:])
+    elif prog.endswith("/python"):
+        check_python(cmd[1:])
+    elif prog.endswith("/pip"):
+        extra = re.fullmatch(r"\.\[(\w+)\]", cmd[-1])
+        assert cmd[1:3] == ["install", "-e"] and extra, cmd
+        if sys.version_info >= (3, 11):
+            import tomllib
+
+            extras = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["optional-dependencies"]
+            assert extra.group(1) in extras, f"pyproject.toml has no extra {extra.group(1)!r}"
+    elif prog.endswith("/hf"):  # huggingface_hub's CLI: its own parser is not ours to run here
+        assert cmd[1] == "download" and "--local-dir" in cmd, cmd
+    elif prog == "bash":
+        assert (ROOT / cmd[1]).is_file(), cmd
+    else:
+        raise AssertionError(f"no check for {prog!r}: add one to tests/test_docs.py")
+
+
+README_COMMANDS = [c for block in bash_blocks((ROOT / "README.md").read_text()) for c in commands(block)]
+
+
+@pytest.mark.parametrize("cmd", README_COMMANDS, ids=lambda c: " ".join(c)[:60])
+def test_readme_commands_parse(cmd: list[str]) -> None:
+    check_command(cmd)
+
+
+def test_readme_quickstart_is_short() -> None:
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) <= 250 and "bench/results" not in text
+    blocks = bash_blocks(text)
+    assert blocks[0].splitlines() == [
+        "bash scripts/setup.sh && .venv/bin/hybridpar train",
+        "bash scripts/setup.sh test && .venv/bin/python -m pytest",
+    ]
+    quickstart = bash_blocks(text.split("## Quickstart", 1)[1].split("\n## ", 1)[0])
+    assert len(quickstart) == 5 and all(len(b.splitlines()) <= 6 for b in quickstart)
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ".venv/bin/hybridpar train --train.lr",  # a missing value
+        ".venv/bin/hybridpar train --train.learning_rate 1e-5",  # a key that does not exist
+        ".venv/bin/hybridpar train --parallel.tp 3",  # 3 does not divide the 4 heads
+        ".venv/bin/hybridpar serve --source runs/latest --tensor-parallel 2",
+        ".venv/bin/hybridpar data prepare --out x.bin",  # no --tokenizer
+        ".venv/bin/hybridpar export runs/latest --step last --out x",
+        'curl -s http://127.0.0.1:8000/v1/complete -d \'{"model": "hybridpar", "prompt": "x"}\'',
+        'curl -s http://127.0.0.1:8000/v1/completions -d \'{"model": "gpt-4", "prompt": "x"}\'',
+        '.venv/bin/python -c \'import openai; c = openai.OpenAI(base_url="http://127.0.0.1:8000/v1")\n'
+        'c.chat.completions.create(model="hybridpar", messages=[])\'',
+    ],
+)
+def test_a_wrong_command_is_caught(cmd: str) -> None:
+    from hybridpar.serve.api import ApiError
+
+    (parsed,) = commands(cmd)
+    with pytest.raises((ValueError, AssertionError, SystemExit, ApiError)):
+        check_command(parsed)
+
+
+# ---- paths ----
+
+TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".git")}
+PACKAGE = {p.name for p in (ROOT / "hybridpar").iterdir()}
+SKIP = re.compile(r"[<>*{}$ ]|\.\.\.|…|^/")
+
+
+def named_paths(doc: Path) -> list[str]:
+    """Repository paths a page names: backticked words that begin with a top-level entry of the
+    repository or of the package (`serve/main.py` is hybridpar/serve/main.py), bare `name.py`, and the
+    targets of relative markdown links."""
+    text = doc.read_text(encoding="utf-8")
+    found = []
+    for word in re.findall(r"`([^`\n]+)`", text):
+        word = word.split("::")[0].rstrip(".,;:")
+        first = word.split("/")[0]
+        if SKIP.search(word) or "=" in word:
+            continue
+        if ("/" in word and (first in TOP or first in PACKAGE)) or re.fullmatch(r"[\w.-]+\.(py|md|sh)", word):
+            found.append(word)
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if not re.match(r"[a-z]+:", target):
+            found.append("./" + target.split("#")[0])  # relative to the page
+    return found
+
+
+def exists(word: str, doc: Path) -> bool:
+    if word.startswith("./"):
+        rel = (doc.parent / word[2:]).resolve().relative_to(ROOT).as_posix()
+        return rel in PENDING or (ROOT / rel).exists()
+    if word in PENDING or f"docs/{word}" in PENDING:
+        return True
+    if "/" not in word:  # a bare file name: somewhere in the repository
+        return any(ROOT.glob(f"[!.]*/**/{word}")) or (ROOT / word).exists() or (doc.parent / word).exists()
+    return any((base / word).exists() for base in (ROOT, ROOT / "hybridpar", doc.parent, ROOT / "bench/results"))
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_named_path_exists(doc: Path) -> None:
+    missing = sorted({w for w in named_paths(doc) if not exists(w, doc)})
+    assert not missing, f"{doc.relative_to(ROOT)} names paths that do not exist: {missing}"
+
+
+def test_a_missing_path_is_caught(tmp_path: Path) -> None:
+    page = ROOT / "docs" / "page.md"  # not written: only its folder matters to `exists`
+    assert exists("serve/main.py", page) and exists("docs/planner.md", page) and exists("./planner.md", page)
+    assert not exists("serve/kvcache.py", page) and not exists("hybridpar/nowhere.py", page)
+    assert not exists("./nowhere.md", page) and not exists("nowhere.py", page)
+
+
+# ---- the configuration reference ----
+
+
+def test_configuration_reference_is_current() -> None:
+    path = ROOT / "docs" / "configuration.md"
+    assert path.read_text(encoding="utf-8") == render(), f"docs/configuration.md is stale: run {COMMAND}"
