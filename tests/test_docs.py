@@ -18,8 +18,6 @@ from hybridpar.config.reference_doc import COMMAND, render
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-# Pages other work is writing on main at the same time; drop each once it has landed here.
-PENDING = {"docs/exactness.md"}
 
 
 # ---- the README's commands ----
@@ -229,9 +227,7 @@ def named_paths(doc: Path) -> list[str]:
 def exists(word: str, doc: Path) -> bool:
     if word.startswith("./"):
         rel = (doc.parent / word[2:]).resolve().relative_to(ROOT).as_posix()
-        return rel in PENDING or (ROOT / rel).exists()
-    if word in PENDING or f"docs/{word}" in PENDING:
-        return True
+        return (ROOT / rel).exists()
     if "/" not in word:  # a bare file name: somewhere in the repository
         return any(ROOT.glob(f"[!.]*/**/{word}")) or (ROOT / word).exists() or (doc.parent / word).exists()
     return any((base / word).exists() for base in (ROOT, ROOT / "hybridpar", doc.parent, ROOT / "bench/results"))
