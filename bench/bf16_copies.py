@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config.parse import parse_args
-from hybridpar.data import TokenData, load_tokens
+from hybridpar.data.corpus import TokenData, load_tokens
+from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_full_model
-from hybridpar.optim import make_optimizer
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:

@@ -1,4 +1,4 @@
-"""Derives the parameter criterion's factors (hybridpar/reference.py: TAIL, factor) and estimates its
+"""Derives the parameter criterion's factors (hybridpar/model/reference.py: TAIL, factor) and estimates its
 false-alarm rate, on runs that are exact by construction: single-process training of the test models
 (the tiny Llama, GPT-2, the odd shapes; fp32 and bf16), each step's batch shuffled by another seed and
 accumulated over 1 to 6 microbatches — the same program, another order of the same sums. Each such run
@@ -6,7 +6,7 @@ is held to the yardstick of the K = 12 ORDERS runs, per tensor and statistic: th
 the fp64 run over the references' largest. By exchangeability that ratio exceeds 1 with probability
 1 / (K + 1); the exceedances' mean log is the decay length of an exponential tail, from which the factor
 for a false-alarm rate follows. Prints JSON; `--kernels` runs it again under each kernel choice
-(hybridpar/reference.py: KERNELS) in a fresh interpreter, since torch reads them at import.
+(hybridpar/model/reference.py: KERNELS) in a fresh interpreter, since torch reads them at import.
 
     .venv/bin/python bench/exactness.py [--kernels all] [--seeds 5] [--json FILE]
 """
@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybridpar import reference as ref  # noqa: E402
+from hybridpar.model import reference as ref  # noqa: E402
 from tests.test_equivalence import gpt2_config, odd_config  # noqa: E402
 
 
@@ -97,7 +97,7 @@ def summarise(logs: dict, k: int) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--kernels", default=None, help="'all' or a comma list of hybridpar.reference.KERNELS")
+    ap.add_argument("--kernels", default=None, help="'all' or a comma list of hybridpar.model.reference.KERNELS")
     ap.add_argument("--seeds", type=int, default=5, help="shuffle seeds per model (x 6 accumulations)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--raw", action="store_true", help="(internal) print this interpreter's log-ratios")

@@ -28,13 +28,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 from hybridpar.config.parse import to_toml  # noqa: E402
-from hybridpar.launcher import launch  # noqa: E402
-from hybridpar.reference import tiny_config  # noqa: E402
+from hybridpar.model.reference import tiny_config  # noqa: E402
+from hybridpar.run.launcher import launch  # noqa: E402
 
 FRESH = """
 import sys
 from hybridpar.config import Config
-from hybridpar.launcher import launch
+from hybridpar.run.launcher import launch
 launch(Config.from_dict(__import__("json").loads(sys.argv[1])), start_method="fork")
 """
 

@@ -21,7 +21,7 @@ import sys
 
 from hybridpar.config import Config
 from hybridpar.config.parse import parse_args
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 
 def _worker(cfg_dict: dict, steps: int) -> dict:

@@ -23,7 +23,7 @@ import sys
 import time
 
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 MODES = ("none", "full", "selective")
 

@@ -32,13 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 WARMUP = 3  # steps left out of the step-time median: allocations and lazy initialisation
 
 
 def _worker(cfg_dict: dict) -> float:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     t0 = time.perf_counter()
     train(Config.from_dict(cfg_dict), log=False)

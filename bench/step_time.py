@@ -14,7 +14,7 @@ import statistics
 import sys
 
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 
 def _worker(cfg_dict: dict, steps: int) -> float:

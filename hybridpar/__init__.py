@@ -1,6 +1,6 @@
 """hybridpar: tensor x pipeline x data parallel training of Llama-style models on PyTorch."""
 
 from hybridpar.config import Config
-from hybridpar.launcher import launch
+from hybridpar.run.launcher import launch
 
 __all__ = ["Config", "launch"]

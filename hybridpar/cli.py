@@ -1,6 +1,6 @@
 """`hybridpar` command line. `hybridpar train` validates the config in this process (no worker is
 started for a bad one), then runs torch's own elastic launcher (`torch.distributed.run`, i.e.
-torchrun) on `python -m hybridpar.train`. torchrun's flags (--nproc-per-node, --nnodes, --node-rank,
+torchrun) on `python -m hybridpar.run.train`. torchrun's flags (--nproc-per-node, --nnodes, --node-rank,
 --rdzv-endpoint, --max-restarts, …) pass through unchanged; everything else is ours."""
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def _set_flag(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
 
 
 def launch_train(argv: list[str]) -> int:
-    from hybridpar.launcher import (
+    from hybridpar.run.launcher import (
         end_launch,
         outcome,
         planned_flags,
@@ -129,7 +129,7 @@ def launch_train(argv: list[str]) -> int:
         start_launch,
         stop_on_permanent_failure,
     )
-    from hybridpar.preflight import preflight, preflight_config
+    from hybridpar.run.preflight import preflight, preflight_config
     from hybridpar.topology.nodes import tp_node_problem
 
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
@@ -280,7 +280,7 @@ def _run_agent(
             "--local-addr",
             "127.0.0.1",
         ] + theirs
-    args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.train"] + ours)
+    args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.run.train"] + ours)
     agent = "finished"
     try:
         run(args)
@@ -341,7 +341,7 @@ def export_main(argv: list[str]) -> int:
         return 0
     try:
         source, out, step = parse_export_args(argv)
-        from hybridpar.export import export_source
+        from hybridpar.trainer.export import export_source
 
         written = export_source(source, Path(out), step)
     except ValueError as e:
@@ -371,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
     if cmd == "export":
         return export_main(rest)
     if cmd == "data":
-        from hybridpar.prepare import main as data_main
+        from hybridpar.data.prepare import main as data_main
 
         return data_main(rest)
     if cmd == "report":

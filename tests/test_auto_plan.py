@@ -90,8 +90,8 @@ def test_given_keys_are_held_and_precision_kept_unless_asked(tmp_path: Path) -> 
 
 
 def test_ranks_sharing_cores_are_bound_unless_the_binding_was_given(tmp_path: Path) -> None:
-    from hybridpar.launcher import planned_flags
     from hybridpar.plan.launch import summary
+    from hybridpar.run.launcher import planned_flags
 
     cfg, given = _parse(["--parallel.auto", "true", "--parallel.hardware", _hw(tmp_path, n=4)])
     ap = auto_plan(cfg, given, 4)  # 4 ranks on 2 cores
@@ -285,7 +285,7 @@ def test_train_auto_runs_the_planned_layout(tmp_path: Path) -> None:
 def test_uneven_stages_and_replica_shares_train_the_one_device_model(tmp_path: Path) -> None:
     """What the planner writes for unequal devices is exact: explicit stage sizes and an uneven batch
     split against the single-device run (losses within 1e-5, parameters by the fp64 criterion)."""
-    from hybridpar.reference import tiny_config
+    from hybridpar.model.reference import tiny_config
     from tests.test_equivalence import check_layouts
 
     layout = dict(tp=1, pp=2, dp=2, partition="layers", stage_layers=[6, 2], replica_batch=[7, 4])

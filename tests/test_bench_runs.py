@@ -9,7 +9,7 @@ import pytest
 
 from hybridpar.bench import runs_dir
 from hybridpar.bench.balance import run
-from hybridpar.reference import tiny_config
+from hybridpar.model.reference import tiny_config
 from hybridpar.report.page import main as report_main
 
 

@@ -94,9 +94,9 @@ _LAUNCHERS = """
 import json, os, sys, traceback
 import torch
 import torch._dynamo
-import hybridpar.train
+import hybridpar.run.train
 from hybridpar.config import Config
-from hybridpar.launcher import launch
+from hybridpar.run.launcher import launch
 from hybridpar.topology.lifetime import die_with_parent
 torch.set_num_threads(1)
 if not die_with_parent(int(sys.argv[1])):  # gone with the test process that started it

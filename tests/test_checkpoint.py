@@ -18,7 +18,6 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import Config, parse_args
-from hybridpar.export import params_digest
 from hybridpar.resilience.checkpoint import (
     MANIFEST,
     STATE,
@@ -30,7 +29,8 @@ from hybridpar.resilience.checkpoint import (
     verify_checkpoint,
     write_manifest,
 )
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
+from hybridpar.trainer.export import params_digest
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import final_state, tiny_config  # noqa: E402
@@ -207,7 +207,7 @@ def _worker(base: dict, root: str, kill_at: int, other_layout: dict) -> dict:
     import torch.distributed as dist
 
     import hybridpar.resilience.checkpoint as ckpt
-    from hybridpar.train import train
+    from hybridpar.run.train import train
     from hybridpar.trainer import Trainer
 
     def run(name: str, kill: int | None = None, layout: dict | None = None, **ck) -> dict:
@@ -378,8 +378,8 @@ def _check_written_once(path: Path, tied: bool) -> None:
 
 
 def _async_worker(base: dict, root: str) -> dict:
+    from hybridpar.run.train import train
     from hybridpar.topology.mesh import build_topology
-    from hybridpar.train import train
 
     out = {}
     for name, async_save, fault in [

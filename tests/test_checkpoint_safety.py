@@ -27,9 +27,9 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from hybridpar.launcher import launch
 from hybridpar.resilience.checkpoint import DCP_METADATA, MANIFEST, committed, read_full_model, verify_checkpoint
 from hybridpar.resilience.safe_dcp import MetadataUnpickler, SafeFileSystemReader, UnsafeCheckpointError, load_metadata
+from hybridpar.run.launcher import launch
 
 sys.path.insert(0, str(Path(__file__).parent))
 from test_equivalence import tiny_config  # noqa: E402

@@ -1,5 +1,5 @@
 """The command line: bad input is refused before any process starts; `hybridpar train` (torch's
-elastic launcher) and plain `torchrun -m hybridpar.train` both train and write metrics.jsonl."""
+elastic launcher) and plain `torchrun -m hybridpar.run.train` both train and write metrics.jsonl."""
 
 from __future__ import annotations
 
@@ -156,7 +156,7 @@ def test_plain_torchrun_module(tmp_path):
         "--local-addr",
         "127.0.0.1",
         "-m",
-        "hybridpar.train",
+        "hybridpar.run.train",
         "--parallel.tp",
         "1",
         "--parallel.pp",

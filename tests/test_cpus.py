@@ -6,8 +6,8 @@ import os
 
 import pytest
 
-from hybridpar.testing import run_ranks
 from hybridpar.topology.cpus import bind_local_rank, share_of, stage_major_position
+from hybridpar.topology.spawn import run_ranks
 
 
 def test_more_ranks_than_cores_round_robin():

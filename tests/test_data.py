@@ -1,4 +1,4 @@
-"""Tests for hybridpar.data: loading, determinism, dp-size independence and split hygiene."""
+"""Tests for hybridpar.data.corpus: loading, determinism, dp-size independence and split hygiene."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from hybridpar.data import TokenData, decode, default_corpus_files, encode, load_tokens
+from hybridpar.data.corpus import TokenData, decode, default_corpus_files, encode, load_tokens
 
 
 def positions(n: int) -> torch.Tensor:

@@ -74,7 +74,7 @@ def check_hybridpar(args: list[str]) -> None:
         serve_cfg, model = parse_serve_args(rest)
         serve_cfg.validate(model)
     elif sub == "data":
-        from hybridpar.prepare import parse_data_args
+        from hybridpar.data.prepare import parse_data_args
 
         parse_data_args(rest)
     elif sub == "export":

@@ -15,9 +15,9 @@ import torch
 
 from hybridpar.config import Config, ModelConfig
 from hybridpar.config.schedules import schedule_spec
+from hybridpar.model.reference import TOL, Yardstick, reference, tiny_config, yardstick
 from hybridpar.model.registry import build_full_model
-from hybridpar.reference import TOL, Yardstick, reference, tiny_config, yardstick
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -34,7 +34,7 @@ def final_state(run_dir: Path, model: ModelConfig) -> dict[str, torch.Tensor]:
 
 def _worker(cfg_dicts: list[dict], out_dir: str, first: int = 0) -> list[tuple[list, list]]:
     """Each config's run in turn, as run{first + i} with its final state in state{first + i}.pt."""
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     all_losses = []
     for i, d in enumerate(cfg_dicts, start=first):
@@ -110,7 +110,7 @@ def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
     a fixed tolerance both fails exact layouts and passes wrong ones at small lr. Instead each parameter's
     distance to an fp64 run of the same training (largest element and root-mean-square) is held to the
     largest of single-process runs in other orders, times a factor derived for a stated false-alarm rate
-    (hybridpar/reference.py). A real error moves parameters by about lr = 3e-3 per step, far beyond."""
+    (hybridpar/model/reference.py). A real error moves parameters by about lr = 3e-3 per step, far beyond."""
     stick = yardstick_for(cfg)
     print(f"fp64 criterion {label}: worst margin {max(stick.margins(state).values()):.3f}")  # shown by -s
     failures = stick.failures(state)

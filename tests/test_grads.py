@@ -5,17 +5,17 @@ from __future__ import annotations
 import pytest
 from test_equivalence import tiny_config
 
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _buckets(cfg_dict: dict, bucket_bytes: int | None) -> dict:
     from hybridpar.config import Config
-    from hybridpar.export import gather_full_state, params_digest
-    from hybridpar.grads import DataParallelGrads
+    from hybridpar.dataparallel.grads import DataParallelGrads
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
+    from hybridpar.trainer.export import gather_full_state, params_digest
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel

@@ -28,7 +28,7 @@ from hybridpar.serve.worker import (
     serve_rank,
     spec_dict,
 )
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 
 def _transformers():  # imported in the tests only: the spawned ranks import this module and must stay light
@@ -183,7 +183,7 @@ def test_unsupported_hf_configs_are_refused() -> None:
 
 
 def _train_rank(cfg_d: dict) -> float:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_d), log=False).losses[-1]
 

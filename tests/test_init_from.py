@@ -14,8 +14,8 @@ from hybridpar import cli
 from hybridpar.config import Config, ModelConfig, parse_args
 from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.registry import build_full_model, config_from_hf, load_stage_, read_hf_config
-from hybridpar.preflight import preflight
-from hybridpar.testing import run_ranks
+from hybridpar.run.preflight import preflight
+from hybridpar.topology.spawn import run_ranks
 
 IDS = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26], [2, 71, 82, 81, 82, 84, 59, 4, 52, 35, 36, 0]]
 ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0}
@@ -88,7 +88,7 @@ def test_every_unsupported_field_is_named_at_once() -> None:
 
 
 def _train_rank(cfg_d: dict) -> list[float]:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_d), log=False).losses
 
@@ -137,7 +137,7 @@ def test_finetuning_from_hf_at_tp2_pp2_equals_one_device(tie: bool, finetuned: d
 
 
 def _hf_loss(hf_dir: Path, cfg: Config) -> float:
-    from hybridpar.data import TokenData, load_tokens
+    from hybridpar.data.corpus import TokenData, load_tokens
 
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()

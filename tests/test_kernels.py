@@ -1,7 +1,7 @@
 """Exactness on other kernels (issue 33): torch's libraries pick their code for the CPU they start on
 (AVX2, AVX-512 with native bf16 and AMX, or none), and each rounds differently. The exactness tests most
 sensitive to rounding run again in a fresh interpreter limited to each other kernel choice a machine can
-be limited to (hybridpar/reference.py: KERNELS), references and ranks alike, so the criterion is shown to
+be limited to (hybridpar/model/reference.py: KERNELS), references and ranks alike, so the criterion is shown to
 hold on machines other than this one. The full set under every choice: bench/exactness.py and
 docs/exactness.md."""
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.reference import KERNELS
+from hybridpar.model.reference import KERNELS
 
 ROOT = Path(__file__).resolve().parents[1]
 LANE = [

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.launcher import fork_refusal, launch
-from hybridpar.reference import tiny_config
+from hybridpar.model.reference import tiny_config
+from hybridpar.run.launcher import fork_refusal, launch
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -42,8 +42,8 @@ def test_start_methods_are_named() -> None:
 
 TWO_LAUNCHES = """
 import json, sys
-from hybridpar.launcher import launch, threads_forked
-from hybridpar.reference import tiny_config
+from hybridpar.run.launcher import launch, threads_forked
+from hybridpar.model.reference import tiny_config
 out = []
 for i in range(2):
     cfg = tiny_config(parallel=dict(tp=1, pp=2))

@@ -96,7 +96,9 @@ def test_workers_die_with_their_launcher_and_a_new_launch_resumes(tmp_path: Path
         _wait_for(lambda: (run / "checkpoints" / "step-000002").is_dir(), "the checkpoint after step 2")
         assert proc.poll() is None, "the run ended before the launcher could be killed: slow it down"
         workers = [
-            p for p in psutil.Process(proc.pid).children(recursive=True) if "hybridpar.train" in " ".join(p.cmdline())
+            p
+            for p in psutil.Process(proc.pid).children(recursive=True)
+            if "hybridpar.run.train" in " ".join(p.cmdline())
         ]
         assert len(workers) == 2
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group: the workers have their own

@@ -15,13 +15,13 @@ ROOT = Path(__file__).parents[1] / "hybridpar"
 # or packages of hybridpar (docs/architecture.md says what each owns).
 LAYERS: list[set[str]] = [
     {"config"},  # typed configs and their validation: pure
-    {"topology"},  # ranks, meshes, collectives, CPUs, rendezvous
-    {"model", "data", "tokenizer", "prepare", "optim", "testing", "reference"},  # the model, corpus, tokens, AdamW
-    {"pipeline", "grads", "zero"},  # schedules, runtime, p2p, gradient reductions, the sharded optimizer
+    {"topology"},  # ranks, meshes, collectives, CPUs, rendezvous, the spawn helper
+    {"model", "data"},  # the model, AdamW, the single-device reference; corpus, tokenizers, token files
+    {"pipeline", "dataparallel"},  # schedules, runtime, p2p; gradient reductions, the sharded optimizer
     {"batching", "balance", "resilience", "report"},  # microbatch policy, load balancing, recovery, records
-    {"trainer", "export"},  # one training step over every dimension
-    {"train", "preflight", "launcher", "plan"},  # a training run, its launch and the layout planner it may ask
-    {"serve", "bench", "cli"},  # what users run
+    {"trainer"},  # one training step over every dimension, export to Hugging Face
+    {"run", "plan"},  # a training run, its pre-flight and launch, and the layout planner it may ask
+    {"serve", "bench", "cli"},  # what users run (cli.py: the one module besides __init__ at the root)
 ]
 EXEMPT = {"__init__"}  # the package's public names (Config, launch) gather from every layer
 
@@ -99,3 +99,8 @@ def test_help_texts_stand_on_their_own() -> None:
 
     for text in (USAGE, help_text()):
         assert "tutorial" not in text.lower() and "../shared" not in text
+
+
+def test_the_package_root_holds_folders_only() -> None:
+    """Every module lives in its layer's folder; the root keeps the public names and the command."""
+    assert sorted(p.name for p in ROOT.glob("*.py")) == ["__init__.py", "cli.py"]

@@ -12,6 +12,7 @@ import torch
 from test_equivalence import tiny_config
 
 from hybridpar.config import Config
+from hybridpar.dataparallel.zero import in_place, slice_of
 from hybridpar.model.registry import build_stage, full_shapes, param_stages
 from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.runtime import token_cross_entropy
@@ -26,9 +27,8 @@ from hybridpar.plan.memory import (
     step_saved,
     weight_held,
 )
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 from hybridpar.trainer.build import layer_partition
-from hybridpar.zero import in_place, slice_of
 
 MODES = ("none", "full", "selective")
 

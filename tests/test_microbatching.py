@@ -13,7 +13,7 @@ from test_equivalence import check_layouts, tiny_config
 
 from hybridpar.config import Config
 from hybridpar.pipeline.memory import ActivationMeter
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 STEPS = 10
 
@@ -23,7 +23,7 @@ def _records(run_dir: str) -> list[dict]:
 
 
 def _budget_and_oom_runs(base: dict, out: str) -> dict:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     def run(name: str, **batching) -> list[dict]:
         cfg = Config.from_dict(base)
@@ -106,7 +106,7 @@ def test_meter_limit_raises_out_of_memory() -> None:
 
 
 def _resume_runs(base: dict, out: str) -> dict:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     def run(steps: int, **ck) -> None:
         cfg = Config.from_dict(base)

@@ -217,7 +217,7 @@ def test_emulated_slow_rank_shows_longer_measured_stage_times():
 
     from test_equivalence import tiny_config
 
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
 
     cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=2, schedule="1f1b"), emulate=dict(slowdown="rank=1:4.0@step=2"))
     r0, r1 = run_ranks(_slowed_stage_times, 2, cfg.to_dict())

@@ -257,14 +257,14 @@ def test_two_agents_through_hybridpar_train_equal_one_agent(tmp_path: Path, one_
 
 @pytest.mark.multiprocess
 def test_two_agents_through_plain_torchrun_equal_one_agent(tmp_path: Path, one_agent: str) -> None:
-    """The same with plain torchrun (`python -m torch.distributed.run ... -m hybridpar.train`): rank 0
+    """The same with plain torchrun (`python -m torch.distributed.run ... -m hybridpar.run.train`): rank 0
     claims the run directory itself; the loopback rendezvous through its torchrun entry point."""
     run, port = tmp_path / "run", free_port()
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--nproc-per-node", "2"]
     rdzv = ["--rdzv-backend", "hybridpar-loopback", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "j"]
     procs = [
         spawn(
-            [*torchrun, "--node-rank", str(n), *rdzv, "--local-addr", "127.0.0.1", "-m", "hybridpar.train"]
+            [*torchrun, "--node-rank", str(n), *rdzv, "--local-addr", "127.0.0.1", "-m", "hybridpar.run.train"]
             + [*TP2PP2, *TINY, "--run-dir", str(run)],
             tmp_path / f"agent{n}",
         )

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import _worker, grid_config, yardstick_for
 
 pytestmark = pytest.mark.multiprocess
@@ -24,7 +24,7 @@ def mutation(name: str) -> Iterator[None]:
     """One injected defect, active inside the block (in a rank process)."""
     from unittest import mock
 
-    from hybridpar.grads import DataParallelGrads
+    from hybridpar.dataparallel.grads import DataParallelGrads
     from hybridpar.model import tp
     from hybridpar.pipeline.runtime import PipelineRuntime
     from hybridpar.trainer import step as trainer_step

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 
 def _exchange(threaded: bool | None, transport: str) -> dict:

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.reference import U_BF16, tiny_config
-from hybridpar.testing import run_ranks
+from hybridpar.model.reference import U_BF16, tiny_config
+from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import _worker, check_fp64, grid_config, ref_for
 
 BF16 = dict(precision="bf16")
@@ -73,7 +73,7 @@ def test_bf16_halves_the_pipeline_bytes(world2: tuple[Path, list[dict]]) -> None
 
 
 def _resume_worker(cfg_d: dict, run_dir: str) -> dict:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     cfg = Config.from_dict(cfg_d)
     cfg.run_dir = run_dir

@@ -1,4 +1,4 @@
-"""The one pre-flight (hybridpar/preflight.py): bad command lines of `hybridpar train` — config, layout,
+"""The one pre-flight (hybridpar/run/preflight.py): bad command lines of `hybridpar train` — config, layout,
 data, directories, what a resume would load, another run's directory — each end with one error line and
 exit code 2, before any worker starts and without creating the run directory."""
 

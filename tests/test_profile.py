@@ -32,14 +32,14 @@ def test_trace_steps_are_checked_too() -> None:
 
 
 def _worker(cfg_dict: dict) -> list[float]:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_dict), log=False).losses
 
 
 @pytest.mark.multiprocess
 def test_profiled_steps_give_chrome_traces_with_our_action_ranges(tmp_path: Path) -> None:
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
 
     cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="1f1b"), train=dict(steps=4, val_every=4))
     cfg.profile.steps = "1-2"
@@ -65,7 +65,7 @@ def test_memory_snapshot_needs_profiled_steps() -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")
 def test_memory_snapshot_is_refused_before_launch_without_cuda(tmp_path: Path) -> None:
-    from hybridpar.preflight import preflight
+    from hybridpar.run.preflight import preflight
 
     cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=1), profile=dict(steps="1", memory=True))
     cfg.run_dir = str(tmp_path / "run")

@@ -9,10 +9,10 @@ import torch
 
 from hybridpar.batching.split import plan_batch, split_evenly
 from hybridpar.config import ModelConfig, TrainConfig
-from hybridpar.export import params_digest
+from hybridpar.model.optim import lr_at
 from hybridpar.model.registry import param_stages
-from hybridpar.optim import lr_at
 from hybridpar.topology.mesh import AXES, ParallelDims
+from hybridpar.trainer.export import params_digest
 
 
 def test_parallel_dims_coordinates_round_trip():

@@ -12,7 +12,7 @@ import torch
 from hybridpar.balance.migrate import layer_moves
 from hybridpar.balance.plan import Layout
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, ref_for, tiny_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -37,9 +37,9 @@ def test_layer_moves() -> None:
 def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
     """Train twice in one world: without moves, then applying `moves[step]` (a Layout record) after
     those steps. Rank 0 returns both loss series; both full states are saved."""
-    from hybridpar.export import gather_full_state
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
+    from hybridpar.trainer.export import gather_full_state
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel

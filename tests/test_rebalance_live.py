@@ -11,14 +11,14 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, ref_for, tiny_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
 def _worker(cfg_dict: dict, out: str) -> list[float]:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     cfg = Config.from_dict(cfg_dict)
     cfg.run_dir = str(Path(out) / "run")

@@ -16,7 +16,7 @@ import yaml
 
 from hybridpar.cli import split_argv
 from hybridpar.config import parse_args
-from hybridpar.preflight import preflight_config
+from hybridpar.run.preflight import preflight_config
 from hybridpar.topology.nodes import tp_node_problem
 
 RECIPES = Path(__file__).resolve().parent.parent / "docs" / "recipes"

@@ -16,7 +16,7 @@ from hybridpar.model import recompute
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.split_backward import WeightGradDeferral
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 MODES = ("none", "full", "selective")
 

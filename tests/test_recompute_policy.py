@@ -14,7 +14,7 @@ from test_equivalence import tiny_config
 from hybridpar.batching.planner import AdaptivePolicy
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 PER_SAMPLE = {"none": 100, "full": 12}  # activation bytes per sample in flight
 RERUN = {"none": 1.0, "full": 1.3}  # step time factor of the rerun forward
@@ -83,7 +83,7 @@ def test_config_refuses_try_recompute_without_the_adaptive_policy_or_with_a_fixe
 
 
 def _runs(base: dict, out: str, budget_factor: float) -> dict:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     def run(name: str, **batching) -> list[dict]:
         cfg = Config.from_dict(base)

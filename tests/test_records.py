@@ -88,7 +88,7 @@ def test_progress_interval() -> None:
 
 
 def _worker(cfg_dict: dict) -> list[float]:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_dict), log=False).losses
 
@@ -96,7 +96,7 @@ def _worker(cfg_dict: dict) -> list[float]:
 @pytest.mark.multiprocess
 def test_every_step_record_carries_time_mfu_bubble_and_ranks(tmp_path: Path) -> None:
     from hybridpar.balance.live import cost_model
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
     from hybridpar.trainer.build import layer_partition
 
     steps = 5

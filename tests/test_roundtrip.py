@@ -14,14 +14,14 @@ from hybridpar import cli
 from hybridpar.config import Config, parse_args
 from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.registry import build_full_model, load_stage_, read_hf_config
-from hybridpar.preflight import preflight
-from hybridpar.testing import run_ranks
+from hybridpar.run.preflight import preflight
+from hybridpar.topology.spawn import run_ranks
 
 MESSAGES = [{"role": "system", "content": "You write Python."}, {"role": "user", "content": "def parse("}]
 
 
 def _train_rank(cfg_d: dict) -> str | None:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_d), log=False).digest
 

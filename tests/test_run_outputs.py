@@ -16,9 +16,9 @@ import torch
 from hybridpar import cli
 from hybridpar.config import Config, ModelConfig, load_toml, parse_args, to_toml
 from hybridpar.config.keys import _known_keys, _owner, _unwrap
-from hybridpar.export import RECORD, newest_artefact
 from hybridpar.resilience import rundir
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
+from hybridpar.trainer.export import RECORD, newest_artefact
 
 
 def test_config_toml_reads_back_equal(tmp_path: Path) -> None:
@@ -71,7 +71,7 @@ def test_another_runs_records_without_a_run_record_are_refused(tmp_path: Path) -
 
 
 def _train_rank(cfg_d: dict) -> str | None:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_d), log=True).digest
 
@@ -143,10 +143,10 @@ def test_run_directory_describes_itself_and_serves_its_newest_model(tmp_path: Pa
 def test_a_run_without_checkpoints_serves_with_its_own_shape(tmp_path: Path) -> None:
     """A run of a non-default shape that wrote no checkpoint is served from final/ with that shape (no
     `--model.*` retyped)."""
-    from hybridpar.export import write_model_dir
     from hybridpar.model.registry import build_full_model
     from hybridpar.serve.main import prepare
     from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology
+    from hybridpar.trainer.export import write_model_dir
 
     run = tmp_path / "run"
     rundir.claim(run, run / "checkpoints", "off", overwrite=False).release()

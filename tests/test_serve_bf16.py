@@ -28,14 +28,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridpar.export import write_model_dir
-from hybridpar.reference import U_BF16, reference, tiny_config
+from hybridpar.model.reference import U_BF16, reference, tiny_config
 from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.config import ServeConfig, parse_serve_args
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import OP_PREFILL, StageRunner, Tick
 from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology, spec_dict
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
+from hybridpar.trainer.export import write_model_dir
 
 CFG = tiny_config(model=dict(n_layers=4), train=dict(steps=40, val_every=0))
 L = CFG.model.n_layers

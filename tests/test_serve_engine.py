@@ -16,7 +16,7 @@ from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import StageRunner
 from hybridpar.serve.worker import WorkerSpec, local_topology, serve_rank, spec_dict
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 GPT2 = ModelConfig(family="gpt2", dim=32, n_layers=4, n_heads=4, ffn_dim=64, n_positions=64)

@@ -13,7 +13,7 @@ from typing import Any, Iterator
 import pytest
 
 from hybridpar.config import ModelConfig
-from hybridpar.data import decode
+from hybridpar.data.corpus import decode
 from hybridpar.model.registry import build_full_model
 from hybridpar.model.stage import generate
 from hybridpar.serve.config import ServeConfig

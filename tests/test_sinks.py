@@ -46,7 +46,7 @@ def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
     assert open_sinks(SinksConfig(), Path("unused"), 0, "id") == []
     assert "sinks.wandb=true needs the wandb package" in missing_packages(SinksConfig(wandb=True))
     assert "sinks.tensorboard=on needs the tensorboard package" in missing_packages(SinksConfig(tensorboard="on"))
-    from hybridpar.preflight import preflight
+    from hybridpar.run.preflight import preflight
 
     cfg = Config()
     cfg.sinks.wandb = True
@@ -55,7 +55,7 @@ def test_missing_packages_are_named(monkeypatch: pytest.MonkeyPatch) -> None:
 
 
 def _worker(cfg_dict: dict) -> list[float]:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     return train(Config.from_dict(cfg_dict), log=False).losses
 
@@ -63,7 +63,7 @@ def _worker(cfg_dict: dict) -> list[float]:
 @pytest.mark.multiprocess
 def test_tensorboard_reads_back_what_metrics_jsonl_holds(tmp_path: Path) -> None:
     pytest.importorskip("tensorboard", reason="the TensorBoard sink needs the tensorboard package")
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
 
     steps = 4
     cfg = tiny_config(

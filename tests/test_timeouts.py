@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -97,7 +97,8 @@ def test_ranks_die_with_a_caller_killed_outright(tmp_path):
     if not sys.platform.startswith("linux"):
         pytest.skip("the parent-death signal is Linux only")
     code = (
-        "import sys; from hybridpar.testing import run_ranks; from tests.test_timeouts import _sleep_and_report_pid; "
+        "import sys; from hybridpar.topology.spawn import run_ranks; "
+        "from tests.test_timeouts import _sleep_and_report_pid; "
         f"run_ranks(_sleep_and_report_pid, 2, {str(tmp_path)!r}, timeout_s=120)"
     )
     root = str(Path(__file__).parents[1])

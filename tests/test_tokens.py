@@ -15,10 +15,10 @@ import pytest
 
 from hybridpar import cli
 from hybridpar.config import ModelConfig
-from hybridpar.data import load_tokens
-from hybridpar.prepare import documents
+from hybridpar.data.corpus import load_tokens
+from hybridpar.data.prepare import documents
+from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.config import ServeConfig
-from hybridpar.tokenizer import StreamDecoder, Tokenizer
 
 CORPUS_BYTES = "300000"
 

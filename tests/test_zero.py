@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.testing import run_ranks
-from hybridpar.zero import slice_of
+from hybridpar.dataparallel.zero import slice_of
+from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
 
 
@@ -113,7 +113,7 @@ def test_zero1_holds_a_dp_th_of_the_optimizer_state(world4: tuple[Path, list[dic
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     cfg = Config.from_dict(cfg_d)
     cfg.run_dir = run_dir
@@ -159,7 +159,7 @@ def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None
 
 
 def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     cfg = Config.from_dict(cfg_d)
     cfg.run_dir = str(Path(out) / "run")

@@ -62,7 +62,7 @@ def scenario_config(name: str, mode: str, layer_ms: float, steps: int, slowdown:
 
 
 def _worker(cfg_dict: dict) -> int:
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     train(Config.from_dict(cfg_dict), log=False)
     return 0
@@ -70,7 +70,7 @@ def _worker(cfg_dict: dict) -> int:
 
 def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     """Train `cfg` on fresh processes in `run_dir` (kept, for `hybridpar report`); rank 0's metrics.jsonl rows."""
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
 
     cfg.run_dir = str(run_dir)
     run_ranks(_worker, cfg.parallel.world_size, cfg.to_dict(), timeout_s=1200)

@@ -271,7 +271,7 @@ def checkpoint_cost(work: Path, steps: int) -> dict[str, Any]:
     """Sync vs async save on the default model and layout: seconds the training loop stands still. Each
     run is a launch whose workers are spawned: this process has started threads by now (the soak's,
     numpy's BLAS pool), so forking it is refused (launcher.fork_refusal)."""
-    from hybridpar.launcher import launch
+    from hybridpar.run.launcher import launch
 
     out: dict[str, Any] = {}
     walls: dict[str, float] = {}

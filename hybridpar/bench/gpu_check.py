@@ -69,7 +69,7 @@ def _train_worker(cfg_dicts: list[dict], out_dir: str) -> list[list]:
     import torch
 
     from hybridpar.config import Config
-    from hybridpar.train import train
+    from hybridpar.run.train import train
 
     out = []
     for i, d in enumerate(cfg_dicts):
@@ -96,8 +96,8 @@ def check_equivalence(a: argparse.Namespace) -> dict:
     by the same criterion with one-device bf16 runs as the yardstick)."""
     import torch
 
-    from hybridpar import reference as ref
-    from hybridpar.testing import run_ranks
+    from hybridpar.model import reference as ref
+    from hybridpar.topology.spawn import run_ranks
 
     device = "cpu" if a.dry_run else "cuda"
     backend = "gloo" if a.dry_run else "nccl"
@@ -187,7 +187,7 @@ def check_mfu(a: argparse.Namespace) -> dict:
 
     from hybridpar.config import Config
     from hybridpar.model.registry import empty_stage
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
 
     cfg = Config()
     for k, v in (TINY_LLAMA if a.dry_run else LLAMA_1B).items():

@@ -21,7 +21,7 @@ from typing import Any
 
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_names
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 LAYOUTS = {"tp2xpp2": dict(tp=2, pp=2, dp=1), "dp2xpp2": dict(tp=1, pp=2, dp=2)}
 MODELS = {

@@ -35,7 +35,7 @@ import time
 from typing import Any, Iterator
 
 from hybridpar.config.schedules import schedule_names
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 
 def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:

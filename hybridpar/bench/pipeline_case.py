@@ -35,7 +35,7 @@ from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
 from hybridpar.pipeline.schedules import Action, Op, bubble_fraction_theory, build_schedule
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 EMULATED_VOCAB = 16
 LOSS_RTOL = 1e-5

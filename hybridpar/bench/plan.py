@@ -33,7 +33,7 @@ from hybridpar.config.sections import CPU_BINDINGS
 from hybridpar.plan.cost import CostModel, predict
 from hybridpar.plan.hardware import to_toml
 from hybridpar.plan.probe import describe
-from hybridpar.testing import run_ranks
+from hybridpar.topology.spawn import run_ranks
 
 # Each probe window (seconds). Under foreign load a short window flatters: a rank that has just slept at a
 # barrier gets the scheduler's sleeper credit for a while, which ranks computing through a step do not.

@@ -17,8 +17,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from hybridpar.prepare import BATCH_DOCS, documents, prepare
-from hybridpar.tokenizer import Tokenizer, train_bpe
+from hybridpar.data.prepare import BATCH_DOCS, documents, prepare
+from hybridpar.data.tokenizer import Tokenizer, train_bpe
 
 
 def main(argv: list[str]) -> int:

@@ -371,8 +371,8 @@ def _optimizer_s(m: ModelConfig, seconds: float) -> float:
     import torch
 
     from hybridpar.config import TrainConfig
+    from hybridpar.model.optim import make_optimizer
     from hybridpar.model.registry import build_stage
-    from hybridpar.optim import make_optimizer
 
     stage = build_stage(m, [0], False, False, 0, torch.device("cpu"))
     opt = make_optimizer(list(stage.named_parameters()), TrainConfig())

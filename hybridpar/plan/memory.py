@@ -30,7 +30,8 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
 from hybridpar.config import Config, ModelConfig
 from hybridpar.config.schedules import schedule_spec
-from hybridpar.grads import BUCKET_BYTES
+from hybridpar.dataparallel.grads import BUCKET_BYTES
+from hybridpar.dataparallel.zero import in_place, slice_of
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
@@ -38,7 +39,6 @@ from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.plan.messages import Replay, message_buffers, replay, transport
 from hybridpar.plan.trace import Trace, activation_trace
 from hybridpar.trainer.build import layer_partition
-from hybridpar.zero import in_place, slice_of
 
 F32, I64 = 4, 8
 

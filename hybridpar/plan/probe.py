@@ -242,7 +242,7 @@ def probe(
 ) -> Hardware:
     """Measure this machine with `ranks` processes (at least 2: the links need two ends); with a model,
     calibrate its layers at `shapes` too."""
-    from hybridpar.testing import run_ranks
+    from hybridpar.topology.spawn import run_ranks
 
     if ranks < 2:
         raise ValueError(f"--world must be at least 2 to measure the links between ranks, got {ranks}")

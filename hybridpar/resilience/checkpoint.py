@@ -38,12 +38,12 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import Placement
 
 from hybridpar.config import ModelConfig
+from hybridpar.dataparallel.zero import ShardedAdamW, Slice
 from hybridpar.model.registry import full_shapes
 from hybridpar.model.stage import Stage
 from hybridpar.resilience import safe_dcp
 from hybridpar.resilience.rundir import checkpoint_run_id
 from hybridpar.topology.mesh import Topology
-from hybridpar.zero import ShardedAdamW, Slice
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
 FORMAT = "hybridpar-checkpoint/1"

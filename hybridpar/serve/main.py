@@ -33,7 +33,7 @@ def tokenizer_for(cfg: ServeConfig, model: "object", source: str) -> "object | N
     import json
     from pathlib import Path
 
-    from hybridpar.tokenizer import TOKENIZER_FILE, Tokenizer
+    from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     path = cfg.tokenizer or None
     src = Path(source)

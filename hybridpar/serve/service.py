@@ -20,7 +20,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from hybridpar.config import ModelConfig
-from hybridpar.data import BYTE_VOCAB, encode
+from hybridpar.data.corpus import BYTE_VOCAB, encode
+from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.api import ApiError
 from hybridpar.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from hybridpar.serve.config import ServeConfig
@@ -28,7 +29,6 @@ from hybridpar.serve.pool import ReplicaPool
 from hybridpar.serve.router import Request, Router
 from hybridpar.serve.text import ByteDetokenizer, NoText
 from hybridpar.serve.worker import WorkerSpec
-from hybridpar.tokenizer import StreamDecoder, Tokenizer
 
 
 class EventQueue(queue.Queue):

@@ -20,7 +20,6 @@ from typing import Any
 import torch
 
 from hybridpar.config import ModelConfig
-from hybridpar.export import newest_artefact
 from hybridpar.model.hf import SafetensorsDir, StateSource, TensorSource
 from hybridpar.model.registry import build_stage, empty_stage, full_shapes, load_stage_, read_hf_config
 from hybridpar.model.stage import Stage
@@ -29,6 +28,7 @@ from hybridpar.serve.config import SERVE_DTYPES
 from hybridpar.serve.driver import Channel, Driver, Limits
 from hybridpar.serve.engine import StageRunner
 from hybridpar.topology.mesh import ParallelDims, Topology, build_topology
+from hybridpar.trainer.export import newest_artefact
 
 # What a serving stage computes in. Checkpoints and model directories hold fp32; a bf16 stage is cast
 # after loading, so the engine's KV cache and pipeline messages follow (they take the stage's dtype).

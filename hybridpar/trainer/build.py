@@ -5,7 +5,7 @@
 - `build_data_parallel`: dp — how this rank's gradients meet their replicas' (bucketed all-reduce
   over dp, or over the dp x pp plane once the balancer gave replicas different partitions).
 - `build_optimizer`: AdamW over the stages' parameters (ZeRO-1: each dp rank steps its slice,
-  hybridpar/zero.py), carrying state over when the stages change.
+  hybridpar/dataparallel/zero.py), carrying state over when the stages change.
 
 The trainer (trainer/step.py) builds them once and rebuilds the last two when the load balancer moves
 layers; nothing here knows about steps, balancing or probes.
@@ -24,17 +24,17 @@ from hybridpar.balance.live import plane_groups
 from hybridpar.balance.plan import Layout
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
-from hybridpar.grads import DataParallelGrads, PlaneGrads
+from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
+from hybridpar.dataparallel.zero import ShardedAdamW
 from hybridpar.model.hf import SafetensorsDir
+from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
 from hybridpar.model.stage import Stage
-from hybridpar.optim import make_optimizer
 from hybridpar.pipeline.memory import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime
 from hybridpar.topology.mesh import Topology
-from hybridpar.zero import ShardedAdamW
 
 
 def layer_partition(cfg: Config) -> list[range]:

@@ -27,16 +27,16 @@ from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
-from hybridpar.data import TokenData, load_tokens
-from hybridpar.grads import clip_grad_norm, sync_tied_embeddings
-from hybridpar.optim import lr_at, set_lr
+from hybridpar.data.corpus import TokenData, load_tokens
+from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
+from hybridpar.dataparallel.zero import full_optimizer_state
+from hybridpar.model.optim import lr_at, set_lr
 from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule
 from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
 from hybridpar.topology.mesh import Topology
 from hybridpar.trainer.build import build_data_parallel, build_model_parallel, build_optimizer, layer_partition
 from hybridpar.trainer.held import held_bytes
-from hybridpar.zero import full_optimizer_state
 
 # Attaches hooks to a trainer's current pieces and returns the function that detaches them.
 Attachment = Callable[["Trainer"], Callable[[], None]]

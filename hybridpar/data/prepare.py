@@ -20,7 +20,7 @@ import time
 
 import numpy as np
 
-from hybridpar.data import (
+from hybridpar.data.corpus import (
     BINARY_SNIFF_BYTES,
     SIDECAR_FORMAT,
     TOKEN_DTYPES,
@@ -28,7 +28,7 @@ from hybridpar.data import (
     default_corpus_files,
     sidecar_path,
 )
-from hybridpar.tokenizer import END_OF_TEXT, Tokenizer, train_bpe
+from hybridpar.data.tokenizer import END_OF_TEXT, Tokenizer, train_bpe
 
 BATCH_DOCS = 512  # documents per call of the batch encoder: its threads stay busy, memory stays bounded
 

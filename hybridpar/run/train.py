@@ -1,4 +1,4 @@
-"""One process of a training run: `python -m hybridpar.train` under torchrun, or `hybridpar train`,
+"""One process of a training run: `python -m hybridpar.run.train` under torchrun, or `hybridpar train`,
 which launches it through torch's elastic agent. `train` runs the steps of a `Trainer` (trainer/step.py)
 with validation, checkpoints, preemption and traces. Rank 0 writes `config.toml` (the run's config,
 which `--config` reads back) and `metrics.jsonl`, reports progress and, at the end, writes the model as
@@ -20,13 +20,12 @@ import torch.distributed as dist
 
 from hybridpar.balance.monitor import aggregate
 from hybridpar.config import Config, parse_args, step_range, to_toml
-from hybridpar.data import decode, encode
-from hybridpar.export import FINAL_DIR, gather_full_state, params_digest, write_model_dir
+from hybridpar.data.corpus import decode, encode
+from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.model.hf import StateSource
+from hybridpar.model.optim import lr_at
 from hybridpar.model.registry import empty_stage, load_stage_
 from hybridpar.model.stage import generate
-from hybridpar.optim import lr_at
-from hybridpar.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.report.log import run_log
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.profile import StepProfiler
@@ -38,12 +37,13 @@ from hybridpar.resilience.checkpoint import _on_rank0, resume
 from hybridpar.resilience.probe import install
 from hybridpar.resilience.rundir import write_text_atomic
 from hybridpar.resilience.session import Session, ledger_stats
-from hybridpar.tokenizer import Tokenizer
+from hybridpar.run.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent, release_groups
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
+from hybridpar.trainer.export import FINAL_DIR, gather_full_state, params_digest, write_model_dir
 
 
 @dataclass

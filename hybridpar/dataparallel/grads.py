@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from hybridpar.dataparallel.zero import Slice, in_place, part, slice_of
 from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
-from hybridpar.zero import Slice, in_place, part, slice_of
 
 BUCKET_BYTES = 4 << 20  # about this many gradient bytes per data-parallel bucket
 

@@ -25,8 +25,8 @@ from typing import TYPE_CHECKING, Any
 
 from hybridpar.config import Config
 from hybridpar.config.parse import override_flags
-from hybridpar.preflight import checkpoint_dir
 from hybridpar.resilience import rundir
+from hybridpar.run.preflight import checkpoint_dir
 
 if TYPE_CHECKING:
     from hybridpar.plan.launch import AutoPlan
@@ -109,9 +109,9 @@ def report_plan(planned: AutoPlan, run_dir: str, world: int) -> None:
 
 
 def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+    from hybridpar.run.train import enter_worker, train
     from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.topology.lifetime import release_groups
-    from hybridpar.train import enter_worker, train
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
     cfg, notes = enter_worker(Config.from_dict(cfg_dict), restarts)  # the pre-flight `launch` ran, again
@@ -187,8 +187,8 @@ def launch(
     caller runs other threads (`fork_refusal`)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    from hybridpar.preflight import preflight
     from hybridpar.resilience.rundir import EXIT_USAGE, exit_code
+    from hybridpar.run.preflight import preflight
     from hybridpar.topology.rendezvous import LOOPBACK_BACKEND, register_loopback_rendezvous
 
     if why := fork_refusal(start_method):

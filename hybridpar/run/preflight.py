@@ -157,8 +157,8 @@ def _check_dirs(cfg: Config) -> None:
 def _check_tokens(cfg: Config) -> None:
     """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given, a
     tokenizer whose ids the model can embed. Reads the sidecar and tokenizer.json, not the tokens."""
-    from hybridpar.data import read_sidecar
-    from hybridpar.tokenizer import Tokenizer
+    from hybridpar.data.corpus import read_sidecar
+    from hybridpar.data.tokenizer import Tokenizer
 
     d, vocab = cfg.data, cfg.model.vocab_size
     meta = read_sidecar(d.path) if d.path and d.path.endswith(".bin") and Path(d.path).is_file() else None
@@ -189,7 +189,7 @@ def _check_tokens(cfg: Config) -> None:
 
 
 def _check_data(cfg: Config) -> None:
-    from hybridpar.data import TokenData, load_tokens
+    from hybridpar.data.corpus import TokenData, load_tokens
 
     d, t = cfg.data, cfg.train
     tokens = load_tokens(d.path, d.max_bytes)

@@ -34,7 +34,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.config import TrainConfig
-from hybridpar.optim import lr_at, param_groups
+from hybridpar.model.optim import lr_at, param_groups
 from hybridpar.topology.mesh import Topology
 
 

@@ -13,9 +13,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.data import TokenData, load_tokens
+from hybridpar.data.corpus import TokenData, load_tokens
+from hybridpar.model.optim import lr_at, make_optimizer, set_lr
 from hybridpar.model.registry import build_full_model
-from hybridpar.optim import lr_at, make_optimizer, set_lr
 
 TOL = 1e-5  # loss of every step and validation, fp32 (DESIGN.md)
 U_BF16 = 2.0**-9  # bfloat16's unit roundoff (8 significant bits)
