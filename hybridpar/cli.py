@@ -16,7 +16,8 @@ from hybridpar.config.keys import _owner
 if TYPE_CHECKING:
     from hybridpar.plan.launch import AutoPlan
 
-USAGE = """usage: hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite]
+USAGE = """usage: hybridpar [--version] [--help]
+       hybridpar train [torchrun flags] [--config FILE] [--run-dir DIR] [--overwrite]
                        [--section.key VALUE ...]
 
 Trains a Llama-family model (--model.family gpt2 for GPT-2) on the embedded default (the Python
@@ -353,11 +354,17 @@ def export_main(argv: list[str]) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv:
-        argv = ["train"]
+    if not argv:  # nothing starts without a command: `hybridpar train` trains the default
+        print(USAGE)
+        return 0
     cmd, rest = argv[0], argv[1:]
     if cmd in ("-h", "--help"):
         print(USAGE)
+        return 0
+    if cmd in ("-V", "--version"):
+        from importlib.metadata import version
+
+        print(f"hybridpar {version('hybridpar')}")
         return 0
     if cmd == "train":
         if any(a in ("-h", "--help") for a in rest):

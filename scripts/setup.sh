@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # Creates .venv (once) and installs hybridpar into it with the pinned PyTorch.
-# `bash scripts/setup.sh test` also installs what the tests need.
+# `bash scripts/setup.sh test` also installs what the tests need. Python 3.11 or newer (PYTHON=...).
 # torch is pinned: an unpinned or ranged torch can pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY="${PYTHON:-python3}"
+if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; then
+    echo "setup.sh: hybridpar needs Python 3.11 or newer, and $PY is $("$PY" -V 2>&1); run PYTHON=python3.11 bash scripts/setup.sh" >&2
+    exit 2
+fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-extras=""
+extras="[report]"  # the report's plots: `hybridpar report` works after the first command
 [ "${1:-}" = "test" ] && extras="[test]"
 pip_q=(-q --disable-pip-version-check)
 .venv/bin/pip install "${pip_q[@]}" "torch==2.13.0" numpy 2>&1 | grep -v "^WARNING: Location" || true

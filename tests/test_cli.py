@@ -189,3 +189,16 @@ def test_plain_torchrun_module(tmp_path):
     assert {e["tid"] for e in slices} == {0, 1}, "one track per rank"
     assert {e["name"] for e in slices if e["cat"] == "compute"} >= {"F0.0", "B0.1"}
     assert all(e["dur"] >= 0 for e in slices)
+
+
+def test_bare_command_prints_help_and_starts_nothing(capsys, monkeypatch) -> None:
+    monkeypatch.setattr(cli, "launch_train", lambda rest: pytest.fail("a bare `hybridpar` launched a run"))
+    assert cli.main([]) == 0
+    assert capsys.readouterr().out.startswith("usage: hybridpar [--version] [--help]")
+
+
+def test_version(capsys) -> None:
+    from importlib.metadata import version
+
+    assert cli.main(["--version"]) == 0
+    assert capsys.readouterr().out == f"hybridpar {version('hybridpar')}\n"

@@ -2,28 +2,25 @@
 
 import dataclasses
 import json
-import sys
 import typing
 from typing import Any
+
+import tomllib
 
 from hybridpar.config.config import Config
 from hybridpar.config.keys import _known_keys, _owner, _suggest, _type_name, _unwrap
 
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised only on 3.10
-    import tomli as tomllib
 
-
-def load_toml(path: str) -> dict[str, Any]:
-    """Read a TOML config ([model] [parallel] [train] [data] [checkpoint] sections, top-level run_dir) as a raw dict."""
+def load_toml(path: str, what: str = "config file") -> dict[str, Any]:
+    """Read a TOML file as a raw dict: a config ([model] [parallel] [train] [data] [checkpoint] sections,
+    top-level run_dir), or any other (`what` names it in the error)."""
     try:
         with open(path, "rb") as fh:
             return tomllib.load(fh)
-    except OSError as e:  # missing file, a directory, no permission: all a bad --config argument
-        raise ValueError(f"cannot read config file {path!r}: {e.strerror or e}") from None
+    except OSError as e:  # missing file, a directory, no permission: all a bad argument
+        raise ValueError(f"cannot read {what} {path!r}: {e.strerror or e}") from None
     except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"config file {path!r} is not valid TOML: {e}") from None
+        raise ValueError(f"{what} {path!r} is not valid TOML: {e}") from None
 
 
 def parse_args(argv: list[str], given: set[str] | None = None) -> Config:

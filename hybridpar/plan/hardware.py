@@ -51,8 +51,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import tomllib
-
+from hybridpar.config.parse import load_toml
 from hybridpar.plan.calibrate import Calibration, parse_calibration
 
 PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
@@ -249,13 +248,7 @@ def _sync_wait(rows: Any, where: str) -> tuple[tuple[int, float, float], ...] | 
 
 
 def load_hardware(path: str | Path) -> Hardware:
-    try:
-        with open(path, "rb") as fh:
-            d = tomllib.load(fh)
-    except OSError as e:
-        raise ValueError(f"cannot read hardware file {str(path)!r}: {e.strerror or e}") from None
-    except tomllib.TOMLDecodeError as e:
-        raise ValueError(f"hardware file {str(path)!r} is not valid TOML: {e}") from None
+    d = load_toml(str(path), "hardware file")
     return parse_hardware(d, f"hardware file {str(path)!r}")
 
 
