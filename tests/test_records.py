@@ -87,6 +87,20 @@ def test_progress_interval() -> None:
         parse_args(["--train.progress_every", "0"]).validate()
 
 
+def test_progress_eta_after_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Resumed at step 90 of 100, one second a step: 9 steps left after the first is 9 s, not 0."""
+    from hybridpar.report import metrics
+
+    clock = iter([0.0, 1.0])
+    monkeypatch.setattr(metrics.time, "perf_counter", lambda: next(clock))
+    log = logging.getLogger("test_progress_eta_after_a_resume")
+    log.propagate, log.level = False, logging.INFO
+    out = io.StringIO()
+    log.addHandler(logging.StreamHandler(out))
+    Progress(100, log, out=io.StringIO(), every=1, start_step=90).update(90, 1.0, 100.0, 1.0)
+    assert out.getvalue().split("ETA ")[1].strip() == "0:09"
+
+
 def _worker(cfg_dict: dict) -> list[float]:
     from hybridpar.run.train import train
 

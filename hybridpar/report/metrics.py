@@ -82,17 +82,20 @@ def _fmt_s(s: float) -> str:
 
 class Progress:
     """One redrawn line on a terminal (step, loss, tokens/s, step time, ETA); plain lines every `every`
-    steps through `log` (the run's logger: train.log, and the console when it is no terminal)."""
+    steps through `log` (the run's logger: train.log, and the console when it is no terminal). A resumed
+    run starts at `start_step`: the ETA is this attempt's pace over the steps this attempt has done."""
 
-    def __init__(self, total: int, log: logging.Logger, out: TextIO = sys.stdout, every: int = 25) -> None:
-        self.total, self.log, self.out, self.every = total, log, out, every
+    def __init__(
+        self, total: int, log: logging.Logger, out: TextIO = sys.stdout, every: int = 25, start_step: int = 0
+    ) -> None:
+        self.total, self.log, self.out, self.every, self.start = total, log, out, every, start_step
         self.tty = out.isatty()
         self.t0 = time.perf_counter()
 
     def update(self, step: int, loss: float, tokens_per_s: float, step_time_s: float, extra: str = "") -> None:
         done = step + 1
         elapsed = time.perf_counter() - self.t0
-        eta = elapsed / done * (self.total - done)
+        eta = elapsed / max(1, done - self.start) * (self.total - done)
         line = (
             f"step {done}/{self.total}  loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  "
             f"{step_time_s * 1000:.0f} ms/step  ETA {_fmt_s(eta)}{extra}"

@@ -238,7 +238,7 @@ def _steps(
     if rank0:
         sinks = open_sinks(cfg.sinks, run_dir, res.start_step, run_id)
         writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step, sinks=sinks)
-    progress = Progress(t.steps, logger, every=t.progress_every) if rank0 else None
+    progress = Progress(t.steps, logger, every=t.progress_every, start_step=res.start_step) if rank0 else None
     records = StepRecords(
         cfg, topo, res.start_step, restart_count, torch.bfloat16 if t.precision == "bf16" else torch.float32
     )
