@@ -312,28 +312,14 @@ checkpoint) or one checkpoint directory (step-NNNNNN)."""
 
 def parse_export_args(argv: list[str]) -> tuple[str, str, int | None]:
     """`SOURCE --out DIR [--step N]` -> (source, out, step), or ValueError; reads no file."""
-    source, out, step, rest = None, None, None, list(argv)
-    while rest:
-        arg = rest.pop(0)
-        name, eq, value = arg.partition("=")
-        if name in ("--out", "--step"):
-            if not eq:
-                if not rest:
-                    raise ValueError(f"missing value for {name}")
-                value = rest.pop(0)
-            if name == "--out":
-                out = value
-            elif not value.isdigit():
-                raise ValueError(f"--step expects a non-negative integer, got {value!r}")
-            else:
-                step = int(value)
-        elif arg.startswith("-") or source is not None:
-            raise ValueError(f"unexpected argument {arg!r}")
-        else:
-            source = arg
-    if source is None or out is None:
-        raise ValueError("give SOURCE and --out DIR")
-    return source, out, step
+    from hybridpar.config.args import ArgParser, nonnegative_int
+
+    ap = ArgParser(prog="hybridpar export", add_help=False)
+    ap.add_argument("source")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--step", type=nonnegative_int)
+    a = ap.parse(argv)
+    return a.source, a.out, a.step
 
 
 def export_main(argv: list[str]) -> int:

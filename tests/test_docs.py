@@ -84,7 +84,7 @@ def check_hybridpar(args: list[str]) -> None:
     elif sub == "report":
         from hybridpar.report.page import parser
 
-        parser().parse_args(rest)
+        parser().parse(rest)
     else:
         raise AssertionError(f"no check for `hybridpar {sub}` yet: add one to tests/test_docs.py")
 

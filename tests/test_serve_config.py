@@ -28,7 +28,8 @@ def test_parse_and_defaults() -> None:
 @pytest.mark.parametrize(
     "argv,match",
     [
-        (["--bogus", "1"], "unknown serve option --bogus"),
+        (["--bogus", "1"], "unknown option --bogus; options: "),
+        (["--sourc", "x"], "unknown option --sourc; did you mean --source?"),
         (["--tp", "two"], "--tp expects an integer, got 'two'"),
         (["--dp", "1.5"], "--dp expects an integer, got '1.5'"),
         (["--port", "1e3"], "--port expects an integer, got '1e3'"),

@@ -112,27 +112,21 @@ prepare          encodes a corpus with a tokenizer into DATA.bin (uint16 ids whe
 
 def parse_data_args(argv: list[str]) -> tuple[str, dict[str, str | None]]:
     """`train-tokenizer|prepare --key VALUE ...` -> (command, options), or ValueError; reads no file."""
-    cmd, opts = argv[0], {"input": None, "max_bytes": "16000000", "dtype": "auto"}
-    if cmd not in ("train-tokenizer", "prepare"):
-        raise ValueError(f"unknown data command {cmd!r}; commands: train-tokenizer, prepare")
-    rest = argv[1:]
-    while rest:
-        name, eq, value = rest.pop(0).partition("=")
-        key = name[2:].replace("-", "_")
-        if not name.startswith("--") or key not in ("input", "max_bytes", "dtype", "out", "vocab_size", "tokenizer"):
-            raise ValueError(f"unexpected argument {name!r}")
-        if not eq:
-            if not rest:
-                raise ValueError(f"missing value for {name}")
-            value = rest.pop(0)
-        opts[key] = value
-    need = ("vocab_size", "out") if cmd == "train-tokenizer" else ("tokenizer", "out")
-    if missing := [f"--{k.replace('_', '-')}" for k in need if k not in opts]:
-        raise ValueError(f"{cmd} needs {' and '.join(missing)}")
-    for key in ("max_bytes", "vocab_size"):
-        if key in opts and not (str(opts[key]).isdigit() and int(opts[key]) > 0):
-            raise ValueError(f"--{key.replace('_', '-')} expects a positive integer, got {opts[key]!r}")
-    return cmd, opts
+    from hybridpar.config.args import ArgParser, positive_int
+
+    ap = ArgParser(prog="hybridpar data", add_help=False)
+    sub = ap.add_subparsers(dest="cmd", required=True, metavar="train-tokenizer|prepare")
+    tok = sub.add_parser("train-tokenizer", add_help=False)
+    tok.add_argument("--vocab-size", "--vocab_size", dest="vocab_size", type=positive_int, required=True)
+    prep = sub.add_parser("prepare", add_help=False)
+    prep.add_argument("--tokenizer", required=True)
+    prep.add_argument("--dtype", default="auto")
+    for p in (tok, prep):
+        p.add_argument("--out", required=True)
+        p.add_argument("--input")
+        p.add_argument("--max-bytes", "--max_bytes", dest="max_bytes", type=positive_int, default=16_000_000)
+    a = vars(ap.parse(argv))
+    return a.pop("cmd"), {k: None if v is None else str(v) for k, v in a.items()}
 
 
 def main(argv: list[str]) -> int:

@@ -4,7 +4,6 @@ stability section that prints each figure's definition beside it. `--compare` ov
 
 from __future__ import annotations
 
-import argparse
 import base64
 import html
 import importlib.util
@@ -13,6 +12,7 @@ import sys
 from pathlib import Path
 from typing import Any, Sequence
 
+from hybridpar.config.args import ArgParser
 from hybridpar.report.rundata import Run, load_run
 from hybridpar.report.stability import DEFINITIONS, STRAGGLER_PATIENCE, STRAGGLER_THRESHOLD, Stability
 
@@ -175,9 +175,9 @@ def render(runs: Sequence[Run]) -> str:
     return "\n".join(parts)
 
 
-def parser() -> argparse.ArgumentParser:
+def parser() -> ArgParser:
     """`hybridpar report`'s options."""
-    ap = argparse.ArgumentParser(prog="hybridpar report", description=__doc__.split("\n\n")[0])
+    ap = ArgParser(prog="hybridpar report", description=__doc__.split("\n\n")[0])
     ap.add_argument("run_dir", help="the --run-dir of a hybridpar train run")
     ap.add_argument("--compare", metavar="OTHER_RUN", help="a second run directory, overlaid")
     ap.add_argument("--out", help="the HTML file to write (default: RUN_DIR/report.html)")
@@ -185,9 +185,8 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    ap = parser()
-    args = ap.parse_args(argv)
     try:
+        args = parser().parse(argv)
         runs = [load_run(args.run_dir)] + ([load_run(args.compare)] if args.compare else [])
         if importlib.util.find_spec("matplotlib") is None:
             raise ValueError("hybridpar report draws its plots with matplotlib: pip install 'hybridpar[report]'")

@@ -139,29 +139,28 @@ class ServeConfig:
 
 def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
     """`--key value` (or --key=value) for ServeConfig fields; `--model.*` flags give the model shape."""
-    cfg, model_args = ServeConfig(), []
-    known = {f.name: f for f in fields(ServeConfig)}
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        name, eq, value = arg[2:].partition("=") if arg.startswith("--") else (arg, "", "")
-        if not arg.startswith("--") or (not eq and i + 1 >= len(argv)):
-            raise ValueError(f"unexpected argument {arg!r}: options look like --key VALUE")
-        if not eq:
-            value, i = argv[i + 1], i + 1
-        i += 1
-        if name.startswith("model."):
-            model_args += [f"--{name}", value]
-            continue
-        key = name.replace("-", "_")
-        if key not in known:
-            raise ValueError(f"unknown serve option --{name}; options: {', '.join('--' + k for k in known)}")
-        typ = type(getattr(cfg, key))
-        try:
-            setattr(cfg, key, typ(value))
-        except ValueError:
-            kind = {int: "an integer", float: "a number"}.get(typ, f"a {typ.__name__}")
-            raise ValueError(f"--{name} expects {kind}, got {value!r}") from None
+    from hybridpar.config.args import ArgParser, integer, number
+
+    model_args, rest, i = [], [], 0
+    while i < len(argv):  # --model.KEY VALUE: the training flags, read by the config's own parser
+        name = argv[i].split("=")[0]
+        if name.startswith("--model."):
+            take = 1 if "=" in argv[i] else 2
+            model_args += argv[i : i + take]
+            i += take
+        else:
+            rest.append(argv[i])
+            i += 1
+    ap = ArgParser(prog="hybridpar serve", add_help=False)
+    cfg = ServeConfig()
+    for f in fields(ServeConfig):
+        kind = type(getattr(cfg, f.name))
+        typ = {int: integer, float: number}.get(kind, kind)
+        dashed = "--" + f.name.replace("_", "-")
+        names = [dashed] + (["--" + f.name] if "_" in f.name else [])
+        ap.add_argument(*names, dest=f.name, type=typ, default=getattr(cfg, f.name))
+    for key, value in vars(ap.parse(rest)).items():
+        setattr(cfg, key, value)
     return cfg, parse_args(model_args).model
 
 
