@@ -1,6 +1,10 @@
 """Benchmarks runnable from the CLI: `hybridpar bench NAME [args]` runs hybridpar.bench.NAME.main(args).
 Each prints or writes JSON with a ratio against a baseline measured in the same run. Submodules are
-imported lazily: they import torch."""
+imported lazily: they import torch.
+
+Every benchmark lives here, in the package, as vLLM keeps `vllm bench`: users measure their own machines
+and clusters with the installed command. The results of our own runs stay in the source tree's
+bench/results/, which is all that folder holds."""
 
 from __future__ import annotations
 
@@ -9,7 +13,29 @@ import sys
 import time
 from pathlib import Path
 
-BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "memory", "plan")
+# Grouped: the pipeline and a training step, precision, memory and resilience, the records and the launch,
+# data, serving, the planner.
+BENCHES = (
+    "pipeline",
+    "nondivisible",
+    "microbatch",
+    "step_time",
+    "recompute",
+    "precision",
+    "precision_quality",
+    "bf16_copies",
+    "exactness",
+    "memory",
+    "balance",
+    "chaos",
+    "records_cost",
+    "launch_startup",
+    "prepare",
+    "serve",
+    "plan",
+    "plan_scale",
+    "published_compare",
+)
 
 
 def main(argv: list[str]) -> int:

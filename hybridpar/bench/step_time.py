@@ -1,6 +1,6 @@
 """Median training-step time of the default model under several layouts, in one run (JSON).
 
-    .venv/bin/python bench/step_time.py [--steps 12] [--layouts 2x2x1,1x2x2] [--json FILE]
+    .venv/bin/hybridpar bench step_time [--steps 12] [--layouts 2x2x1,1x2x2] [--json FILE]
 
 Layouts are TPxPPxDP. Each layout trains the default model on local gloo processes; the first two
 steps (warm-up) are not counted. The ratio column compares each layout with the first one.
@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
@@ -28,13 +27,13 @@ def _worker(cfg_dict: dict, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench step_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layouts", default="2x2x1,1x2x2,1x4x1,2x1x2,1x1x1")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     records = []
     for layout in a.layouts.split(","):
         tp, pp, dp = map(int, layout.split("x"))
@@ -58,7 +57,4 @@ def main() -> None:
     print(out)
     if a.json:
         open(a.json, "w").write(out + "\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return 0
