@@ -12,6 +12,10 @@ import importlib
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from hybridpar.config import Config
 
 # Grouped: the pipeline and a training step, precision, memory and resilience, the records and the launch,
 # data, serving, the planner.
@@ -57,3 +61,13 @@ def runs_dir(bench: str, given: str | None) -> Path:
     runs of `hybridpar train` (runs/latest). A new folder by default: a run directory holding another
     run is refused, so two invocations never share one."""
     return Path(given) if given else Path("runs", "bench", f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def layout_config(layout: str) -> Config:
+    """The default config with the layout `layout`, written TPxPPxDP (e.g. "2x2x1")."""
+    from hybridpar.config import Config
+
+    cfg = Config()
+    p = cfg.parallel
+    p.tp, p.pp, p.dp = map(int, layout.split("x"))
+    return cfg

@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+from hybridpar.bench import layout_config
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -79,9 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     records = []
     for layout in a.layouts.split(","):
-        tp, pp, dp = map(int, layout.split("x"))
-        cfg = Config()
-        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+        cfg = layout_config(layout)
+        tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
         cfg.train.seq_len, cfg.train.val_every, cfg.train.monitor_every = a.seq_len, 0, 0
         cfg.validate(tp * pp * dp)
         load_before = os.getloadavg()

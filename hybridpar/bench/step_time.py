@@ -12,6 +12,7 @@ import argparse
 import json
 import statistics
 
+from hybridpar.bench import layout_config
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -36,9 +37,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     records = []
     for layout in a.layouts.split(","):
-        tp, pp, dp = map(int, layout.split("x"))
-        cfg = Config()
-        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+        cfg = layout_config(layout)
+        tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
         cfg.train.microbatches = a.microbatches
         t = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.steps, timeout_s=600)[0]
         records.append(
