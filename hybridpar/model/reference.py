@@ -31,7 +31,7 @@ ORDERS = tuple((k, seed) for seed in (None, 1) for k in range(1, 7))
 # missing). The largest element alone is the wrong yardstick where it is the noise: Adam turns rounding
 # noise in a near-zero gradient into a step, so one element scatters by up to 5x between equally valid runs.
 STATS = ("largest", "rms")
-# How far past the noise level a run may land, derived by `bench/exactness.py` (docs/exactness.md): a
+# How far past the noise level a run may land, derived by `hybridpar/bench/exactness.py` (docs/exactness.md): a
 # run exact by construction is another draw of the same noise, so it lands beyond the largest of the K
 # references with probability 1 / (K + 1) = 0.077 per tensor and statistic (measured: 0.075-0.084; 0.11
 # and 0.15 with scalar kernels, whose other orders scatter a little wider than accumulation does). Beyond
