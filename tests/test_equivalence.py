@@ -8,14 +8,13 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 
 from hybridpar.config import Config, ModelConfig
 from hybridpar.config.schedules import schedule_spec
-from hybridpar.model.reference import TOL, Yardstick, reference, tiny_config, yardstick
+from hybridpar.model.reference import TOL, Yardstick, gpt2_config, odd_config, reference, tiny_config, yardstick
 from hybridpar.model.registry import build_full_model
 from hybridpar.topology.spawn import run_ranks
 
@@ -154,11 +153,6 @@ def layout_configs(tp: int, pp: int, dp: int) -> list[Config]:
 GPT2_LAYOUTS = [(2, 2, 1), (1, 2, 2), (2, 1, 2)]
 
 
-def gpt2_config(**parallel: Any) -> Config:
-    """The tiny model of the grid as GPT-2: biases, LayerNorm, learned positions, tied embeddings."""
-    return tiny_config(model=dict(family="gpt2", n_kv_heads=None, n_positions=24), parallel=parallel)
-
-
 def gpt2_configs(tp: int, pp: int, dp: int) -> list[Config]:
     return [gpt2_config(tp=tp, pp=pp, dp=dp, schedule=s, virtual_stages=v) for s, v in schedules_for(pp)]
 
@@ -263,18 +257,6 @@ def test_explicit_unequal_microbatches(shared) -> None:
 @pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=_ids(GPT2_LAYOUTS))
 def test_gpt2_layout_matches_single_device(tp: int, pp: int, dp: int, shared) -> None:
     shared(f"gpt2-tp{tp}-pp{pp}-dp{dp}")
-
-
-def odd_config(**parallel: Any) -> Config:
-    """Shapes nothing divides evenly: 6 heads over 3 kv heads and a vocabulary of 258 (tp=3 splits
-    each), 8 layers over 3 stages, 33-token sequences, 10 samples over 3 replicas (4, 3, 3)."""
-    cfg = tiny_config(
-        model=dict(dim=48, n_heads=6, n_kv_heads=3, ffn_dim=96, vocab_size=258),
-        train=dict(seq_len=33, global_batch=10, microbatches=3),
-        parallel=parallel,
-    )
-    cfg.train.microbatches = max(3, schedule_spec(cfg.parallel.schedule).min_microbatches(cfg.parallel.pp))
-    return cfg
 
 
 def test_odd_shapes(tmp_path: Path) -> None:

@@ -2,7 +2,7 @@
 (AVX2, AVX-512 with native bf16 and AMX, or none), and each rounds differently. The exactness tests most
 sensitive to rounding run again in a fresh interpreter limited to each other kernel choice a machine can
 be limited to (hybridpar/model/reference.py: KERNELS), references and ranks alike, so the criterion is shown to
-hold on machines other than this one. The full set under every choice: bench/exactness.py and
+hold on machines other than this one. The full set under every choice: hybridpar/bench/exactness.py and
 docs/exactness.md."""
 
 from __future__ import annotations

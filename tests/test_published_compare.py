@@ -1,29 +1,19 @@
-"""bench/published_compare.py on two small published runs: pure (no processes), the planner for real, with a
-quick stand-in for the memory model (weights, gradients and AdamW state of a rank's share: the full model
-replays each schedule and is the slow part of a search)."""
+"""hybridpar/bench/published_compare.py on two small published runs: pure (no processes), the planner for
+real, with a quick stand-in for the memory model (weights, gradients and AdamW state of a rank's share: the
+full model replays each schedule and is the slow part of a search)."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import pytest
 
+from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import param_counts
-from tests.test_published_runs import RUNS
+from hybridpar.plan.published import load_runs
 
-SCRIPT = Path(__file__).resolve().parents[1] / "bench" / "published_compare.py"
-
-
-def load():
-    spec = importlib.util.spec_from_file_location("published_compare", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["published_compare"] = module
-    spec.loader.exec_module(module)
-    return module
+RUNS = load_runs()
 
 
 @dataclass
@@ -39,7 +29,6 @@ def weights_only(cfg: Config) -> list[Held]:
 
 @pytest.mark.parametrize("row_id", ["korthikanti-gpt-22b-a100", "korthikanti-gpt-175b-a100"])
 def test_a_row_is_compared_in_its_published_unit(row_id: str) -> None:
-    pc = load()
     row = next(r for r in RUNS if r["id"] == row_id)
     out = pc.compare(row, memory=weights_only)
     basis = {v: k for k, v in pc.UNITS.items()}[out["unit"]]
@@ -55,7 +44,6 @@ def test_a_row_is_compared_in_its_published_unit(row_id: str) -> None:
 
 
 def test_without_the_search_the_published_layout_alone_is_scored() -> None:
-    pc = load()
     row = next(r for r in RUNS if r["id"] == "korthikanti-gpt-22b-a100")
     quick = pc.compare(row, memory=weights_only, search=False)
     full = pc.compare(row, memory=weights_only)

@@ -9,18 +9,23 @@ page: `python tests/test_published_runs.py` prints them.
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from hybridpar.config import Config, ModelConfig, load_toml
 from hybridpar.config.families import FAMILIES
 from hybridpar.config.sections import RECOMPUTE_MODES
 from hybridpar.model.registry import param_counts
+from hybridpar.plan.published import (
+    PLANNER_DOCS,
+    load_cluster,
+    load_runs,
+    peak_tflops,
+    row_config,
+    source_flops_per_token,
+    tokens_per_s_per_gpu,
+)
 from hybridpar.report.mfu import model_flops_per_token
-
-PLANNER_DOCS = Path(__file__).resolve().parents[1] / "docs" / "planner"
 
 # The row schema: key -> type (float keys accept ints, as TOML writes 8 for 8.0).
 REQUIRED: dict[str, type] = {
@@ -66,75 +71,11 @@ CLUSTER_NUMBERS = ("nodes", "devices_per_node", "device_memory_gib")
 CLUSTER_TABLES = {"peak_tflops": ("fp32", "bf16"), "intra_node": ("bandwidth_gbs", "latency_us")}
 CLUSTER_TABLES["inter_node"] = CLUSTER_TABLES["intra_node"]
 
-
-def load_runs() -> list[dict[str, Any]]:
-    return load_toml(str(PLANNER_DOCS / "published.toml"))["run"]  # tomllib (tomli before Python 3.11)
-
-
-def load_cluster(row: dict[str, Any]) -> dict[str, Any]:
-    return load_toml(str(PLANNER_DOCS / row["cluster"]))
-
-
 RUNS = load_runs()
 
 
 def by_id(test: Any) -> Any:
     return pytest.mark.parametrize("row", RUNS, ids=[r["id"] for r in RUNS])(test)
-
-
-def microbatches(row: dict[str, Any]) -> int:
-    """Microbatches per replica: the published microbatch size, else 1 (the most microbatches, the layout
-    that validation is strictest about)."""
-    return row["global_batch"] // (row["dp"] * row.get("microbatch_size", 1))
-
-
-def row_config(row: dict[str, Any]) -> Config:
-    """The row as a hybridpar Config: its model, its layout, its batch; everything else our defaults."""
-    model = {k: row[k] for k in ("family", "n_layers", "dim", "n_heads", "ffn_dim", "vocab_size")}
-    if "n_kv_heads" in row:
-        model["n_kv_heads"] = row["n_kv_heads"]
-    if row["family"] == "gpt2":  # learned positions: as many as the run's sequence
-        model["n_positions"] = row["seq_len"]
-    chunks = row.get("virtual_stages", 1)
-    parallel = {k: row[k] for k in ("tp", "pp", "dp")} | {"zero": row.get("zero", 0)}
-    if chunks > 1:
-        parallel.update(schedule="interleaved-1f1b", virtual_stages=chunks)
-    train = {
-        "global_batch": row["global_batch"],
-        "microbatches": microbatches(row),
-        "seq_len": row["seq_len"],
-        "precision": "fp32" if row["precision"] == "fp32" else "bf16",
-        "recompute": row.get("recompute", "none"),
-    }
-    return Config.from_dict({"model": model, "parallel": parallel, "train": train})
-
-
-def source_flops_per_token(row: dict[str, Any], m: ModelConfig) -> float:
-    """Training FLOPs per token as the source counted them (published.toml's header)."""
-    if row["flops_counted"] == "megatron-2021":
-        # Narayanan et al. 2021, eq. 3 over the B s tokens of a step.
-        layers, h, s, v = m.n_layers, m.dim, row["seq_len"], m.vocab_size
-        return 96.0 * layers * h * h * (1 + s / (6 * h) + v / (16 * layers * h))
-    return model_flops_per_token(m, row["seq_len"])
-
-
-def peak_tflops(row: dict[str, Any]) -> float:
-    peaks = load_cluster(row)["peak_tflops"]
-    return peaks.get(row["precision"], peaks["bf16"])
-
-
-def tokens_per_s_per_gpu(row: dict[str, Any]) -> tuple[float, str]:
-    """(tokens per second per GPU, which published figure it comes from): a rate or a step time as they
-    stand; TFLOP/s or MFU through the source's own FLOP count."""
-    m, gpus = row_config(row).model, row["gpus"]
-    if "reported_tokens_per_s" in row:
-        return row["reported_tokens_per_s"] / gpus, "tokens/s"
-    if "reported_s_per_step" in row:
-        return row["global_batch"] * row["seq_len"] / row["reported_s_per_step"] / gpus, "s/step"
-    per_token = source_flops_per_token(row, m)
-    if "reported_tflops_per_gpu" in row:
-        return row["reported_tflops_per_gpu"] * 1e12 / per_token, "TFLOP/s"
-    return row["reported_mfu"] * peak_tflops(row) * 1e12 / per_token, "MFU"
 
 
 def our_mfu(row: dict[str, Any]) -> float:

@@ -1,6 +1,10 @@
 """Benchmarks runnable from the CLI: `hybridpar bench NAME [args]` runs hybridpar.bench.NAME.main(args).
 Each prints or writes JSON with a ratio against a baseline measured in the same run. Submodules are
-imported lazily: they import torch."""
+imported lazily: they import torch.
+
+Every benchmark lives here, in the package, as vLLM keeps `vllm bench`: users measure their own machines
+and clusters with the installed command. The results of our own runs stay in the source tree's
+bench/results/, which is all that folder holds."""
 
 from __future__ import annotations
 
@@ -8,8 +12,34 @@ import importlib
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-BENCHES = ("pipeline", "microbatch", "serve", "chaos", "balance", "prepare", "memory", "plan")
+if TYPE_CHECKING:
+    from hybridpar.config import Config
+
+# Grouped: the pipeline and a training step, precision, memory and resilience, the records and the launch,
+# data, serving, the planner.
+BENCHES = (
+    "pipeline",
+    "nondivisible",
+    "microbatch",
+    "step_time",
+    "recompute",
+    "precision",
+    "precision_quality",
+    "bf16_copies",
+    "exactness",
+    "memory",
+    "balance",
+    "chaos",
+    "records_cost",
+    "launch_startup",
+    "prepare",
+    "serve",
+    "plan",
+    "plan_scale",
+    "published_compare",
+)
 
 
 def main(argv: list[str]) -> int:
@@ -31,3 +61,13 @@ def runs_dir(bench: str, given: str | None) -> Path:
     runs of `hybridpar train` (runs/latest). A new folder by default: a run directory holding another
     run is refused, so two invocations never share one."""
     return Path(given) if given else Path("runs", "bench", f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def layout_config(layout: str) -> Config:
+    """The default config with the layout `layout`, written TPxPPxDP (e.g. "2x2x1")."""
+    from hybridpar.config import Config
+
+    cfg = Config()
+    p = cfg.parallel
+    p.tp, p.pp, p.dp = map(int, layout.split("x"))
+    return cfg

@@ -386,7 +386,7 @@ class SinksConfig:
     step_details: bool = _f(
         True,
         "per-rank summaries, measured bubble and MFU in every step record, one step's timeline in "
-        "<run_dir>/step_timeline.json (off only to measure what they cost: bench/records_cost.py)",
+        "<run_dir>/step_timeline.json (off only to measure what they cost: hybridpar bench records_cost)",
     )
     wandb_project: str = _f("hybridpar", "the W&B project, when sinks.wandb is on")
 

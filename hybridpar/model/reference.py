@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
+from hybridpar.config.schedules import schedule_spec
 from hybridpar.data.corpus import TokenData, load_tokens
 from hybridpar.model.optim import lr_at, make_optimizer, set_lr
 from hybridpar.model.registry import build_full_model
@@ -30,7 +31,7 @@ ORDERS = tuple((k, seed) for seed in (None, 1) for k in range(1, 7))
 # missing). The largest element alone is the wrong yardstick where it is the noise: Adam turns rounding
 # noise in a near-zero gradient into a step, so one element scatters by up to 5x between equally valid runs.
 STATS = ("largest", "rms")
-# How far past the noise level a run may land, derived by `bench/exactness.py` (docs/exactness.md): a
+# How far past the noise level a run may land, derived by `hybridpar/bench/exactness.py` (docs/exactness.md): a
 # run exact by construction is another draw of the same noise, so it lands beyond the largest of the K
 # references with probability 1 / (K + 1) = 0.077 per tensor and statistic (measured: 0.075-0.084; 0.11
 # and 0.15 with scalar kernels, whose other orders scatter a little wider than accumulation does). Beyond
@@ -88,6 +89,23 @@ def tiny_config(**over: dict[str, Any]) -> Config:
     for section, values in over.items():
         for k, v in values.items():
             setattr(getattr(cfg, section), k, v)
+    return cfg
+
+
+def gpt2_config(**parallel: Any) -> Config:
+    """The tiny model of the grid as GPT-2: biases, LayerNorm, learned positions, tied embeddings."""
+    return tiny_config(model=dict(family="gpt2", n_kv_heads=None, n_positions=24), parallel=parallel)
+
+
+def odd_config(**parallel: Any) -> Config:
+    """Shapes nothing divides evenly: 6 heads over 3 kv heads and a vocabulary of 258 (tp=3 splits
+    each), 8 layers over 3 stages, 33-token sequences, 10 samples over 3 replicas (4, 3, 3)."""
+    cfg = tiny_config(
+        model=dict(dim=48, n_heads=6, n_kv_heads=3, ffn_dim=96, vocab_size=258),
+        train=dict(seq_len=33, global_batch=10, microbatches=3),
+        parallel=parallel,
+    )
+    cfg.train.microbatches = max(3, schedule_spec(cfg.parallel.schedule).min_microbatches(cfg.parallel.pp))
     return cfg
 
 

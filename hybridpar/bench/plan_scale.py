@@ -1,7 +1,7 @@
 """How long `hybridpar plan` takes for a large cluster: 1,024 GPUs (128 DGX H100 nodes) and a 100-layer
 model (d=8192, 64 heads, 8 kv heads, FFN 28672, vocab 128256, sequence 4096, global batch 1024).
 
-    python bench/plan_scale.py [--nodes 128] [--top 10] [--json bench/results/plan_scale.json]
+    .venv/bin/hybridpar bench plan_scale [--nodes 128] [--top 10] [--json bench/results/plan_scale.json]
 
 Memory: plan/memory.py's `rank_memory` where present; otherwise a stand-in counting only weights,
 gradients and AdamW state of each rank's share (16 bytes per parameter, 4 of them for AdamW under ZeRO-1
@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]  # the source tree: docs/hardware/ lives there
 
 
 @dataclasses.dataclass
@@ -37,14 +37,13 @@ def weights_only(cfg):  # noqa: ANN001, ANN201 - the stand-in memory model (modu
     return [Weights(int(per_rank * (4 + 4 + adam)))] * p.pp
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench plan_scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=128)
     ap.add_argument("--top", type=int, default=10)
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     t0 = time.perf_counter()
-    sys.path.insert(0, str(ROOT))
     from hybridpar.config import Config
     from hybridpar.model.registry import param_counts
     from hybridpar.plan.hardware import load_hardware
@@ -90,7 +89,3 @@ def main() -> int:
         file=sys.stderr,
     )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

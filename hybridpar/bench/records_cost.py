@@ -3,7 +3,7 @@ per-rank summaries, measured bubble, MFU against the measured device peak, one s
 event files — side by side with them off (`--sinks.step_details false --sinks.tensorboard off`), in
 alternating repeats in one process tree, so machine load drifts over both arms alike (JSON).
 
-    .venv/bin/python bench/records_cost.py [--steps 40] [--repeats 3] [--json FILE]
+    .venv/bin/hybridpar bench records_cost [--steps 40] [--repeats 3] [--json FILE]
 
 First one run in pairs of steps, one on and one off in a random order (paired: the fairest comparison
 on a loaded machine), timing the step and what the run loop adds after it; `paired.cost` = (the median
@@ -184,13 +184,13 @@ def one_launch(on: bool, steps: int, work: Path) -> dict:
     }
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench records_cost", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--paired-steps", type=int, default=60, help="steps of the run alternating on and off")
     ap.add_argument("--json", default=None, help="also write the result to this file")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     runs = []
     with tempfile.TemporaryDirectory(prefix="hybridpar-records-cost-") as work:
         cfg = Config()
@@ -226,7 +226,4 @@ def main() -> None:
     print(json.dumps(out, indent=2))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -8,7 +8,7 @@ the fp64 run over the references' largest. By exchangeability that ratio exceeds
 for a false-alarm rate follows. Prints JSON; `--kernels` runs it again under each kernel choice
 (hybridpar/model/reference.py: KERNELS) in a fresh interpreter, since torch reads them at import.
 
-    .venv/bin/python bench/exactness.py [--kernels all] [--seeds 5] [--json FILE]
+    .venv/bin/hybridpar bench exactness [--kernels all] [--seeds 5] [--json FILE]
 """
 
 from __future__ import annotations
@@ -23,16 +23,14 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from hybridpar.model import reference as ref  # noqa: E402
-from tests.test_equivalence import gpt2_config, odd_config  # noqa: E402
+from hybridpar.model import reference as ref
 
 
 def models() -> dict:
     return {
         "tiny": ref.tiny_config(),
-        "odd": odd_config(tp=1, pp=1, dp=1),
-        "gpt2": gpt2_config(tp=1, pp=1, dp=1),
+        "odd": ref.odd_config(tp=1, pp=1, dp=1),
+        "gpt2": ref.gpt2_config(tp=1, pp=1, dp=1),
         "tiny-bf16": ref.tiny_config(train=dict(precision="bf16")),
     }
 
@@ -95,22 +93,22 @@ def summarise(logs: dict, k: int) -> dict:
     return res
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench exactness", description=__doc__.split("\n\n")[0])
     ap.add_argument("--kernels", default=None, help="'all' or a comma list of hybridpar.model.reference.KERNELS")
     ap.add_argument("--seeds", type=int, default=5, help="shuffle seeds per model (x 6 accumulations)")
     ap.add_argument("--json", default=None)
     ap.add_argument("--raw", action="store_true", help="(internal) print this interpreter's log-ratios")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     if a.raw:
         print(json.dumps({"cpu_capability": torch.backends.cpu.get_cpu_capability(), "logs": log_ratios(a.seeds)}))
-        return
+        return 0
     names = list(ref.KERNELS) if a.kernels == "all" else (a.kernels or "native").split(",")
     per, pooled = {}, {}
     for kname in names:
         env = {**os.environ, **ref.KERNELS[kname]}
-        cmd = [sys.executable, __file__, "--seeds", str(a.seeds), "--raw"]
+        cmd = [sys.executable, "-m", "hybridpar.cli", "bench", "exactness", "--seeds", str(a.seeds), "--raw"]
         got = json.loads(subprocess.run(cmd, env=env, check=True, capture_output=True, text=True).stdout)
         per[kname] = {"cpu_capability": got["cpu_capability"], "stats": summarise(got["logs"], len(ref.ORDERS))}
         for m, v in got["logs"].items():
@@ -126,7 +124,4 @@ def main() -> None:
     print(text)
     if a.json:
         Path(a.json).write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

@@ -1,7 +1,7 @@
 """bf16 against fp32 quality on the README's default run: the same training (model, layout, seed, steps) once
 in each precision, each in its own run directory, and their final validation losses compared (JSON).
 
-    .venv/bin/python bench/precision_quality.py [--steps N] [--seed 0] [--runs-dir DIR] [--json FILE]
+    .venv/bin/hybridpar bench precision_quality [--steps N] [--seed 0] [--runs-dir DIR] [--json FILE]
 
 Each run is `hybridpar train --run-dir DIR/<precision> --train.precision <precision> --train.seed S`
 (plus `--train.steps N` when given; the default run's own schedule otherwise), run one after the other so
@@ -38,7 +38,7 @@ def final_records(run_dir: Path) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/precision_quality.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hybridpar bench precision_quality", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=None, help="train this many steps (default: the default run's)")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument(
@@ -71,13 +71,9 @@ def main(argv: list[str] | None = None) -> int:
         within_3_percent=abs(ratio - 1) <= 0.03,
         load_avg_before=load_before,
         load_avg_after=os.getloadavg(),
-        command="python bench/precision_quality.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        command="hybridpar bench precision_quality " + " ".join(sys.argv[1:] if argv is None else argv),
     )
     print(json.dumps(out, indent=1))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -8,7 +8,7 @@ model (tp1 x pp2, one step), from a process that has already done torch work, as
 
 The contenders alternate, each `--repeats` times; medians, their ratio to spawn and the load average.
 
-    .venv/bin/python bench/launch_startup.py [--repeats 3] [--json FILE]
+    .venv/bin/hybridpar bench launch_startup [--repeats 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -25,11 +25,9 @@ from pathlib import Path
 
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-from hybridpar.config.parse import to_toml  # noqa: E402
-from hybridpar.model.reference import tiny_config  # noqa: E402
-from hybridpar.run.launcher import launch  # noqa: E402
+from hybridpar.config.parse import to_toml
+from hybridpar.model.reference import tiny_config
+from hybridpar.run.launcher import launch
 
 FRESH = """
 import sys
@@ -47,7 +45,7 @@ def config(run_dir: Path):
 
 def timed(name: str, run_dir: Path) -> float:
     cfg = config(run_dir)
-    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "check": True, "cwd": ROOT}
+    quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "check": True}
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     t = time.monotonic()
     if name == "spawn":
@@ -62,11 +60,11 @@ def timed(name: str, run_dir: Path) -> float:
     return time.monotonic() - t
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench launch_startup", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     torch.set_num_threads(1)
     (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # torch work done, as in a benchmark
     names = ("spawn", "fork-fresh", "cli")
@@ -89,7 +87,4 @@ def main() -> None:
     print(text)
     if a.json:
         Path(a.json).write_text(text + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

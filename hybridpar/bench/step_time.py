@@ -1,6 +1,6 @@
 """Median training-step time of the default model under several layouts, in one run (JSON).
 
-    .venv/bin/python bench/step_time.py [--steps 12] [--layouts 2x2x1,1x2x2] [--json FILE]
+    .venv/bin/hybridpar bench step_time [--steps 12] [--layouts 2x2x1,1x2x2] [--json FILE]
 
 Layouts are TPxPPxDP. Each layout trains the default model on local gloo processes; the first two
 steps (warm-up) are not counted. The ratio column compares each layout with the first one.
@@ -11,8 +11,8 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import sys
 
+from hybridpar.bench import layout_config
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -28,18 +28,17 @@ def _worker(cfg_dict: dict, steps: int) -> float:
     return statistics.median(times[2:])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench step_time", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layouts", default="2x2x1,1x2x2,1x4x1,2x1x2,1x1x1")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--json", default=None)
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     records = []
     for layout in a.layouts.split(","):
-        tp, pp, dp = map(int, layout.split("x"))
-        cfg = Config()
-        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+        cfg = layout_config(layout)
+        tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
         cfg.train.microbatches = a.microbatches
         t = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.steps, timeout_s=600)[0]
         records.append(
@@ -58,7 +57,4 @@ def main() -> None:
     print(out)
     if a.json:
         open(a.json, "w").write(out + "\n")
-
-
-if __name__ == "__main__":
-    sys.exit(main())
+    return 0

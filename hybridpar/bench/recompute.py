@@ -1,7 +1,7 @@
 """Activation recomputation (`train.recompute`): activation peak and step time of none, full and
 selective, side by side on one trainer (JSON).
 
-    .venv/bin/python bench/recompute.py [--layouts 1x1x1,2x2x1] [--seq-len 256] [--rounds 8] [--json FILE]
+    .venv/bin/hybridpar bench recompute [--layouts 1x1x1,2x2x1] [--seq-len 256] [--rounds 8] [--json FILE]
 
 Layouts are TPxPPxDP, the model is the default one. In each layout one trainer runs rounds of blocks of
 steps, one block per mode, the modes' order rotating every round, so a shared machine's drift hits all
@@ -22,6 +22,7 @@ import statistics
 import sys
 import time
 
+from hybridpar.bench import layout_config
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -69,19 +70,18 @@ def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict:
     return {**out, "cpu_s": mine}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench recompute", description=__doc__.split("\n\n")[0])
     ap.add_argument("--layouts", default="1x1x1,2x2x1")
     ap.add_argument("--seq-len", type=int, default=256)
     ap.add_argument("--rounds", type=int, default=8, help="measured rounds (one block per mode each)")
     ap.add_argument("--steps", type=int, default=2, help="steps per block")
     ap.add_argument("--json", default=None, help="also write the records to FILE")
-    a = ap.parse_args()
+    a = ap.parse_args(argv)
     records = []
     for layout in a.layouts.split(","):
-        tp, pp, dp = map(int, layout.split("x"))
-        cfg = Config()
-        cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp = tp, pp, dp
+        cfg = layout_config(layout)
+        tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
         cfg.train.seq_len, cfg.train.val_every, cfg.train.monitor_every = a.seq_len, 0, 0
         cfg.validate(tp * pp * dp)
         load_before = os.getloadavg()
@@ -111,7 +111,4 @@ def main() -> None:
     if a.json:
         with open(a.json, "w") as fh:
             fh.write(out + "\n")
-
-
-if __name__ == "__main__":
-    main()
+    return 0

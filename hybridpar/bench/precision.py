@@ -1,6 +1,6 @@
 """fp32 against bf16 on the default model and layout (tp2 x pp2), side by side, in one invocation (JSON).
 
-    .venv/bin/python bench/precision.py [--steps 12] [--repeats 3] [--layout 2x2x1] [--json FILE] [--model.dim N ...]
+    .venv/bin/hybridpar bench precision [--steps 12] [--repeats 3] [--layout 2x2x1] [--json FILE] [--model.dim N ...]
 
 Each repeat trains `--steps` steps in fp32 and then in bf16 (the order alternates between repeats) on
 local gloo processes; the first two steps of each (warm-up) are not counted. Reported: the median step
@@ -40,7 +40,7 @@ def _worker(cfg_dict: dict, steps: int) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="bench/precision.py", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hybridpar bench precision", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--layout", default="2x2x1", help="TPxPPxDP")
@@ -78,14 +78,10 @@ def main(argv: list[str] | None = None) -> int:
         "last": last,
         "load_avg_before": load_before,
         "load_avg_after": os.getloadavg(),
-        "command": "python bench/precision.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "hybridpar bench precision " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(json.dumps(out, indent=1))
     if a.json:
         with open(a.json, "w", encoding="utf-8") as fh:
             json.dump(out, fh, indent=1)
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

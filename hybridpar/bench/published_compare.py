@@ -3,7 +3,7 @@ own cluster file, (a) the prediction for the layout the authors used and (b) the
 unit the source published (TFLOP/s per GPU counted the source's way, MFU, or seconds per step) and as tokens/s
 per GPU. One cost model for every row; no constant is tuned per row.
 
-    python bench/published_compare.py [--rows ID,ID] [--no-search] [--json FILE] [--markdown]
+    .venv/bin/hybridpar bench published_compare [--rows ID,ID] [--no-search] [--json FILE] [--markdown]
 
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
@@ -22,21 +22,18 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from hybridpar.plan.cost import CostModel, predict  # noqa: E402
-from hybridpar.plan.hardware import load_hardware  # noqa: E402
-from hybridpar.plan.memory import rank_memory  # noqa: E402
-from hybridpar.plan.search import GIB, Memory, plan  # noqa: E402
-from tests.test_published_runs import (  # noqa: E402 - the rows' schema and the sources' FLOP counts live there
+from hybridpar.plan.cost import CostModel, predict
+from hybridpar.plan.hardware import load_hardware
+from hybridpar.plan.memory import rank_memory
+from hybridpar.plan.published import (
     PLANNER_DOCS,
-    RUNS,
+    load_runs,
     peak_tflops,
     row_config,
     source_flops_per_token,
     tokens_per_s_per_gpu,
 )
+from hybridpar.plan.search import GIB, Memory, plan
 
 UNITS = {"TFLOP/s": "TFLOP/s per GPU", "MFU": "MFU", "s/step": "s per step", "tokens/s": "tokens/s"}
 
@@ -136,21 +133,22 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench published_compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="comma-separated row ids (default: every row)")
     ap.add_argument("--json", help="write the comparison here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
     ap.add_argument("--no-search", action="store_true", help="only the published layouts' predictions (fast)")
-    a = ap.parse_args()
-    wanted = a.rows.split(",") if a.rows else [r["id"] for r in RUNS]
-    unknown = sorted(set(wanted) - {r["id"] for r in RUNS})
+    a = ap.parse_args(argv)
+    runs = load_runs()
+    wanted = a.rows.split(",") if a.rows else [r["id"] for r in runs]
+    unknown = sorted(set(wanted) - {r["id"] for r in runs})
     if unknown:
-        print(f"published_compare: unknown row ids {unknown}; the rows are {[r['id'] for r in RUNS]}", file=sys.stderr)
+        print(f"published_compare: unknown row ids {unknown}; the rows are {[r['id'] for r in runs]}", file=sys.stderr)
         return 2
     t0, cpu0 = time.perf_counter(), time.process_time()
     rows: list[dict[str, Any]] = []
-    for row in RUNS:
+    for row in runs:
         if row["id"] not in wanted:
             continue
         cpu = time.process_time()
@@ -163,7 +161,3 @@ def main() -> int:
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
     print(markdown(rows) if a.markdown else json.dumps(out, indent=1))
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

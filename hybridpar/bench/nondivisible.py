@@ -1,7 +1,7 @@
 """Throughput of a global batch that the microbatch count does not divide, against its divisible
 neighbours, measured in one run (JSON).
 
-    .venv/bin/python bench/nondivisible.py [--rounds 2] [--repeats 5] [--pp 2] [--schedule 1f1b] [--json FILE]
+    .venv/bin/hybridpar bench nondivisible [--rounds 2] [--repeats 5] [--pp 2] [--schedule 1f1b] [--json FILE]
 
 Compute mode of `hybridpar bench pipeline` (the real Llama blocks), global batch 10 in 4 microbatches
 (3,3,2,2: torch's schedules refuse it, ours runs it exactly) beside batch 8 and 12 in 4 and batch 10
@@ -27,13 +27,13 @@ NEIGHBOURS = ((8, 4), (12, 4), (10, 5))
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hybridpar bench nondivisible", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=5, help="timed repeats per case and round")
     ap.add_argument("--pp", type=int, default=2)
     ap.add_argument("--schedule", default="1f1b")
     ap.add_argument("--json", default=None)
-    a = ap.parse_args(sys.argv[1:] if argv is None else argv)
+    a = ap.parse_args(argv)
     if a.rounds < 1:
         print(f"error: --rounds must be at least 1, got {a.rounds}", file=sys.stderr)
         return 2
@@ -74,7 +74,7 @@ def main(argv: list[str] | None = None) -> int:
         "losses_match_where_torch_runs": all(
             rec["loss_match"] for k, recs in runs.items() if k != TARGET for rec in recs
         ),
-        "command": "python bench/nondivisible.py " + " ".join(sys.argv[1:] if argv is None else argv),
+        "command": "hybridpar bench nondivisible " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(json.dumps(summary, indent=1))
     if a.json:
@@ -83,7 +83,3 @@ def main(argv: list[str] | None = None) -> int:
             json.dumps({"summary": summary, "runs": [rec for recs in runs.values() for rec in recs]}, indent=1) + "\n"
         )
     return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -3,7 +3,7 @@ runs) against bf16 working copies (a bf16 copy of every weight made once per ste
 forwards; forward and backward in bf16 on the copies; each microbatch's weight gradients widened and
 summed into the fp32 masters' gradients; AdamW on the masters). Step time of each, alternating.
 
-    .venv/bin/python bench/bf16_copies.py [--repeats 5] [--microbatches 2] [--json FILE] [--model.dim N ...]
+    .venv/bin/hybridpar bench bf16_copies [--repeats 5] [--microbatches 2] [--json FILE] [--model.dim N ...]
 
 One process (one thread on a CPU; the GPU where there is one), the default model (full, on one device)
 and its global batch cut into `--microbatches`; `--section.key VALUE` flags of `hybridpar train` change
@@ -70,12 +70,12 @@ def copies_step(model: torch.nn.Module, work: torch.nn.Module, opt: torch.optim.
     return total
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench bf16_copies", description=__doc__.split("\n\n")[0])
     ap.add_argument("--repeats", type=int, default=5, help="measured rounds (one step of each contender)")
     ap.add_argument("--microbatches", type=int, default=2)
     ap.add_argument("--json", default=None, help="also write the result to FILE")
-    a, rest = ap.parse_known_args()
+    a, rest = ap.parse_known_args(argv)
     if a.repeats < 1 or a.microbatches < 1:
         ap.error(f"--repeats and --microbatches must be >= 1, got {a.repeats} and {a.microbatches}")
     torch.set_num_threads(1)
@@ -126,7 +126,4 @@ def main() -> None:
     sys.stdout.write(text)
     if a.json:
         Path(a.json).write_text(text)
-
-
-if __name__ == "__main__":
-    main()
+    return 0
