@@ -15,7 +15,7 @@ node; global ranks run tp fastest, then pp, then dp): Megatron tensor parallelis
 per layer in the forward and two in the backward (plus the embedding's all-reduce, the head's gather
 and its input gradient's all-reduce); the point-to-point activation messages (simulator's link model);
 the data-parallel gradient all-reduce of each stage, started when its last backward ends and overlapped
-with what follows (as grads.py does);
+with what follows (as dataparallel/grads.py does);
 ZeRO-1's all-gather of the updated slices; the step's small all-reduces (loss, clip norm). The
 optimizer step is memory-bound. Ring collectives: an all-reduce moves 2 (n-1)/n of the bytes and
 takes 2 (n-1) hops, an all-gather half of that.

@@ -7,7 +7,7 @@ Components, each at its own high point in the step (their sum bounds the step's 
   is a second copy on the last stage when the two sit on different stages, one tensor otherwise.
 - grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32).
 - optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 for the
-  rank's slice only (zero.py's rule; the slice it steps is a view of the parameter).
+  rank's slice only (dataparallel/zero.py's rule; the slice it steps is a view of the parameter).
 - activations: what autograd saves for backward (the meter's quantity, pipeline/memory.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
@@ -140,7 +140,7 @@ def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None 
 
 
 def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None) -> int:
-    """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (grads.py's
+    """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (dataparallel/grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
     each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
     where the slices allow, else through dp padded segments in and one out."""

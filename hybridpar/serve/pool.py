@@ -34,15 +34,9 @@ def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Conn
 
     if not die_with_parent(parent_pid):  # before anything slow: the server may be killed while we start
         os._exit(1)  # it already was: we were re-parented before asking for the signal
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    from hybridpar.topology.rendezvous import set_loopback_rank_env
+
+    set_loopback_rank_env(rank, world, port)
     import torch.distributed as dist
 
     from hybridpar.serve.channel import PipeChannel
@@ -55,7 +49,7 @@ def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Conn
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
-    os._exit(0)  # skip interpreter teardown (gloo threads, see testing.py)
+    os._exit(0)  # skip interpreter teardown (gloo threads, see topology/spawn.py)
 
 
 class ReplicaPool:

@@ -52,6 +52,21 @@ def loopback_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
     )
 
 
+def set_loopback_rank_env(rank: int, world: int, port: int) -> None:
+    """This process's environment as rank `rank` of `world` local ranks joining the store its caller hosts
+    on loopback `port` (every rank a client, rank 0 included): the spawn helper's ranks and the serving
+    pool's workers."""
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        LOCAL_WORLD_SIZE=str(world),
+        TORCHELASTIC_USE_AGENT_STORE="True",
+    )
+
+
 def _port_of(fd: int) -> int:
     s = socket.socket(fileno=fd)
     try:

@@ -23,16 +23,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, p
     # A caller killed outright (a bench stopped with SIGTERM, a test run cut off) takes its ranks with it.
     if not die_with_parent(parent):
         os._exit(1)
-    os.environ.update(
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(port),
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        LOCAL_WORLD_SIZE=str(world),
-        # The caller hosts the store (bound to loopback); every rank, rank 0 included, is a client.
-        TORCHELASTIC_USE_AGENT_STORE="True",
-    )
+    from hybridpar.topology.rendezvous import set_loopback_rank_env
+
+    set_loopback_rank_env(rank, world, port)  # the caller hosts the store, bound to loopback
     import torch
     import torch.distributed as dist
 
