@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridpar.balance.layer_cost import attach_layer_cost
 from hybridpar.balance.live import plane_groups
 from hybridpar.balance.plan import Layout
 from hybridpar.config import Config
@@ -83,7 +82,6 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
             stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         stages[s].recompute = recompute[s]
-        attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
     low = torch.bfloat16 if t.precision == "bf16" else None
     p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)
