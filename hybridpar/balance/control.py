@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.balance.detect import StragglerDetector
-from hybridpar.balance.plan import CostModel, Layout, check_modelled, predicted_step
+from hybridpar.balance.repartition import CostModel, Layout, check_modelled, predicted_step
 from hybridpar.balance.scores import RankSample, load_scores
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridpar.balance.plan import CostModel, Layout, check_modelled, split_by_speed
+from hybridpar.balance.repartition import CostModel, Layout, check_modelled, split_by_speed
 from hybridpar.pipeline.partition import partition_by_cost
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program

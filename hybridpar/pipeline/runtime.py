@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.split_backward import WeightGradDeferral

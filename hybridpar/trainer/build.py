@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from hybridpar.balance.live import plane_groups
-from hybridpar.balance.plan import Layout
+from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
@@ -29,7 +29,7 @@ from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
 from hybridpar.model.stage import Stage
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime

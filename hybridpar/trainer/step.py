@@ -21,7 +21,7 @@ import torch.distributed as dist
 from hybridpar.balance.live import LiveBalancer, cost_model
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
-from hybridpar.balance.plan import Layout
+from hybridpar.balance.repartition import Layout
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
@@ -209,7 +209,7 @@ class Trainer:
         tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages)
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
-        # Counted before the gradients go: what this rank held at the step's peak (plan/memory.py models it).
+        # Counted before the gradients go: what this rank held at the step's peak (plan/memory_model.py models it).
         transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))
         self.memory = held_bytes(
             [q for _, q in self.mp.parameters()], self.opt, self.runtime.meter.peak, self.p2p.buffer_bytes(), transient
