@@ -37,8 +37,8 @@ FILE, or this machine probed), holding the keys you give, prints the choice and 
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
        hybridpar bench chaos [--help] [args ...]      (random-fault soak; sync vs async checkpoint cost)
        hybridpar bench balance [--help] [args ...]    (static layout vs live load balancing, one rank 2x slow)
-       hybridpar bench memory [--help] [args ...]     (bytes per rank by component, measured vs the memory model)
-       hybridpar bench plan [--help] [args ...]       (the planner's predicted step times vs measured runs)
+       hybridpar bench memory_accuracy [--help] [args ...]  (bytes per rank by component, measured vs the model)
+       hybridpar bench plan_accuracy [--help] [args ...]    (the planner's predicted step times vs measured runs)
        hybridpar bench --help                         (every benchmark: step time, precision, recompute, ...)
 """
 

@@ -25,7 +25,7 @@ from hybridpar.plan.launch import (
     replan_with_planner,
     write_record,
 )
-from hybridpar.plan.memory import rank_memory
+from hybridpar.plan.memory_model import rank_memory
 from hybridpar.plan.search import plan
 from hybridpar.resilience.elastic import layout_for_world
 from hybridpar.trainer.build import layer_partition

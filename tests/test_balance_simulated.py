@@ -10,7 +10,7 @@ import pytest
 
 from hybridpar.balance.control import Balancer, Decision
 from hybridpar.balance.detect import StragglerDetector
-from hybridpar.balance.plan import CostModel, Layout, plan_layout, predicted_step
+from hybridpar.balance.repartition import CostModel, Layout, plan_layout, predicted_step
 from hybridpar.balance.simulated import ScheduleSim, choose_partition, neighbours, plan_layout_simulated
 from hybridpar.config import BalanceConfig
 from hybridpar.pipeline.partition import partition_by_cost, partition_uniform

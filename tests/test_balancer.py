@@ -13,7 +13,7 @@ import pytest
 
 from hybridpar.balance.control import Balancer
 from hybridpar.balance.detect import StragglerDetector
-from hybridpar.balance.plan import (
+from hybridpar.balance.repartition import (
     CostModel,
     Layout,
     plan_layout,

@@ -24,7 +24,7 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.resilience.chaos import corrupt_newest
+from hybridpar.emulate.faults import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
 from tests.tiny_flags import tiny_flags  # noqa: E402
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import Config, parse_args
-from hybridpar.resilience.chaos import Fault, Injector, fired_ids, parse_faults
+from hybridpar.emulate.faults import Fault, Injector, fired_ids, parse_faults
 from hybridpar.resilience.elastic import layout_for_world, replan, resume_mode
 from hybridpar.resilience.session import add_step, ledger_stats
 from hybridpar.resilience.watchdog import RankView, judge

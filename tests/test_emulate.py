@@ -1,10 +1,17 @@
-"""Tests for hybridpar.balance.emulate: the slow-device emulation spec, its errors and its lookups."""
+"""Tests for hybridpar.emulate: the slow-device emulation spec, its errors and its lookups (slowdown.py),
+and how a run enters emulation through `Trainer.attach` (attach.py)."""
 
 from __future__ import annotations
 
-import pytest
+from types import SimpleNamespace
 
-from hybridpar.balance.emulate import Slowdown, SlowdownPlan
+import pytest
+import torch
+from torch import nn
+
+from hybridpar.config import Config
+from hybridpar.emulate.attach import emulated_devices
+from hybridpar.emulate.slowdown import Slowdown, SlowdownPlan
 
 
 def test_empty_spec_is_off() -> None:
@@ -89,3 +96,50 @@ def test_validate_world_size() -> None:
 def test_negative_compute_refused() -> None:
     with pytest.raises(ValueError, match="compute_s must be >= 0"):
         SlowdownPlan.parse("rank=0:2").extra_delay_s(0, 0, -1.0)
+
+
+class _FakeTrainer:
+    """What the attachment touches of a Trainer: its stages, runtime, topology and step."""
+
+    def __init__(self) -> None:
+        stage = nn.Identity()
+        stage.layer_ids = [0, 1]  # the stage's decoder layers: the cost is per layer
+        self.stages = {0: stage}
+        self.runtime = SimpleNamespace(stretch=1.0)
+        self.topo = SimpleNamespace(rank=1, dims=SimpleNamespace(world_size=2))
+        self.seen: list[float] = []
+
+    def step(self, step: int) -> dict:
+        self.seen.append(self.runtime.stretch)
+        return {"step": step}
+
+
+def test_emulated_devices_attach_and_detach() -> None:
+    """The slowdown sets the runtime's stretch before each step, the layer cost hooks each stage; detach
+    takes both off (Trainer.attach re-applies them after a layout change)."""
+    cfg = Config()
+    cfg.emulate.slowdown, cfg.emulate.layer_ms = "rank=1:3.0@step=2", 1e-3
+    tr = _FakeTrainer()
+    detach = emulated_devices(cfg, tr.topo)(tr)
+    assert [tr.step(s)["step"] for s in range(4)] == [0, 1, 2, 3] and tr.seen == [1.0, 1.0, 3.0, 3.0]
+    stage = tr.stages[0]
+    assert len(stage._forward_hooks) == 1
+    x = torch.ones(2, 3, requires_grad=True)
+    stage(x).sum().backward()  # the sleep node passes values and gradients through unchanged
+    assert torch.equal(x.grad, torch.ones(2, 3))
+    detach()
+    assert "step" not in vars(tr) and not stage._forward_hooks
+
+
+def test_emulation_off_attaches_nothing() -> None:
+    tr = _FakeTrainer()
+    detach = emulated_devices(Config(), tr.topo)(tr)
+    assert "step" not in vars(tr) and not tr.stages[0]._forward_hooks
+    detach()
+
+
+def test_a_bad_slowdown_names_the_key() -> None:
+    cfg = Config()
+    cfg.emulate.slowdown = "rank=5:2.0"
+    with pytest.raises(ValueError, match=r"emulate.slowdown='rank=5:2.0': slowdown names rank\(s\) \[5\]"):
+        emulated_devices(cfg, _FakeTrainer().topo)

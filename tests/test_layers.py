@@ -20,7 +20,9 @@ LAYERS: list[set[str]] = [
     {"pipeline", "dataparallel"},  # schedules, runtime, p2p; gradient reductions, the sharded optimizer
     {"batching", "balance", "resilience", "report"},  # microbatch policy, load balancing, recovery, records
     {"trainer"},  # one training step over every dimension, export to Hugging Face
-    {"run", "plan"},  # a training run, its pre-flight and launch, and the layout planner it may ask
+    # A training run, its pre-flight and launch, the layout planner it may ask, and the emulated devices and
+    # faults it may attach (above the trainer and resilience, so that neither can import them).
+    {"run", "plan", "emulate"},
     {"serve", "bench", "cli"},  # what users run (cli.py: the one module besides __init__ at the root)
 ]
 EXEMPT = {"__init__"}  # the package's public names (Config, launch) gather from every layer

@@ -1,4 +1,4 @@
-"""The analytic memory model (plan/memory.py) against what is really held: per-op activation formulas
+"""The analytic memory model (plan/memory_model.py) against what is really held: per-op activation formulas
 against the activation meter on real layers (each family, fp32 and bf16, every recomputation mode),
 parameter and optimizer bytes against the registry and ZeRO-1's slicing, the schedule walk, and one
 small multi-process run whose per-rank counts (trainer/held.py) the model must match within 10%."""
@@ -14,10 +14,10 @@ from test_equivalence import tiny_config
 from hybridpar.config import Config
 from hybridpar.dataparallel.zero import in_place, slice_of
 from hybridpar.model.registry import build_stage, full_shapes, param_stages
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.runtime import token_cross_entropy
 from hybridpar.pipeline.split_backward import WeightGradDeferral
-from hybridpar.plan.memory import (
+from hybridpar.plan.memory_model import (
     bucket_bytes,
     ends_saved,
     layer_saved,
@@ -241,7 +241,7 @@ def test_model_matches_what_ranks_hold() -> None:
 
 
 def test_bench_grid_skips_zero_without_data_parallelism_and_refuses_unknown_names() -> None:
-    from hybridpar.bench.memory import cases, parse_args
+    from hybridpar.bench.memory_accuracy import cases, parse_args
 
     runs, skipped = cases(["default", "larger"], ["tp2xpp2", "dp2xpp2"], 2)
     assert (len(runs["tp2xpp2"]), len(runs["dp2xpp2"]), len(skipped)) == (12, 24, 12)

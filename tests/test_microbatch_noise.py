@@ -2,7 +2,7 @@
 no processes, no clocks.
 
 Noise model: every step's time is the true one times a factor uniform in [0.85, 1.15] (30% spread) and,
-in 5% of steps, times 3 (a neighbour's job). The true curve is the 1F1B one of test_planner.py over the
+in 5% of steps, times 3 (a neighbour's job). The true curve is the 1F1B one of test_microbatch_policy.py over the
 default candidates of a 64-sample batch at pp=4: 8 microbatches are best, 6 reach 97.8% of it, 5
 97.1%, 4 and 7 94.3%, 16 86.8%, 32 62.9%, 64 39.4%. "Right" means a split within 5% of the true best:
 8, 6 or 5."""
@@ -15,7 +15,7 @@ from statistics import median
 
 import pytest
 
-from hybridpar.batching.planner import AdaptivePolicy
+from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.race import judge
 from hybridpar.batching.split import split_evenly
 

@@ -12,7 +12,7 @@ import torch.distributed as dist
 from test_equivalence import check_layouts, tiny_config
 
 from hybridpar.config import Config
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.topology.spawn import run_ranks
 
 STEPS = 10

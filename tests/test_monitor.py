@@ -196,12 +196,14 @@ def test_maxrss_is_none_without_getrusage(monkeypatch: pytest.MonkeyPatch) -> No
 
 def _slowed_stage_times(cfg_dict: dict) -> dict:
     from hybridpar.config import Config
+    from hybridpar.emulate.attach import emulated_devices
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60))
+    tr.attach(emulated_devices(cfg, tr.topo))  # as the run entry does: the slowdown is an attachment
     out = {}
     for step in range(4):
         tr.step(step)

@@ -245,7 +245,7 @@ def test_calibrate_times_the_real_modules() -> None:
 def test_a_calibrated_host_is_planned_in_the_precision_it_timed() -> None:
     """The calibration times fp32 only, and on a CPU host a FLOP peak says nothing of bf16's speed: the
     planner offers fp32 there, and bf16 only where the user holds it."""
-    from hybridpar.plan.memory import rank_memory
+    from hybridpar.plan.memory_model import rank_memory
     from hybridpar.plan.search import plan
 
     base, h = Config(), hw(table())

@@ -8,7 +8,7 @@ import dataclasses
 
 import pytest
 
-from hybridpar.plan.memory import MemoryModel, rank_memory
+from hybridpar.plan.memory_model import MemoryModel, rank_memory
 from hybridpar.plan.search import GIB, plan
 from tests.test_plan_bound import HARDWARE, layouts, model
 

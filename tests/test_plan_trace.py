@@ -10,7 +10,7 @@ import pytest
 from hybridpar.config import Config
 from hybridpar.config.schedules import SCHEDULES
 from hybridpar.pipeline.schedules import Op, add_communication, compute_schedule
-from hybridpar.plan.memory import F32, activation_peaks, ends_saved, layer_saved, step_saved, weight_held
+from hybridpar.plan.memory_model import F32, activation_peaks, ends_saved, layer_saved, step_saved, weight_held
 from hybridpar.plan.trace import activation_trace
 
 
@@ -105,7 +105,7 @@ def _priced(trace, terms: dict) -> list[int]:  # noqa: ANN001 - the trace priced
 
 
 def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool) -> dict:
-    """(one, const, kept, inside) of every (stage, size) as plan/memory.py's docstrings define them."""
+    """(one, const, kept, inside) of every (stage, size) as plan/memory_model.py's docstrings define them."""
     n, replica, out = len(parts), sum(sizes), {}
     modes = cfg.train.recompute_modes(n)
     c = 2 if cfg.train.precision == "bf16" else F32

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from hybridpar.balance.migrate import layer_moves
-from hybridpar.balance.plan import Layout
+from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, ref_for, tiny_config

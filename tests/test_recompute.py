@@ -1,6 +1,6 @@
 """Activation recomputation (model/recompute.py): full and selective train bit-for-bit the model that
 no recomputation trains — alone, under the zero-bubble B/W split, and across (tp, pp, dp) layouts —
-while the activations held for backward (pipeline/memory.py's meter) shrink."""
+while the activations held for backward (pipeline/activation_meter.py's meter) shrink."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from test_equivalence import _worker, grid_config, tiny_config
 from hybridpar.config import Config
 from hybridpar.model import recompute
 from hybridpar.model.registry import build_full_model
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 from hybridpar.topology.spawn import run_ranks
 

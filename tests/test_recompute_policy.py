@@ -11,7 +11,7 @@ import pytest
 import torch.distributed as dist
 from test_equivalence import tiny_config
 
-from hybridpar.batching.planner import AdaptivePolicy
+from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks

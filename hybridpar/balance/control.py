@@ -8,7 +8,7 @@ together, so the caller reports their slowest). The planner (`simulated.plan_lay
 re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
-time or its bottleneck bound (`plan.predicted_step`) falls by at least `min_gain` (moving layers costs a
+time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers costs a
 weight and optimizer-state transfer).
 """
 
@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.balance.detect import StragglerDetector
-from hybridpar.balance.plan import CostModel, Layout, check_modelled, predicted_step
+from hybridpar.balance.repartition import CostModel, Layout, check_modelled, predicted_step
 from hybridpar.balance.scores import RankSample, load_scores
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig

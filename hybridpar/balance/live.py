@@ -24,7 +24,7 @@ import torch.distributed as dist
 
 from hybridpar.balance.control import Balancer, Decision
 from hybridpar.balance.monitor import stage_times
-from hybridpar.balance.plan import CostModel, Layout
+from hybridpar.balance.repartition import CostModel, Layout
 from hybridpar.balance.scores import RankSample
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token

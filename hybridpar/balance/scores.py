@@ -21,7 +21,7 @@ class RankSample:
     `compute_s` is pure compute seconds per unit of work, waits excluded: in a pipeline every stage
     waits for the slowest one, so wall time would make all of them look slow. Choose the unit so
     that equal devices report equal values: for a pipeline stage, its compute time divided by its
-    modelled cost for the samples it processed (`plan.CostModel`). `rank` is the index within the
+    modelled cost for the samples it processed (`repartition.CostModel`). `rank` is the index within the
     group being balanced: for the trainer's (dp, pp) grid, replica d's stage s is d * pp + s.
     """
 

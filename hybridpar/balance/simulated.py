@@ -1,7 +1,7 @@
 """Balancer layouts scored on the run's real schedule: the action lists the runtime executes, run through
 the pipeline simulator (pipeline/simulate.py) with each stage's compute scaled by its measured speed.
 
-Why not the bottleneck alone: the min-max partition (`plan.plan_layout`) minimises the slowest stage,
+Why not the bottleneck alone: the min-max partition (`repartition.plan_layout`) minimises the slowest stage,
 which sets a pipeline's steady state, but fill and drain run at each stage's own speed, so with few
 microbatches, or a fast stage beside a slow one, a partition one layer off the min-max one can finish the
 step sooner (gpipe with one microbatch runs its stages one after another: the step is their sum). The
@@ -12,14 +12,14 @@ for the best simulated of its one-layer neighbours only if that one's simulated 
 than `margin` (the Balancer passes max(balance.min_gain, 2 x the measured relative noise): speeds off by
 a relative e move both simulated steps by up to e, so a smaller difference may be noise). The global batch
 is then split in proportion to each replica's simulated samples per second. Communication is not
-modelled (as in `plan.predicted_step`); the backward costs twice the forward (the usual B = 2F).
+modelled (as in `repartition.predicted_step`); the backward costs twice the forward (the usual B = 2F).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 
-from hybridpar.balance.plan import CostModel, Layout, check_modelled, split_by_speed
+from hybridpar.balance.repartition import CostModel, Layout, check_modelled, split_by_speed
 from hybridpar.pipeline.partition import partition_by_cost
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.sim_program import Program, compile_program
@@ -60,7 +60,7 @@ class ScheduleSim:
 
     def layout_step(self, layout: Layout, cost: CostModel, speeds: Sequence[Sequence[float]]) -> float:
         """Simulated step of `layout`: its slowest replica (the data-parallel all-reduce is the same for
-        every layout and is left out, as in `plan.predicted_step`)."""
+        every layout and is left out, as in `repartition.predicted_step`)."""
         return max(n * self.per_sample(p, cost, speeds[d]) for d, (p, n) in enumerate(zip(layout.parts, layout.split)))
 
 

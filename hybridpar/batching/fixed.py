@@ -1,5 +1,5 @@
 """Microbatch policies: how one replica's share of the step's batch is cut into microbatches. Here the
-interface every policy follows, what they record, and the fixed policy (planner.py: the adaptive one).
+interface every policy follows, what they record, and the fixed policy (adaptive.py: the adaptive one).
 
 Sizes follow device memory and measured performance, from what the trainer measures and feeds in
 each step (no assumed constant such as bytes per token):

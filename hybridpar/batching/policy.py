@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import math
 
+from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.fixed import FixedPolicy, MicrobatchPolicy
-from hybridpar.batching.planner import AdaptivePolicy
 from hybridpar.batching.split import BatchPlan, plan_batch, split_evenly
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec

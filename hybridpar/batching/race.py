@@ -11,7 +11,7 @@ standard errors of the difference; the race is settled when one is left or when 
 within `margin` of the leader (then any of them will do). With one block per candidate nothing is
 known of the noise: the best `keep` go on to be measured again.
 
-Pure arithmetic, no clock: the policy (planner.py) decides what to measure next from the verdict.
+Pure arithmetic, no clock: the policy (adaptive.py) decides what to measure next from the verdict.
 """
 
 from __future__ import annotations

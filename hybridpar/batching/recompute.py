@@ -5,7 +5,7 @@ so under a memory budget a larger microbatch may fit with it that would not fit 
 rerun forward (about a third of a layer's compute). Whether the larger microbatch is worth the rerun is
 measured, never assumed.
 
-Two adaptive policies (planner.py, unchanged), one per mode, each learning its own activation bytes per
+Two adaptive policies (adaptive.py, unchanged), one per mode, each learning its own activation bytes per
 sample from the peaks measured while it runs (the meter counts what recomputed layers keep) and
 proposing only splits predicted within the budget. The recompute-off policy scans to its decision first,
 then the recompute-on one; the mode kept is the one whose chosen split ran faster (the median
@@ -20,7 +20,7 @@ from __future__ import annotations
 from statistics import median
 from typing import Any, Sequence
 
-from hybridpar.batching.planner import AdaptivePolicy
+from hybridpar.batching.adaptive import AdaptivePolicy
 
 MODES = ("none", "full")  # tried in this order
 

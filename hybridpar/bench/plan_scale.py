@@ -3,7 +3,7 @@ model (d=8192, 64 heads, 8 kv heads, FFN 28672, vocab 128256, sequence 4096, glo
 
     .venv/bin/hybridpar bench plan_scale [--nodes 128] [--top 10] [--json bench/results/plan_scale.json]
 
-Memory: plan/memory.py's `rank_memory` where present; otherwise a stand-in counting only weights,
+Memory: plan/memory_model.py's `rank_memory` where present; otherwise a stand-in counting only weights,
 gradients and AdamW state of each rank's share (16 bytes per parameter, 4 of them for AdamW under ZeRO-1
 divided by dp), which is labelled in the output. Reported: wall time of the search (the process's
 imports and the model's shapes excluded and reported apart), layouts considered, simulated and
@@ -50,9 +50,9 @@ def main(argv: list[str] | None = None) -> int:
     from hybridpar.plan.search import plan
 
     try:
-        from hybridpar.plan.memory import rank_memory as memory
+        from hybridpar.plan.memory_model import rank_memory as memory
 
-        memory_model = "plan/memory.py rank_memory"
+        memory_model = "plan/memory_model.py rank_memory"
     except ImportError:
         memory, memory_model = weights_only, "stand-in: weights + gradients + AdamW state only"
     hw = dataclasses.replace(load_hardware(ROOT / "docs/hardware/dgx-h100.toml"), nodes=a.nodes)

@@ -8,7 +8,7 @@ per GPU. One cost model for every row; no constant is tuned per row.
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
 where the source's run sharded it), its precision (fp16 as bf16).
-`fits` says whether our memory model (plan/memory.py) puts it within the cluster file's device memory;
+`fits` says whether our memory model (plan/memory_model.py) puts it within the cluster file's device memory;
 where the planner finds no layout at all, `no_choice` says why (its one-line error).
 """
 
@@ -24,7 +24,7 @@ from typing import Any
 
 from hybridpar.plan.cost import CostModel, predict
 from hybridpar.plan.hardware import load_hardware
-from hybridpar.plan.memory import rank_memory
+from hybridpar.plan.memory_model import rank_memory
 from hybridpar.plan.published import (
     PLANNER_DOCS,
     load_runs,
@@ -57,7 +57,7 @@ def published_figure(row: dict[str, Any], basis: str) -> float:
 
 def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, search: bool = True) -> dict[str, Any]:
     """One row: the published figure, the prediction for its layout, the planner's choice (`memory`: the
-    memory model, plan/memory.py's unless a test passes a quicker one; `search=False` skips the planner's
+    memory model, plan/memory_model.py's unless a test passes a quicker one; `search=False` skips the planner's
     search, the slow part at cluster scale, and leaves the choice fields None)."""
     hw = load_hardware(PLANNER_DOCS / row["cluster"])
     cfg = row_config(row)

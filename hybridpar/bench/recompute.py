@@ -5,7 +5,7 @@ selective, side by side on one trainer (JSON).
 
 Layouts are TPxPPxDP, the model is the default one. In each layout one trainer runs rounds of blocks of
 steps, one block per mode, the modes' order rotating every round, so a shared machine's drift hits all
-of them alike. Peak: the activation meter's bytes held for backward (max over ranks, pipeline/memory.py).
+of them alike. Peak: the activation meter's bytes held for backward (max over ranks, pipeline/activation_meter.py).
 Time: the median step time per mode, and per round each mode's block median over none's, reported as
 the median ratio with its spread (min, max over rounds). Wall time on a shared, loaded machine mostly
 measures the wait for a core, so beside it the CPU time the ranks spent (process time per step, median

@@ -339,7 +339,7 @@ class EmulateConfig:
     fault: str = _f(
         "",
         "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
-        "'rank=1:kill@step=3:phase=forward' (see hybridpar/resilience/chaos.py)",
+        "'rank=1:kill@step=3:phase=forward' (see hybridpar/emulate/faults.py)",
     )
     layer_ms: float = _f(
         0.0,

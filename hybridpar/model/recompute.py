@@ -18,7 +18,7 @@ and parameters are bit-identical to `none` (tests/test_recompute.py). Non-reentr
 works with `torch.autograd.grad` on chosen inputs, which the zero-bubble B step needs.
 
 Memory accounting: what a recomputed layer keeps must stay visible to whoever counts saved tensors
-(pipeline/memory.py's meter, through saved_tensors_hooks). Full recomputation's input goes through
+(pipeline/activation_meter.py's meter, through saved_tensors_hooks). Full recomputation's input goes through
 autograd's saved tensors; selective's kept matmul outputs live in the checkpoint's own cache, so they
 are also saved, by `_Keep`, on an identity node behind the layer (same storages: counted, not copied).
 

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.split_backward import WeightGradDeferral
@@ -86,7 +86,7 @@ class PipelineRuntime:
         self.stages, self.n_stages, self.loss_fn = stages, n_stages, loss_fn
         self.stage_peer, self.p2p, self.hidden = stage_peer, p2p, hidden
         self._deferral: dict[int, WeightGradDeferral] = {}
-        # Emulation only (balance/emulate.py): after each compute action, sleep (stretch - 1) x its own
+        # Emulation only (emulate/slowdown.py): after each compute action, sleep (stretch - 1) x its own
         # compute time, so this rank behaves like a device `stretch` times slower. 1.0 = off.
         self.stretch = 1.0
         self.meter: ActivationMeter | None = None  # counts the activations forward passes save

@@ -29,7 +29,7 @@ from typing import Hashable
 import torch
 from torch import nn
 
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
@@ -48,7 +48,7 @@ class WeightGradDeferral:
         deferred = {id(m.weight) for m in self.linears}
         self.others = [p for p in stage.parameters() if id(p) not in deferred]
         self.stage = stage
-        # Counts what the captures keep from F and B until W (pipeline/memory.py); set by the runtime.
+        # Counts what the captures keep from F and B until W (pipeline/activation_meter.py); set by the runtime.
         self.meter: ActivationMeter | None = None
         self.key: Hashable | None = None
         self.captured: dict[Hashable, list[list]] = {}

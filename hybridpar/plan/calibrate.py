@@ -291,9 +291,9 @@ def _local_shard(stage: Any, tp: int) -> None:
 
 def _metered(module: Any) -> Callable[[Any], Any]:
     """`module`'s forward as the runtime runs it: every tensor autograd saves passes through the
-    activation meter's hooks (pipeline/memory.py), and the backward through their unpacking. Timed
+    activation meter's hooks (pipeline/activation_meter.py), and the backward through their unpacking. Timed
     without them, a layer's forward read ~7% low against a training step's."""
-    from hybridpar.pipeline.memory import ActivationMeter
+    from hybridpar.pipeline.activation_meter import ActivationMeter
 
     meter = ActivationMeter()
     meter.reset(module.parameters())

@@ -118,7 +118,7 @@ def action_overhead(p2p: Any, model: ModelConfig, seq_len: int, batch: int, seco
     import torch.distributed as dist
 
     from hybridpar.model.registry import build_stage
-    from hybridpar.pipeline.memory import ActivationMeter
+    from hybridpar.pipeline.activation_meter import ActivationMeter
     from hybridpar.pipeline.runtime import PipelineRuntime
     from hybridpar.pipeline.schedules import build_schedule
     from hybridpar.plan.calibrate import _forward_backward_s, _metered

@@ -12,7 +12,7 @@ machine's present load beats a built-in guess).
 On hardware with a `speed` per device the chosen layout runs as planned: a cost-balanced partition
 becomes explicit stage sizes (parallel.stage_layers: the runtime's own cost partition knows no device
 speeds), and replicas of unequal speed get shares of the batch in proportion (parallel.replica_batch,
-by the load balancer's own rule, balance/plan.py).
+by the load balancer's own rule, balance/repartition.py).
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.balance.live import cost_model
-from hybridpar.balance.plan import Layout, plan_layout
+from hybridpar.balance.repartition import Layout, plan_layout
 from hybridpar.batching.split import split_evenly
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
@@ -142,7 +142,7 @@ def runnable(c: Candidate, hw: Hardware) -> Config:
 def auto_plan(cfg: Config, given: set[str], world: int, hw: Hardware | None = None) -> AutoPlan:
     """Plan `cfg` for `world` processes, holding the `given` keys; ValueError naming the binding constraint
     when nothing fits (the search's own line)."""
-    from hybridpar.plan.memory import rank_memory
+    from hybridpar.plan.memory_model import rank_memory
 
     fixed = constraints(cfg, given)
     hw = hw or hardware_for(cfg, world)
@@ -206,7 +206,7 @@ def replan_with_planner(cfg: Config, world: int) -> Config:
     keys the launch recorded in plan.json, tp/pp/dp freed (the world changed) and the precision kept
     (the checkpoint's run goes on computing the same way); where the other fixed keys leave no layout for
     the new world, without them (a run that lost a node goes on rather than stops)."""
-    from hybridpar.plan.memory import rank_memory
+    from hybridpar.plan.memory_model import rank_memory
 
     path = Path(cfg.run_dir) / PLAN_FILE
     try:

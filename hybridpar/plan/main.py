@@ -21,9 +21,9 @@ from hybridpar.plan.search import GIB, Memory, Plan, plan
 
 def default_memory() -> Memory:
     try:
-        from hybridpar.plan.memory import rank_memory
+        from hybridpar.plan.memory_model import rank_memory
     except ImportError as e:  # a partial installation: say so in one line
-        raise ValueError(f"the memory model hybridpar/plan/memory.py cannot be imported: {e}") from None
+        raise ValueError(f"the memory model hybridpar/plan/memory_model.py cannot be imported: {e}") from None
     return rank_memory
 
 

@@ -1,4 +1,4 @@
-"""Message memory of the analytic memory model (plan/memory.py): receive buffers and shared-memory send rings,
+"""Message memory of the analytic memory model (plan/memory_model.py): receive buffers and shared-memory send rings,
 replayed from the simulated schedule.
 
 The replay (`replay`) depends on the schedule's action lists only, not on the layout's tp, dp, ZeRO,

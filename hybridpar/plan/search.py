@@ -12,7 +12,7 @@ are visited in the order of a fast estimate (average rank work stretched by the 
 formula, config/schedules.py), so the k-th best falls early; a candidate whose lower bound
 (plan/bound.py: first from its knobs, then from its schedule's critical path) exceeds the k-th best
 is skipped before its memory is asked, and the search stops once no remaining candidate's knob bound
-is below it. Memory (a callable, e.g. plan/memory.rank_memory) is asked only of the candidates that
+is below it. Memory (a callable, e.g. plan/memory_model.rank_memory) is asked only of the candidates that
 get that far; action lists are lowered once per schedule and cached.
 """
 
@@ -44,7 +44,7 @@ from hybridpar.plan.cost import (
     sharing,
 )
 from hybridpar.plan.hardware import Hardware
-from hybridpar.plan.memory import MemoryModel, rank_memory
+from hybridpar.plan.memory_model import MemoryModel, rank_memory
 from hybridpar.report.mfu import model_flops_per_token
 
 TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie

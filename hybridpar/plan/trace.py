@@ -1,4 +1,4 @@
-"""A rank's compute actions reduced to what its activation peak needs (plan/memory.py `activation_peaks`).
+"""A rank's compute actions reduced to what its activation peak needs (plan/memory_model.py `activation_peaks`).
 
 Which per-stage constants an action adds or frees depends on the order of the actions only, not on the
 layout's bytes, so a search walks each schedule's lists once per microbatch sizes (`activation_trace`) and

@@ -1,25 +1,33 @@
 """The trainer's phase probe: one call per phase change feeds the watchdog (progress, phase, step) and the
-fault injector (chaos testing mode). `install` attaches it to a trainer's current pieces with hooks —
-module forward pre-hooks, wrappers on the P2P and gradient-reduction objects, an optimizer step pre-hook —
-so the pipeline runtime and the layers below need no knowledge of it, and returns the function that takes
-them off again: when a live rebalance replaces the gradient reduction and the optimizer, the trainer
-detaches and installs on the new ones (`Trainer.attach`)."""
+fault injector (testing mode, emulate/faults.py, given by the run entry). `install` attaches it to a
+trainer's current pieces with hooks — module forward pre-hooks, wrappers on the P2P and gradient-reduction
+objects, an optimizer step pre-hook — so the pipeline runtime and the layers below need no knowledge of it,
+and returns the function that takes them off again: when a live rebalance replaces the gradient reduction
+and the optimizer, the trainer detaches and installs on the new ones (`Trainer.attach`)."""
 
 from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Any, Callable, Iterable, Iterator
+from typing import Any, Callable, Iterable, Iterator, Protocol
 
 from torch import nn
 from torch.optim import Optimizer
 
-from hybridpar.resilience.chaos import Injector
 from hybridpar.resilience.watchdog import Watchdog
 
 
+class FaultHook(Protocol):
+    """What the probe fires faults through: emulate/faults.py's `Injector` in the testing mode. A protocol,
+    so that resilience needs no emulation code; without one (the default) no fault is ever fired."""
+
+    before_fault: Callable[[], None]  # set by the probe: called just before a fault acts
+
+    def check(self, phase: str, step: int) -> None: ...
+
+
 class Probe:
-    def __init__(self, watchdog: Watchdog | None = None, injector: Injector | None = None) -> None:
+    def __init__(self, watchdog: Watchdog | None = None, injector: FaultHook | None = None) -> None:
         self.watchdog, self.injector = watchdog, injector
         if watchdog is not None and injector is not None:
             injector.before_fault = watchdog.publish

@@ -1,6 +1,6 @@
 """The trainer's resilience session: one object that train() holds for a run, owning the watchdog, the
-fault injector (testing mode), the SIGTERM handler, checkpoint saving (synchronous or asynchronous) and the
-sample ledger.
+SIGTERM handler, checkpoint saving (synchronous or asynchronous) and the sample ledger, and firing the fault
+injector its caller gives it (testing mode, emulate/faults.py; none by default).
 
 The sample ledger records which steps' samples have been applied to the model, as runs of step numbers
 (`[[0, 40], [40, 57]]`), carried in each checkpoint's trainer state and restored with it — so after any
@@ -24,10 +24,9 @@ from torch.optim import Optimizer
 
 from hybridpar.config import Config
 from hybridpar.resilience.async_save import AsyncCheckpointer
-from hybridpar.resilience.chaos import Injector, parse_faults
 from hybridpar.resilience.checkpoint import save_checkpoint
 from hybridpar.resilience.preempt import Preemption
-from hybridpar.resilience.probe import Probe
+from hybridpar.resilience.probe import FaultHook, Probe
 from hybridpar.resilience.watchdog import start_watchdog
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
@@ -62,17 +61,17 @@ class Session:
         restart_count: int = 0,
         run_id: str | None = None,
         owner_check: Callable[[], str | None] = lambda: None,
+        injector: FaultHook | None = None,
     ) -> None:
         """`run_id` goes into every checkpoint; `owner_check()` is asked before each commit whether this
-        run still owns its directory (resilience/rundir.py)."""
+        run still owns its directory (resilience/rundir.py); `injector` is fired at every phase the probe
+        hears (the fault-injection testing mode; the run entry makes it, emulate/attach.py)."""
         self.cfg, self.topo, self.ck_dir = cfg, topo, ck_dir
         self.run_id, self.owner_check = run_id, owner_check
         self.run_dir = Path(cfg.run_dir)
         self.applied: list[list[int]] = []
         # One id per run attempt, agreed by every rank: the watchdog's keys never meet an earlier attempt's.
         run_id = all_gather_json(secrets.token_hex(6) if topo.rank == 0 else None, topo.device)[0]
-        faults = parse_faults(cfg.emulate.fault, topo.dims.world_size)
-        injector = Injector(faults, topo.rank, self.run_dir, ck_dir) if faults else None
         master = (os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
         watchdog = None
         if master[0] and master[1]:  # where torchrun / the spawn helper host the store

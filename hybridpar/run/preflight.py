@@ -38,8 +38,8 @@ def preflight(
     `verify` False skips the checks a worker repeats anyway (reading the corpus, which the Trainer loads
     with the same errors; hashing a named checkpoint, which rank 0 verifies on resume). `local_ranks`: the
     processes this node starts, where known (NCCL needs a GPU for each)."""
-    from hybridpar.balance.emulate import SlowdownPlan
-    from hybridpar.resilience.chaos import parse_faults
+    from hybridpar.emulate.faults import parse_faults
+    from hybridpar.emulate.slowdown import SlowdownPlan
     from hybridpar.resilience.elastic import layout_for_world
 
     preflight_config(cfg)

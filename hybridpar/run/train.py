@@ -22,6 +22,7 @@ from hybridpar.balance.monitor import aggregate
 from hybridpar.config import Config, parse_args, step_range, to_toml
 from hybridpar.data.corpus import decode, encode
 from hybridpar.data.tokenizer import Tokenizer
+from hybridpar.emulate.attach import emulated_devices, fault_injector
 from hybridpar.model.hf import StateSource
 from hybridpar.model.optim import lr_at
 from hybridpar.model.registry import empty_stage, load_stage_
@@ -218,9 +219,10 @@ def _steps(
     rank0 = topo.rank == 0
     ck = cfg.checkpoint
     ck_dir = checkpoint_dir(cfg)
-    session = Session(
-        cfg, topo, ck_dir, restart_count, run_id, owner_check=lambda: rundir.lock_holder_ok(run_dir, token)
-    )
+    # The [emulate] testing and benchmark modes (emulate/attach.py), which do nothing when off.
+    trainer.attach(emulated_devices(cfg, topo))
+    injector = fault_injector(cfg, topo, ck_dir)
+    session = Session(cfg, topo, ck_dir, restart_count, run_id, lambda: rundir.lock_holder_ok(run_dir, token), injector)
     trainer.attach(lambda tr: install(session.probe, tr.stages.values(), tr.p2p, tr.dp.grads, tr.opt))
     sessions.append(session)
     saved = None

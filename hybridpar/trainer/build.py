@@ -19,9 +19,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from hybridpar.balance.layer_cost import attach_layer_cost
 from hybridpar.balance.live import plane_groups
-from hybridpar.balance.plan import Layout
+from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
 from hybridpar.config.schedules import schedule_spec
 from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
@@ -30,7 +29,7 @@ from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
 from hybridpar.model.stage import Stage
-from hybridpar.pipeline.memory import ActivationMeter
+from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime
@@ -83,7 +82,6 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
             stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         stages[s].recompute = recompute[s]
-        attach_layer_cost(stages[s], cfg.emulate.layer_ms)  # benchmark mode; no-op at 0
     low = torch.bfloat16 if t.precision == "bf16" else None
     p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)

@@ -1,12 +1,12 @@
 """What one rank holds at its step's peak, counted from its tensors: the measured side of the analytic
-memory model (plan/memory.py), reported per rank in metrics.jsonl (`monitor.memory`) and by
-`hybridpar bench memory`.
+memory model (plan/memory_model.py), reported per rank in metrics.jsonl (`monitor.memory`) and by
+`hybridpar bench memory_accuracy`.
 
 Each component is counted where it is largest in the step, the same definition the model uses:
 gradients after the backward and the data-parallel sum (before the optimizer clears them); optimizer
 state inside the optimizer step (AdamW's moments and step counts; under ZeRO-1 the slices it steps are
 views of the parameters and their gradients, counted there); activations as the meter's peak (what autograd saves
-for backward, pipeline/memory.py); communication buffers as the most that was allocated for messages
+for backward, pipeline/activation_meter.py); communication buffers as the most that was allocated for messages
 at once — the receive buffers and shared-memory rings (persistent), plus the largest of the step's
 transient ones: the data-parallel gradient buckets, the tied-embedding sum and ZeRO's all-gather.
 """

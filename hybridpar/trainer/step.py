@@ -6,7 +6,8 @@ executes this rank's action list (data-parallel reductions start as each stage f
 the tied embedding and the global gradient norm are reduced, and AdamW steps. After the step the
 balancer may return a new layout; the trainer applies it (moving layers with their optimizer state),
 rebuilds the data-parallel and optimizer bundles, and re-attaches whatever was attached to the old
-ones (`attach`: the resilience probe), so hooks always sit on the objects the next step uses.
+ones (`attach`: the resilience probe, and the emulated devices of the testing modes, emulate/attach.py),
+so hooks always sit on the objects the next step uses.
 """
 
 from __future__ import annotations
@@ -17,11 +18,10 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybridpar.balance.emulate import SlowdownPlan
 from hybridpar.balance.live import LiveBalancer, cost_model
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
-from hybridpar.balance.plan import Layout
+from hybridpar.balance.repartition import Layout
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
@@ -73,7 +73,6 @@ class Trainer:
         self.dp = build_data_parallel(cfg, topo, self.mp.stages, self.layout)
         self.opt = build_optimizer(cfg, topo, self.mp, self.layout)
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
-        self.slowdown = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
         self.memory: dict[str, int] = {}  # bytes held per component at the last step's peak (trainer/held.py)
         self.oom_retries = 0  # steps redone after running out of memory, over the run
         self.cost = cost_model(cfg)  # units of work per stage, so per-rank speeds compare (report/records.py)
@@ -183,7 +182,6 @@ class Trainer:
         t0 = time.perf_counter()
         lr = lr_at(step, t)
         set_lr(self.opt, lr)
-        self.runtime.stretch = self.slowdown.factor(topo.rank, step)
         rec: dict = {}
         while True:
             sizes = self.policy.propose(step)
@@ -211,7 +209,7 @@ class Trainer:
         tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages)
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
-        # Counted before the gradients go: what this rank held at the step's peak (plan/memory.py models it).
+        # Counted before the gradients go: what this rank held at the step's peak (plan/memory_model.py models it).
         transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))
         self.memory = held_bytes(
             [q for _, q in self.mp.parameters()], self.opt, self.runtime.meter.peak, self.p2p.buffer_bytes(), transient

@@ -1,10 +1,10 @@
-"""`hybridpar bench memory`: what each rank holds, measured, beside the analytic memory model.
+"""`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
 For the default model and a larger one, at tp2 x pp2 and dp2 x pp2, over precision (fp32, bf16) x
 ZeRO (0, 1) x activation recomputation (none, full, selective), a short run counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
 peak of what autograd saves) and communication buffers; and the step time (the last step's, past the
-first step's allocations). Beside each figure: `rank_memory` of plan/memory.py, computed from the
+first step's allocations). Beside each figure: `rank_memory` of plan/memory_model.py, computed from the
 configuration alone, and its relative error; `max_rel_error` is the largest over every component of
 every rank of every case (the acceptance: at most 0.10). ZeRO-1 needs dp > 1: at dp = 1 it would
 shard nothing and is not run (listed under `skipped`). One launch per layout runs all its cases.
@@ -90,7 +90,7 @@ def _worker(runs: list[dict], steps: int) -> list[dict[str, Any]]:
 
 def compare(cfg: Config, ranks: list[dict[str, Any]]) -> tuple[list[dict[str, Any]], float]:
     """Each rank's measurement beside the model's estimate for its pipeline rank; the largest error."""
-    from hybridpar.plan.memory import rank_memory
+    from hybridpar.plan.memory_model import rank_memory
 
     est = rank_memory(cfg)
     rows, worst = [], 0.0
@@ -110,7 +110,7 @@ def _rel(model: int, measured: int) -> float:
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(prog="hybridpar bench memory", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hybridpar bench memory_accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--models", default="default,larger", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--layouts", default="tp2xpp2,dp2xpp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule of every case")
@@ -141,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             results.append({"case": run["name"], "step_time_s": step, "max_rel_error": err, "ranks": rows})
             print(f"{run['name']}: step {step:.2f} s, max relative error {err:.4f}", file=sys.stderr)
     out = {
-        "bench": "memory",
+        "bench": "memory_accuracy",
         "max_rel_error": worst,
         "steps": a.steps,
         "schedule": a.schedule,

@@ -1,6 +1,6 @@
-"""`hybridpar bench plan`: the planner's predicted step times against real training steps, on this machine.
+"""`hybridpar bench plan_accuracy`: the planner's predicted step times against real training steps, on this machine.
 
-    hybridpar bench plan [--rounds 3] [--steps 5] [--warmup 2] [--cpu-bind auto] [--json FILE]
+    hybridpar bench plan_accuracy [--rounds 3] [--steps 5] [--warmup 2] [--cpu-bind auto] [--json FILE]
 
 Each round runs every swept layout of the default model once — freshly launched ranks that probe the
 machine (plan/probe.py's measurements), build a real `Trainer`, run `--warmup` steps and then `--steps`
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     from hybridpar.plan.probe import probe
     from hybridpar.plan.search import plan
 
-    ap = argparse.ArgumentParser(prog="hybridpar bench plan", description=__doc__.split("\n\n")[0])
+    ap = argparse.ArgumentParser(prog="hybridpar bench plan_accuracy", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--steps", type=int, default=5, help="timed steps per launch")
     ap.add_argument("--warmup", type=int, default=2, help="untimed steps first")

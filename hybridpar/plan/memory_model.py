@@ -1,5 +1,5 @@
 """The analytic memory model: bytes each pipeline rank holds at its step's peak, from the configuration
-alone (no tensor is allocated). The planner ranks layouts with it; `hybridpar bench memory` checks it
+alone (no tensor is allocated). The planner ranks layouts with it; `hybridpar bench memory_accuracy` checks it
 against what the trainer counts from its tensors (trainer/held.py), component by component.
 
 Components, each at its own high point in the step (their sum bounds the step's peak from above):
@@ -8,7 +8,7 @@ Components, each at its own high point in the step (their sum bounds the step's 
 - grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32).
 - optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 for the
   rank's slice only (dataparallel/zero.py's rule; the slice it steps is a view of the parameter).
-- activations: what autograd saves for backward (the meter's quantity, pipeline/memory.py), per
+- activations: what autograd saves for backward (the meter's quantity, pipeline/activation_meter.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
 - buffers: message memory (receive buffers; the rings of shared-memory send links, replayed from the

@@ -12,6 +12,33 @@ from hybridpar.batching.race import Verdict, block_value, judge
 from hybridpar.batching.split import BatchPlan, split_evenly
 
 
+def candidate_counts(
+    hi: int, min_microbatches: int, count_multiple: int, in_flight: int | None, candidates: Sequence[int] | None
+) -> list[int]:
+    """The microbatch counts the policy may propose (`candidates`, or its default list) that lie in
+    [`min_microbatches`, `hi`] and are multiples of `count_multiple`, most microbatches (smallest,
+    safest) first; ValueError naming the settings when none is left or a setting is out of range."""
+    if not 1 <= min_microbatches <= hi or count_multiple < 1 or (in_flight is not None and in_flight < 1):
+        raise ValueError(
+            f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
+            f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None"
+        )
+    if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus every count from the
+        # schedule's minimum to twice it: near the minimum the pipeline bubble and the per-microbatch
+        # cost trade off most finely (issue 19: 7 microbatches beat 4 and 8 at pp4 under load).
+        # From the smallest replica's batch, not this one's: every replica must hold the same list
+        # to propose the same count each step (6 and 5 samples would give 6, 3, 2, 1 and 5, 3, 2, 1).
+        candidates = {math.ceil(hi / 2**k) for k in range(hi.bit_length() + 1)}
+        candidates |= set(range(min_microbatches, 2 * min_microbatches))
+    cands = sorted({m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0}, reverse=True)
+    if not cands:
+        raise ValueError(
+            f"no candidate count in {sorted(candidates)} lies in [{min_microbatches}, {hi}] "
+            f"and is a multiple of {count_multiple}"
+        )
+    return cands
+
+
 class AdaptivePolicy(_Recorder):
     """Measure candidate microbatch counts, keep the fastest that fits the activation budget.
 
@@ -74,27 +101,8 @@ class AdaptivePolicy(_Recorder):
             raise ValueError(f"dp_rank={dp_rank} must be in [0, dp={dp})")
         self.replicas = split_evenly(global_batch, dp)
         super().__init__(self.replicas[dp_rank])
-        hi = min(self.replicas)  # every replica must be able to run the same count
-        if not 1 <= min_microbatches <= hi or count_multiple < 1 or (in_flight is not None and in_flight < 1):
-            raise ValueError(
-                f"min_microbatches={min_microbatches} must be in [1, {hi}] (smallest replica "
-                f"batch), count_multiple={count_multiple} >= 1, in_flight={in_flight} >= 1 or None"
-            )
-        if candidates is None:  # microbatch sizes 1, 2, 4, ... as counts, plus every count from the
-            # schedule's minimum to twice it: near the minimum the pipeline bubble and the per-microbatch
-            # cost trade off most finely (issue 19: 7 microbatches beat 4 and 8 at pp4 under load).
-            # From the smallest replica's batch, not this one's: every replica must hold the same list
-            # to propose the same count each step (6 and 5 samples would give 6, 3, 2, 1 and 5, 3, 2, 1).
-            candidates = {math.ceil(hi / 2**k) for k in range(hi.bit_length() + 1)}
-            candidates |= set(range(min_microbatches, 2 * min_microbatches))
-        cands = sorted(
-            {m for m in candidates if min_microbatches <= m <= hi and m % count_multiple == 0}, reverse=True
-        )  # most microbatches (smallest, safest) first
-        if not cands:
-            raise ValueError(
-                f"no candidate count in {sorted(candidates)} lies in [{min_microbatches}, {hi}] "
-                f"and is a multiple of {count_multiple}"
-            )
+        # Every replica must be able to run the same count: counts up to the smallest replica's batch.
+        cands = candidate_counts(min(self.replicas), min_microbatches, count_multiple, in_flight, candidates)
         if (
             min(steps_per_candidate, drift_window, max_passes, recheck_passes, keep, recheck_steps) < 1
             or min(warmup_steps, cooldown_steps) < 0

@@ -8,8 +8,8 @@ import random
 
 import pytest
 
+from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.fixed import FixedPolicy, split_by_size
-from hybridpar.batching.planner import AdaptivePolicy
 from hybridpar.batching.split import split_evenly
 
 TOKENS_PER_SAMPLE = 128

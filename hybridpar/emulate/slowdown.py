@@ -15,7 +15,8 @@ For each rank, the entry with the largest step <= the current step wins, so
 
 Factors must be >= 1.0: emulation can only *add* time to what a device really takes (the rank
 sleeps for ``(factor - 1) x`` its measured compute), it cannot make a device faster. A faster
-device is emulated by slowing down all the others.
+device is emulated by slowing down all the others. The run entry attaches the plan to the trainer
+(attach.py): before each step it sets the pipeline runtime's `stretch` to this rank's factor.
 """
 
 from __future__ import annotations

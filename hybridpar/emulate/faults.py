@@ -22,7 +22,9 @@ p2p (posting or waiting for a pipeline message), all-reduce (the data-parallel g
 optimizer (before AdamW steps), step-end, validate, and the phases of a checkpoint write: ckpt-write
 (before this rank's shards are written), ckpt-barrier (written, not yet agreed), ckpt-manifest (rank 0:
 trainer state written, manifest not), ckpt-rename (manifest written, not committed), ckpt-done
-(committed, older ones not yet pruned).
+(committed, older ones not yet pruned). The run entry builds the `Injector` (attach.py) and hands it to the
+resilience session, whose probe (resilience/probe.py) calls `check` at each of these phases: the trainer and
+the session never import this module.
 
 Each fault fires once per run directory: before acting, the rank appends it to `<run_dir>/chaos.jsonl`
 (fsynced), and a restarted worker skips faults listed there — otherwise a resumed run would meet the same

@@ -1,0 +1,62 @@
+"""How a run enters emulation: the run entry (run/train.py) asks here for what the `[emulate]` keys turn
+on and hands it over, so the trainer and the resilience session hold no emulation code of their own.
+
+- `emulated_devices`: an attachment for `Trainer.attach` (slow ranks, `emulate.slowdown`; fixed layer
+  costs, `emulate.layer_ms`). `attach` re-applies it when a layout change rebuilds the trainer's pieces.
+- `fault_injector`: the injector of `emulate.fault`, for the resilience session's probe, which fires it at
+  each phase (resilience/probe.py).
+
+Both do nothing when their keys are off, the default. `emulate.memory_limit` is not here: it is a limit of
+the activation meter, which counts those bytes anyway (pipeline/activation_meter.py).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+from hybridpar.config import Config
+from hybridpar.emulate.faults import Injector, parse_faults
+from hybridpar.emulate.layer_cost import attach_layer_cost
+from hybridpar.emulate.slowdown import SlowdownPlan
+from hybridpar.topology.mesh import Topology
+from hybridpar.trainer.step import Attachment, Trainer
+
+
+def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
+    """The trainer attachment of `emulate.slowdown` and `emulate.layer_ms` (ValueError naming the key for
+    a bad slowdown spec)."""
+    plan = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
+    layer_ms = cfg.emulate.layer_ms
+
+    def attach(trainer: Trainer) -> Callable[[], None]:
+        undo = [attach_layer_cost(stage, layer_ms) for stage in trainer.stages.values()]
+        if plan:
+            undo.append(_stretch_steps(trainer, plan))
+
+        def detach() -> None:
+            for u in undo:
+                u()
+
+        return detach
+
+    return attach
+
+
+def _stretch_steps(trainer: Trainer, plan: SlowdownPlan) -> Callable[[], None]:
+    """Before each step, set the runtime's stretch to this rank's factor at that step (the runtime sleeps
+    `stretch - 1` times each compute action's own time); returns the function that stops it."""
+    step, rank = trainer.step, trainer.topo.rank
+
+    def stretched(s: int) -> dict[str, Any]:
+        trainer.runtime.stretch = plan.factor(rank, s)
+        return step(s)
+
+    setattr(trainer, "step", stretched)  # on this instance only: deleting it uncovers the class's method
+    return lambda: delattr(trainer, "step")
+
+
+def fault_injector(cfg: Config, topo: Topology, ck_dir: Path) -> Injector | None:
+    """This rank's injector of `emulate.fault` (ValueError naming the entry), None when no fault is given."""
+    faults = parse_faults(cfg.emulate.fault, topo.dims.world_size)
+    return Injector(faults, topo.rank, Path(cfg.run_dir), ck_dir) if faults else None
