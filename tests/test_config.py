@@ -158,6 +158,16 @@ def test_unknown_schedule_suggests_the_closest() -> None:
     )
 
 
+def test_schedule_rules_run_above_config() -> None:
+    # config/ sits below the schedule registry: Config.validate leaves the schedule to validate_config,
+    # which the pre-flight check runs before any process starts.
+    cfg = make(parallel__schedule="1f1", parallel__pp=4, train__microbatches=2)
+    cfg.validate(8)
+    invalid(cfg, "parallel.schedule='1f1' is not one of", 8)
+    make(parallel__pp=4, train__microbatches=2).validate(8)
+    invalid(make(parallel__pp=4, train__microbatches=2), "parallel.schedule=1f1b needs train.microbatches", 8)
+
+
 def test_unknown_partition_and_backend() -> None:
     invalid(
         make(parallel__partition="costs"),

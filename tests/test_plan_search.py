@@ -114,3 +114,6 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert err.startswith("hybridpar plan: cannot read hardware file") and "\n" not in err
     assert main(["--hardware", str(f), "--model.dim", "102"]) == 2  # dim not divisible by heads
     assert "model.dim=102 is not divisible by model.n_heads=4" in capsys.readouterr().err
+    # The schedule's rules (above config/) run too, before anything is planned.
+    assert main(["--hardware", str(f), "--parallel.schedule", "zb_v"]) == 2
+    assert "parallel.schedule='zb_v' is not one of gpipe, 1f1b" in capsys.readouterr().err

@@ -6,6 +6,7 @@ and nothing outside the registry compares a schedule's name."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
@@ -155,3 +156,19 @@ def test_no_schedule_name_is_compared_outside_the_registry() -> None:
     }
     assert found == {}
     assert _compared_names(ast.parse("if s == '1f1b' or s in ('gpipe', 'x'): pass"), names) == [1, 1]  # it can fail
+
+
+def test_every_schedule_file_is_registered_and_holds_its_own_builder() -> None:
+    # A schedule is one file of the package defining SPEC, and one line of REGISTERED: a file left out of
+    # the list, or a spec whose builder lives in another schedule's file, fails here.
+    package = Path(hybridpar.__file__).parent / "pipeline" / "schedules"
+    with_spec = sorted(p.stem for p in package.glob("*.py") if "\nSPEC = " in p.read_text(encoding="utf-8"))
+    assert sorted(spec.builder.__module__.rsplit(".", 1)[1] for spec in REGISTERED) == with_spec
+    for spec in REGISTERED:
+        assert importlib.import_module(spec.builder.__module__).SPEC is spec, spec.name
+
+
+def test_the_pipeline_resolves_nothing_by_name() -> None:
+    # Specs hold their builder as a function: no dotted "module:function" names, no import by name.
+    root = Path(hybridpar.__file__).parent / "pipeline"
+    assert [p for p in root.rglob("*.py") if "import_module" in p.read_text(encoding="utf-8")] == []
