@@ -12,7 +12,7 @@ import pytest
 
 import hybridpar.config as config_module
 from hybridpar.config import Config, TrainConfig, help_text, load_toml, parse_args
-from hybridpar.pipeline.schedules import stage_count, stages_per_rank
+from hybridpar.pipeline.schedules import schedule_names, stage_count, stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
 
 
@@ -152,10 +152,10 @@ def test_range_edges_that_are_allowed() -> None:
 
 
 def test_unknown_schedule_suggests_the_closest() -> None:
-    invalid(
-        make(parallel__schedule="1f1"),
-        "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v (did you mean '1f1b'?)",
-    )
+    # Every registered name, in the registry's order (a schedule added there joins the list).
+    names = ", ".join(schedule_names())
+    assert names.startswith("gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v")
+    invalid(make(parallel__schedule="1f1"), f"parallel.schedule='1f1' is not one of {names} (did you mean '1f1b'?)")
 
 
 def test_schedule_rules_run_above_config() -> None:
