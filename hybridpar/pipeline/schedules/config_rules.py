@@ -43,7 +43,7 @@ def _require(ok: bool, message: str) -> None:
 def _check_name(cfg: Config) -> None:
     # Worded as Config.validate words a value outside a key's choices: the names are this registry's.
     v, names = cfg.parallel.schedule, schedule_names()
-    _require(v in SCHEDULES, f"parallel.schedule={v!r} is not one of {', '.join(names)}{_suggest(str(v), names)}")
+    _require(v in names, f"parallel.schedule={v!r} is not one of {', '.join(names)}{_suggest(str(v), names)}")
 
 
 def _check_balance(cfg: Config) -> None:
