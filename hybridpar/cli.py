@@ -355,7 +355,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if cmd == "train":
         if any(a in ("-h", "--help") for a in rest):
-            print(USAGE + "\n" + help_text())
+            from hybridpar.pipeline.schedules.registry import schedules_help
+
+            print(USAGE + "\n" + help_text() + "\n\n" + schedules_help())
             return 0
         return launch_train(rest)
     if cmd == "serve":

@@ -15,6 +15,7 @@ import pytest
 
 from hybridpar import cli
 from hybridpar.config import Config, parse_args
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.hardware import load_hardware, parse_hardware
 from hybridpar.plan.launch import (
     PLAN_FILE,
@@ -84,7 +85,7 @@ def test_given_keys_are_held_and_precision_kept_unless_asked(tmp_path: Path) -> 
     assert ap.cfg.parallel.tp == 1 and ap.cfg.train.precision == "fp32"  # bf16 is faster here, but not asked
     assert all(c.cfg.parallel.tp == 1 and c.cfg.train.precision == "fp32" for c in ap.result.candidates)
     assert ap.cfg.parallel.world_size == 4
-    ap.cfg.validate(world_size=4)
+    validate_config(ap.cfg, world_size=4)
     cfg.parallel.auto_precision = True  # now the planner may choose it, and bf16's peak is twice fp32's here
     assert auto_plan(cfg, given, 4).cfg.train.precision == "bf16"
 
@@ -136,7 +137,7 @@ def test_heterogeneous_devices_start_with_uneven_stages_and_replica_shares(tmp_p
     assert [(r.start, r.stop) for r in layer_partition(ap.cfg)] == list(ap.result.candidates[0].prediction.parts)
     shares = p.replica_batch
     assert sum(shares) == 32 and shares[1] > shares[0]  # the replica without the slow device takes more
-    ap.cfg.validate(world_size=4)
+    validate_config(ap.cfg, world_size=4)
     # Equal speeds: the even split and the runtime's own partition (nothing to write down).
     even = auto_plan(parse_args(["--parallel.hardware", _hw(tmp_path), "--parallel.auto", "true"]), set(), 4).cfg
     assert even.parallel.replica_batch is None and even.parallel.partition == "params"
@@ -243,7 +244,7 @@ def test_an_elastic_launch_plans_for_its_largest_world() -> None:
 )
 def test_bad_planner_keys_are_refused(argv: list[str], match: str) -> None:
     with pytest.raises(ValueError, match=re.escape(match)):
-        parse_args(argv).validate()
+        validate_config(parse_args(argv))
 
 
 def _losses(run_dir: Path) -> list[float]:
@@ -291,7 +292,7 @@ def test_uneven_stages_and_replica_shares_train_the_one_device_model(tmp_path: P
     layout = dict(tp=1, pp=2, dp=2, partition="layers", stage_layers=[6, 2], replica_batch=[7, 4])
     cfgs = [tiny_config(parallel={**layout, "schedule": s}) for s in ("1f1b", "gpipe")]
     for cfg in cfgs:
-        cfg.validate(world_size=4)
+        validate_config(cfg, world_size=4)
     check_layouts(cfgs, tmp_path)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 
 from hybridpar.config import Config, parse_args
+from hybridpar.pipeline.schedules.config_rules import validate_config
 
 
 def test_defaults_and_cli() -> None:
@@ -14,7 +15,7 @@ def test_defaults_and_cli() -> None:
     assert (b.weight_memory, b.weight_compute, b.weight_network) == (0.4, 0.4, 0.2)
     cfg = parse_args(["--balance.mode", "auto", "--balance.interval", "7", "--parallel.tp", "1"])
     assert cfg.balance.mode == "auto" and cfg.balance.interval == 7
-    cfg.validate(world_size=2)
+    validate_config(cfg, world_size=2)
 
 
 @pytest.mark.parametrize(
@@ -35,7 +36,7 @@ def test_bad_values(over: dict, fragment: str) -> None:
     for k, v in over.items():
         setattr(cfg.balance, k, v)
     with pytest.raises(ValueError) as e:
-        cfg.validate()
+        validate_config(cfg)
     assert fragment in str(e.value)
 
 
@@ -44,16 +45,16 @@ def test_layouts_refused_before_launch() -> None:
     cfg.balance.mode = "auto"
     cfg.parallel.schedule = "zb-h1"
     with pytest.raises(ValueError, match="re-partitions pipeline stages for parallel.schedule gpipe or 1f1b"):
-        cfg.validate()
+        validate_config(cfg)
     cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.dp = "1f1b", 1, 2
     cfg.train.microbatch_sizes = [2, 2, 2, 2]
     with pytest.raises(ValueError, match="drop them"):
-        cfg.validate()
+        validate_config(cfg)
     cfg.balance.mode = "off"  # off: anything goes
-    cfg.validate()
+    validate_config(cfg)
     with pytest.raises(ValueError, match="emulate.layer_ms must be >= 0"):
         cfg.emulate.layer_ms = -1.0
-        cfg.validate()
+        validate_config(cfg)
 
 
 def test_bench_scenarios_are_valid_configs() -> None:
@@ -62,7 +63,7 @@ def test_bench_scenarios_are_valid_configs() -> None:
     for name in SCENARIOS:
         for mode in ("emulated", "compute"):
             cfg = scenario_config(name, mode, 1.0, 40, True, "auto")
-            cfg.validate(world_size=4)
+            validate_config(cfg, world_size=4)
             assert cfg.model.n_layers == 24 and cfg.emulate.slowdown == "rank=2:2.0@step=10"
             assert cfg.emulate.layer_ms == (1.0 if mode == "emulated" else 0.0)
     assert parse_args([]).clean_steps == 200

@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import Config, parse_args
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.resilience.checkpoint import (
     MANIFEST,
     STATE,
@@ -183,7 +184,7 @@ def test_commit_sets_another_runs_step_aside(tmp_path: Path) -> None:
 def test_checkpoint_config(tmp_path: Path) -> None:
     cfg = parse_args(["--checkpoint.every", "5", "--checkpoint.resume", "auto", "--checkpoint.dir", str(tmp_path)])
     assert (cfg.checkpoint.every, cfg.checkpoint.keep, cfg.checkpoint.resume) == (5, 3, "auto")
-    cfg.validate()
+    validate_config(cfg)
     assert parse_args(["--resume", str(tmp_path)]).checkpoint.resume == str(tmp_path)  # the short alias
     assert Config.from_dict(cfg.to_dict()).checkpoint == cfg.checkpoint
     for flags, message in [
@@ -193,7 +194,7 @@ def test_checkpoint_config(tmp_path: Path) -> None:
         (["--checkpoint.resume", "latest"], "must be 'off', 'auto' or an existing"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            parse_args(flags).validate()
+            validate_config(parse_args(flags))
 
 
 # ---- multi-process: kill, resume, corruption -------------------------------------------------------------------

@@ -36,6 +36,7 @@ def no_launch(monkeypatch):
         (["--nproc-per-node", "3"], "= 4, but 3 processes"),
         (["--parallel.pp", "4", "--model.n_layers", "2"], "model.n_layers=2"),
         (["--train.microbatches", "1"], "needs train.microbatches"),
+        (["--parallel.schedule", "zb_v"], "parallel.schedule='zb_v' is not one of gpipe, 1f1b"),
         (["--train.global_batch", "2", "--train.microbatches", "4", "--parallel.schedule", "gpipe"], "exceeds"),
         (["--train.seq_len", "0"], "train.seq_len"),
         (["--emulate.slowdown", "rank=7:2.0@step=1"], "emulate.slowdown='rank=7:2.0@step=1': slowdown names rank"),
@@ -195,6 +196,17 @@ def test_bare_command_prints_help_and_starts_nothing(capsys, monkeypatch) -> Non
     monkeypatch.setattr(cli, "launch_train", lambda rest: pytest.fail("a bare `hybridpar` launched a run"))
     assert cli.main([]) == 0
     assert capsys.readouterr().out.startswith("usage: hybridpar [--version] [--help]")
+
+
+def test_train_help_lists_every_schedule(capsys, monkeypatch) -> None:
+    # The config's help names no schedule (config/ sits below the registry); the CLI adds the registry's.
+    from hybridpar.pipeline.schedules import SCHEDULES
+
+    monkeypatch.setattr(cli, "launch_train", lambda rest: pytest.fail("`hybridpar train --help` launched a run"))
+    assert cli.main(["train", "--help"]) == 0
+    tail = capsys.readouterr().out.split("pipeline schedules (--parallel.schedule NAME):")[1]
+    for spec in SCHEDULES.values():
+        assert f"  {spec.name} " in tail and spec.summary in tail
 
 
 def test_version(capsys) -> None:

@@ -12,6 +12,8 @@ import pytest
 
 import hybridpar.config as config_module
 from hybridpar.config import Config, TrainConfig, help_text, load_toml, parse_args
+from hybridpar.pipeline.schedules import schedule_names, stage_count, stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 
 
 def make(**dotted: Any) -> Config:
@@ -24,9 +26,10 @@ def make(**dotted: Any) -> Config:
 
 
 def invalid(cfg: Config, message: str, world_size: int | None = None) -> None:
-    """Assert validate() fails with a message containing `message` literally."""
+    """Assert the pre-flight's validation (Config.validate, then the schedule registry's rules) fails with a
+    message containing `message` literally."""
     with pytest.raises(ValueError, match=re.escape(message)):
-        cfg.validate(world_size)
+        validate_config(cfg, world_size)
 
 
 # ---- defaults and derived values -------------------------------------------------------------------------------
@@ -34,14 +37,14 @@ def invalid(cfg: Config, message: str, world_size: int | None = None) -> None:
 
 def test_defaults_validate_for_four_processes() -> None:
     cfg = Config()
-    cfg.validate(world_size=4)
-    cfg.validate()
+    validate_config(cfg, world_size=4)
+    validate_config(cfg)
     assert cfg.parallel.world_size == 4
-    assert cfg.parallel.n_stages == 2
+    assert stage_count(cfg.parallel) == 2
     assert cfg.model.head_dim == 32
     assert cfg.model.kv_heads == 4
     assert make(model__n_kv_heads=2).model.kv_heads == 2
-    assert make(parallel__pp=3, parallel__virtual_stages=2).parallel.n_stages == 6
+    assert stage_count(make(parallel__pp=3, parallel__virtual_stages=2).parallel) == 6
 
 
 def test_sections_are_independent_and_mutable() -> None:
@@ -96,7 +99,7 @@ def test_counts_must_be_positive(key: str, bad: int) -> None:
     # n_kv_heads and n_positions may also be None, and their message says so.
     pattern = re.escape(key.replace("__", ".")) + rf" must be a positive integer( or none)?, got {bad}"
     with pytest.raises(ValueError, match=pattern):
-        make(**{key: bad}).validate()
+        validate_config(make(**{key: bad}))
 
 
 def test_count_rejects_non_integers() -> None:
@@ -109,7 +112,7 @@ def test_count_rejects_non_integers() -> None:
 )
 def test_non_negative_ints(key: str) -> None:
     invalid(make(**{key: -1}), f"{key.replace('__', '.')} must be a non-negative integer, got -1")
-    make(**{key: 0}).validate(4)  # zero is the documented "disable"/"no lookahead" value
+    validate_config(make(**{key: 0}), 4)  # zero is the documented "disable"/"no lookahead" value
 
 
 @pytest.mark.parametrize(
@@ -141,18 +144,28 @@ def test_float_ranges(dotted: dict[str, Any], message: str) -> None:
 
 
 def test_range_edges_that_are_allowed() -> None:
-    make(train__min_lr=0.0, train__grad_clip=0.0, train__beta1=0.0).validate(4)
-    make(train__min_lr=3e-3).validate(4)  # min_lr == lr: a constant schedule
+    validate_config(make(train__min_lr=0.0, train__grad_clip=0.0, train__beta1=0.0), 4)
+    validate_config(make(train__min_lr=3e-3), 4)  # min_lr == lr: a constant schedule
 
 
 # ---- validate: choices and world size ---------------------------------------------------------------------------
 
 
 def test_unknown_schedule_suggests_the_closest() -> None:
-    invalid(
-        make(parallel__schedule="1f1"),
-        "parallel.schedule='1f1' is not one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v (did you mean '1f1b'?)",
-    )
+    # Every registered name, in the registry's order (a schedule added there joins the list).
+    names = ", ".join(schedule_names())
+    assert names.startswith("gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v")
+    invalid(make(parallel__schedule="1f1"), f"parallel.schedule='1f1' is not one of {names} (did you mean '1f1b'?)")
+
+
+def test_schedule_rules_run_above_config() -> None:
+    # config/ sits below the schedule registry: Config.validate leaves the schedule to validate_config,
+    # which the pre-flight check runs before any process starts.
+    cfg = make(parallel__schedule="1f1", parallel__pp=4, train__microbatches=2)
+    cfg.validate(8)
+    invalid(cfg, "parallel.schedule='1f1' is not one of", 8)
+    make(parallel__pp=4, train__microbatches=2).validate(8)
+    invalid(make(parallel__pp=4, train__microbatches=2), "parallel.schedule=1f1b needs train.microbatches", 8)
 
 
 def test_unknown_partition_and_backend() -> None:
@@ -161,7 +174,7 @@ def test_unknown_partition_and_backend() -> None:
         "parallel.partition='costs' is not one of uniform, params, cost, layers " "(did you mean 'cost'?)",
     )
     with pytest.raises(ValueError, match=r"parallel.backend='mpi' is not one of auto, gloo, nccl$"):
-        make(parallel__backend="mpi").validate()
+        validate_config(make(parallel__backend="mpi"))
 
 
 def test_p2p_transport_is_a_choice_and_shared_memory_needs_cpu() -> None:
@@ -171,7 +184,7 @@ def test_p2p_transport_is_a_choice_and_shared_memory_needs_cpu() -> None:
         "parallel.p2p=shared_memory carries CPU tensors, but parallel.backend=nccl runs on GPUs: "
         "use parallel.p2p=auto or process_group",
     )
-    make(parallel__p2p="shared_memory", parallel__backend="gloo").validate(4)
+    validate_config(make(parallel__p2p="shared_memory", parallel__backend="gloo"), 4)
 
 
 def test_world_size_mismatch_names_the_layout() -> None:
@@ -181,7 +194,7 @@ def test_world_size_mismatch_names_the_layout() -> None:
         "start 4 processes or change the layout",
         world_size=3,
     )
-    make(parallel__dp=2).validate(world_size=8)
+    validate_config(make(parallel__dp=2), world_size=8)
 
 
 # ---- validate: model shape --------------------------------------------------------------------------------------
@@ -245,16 +258,16 @@ def test_family_defaults() -> None:
         model__vocab_size=258,
         parallel__tp=3,
     )
-    gpt2.validate(6)  # no rotary embeddings, so an odd head size (33) is fine
+    validate_config(gpt2, 6)  # no rotary embeddings, so an odd head size (33) is fine
     assert gpt2.model.tied and gpt2.model.max_positions == 1024 and not Config().model.tied
     assert Config().model.max_positions is None
     assert make(model__family="gpt2", model__tie_embeddings=False).model.tied is False
-    make(model__family="gpt2", model__n_kv_heads=4).validate(4)  # n_kv_heads = n_heads is no GQA: accepted
+    validate_config(make(model__family="gpt2", model__n_kv_heads=4), 4)  # n_kv_heads = n_heads is no GQA: accepted
 
 
 def test_grouped_query_attention_and_tied_embeddings_are_fine() -> None:
-    make(model__n_kv_heads=2, model__tie_embeddings=True).validate(4)
-    make(model__tie_embeddings=True, parallel__pp=4, parallel__tp=1).validate(4)
+    validate_config(make(model__n_kv_heads=2, model__tie_embeddings=True), 4)
+    validate_config(make(model__tie_embeddings=True, parallel__pp=4, parallel__tp=1), 4)
 
 
 # ---- validate: pipeline stages and schedules --------------------------------------------------------------------
@@ -274,15 +287,15 @@ def test_virtual_stages_need_interleaving() -> None:
         "parallel.virtual_stages=2: set parallel.virtual_stages=1 (the default) or "
         "parallel.schedule=interleaved-1f1b",
     )
-    make(parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b").validate(4)
+    validate_config(make(parallel__virtual_stages=2, parallel__schedule="interleaved-1f1b"), 4)
 
 
 def test_virtual_stages_default_to_the_schedules_own() -> None:
-    assert make().parallel.virtual_stages is None and make().parallel.n_stages == 2  # 1F1B: one per rank
+    assert make().parallel.virtual_stages is None and stage_count(make().parallel) == 2  # 1F1B: one per rank
     interleaved = make(parallel__schedule="interleaved-1f1b")
-    assert interleaved.parallel.chunks == 2 and interleaved.parallel.n_stages == 4
-    interleaved.validate(4)
-    assert make(parallel__schedule="interleaved-1f1b", parallel__virtual_stages=3).parallel.n_stages == 6
+    assert stages_per_rank(interleaved.parallel) == 2 and stage_count(interleaved.parallel) == 4
+    validate_config(interleaved, 4)
+    assert stage_count(make(parallel__schedule="interleaved-1f1b", parallel__virtual_stages=3).parallel) == 6
 
 
 def test_interleaving_needs_two_pipeline_ranks() -> None:
@@ -301,7 +314,7 @@ def test_1f1b_needs_a_microbatch_per_pipeline_rank() -> None:
         make(parallel__pp=4, train__microbatches=2, parallel__schedule="interleaved-1f1b", parallel__virtual_stages=1),
         "parallel.schedule=interleaved-1f1b needs train.microbatches ≥ parallel.pp=4, got 2",
     )
-    make(parallel__pp=4, train__microbatches=1, parallel__schedule="gpipe").validate(8)
+    validate_config(make(parallel__pp=4, train__microbatches=1, parallel__schedule="gpipe"), 8)
 
 
 def test_interleaving_needs_microbatches_divisible_by_pp() -> None:
@@ -324,7 +337,7 @@ def test_microbatches_cannot_exceed_the_replica_batch() -> None:
         "train.microbatches=8 exceeds the 5 samples per data-parallel replica "
         "(train.global_batch=10 over parallel.dp=2)",
     )
-    make(train__global_batch=11, parallel__dp=2, train__microbatches=5).validate(8)  # replicas get 6 and 5
+    validate_config(make(train__global_batch=11, parallel__dp=2, train__microbatches=5), 8)  # replicas get 6 and 5
 
 
 @pytest.mark.parametrize(
@@ -348,8 +361,8 @@ def test_explicit_microbatch_sizes(dotted: dict[str, Any], message: str) -> None
 
 
 def test_unequal_microbatch_sizes_are_allowed() -> None:
-    make(train__microbatch_sizes=[7, 5, 3, 1]).validate(4)
-    make(parallel__dp=2, train__microbatch_sizes=[3, 2, 2, 1]).validate(8)
+    validate_config(make(train__microbatch_sizes=[7, 5, 3, 1]), 4)
+    validate_config(make(parallel__dp=2, train__microbatch_sizes=[3, 2, 2, 1]), 8)
 
 
 # ---- validate: partition ------------------------------------------------------------------------------------------
@@ -378,7 +391,7 @@ def test_cost_partition_rules(dotted: dict[str, Any], message: str) -> None:
 
 
 def test_cost_partition_with_costs_validates() -> None:
-    make(parallel__partition="cost", parallel__layer_costs=[3.0, 3.0, 2.0, 2.0]).validate(4)
+    validate_config(make(parallel__partition="cost", parallel__layer_costs=[3.0, 3.0, 2.0, 2.0]), 4)
 
 
 # ---- to_dict / from_dict ------------------------------------------------------------------------------------------
@@ -509,7 +522,7 @@ def test_toml_file_loads_into_config(tmp_path: Path) -> None:
     assert cfg.parallel.layer_costs == [3.0, 3.0, 2.0, 2.0, 1.0, 1.0, 1.0, 1.0]
     assert cfg.train.lr == 1e-3 and cfg.train.microbatch_sizes == [4, 4, 4, 4]
     assert cfg.train.sample_prompt == "import " and cfg.data.path == "corpus.bin"
-    cfg.validate(world_size=4)
+    validate_config(cfg, world_size=4)
 
 
 def test_toml_missing_and_malformed_files_name_the_path(tmp_path: Path) -> None:
@@ -666,7 +679,7 @@ def test_parse_args_does_not_validate() -> None:
     cfg = parse_args(["--train.seq_len", "0"])
     assert cfg.train.seq_len == 0
     with pytest.raises(ValueError, match="train.seq_len must be a positive integer, got 0"):
-        cfg.validate()
+        validate_config(cfg)
 
 
 # ---- help ---------------------------------------------------------------------------------------------------------
@@ -681,7 +694,9 @@ def test_help_lists_every_flag_with_type_and_default() -> None:
                 assert f"--{section}.{key} <" in text
     assert "--config <file>" in text and "--run-dir <str>" in text
     line = next(ln for ln in text.splitlines() if "--parallel.schedule" in ln)
-    assert "<str>" in line and "default: '1f1b'" in line and "gpipe, 1f1b, interleaved-1f1b, zb-h1" in line
+    # The names are the schedule registry's, above config/: `hybridpar train --help` lists them after
+    # the flags (tests/test_cli.py).
+    assert "<str>" in line and "default: '1f1b'" in line and "hybridpar/pipeline/schedules/registry.py" in line
     line = next(ln for ln in text.splitlines() if "--model.n_kv_heads" in ln)
     assert "<int or none>" in line and "default: none" in line and "grouped-query" in line
     line = next(ln for ln in text.splitlines() if "--parallel.layer_costs" in ln)
@@ -739,6 +754,6 @@ def test_batching_rules(dotted: dict[str, Any], message: str) -> None:
 
 def test_microbatch_size_gives_the_count() -> None:
     cfg = make(batching__microbatch_size=3)  # 16 samples by at most 3: 6 microbatches
-    cfg.validate(4)
+    validate_config(cfg, 4)
     assert cfg.microbatch_count() == 6
     assert make(batching__policy="adaptive", batching__memory_budget=0.5).microbatch_count() is None

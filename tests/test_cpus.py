@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.cpus import bind_local_rank, share_of, stage_major_position
 from hybridpar.topology.spawn import run_ranks
 
@@ -91,5 +92,5 @@ def test_config_names_the_bindings():
     assert parse_args([]).parallel.cpu_bind == "none"
     assert parse_args(["--parallel.cpu_bind", "cores"]).parallel.cpu_bind == "cores"
     with pytest.raises((ValueError, SystemExit)) as e:
-        parse_args(["--parallel.cpu_bind", "numa"]).validate(world_size=4)
+        validate_config(parse_args(["--parallel.cpu_bind", "numa"]), world_size=4)
     assert "cpu_bind" in str(e.value) and "cores" in str(e.value)

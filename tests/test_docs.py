@@ -15,6 +15,7 @@ import pytest
 
 from hybridpar.config import parse_args
 from hybridpar.config.reference_doc import COMMAND, render
+from hybridpar.pipeline.schedules.config_rules import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -67,7 +68,7 @@ def check_hybridpar(args: list[str]) -> None:
         cfg = parse_args(ours)
         if cfg.model.init_from is None:  # else the shape is the model directory's, read at launch
             nproc = next((int(v) for k, v in zip(theirs, theirs[1:]) if k == "--nproc-per-node"), None)
-            cfg.validate(nproc or cfg.parallel.world_size)
+            validate_config(cfg, nproc or cfg.parallel.world_size)
     elif sub == "serve":
         from hybridpar.serve.config import parse_serve_args
 

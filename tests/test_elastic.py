@@ -11,6 +11,8 @@ import pytest
 
 from hybridpar.config import Config, parse_args
 from hybridpar.emulate.faults import Fault, Injector, fired_ids, parse_faults
+from hybridpar.pipeline.schedules import stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.resilience.elastic import layout_for_world, replan, resume_mode
 from hybridpar.resilience.session import add_step, ledger_stats
 from hybridpar.resilience.watchdog import RankView, judge
@@ -18,7 +20,7 @@ from hybridpar.resilience.watchdog import RankView, judge
 
 def _layout(cfg: Config) -> tuple:
     p = cfg.parallel
-    return p.tp, p.pp, p.dp, p.schedule, p.chunks, cfg.train.microbatches  # chunks: stages per rank
+    return p.tp, p.pp, p.dp, p.schedule, stages_per_rank(p), cfg.train.microbatches  # chunks: stages per rank
 
 
 def test_replan_policy_keeps_tp_then_pp() -> None:
@@ -110,7 +112,7 @@ def test_restart_resumes_and_fresh_run_is_unchanged() -> None:
 
 
 def test_resilience_config_validation() -> None:
-    Config().validate()
+    validate_config(Config())
     for flags, message in [
         (
             ["--resilience.hang_timeout_s", "1", "--resilience.heartbeat_s", "1"],
@@ -123,8 +125,8 @@ def test_resilience_config_validation() -> None:
         (["--resilience.replan", "maybe"], "resilience.replan='maybe' is not one of auto, off"),
     ]:
         with pytest.raises(ValueError, match=re.escape(message)):
-            parse_args(flags).validate()
-    parse_args(["--resilience.hang_timeout_s", "0"]).validate()  # 0 disables the watchdog
+            validate_config(parse_args(flags))
+    validate_config(parse_args(["--resilience.hang_timeout_s", "0"]))  # 0 disables the watchdog
 
 
 def test_sample_ledger() -> None:

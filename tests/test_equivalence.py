@@ -13,9 +13,9 @@ import pytest
 import torch
 
 from hybridpar.config import Config, ModelConfig
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.model.reference import TOL, Yardstick, gpt2_config, odd_config, reference, tiny_config, yardstick
 from hybridpar.model.registry import build_full_model
+from hybridpar.pipeline.schedules import schedule_spec, stages_per_rank
 from hybridpar.topology.spawn import run_ranks
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
@@ -129,7 +129,7 @@ def check_results(cfgs: list[Config], results: list, out: Path, first: int = 0) 
     for i, cfg in enumerate(cfgs):
         ref_losses, ref_val, ref_state = ref_for(cfg)
         p = cfg.parallel
-        label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={p.chunks} m={cfg.train.microbatches}"
+        label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={stages_per_rank(p)} m={cfg.train.microbatches}"
         losses, val = results[i]
         assert len(losses) == len(ref_losses) and len(val) == len(ref_val) == 2
         for (s, a), (_, b) in zip(val, ref_val):

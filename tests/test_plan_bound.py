@@ -11,6 +11,8 @@ import dataclasses
 import pytest
 
 from hybridpar.config import Config
+from hybridpar.pipeline.schedules import stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.bound import compute_shape, step_bound
 from hybridpar.plan.cost import predict
 from hybridpar.plan.hardware import parse_hardware
@@ -56,7 +58,7 @@ def layouts(base: Config, h, world: int) -> list[Config]:
     for k in _knobs(base, h, world, h.precisions()):
         cfg = _config(base, k)
         try:
-            cfg.validate(world)
+            validate_config(cfg, world)
         except ValueError:
             continue
         out.append((k, cfg))
@@ -72,7 +74,7 @@ def test_bounds_never_exceed_the_prediction(name: str, world: int) -> None:
     for k, cfg in layouts(base, h, world)[::3]:  # every third: the grid stays quick
         step = predict(planner.model, cfg, planner.actions).step_s
         p = cfg.parallel
-        shape = compute_shape(planner.compute(p.schedule, p.pp, p.chunks, cfg.train.microbatches))
+        shape = compute_shape(planner.compute(p.schedule, p.pp, stages_per_rank(p), cfg.train.microbatches))
         assert planner.bound(k) <= step * (1 + 1e-9), (name, k)
         assert step_bound(planner.model, cfg, shape) <= step * (1 + 1e-9), (name, k)
         checked += 1
@@ -91,7 +93,7 @@ def test_step_bound_is_the_step_where_the_critical_path_is() -> None:
         ),
     )
     cfg.model.vocab_size = 8  # the first and last stage's extras small
-    cfg.validate(4)
+    validate_config(cfg, 4)
     planner = Planner(cfg, h, lambda c: [Est(0)] * 4)
     step = predict(planner.model, cfg, planner.actions)
     bound = planner.step_bound(cfg)

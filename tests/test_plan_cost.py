@@ -6,6 +6,7 @@ import pytest
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.simulate import CoreSharing, Costs, simulate
 from hybridpar.plan.cost import CostModel, Shape, all_gather_s, all_reduce_s, placement, predict, stage_costs
 from hybridpar.plan.hardware import parse_hardware
@@ -33,7 +34,7 @@ def cfg_of(tp=1, pp=1, dp=1, schedule="1f1b", m=4, **train) -> Config:
     cfg.train.microbatches = m
     for k, v in train.items():
         setattr(cfg.train, k, v)
-    cfg.validate(tp * pp * dp)
+    validate_config(cfg, tp * pp * dp)
     return cfg
 
 

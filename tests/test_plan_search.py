@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import Config
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.cost import placement
 from hybridpar.plan.hardware import parse_hardware
 from hybridpar.plan.main import main, run
@@ -61,7 +62,7 @@ def test_every_returned_layout_is_valid_and_ranked() -> None:
     times = [c.prediction.step_s for c in got]
     assert times == sorted(times)
     for c in got:
-        c.cfg.validate(4)
+        validate_config(c.cfg, 4)
         assert c.cfg.train.precision == "fp32"  # the hardware has no bf16
         assert c.tokens_per_s == pytest.approx(16 * 128 / c.prediction.step_s) and 0 < c.mfu < 1
         assert c.reason and 0 <= c.prediction.bubble < 1
@@ -113,3 +114,6 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     assert err.startswith("hybridpar plan: cannot read hardware file") and "\n" not in err
     assert main(["--hardware", str(f), "--model.dim", "102"]) == 2  # dim not divisible by heads
     assert "model.dim=102 is not divisible by model.n_heads=4" in capsys.readouterr().err
+    # The schedule's rules (above config/) run too, before anything is planned.
+    assert main(["--hardware", str(f), "--parallel.schedule", "zb_v"]) == 2
+    assert "parallel.schedule='zb_v' is not one of gpipe, 1f1b" in capsys.readouterr().err

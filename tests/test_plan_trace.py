@@ -8,8 +8,7 @@ import itertools
 import pytest
 
 from hybridpar.config import Config
-from hybridpar.config.schedules import SCHEDULES
-from hybridpar.pipeline.schedules import Op, add_communication, compute_schedule
+from hybridpar.pipeline.schedules import SCHEDULES, Op, add_communication, compute_schedule
 from hybridpar.plan.memory_model import F32, activation_peaks, ends_saved, layer_saved, step_saved, weight_held
 from hybridpar.plan.trace import activation_trace
 

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from hybridpar.config import Config, parse_args
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from tests.test_equivalence import TOL, ref_for, tiny_config
 
 
@@ -23,12 +24,12 @@ from tests.test_equivalence import TOL, ref_for, tiny_config
 )
 def test_bad_profile_steps_are_refused(value: str, message: str) -> None:
     with pytest.raises(ValueError, match=message.replace("(", r"\(")):
-        parse_args(["--train.steps", "8", "--profile.steps", value]).validate()
+        validate_config(parse_args(["--train.steps", "8", "--profile.steps", value]))
 
 
 def test_trace_steps_are_checked_too() -> None:
     with pytest.raises(ValueError, match="profile.trace_steps='2-' must be a step"):
-        parse_args(["--profile.trace_steps", "2-"]).validate()
+        validate_config(parse_args(["--profile.trace_steps", "2-"]))
 
 
 def _worker(cfg_dict: dict) -> list[float]:
@@ -60,7 +61,7 @@ def test_profiled_steps_give_chrome_traces_with_our_action_ranges(tmp_path: Path
 
 def test_memory_snapshot_needs_profiled_steps() -> None:
     with pytest.raises(ValueError, match="profile.memory records the allocator over profile.steps, which is empty"):
-        parse_args(["--profile.memory", "true"]).validate()
+        validate_config(parse_args(["--profile.memory", "true"]))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without CUDA")

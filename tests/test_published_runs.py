@@ -16,6 +16,7 @@ import pytest
 from hybridpar.config.families import FAMILIES
 from hybridpar.config.sections import RECOMPUTE_MODES
 from hybridpar.model.registry import param_counts
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.published import (
     PLANNER_DOCS,
     load_cluster,
@@ -184,7 +185,7 @@ def test_layout_covers_the_gpus_and_the_batch(row: dict[str, Any]) -> None:
 
 @by_id
 def test_row_passes_our_config_validation(row: dict[str, Any]) -> None:
-    row_config(row).validate(world_size=row["gpus"])
+    validate_config(row_config(row), world_size=row["gpus"])
 
 
 @by_id

@@ -15,6 +15,7 @@ from hybridpar.config import Config
 from hybridpar.model import recompute
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.activation_meter import ActivationMeter
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 from hybridpar.topology.spawn import run_ranks
 
@@ -109,14 +110,14 @@ def test_evaluation_and_serving_do_not_recompute() -> None:
 def test_bad_recompute_is_refused(value: str, pp: int, message: str) -> None:
     cfg = tiny_config(parallel=dict(tp=1, pp=pp, dp=1), train=dict(recompute=value))
     with pytest.raises(ValueError) as e:
-        cfg.validate(pp)
+        validate_config(cfg, pp)
     assert message in str(e.value)
 
 
 def test_recompute_per_stage() -> None:
     cfg = tiny_config(parallel=dict(tp=1, pp=2, dp=1, schedule="interleaved-1f1b", virtual_stages=2))
     cfg.train.recompute = "full,none,selective,none"
-    cfg.validate(2)
+    validate_config(cfg, 2)
     assert cfg.train.recompute_modes(4) == ["full", "none", "selective", "none"]
     cfg.train.recompute = "selective"
     assert cfg.train.recompute_modes(4) == ["selective"] * 4

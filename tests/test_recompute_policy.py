@@ -14,6 +14,7 @@ from test_equivalence import tiny_config
 from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.config import Config
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
 
 PER_SAMPLE = {"none": 100, "full": 12}  # activation bytes per sample in flight
@@ -74,12 +75,12 @@ def test_config_refuses_try_recompute_without_the_adaptive_policy_or_with_a_fixe
     cfg = Config()
     cfg.batching.try_recompute = True
     with pytest.raises(ValueError, match="needs batching.policy=adaptive"):
-        cfg.validate()
+        validate_config(cfg)
     cfg.batching.policy, cfg.train.recompute = "adaptive", "full"
     with pytest.raises(ValueError, match="train.recompute=none \\(got 'full'\\)"):
-        cfg.validate()
+        validate_config(cfg)
     cfg.train.recompute = "none"
-    cfg.validate()
+    validate_config(cfg)
 
 
 def _runs(base: dict, out: str, budget_factor: float) -> dict:

@@ -16,6 +16,7 @@ from hybridpar.config import Config, parse_args
 from hybridpar.model.registry import param_counts
 from hybridpar.pipeline.runtime import ActionTime, StepOutput
 from hybridpar.pipeline.schedules import Action, Op
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.metrics import Progress
 from hybridpar.report.mfu import measure_matmul, mfu, model_flops_per_token
 from hybridpar.report.records import bubble, rank_summary, step_fields, unpack
@@ -84,7 +85,7 @@ def test_progress_interval() -> None:
     assert [line.split()[1] for line in out.getvalue().splitlines()] == ["1/10", "4/10", "8/10", "10/10"]
     assert parse_args(["--train.progress_every", "3"]).train.progress_every == 3
     with pytest.raises(ValueError, match="train.progress_every must be a positive integer, got 0"):
-        parse_args(["--train.progress_every", "0"]).validate()
+        validate_config(parse_args(["--train.progress_every", "0"]))
 
 
 def test_progress_eta_after_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -1,4 +1,4 @@
-"""The schedule registry (hybridpar/config/schedules.py): every registered schedule builds complete,
+"""The schedule registry (hybridpar/pipeline/schedules/registry.py): every registered schedule builds complete,
 validated action lists on its own placement over a range of layouts, refuses the layouts its constraints
 exclude with errors that name the schedule and the numbers, meets its bubble formula under unit costs,
 and nothing outside the registry compares a schedule's name."""
@@ -6,22 +6,28 @@ and nothing outside the registry compares a schedule's name."""
 from __future__ import annotations
 
 import ast
+import importlib
 from pathlib import Path
 
 import pytest
 
 import hybridpar
-from hybridpar.config.schedules import (
+from hybridpar.pipeline.schedules import (
     CONFIG_KEYS,
     SCHEDULES,
+    Action,
+    Op,
     ScheduleSpec,
-    flush_bubble,
-    register,
+    build_schedule,
+    compute_schedule,
     schedule_names,
     schedule_spec,
     stage_ranks,
+    validate_schedule,
 )
-from hybridpar.pipeline.schedules import Action, Op, build_schedule, compute_schedule, validate_schedule
+from hybridpar.pipeline.schedules.gpipe import build_gpipe
+from hybridpar.pipeline.schedules.one_f_one_b import flush_bubble
+from hybridpar.pipeline.schedules.registry import REGISTERED, index
 from hybridpar.pipeline.simulate import Costs, simulate
 
 F, B, W = Op.FORWARD, Op.BACKWARD, Op.WEIGHT
@@ -105,10 +111,15 @@ def test_placements() -> None:
 
 
 def test_registration_is_checked() -> None:
+    assert index(REGISTERED) == SCHEDULES
     with pytest.raises(ValueError, match="'1f1b' is registered twice"):
-        register(schedule_spec("1f1b"))
+        index([*REGISTERED, schedule_spec("1f1b")])
     with pytest.raises(ValueError, match="falls back to 'nope', which is not registered yet"):
-        register(ScheduleSpec("x-test", "x", "m:f", flush_bubble, fallback="nope"))
+        index([*REGISTERED, ScheduleSpec("x-test", "x", build_gpipe, flush_bubble, fallback="nope")])
+    with pytest.raises(ValueError, match="'1f1b' falls back to 'gpipe', which is not registered yet"):
+        index([schedule_spec("1f1b"), schedule_spec("gpipe")])  # a fallback comes first
+    with pytest.raises(ValueError, match="'x-test': unknown placement 'zigzag'"):
+        index([ScheduleSpec("x-test", "x", build_gpipe, flush_bubble, placement="zigzag")])
     assert "x-test" not in SCHEDULES
 
 
@@ -141,7 +152,23 @@ def test_no_schedule_name_is_compared_outside_the_registry() -> None:
     found = {
         str(p.relative_to(root)): lines
         for p in sorted(root.rglob("*.py"))
-        if p != root / "config" / "schedules.py" and (lines := _compared_names(ast.parse(p.read_text()), names))
+        if (lines := _compared_names(ast.parse(p.read_text()), names))
     }
     assert found == {}
     assert _compared_names(ast.parse("if s == '1f1b' or s in ('gpipe', 'x'): pass"), names) == [1, 1]  # it can fail
+
+
+def test_every_schedule_file_is_registered_and_holds_its_own_builder() -> None:
+    # A schedule is one file of the package defining SPEC, and one line of REGISTERED: a file left out of
+    # the list, or a spec whose builder lives in another schedule's file, fails here.
+    package = Path(hybridpar.__file__).parent / "pipeline" / "schedules"
+    with_spec = sorted(p.stem for p in package.glob("*.py") if "\nSPEC = " in p.read_text(encoding="utf-8"))
+    assert sorted(spec.builder.__module__.rsplit(".", 1)[1] for spec in REGISTERED) == with_spec
+    for spec in REGISTERED:
+        assert importlib.import_module(spec.builder.__module__).SPEC is spec, spec.name
+
+
+def test_the_pipeline_resolves_nothing_by_name() -> None:
+    # Specs hold their builder as a function: no dotted "module:function" names, no import by name.
+    root = Path(hybridpar.__file__).parent / "pipeline"
+    assert [p for p in root.rglob("*.py") if "import_module" in p.read_text(encoding="utf-8")] == []

@@ -25,7 +25,7 @@ SENDS = (Op.SEND_F, Op.SEND_B)
 
 
 def combos() -> list[tuple[str, int, int, int]]:
-    # Every combination the registry allows (config/schedules.py): 1F1B from m = pp, interleaving
+    # Every combination the registry allows (each ScheduleSpec, pipeline/schedules/): 1F1B from m = pp, interleaving
     # from pp = 2 in whole rounds of pp microbatches.
     out = []
     for pp in (1, 2, 3, 4, 8):

@@ -1,4 +1,4 @@
-"""ZB-V (hybridpar/pipeline/zbv.py): the V placement through lowering, validator and simulator, torch's
+"""ZB-V (hybridpar/pipeline/schedules/zb_v.py): the V placement through lowering, validator and simulator, torch's
 order action for action, its memory and bubble, and the config rules of `--parallel.schedule zb-v`."""
 
 from __future__ import annotations
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import pytest
 
 from hybridpar.config import Config
-from hybridpar.config.schedules import CONFIG_KEYS, schedule_spec
 from hybridpar.pipeline.schedules import (
+    CONFIG_KEYS,
     Action,
     Op,
     ScheduleError,
@@ -18,8 +18,12 @@ from hybridpar.pipeline.schedules import (
     compute_schedule,
     format_grid,
     max_in_flight,
+    schedule_spec,
+    stage_count,
+    stages_per_rank,
     validate_schedule,
 )
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.simulate import Costs, simulate
 from hybridpar.resilience.elastic import replan
 
@@ -65,7 +69,7 @@ def test_validator_checks_the_v_placement() -> None:
 
 
 def test_literal_grid_pp2() -> None:
-    # Rank 1 (stages 1 and 2), by the phases of zbv.py: F1.0 | F2.0 F1.1 | F2.1 B2.0 W2.0 | F1.2 B1.0 W1.0
+    # Rank 1 (stages 1 and 2), by the phases of zb_v.py: F1.0 | F2.0 F1.1 | F2.1 B2.0 W2.0 | F1.2 B1.0 W1.0
     # F2.2 B2.1 W2.1 | B1.1 B2.2 B1.2 W1.1 W2.2 W1.2. One idle unit per rank: (p-1) / (6 m + p-1).
     expected = (
         "step  r0    r1\n"
@@ -165,9 +169,9 @@ def zbv_config(**parallel: object) -> Config:
 
 def test_config_two_chunks_implied() -> None:
     cfg = zbv_config()
-    cfg.validate(4)
-    assert cfg.parallel.virtual_stages is None and cfg.parallel.chunks == 2 and cfg.parallel.n_stages == 8
-    zbv_config(virtual_stages=2).validate(4)
+    validate_config(cfg, 4)
+    assert cfg.parallel.virtual_stages is None and stages_per_rank(cfg.parallel) == 2 and stage_count(cfg.parallel) == 8
+    validate_config(zbv_config(virtual_stages=2), 4)
     for v in (1, 3):
         with pytest.raises(
             ValueError,
@@ -175,7 +179,7 @@ def test_config_two_chunks_implied() -> None:
             f"parallel.virtual_stages={v}: set parallel.virtual_stages=2 "
             f"\\(the default\\)",
         ):
-            zbv_config(virtual_stages=v).validate(4)
+            validate_config(zbv_config(virtual_stages=v), 4)
 
 
 def test_config_microbatches_and_layers() -> None:
@@ -184,23 +188,23 @@ def test_config_microbatches_and_layers() -> None:
     with pytest.raises(
         ValueError, match=r"^parallel.schedule=zb-v needs train.microbatches ≥ 2 × parallel.pp - 1 = 7, " r"got 6$"
     ):
-        cfg.validate(4)
+        validate_config(cfg, 4)
     cfg = zbv_config()
     cfg.model.n_layers = 6
     with pytest.raises(
         ValueError, match=r"model.n_layers=6 is fewer than parallel.pp × parallel.virtual_stages = " r"4 × 2 = 8 stages"
     ):
-        cfg.validate(4)
+        validate_config(cfg, 4)
     assert SPEC.count_problem(4, 8, CONFIG_KEYS) is None
     with pytest.raises(ValueError, match="parallel.schedule=zb-v needs parallel.pp >= 2, got 1"):
-        zbv_config(pp=1).validate(1)
+        validate_config(zbv_config(pp=1), 1)
 
 
 def test_config_refuses_live_rebalancing() -> None:
     cfg = zbv_config()
     cfg.balance.mode = "auto"
     with pytest.raises(ValueError, match="re-partitions pipeline stages for parallel.schedule gpipe or 1f1b"):
-        cfg.validate(4)
+        validate_config(cfg, 4)
 
 
 def test_elastic_replan_falls_back_to_zb_h1() -> None:
@@ -209,4 +213,4 @@ def test_elastic_replan_falls_back_to_zb_h1() -> None:
     assert replan(cfg, 8).parallel.schedule == "zb-v"  # dp 2: 8 samples per replica, 8 microbatches
     moved = replan(cfg, 12)  # pp 4, dp 3: 5 samples per replica, 5 < 7 microbatches, ZB-H1 needs 4
     assert (moved.parallel.pp, moved.parallel.dp, moved.train.microbatches) == (4, 3, 5)
-    assert (moved.parallel.schedule, moved.parallel.chunks) == ("zb-h1", 1)
+    assert (moved.parallel.schedule, stages_per_rank(moved.parallel)) == ("zb-h1", 1)

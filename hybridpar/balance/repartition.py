@@ -15,8 +15,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from fractions import Fraction
 
-from hybridpar.config.schedules import SCHEDULES, schedule_spec
 from hybridpar.pipeline.partition import partition_by_cost, stage_times
+from hybridpar.pipeline.schedules import SCHEDULES, schedule_spec
 
 
 def check_modelled(schedule: str) -> None:

@@ -15,8 +15,7 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from hybridpar.config.schedules import schedule_spec
-from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.schedules import build_schedule, schedule_spec
 from hybridpar.pipeline.simulate import Costs, simulate
 
 

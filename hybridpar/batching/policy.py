@@ -8,8 +8,7 @@ from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.fixed import FixedPolicy, MicrobatchPolicy
 from hybridpar.batching.split import BatchPlan, plan_batch, split_evenly
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
-from hybridpar.pipeline.schedules import build_schedule, max_in_flight
+from hybridpar.pipeline.schedules import build_schedule, max_in_flight, schedule_spec, stages_per_rank
 
 
 def count_rules(cfg: Config) -> tuple[int, int]:
@@ -39,7 +38,8 @@ def make_policy(cfg: Config, dp_rank: int, *, memory_total_bytes: int, resident_
     # Microbatches alive at once at the largest count the policy may try (GPipe: all of them, so the
     # planner's min(in_flight, count) is every count's own). A rank with v chunks holds (stage, microbatch)
     # pairs of about 1/v of its layers each: count them in whole-rank microbatches.
-    in_flight = math.ceil(max_in_flight(build_schedule(p.schedule, p.pp, p.chunks, top)) / p.chunks)
+    chunks = stages_per_rank(p)
+    in_flight = math.ceil(max_in_flight(build_schedule(p.schedule, p.pp, chunks, top)) / chunks)
     budget = fraction = None
     if b.memory_budget is not None:
         budget, fraction = (b.memory_budget, None) if b.memory_budget > 1 else (None, b.memory_budget)

@@ -35,7 +35,7 @@ from typing import Any
 
 from hybridpar.bench import runs_dir
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
+from hybridpar.pipeline.schedules import schedule_spec
 
 SLOW_FROM = 10
 SLOW_RANK = 2

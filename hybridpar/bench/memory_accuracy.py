@@ -20,7 +20,7 @@ import time
 from typing import Any
 
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_names
+from hybridpar.pipeline.schedules import schedule_names
 from hybridpar.topology.spawn import run_ranks
 
 LAYOUTS = {"tp2xpp2": dict(tp=2, pp=2, dp=1), "dp2xpp2": dict(tp=1, pp=2, dp=2)}

@@ -34,7 +34,7 @@ import sys
 import time
 from typing import Any, Iterator
 
-from hybridpar.config.schedules import schedule_names
+from hybridpar.pipeline.schedules import schedule_names
 from hybridpar.topology.spawn import run_ranks
 
 

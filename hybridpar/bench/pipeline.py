@@ -50,9 +50,8 @@ from pathlib import Path
 from hybridpar.bench.emulated import TAILS
 from hybridpar.bench.pipeline_case import Case, run_case
 from hybridpar.config import ModelConfig
-from hybridpar.config.schedules import schedule_names, schedule_spec
 from hybridpar.config.sections import CPU_BINDINGS
-from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.schedules import build_schedule, schedule_names, schedule_spec
 from hybridpar.pipeline.shm import TRANSPORTS
 
 

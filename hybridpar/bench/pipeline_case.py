@@ -30,9 +30,8 @@ from hybridpar.bench.latency import (
     summarize,
 )
 from hybridpar.config import ModelConfig
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.pipeline.runtime import PipelineRuntime, token_cross_entropy
-from hybridpar.pipeline.schedules import Action, Op, bubble_fraction_theory, build_schedule
+from hybridpar.pipeline.schedules import Action, Op, bubble_fraction_theory, build_schedule, schedule_spec
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.topology.spawn import run_ranks

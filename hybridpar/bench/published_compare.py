@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridpar.pipeline.schedules import stages_per_rank
 from hybridpar.plan.cost import CostModel, predict
 from hybridpar.plan.hardware import load_hardware
 from hybridpar.plan.memory_model import rank_memory
@@ -69,7 +70,7 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     need = max(int(e.total) for e in memory(cfg))
     given_rate = tokens / given.step_s / row["gpus"]
     p = cfg.parallel
-    layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{p.chunks}" if p.chunks > 1 else "")
+    layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else "")
     layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}" + (f" zero{p.zero}" if p.zero else "")
     out = {
         "id": row["id"],

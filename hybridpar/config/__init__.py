@@ -8,8 +8,9 @@ and so every rank can validate the layout before touching a process group.
     validate.py  every rule Config.validate checks, in the order they run
     parse.py     load_toml, parse_args (--config then --section.key VALUE), help_text, to_toml
     keys.py      dotted keys ('train.lr') and field types, shared by the three above
-    schedules.py the schedule registry: one ScheduleSpec per pipeline schedule (constraints, placement,
-                 bubble formula, capabilities), read by validation and by every layer above
+
+A schedule is a name here: the schedule registry and its rules on a configuration live above config/,
+in hybridpar/pipeline/schedules/ (config_rules.py), and the pre-flight check runs them.
 
 Every public name is re-exported here, so importers write `from hybridpar.config import Config`.
 """

@@ -1,7 +1,8 @@
 """The sections of a run configuration: one dataclass per TOML table ([model], [parallel], ...).
 
 Fields only declare their type, default and help here; the rules that relate fields (tp divides
-n_heads, enough microbatches for the schedule, ...) are in validate.py.
+n_heads, ...) are in validate.py, and those that ask the schedule registry (enough microbatches for the
+schedule, ...) in hybridpar/pipeline/schedules/config_rules.py.
 """
 
 # No `from __future__ import annotations`: keys.py and the parsers read each field's `type` as a real
@@ -11,7 +12,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridpar.config.families import FAMILIES, rules
-from hybridpar.config.schedules import SCHEDULES, schedule_names, schedule_spec
 
 CPU_BINDINGS = ("none", "cores")  # how topology/cpus.py places local ranks on cores
 RECOMPUTE_MODES = ("none", "full", "selective")  # model/recompute.py
@@ -104,15 +104,13 @@ class ParallelConfig:
     dp: int = _f(1, "data-parallel degree (replicas)")
     schedule: str = _f(
         "1f1b",
-        "pipeline schedule: " + "; ".join(f"{s.name}: {s.summary}" for s in SCHEDULES.values()),
-        choices=schedule_names(),
+        "pipeline schedule, by name: one of the registry's (hybridpar/pipeline/schedules/registry.py), "
+        "which `hybridpar train --help` lists at its end and docs/pipeline.md describes",
     )
     virtual_stages: int | None = _f(
         None,
-        "model chunks (stages) per pipeline rank; none = the schedule's own ("
-        + ", ".join(f"{s.name} {s.default_virtual_stages}" for s in SCHEDULES.values())
-        + "); other values only with "
-        + " or ".join(s.name for s in SCHEDULES.values() if s.virtual_stages is None),
+        "model chunks (stages) per pipeline rank; none = the schedule's own; other values only with a "
+        "schedule that runs them (`hybridpar train --help` lists each schedule's)",
     )
     partition: str = _f(
         "params",
@@ -174,14 +172,8 @@ class ParallelConfig:
         """(dp, pp, tp): the mesh's axes in rank order (topology/mesh.py)."""
         return (self.dp, self.pp, self.tp)
 
-    @property
-    def chunks(self) -> int:
-        """Stages per pipeline rank: virtual_stages, or the schedule's default where it is unset."""
-        return schedule_spec(self.schedule).resolve_virtual_stages(self.virtual_stages)
-
-    @property
-    def n_stages(self) -> int:
-        return self.pp * self.chunks
+    # Stages per rank (virtual_stages, or the schedule's own where unset) and the stage count are asked
+    # of the schedule registry, above config/: pipeline.schedules.stages_per_rank and stage_count.
 
 
 @dataclass

@@ -1,11 +1,15 @@
-"""`Config.validate`: every rule checked before any process group starts. Each failure raises one
-ValueError naming the dotted key, its numbers and what would be right.
+"""`Config.validate`: every rule of a run configuration that needs nothing above config/. Each failure
+raises one ValueError naming the dotted key, its numbers and what would be right.
 
 The rules run in a fixed order and the first failure wins, so the order is part of the behaviour: value
 ranges first (every later rule divides by or compares against those numbers), then checkpoint,
 resilience, learning rate, choices and load balancing, then the layout against the world size and the
-rules that relate sections (model shape x tp, schedule x microbatches, batch split, microbatch policy,
-layer costs).
+rules that relate sections (model shape x tp, batch split, microbatch policy, layer costs).
+
+The rules that ask the schedule registry (the schedule's name and constraints, and every count of
+stages, which depends on the schedule's default virtual stages) are in
+hybridpar/pipeline/schedules/config_rules.py, above config/; `validate_config` there runs both, and the
+pre-flight check (run/preflight.py) calls it before any process starts.
 """
 
 from __future__ import annotations
@@ -16,7 +20,6 @@ from typing import TYPE_CHECKING, Any
 
 from hybridpar.config.families import OPTIONS, rules, tp_split_sizes
 from hybridpar.config.keys import _is_int, _is_num, _known_keys, _owner, _suggest
-from hybridpar.config.schedules import CONFIG_KEYS, SCHEDULES, schedule_spec
 from hybridpar.config.sections import (
     RECOMPUTE_MODES,
     CheckpointConfig,
@@ -40,8 +43,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_balance(cfg)
     _check_world_size(cfg.parallel, world_size)
     _check_model(cfg.model, cfg.parallel, cfg.train)
-    _check_schedule(cfg.model, cfg.parallel, cfg.train)
-    _check_recompute(cfg.train, cfg.parallel)
+    _check_recompute(cfg.train)
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
@@ -199,12 +201,6 @@ def _check_balance(cfg: Config) -> None:
     _require(sum(weights) > 0, f"balance.weight_memory + weight_compute + weight_network must be > 0, got {weights}")
     if b.mode == "off":
         return
-    live = " or ".join(s.name for s in SCHEDULES.values() if s.live_repartition)
-    _require(
-        p.pp == 1 or (schedule_spec(p.schedule).live_repartition and p.chunks == 1),
-        f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule {live} with "
-        f"one stage per rank, got {p.schedule} with virtual_stages={p.chunks}",
-    )
     _require(
         p.dp == 1 or t.microbatch_sizes is None,
         f"balance.mode={b.mode} re-splits the batch among "
@@ -266,20 +262,7 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
         _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide model.{key}={v}")
 
 
-def _check_schedule(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
-    spec = schedule_spec(p.schedule)  # a known name: _check_choices ran first
-    problem = spec.layout_problem(p.pp, p.chunks, CONFIG_KEYS)
-    _require(problem is None, problem or "")
-    _require(
-        m.n_layers >= p.n_stages,
-        f"model.n_layers={m.n_layers} is fewer than parallel.pp × "
-        f"parallel.virtual_stages = {p.pp} × {p.chunks} = {p.n_stages} stages",
-    )
-    problem = spec.count_problem(p.pp, t.microbatches, CONFIG_KEYS)
-    _require(problem is None, problem or "")
-
-
-def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
+def _check_recompute(t: TrainConfig) -> None:
     _require(isinstance(t.recompute, str), f"train.recompute must be a string, got {t.recompute!r}")
     modes = [m.strip() for m in t.recompute.split(",")]
     for i, m in enumerate(modes):
@@ -288,14 +271,10 @@ def _check_recompute(t: TrainConfig, p: ParallelConfig) -> None:
             m in RECOMPUTE_MODES,
             f"{where}={m!r} is not one of {', '.join(RECOMPUTE_MODES)}{_suggest(m, RECOMPUTE_MODES)}",
         )
-    _require(
-        len(modes) in (1, p.n_stages),
-        f"train.recompute has {len(modes)} entries but parallel.pp × parallel.virtual_stages = {p.pp} × "
-        f"{p.chunks} = {p.n_stages} stages: give one mode for all stages or one per stage",
-    )
+    # How many modes there may be (one, or one per stage) is a rule of the schedule's: config_rules.py.
 
 
-def _replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:
+def replica_share(t: TrainConfig, p: ParallelConfig) -> tuple[int, str]:
     """(samples of the smallest replica, the words that explain where that number comes from)."""
     if p.replica_batch is not None and len(p.replica_batch) == p.dp and all(map(_is_int, p.replica_batch)):
         return min(p.replica_batch), f"(parallel.replica_batch={p.replica_batch})"
@@ -310,7 +289,7 @@ def _check_batch_split(t: TrainConfig, p: ParallelConfig) -> None:
         f"train.global_batch={t.global_batch} is smaller than "
         f"parallel.dp={p.dp}: every data-parallel replica needs at least one sample",
     )
-    per_replica, over = _replica_share(t, p)
+    per_replica, over = replica_share(t, p)
     _require(
         t.microbatches <= per_replica,
         f"train.microbatches={t.microbatches} exceeds the " f"{per_replica} samples per data-parallel replica {over}",
@@ -337,7 +316,7 @@ def _check_batch_split(t: TrainConfig, p: ParallelConfig) -> None:
 
 def _check_batching(cfg: Config) -> None:
     b, p, t = cfg.batching, cfg.parallel, cfg.train
-    per_replica, over = _replica_share(t, p)
+    per_replica, over = replica_share(t, p)
     _require(
         isinstance(b.try_recompute, bool), f"batching.try_recompute must be true or false, got {b.try_recompute!r}"
     )
@@ -359,17 +338,7 @@ def _check_batching(cfg: Config) -> None:
             f"into {n} microbatches"
         )
         _require(n <= per_replica, f"{what}, more than the smallest replica's {per_replica} samples")
-        spec = schedule_spec(p.schedule)
-        least = spec.min_microbatches(p.pp)
-        _require(
-            n >= least,
-            f"{what}; parallel.schedule={p.schedule} needs ≥ "
-            f"{spec.min_microbatches_text(p.pp, CONFIG_KEYS)}: use a size ≤ {largest // least}",
-        )
-        _require(
-            n % spec.microbatch_multiple(p.pp) == 0,
-            f"{what}; parallel.schedule={p.schedule} needs a multiple of parallel.pp={p.pp}",
-        )
+        # Enough microbatches for the schedule: config_rules.py.
     _require(
         b.policy != "adaptive" or t.microbatch_sizes is None,
         "train.microbatch_sizes fixes the split, " "but batching.policy=adaptive chooses it: drop one of them",
@@ -401,7 +370,7 @@ def _check_layer_costs(p: ParallelConfig, m: ModelConfig) -> None:
             _require(_is_num(c) and c > 0, f"parallel.layer_costs[{i}]={c!r} must be > 0")
 
 
-def _positive_ints(key: str, values: list[int], count: int, what: str) -> None:
+def positive_ints(key: str, values: list[int], count: int, what: str) -> None:
     _require(len(values) == count, f"{key} has {len(values)} entries but {what}")
     for i, n in enumerate(values):
         _require(_is_int(n) and n >= 1, f"{key}[{i}]={n!r} must be a positive integer")
@@ -409,20 +378,15 @@ def _positive_ints(key: str, values: list[int], count: int, what: str) -> None:
 
 def _check_planned(cfg: Config) -> None:
     """The keys the planner sets (an explicit split of layers and of the batch) and the planner's own."""
-    p, t, m, b = cfg.parallel, cfg.train, cfg.model, cfg.batching
+    p, t, b = cfg.parallel, cfg.train, cfg.batching
     _require(
         (p.partition == "layers") == (p.stage_layers is not None),
         f"parallel.stage_layers={p.stage_layers} goes with parallel.partition='layers' (got {p.partition!r}): "
         "set both or neither",
     )
-    if p.stage_layers is not None:
-        _positive_ints("parallel.stage_layers", p.stage_layers, p.n_stages, f"the layout has {p.n_stages} stages")
-        _require(
-            sum(p.stage_layers) == m.n_layers,
-            f"parallel.stage_layers sums to {sum(p.stage_layers)} but model.n_layers={m.n_layers}",
-        )
+    # stage_layers' count and sum are rules of the schedule's (its stages): config_rules.py.
     if p.replica_batch is not None:
-        _positive_ints("parallel.replica_batch", p.replica_batch, p.dp, f"parallel.dp={p.dp}")
+        positive_ints("parallel.replica_batch", p.replica_batch, p.dp, f"parallel.dp={p.dp}")
         _require(
             sum(p.replica_batch) == t.global_batch,
             f"parallel.replica_batch sums to {sum(p.replica_batch)} but train.global_batch={t.global_batch}",

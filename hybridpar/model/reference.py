@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.data.corpus import TokenData, load_tokens
 from hybridpar.model.optim import lr_at, make_optimizer, set_lr
 from hybridpar.model.registry import build_full_model
@@ -99,13 +98,14 @@ def gpt2_config(**parallel: Any) -> Config:
 
 def odd_config(**parallel: Any) -> Config:
     """Shapes nothing divides evenly: 6 heads over 3 kv heads and a vocabulary of 258 (tp=3 splits
-    each), 8 layers over 3 stages, 33-token sequences, 10 samples over 3 replicas (4, 3, 3)."""
+    each), 8 layers over 3 stages, 33-token sequences, 10 samples over 3 replicas (4, 3, 3), in 3
+    microbatches (a layout whose schedule needs another count sets train.microbatches itself: the schedule
+    registry sits above model/)."""
     cfg = tiny_config(
         model=dict(dim=48, n_heads=6, n_kv_heads=3, ffn_dim=96, vocab_size=258),
         train=dict(seq_len=33, global_batch=10, microbatches=3),
         parallel=parallel,
     )
-    cfg.train.microbatches = max(3, schedule_spec(cfg.parallel.schedule).min_microbatches(cfg.parallel.pp))
     return cfg
 
 

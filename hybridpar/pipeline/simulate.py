@@ -148,9 +148,16 @@ def simulate(
         prog = compile_program(actions, pp, n_stages, ranks)
     if sharing is not None and len(sharing.node_of) != pp:
         raise ValueError(f"sharing.node_of has {len(sharing.node_of)} entries for {pp} ranks")
-    acts, kinds, needs, links, messages = prog.acts, prog.kind, prog.need, prog.link, prog.message
-    n = len(acts)
-    cost, comm = costs.per_stage(n_stages), costs.per_stage(n_stages, comm=True)
+    work, wait_of = _action_costs(prog, costs)
+    run = _EventRun(prog, costs, work, wait_of, sharing)
+    run.run()
+    return run.result()
+
+
+def _action_costs(prog: Program, costs: Costs) -> tuple[list[float], list[float]]:
+    """Per action: its compute cost and collective wait (compute), or its transfer time (send); 0 else."""
+    acts, n = prog.acts, len(prog.acts)
+    cost, comm = costs.per_stage(prog.n_stages), costs.per_stage(prog.n_stages, comm=True)
     by_op = [cost[Op.FORWARD], cost[Op.BACKWARD], cost[Op.WEIGHT]]
     comm_by_op = [comm[Op.FORWARD], comm[Op.BACKWARD], comm[Op.WEIGHT]]
     xfer = costs.transfer_s()
@@ -159,73 +166,94 @@ def simulate(
         m = 1 + max((a.microbatch for a in acts), default=-1)
         if len(scale) != m:
             raise ValueError(f"microbatch_scale has {len(scale)} entries for {m} microbatches")
-    # Per action: its compute cost and collective wait (compute), or its transfer time (send).
     work, wait_of = [0.0] * n, [0.0] * n
     for i, (a, o) in enumerate(zip(acts, prog.op)):
         k = 1.0 if scale is None else scale[a.microbatch]
         if o >= 0:
             work[i], wait_of[i] = by_op[o][a.stage] * k, comm_by_op[o][a.stage] * k
-        elif kinds[i] == SEND:
+        elif prog.kind[i] == SEND:
             work[i] = xfer if scale is None else xfer * k
-    known: list[float | None] = [None] * prog.n_keys  # resolved keys -> time
-    sleepers: dict[int, list[int]] = {}
-    lo = prog.lo
-    ptr, free, busy = list(lo[:pp]), [0.0] * pp, [0.0] * pp
-    order: list[int] = []  # actions in the order they finished
-    begins, ends, waits = [0.0] * n, [0.0] * n, [0.0] * n
-    # Per link: sends (message key, transfer time) in posting order, the next one to transfer, when it frees up.
-    queue: list[list[tuple[int, float]]] = [[] for _ in range(prog.links)]
-    head, link_free = [0] * prog.links, [0.0] * prog.links
-    posted_send: list[float | None] = [None] * prog.n_keys  # message key -> post time of its send, receive
-    posted_recv: list[float | None] = [None] * prog.n_keys
-    arrived: list[int] = []
-    runnable = deque(range(pp))
-    jobs: dict[int, list] = {}  # shared cores: rank -> [action index, begin, start of work, work left]
-    latency, send_ovh, recv_ovh, ovh = (
-        costs.latency_s,
-        costs.send_overhead_s,
-        costs.recv_overhead_s,
-        costs.compute_overhead_s,
-    )
-    now = 0.0
+    return work, wait_of
 
-    def resolve(key: int, t: float) -> None:
-        known[key] = t
-        woken = sleepers.pop(key, None)
+
+class _EventRun:
+    """The state of one simulation and its three moves: run a rank until it blocks (`_run_rank`), let
+    the compute in progress on shared cores advance to the next event (`_finish_shared`), and hand the
+    transfers of a link to the wire in send order (`_pump`). `result` reads the outcome."""
+
+    def __init__(
+        self, prog: Program, costs: Costs, work: list[float], wait_of: list[float], sharing: CoreSharing | None
+    ) -> None:
+        pp, n = prog.pp, len(prog.acts)
+        self.prog, self.work, self.wait_of, self.sharing = prog, work, wait_of, sharing
+        self.latency, self.send_ovh = costs.latency_s, costs.send_overhead_s
+        self.recv_ovh, self.ovh = costs.recv_overhead_s, costs.compute_overhead_s
+        self.known: list[float | None] = [None] * prog.n_keys  # resolved keys -> time
+        self.sleepers: dict[int, list[int]] = {}
+        self.ptr, self.free, self.busy = list(prog.lo[:pp]), [0.0] * pp, [0.0] * pp
+        self.order: list[int] = []  # actions in the order they finished
+        self.begins, self.ends, self.waits = [0.0] * n, [0.0] * n, [0.0] * n
+        # Per link: sends (message key, transfer time) in posting order, the next one to transfer, when it
+        # frees up.
+        self.queue: list[list[tuple[int, float]]] = [[] for _ in range(prog.links)]
+        self.head, self.link_free = [0] * prog.links, [0.0] * prog.links
+        self.posted_send: list[float | None] = [None] * prog.n_keys  # message key -> post time of its send
+        self.posted_recv: list[float | None] = [None] * prog.n_keys  # ... and of its receive
+        self.arrived: list[int] = []
+        self.runnable = deque(range(pp))
+        self.jobs: dict[int, list] = {}  # shared cores: rank -> [action index, begin, start of work, work left]
+        self.now = 0.0
+
+    def run(self) -> None:
+        runnable, jobs = self.runnable, self.jobs
+        while runnable or jobs:
+            if runnable:
+                self._run_rank(runnable.popleft())
+            else:  # shared cores: every rank waits for a compute action in progress
+                self._finish_shared()
+
+    def _resolve(self, key: int, t: float) -> None:
+        self.known[key] = t
+        woken = self.sleepers.pop(key, None)
         if woken:
-            runnable.extend(woken)
+            self.runnable.extend(woken)
 
-    def pump(link: int) -> None:
+    def _pump(self, link: int) -> None:
         # Transfers leave strictly in send order; one whose receive is not posted holds up the
         # rest of the link (head-of-line blocking, as NCCL's in-order matching does).
-        q, h = queue[link], head[link]
+        q, h = self.queue[link], self.head[link]
         while h < len(q):
             key, x = q[h]
-            recv = posted_recv[key]
+            recv = self.posted_recv[key]
             if recv is None:
                 break
-            start = max(posted_send[key], recv, link_free[link])
-            link_free[link] = start + x
-            resolve(key, start + latency + x)
-            arrived.append(key)
+            start = max(self.posted_send[key], recv, self.link_free[link])
+            self.link_free[link] = start + x
+            self._resolve(key, start + self.latency + x)
+            self.arrived.append(key)
             h += 1
-        head[link] = h
+        self.head[link] = h
 
-    while runnable or jobs:
-        if not runnable:  # shared cores: every rank waits for a compute action in progress
-            now, done = _advance(jobs, now, sharing)
-            for r in done:
-                i, begin, work_start, _ = jobs.pop(r)
-                busy[r] += now - work_start  # with shared cores, busy is the time spent computing
-                begins[i], ends[i], waits[i] = begin, now, begin - free[r]
-                order.append(i)
-                free[r] = now
-                ptr[r] = i + 1
-                resolve(i, now)
-                runnable.append(r)
-            continue
-        r = runnable.popleft()
-        i, stop, t_free = ptr[r], lo[r + 1], free[r]
+    def _finish_shared(self) -> None:
+        self.now, done = _advance(self.jobs, self.now, self.sharing)
+        now = self.now
+        for r in done:
+            i, begin, work_start, _ = self.jobs.pop(r)
+            self.busy[r] += now - work_start  # with shared cores, busy is the time spent computing
+            self.begins[i], self.ends[i], self.waits[i] = begin, now, begin - self.free[r]
+            self.order.append(i)
+            self.free[r] = now
+            self.ptr[r] = i + 1
+            self._resolve(i, now)
+            self.runnable.append(r)
+
+    def _run_rank(self, r: int) -> None:
+        """Rank r's actions from its pointer on, until one waits for a time not known yet (it then sleeps
+        on that key) or, with shared cores, a compute action starts. The hot loop: locals, not attributes."""
+        prog, known, sleepers, work = self.prog, self.known, self.sleepers, self.work
+        needs, kinds, messages, links = prog.need, prog.kind, prog.message, prog.link
+        begins, ends, waits, order = self.begins, self.ends, self.waits, self.order
+        i, stop, t_free = self.ptr[r], prog.lo[r + 1], self.free[r]
         while i < stop:
             begin = t_free
             blocked = False
@@ -241,52 +269,60 @@ def simulate(
                 break
             kind = kinds[i]
             if kind == SEND:
-                end = begin + send_ovh
+                end = begin + self.send_ovh
                 key = messages[i]
-                posted_send[key] = end
-                queue[links[i]].append((key, work[i]))
-                pump(links[i])
+                self.posted_send[key] = end
+                self.queue[links[i]].append((key, work[i]))
+                self._pump(links[i])
             elif kind == RECV:
-                end = begin + recv_ovh
-                posted_recv[messages[i]] = end
-                pump(links[i])
-            elif sharing is not None:  # its end depends on who else computes meanwhile
-                jobs[r] = [i, begin, begin + ovh + wait_of[i], work[i]]
+                end = begin + self.recv_ovh
+                self.posted_recv[messages[i]] = end
+                self._pump(links[i])
+            elif self.sharing is not None:  # its end depends on who else computes meanwhile
+                self.jobs[r] = [i, begin, begin + self.ovh + self.wait_of[i], work[i]]
                 break
             else:
-                busy[r] += work[i]
-                end = begin + ovh + wait_of[i] + work[i]
-                resolve(i, end)
+                self.busy[r] += work[i]
+                end = begin + self.ovh + self.wait_of[i] + work[i]
+                self._resolve(i, end)
             begins[i], ends[i], waits[i] = begin, end, begin - t_free
             order.append(i)
             t_free = end
             i += 1
-        ptr[r], free[r] = i, t_free
+        self.ptr[r], self.free[r] = i, t_free
 
-    def describe(key: int) -> str:
-        kind, a = prog.describe(key)
-        src = prog.ranks[a.stage]
-        return f"message {a} from rank {src}" if kind == "arrive" else f"{a} (rank {src})"
+    def result(self) -> SimResult:
+        """The step, its events and bubble; ScheduleError for a rank that never finished (deadlock) or a
+        message with only one side posted."""
+        prog, known, ptr, acts = self.prog, self.known, self.ptr, self.prog.acts
 
-    stuck = [
-        f"rank {r} at {acts[p]} waits for " + ", ".join(describe(k) for k in needs[p] if known[k] is None)
-        for r, p in enumerate(ptr)
-        if p < lo[r + 1]
-    ]
-    if stuck:
-        raise ScheduleError("deadlock: " + "; ".join(stuck))
-    unmatched = sorted(
-        {str(prog.describe(k)[1]) for k in set(messages) - {-1} if (posted_send[k] is None) != (posted_recv[k] is None)}
-    )
-    if unmatched:
-        raise ScheduleError("messages without a matching send/receive: " + ", ".join(unmatched))
-    arrivals = {prog.describe(k)[1]: known[k] for k in arrived}
-    # The step ends when every rank is done and its sends have drained (p2p.wait_sends).
-    step = max(free + list(arrivals.values()), default=0.0)
-    frac = 1.0 - sum(busy) / (pp * step) if step > 0 else 0.0
-    rank_of = prog.ranks
-    events = [SimEvent(rank_of[acts[i].stage], acts[i], begins[i], ends[i], waits[i]) for i in order]
-    return SimResult(step, events, busy, frac, arrivals)
+        def describe(key: int) -> str:
+            kind, a = prog.describe(key)
+            src = prog.ranks[a.stage]
+            return f"message {a} from rank {src}" if kind == "arrive" else f"{a} (rank {src})"
+
+        stuck = [
+            f"rank {r} at {acts[p]} waits for " + ", ".join(describe(k) for k in prog.need[p] if known[k] is None)
+            for r, p in enumerate(ptr)
+            if p < prog.lo[r + 1]
+        ]
+        if stuck:
+            raise ScheduleError("deadlock: " + "; ".join(stuck))
+        sent, received = self.posted_send, self.posted_recv
+        unmatched = sorted(
+            {str(prog.describe(k)[1]) for k in set(prog.message) - {-1} if (sent[k] is None) != (received[k] is None)}
+        )
+        if unmatched:
+            raise ScheduleError("messages without a matching send/receive: " + ", ".join(unmatched))
+        arrivals = {prog.describe(k)[1]: known[k] for k in self.arrived}
+        # The step ends when every rank is done and its sends have drained (p2p.wait_sends).
+        step = max(self.free + list(arrivals.values()), default=0.0)
+        frac = 1.0 - sum(self.busy) / (prog.pp * step) if step > 0 else 0.0
+        rank_of = prog.ranks
+        events = [
+            SimEvent(rank_of[acts[i].stage], acts[i], self.begins[i], self.ends[i], self.waits[i]) for i in self.order
+        ]
+        return SimResult(step, events, self.busy, frac, arrivals)
 
 
 def _advance(jobs: dict[int, list], now: float, sharing: CoreSharing | None) -> tuple[float, list[int]]:

@@ -23,7 +23,7 @@ from collections import Counter
 from dataclasses import dataclass
 
 from hybridpar.config import Config
-from hybridpar.pipeline.schedules import Action, Op
+from hybridpar.pipeline.schedules import Action, Op, stage_count
 from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, all_reduce_s, closing_s, optimizer_s, setup
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
@@ -78,7 +78,7 @@ def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[
     setup: the part ZeRO does not change (a search shares it between a layout with ZeRO-1 and without)."""
     p = cfg.parallel
     su = setup(model, cfg)
-    c, n, ranks = su.sim_costs, p.n_stages, su.ranks
+    c, n, ranks = su.sim_costs, stage_count(p), su.ranks
     cost, comm = c.per_stage(n), c.per_stage(n, comm=True)
     dur = {op: [c.compute_overhead_s + comm[op][s] + cost[op][s] for s in range(n)] for op in COMPUTE}
     hop = c.send_overhead_s + c.latency_s + c.transfer_s()

@@ -39,10 +39,9 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.model.registry import ParamCounts, layer_flops_per_token, layer_tensors, param_counts
 from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
-from hybridpar.pipeline.schedules import Action, Op, build_schedule
+from hybridpar.pipeline.schedules import Action, Op, build_schedule, schedule_spec, stage_count, stages_per_rank
 from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
@@ -308,7 +307,7 @@ class CostModel:
         """The layers of each stage under cfg.parallel.partition (params: balance parameters, as the
         runtime does; cost: balance time with the embedding and head as extras and the ranks' speeds)."""
         p, c = cfg.parallel, self.counts
-        n_stages, L = p.n_stages, self.m.n_layers
+        n_stages, L = stage_count(p), self.m.n_layers
         if p.partition == "uniform":
             return partition_uniform(L, n_stages)
         if p.partition == "params":
@@ -321,7 +320,7 @@ class CostModel:
             costs = list(p.layer_costs)
         else:
             costs = [1.0] * L
-        ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+        ranks = schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p))
         speeds = [pl.pp_speed[ranks[s]] for s in range(n_stages)]
         embed, head = self.ends(cfg.train, p.tp, 1, pl.tp)
         lay = self.layer(cfg.train, p.tp, 1, pl.tp, "none")
@@ -358,8 +357,8 @@ class Prediction:
 def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range], tokens: int) -> list[LayerCosts]:
     """F, B, W of every stage for a microbatch of `tokens` tokens, at its pipeline rank's speed."""
     p = cfg.parallel
-    modes = cfg.train.recompute_modes(p.n_stages)
-    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+    modes = cfg.train.recompute_modes(stage_count(p))
+    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p))
     split = schedule_spec(p.schedule).splits_backward
     embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
     cal = model.calibrated(cfg.train)
@@ -404,7 +403,7 @@ class Setup(NamedTuple):
         """(The optimizer step of the slowest rank, the step's small all-reduces)."""
         p, pl = cfg.parallel, self.pl
         rank_params = [
-            sum(self.stage_params[s] for s in range(p.n_stages) if self.ranks[s] == r) / p.tp for r in range(p.pp)
+            sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
         opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n, p.tp * p.pp * p.dp) for n in rank_params)
         return opt, closing_s(model.hw, p.tp, p.pp, p.dp, p.zero, pl.world)
@@ -445,7 +444,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
         bandwidth_Bps=pl.pp.bandwidth_gbs * 1e9,
         message_bytes=msg,
     )
-    ranks = spec.stage_ranks(p.pp, p.chunks)
+    ranks = spec.stage_ranks(p.pp, stages_per_rank(p))
     return Setup(pl, parts, costs, sim_costs, sharing(p, hw, pl), ranks, model.stage_params(parts), msg)
 
 
@@ -462,9 +461,14 @@ def predict(
     su = setup(model, cfg)
     m = t.microbatches
     build = actions or (lambda name, pp, v, mb: build_schedule(name, pp, v, mb, p.recv_lookahead))
-    key = (p.schedule, p.pp, p.chunks, m, su.sim_costs, su.share)
+    key = (p.schedule, p.pp, stages_per_rank(p), m, su.sim_costs, su.share)
     sim = (sims or {}).get(key) or simulate(
-        build(p.schedule, p.pp, p.chunks, m), p.pp, p.n_stages, su.sim_costs, ranks=su.ranks, sharing=su.share
+        build(p.schedule, p.pp, stages_per_rank(p), m),
+        p.pp,
+        stage_count(p),
+        su.sim_costs,
+        ranks=su.ranks,
+        sharing=su.share,
     )
     if sims is not None:
         sims[key] = sim

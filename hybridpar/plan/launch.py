@@ -29,7 +29,8 @@ from hybridpar.balance.live import cost_model
 from hybridpar.balance.repartition import Layout, plan_layout
 from hybridpar.batching.split import split_evenly
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
+from hybridpar.pipeline.schedules import schedule_spec, stage_count, stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.hardware import Hardware, load_hardware, parse_hardware
 from hybridpar.plan.search import KNOB_KEYS, Candidate, Plan, plan
 from hybridpar.trainer.build import layer_partition
@@ -114,9 +115,9 @@ def replica_batch(cfg: Config, hw: Hardware) -> list[int] | None:
     p = cfg.parallel
     if hw.speed is None or p.dp == 1:
         return None
-    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+    ranks = schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p))
     speeds = [
-        [min(hw.device_speed((d * p.pp + ranks[s]) * p.tp + t) for t in range(p.tp)) for s in range(p.n_stages)]
+        [min(hw.device_speed((d * p.pp + ranks[s]) * p.tp + t) for t in range(p.tp)) for s in range(stage_count(p))]
         for d in range(p.dp)
     ]
     if all(row == speeds[0] for row in speeds):
@@ -150,7 +151,7 @@ def auto_plan(cfg: Config, given: set[str], world: int, hw: Hardware | None = No
     chosen = runnable(result.candidates[0], hw)
     if hw.fills_cores(world) and cfg.parallel.cpu_bind == "none" and "parallel.cpu_bind" not in given:
         chosen.parallel.cpu_bind = "cores"
-    chosen.validate(world_size=world)
+    validate_config(chosen, world_size=world)
     return AutoPlan(chosen, result, hw, fixed)
 
 
@@ -195,7 +196,7 @@ def summary(ap: AutoPlan) -> str:
     kept = ", ".join(f"{k}={v}" for k, v in ap.fixed.items())
     return (
         f"hybridpar: parallel.auto{f' (keeping {kept})' if kept else ''}\n{format_table(ap.result, ap.hw)}\n"
-        f"hybridpar: running #1: tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} x{p.chunks}, "
+        f"hybridpar: running #1: tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} x{stages_per_rank(p)}, "
         f"{t.microbatches} microbatches, zero={p.zero}, recompute={t.recompute}, {t.precision}{extra} "
         f"({best.reason})"
     )

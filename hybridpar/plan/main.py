@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from hybridpar.config import Config, parse_args
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.hardware import Hardware, load_hardware, to_toml
 from hybridpar.plan.search import GIB, Memory, Plan, plan
 
@@ -57,7 +58,7 @@ def run(argv: list[str], memory: Memory | None = None) -> tuple[Plan, Hardware, 
     cfg: Config = parse_args(config_args)
     if a.global_batch is not None:
         cfg.train.global_batch = a.global_batch
-    cfg.validate()  # the model and training keys; the layout is what the planner chooses
+    validate_config(cfg)  # the model and training keys; the layout is what the planner chooses
     if a.top < 1:
         raise ValueError(f"--top must be at least 1, got {a.top}")
     if a.probe:

@@ -29,12 +29,20 @@ import torch
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
 from hybridpar.config import Config, ModelConfig
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.dataparallel.grads import BUCKET_BYTES
 from hybridpar.dataparallel.zero import in_place, slice_of
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
-from hybridpar.pipeline.schedules import Op, add_communication, build_schedule, compute_schedule
+from hybridpar.pipeline.schedules import (
+    Op,
+    add_communication,
+    build_schedule,
+    compute_schedule,
+    schedule_spec,
+    stage_count,
+    stages_per_rank,
+)
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.plan.messages import Replay, message_buffers, replay, transport
 from hybridpar.plan.trace import Trace, activation_trace
@@ -324,7 +332,7 @@ class MemoryModel:
         self._traces: dict[tuple, Trace] = {}
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
-        cfg.validate()  # a bad configuration is named before anything is computed
+        validate_config(cfg)  # a bad configuration is named before anything is computed
         p, t = cfg.parallel, cfg.train
         mk, parts, ranks = self._layout(cfg)
         sizes, sched = self._sizes(cfg)
@@ -357,8 +365,8 @@ class MemoryModel:
         """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
         p, t = cfg.parallel, cfg.train
         count = len(t.microbatch_sizes) if t.microbatch_sizes and cfg.batching.policy == "fixed" else t.microbatches
-        sizes = pipeline_order(plan_for(cfg, count).sizes[0], p.schedule, p.pp, p.chunks)
-        return sizes, (p.schedule, p.pp, p.chunks, len(sizes), p.recv_lookahead)
+        sizes = pipeline_order(plan_for(cfg, count).sizes[0], p.schedule, p.pp, stages_per_rank(p))
+        return sizes, (p.schedule, p.pp, stages_per_rank(p), len(sizes), p.recv_lookahead)
 
     def _activations_of(self, cfg: Config, mk: tuple, parts: list[range], sizes: list[int], sched: tuple) -> list[int]:
         # The compute lists are enough: messages save nothing (activation_peaks skips them).
@@ -390,8 +398,8 @@ class MemoryModel:
         p, mk = cfg.parallel, _model_key(cfg.model)
         costs = tuple(p.layer_costs) if p.layer_costs is not None else None
         layers = tuple(p.stage_layers) if p.stage_layers is not None else None
-        parts = self._get(self._parts, (mk, p.partition, p.n_stages, costs, layers), lambda: layer_partition(cfg))
-        return mk, parts, tuple(schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks))
+        parts = self._get(self._parts, (mk, p.partition, stage_count(p), costs, layers), lambda: layer_partition(cfg))
+        return mk, parts, tuple(schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p)))
 
     def _lists(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> list[list]:
         if self.validate_schedules:

@@ -5,11 +5,11 @@ Knobs: tp (dividing the model's split sizes, inside a node), pp (at most one lay
 rest of the world, dividing the global batch), every registered schedule with its virtual stages,
 microbatch counts dividing each replica's batch, partition (parameter-balanced, as the runtime's
 default, or cost-balanced), ZeRO-1 (with dp > 1), recomputation and precision (those the hardware
-computes). Legality is `Config.validate`'s, not restated here.
+computes). Legality is `validate_config`'s (Config.validate and the schedule's rules), not restated here.
 
 Speed (branch and bound, exact: the list is the one simulating every layout would give): candidates
 are visited in the order of a fast estimate (average rank work stretched by the schedule's bubble
-formula, config/schedules.py), so the k-th best falls early; a candidate whose lower bound
+formula, its ScheduleSpec in pipeline/schedules/), so the k-th best falls early; a candidate whose lower bound
 (plan/bound.py: first from its knobs, then from its schedule's critical path) exceeds the k-th best
 is skipped before its memory is asked, and the search stops once no remaining candidate's knob bound
 is below it. Memory (a callable, e.g. plan/memory_model.rank_memory) is asked only of the candidates that
@@ -26,8 +26,8 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
 from hybridpar.config import Config
-from hybridpar.config.schedules import SCHEDULES
-from hybridpar.pipeline.schedules import Action, add_communication, compute_schedule
+from hybridpar.pipeline.schedules import SCHEDULES, Action, add_communication, compute_schedule, stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
@@ -73,7 +73,7 @@ class Candidate:
     @property
     def label(self) -> str:
         p, t = self.cfg.parallel, self.cfg.train
-        v = f" v{p.chunks}" if p.chunks > 1 else ""
+        v = f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else ""
         extras = [f"zero{p.zero}"] * (p.zero > 0) + [f"recompute={t.recompute}"] * (t.recompute != "none")
         extras += [t.precision] * (t.precision != "fp32") + ["cost-balanced"] * (p.partition == "cost")
         return f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule}{v} m{t.microbatches} " + " ".join(extras)
@@ -87,7 +87,7 @@ class Candidate:
                 "pp": p.pp,
                 "dp": p.dp,
                 "schedule": p.schedule,
-                "virtual_stages": p.chunks,
+                "virtual_stages": stages_per_rank(p),
                 "partition": p.partition,
                 "zero": p.zero,
             },
@@ -318,7 +318,7 @@ class Planner:
     def step_bound(self, cfg: Config) -> float:
         """`step_bound` of the layout: no simulation of it predicts less."""
         p, t = cfg.parallel, cfg.train
-        key = (p.schedule, p.pp, p.chunks, t.microbatches)
+        key = (p.schedule, p.pp, stages_per_rank(p), t.microbatches)
         if key not in self._shapes:
             self._shapes[key] = compute_shape(self.compute(*key))
         # The layouts come in pairs that differ in ZeRO only, which changes what follows the pipeline only.
@@ -415,7 +415,7 @@ def _search(
         if key not in layouts:
             cfg = built.pop(key, None) or _config(base, k)
             try:
-                cfg.validate(world)
+                validate_config(cfg, world)
                 layouts[key] = cfg
             except ValueError as e:
                 layouts[key] = str(e)

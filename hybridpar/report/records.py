@@ -8,7 +8,7 @@ per rank in a summed vector), so gathering them costs no extra collective.
 The measured bubble of a step is the fraction of the pipeline's wall time in which the ranks were not
 computing: 1 - sum_r compute_r / (R x wall), wall being the longest rank's span. It counts waits,
 message posting and the runtime's own overhead as idle — what a user pays for, unlike the schedule's
-formula, which assumes equal unit costs (config/schedules.py).
+formula, which assumes equal unit costs (its ScheduleSpec, pipeline/schedules/).
 """
 
 from __future__ import annotations

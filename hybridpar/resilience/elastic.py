@@ -15,8 +15,8 @@ Re-plan policy (`replan`), for a world of W processes:
    replicas), explicit stage sizes (parallel.stage_layers) when the stage count changes.
 With parallel.auto the entry point passes the planner's re-plan instead (`layout_for_world`'s
 `replanner`, plan/launch.py): this module stays below the planner and knows nothing of it.
-The result is checked with Config.validate(world_size=W); the checkpoint is loaded through DCP, which
-reshards tp shards and stages by name into the new layout.
+The result is checked with validate_config(cfg, world_size=W) (pipeline/schedules/config_rules.py); the
+checkpoint is loaded through DCP, which reshards tp shards and stages by name into the new layout.
 """
 
 from __future__ import annotations
@@ -26,7 +26,8 @@ from typing import Callable
 
 from hybridpar.config import Config
 from hybridpar.config.families import tp_split_sizes
-from hybridpar.config.schedules import schedule_spec
+from hybridpar.pipeline.schedules import schedule_spec, stage_count, stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 
 
 def resume_mode(cfg: Config, restart_count: int) -> Config:
@@ -57,7 +58,7 @@ def replan(cfg: Config, world: int) -> Config:
     q.tp = tps[0]
     rest = world // q.tp
     for pp in _divisors_desc(rest, p.pp):
-        if m.n_layers >= pp * p.chunks and rest // pp <= t.global_batch:
+        if m.n_layers >= pp * stages_per_rank(p) and rest // pp <= t.global_batch:
             q.pp = pp
             break
     else:
@@ -72,15 +73,17 @@ def replan(cfg: Config, world: int) -> Config:
         tr.microbatch_sizes = q.replica_batch = None
     spec = schedule_spec(q.schedule)
     while (
-        spec.layout_problem(q.pp, q.chunks) or spec.count_problem(q.pp, tr.microbatches) or m.n_layers < q.n_stages
+        spec.layout_problem(q.pp, stages_per_rank(q))
+        or spec.count_problem(q.pp, tr.microbatches)
+        or m.n_layers < stage_count(q)
     ) and spec.fallback is not None:
         spec = schedule_spec(spec.fallback)
         q.schedule, q.virtual_stages = spec.name, None if p.virtual_stages is None else spec.default_virtual_stages
     if q.partition == "cost" and q.layer_costs is not None and len(q.layer_costs) != m.n_layers:
         q.partition, q.layer_costs = "params", None
-    if q.partition == "layers" and q.n_stages != p.n_stages:
+    if q.partition == "layers" and stage_count(q) != stage_count(p):
         q.partition, q.stage_layers = "params", None
-    out.validate(world_size=world)
+    validate_config(out, world_size=world)
     return out
 
 
@@ -94,7 +97,7 @@ def layout_for_world(
     if cfg.parallel.world_size == world or cfg.checkpoint.resume == "off" or cfg.resilience.replan == "off":
         return cfg, None
     new = replanner(cfg, world)
-    new.validate(world_size=world)  # whoever chose it: a layout the run can take
+    validate_config(new, world_size=world)  # whoever chose it: a layout the run can take
     p, q = cfg.parallel, new.parallel
     note = (
         f"hybridpar: elastic re-plan for {world} processes{' (planner)' if replanner is not replan else ''}: "

@@ -3,8 +3,9 @@ any worker starts, and by every worker before it joins the process group (so pla
 
 Everything that would otherwise fail inside the workers, and fail the same way after every restart, is
 found here and raised as one ValueError naming the key, the value and what would be right: the config
-and its layout for the world size (with the elastic re-plan of a resumed run: the planner's under
-parallel.auto, plan/launch.py), the emulation specs, the
+and its layout for the world size (`validate_config`: Config.validate, then the rules that ask the
+schedule registry, which config/ sits below; with the elastic re-plan of a resumed run: the planner's
+under parallel.auto, plan/launch.py), the emulation specs, the
 corpus (missing, empty, too short for one window, an odd-length or out-of-vocabulary `.bin`), the run
 and checkpoint directories (a file where a directory belongs), what a resume would load (a path that
 is no hybridpar checkpoint, such as a Hugging Face model directory, or a checkpoint of another model) and
@@ -22,6 +23,7 @@ from pathlib import Path
 
 from hybridpar.config import Config
 from hybridpar.config.keys import _known_keys, _owner
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.sinks import missing_packages
 
 
@@ -45,7 +47,7 @@ def preflight(
     preflight_config(cfg)
     notes: list[str] = []
     if world is None:
-        cfg.validate()
+        validate_config(cfg)
     else:
         if cfg.parallel.auto:  # the launch planned the layout; a re-plan asks the planner again
             from hybridpar.plan.launch import replan_with_planner
@@ -53,7 +55,7 @@ def preflight(
             cfg, note = layout_for_world(cfg, world, restart_count, replan_with_planner)
         else:
             cfg, note = layout_for_world(cfg, world, restart_count)
-        cfg.validate(world_size=world)
+        validate_config(cfg, world_size=world)
         notes += [note] if note else []
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)
         parse_faults(cfg.emulate.fault, world)
@@ -74,7 +76,7 @@ def preflight_config(cfg: Config) -> None:
     first, fastest part of `preflight`). Fills in the model's shape from that config.json."""
     resolve_init_from(cfg)
     _check_finite(cfg)
-    cfg.validate()
+    validate_config(cfg)
 
 
 def resolve_init_from(cfg: Config) -> None:

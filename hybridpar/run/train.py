@@ -27,6 +27,8 @@ from hybridpar.model.hf import StateSource
 from hybridpar.model.optim import lr_at
 from hybridpar.model.registry import empty_stage, load_stage_
 from hybridpar.model.stage import generate
+from hybridpar.pipeline.schedules import stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.log import run_log
 from hybridpar.report.metrics import MetricsWriter, Progress
 from hybridpar.report.profile import StepProfiler
@@ -71,7 +73,7 @@ def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
             "tp": p.tp,
             "pp": p.pp,
             "dp": p.dp,
-            "virtual_stages": p.chunks,
+            "virtual_stages": stages_per_rank(p),
             "world_size": trainer.topo.dims.world_size,
         },
         "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
@@ -185,7 +187,7 @@ def _train(
     p = cfg.parallel
     if topo is None:
         topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
-    cfg.validate(world_size=topo.dims.world_size)
+    validate_config(cfg, world_size=topo.dims.world_size)
     run_id, token = own_run(cfg, topo, held)
     if topo.rank == 0:  # the run as it runs (layout re-planned, defaults filled in): --config reads it back
         write_text_atomic(Path(cfg.run_dir) / "config.toml", to_toml(cfg))

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from hybridpar.balance.live import plane_groups
 from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
-from hybridpar.config.schedules import schedule_spec
 from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
 from hybridpar.dataparallel.zero import ShardedAdamW
 from hybridpar.model.hf import SafetensorsDir
@@ -33,12 +32,13 @@ from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
 from hybridpar.pipeline.runtime import PipelineRuntime
+from hybridpar.pipeline.schedules import schedule_spec, stage_count, stages_per_rank
 from hybridpar.topology.mesh import Topology
 
 
 def layer_partition(cfg: Config) -> list[range]:
     """The starting partition of layers into pipeline stages (`parallel.partition`)."""
-    m, n_stages = cfg.model, cfg.parallel.n_stages
+    m, n_stages = cfg.model, stage_count(cfg.parallel)
     if cfg.parallel.partition == "uniform":
         return partition_uniform(m.n_layers, n_stages)
     if cfg.parallel.partition == "cost":
@@ -67,8 +67,8 @@ class ModelParallel:
 
 def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> ModelParallel:
     p, t = cfg.parallel, cfg.train
-    n_stages = p.n_stages
-    stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, p.chunks)
+    n_stages = stage_count(p)
+    stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p))
     tp_group = topo.group("tp") if p.tp > 1 else None
     # model.init_from: each rank reads only its stages' tensors, and of those only its tp slices.
     hf = SafetensorsDir(cfg.model.init_from) if cfg.model.init_from else None

@@ -32,7 +32,7 @@ from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
 from hybridpar.dataparallel.zero import full_optimizer_state
 from hybridpar.model.optim import lr_at, set_lr
 from hybridpar.pipeline.runtime import forward_actions
-from hybridpar.pipeline.schedules import Action, build_schedule
+from hybridpar.pipeline.schedules import Action, build_schedule, stages_per_rank
 from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
 from hybridpar.topology.mesh import Topology
 from hybridpar.trainer.build import build_data_parallel, build_model_parallel, build_optimizer, layer_partition
@@ -103,7 +103,7 @@ class Trainer:
         """This rank's action list for `count` microbatches (built once per count: adaptive plans vary it)."""
         if count not in self._actions:
             p = self.cfg.parallel
-            acts = build_schedule(p.schedule, p.pp, p.chunks, count, p.recv_lookahead)[self.topo.pp_rank]
+            acts = build_schedule(p.schedule, p.pp, stages_per_rank(p), count, p.recv_lookahead)[self.topo.pp_rank]
             self._actions[count] = (acts, forward_actions(acts))
         return self._actions[count][0 if train else 1]
 
@@ -113,7 +113,7 @@ class Trainer:
         planned = self.plan.sizes[self.topo.dp_rank]
         if planned not in self._orders:
             p = self.cfg.parallel
-            self._orders[planned] = pipeline_order(planned, p.schedule, p.pp, p.chunks)
+            self._orders[planned] = pipeline_order(planned, p.schedule, p.pp, stages_per_rank(p))
         sizes = self._orders[planned]
         xs = list(torch.split(x.to(self.topo.device), sizes))
         ys = list(torch.split(y.to(self.topo.device), sizes))
