@@ -9,6 +9,9 @@ psutil's resident set size of this process. The OS offers no resettable RSS high
 CPU peak is the maximum of the samples taken (`PeakTracker`): it is exact only at the granularity the
 caller polls at (the runtime can poll once per action). `ru_maxrss` is the kernel's own lifetime
 high-water mark, reported beside it as a second opinion that never resets.
+
+`MonitorDuty` gathers every rank's reading into the step's record, as a duty of the training loop
+(trainer/duty.py).
 """
 
 from __future__ import annotations
@@ -22,7 +25,25 @@ from typing import Any, Mapping, Protocol, Sequence
 import psutil
 import torch
 
+from hybridpar.config import Config
+from hybridpar.pipeline.runtime import PipelineRuntime, StepOutput
 from hybridpar.pipeline.schedules import COMPUTE_OPS, Action
+from hybridpar.topology.collectives import all_gather_json
+from hybridpar.topology.mesh import Topology
+
+
+class MonitoredStep(Protocol):
+    """What `MonitorDuty` reads of the trainer (trainer/step.py's `Trainer` has it): a protocol, so that
+    balance/ stays a layer below the trainer."""
+
+    cfg: Config
+    topo: Topology
+    runtime: PipelineRuntime
+    last_output: StepOutput
+    monitor: DeviceMonitor
+    p2p: Any  # pipeline/p2p.py's P2P: its per-link statistics
+    memory: dict[str, int]
+    policy: Any  # batching/policy.py's microbatch policy: its statistics()
 
 
 @dataclass(frozen=True)
@@ -236,3 +257,30 @@ def aggregate(samples: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
     for k in keys:
         out[k] = [s.get(k) for s in samples]
     return out
+
+
+class MonitorDuty:
+    """Collective, every train.monitor_every steps: every rank's device reading, link traffic, stage times
+    and memory at the step's peak, as one field per rank in the step's record, with the microbatch
+    policy's statistics; then the peak counters start again."""
+
+    def __init__(self, trainer: MonitoredStep) -> None:
+        self.trainer, self.every = trainer, trainer.cfg.train.monitor_every
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, rec: dict[str, Any]) -> bool:
+        if not (self.every and (step + 1) % self.every == 0):
+            return False
+        tr = self.trainer
+        mine = tr.monitor.record(tr.last_output, tr.p2p)
+        mine["activation_peak_bytes"] = tr.runtime.meter.peak  # this rank's, for this step
+        mine["memory"] = tr.memory  # bytes per component at the step's peak (trainer/held.py)
+        rec["monitor"] = aggregate(all_gather_json(mine, tr.topo.device))
+        rec["batching"] = tr.policy.statistics()
+        tr.monitor.reset_peak()
+        return False
+
+    def finish(self) -> None:
+        pass

@@ -195,41 +195,9 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
         raise RuntimeError(f"the fault-free reference run did not finish ({ref.end}, exit {ref.code}): see {log}")
     ref_losses = {r["step"]: r["loss"] for r in ref_metrics if "loss" in r}
     plan = plan_faults(n_faults, steps, seed, world=2 * tp)
-    kills, foreign = list(plan.launcher_kills), list(plan.foreign)
-    launches: list[Launch] = []
-    refused = tried = 0
     load0 = round(os.getloadavg()[0], 2)
-    run_id = None
     t0 = time.time()
-    # Each launch ends finished, preempted or killed; a failure or a timeout ends the soak (and fails it).
-    while len(launches) < 3 + len(plan.launcher_kills) + sum(":term@" in f for f in plan.worker):
-        kill = kills[0] if kills else (None, 0.0)
-        flags = soak_flags(
-            run_dir,
-            steps,
-            tp,
-            **{
-                "resilience.max_restarts": n_faults + 5,
-                "emulate.fault": ",".join(plan.worker),
-                "checkpoint.resume": "auto" if launches else "off",
-            },
-        )
-        launch = run_launch(flags, run_dir, log, launch_timeout_s, *kill)
-        launches.append(launch)
-        run_id = run_id or run_id_of(run_dir)  # None until a launch got as far as claiming the directory
-        if launch.end == "launcher_killed":
-            kills.pop(0)
-        going_on = launch.end in ("preempted", "launcher_killed")
-        done = steps_checkpointed(run_dir)
-        for f in [f for f in foreign if f <= done or not going_on]:  # between launches (after the last: all)
-            foreign.remove(f)
-            tried += 1
-            other = soak_flags(
-                run_dir, steps, tp, **{"train.seed": Config().train.seed + tried, "checkpoint.resume": "off"}
-            )
-            refused += foreign_run_refused(other, run_dir, log)
-        if not going_on:
-            break
+    launches, run_id, tried, refused = _soak_launches(run_dir, log, plan, n_faults, steps, tp, launch_timeout_s)
     wall = time.time() - t0
     metrics = jsonl(run_dir / "metrics.jsonl")
     step_recs = [r for r in metrics if "loss" in r and "step" in r]
@@ -265,6 +233,47 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
         "faults": fired,
         "launch_log": [asdict(x) for x in launches],
     }
+
+
+def _soak_launches(
+    run_dir: Path, log: Path, plan: SoakPlan, n_faults: int, steps: int, tp: int, launch_timeout_s: float
+) -> tuple[list[Launch], str | None, int, int]:
+    """The soak's launches on `run_dir`, with the foreign runs tried between them: (the launches, the run's
+    id, foreign runs tried, foreign runs refused)."""
+    kills, foreign = list(plan.launcher_kills), list(plan.foreign)
+    launches: list[Launch] = []
+    refused = tried = 0
+    run_id = None
+    # Each launch ends finished, preempted or killed; a failure or a timeout ends the soak (and fails it).
+    while len(launches) < 3 + len(plan.launcher_kills) + sum(":term@" in f for f in plan.worker):
+        kill = kills[0] if kills else (None, 0.0)
+        flags = soak_flags(
+            run_dir,
+            steps,
+            tp,
+            **{
+                "resilience.max_restarts": n_faults + 5,
+                "emulate.fault": ",".join(plan.worker),
+                "checkpoint.resume": "auto" if launches else "off",
+            },
+        )
+        launch = run_launch(flags, run_dir, log, launch_timeout_s, *kill)
+        launches.append(launch)
+        run_id = run_id or run_id_of(run_dir)  # None until a launch got as far as claiming the directory
+        if launch.end == "launcher_killed":
+            kills.pop(0)
+        going_on = launch.end in ("preempted", "launcher_killed")
+        done = steps_checkpointed(run_dir)
+        for f in [f for f in foreign if f <= done or not going_on]:  # between launches (after the last: all)
+            foreign.remove(f)
+            tried += 1
+            other = soak_flags(
+                run_dir, steps, tp, **{"train.seed": Config().train.seed + tried, "checkpoint.resume": "off"}
+            )
+            refused += foreign_run_refused(other, run_dir, log)
+        if not going_on:
+            break
+    return launches, run_id, tried, refused
 
 
 def checkpoint_cost(work: Path, steps: int) -> dict[str, Any]:

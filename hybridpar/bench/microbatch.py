@@ -35,15 +35,24 @@ import time
 from typing import Any, Iterator
 
 from hybridpar.pipeline.schedules import schedule_names
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
 
 
-def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
-    import torch
-    import torch.distributed as dist
+class _Steps:
+    """Runs the trainer's next `n` steps (step numbers go on across the phases) and returns their records."""
 
-    from hybridpar.batching.fixed import FixedPolicy
-    from hybridpar.batching.policy import count_rules, make_policy
+    def __init__(self, tr: Any) -> None:
+        self.tr, self.step = tr, 0
+
+    def __call__(self, n: int) -> list[dict]:
+        out = [self.tr.step(s) for s in range(self.step, self.step + n)]
+        self.step += n
+        return out
+
+
+def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
+    from hybridpar.batching.policy import count_rules
     from hybridpar.config import Config
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
@@ -52,40 +61,61 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     p, t = cfg.parallel, cfg.train
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
     tr = Trainer(cfg, topo)
-    step = 0
-
-    def run(n: int) -> list[dict]:
-        nonlocal step
-        out = [tr.step(s) for s in range(step, step + n)]
-        step += n
-        return out
-
+    run = _Steps(tr)
     batch = t.global_batch // p.dp
     least, multiple = count_rules(cfg)
     counts = [m for m in range(least, batch + 1) if m % multiple == 0]
-    fixed: dict[int, list[float]] = {m: [] for m in counts}
-    peak: dict[int, int] = {}
     run(a["warmup"])
     clock = [time.perf_counter()]  # phase boundaries: sweep, settling, comparison
+    sweep = _sweep(tr, run, batch, counts, a)
+    clock.append(time.perf_counter())
+    settle = _settle(cfg, tr, run, a)
+    clock.append(time.perf_counter())
+    sweep |= _finalists(settle, sweep)
+    cmp = _compare(tr, run, settle["adaptive"], batch, sweep["finalists"], a)
+    tr.policy = settle["adaptive"]
+    clock.append(time.perf_counter())
+    if topo.rank != 0:
+        return None
+    return _result(cfg, tr, sweep, settle, cmp, clock)
+
+
+def _sweep(tr: Any, run: _Steps, batch: int, counts: list[int], a: dict) -> dict[str, Any]:
+    """Every fixed split in interleaved rounds: tokens/s of each step ("fixed") and the activation peak
+    ("peak") per microbatch count."""
+    from hybridpar.batching.fixed import FixedPolicy
+
+    fixed: dict[int, list[float]] = {m: [] for m in counts}
+    peak: dict[int, int] = {}
     for _ in range(a["rounds"]):
         for m in counts:
             tr.policy = FixedPolicy(batch, count=m)
             recs = run(1 + a["steps_per_split"])[1:]  # first step after a change: new shapes, allocations
             fixed[m] += [r["tokens_per_s"] for r in recs]
             peak[m] = max([peak.get(m, 0)] + [r["activation_peak_bytes"] for r in recs])
-    clock.append(time.perf_counter())
+    return {"fixed": fixed, "peak": peak}
+
+
+def _settle(cfg: Any, tr: Any, run: _Steps, a: dict) -> dict[str, Any]:
+    """The adaptive policy from a cold start until it settles: the policy ("adaptive"), the records of its
+    steps ("recs"), its statistics ("stats") and its counters ("settled"), from which the comparison's count."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.batching.policy import make_policy
+
     cfg.batching.policy = "adaptive"
     if a["memory_budget"] is not None:
         cfg.batching.memory_budget = a["memory_budget"]
     tr.policy = make_policy(
         cfg,
-        topo.dp_rank,
+        tr.topo.dp_rank,
         memory_total_bytes=tr.monitor.sample().memory_total_bytes,
         resident_bytes=tr.monitor.sample().memory_used_bytes,
     )
     adaptive = tr.policy
     recs: list[dict] = []
-    while True:  # until it settles; rank 0 decides, as for the rounds below
+    while True:  # until it settles; rank 0 decides, as for the rounds of the comparison
         recs += run(1)
         flag = torch.tensor([float(not adaptive.exploring or len(recs) >= a["adaptive_steps"])])
         dist.broadcast(flag, 0)
@@ -93,10 +123,18 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
             break
     stats = adaptive.statistics()
     settled = {k: stats[k] for k in ("rounds", "rechecks", "explore_steps")} | {"drifts": len(stats["drifts"])}
-    clock.append(time.perf_counter())
-    budget = stats["memory_budget_bytes"]
-    med = {m: statistics.median(v) for m, v in fixed.items()}
-    allowed = [m for m in counts if budget is None or peak[m] <= budget]
+    return {"adaptive": adaptive, "recs": recs, "stats": stats, "settled": settled}
+
+
+def _finalists(settle: dict[str, Any], sweep: dict[str, Any]) -> dict[str, Any]:
+    """The fixed splits within the memory budget ("allowed") and those the comparison runs ("finalists"):
+    the sweep's best two and the policy's own."""
+    import torch
+    import torch.distributed as dist
+
+    adaptive, budget, peak = settle["adaptive"], settle["stats"]["memory_budget_bytes"], sweep["peak"]
+    med = {m: statistics.median(v) for m, v in sweep["fixed"].items()}
+    allowed = [m for m in sweep["fixed"] if budget is None or peak[m] <= budget]
     finalists = sorted(allowed, key=lambda m: med[m], reverse=True)[:2]
     # The policy's own choice run as a fixed split too (when the sweep did not rank it top two): a noisy
     # sweep must not hand the policy a weak baseline; the best fixed split is then at least its split.
@@ -104,7 +142,16 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
     # Each rank timed the sweep itself: rank 0's finalists for all, or ranks would run different splits.
     chosen = torch.tensor(finalists + [0] * (3 - len(finalists)))
     dist.broadcast(chosen, 0)
-    finalists = [int(m) for m in chosen if m > 0]
+    return {"allowed": allowed, "finalists": [int(m) for m in chosen if m > 0]}
+
+
+def _compare(tr: Any, run: _Steps, adaptive: Any, batch: int, finalists: list[int], a: dict) -> dict[str, Any]:
+    """The steady state: rounds of blocks, the settled policy against the finalists, until precise enough."""
+    import torch
+    import torch.distributed as dist
+
+    from hybridpar.batching.fixed import FixedPolicy
+
     # Every rank must run the same number of rounds: rank 0's measurements decide when to stop.
     contenders: list[tuple[str, Any]] = [("adaptive", adaptive)] + [
         (f"fixed{m}", FixedPolicy(batch, count=m)) for m in finalists
@@ -141,10 +188,30 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
             break
         dropped += [m for m, f in zip(finalists, flag[1:].tolist()) if f and m not in dropped]
         contenders = [(n, q) for n, q in contenders if n == "adaptive" or int(n[5:]) not in dropped]
-    tr.policy = adaptive
-    clock.append(time.perf_counter())
-    if topo.rank != 0:
-        return None
+    return {
+        "blocks": blocks,
+        "used": used,
+        "off_rounds": off_rounds,
+        "rounds": rounds,
+        "dropped": dropped,
+        "best": best,
+        "ratios": ratios,
+        "verdict": v,
+    }
+
+
+def _result(
+    cfg: Any, tr: Any, sweep: dict[str, Any], settle: dict[str, Any], cmp: dict[str, Any], clock: list[float]
+) -> dict[str, Any]:
+    """Rank 0's record of the whole measurement."""
+    from hybridpar.batching.fixed import FixedPolicy
+
+    p, t = cfg.parallel, cfg.train
+    batch = t.global_batch // p.dp
+    peak, allowed = sweep["peak"], sweep["allowed"]
+    med = {m: statistics.median(v) for m, v in sweep["fixed"].items()}
+    adaptive, stats, settled, recs = settle["adaptive"], settle["stats"], settle["settled"], settle["recs"]
+    blocks, best = cmp["blocks"], cmp["best"]
     done, fixed_tps = stats["steps_to_converge"], statistics.median(blocks[f"fixed{best}"])
     cold = sum(r["tokens_per_s"] * r["step_time_s"] for r in recs) / sum(r["step_time_s"] for r in recs)
     return {
@@ -161,25 +228,25 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
                 "peak_activation_bytes": peak[m],
                 "within_budget": m in allowed,
             }
-            for m in counts
+            for m in sweep["fixed"]
         ],
         "best_fixed_microbatches": best,
-        "compared_fixed_microbatches": finalists,
-        "dropped_fixed_microbatches": dropped,  # shown >5% slower than the best: not run to the end
+        "compared_fixed_microbatches": sweep["finalists"],
+        "dropped_fixed_microbatches": cmp["dropped"],  # shown >5% slower than the best: not run to the end
         "best_fixed_sweep_tokens_per_s": med[best],
         "best_fixed_tokens_per_s": fixed_tps,
         "adaptive_tokens_per_s": statistics.median(blocks["adaptive"]),
-        **v,
-        "compare_rounds": rounds,
-        "round_ratios": ratios,
+        **cmp["verdict"],
+        "compare_rounds": cmp["rounds"],
+        "round_ratios": cmp["ratios"],
         "adaptive_split": adaptive.statistics()["current_split"],
         # Settled on the best fixed split itself: the steady-state ratio is then 1 but for the policy's
         # own overhead, and the measured one is the machine's noise.
         "adaptive_on_best_fixed_split": adaptive.statistics()["current_split"] == FixedPolicy(batch, count=best).split,
-        "adaptive_compare_splits": sorted(used),
+        "adaptive_compare_splits": sorted(cmp["used"]),
         # What the settled policy raced while compared: its re-checks and drift re-scans are part of its
         # steady-state cost, and these say how much of the comparison they touched.
-        "adaptive_off_split_rounds": off_rounds,
+        "adaptive_off_split_rounds": cmp["off_rounds"],
         "adaptive_compare_rechecks": adaptive.rechecks - settled["rechecks"],
         "adaptive_compare_rescans": adaptive.rounds - settled["rounds"],
         "adaptive_compare_explore_steps": adaptive.explore_steps - settled["explore_steps"],
@@ -192,7 +259,7 @@ def _worker(cfg_dict: dict, a: dict) -> dict[str, Any] | None:
         # the comparison (measured later: machine drift between the two phases is not cancelled).
         "cold_start_tokens_per_s": cold,
         "cold_start_ratio": cold / fixed_tps,
-        "memory_budget_bytes": budget,
+        "memory_budget_bytes": stats["memory_budget_bytes"],
         "peak_memory_bytes": max(r["activation_peak_bytes"] for r in recs),
         "oom_retries": tr.oom_retries,
         "adaptive_history": stats["history"],
@@ -292,7 +359,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp, cfg.parallel.schedule = tp, pp, dp, a.schedule
         cfg.train.global_batch, cfg.train.microbatches = a.global_batch, max(pp, 1)
         cfg.train.val_every = cfg.train.monitor_every = 0
-        cfg.validate(tp * pp * dp)
+        validate_config(cfg, tp * pp * dp)
         load_before = os.getloadavg()
         with background_load(a.background_load):
             rec = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), vars(a), timeout_s=3600)[0]

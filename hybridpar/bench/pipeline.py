@@ -198,65 +198,10 @@ def make_cases(a: argparse.Namespace) -> list[Case]:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench pipeline", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--mode", choices=("compute", "emulated", "both"), default="emulated")
-    ap.add_argument(
-        "--pp",
-        type=lambda v: [int(x) for x in v.split(",") if x],
-        default=[2, 4],
-        help="pipeline sizes, comma-separated",
-    )
-    ap.add_argument("--microbatches", type=int, default=8)
-    ap.add_argument(
-        "--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {', '.join(schedule_names())}"
-    )
-    ap.add_argument(
-        "--virtual-stages",
-        type=int,
-        default=2,
-        help="stages per rank for the schedules that take any count ("
-        + ", ".join(s for s in schedule_names() if schedule_spec(s).virtual_stages is None)
-        + "); the others run their own",
-    )
-    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (median)")
-    ap.add_argument("--steps", type=int, default=4, help="steps per repeat")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation (first one checked)")
-    ap.add_argument("--f-ms", type=float, default=20.0, help="emulated forward ms per microbatch per rank")
-    ap.add_argument("--b-ms", type=float, default=40.0, help="emulated backward ms per microbatch per rank")
-    ap.add_argument(
-        "--w-ms",
-        type=float,
-        default=None,
-        help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
-        "(default: half of --b-ms)",
-    )
-    ap.add_argument(
-        "--window-tail",
-        choices=TAILS,
-        default="autograd",
-        help="emulated: what a window's last ms runs: tiny autograd work (caches as warm as "
-        "after real compute) or a bare spin (see emulated.TAILS)",
-    )
-    ap.add_argument(
-        "--p2p",
-        choices=TRANSPORTS,
-        default="auto",
-        help="our runtime's message transport: auto = shared memory between CPU ranks on one "
-        "host, else the process group (torch's schedules always use the process group)",
-    )
-    ap.add_argument(
-        "--cpu-bind",
-        choices=CPU_BINDINGS,
-        default="none",
-        help="each rank's CPU cores, for both implementations: none (the OS schedules) or "
-        "cores (rank r on its own share; more ranks than cores: core r %% n)",
-    )
-    ap.add_argument(
-        "--backend",
-        choices=("gloo", "nccl"),
-        default="gloo",
-        help="process group of both implementations: gloo (CPU) or nccl (one GPU per rank, compute mode; "
-        "no bubble is measured there, only steps/s)",
-    )
+    # In the order --help lists them.
+    _add_case_args(ap)
+    _add_timing_args(ap)
+    _add_rank_args(ap)
     ap.add_argument("--act-kb", type=float, default=256.0, help="emulated activation KiB per microbatch")
     ap.add_argument("--global-batch", type=int, default=None, help="sequences per step (default 2 x microbatches)")
     ap.add_argument("--seq-len", type=int, default=128)
@@ -278,6 +223,77 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     ap.add_argument("--json", default=None, help="write the records to FILE ('-': stdout)")
     return ap.parse_args(argv)
+
+
+def _add_case_args(ap: argparse.ArgumentParser) -> None:
+    """Which cases: modes, pipeline sizes, schedules and their microbatches and virtual stages."""
+    ap.add_argument("--mode", choices=("compute", "emulated", "both"), default="emulated")
+    ap.add_argument(
+        "--pp",
+        type=lambda v: [int(x) for x in v.split(",") if x],
+        default=[2, 4],
+        help="pipeline sizes, comma-separated",
+    )
+    ap.add_argument("--microbatches", type=int, default=8)
+    ap.add_argument(
+        "--schedules", default="gpipe,1f1b,interleaved-1f1b", help=f"comma-separated of {', '.join(schedule_names())}"
+    )
+    ap.add_argument(
+        "--virtual-stages",
+        type=int,
+        default=2,
+        help="stages per rank for the schedules that take any count ("
+        + ", ".join(s for s in schedule_names() if schedule_spec(s).virtual_stages is None)
+        + "); the others run their own",
+    )
+
+
+def _add_timing_args(ap: argparse.ArgumentParser) -> None:
+    """How each case is timed, and what an emulated action sleeps."""
+    ap.add_argument("--repeats", type=int, default=5, help="timed repeats per implementation (median)")
+    ap.add_argument("--steps", type=int, default=4, help="steps per repeat")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps per implementation (first one checked)")
+    ap.add_argument("--f-ms", type=float, default=20.0, help="emulated forward ms per microbatch per rank")
+    ap.add_argument("--b-ms", type=float, default=40.0, help="emulated backward ms per microbatch per rank")
+    ap.add_argument(
+        "--w-ms",
+        type=float,
+        default=None,
+        help="zero-bubble schedules: the weight-gradient share (W) of --b-ms; B sleeps the rest "
+        "(default: half of --b-ms)",
+    )
+    ap.add_argument(
+        "--window-tail",
+        choices=TAILS,
+        default="autograd",
+        help="emulated: what a window's last ms runs: tiny autograd work (caches as warm as "
+        "after real compute) or a bare spin (see emulated.TAILS)",
+    )
+
+
+def _add_rank_args(ap: argparse.ArgumentParser) -> None:
+    """How the ranks run and talk: message transport, CPU cores, process-group backend."""
+    ap.add_argument(
+        "--p2p",
+        choices=TRANSPORTS,
+        default="auto",
+        help="our runtime's message transport: auto = shared memory between CPU ranks on one "
+        "host, else the process group (torch's schedules always use the process group)",
+    )
+    ap.add_argument(
+        "--cpu-bind",
+        choices=CPU_BINDINGS,
+        default="none",
+        help="each rank's CPU cores, for both implementations: none (the OS schedules) or "
+        "cores (rank r on its own share; more ranks than cores: core r %% n)",
+    )
+    ap.add_argument(
+        "--backend",
+        choices=("gloo", "nccl"),
+        default="gloo",
+        help="process group of both implementations: gloo (CPU) or nccl (one GPU per rank, compute mode; "
+        "no bubble is measured there, only steps/s)",
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -10,6 +10,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -35,6 +36,9 @@ from hybridpar.pipeline.schedules import Action, Op, bubble_fraction_theory, bui
 from hybridpar.pipeline.simulate import sim_trace
 from hybridpar.pipeline.trace import Slice, chrome_trace, merge_traces, write_trace
 from hybridpar.topology.spawn import run_ranks
+
+if TYPE_CHECKING:
+    from hybridpar.topology.mesh import Topology
 
 EMULATED_VOCAB = 16
 LOSS_RTOL = 1e-5
@@ -152,148 +156,179 @@ def _torch_schedule(
 def _case_worker(cd: dict) -> dict:
     """One rank of a case: build both implementations, check them, measure the per-hop costs, time
     alternating repeats."""
-    from hybridpar.pipeline.p2p import P2P
-    from hybridpar.report.step_trace import step_slices
     from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.topology.mesh import build_topology
 
     c = Case(**cd)
     bind_local_rank(c.cpu_bind)  # before the process group starts its threads
     topo = build_topology(1, c.pp, 1, c.backend, c.timeout_s)
-    r, dev, n = topo.pp_rank, topo.device, c.n_stages
-    local = [s for s, rank in enumerate(c.stage_ranks) if rank == r]  # the same placement for both
-    emulated = c.mode == "emulated"
-    timer, log = BusyTimer(), SleepLog()
-    # Emulated: busy time is the time slept (SleepLog), for both implementations alike; compute: the
-    # Timed instrumentation around each stage module.
-    wrap = (lambda mod: mod) if emulated else (lambda mod: Timed(mod, timer))
-    ours = {s: wrap(_build(c, s, dev, log)) for s in local}
-    theirs = {s: wrap(_build(c, s, dev, log)) for s in local}  # same seed: identical parameters
-    x, y = (t.to(dev) for t in _batch(c))
-    # The order our runtime runs unequal microbatches in (torch's schedules cannot run them at all).
-    sizes = pipeline_order(split_evenly(c.global_batch, c.m), c.schedule, c.pp, c.v)
-    xs, ys = list(torch.split(x, sizes)), list(torch.split(y, sizes))
-    scale = 1.0 / (c.global_batch * c.seq_len)
+    rank = _CaseRank(c, topo)
+    res = rank.check()
+    rank.timed(res)
+    return res
 
-    actions = _actions(c)[r]
-    p2p = RecordingP2P(dev, torch.float32, c.timeout_s, transport=c.p2p)
-    # One loss for both, the runtime's; emulated, it runs inside the last stage's windows.
-    loss_ours = loss_theirs = token_cross_entropy
-    if emulated and n - 1 in local:
-        loss_ours, loss_theirs = windowed_loss(ours[n - 1], loss_ours), windowed_loss(theirs[n - 1], loss_theirs)
-    runtime = PipelineRuntime(ours, n, lambda s: topo.pp_peer(c.stage_ranks[s]), p2p, c.hidden, loss_ours)
-    timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
-    samples = StepSamples()
-    last_out: list = [None]  # StepOutput of our latest step
-    posted_at: list = [None]  # posting_points of our latest timed step
-    path_steps: list = []  # ours, every timed step: (start, end, windows, waits) for critical_path
 
-    def step_ours() -> float | None:
-        out = runtime.run(actions, xs, ys, scale)
-        timeline_busy[0] += sum(t.end - t.start for t in out.timeline if t.action.is_compute) - sum(
+def _zero(mods: dict[int, nn.Module]) -> None:
+    for mod in mods.values():
+        for p in mod.parameters():
+            p.grad = None
+
+
+class _CaseRank:
+    """One rank's share of a case: both implementations over the same stages and batch, and what our
+    timed steps recorded (busy times, per-action samples, critical-path windows, posting points)."""
+
+    def __init__(self, c: Case, topo: Topology) -> None:
+        self.c, self.topo = c, topo
+        r, dev, n = topo.pp_rank, topo.device, c.n_stages
+        self.r, self.dev = r, dev
+        self.local = local = [s for s, rank in enumerate(c.stage_ranks) if rank == r]  # the same placement for both
+        self.emulated = c.mode == "emulated"
+        self.timer, self.log = BusyTimer(), SleepLog()
+        # Emulated: busy time is the time slept (SleepLog), for both implementations alike; compute: the
+        # Timed instrumentation around each stage module.
+        wrap = (lambda mod: mod) if self.emulated else (lambda mod: Timed(mod, self.timer))
+        self.ours = {s: wrap(_build(c, s, dev, self.log)) for s in local}
+        self.theirs = {s: wrap(_build(c, s, dev, self.log)) for s in local}  # same seed: identical parameters
+        self.x, self.y = (t.to(dev) for t in _batch(c))
+        # The order our runtime runs unequal microbatches in (torch's schedules cannot run them at all).
+        self.sizes = pipeline_order(split_evenly(c.global_batch, c.m), c.schedule, c.pp, c.v)
+        self.xs, self.ys = list(torch.split(self.x, self.sizes)), list(torch.split(self.y, self.sizes))
+        self.scale = 1.0 / (c.global_batch * c.seq_len)
+
+        self.actions = _actions(c)[r]
+        self.p2p = RecordingP2P(dev, torch.float32, c.timeout_s, transport=c.p2p)
+        # One loss for both, the runtime's; emulated, it runs inside the last stage's windows.
+        loss_ours = self.loss_theirs = token_cross_entropy
+        if self.emulated and n - 1 in local:
+            loss_ours = windowed_loss(self.ours[n - 1], loss_ours)
+            self.loss_theirs = windowed_loss(self.theirs[n - 1], self.loss_theirs)
+        self.runtime = PipelineRuntime(
+            self.ours, n, lambda s: topo.pp_peer(c.stage_ranks[s]), self.p2p, c.hidden, loss_ours
+        )
+        self.timeline_busy = [0.0, 0.0]  # ours only: [compute actions minus receive waits inside them, W actions]
+        self.samples = StepSamples()
+        self.last_out = None  # StepOutput of our latest step
+        self.posted_at = None  # posting_points of our latest timed step
+        self.path_steps: list = []  # ours, every timed step: (start, end, windows, waits) for critical_path
+        self.sched, self.torch_error = _torch_schedule(c, self.theirs, topo.group("pp"), dev, self.torch_loss)
+        self.first, self.last = 0 in local, n - 1 in local
+
+    def step_ours(self) -> float | None:
+        out = self.runtime.run(self.actions, self.xs, self.ys, self.scale)
+        self.timeline_busy[0] += sum(t.end - t.start for t in out.timeline if t.action.is_compute) - sum(
             w.end - w.start for w in out.waits
         )
         # W (zero-bubble weight gradients) runs outside autograd, where Timed cannot see it: add its time.
-        timeline_busy[1] += sum(t.end - t.start for t in out.timeline if t.action.op.value == "W")
-        last_out[0] = out
+        self.timeline_busy[1] += sum(t.end - t.start for t in out.timeline if t.action.op.value == "W")
+        self.last_out = out
         return None if out.loss is None else float(out.loss)
 
-    def loss_fn(out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        return loss_theirs(out, target, scale)
+    def torch_loss(self, out: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return self.loss_theirs(out, target, self.scale)
 
-    sched, torch_error = _torch_schedule(c, theirs, topo.group("pp"), dev, loss_fn)
-    first, last = 0 in local, n - 1 in local
-
-    def step_torch() -> float | None:
+    def step_torch(self) -> float | None:
         losses: list[torch.Tensor] = []
-        kwargs = {"target": y, "losses": losses} if last else {}
-        sched.step(*((x,) if first else ()), return_outputs=False, **kwargs)
-        return float(sum(loss.detach() for loss in losses)) if last else None
+        kwargs = {"target": self.y, "losses": losses} if self.last else {}
+        self.sched.step(*((self.x,) if self.first else ()), return_outputs=False, **kwargs)
+        return float(sum(loss.detach() for loss in losses)) if self.last else None
 
-    def zero(mods: dict[int, nn.Module]) -> None:
-        for mod in mods.values():
-            for p in mod.parameters():
-                p.grad = None
+    def collect(self, n0: int, k0: int, ts: float) -> None:
+        """Ours, after a timed step that started at `ts`: its per-action costs (its own sleeps from log entry
+        `n0` on, and waits), its critical-path windows (emulated) and its posting points (from post `k0`)."""
+        out, log = self.last_out, self.log
+        te = time.perf_counter()
+        self.samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, te)
+        if self.emulated:
+            k = len(self.path_steps)
+            self.path_steps.append(
+                (
+                    ts,
+                    te,
+                    [_row(w) for w in windows_of(out.timeline, log.entries[n0:], k)],
+                    [_row(Window(w.action, 0.0, w.start, w.end, k)) for w in out.waits],
+                )
+            )
+        self.posted_at = posting_points(out.timeline, self.p2p.posts[k0:])
 
-    def measure(step_fn, mods, collect: bool) -> list[float]:
+    def measure(self, step_fn, mods, collect: bool) -> list[float]:
+        """One timed repeat of `c.steps` steps: [wall seconds, busy seconds, our timeline's compute seconds]."""
         dist.barrier()
-        timer.reset()
-        log.clear()
-        timeline_busy[:] = [0.0, 0.0]
+        self.timer.reset()
+        self.log.clear()
+        self.timeline_busy[:] = [0.0, 0.0]
         t0 = time.perf_counter()
-        for _ in range(c.steps):
-            n0, k0, ts = len(log.entries), len(p2p.posts), time.perf_counter()
-            zero(mods)
+        for _ in range(self.c.steps):
+            n0, k0, ts = len(self.log.entries), len(self.p2p.posts), time.perf_counter()
+            _zero(mods)
             step_fn()
-            if collect:  # ours: per-action costs of this step (the step's own sleeps and waits)
-                out = last_out[0]
-                te = time.perf_counter()
-                samples.add_step(out.timeline, out.waits, log.entries[n0:], ts, te)
-                if emulated:
-                    k = len(path_steps)
-                    path_steps.append(
-                        (
-                            ts,
-                            te,
-                            [_row(w) for w in windows_of(out.timeline, log.entries[n0:], k)],
-                            [_row(Window(w.action, 0.0, w.start, w.end, k)) for w in out.waits],
-                        )
-                    )
-                posted_at[0] = posting_points(out.timeline, p2p.posts[k0:])
-            p2p.posts.clear()
-        timer.close()
-        busy = log.busy_s() if emulated else timer.busy + timeline_busy[1]
+            if collect:
+                self.collect(n0, k0, ts)
+            self.p2p.posts.clear()
+        self.timer.close()
+        busy = self.log.busy_s() if self.emulated else self.timer.busy + self.timeline_busy[1]
         dist.barrier()
-        return [time.perf_counter() - t0, busy, timeline_busy[0]]
+        return [time.perf_counter() - t0, busy, self.timeline_busy[0]]
 
-    res: dict = {
-        "rank": r,
-        "device": dev.type,
-        "torch_error": torch_error,
-        "loss_ours": None,
-        "loss_torch": None,
-        "grad_rel_diff": None,
-        "ours": [],
-        "torch": [],
-    }
-    zero(ours)
-    res["loss_ours"] = step_ours()
-    if sched is not None:
-        zero(theirs)
-        res["loss_torch"] = step_torch()
-        diff = ref = 0.0
-        for s in local:
-            for po, pt in zip(ours[s].parameters(), theirs[s].parameters()):
-                diff = max(diff, float((po.grad - pt.grad).abs().max()))
-                ref = max(ref, float(po.grad.abs().max()))
-        res["grad_rel_diff"] = diff / max(ref, 1e-30)
-    for _ in range(c.warmup - 1):
-        step_ours()
-        if sched is not None:
-            step_torch()
-    # Per-hop latency on the live group with the runtime's P2P class: a slice before each timed repeat.
-    shape = (max(sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
-    probe, rtts = P2P(dev, torch.float32, c.timeout_s, transport=c.p2p), {}
-    for _ in range(c.repeats):
-        round_trips(
-            probe,
-            r,
-            neighbour_links(c.stage_ranks),
-            topo.pp_peer,
-            shape,
-            dist.barrier,
-            max(1, c.ping_pongs // c.repeats),
-            into=rtts,
-        )
-        res["ours"].append(measure(step_ours, ours, True))
-        if sched is not None:
-            res["torch"].append(measure(step_torch, theirs, False))
-    res["round_trips"], res["posted_at"], res["p2p"] = rtts, posted_at[0], p2p.transport
-    probe.close()
-    p2p.close()
-    res["samples"], res["path_steps"] = samples.to_dict(), path_steps
-    res["trace"] = step_slices(last_out[0], r, 0)  # the last timed step of ours
-    return res
+    def check(self) -> dict:
+        """The rank's record, begun with one step of each implementation: their losses and how far their
+        gradients differ."""
+        res: dict = {
+            "rank": self.r,
+            "device": self.dev.type,
+            "torch_error": self.torch_error,
+            "loss_ours": None,
+            "loss_torch": None,
+            "grad_rel_diff": None,
+            "ours": [],
+            "torch": [],
+        }
+        _zero(self.ours)
+        res["loss_ours"] = self.step_ours()
+        if self.sched is not None:
+            _zero(self.theirs)
+            res["loss_torch"] = self.step_torch()
+            diff = ref = 0.0
+            for s in self.local:
+                for po, pt in zip(self.ours[s].parameters(), self.theirs[s].parameters()):
+                    diff = max(diff, float((po.grad - pt.grad).abs().max()))
+                    ref = max(ref, float(po.grad.abs().max()))
+            res["grad_rel_diff"] = diff / max(ref, 1e-30)
+        return res
+
+    def timed(self, res: dict) -> None:
+        """Warm-up, then the timed repeats alternating the implementations, each after a slice of the per-hop
+        latency measurement; into `res`."""
+        from hybridpar.pipeline.p2p import P2P
+        from hybridpar.report.step_trace import step_slices
+
+        c, sched = self.c, self.sched
+        for _ in range(c.warmup - 1):
+            self.step_ours()
+            if sched is not None:
+                self.step_torch()
+        # Per-hop latency on the live group with the runtime's P2P class: a slice before each timed repeat.
+        shape = (max(self.sizes), c.seq_len, c.hidden)  # (b, T, hidden): the largest activation message
+        probe, rtts = P2P(self.dev, torch.float32, c.timeout_s, transport=c.p2p), {}
+        for _ in range(c.repeats):
+            round_trips(
+                probe,
+                self.r,
+                neighbour_links(c.stage_ranks),
+                self.topo.pp_peer,
+                shape,
+                dist.barrier,
+                max(1, c.ping_pongs // c.repeats),
+                into=rtts,
+            )
+            res["ours"].append(self.measure(self.step_ours, self.ours, True))
+            if sched is not None:
+                res["torch"].append(self.measure(self.step_torch, self.theirs, False))
+        res["round_trips"], res["posted_at"], res["p2p"] = rtts, self.posted_at, self.p2p.transport
+        probe.close()
+        self.p2p.close()
+        res["samples"], res["path_steps"] = self.samples.to_dict(), self.path_steps
+        res["trace"] = step_slices(self.last_out, self.r, 0)  # the last timed step of ours
 
 
 def _row(w: Window) -> list:

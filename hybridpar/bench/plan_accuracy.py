@@ -30,6 +30,7 @@ from typing import Any
 
 from hybridpar.config import Config
 from hybridpar.config.sections import CPU_BINDINGS
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.cost import CostModel, predict
 from hybridpar.plan.hardware import to_toml
 from hybridpar.plan.probe import describe
@@ -68,7 +69,7 @@ def layout_config(tp: int, pp: int, dp: int, schedule: str, m: int, cpu_bind: st
     p.tp, p.pp, p.dp, p.schedule, p.cpu_bind = tp, pp, dp, schedule, cpu_bind
     cfg.train.microbatches = m
     cfg.train.val_every = cfg.train.monitor_every = 0
-    cfg.validate(tp * pp * dp)
+    validate_config(cfg, tp * pp * dp)
     return cfg
 
 

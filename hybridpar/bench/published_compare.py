@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.pipeline.schedules import stages_per_rank
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.cost import CostModel, predict
 from hybridpar.plan.hardware import load_hardware
 from hybridpar.plan.memory_model import rank_memory
@@ -62,7 +63,7 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     search, the slow part at cluster scale, and leaves the choice fields None)."""
     hw = load_hardware(PLANNER_DOCS / row["cluster"])
     cfg = row_config(row)
-    cfg.validate(row["gpus"])
+    validate_config(cfg, row["gpus"])
     tokens = row["global_batch"] * row["seq_len"]
     rate, basis = tokens_per_s_per_gpu(row)
     model = CostModel(cfg.model, hw)

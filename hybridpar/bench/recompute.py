@@ -24,6 +24,7 @@ import time
 
 from hybridpar.bench import layout_config
 from hybridpar.config import Config
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
 
 MODES = ("none", "full", "selective")
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = layout_config(layout)
         tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
         cfg.train.seq_len, cfg.train.val_every, cfg.train.monitor_every = a.seq_len, 0, 0
-        cfg.validate(tp * pp * dp)
+        validate_config(cfg, tp * pp * dp)
         load_before = os.getloadavg()
         ranks = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.rounds, a.steps, timeout_s=1800)
         rec = ranks[0]

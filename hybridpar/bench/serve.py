@@ -159,7 +159,7 @@ def compare_dtypes(cfg: ServeConfig, model: ModelConfig, a: argparse.Namespace) 
     }
 
 
-def main(argv: list[str]) -> int:
+def parse_args(argv: list[str]) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench serve", description=__doc__.split("\n\n")[0])
     ap.add_argument("--replicas", type=int, default=2)
     ap.add_argument("--slow", type=float, default=2.0, help="EMULATION: replica 1 this many times slower (1 = off)")
@@ -176,7 +176,11 @@ def main(argv: list[str]) -> int:
         help="what the replicas serve in; both: fp32 against bf16 on one burst instead of the strategies",
     )
     ap.add_argument("--json", default=None, help="also write the results to this file")
-    a = ap.parse_args(argv)
+    return ap.parse_args(argv)
+
+
+def main(argv: list[str]) -> int:
+    a = parse_args(argv)
     strategies = [s for s in a.strategies.split(",") if s]
     bad = [s for s in strategies if s not in STRATEGIES]
     if bad or a.replicas < 2 or a.slow < 1 or not 0 < a.load or a.requests < 1 or a.repeats < 1:

@@ -384,136 +384,155 @@ def _search(
         raise ValueError(
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
-    planner = Planner(base, hw, memory)
-    memory = planner.memory
-    knobs = _held_knobs(base, hw, world, fixed or {})
-    if not knobs:
-        raise ValueError(_no_split(base, hw, world))
-    ranked = sorted(knobs, key=planner.estimate)  # likely fastest first: the k-th best falls early
-    floor = list(itertools.accumulate(reversed([planner.bound(k) for k in ranked]), min))[::-1]
-    groups: dict[tuple, list[dict[str, Any]]] = {}
-    for k in knobs:
-        groups.setdefault(_group(k), []).append(k)
-    misfits: dict[tuple, list[dict[str, Any]]] = {}  # per group, knobs found not to fit
-    fitted: set[tuple] = set()
-    found: list[Candidate] = []
-    smallest: tuple[int, int, str] | None = None  # (bytes, check number, layout) of the least misfit
-    # Layouts whose weights, optimizer state and activations overflow (MemoryModel.lower_bound) are misfits
-    # without their schedule's replay; their full need only names the smallest, so it is asked when read.
-    lower = getattr(memory, "lower_bound", None)
-    unpriced: list[tuple[int, Config]] = []
-    problems: list[str] = []
-    layouts: dict[tuple, Config | str] = {}  # validated layouts, or why not valid
-    built: dict[tuple, Config] = {}  # layouts built for the step bound, not validated yet
-    simulated = checked = 0
-    bound = ""
+    return _Search(base, hw, memory, world, top, prune).run(fixed or {})
 
-    def layout(k: dict[str, Any]) -> Config | str:
+
+class _Search:
+    """One search's state: the layouts built and validated so far, the misfits of each group, the layouts
+    found (fastest first) and what the result reports when none is."""
+
+    def __init__(self, base: Config, hw: Hardware, memory: Memory, world: int, top: int, prune: bool) -> None:
+        self.base, self.hw, self.world, self.top, self.prune = base, hw, world, top, prune
+        self.planner = Planner(base, hw, memory)
+        self.memory = self.planner.memory
+        self.misfits: dict[tuple, list[dict[str, Any]]] = {}  # per group, knobs found not to fit
+        self.fitted: set[tuple] = set()
+        self.found: list[Candidate] = []
+        self.smallest: tuple[int, int, str] | None = None  # (bytes, check number, layout) of the least misfit
+        # Layouts whose weights, optimizer state and activations overflow (MemoryModel.lower_bound) are misfits
+        # without their schedule's replay; their full need only names the smallest, so it is asked when read.
+        self.lower = getattr(self.memory, "lower_bound", None)
+        self.unpriced: list[tuple[int, Config]] = []
+        self.problems: list[str] = []
+        self.layouts: dict[tuple, Config | str] = {}  # validated layouts, or why not valid
+        self.built: dict[tuple, Config] = {}  # layouts built for the step bound, not validated yet
+        self.simulated = self.checked = 0
+        self.bound = ""
+
+    def run(self, fixed: dict[str, Any]) -> Plan:
+        knobs = _held_knobs(self.base, self.hw, self.world, fixed)
+        if not knobs:
+            raise ValueError(_no_split(self.base, self.hw, self.world))
+        ranked = sorted(knobs, key=self.planner.estimate)  # likely fastest first: the k-th best falls early
+        floor = list(itertools.accumulate(reversed([self.planner.bound(k) for k in ranked]), min))[::-1]
+        groups: dict[tuple, list[dict[str, Any]]] = {}
+        for k in knobs:
+            groups.setdefault(_group(k), []).append(k)
+        for i, k in enumerate(ranked):
+            if self.beaten(floor[i]):
+                break  # no layout from here on can be predicted faster than the k-th best
+            if self.beaten(self.planner.bound(k)) or self.step_beaten(k):
+                continue
+            self.consider(k, groups[_group(k)])
+        return self.result(len(knobs))
+
+    def consider(self, k: dict[str, Any], group: list[dict[str, Any]]) -> None:
+        """Simulate the layout of knobs `k` (of `group`) and rank it, unless it does not fit or is not worth it."""
+        g = _group(k)
+        if g not in self.misfits:  # first visit: if the group's most frugal variant does not fit, none does
+            self.misfits[g] = []
+            frugal = _frugal(k, group)
+            # Once a layout is found the misfits no longer name the smallest: the group's test only needs to
+            # rule it out, which the lower bound does without the schedule's replay (or leaves to its layouts).
+            if frugal in group and self.fits(frugal, full=not self.found) is None:
+                return
+        if any(_knob_key({**k, "recompute": r}) in self.fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
+            return  # recomputation only costs time: it is worth it only where less of it does not fit
+        fit = self.fits(k)
+        if fit is None:
+            if not self.found and not self.bound and (least := self.settled()) is not None:
+                self.bound = f"faster layouts need more memory ({least[2]}: {least[0] / GIB:.3g} GiB per device)"
+            return
+        cfg, per_rank = fit
+        self.fitted.add(_knob_key(k))
+        if k["partition"] == "cost" and self.planner.same_parts(cfg, _config(self.base, {**k, "partition": "params"})):
+            return  # the cost-balanced split is the parameter-balanced one: nothing new to rank
+        self.found.append(self.planner.evaluate(cfg, per_rank))
+        self.simulated += 1
+        self.found.sort(key=lambda c: c.prediction.step_s)
+
+    def result(self, n_knobs: int) -> Plan:
+        if not self.found:
+            if (least := self.settled()) is not None:
+                raise ValueError(
+                    f"no layout fits: the smallest needs {least[0] / GIB:.3g} GiB per device ({least[2]}), "
+                    f"the hardware has {self.hw.device_memory_gib:g}"
+                )
+            why = self.problems[0] if self.problems else "none enumerated"
+            raise ValueError(f"no layout of world {self.world} is valid: {why}")
+        found = self.found[: self.top]
+        _explain(found, self.bound)
+        return Plan(found, n_knobs, self.simulated, self.checked)
+
+    def layout(self, k: dict[str, Any]) -> Config | str:
         """The validated layout of knobs `k`, or why it is not valid: built once for the step bound and the
         memory check that both ask for it."""
         key = _knob_key(k)
-        if key not in layouts:
-            cfg = built.pop(key, None) or _config(base, k)
+        if key not in self.layouts:
+            cfg = self.built.pop(key, None) or _config(self.base, k)
             try:
-                validate_config(cfg, world)
-                layouts[key] = cfg
+                validate_config(cfg, self.world)
+                self.layouts[key] = cfg
             except ValueError as e:
-                layouts[key] = str(e)
-        return layouts[key]
+                self.layouts[key] = str(e)
+        return self.layouts[key]
 
-    def fits(k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
+    def fits(self, k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
         `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes."""
-        nonlocal checked
-        if any(_covers(x, k) for x in misfits.get(_group(k), ())):
+        if any(_covers(x, k) for x in self.misfits.get(_group(k), ())):
             return None
-        cfg = layout(k)
+        cfg = self.layout(k)
         if isinstance(cfg, str):
-            problems.append(cfg)
+            self.problems.append(cfg)
             return None
-        checked += 1
-        if lower is not None and lower(cfg, hw.device_memory_bytes) > hw.device_memory_bytes:
-            misfits.setdefault(_group(k), []).append(k)
-            unpriced.append((checked, cfg))  # its full need is asked only if `smallest` is read
+        self.checked += 1
+        limit = self.hw.device_memory_bytes
+        if self.lower is not None and self.lower(cfg, limit) > limit:
+            self.misfits.setdefault(_group(k), []).append(k)
+            self.unpriced.append((self.checked, cfg))  # its full need is asked only if `smallest` is read
             return None
-        if not full and lower is not None:
+        if not full and self.lower is not None:
             return cfg, []
-        per_rank = [int(e.total) for e in memory(cfg)]
+        per_rank = [int(e.total) for e in self.memory(cfg)]
         need = max(per_rank)
-        if need <= hw.device_memory_bytes:
+        if need <= limit:
             return cfg, per_rank
-        misfits.setdefault(_group(k), []).append(k)
-        note(need, checked, cfg)
+        self.misfits.setdefault(_group(k), []).append(k)
+        self.note(need, self.checked, cfg)
         return None
 
-    def note(need: int, order: int, cfg: Config) -> None:
+    def note(self, need: int, order: int, cfg: Config) -> None:
         """`smallest`: the least need of the misfits, the first checked of equals."""
-        nonlocal smallest
-        if smallest is None or (need, order) < smallest[:2]:
-            smallest = (need, order, _config_label(cfg))
+        if self.smallest is None or (need, order) < self.smallest[:2]:
+            self.smallest = (need, order, _config_label(cfg))
 
-    def settled() -> tuple[int, int, str] | None:
+    def settled(self) -> tuple[int, int, str] | None:
         """`smallest` with the misfits found by the lower bound priced in."""
-        for order, cfg in unpriced:
-            note(max(int(e.total) for e in memory(cfg)), order, cfg)
-        unpriced.clear()
-        return smallest
+        for order, cfg in self.unpriced:
+            self.note(max(int(e.total) for e in self.memory(cfg)), order, cfg)
+        self.unpriced.clear()
+        return self.smallest
 
-    def beaten(bound: float) -> bool:
-        return prune and len(found) >= top and bound > found[top - 1].prediction.step_s * (1 + TIES)
+    def beaten(self, bound: float) -> bool:
+        top = self.top
+        return self.prune and len(self.found) >= top and bound > self.found[top - 1].prediction.step_s * (1 + TIES)
 
-    def step_beaten(k: dict[str, Any]) -> bool:
-        if not (prune and len(found) >= top):  # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
+    def step_beaten(self, k: dict[str, Any]) -> bool:
+        # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
+        if not (self.prune and len(self.found) >= self.top):
             return False
         # Not validated first: most layouts that get here are pruned by this bound, and the list is full, so an
         # invalid one's reason would never be read (`problems` names only a search that found nothing). A
         # layout the bound does not prune is validated by fits().
         key = _knob_key(k)
-        cfg = layouts.get(key) or built.setdefault(key, _config(base, k))
+        cfg = self.layouts.get(key) or self.built.setdefault(key, _config(self.base, k))
         if isinstance(cfg, str):
             return False  # fits() reports it
         try:
-            return beaten(planner.step_bound(cfg))
+            return self.beaten(self.planner.step_bound(cfg))
         except ValueError:
             return False  # an invalid layout the bound cannot price: fits() reports it
-
-    for i, k in enumerate(ranked):
-        if beaten(floor[i]):
-            break  # no layout from here on can be predicted faster than the k-th best
-        if beaten(planner.bound(k)) or step_beaten(k):
-            continue
-        g = _group(k)
-        if g not in misfits:  # first visit: if the group's most frugal variant does not fit, none does
-            misfits[g] = []
-            frugal = _frugal(k, groups[g])
-            # Once a layout is found the misfits no longer name the smallest: the group's test only needs to
-            # rule it out, which the lower bound does without the schedule's replay (or leaves to its layouts).
-            if frugal in groups[g] and fits(frugal, full=not found) is None:
-                continue
-        if any(_knob_key({**k, "recompute": r}) in fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
-            continue  # recomputation only costs time: it is worth it only where less of it does not fit
-        fit = fits(k)
-        if fit is None:
-            if not found and not bound and (least := settled()) is not None:
-                bound = f"faster layouts need more memory ({least[2]}: {least[0] / GIB:.3g} GiB per device)"
-            continue
-        cfg, per_rank = fit
-        fitted.add(_knob_key(k))
-        if k["partition"] == "cost" and planner.same_parts(cfg, _config(base, {**k, "partition": "params"})):
-            continue  # the cost-balanced split is the parameter-balanced one: nothing new to rank
-        found.append(planner.evaluate(cfg, per_rank))
-        simulated += 1
-        found.sort(key=lambda c: c.prediction.step_s)
-    if not found:
-        if (least := settled()) is not None:
-            raise ValueError(
-                f"no layout fits: the smallest needs {least[0] / GIB:.3g} GiB per device ({least[2]}), "
-                f"the hardware has {hw.device_memory_gib:g}"
-            )
-        raise ValueError(f"no layout of world {world} is valid: {problems[0] if problems else 'none enumerated'}")
-    found = found[:top]
-    _explain(found, bound)
-    return Plan(found, len(knobs), simulated, checked)
 
 
 def _config_label(cfg: Config) -> str:

@@ -1,5 +1,6 @@
 """Run outputs: `metrics.jsonl` (one JSON object per line, flushed as written, so a crash keeps every
-finished step) and the progress line."""
+finished step) and the progress line, each also as a duty of the training loop (trainer/duty.py), which
+rank 0 alone runs."""
 
 from __future__ import annotations
 
@@ -11,7 +12,8 @@ import time
 from pathlib import Path
 from typing import Any, Sequence, TextIO
 
-from hybridpar.report.sinks import scalars_of
+from hybridpar.config import Config
+from hybridpar.report.sinks import open_sinks, scalars_of
 
 
 def superseded_path(path: Path) -> Path:
@@ -75,6 +77,31 @@ class MetricsWriter:
             sink.close()
 
 
+class MetricsDuty:
+    """Rank 0: each step's record to `metrics.jsonl` and the sinks. The run's last record (final or
+    preempted) comes from the duty that ends the run, through `end`."""
+
+    def __init__(self, cfg: Config, run_id: str, start_step: int) -> None:
+        run_dir = Path(cfg.run_dir)
+        sinks = open_sinks(cfg.sinks, run_dir, start_step, run_id)
+        self.writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step, sinks=sinks)
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, rec: dict[str, Any]) -> bool:
+        self.writer.write(rec)
+        return False
+
+    def finish(self) -> None:
+        pass
+
+    def end(self, record: dict[str, Any]) -> None:
+        """Write the run's last record and close the file and the sinks."""
+        self.writer.write(record)
+        self.writer.close()
+
+
 def _fmt_s(s: float) -> str:
     s = int(s)
     return f"{s // 60}:{s % 60:02d}"
@@ -107,3 +134,22 @@ class Progress:
             self.out.flush()
         if done % self.every == 0 or done == self.total or done == 1:
             self.log.info(line, extra={"console": not self.tty})  # on a terminal the bar shows it already
+
+
+class ProgressDuty:
+    """Rank 0: the progress line after each step, with the validation loss when the step has one."""
+
+    def __init__(self, cfg: Config, log: logging.Logger, start_step: int) -> None:
+        t = cfg.train
+        self.progress = Progress(t.steps, log, every=t.progress_every, start_step=start_step)
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, rec: dict[str, Any]) -> bool:
+        extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
+        self.progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
+        return False
+
+    def finish(self) -> None:
+        pass

@@ -6,17 +6,22 @@ under the schedule's actions; outside the profiled steps the runtime adds nothin
 `--profile.memory` (CUDA): over the same steps the caching allocator records every allocation and free
 with its stack, and each rank writes the snapshot as JSON (`profile/memory_rank<r>.json`: the dict
 `torch.cuda.memory._snapshot()` returns — segments, blocks, per-device traces). JSON and not torch's own
-pickle dump, because no file a run writes may run code when read back."""
+pickle dump, because no file a run writes may run code when read back.
+
+`ProfileDuty` is the training loop's duty (trainer/duty.py): the profiler around the steps asked for."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
+from hybridpar.config import step_range
 from hybridpar.pipeline.runtime import PipelineRuntime
+from hybridpar.report.step_trace import StepView
 
 PROFILE_DIR = "profile"
 MEMORY_EVENTS = 200_000  # allocator events kept (a ring): a few steps of a large model fit
@@ -52,3 +57,28 @@ class StepProfiler:
                 torch.cuda.memory._record_memory_history(enabled=None)
                 self.memory_path.write_text(json.dumps(snap, default=str), encoding="utf-8")
             runtime.profiling = False
+
+
+class ProfileDuty:
+    """Every rank: the profiler started before and stopped after the steps of --profile.steps (none: no
+    profiler at all). The runtime is read from the trainer at each step: a layout change may rebuild it."""
+
+    def __init__(self, trainer: StepView) -> None:
+        cfg, topo = trainer.cfg, trainer.topo
+        steps = step_range(cfg.profile.steps)
+        self.trainer = trainer
+        self.profiler = (
+            StepProfiler(steps, Path(cfg.run_dir), topo.rank, topo.device, cfg.profile.memory) if steps else None
+        )
+
+    def begin(self, step: int) -> None:
+        if self.profiler:
+            self.profiler.before(step, self.trainer.runtime)
+
+    def after_step(self, step: int, rec: dict[str, Any]) -> bool:
+        if self.profiler:
+            self.profiler.after(step, self.trainer.runtime)
+        return False
+
+    def finish(self) -> None:
+        pass

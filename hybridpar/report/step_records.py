@@ -1,7 +1,8 @@
 """What the run loop adds to each step's record beyond the trainer's own: MFU against the devices' peak
 (report/mfu.py), the attempt (restart count) the step ran in, the peak itself on the attempt's first
 record, and once per attempt every rank's action timeline of one step (`<run_dir>/step_timeline.json`),
-which `hybridpar report` draws as the per-rank timeline."""
+which `hybridpar report` draws as the per-rank timeline. `RecordsDuty` does both as a duty of the
+training loop (trainer/duty.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ from hybridpar.config import Config
 from hybridpar.pipeline.runtime import StepOutput
 from hybridpar.report.mfu import device_peak, mfu, model_flops_per_token
 from hybridpar.report.rundata import TIMELINE_FILE
-from hybridpar.report.step_trace import step_slices
+from hybridpar.report.step_trace import StepView, step_slices
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
 
@@ -55,3 +56,24 @@ class StepRecords:
         if self.topo.rank == 0:
             doc = {"step": step, "attempt": self.attempt, "slices": [r for rank in rows for r in rank]}
             (self.run_dir / TIMELINE_FILE).write_text(json.dumps(doc), encoding="utf-8")
+
+
+class RecordsDuty:
+    """Every rank (collective at set-up and at the timeline step): MFU and the attempt added to each step's
+    record, and the timeline of one step written."""
+
+    def __init__(self, trainer: StepView, start_step: int, attempt: int) -> None:
+        dtype = torch.bfloat16 if trainer.cfg.train.precision == "bf16" else torch.float32
+        self.trainer = trainer
+        self.records = StepRecords(trainer.cfg, trainer.topo, start_step, attempt, dtype)
+
+    def begin(self, step: int) -> None:
+        pass
+
+    def after_step(self, step: int, rec: dict[str, Any]) -> bool:
+        self.records.add(rec)
+        self.records.timeline(step, self.trainer.last_output)
+        return False
+
+    def finish(self) -> None:
+        pass

@@ -1,14 +1,14 @@
 """One process of a training run: `python -m hybridpar.run.train` under torchrun, or `hybridpar train`,
 which launches it through torch's elastic agent. `train` runs the steps of a `Trainer` (trainer/step.py)
-with validation, checkpoints, preemption and traces. Rank 0 writes `config.toml` (the run's config,
-which `--config` reads back) and `metrics.jsonl`, reports progress and, at the end, writes the model as
-a Hugging Face directory (`final/`) and a sample from it; every rank logs to `train.log`.
+with validation, checkpoints, preemption and traces, each a duty of the loop (trainer/duty.py). Rank 0
+writes `config.toml` (the run's config, which `--config` reads back) and `metrics.jsonl`, reports progress
+and, at the end, writes the model as a Hugging Face directory (`final/`) and a sample from it; every rank
+logs to `train.log`.
 """
 
 from __future__ import annotations
 
 import logging
-import math
 import os
 import secrets
 import sys
@@ -18,35 +18,28 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from hybridpar.balance.monitor import aggregate
-from hybridpar.config import Config, parse_args, step_range, to_toml
-from hybridpar.data.corpus import decode, encode
-from hybridpar.data.tokenizer import Tokenizer
+from hybridpar.balance.monitor import MonitorDuty
+from hybridpar.config import Config, parse_args, to_toml
 from hybridpar.emulate.attach import emulated_devices, fault_injector
-from hybridpar.model.hf import StateSource
-from hybridpar.model.optim import lr_at
-from hybridpar.model.registry import empty_stage, load_stage_
-from hybridpar.model.stage import generate
-from hybridpar.pipeline.schedules import stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.log import run_log
-from hybridpar.report.metrics import MetricsWriter, Progress
-from hybridpar.report.profile import StepProfiler
-from hybridpar.report.sinks import open_sinks
-from hybridpar.report.step_records import StepRecords
-from hybridpar.report.step_trace import step_slices, write_run_trace
+from hybridpar.report.metrics import MetricsDuty, ProgressDuty
+from hybridpar.report.profile import ProfileDuty
+from hybridpar.report.step_records import RecordsDuty
+from hybridpar.report.step_trace import TraceDuty
 from hybridpar.resilience import rundir
-from hybridpar.resilience.checkpoint import _on_rank0, resume
+from hybridpar.resilience.checkpoint import _on_rank0
+from hybridpar.resilience.duties import CheckpointDuty, SessionDuty, resume_run
 from hybridpar.resilience.probe import install
-from hybridpar.resilience.rundir import write_text_atomic
-from hybridpar.resilience.session import Session, ledger_stats
+from hybridpar.resilience.session import Session
 from hybridpar.run.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_parent, release_groups
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
-from hybridpar.trainer.export import FINAL_DIR, gather_full_state, params_digest, write_model_dir
+from hybridpar.trainer.duty import LossDuty, StepDuty, ValidationDuty
+from hybridpar.trainer.final import FinalModelDuty
 
 
 @dataclass
@@ -58,46 +51,6 @@ class TrainResult:
     preempted_at: int | None = None  # steps done when a SIGTERM stopped the run (checkpointed there)
     run_id: str | None = None
     state: dict[str, torch.Tensor] | None = None  # rank 0 only: the full trained model
-
-
-def trainer_state(cfg: Config, trainer: Trainer, done: int) -> dict:
-    """What a checkpoint records besides tensors (JSON). The data cursor is `done` itself: sample order
-    depends only on (seed, step)."""
-    p = cfg.parallel
-    return {
-        "step": done,
-        "config": cfg.to_dict(),
-        "partition": [[r.start, r.stop] for r in trainer.parts],
-        "batch_plan": [list(s) for s in trainer.plan.sizes],
-        "layout": {
-            "tp": p.tp,
-            "pp": p.pp,
-            "dp": p.dp,
-            "virtual_stages": stages_per_rank(p),
-            "world_size": trainer.topo.dims.world_size,
-        },
-        "lr": {"last": lr_at(done - 1, cfg.train), "next": lr_at(done, cfg.train)},
-        # The adaptive microbatch policy's measurements: a resumed run goes on from them instead of
-        # scanning every split again (the same on every rank, see batching/policy.py).
-        "batching_policy": trainer.policy.state_dict(),
-    }
-
-
-def summary_line(stats: dict, oom_retries: int) -> str:
-    """End-of-run microbatching summary (the full statistics are in the final metrics record)."""
-    thr = stats["mean_throughput"]
-    line = (
-        f"microbatching: {stats['policy']}, split {stats['current_split']}, mean {stats['mean_latency_s']:.3f} s/step"
-        f" ({thr:,.0f} tok/s)"
-        if thr
-        else f"microbatching: {stats['policy']}, split {stats['current_split']}"
-    )
-    if stats["policy"] == "adaptive":
-        done = stats["steps_to_converge"]
-        line += f"; {len(stats['history'])} splits measured, " + (
-            f"converged after {done} steps" if done is not None else "still exploring"
-        )
-    return line + (f"; {oom_retries} step(s) redone after running out of memory" if oom_retries else "")
 
 
 def train(cfg: Config, topo: Topology | None = None, *, log: bool = True, restart_count: int = 0) -> TrainResult:
@@ -190,7 +143,7 @@ def _train(
     validate_config(cfg, world_size=topo.dims.world_size)
     run_id, token = own_run(cfg, topo, held)
     if topo.rank == 0:  # the run as it runs (layout re-planned, defaults filled in): --config reads it back
-        write_text_atomic(Path(cfg.run_dir) / "config.toml", to_toml(cfg))
+        rundir.write_text_atomic(Path(cfg.run_dir) / "config.toml", to_toml(cfg))
     with run_log(Path(cfg.run_dir), topo.rank, console=log) as logger:
         try:
             return _steps(cfg, topo, logger, log, restart_count, sessions, run_id, token)
@@ -217,9 +170,7 @@ def _steps(
         f"{topo.tp_rank}) holds "
         + ", ".join(f"stage {s} (layers {trainer.parts[s].start}-{trainer.parts[s].stop - 1})" for s in trainer.stages)
     )
-    res = TrainResult(run_id=run_id)
     rank0 = topo.rank == 0
-    ck = cfg.checkpoint
     ck_dir = checkpoint_dir(cfg)
     # The [emulate] testing and benchmark modes (emulate/attach.py), which do nothing when off.
     trainer.attach(emulated_devices(cfg, topo))
@@ -227,111 +178,36 @@ def _steps(
     session = Session(cfg, topo, ck_dir, restart_count, run_id, lambda: rundir.lock_holder_ok(run_dir, token), injector)
     trainer.attach(lambda tr: install(session.probe, tr.stages.values(), tr.p2p, tr.dp.grads, tr.opt))
     sessions.append(session)
-    saved = None
-    if ck.resume != "off":
-        saved = resume(topo, trainer.stages, trainer.opt, ck.resume, ck_dir, cfg.to_dict(), run_id)
-        res.start_step = saved["step"] if saved else 0
-        if saved and saved.get("batching_policy"):
-            try:
-                trainer.policy.load_state_dict(saved["batching_policy"])
-            except ValueError as e:  # another batch or schedule: measurements of other splits
-                if topo.rank == 0:
-                    logger.info(f"hybridpar: microbatch policy starts afresh: {e}")
-    session.resumed(saved)
-    writer = None
-    if rank0:
-        sinks = open_sinks(cfg.sinks, run_dir, res.start_step, run_id)
-        writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=res.start_step, sinks=sinks)
-    progress = Progress(t.steps, logger, every=t.progress_every, start_step=res.start_step) if rank0 else None
-    records = StepRecords(
-        cfg, topo, res.start_step, restart_count, torch.bfloat16 if t.precision == "bf16" else torch.float32
-    )
-    trace_rows: list[dict] = []
-    trace_steps, profile_steps = step_range(cfg.profile.trace_steps), step_range(cfg.profile.steps)
-    profiler = (
-        StepProfiler(profile_steps, run_dir, topo.rank, topo.device, cfg.profile.memory) if profile_steps else None
-    )
+    res = TrainResult(run_id=run_id, start_step=resume_run(cfg, trainer, session, logger))
+    # Rank 0's outputs, opened (metrics.jsonl cut back to the resumed step) before the records' collective set-up.
+    metrics = MetricsDuty(cfg, run_id, res.start_step) if rank0 else None
+    progress = ProgressDuty(cfg, logger, res.start_step) if rank0 else None
+    checkpoints = CheckpointDuty(trainer, session, token, logger, metrics)
+    final = FinalModelDuty(trainer, session, token, logger, metrics, sample=log)
+    # In the order they see each step (trainer/duty.py): the record is complete before it is written, and
+    # written before the checkpoint of its step.
+    duties: list[StepDuty] = [
+        ProfileDuty(trainer),
+        RecordsDuty(trainer, res.start_step, restart_count),
+        MonitorDuty(trainer),
+        TraceDuty(trainer),
+        LossDuty(cfg, res.losses),
+        SessionDuty(session),
+        ValidationDuty(trainer, session.probe, res.val_losses),
+        *([metrics, progress] if rank0 else []),
+        checkpoints,
+        final,
+    ]
     for step in range(res.start_step, t.steps):
-        session.probe("step-begin", step)
-        if profiler:
-            profiler.before(step, trainer.runtime)
-        rec = records.add(trainer.step(step))
-        if profiler:
-            profiler.after(step, trainer.runtime)
-        records.timeline(step, trainer.last_output)
-        if t.monitor_every and (step + 1) % t.monitor_every == 0:
-            mine = trainer.monitor.record(trainer.last_output, trainer.p2p)
-            mine["activation_peak_bytes"] = trainer.runtime.meter.peak  # this rank's, for this step
-            mine["memory"] = trainer.memory  # bytes per component at the step's peak (trainer/held.py)
-            ranks = all_gather_json(mine, topo.device)
-            rec["monitor"] = aggregate(ranks)
-            rec["batching"] = trainer.policy.statistics()
-            trainer.monitor.reset_peak()
-        if cfg.trace and step in trace_steps:
-            trace_rows += step_slices(trainer.last_output, topo.rank, step)
-        if not math.isfinite(rec["loss"]):
-            raise FloatingPointError(f"loss became {rec['loss']} at step {step}: lower train.lr (now {t.lr})")
-        res.losses.append(rec["loss"])
-        session.step_done(step)
-        last = step == t.steps - 1
-        if t.val_every and ((step + 1) % t.val_every == 0 or step == 0 or last):
-            with session.probe.slow("validate"):
-                rec["val_loss"] = trainer.evaluate()
-            res.val_losses.append((step, rec["val_loss"]))
-        if writer:
-            writer.write(rec)
-        if progress:
-            extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
-            progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
-        saved_now = bool(ck.every and (step + 1) % ck.every == 0)
-        if saved_now:
-            session.save(step + 1, trainer.stages, trainer.opt, trainer_state(cfg, trainer, step + 1))
-        if session.should_stop():  # SIGTERM on any rank: checkpoint this step, exit cleanly
-            if not saved_now:
-                session.save(step + 1, trainer.stages, trainer.opt, trainer_state(cfg, trainer, step + 1), wait=True)
-            session.close()
-            res.preempted_at = step + 1
-            if rank0:
-                rundir.record_state(run_dir, token, state="preempted", step=step + 1)
-                writer.write({"preempted": True, "step": step + 1, "run_id": run_id})
-                writer.close()
-                logger.info(
-                    f"hybridpar: preempted: checkpointed after step {step + 1} in {ck_dir}; resume with --resume auto"
-                )
+        for duty in reversed(duties):  # nested around the step: the first duty innermost
+            duty.begin(step)
+        rec = trainer.step(step)
+        if any(duty.after_step(step, rec) for duty in duties):  # preempted, checkpointed and recorded
+            res.preempted_at = checkpoints.preempted_at
             return res
-    if cfg.trace:
-        write_run_trace(cfg.trace, topo.rank, topo.dims.world_size, trace_rows, dist.barrier)
-    session.close()
-    state = gather_full_state(topo, trainer.stages, trainer.parts, cfg.model, trainer.stage_ranks)
-    if rank0:
-        res.state, res.digest = state, params_digest(state.items())
-        writer.write(
-            {
-                "final": True,
-                "run_id": run_id,
-                "params_digest": res.digest,
-                "steps": t.steps,
-                "samples_applied": session.applied,
-                "ledger": ledger_stats(session.applied, t.steps, t.global_batch),  # for hybridpar report
-                "batching": trainer.policy.statistics(),
-                "oom_retries": trainer.oom_retries,
-                "p2p": {str(k): v.to_dict() for k, v in trainer.p2p.stats.items()},
-            }
-        )
-        writer.close()
-        record = {"run_id": run_id, "step": t.steps, "params_digest": res.digest}
-        final = write_model_dir(state, cfg.model, run_dir / FINAL_DIR, record, cfg.data.tokenizer)
-        rundir.record_state(run_dir, token, state="finished", step=t.steps)
-        logger.info(f"hybridpar: the trained model is in {final} (a Hugging Face model directory)")
-        logger.info(summary_line(trainer.policy.statistics(), trainer.oom_retries))
-        if log and t.sample_tokens:  # (a test's quiet run skips the generation's cost)
-            model = empty_stage(cfg.model, range(cfg.model.n_layers), True, True, torch.device("cpu"))
-            load_stage_(model, StateSource(state), hf_layout=False)
-            tok = Tokenizer(cfg.data.tokenizer) if cfg.data.tokenizer else None
-            prompt = tok.encode(t.sample_prompt) if tok else encode(t.sample_prompt)
-            out = generate(model, prompt, t.sample_tokens, seed=t.seed)
-            text = tok.decode(out) if tok else decode(out)
-            logger.info(f"\n--- sample from the trained model ---\n{t.sample_prompt}{text}\n---")
+    for duty in duties:
+        duty.finish()
+    res.state, res.digest = final.state, final.digest
     return res
 
 

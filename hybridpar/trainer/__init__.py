@@ -1,4 +1,5 @@
-"""One training process: bundles built per parallel dimension (build.py) and the step that runs them (step.py)."""
+"""One training process: bundles built per parallel dimension (build.py), the step that runs them (step.py)
+and the duties the training loop runs around it (duty.py, final.py)."""
 
 from hybridpar.trainer.build import layer_partition
 from hybridpar.trainer.step import Trainer
