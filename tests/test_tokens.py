@@ -15,8 +15,8 @@ import pytest
 
 from hybridpar import cli
 from hybridpar.config import ModelConfig
-from hybridpar.data.corpus import load_tokens
 from hybridpar.data.prepare import documents
+from hybridpar.data.sources import load_tokens
 from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.config import ServeConfig
 
@@ -51,7 +51,7 @@ def test_prepare_writes_the_tokenizers_ids_and_describes_them(tok_dir: Path, dty
     docs = documents(None, int(CORPUS_BYTES))
     want = [i for d in docs for i in tok.encode(d) + [tok.token_id("<|endoftext|>")]]
     assert meta["tokens"] == len(want) == (tmp_path / "d.bin").stat().st_size // (2 if dtype == "auto" else 4)
-    assert load_tokens(str(tmp_path / "d.bin"), 1 << 30).tolist() == want
+    assert load_tokens(str(tmp_path / "d.bin")).tolist() == want
     starts = meta["documents"]
     assert len(starts) == len(docs) and starts[0] == 0 and starts[1] == len(tok.encode(docs[0])) + 1
     assert np.all(np.diff(starts) > 0)

@@ -20,14 +20,9 @@ import time
 
 import numpy as np
 
-from hybridpar.data.corpus import (
-    BINARY_SNIFF_BYTES,
-    SIDECAR_FORMAT,
-    TOKEN_DTYPES,
-    _walk_sorted,
-    default_corpus_files,
-    sidecar_path,
-)
+from hybridpar.data.sources import BINARY_SNIFF_BYTES, _walk_sorted, default_corpus_files
+from hybridpar.data.tokenfile import FORMAT as SIDECAR_FORMAT
+from hybridpar.data.tokenfile import TOKEN_DTYPES, sidecar_path
 from hybridpar.data.tokenizer import END_OF_TEXT, Tokenizer, train_bpe
 
 BATCH_DOCS = 512  # documents per call of the batch encoder: its threads stay busy, memory stays bounded

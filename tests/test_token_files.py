@@ -1,0 +1,82 @@
+"""Corpora at any size: token files read in place (each batch reads only its windows; nothing copied,
+nothing capped unless data.max_tokens says so, and then said), and the retired data.max_bytes refused
+with the key to use instead. Pure: small corpora under tmp_path, no process started."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from hybridpar.config import Config
+from hybridpar.config.parse import parse_args
+from hybridpar.data.corpus import TokenData
+from hybridpar.data.sources import corpus_note, default_corpus_files, open_corpus
+from hybridpar.run.data_checks import check_corpus
+
+
+def _nanogpt(path: Path, n: int, seed: int = 0) -> np.ndarray:
+    ids = np.random.default_rng(seed).integers(0, 50_000, size=n).astype("<u2")
+    ids.tofile(path)
+    return ids
+
+
+def test_token_file_is_mapped_not_copied(tmp_path: Path) -> None:
+    ids = _nanogpt(tmp_path / "t.bin", 5000)
+    data = TokenData.open(str(tmp_path / "t.bin"), None, 16, 0, 0.1)
+    held = data.tokens
+    assert isinstance(held, np.memmap) and Path(held.filename) == tmp_path / "t.bin"
+    assert not held.flags.writeable and not held.flags.owndata  # a view of the mapping, not a copy
+    x, y = data.train_samples(0, 8)
+    assert x.dtype == torch.int64 and x.shape == (8, 16)
+    assert data.tokens is held and data.vocab_needed == int(ids.max()) + 1
+    cut = TokenData.open(str(tmp_path / "t.bin"), 3000, 16, 0, 0.1)
+    assert isinstance(cut.tokens, np.memmap) and len(cut.tokens) == 3000  # a cut is a shorter view
+
+
+def test_windows_from_the_map_equal_windows_from_memory(tmp_path: Path) -> None:
+    """The one sample path: a token file's windows are those of the same ids held in memory."""
+    ids = _nanogpt(tmp_path / "t.bin", 7000, seed=3)
+    mapped = TokenData.open(str(tmp_path / "t.bin"), None, 24, 5, 0.1)
+    held = TokenData(torch.from_numpy(ids.astype(np.int64)), 24, 5, 0.1)
+    for step in (0, 1, 17, 400):  # across several epochs
+        for got, want in zip(mapped.step_samples(step, 6, 2, 3), held.step_samples(step, 6, 2, 3)):
+            assert torch.equal(got, want)
+    assert torch.equal(mapped.val_samples(4)[0], held.val_samples(4)[0])
+
+
+def test_no_default_cap_and_a_cut_is_reported(tmp_path: Path) -> None:
+    files = [f for f in default_corpus_files() if f.stat().st_size][:3]
+    corpus = tmp_path / "text"
+    corpus.mkdir()
+    for i, f in enumerate(files):
+        (corpus / f"{i}.py").write_bytes(f.read_bytes())
+    whole = open_corpus(str(corpus))
+    joined = b"\n".join(f.read_bytes() for f in files)
+    assert bytes(whole.tokens) == joined and whole.total == len(joined) and corpus_note(whole, None) is None
+    cut = open_corpus(str(corpus), 1000)
+    assert bytes(cut.tokens) == joined[:1000] and cut.total == len(joined)
+    note = corpus_note(cut, 1000)
+    assert note == f"data: data.path={str(corpus)!r}, its first 1,000 of {len(joined):,} tokens (data.max_tokens=1,000)"
+    cfg = parse_args(["--data.path", str(corpus), "--data.max_tokens", "1000", "--train.seq_len", "16"])
+    assert check_corpus(cfg) == [note]
+    assert check_corpus(parse_args(["--data.path", str(corpus), "--train.seq_len", "16"])) == []
+
+
+def test_max_bytes_is_refused_with_what_to_use(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match=r"^--data.max_bytes: data.max_bytes is gone .* data.max_tokens N"):
+        parse_args(["--data.max_bytes", "100000"])
+    toml = tmp_path / "old.toml"
+    toml.write_text("[data]\nmax_bytes = 100000\n")
+    with pytest.raises(ValueError, match=r"old.toml.*data.max_bytes is gone"):
+        parse_args(["--config", str(toml)])
+    # What a run wrote before (config.toml, a checkpoint's trainer_state.json) still reads: a record.
+    old = json.loads(json.dumps(Config().to_dict()))
+    old["data"].pop("max_tokens")
+    old["data"]["max_bytes"] = 16_000_000
+    assert Config.from_dict(old, record=True).data.max_tokens is None
+    with pytest.raises(ValueError, match="data.max_bytes is gone"):
+        Config.from_dict(old)
