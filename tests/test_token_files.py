@@ -5,17 +5,21 @@ with the key to use instead. Pure: small corpora under tmp_path, no process star
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from hybridpar import cli
 from hybridpar.config import Config
 from hybridpar.config.parse import parse_args
 from hybridpar.data.corpus import TokenData
 from hybridpar.data.sources import corpus_note, default_corpus_files, open_corpus
+from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.run.data_checks import check_corpus
+from hybridpar.run.preflight import preflight
 
 
 def _nanogpt(path: Path, n: int, seed: int = 0) -> np.ndarray:
@@ -80,3 +84,84 @@ def test_max_bytes_is_refused_with_what_to_use(tmp_path: Path) -> None:
     assert Config.from_dict(old, record=True).data.max_tokens is None
     with pytest.raises(ValueError, match="data.max_bytes is gone"):
         Config.from_dict(old)
+
+
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("tok") / "tok"
+    assert cli.main(["data", "train-tokenizer", "--vocab-size", "300", "--out", str(out), "--max-bytes", "60000"]) == 0
+    return out
+
+
+def _prepare(tok: Path, out: Path, *extra: str) -> int:
+    return cli.main(["data", "prepare", "--tokenizer", str(tok), "--out", str(out), "--max-bytes", "30000", *extra])
+
+
+def _tokenizer_without_eos(tok_dir: Path, where: Path, special_map: dict | None = None) -> Path:
+    where.mkdir()
+    shutil.copy(tok_dir / "tokenizer.json", where / "tokenizer.json")
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    config.pop("eos_token")
+    (where / "tokenizer_config.json").write_text(json.dumps(config))
+    if special_map is not None:
+        (where / "special_tokens_map.json").write_text(json.dumps(special_map))
+    return where
+
+
+def test_the_end_of_text_id_is_the_tokenizers_own_or_the_one_given(tok_dir: Path, tmp_path: Path, capsys) -> None:
+    tok = Tokenizer(tok_dir)
+    assert _prepare(tok_dir, tmp_path / "a.bin") == 0
+    meta = json.loads((tmp_path / "a.json").read_text())
+    assert (meta["eos_token"], meta["eos_id"]) == ("<|im_end|>", tok.token_id("<|im_end|>"))
+    assert "each closed by '<|im_end|>'" in capsys.readouterr().out
+    assert _prepare(tok_dir, tmp_path / "b.bin", "--eos-token", "<|endoftext|>") == 0
+    assert json.loads((tmp_path / "b.json").read_text())["eos_id"] == tok.token_id("<|endoftext|>")
+    assert _prepare(tok_dir, tmp_path / "c.bin", "--eos-id", "7") == 0
+    assert json.loads((tmp_path / "c.json").read_text())["eos_id"] == 7
+    # special_tokens_map.json names it where tokenizer_config.json does not (older transformers saves)
+    mapped = _tokenizer_without_eos(tok_dir, tmp_path / "mapped", {"eos_token": {"content": "<|endoftext|>"}})
+    assert _prepare(mapped, tmp_path / "d.bin") == 0
+    assert json.loads((tmp_path / "d.json").read_text())["eos_id"] == tok.token_id("<|endoftext|>")
+    bare = _tokenizer_without_eos(tok_dir, tmp_path / "bare")
+    capsys.readouterr()
+    for extra, want in [
+        ((), f"the tokenizer {bare} names no end-of-text token"),
+        (("--eos-token", "</s>"), f"--eos-token '</s>' is not a token of {bare / 'tokenizer.json'}"),
+        (("--eos-id", "300"), f"--eos-id 300 is not an id of {bare / 'tokenizer.json'} (0..299)"),
+        (("--eos-id", "1", "--eos-token", "x"), "give --eos-token or --eos-id, not both"),
+    ]:
+        assert _prepare(bare, tmp_path / "e.bin", *extra) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and want in err, err
+        assert not list(tmp_path.glob("e.*"))
+
+
+def _v1(tmp_path: Path, tok_dir: Path) -> Path:
+    """A token file as `prepare` wrote it before the binary index: document starts in the JSON."""
+    tok = Tokenizer(tok_dir)
+    docs = [
+        tok.encode(t) + [tok.token_id("<|endoftext|>")] for t in ("def f(x):\n    return x\n" * 40, "y = 2\n" * 300)
+    ]
+    np.array([i for d in docs for i in d], dtype="<u2").tofile(tmp_path / "old.bin")
+    meta = {
+        "format": "hybridpar-tokens/1",
+        "dtype": "uint16",
+        "tokens": sum(map(len, docs)),
+        "vocab_size": tok.vocab_size,
+        "tokenizer_sha256": tok.sha256,
+        "tokenizer": str(tok_dir),
+        "eos_id": tok.token_id("<|endoftext|>"),
+        "source": None,
+        "documents": [0, len(docs[0])],
+    }
+    (tmp_path / "old.json").write_text(json.dumps(meta))
+    return tmp_path / "old.bin"
+
+
+def test_token_files_of_the_first_format_still_load(tok_dir: Path, tmp_path: Path) -> None:
+    old = _v1(tmp_path, tok_dir)
+    run = ["--run-dir", str(tmp_path / "run"), "--parallel.tp", "1", "--parallel.pp", "1", "--train.seq_len", "16"]
+    cfg = parse_args(["--data.path", str(old), "--data.tokenizer", str(tok_dir), "--model.vocab_size", "300", *run])
+    preflight(cfg, 1)  # the index (the JSON list) checked against the tokens, the tokenizer by hash
+    data = TokenData.open(str(old), None, 16, 0, 0.1)
+    assert isinstance(data.tokens, np.memmap) and np.array_equal(data.tokens, np.fromfile(old, dtype="<u2"))

@@ -49,8 +49,11 @@ def check_corpus(cfg: Config) -> list[str]:
     the line to print where data.max_tokens cuts it."""
     from hybridpar.data.corpus import TokenData
     from hybridpar.data.sources import corpus_note
+    from hybridpar.data.tokenfile import check_index, read_sidecar
 
     d, t = cfg.data, cfg.train
+    if d.path and d.path.endswith(".bin") and Path(d.path).is_file() and (meta := read_sidecar(d.path)) is not None:
+        check_index(d.path, meta)
     data = TokenData.open(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
     assert data.corpus is not None
     if data.vocab_needed > cfg.model.vocab_size:
