@@ -165,3 +165,69 @@ def test_token_files_of_the_first_format_still_load(tok_dir: Path, tmp_path: Pat
     preflight(cfg, 1)  # the index (the JSON list) checked against the tokens, the tokenizer by hash
     data = TokenData.open(str(old), None, 16, 0, 0.1)
     assert isinstance(data.tokens, np.memmap) and np.array_equal(data.tokens, np.fromfile(old, dtype="<u2"))
+
+
+@pytest.fixture
+def no_launch(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed.run as tdr
+
+    def boom(*a, **k):
+        raise AssertionError("a worker was launched for bad input")
+
+    monkeypatch.setattr(tdr, "run", boom)
+
+
+def _refused(flags: list[str], run: Path, capsys: pytest.CaptureFixture) -> str:
+    """`hybridpar train FLAGS` through the CLI's pre-flight: exit 2, one line, nothing started or created."""
+    capsys.readouterr()
+    rc = cli.main(["train", *flags, "--parallel.tp", "1", "--parallel.pp", "1", "--run-dir", str(run)])
+    err = capsys.readouterr().err
+    assert rc == 2 and err.count("\n") == 1 and err.startswith("hybridpar: error: "), err
+    assert not run.exists()
+    return err
+
+
+@pytest.fixture(scope="module")
+def hf_with_tokenizer(tok_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    from test_init_from import llama3_hf
+
+    hf = tmp_path_factory.mktemp("hf") / "model"
+    llama3_hf(hf, vocab=300)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(tok_dir / name, hf / name)
+    return hf
+
+
+def test_init_from_brings_its_tokenizer(hf_with_tokenizer: Path, tmp_path: Path) -> None:
+    hf = hf_with_tokenizer
+    assert _prepare(hf, tmp_path / "d.bin") == 0  # prepared with the model's own tokenizer directory
+    flags = ["--model.init_from", str(hf), "--data.path", str(tmp_path / "d.bin"), "--train.seq_len", "16"]
+    cfg = parse_args([*flags, "--parallel.tp", "1", "--parallel.pp", "1", "--run-dir", str(tmp_path / "r")])
+    cfg, _ = preflight(cfg, 1)
+    assert (cfg.data.tokenizer, cfg.model.vocab_size) == (str(hf), 300)
+    other = parse_args(["--model.init_from", str(hf), "--data.tokenizer", "elsewhere"])
+    assert other.data.tokenizer == "elsewhere"  # a given data.tokenizer stays
+
+
+def test_fine_tuning_data_of_another_tokenizer_or_bytes_refused(
+    hf_with_tokenizer: Path, tok_dir: Path, tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture
+) -> None:
+    hf, run = hf_with_tokenizer, tmp_path / "run"
+    other = tmp_path / "other"
+    assert (
+        cli.main(["data", "train-tokenizer", "--vocab-size", "280", "--out", str(other), "--max-bytes", "30000"]) == 0
+    )
+    assert _prepare(other, tmp_path / "o.bin") == 0
+    err = _refused(["--model.init_from", str(hf), "--data.path", str(tmp_path / "o.bin")], run, capsys)
+    assert f"data.path={str(tmp_path / 'o.bin')!r} was prepared with another tokenizer ({str(other)!r}" in err
+    assert f"than model.init_from={str(hf)!r} (its tokenizer)" in err
+    err = _refused(["--model.init_from", str(hf)], run, capsys)
+    assert f"model.init_from={str(hf)!r} (its tokenizer) needs a token file prepared with it" in err
+    assert "data.path=None is byte-level text" in err
+    bare = tmp_path / "bare"  # the model without its tokenizer: bytes for a 300-id vocabulary
+    shutil.copytree(hf, bare, ignore=shutil.ignore_patterns("tokenizer*"))
+    text = tmp_path / "t.txt"
+    text.write_text("hello\n" * 1000)
+    err = _refused(["--model.init_from", str(bare), "--data.path", str(text)], run, capsys)
+    assert f"model.init_from={str(bare)!r} has a vocabulary of 300 ids and no tokenizer.json, but data.path=" in err
+    assert f"{str(text)!r} is byte-level text (ids 0-255)" in err

@@ -108,7 +108,7 @@ def _bad(tok_dir: Path, tmp: Path, kind: str) -> tuple[list[str], str]:
         )
         return base[:2] + ["--data.tokenizer", str(other)] + base[4:], "was prepared with another tokenizer"
     if kind == "no-token-file":
-        return base[2:], "needs a token file prepared with it as data.path (now None)"
+        return base[2:], "needs a token file prepared with it as data.path, and data.path=None is byte-level text"
     return base[:2] + base[4:], "was prepared with the tokenizer"  # no data.tokenizer
 
 

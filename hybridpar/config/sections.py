@@ -241,7 +241,8 @@ class DataConfig:
     tokenizer: str | None = _f(
         None,
         "tokenizer directory (tokenizer.json, e.g. from `hybridpar data train-tokenizer`); data.path is then a "
-        "token file prepared with it, and final/ carries it (none = bytes)",
+        "token file prepared with it, and final/ carries it (none = model.init_from's own where it has one, else "
+        "bytes)",
     )
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
     max_tokens: int | None = _f(

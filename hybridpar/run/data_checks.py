@@ -9,37 +9,66 @@ from pathlib import Path
 from hybridpar.config import Config
 
 
-def check_tokens(cfg: Config) -> None:
-    """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given, a
-    tokenizer whose ids the model can embed. Reads the sidecar and tokenizer.json, not the tokens."""
-    from hybridpar.data.tokenfile import read_sidecar
-    from hybridpar.data.tokenizer import Tokenizer
+def use_init_tokenizer(cfg: Config) -> None:
+    """model.init_from brings its tokenizer: data.tokenizer, left unset, becomes that directory where it
+    has a tokenizer.json (so fine-tuning reads, samples and exports text as the model was trained to)."""
+    from hybridpar.data.tokenizer import TOKENIZER_FILE
 
-    d, vocab = cfg.data, cfg.model.vocab_size
-    meta = read_sidecar(d.path) if d.path and d.path.endswith(".bin") and Path(d.path).is_file() else None
+    init = cfg.model.init_from
+    if init is not None and cfg.data.tokenizer is None and (Path(init) / TOKENIZER_FILE).is_file():
+        cfg.data.tokenizer = init
+
+
+def _token_file(path: str | None) -> dict | None:
+    from hybridpar.data.tokenfile import read_sidecar
+
+    return read_sidecar(path) if path and path.endswith(".bin") and Path(path).is_file() else None
+
+
+def _byte_level(path: str | None) -> bool:
+    """Text read as bytes: the default corpus, a folder, any file but a `.bin` token file."""
+    return path is None or Path(path).is_dir() or not path.endswith(".bin")
+
+
+def check_tokens(cfg: Config) -> None:
+    """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given (data.tokenizer,
+    or model.init_from's own), a tokenizer whose ids the model can embed, no bytes for a model of another
+    vocabulary. Reads the sidecar and tokenizer.json, not the tokens."""
+    from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
+    meta = _token_file(d.path)
     if d.tokenizer is None:
         if meta is not None:
             raise ValueError(
                 f"data.path={d.path!r} was prepared with the tokenizer {meta.get('tokenizer')!r}: give it as "
                 f"data.tokenizer, so that the run's samples and final/ use it"
             )
+        if init is not None and vocab != 256 and _byte_level(d.path):
+            raise ValueError(
+                f"model.init_from={init!r} has a vocabulary of {vocab} ids and no {TOKENIZER_FILE}, but data.path="
+                f"{d.path!r} is byte-level text (ids 0-255): give the model's tokenizer as data.tokenizer and a "
+                f"token file prepared with it (hybridpar data prepare --tokenizer DIR --out DATA.bin) as data.path"
+            )
         return
     tok = Tokenizer(d.tokenizer)  # ValueError naming tokenizer.json
+    who = f"model.init_from={init!r} (its tokenizer)" if d.tokenizer == init else f"data.tokenizer={d.tokenizer!r}"
     if tok.vocab_size > vocab:
         raise ValueError(
-            f"data.tokenizer={d.tokenizer!r} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model "
-            f"cannot embed its ids; set model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
+            f"{who} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model cannot embed its ids; set "
+            f"model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
         )
     if meta is None:
+        what = "byte-level text (ids 0-255)" if _byte_level(d.path) else "a token file without its description"
         raise ValueError(
-            f"data.tokenizer={d.tokenizer!r} needs a token file prepared with it as data.path (now "
-            f"{d.path!r}): hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin"
+            f"{who} needs a token file prepared with it as data.path, and data.path={d.path!r} is {what}: "
+            f"hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin, then --data.path DATA.bin"
         )
     if meta.get("tokenizer_sha256") != tok.sha256:
         raise ValueError(
             f"data.path={d.path!r} was prepared with another tokenizer ({meta.get('tokenizer')!r}, sha256 "
-            f"{str(meta.get('tokenizer_sha256'))[:12]}…) than data.tokenizer={d.tokenizer!r} (sha256 "
-            f"{tok.sha256[:12]}…): prepare it again with this tokenizer"
+            f"{str(meta.get('tokenizer_sha256'))[:12]}…) than {who} (sha256 {tok.sha256[:12]}…): prepare it "
+            f"again with hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin"
         )
 
 
@@ -49,10 +78,10 @@ def check_corpus(cfg: Config) -> list[str]:
     the line to print where data.max_tokens cuts it."""
     from hybridpar.data.corpus import TokenData
     from hybridpar.data.sources import corpus_note
-    from hybridpar.data.tokenfile import check_index, read_sidecar
+    from hybridpar.data.tokenfile import check_index
 
     d, t = cfg.data, cfg.train
-    if d.path and d.path.endswith(".bin") and Path(d.path).is_file() and (meta := read_sidecar(d.path)) is not None:
+    if (meta := _token_file(d.path)) is not None:
         check_index(d.path, meta)
     data = TokenData.open(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
     assert data.corpus is not None

@@ -23,7 +23,7 @@ from pathlib import Path
 from hybridpar.config import Config
 from hybridpar.config.keys import _known_keys, _owner
 from hybridpar.report.sinks import missing_packages
-from hybridpar.run.data_checks import check_corpus, check_tokens
+from hybridpar.run.data_checks import check_corpus, check_tokens, use_init_tokenizer
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -81,7 +81,8 @@ def preflight_config(cfg: Config) -> None:
 def resolve_init_from(cfg: Config) -> None:
     """With model.init_from, set the model's shape (every model key but init_from and init_std) from the
     directory's config.json, in place. A model key set to other than its default and than config.json
-    says is refused: the shape is the checkpoint's."""
+    says is refused: the shape is the checkpoint's. data.tokenizer left unset becomes the directory where
+    it holds a tokenizer (data_checks.use_init_tokenizer)."""
     path = cfg.model.init_from
     if path is None:
         return
@@ -103,6 +104,7 @@ def resolve_init_from(cfg: Config) -> None:
         )
     for k in keys:
         setattr(cfg.model, k, getattr(hf, k))
+    use_init_tokenizer(cfg)
 
 
 def _check_init_weights(cfg: Config) -> None:
