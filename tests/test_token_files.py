@@ -231,3 +231,88 @@ def test_fine_tuning_data_of_another_tokenizer_or_bytes_refused(
     err = _refused(["--model.init_from", str(bare), "--data.path", str(text)], run, capsys)
     assert f"model.init_from={str(bare)!r} has a vocabulary of 300 ids and no tokenizer.json, but data.path=" in err
     assert f"{str(text)!r} is byte-level text (ids 0-255)" in err
+
+
+def _damage(data: Path, kind: str) -> str:
+    """Damage a prepared token file (uint32, several documents) one way; returns what the line must say."""
+    meta = json.loads(data.with_suffix(".json").read_text())
+    idx, n = data.with_suffix(".idx"), meta["tokens"]
+    bounds = np.fromfile(idx, dtype="<u8")
+    if kind == "not-a-multiple":
+        with open(data, "ab") as f:
+            f.write(b"\0\0")
+        return f"{data} holds {4 * n + 2} bytes, but {data.with_suffix('.json')} describes {n} uint32 tokens"
+    if kind == "shorter":
+        with open(data, "r+b") as f:
+            f.truncate(4 * (n - 10))
+        return f"{data} holds {4 * (n - 10)} bytes, but {data.with_suffix('.json')} describes {n} uint32 tokens"
+    if kind == "index-missing":
+        idx.unlink()
+        return f"{idx} (the document index of {data}) is missing"
+    if kind == "index-size":
+        bounds[:-1].tofile(idx)
+        return f"{idx} holds {8 * (len(bounds) - 1)} bytes, but {data.with_suffix('.json')} describes"
+    if kind == "index-end":
+        bounds[-1] = n - 1
+        bounds.tofile(idx)
+        return f"{idx} does not match its tokens ({data}): the last boundary is {n - 1}, not the token count {n}"
+    if kind == "index-order":
+        bounds[2], bounds[3] = bounds[3], bounds[2]
+        bounds.tofile(idx)
+        return f"{idx} does not match its tokens ({data}): the boundaries do not rise (document 2)"
+    data.with_suffix(".json").write_text(json.dumps({"format": "hybridpar-tokens/2", "state": "writing"}))
+    return f"{data} was not completely written (hybridpar data prepare was interrupted); prepare it again"
+
+
+@pytest.mark.parametrize(
+    "kind", ["not-a-multiple", "shorter", "index-missing", "index-size", "index-end", "index-order", "interrupted"]
+)
+def test_damaged_token_files_refused_before_launch(
+    kind: str, tok_dir: Path, tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture
+) -> None:
+    data = tmp_path / "d.bin"
+    assert _prepare(tok_dir, data, "--dtype", "uint32") == 0
+    want = _damage(data, kind)
+    flags = ["--data.path", str(data), "--data.tokenizer", str(tok_dir), "--model.vocab_size", "300"]
+    err = _refused([*flags, "--train.seq_len", "16"], tmp_path / "run", capsys)
+    assert want in err, err
+
+
+def test_interrupted_prepare_leaves_nothing_training_accepts(
+    tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_launch: None, capsys: pytest.CaptureFixture
+) -> None:
+    from hybridpar.data import prepare, tokenfile
+
+    data = tmp_path / "d.bin"
+    monkeypatch.setattr(prepare, "BATCH_DOCS", 1)  # one document per write: fail after the first
+    real_add, calls = tokenfile.TokenFileWriter.add, []
+
+    def failing_add(self, docs):  # type: ignore[no-untyped-def]
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt  # ^C halfway through the corpus
+        real_add(self, docs)
+
+    monkeypatch.setattr(tokenfile.TokenFileWriter, "add", failing_add)
+    with pytest.raises(KeyboardInterrupt):
+        _prepare(tok_dir, data)
+    assert not list(tmp_path.iterdir())  # neither the files nor their temporary names
+    monkeypatch.setattr(tokenfile.TokenFileWriter, "add", real_add)
+    assert _prepare(tok_dir, data) == 0
+    good = data.read_bytes()
+    # Failing while the complete files are renamed into place (the .bin moved, the .idx not yet): the
+    # description says so, and training refuses the set rather than read a mix of old and new.
+    real_replace, renames = tokenfile.os.replace, []
+
+    def failing_replace(src, dst):  # type: ignore[no-untyped-def]
+        renames.append(dst)
+        if str(dst).endswith(".idx"):
+            raise OSError("disk full")
+        real_replace(src, dst)
+
+    monkeypatch.setattr(tokenfile.os, "replace", failing_replace)
+    with pytest.raises(OSError):
+        prepare.prepare(str(tok_dir), str(data), None, 20_000)
+    assert data.read_bytes() != good and not list(tmp_path.glob("*.tmp"))
+    err = _refused(["--data.path", str(data), "--data.tokenizer", str(tok_dir)], tmp_path / "run", capsys)
+    assert f"{data} was not completely written (hybridpar data prepare was interrupted)" in err
