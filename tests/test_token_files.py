@@ -4,6 +4,7 @@ with the key to use instead. Pure: small corpora under tmp_path, no process star
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 from pathlib import Path
@@ -16,6 +17,7 @@ from hybridpar import cli
 from hybridpar.config import Config
 from hybridpar.config.parse import parse_args
 from hybridpar.data.corpus import TokenData
+from hybridpar.data.inputs import documents
 from hybridpar.data.sources import corpus_note, default_corpus_files, open_corpus
 from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.run.data_checks import check_corpus
@@ -284,18 +286,18 @@ def test_interrupted_prepare_leaves_nothing_training_accepts(
     from hybridpar.data import prepare, tokenfile
 
     data = tmp_path / "d.bin"
-    monkeypatch.setattr(prepare, "BATCH_DOCS", 1)  # one document per write: fail after the first
     real_add, calls = tokenfile.TokenFileWriter.add, []
 
-    def failing_add(self, docs):  # type: ignore[no-untyped-def]
+    def failing_add(self, ids, lengths):  # type: ignore[no-untyped-def]
         calls.append(1)
         if len(calls) == 2:
             raise KeyboardInterrupt  # ^C halfway through the corpus
-        real_add(self, docs)
+        real_add(self, ids, lengths)
 
     monkeypatch.setattr(tokenfile.TokenFileWriter, "add", failing_add)
-    with pytest.raises(KeyboardInterrupt):
-        _prepare(tok_dir, data)
+    with pytest.raises(KeyboardInterrupt):  # one document per write: the second write fails
+        prepare.prepare(str(tok_dir), str(data), None, 30_000, batch_docs=1)
+    assert len(calls) == 2
     assert not list(tmp_path.iterdir())  # neither the files nor their temporary names
     monkeypatch.setattr(tokenfile.TokenFileWriter, "add", real_add)
     assert _prepare(tok_dir, data) == 0
@@ -316,3 +318,64 @@ def test_interrupted_prepare_leaves_nothing_training_accepts(
     assert data.read_bytes() != good and not list(tmp_path.glob("*.tmp"))
     err = _refused(["--data.path", str(data), "--data.tokenizer", str(tok_dir)], tmp_path / "run", capsys)
     assert f"{data} was not completely written (hybridpar data prepare was interrupted)" in err
+
+
+TEXTS = ["first document\nwith two lines\n", "zweites Dokument — ünïcödé ✓", "x = 1\n" * 50, "🚀 last"]
+
+
+def test_jsonl_plain_or_gzipped_gives_the_documents_of_a_folder(tok_dir: Path, tmp_path: Path) -> None:
+    from hybridpar.data.prepare import prepare
+
+    folder = tmp_path / "folder"
+    folder.mkdir()
+    for i, t in enumerate(TEXTS):
+        (folder / f"{i}.txt").write_text(t, encoding="utf-8")
+    lines = [json.dumps({"id": i, "body": t}) for i, t in enumerate(TEXTS)]
+    (tmp_path / "c.jsonl").write_text("\n".join(lines[:2] + ["", "  "] + lines[2:]) + "\n", encoding="utf-8")
+    with gzip.open(tmp_path / "c.jsonl.gz", "wt", encoding="utf-8") as f:
+        f.write("\n".join(lines) + "\n")
+    metas = {
+        name: prepare(str(tok_dir), str(tmp_path / f"{name}.bin"), str(src), text_key=key)
+        for name, src, key in [
+            ("folder", folder, "text"),
+            ("jsonl", tmp_path / "c.jsonl", "body"),
+            ("gz", tmp_path / "c.jsonl.gz", "body"),
+        ]
+    }
+    assert {m["documents"] for m in metas.values()} == {len(TEXTS)}
+    want = (tmp_path / "folder.bin").read_bytes()
+    assert (tmp_path / "jsonl.bin").read_bytes() == want == (tmp_path / "gz.bin").read_bytes()
+    assert (tmp_path / "jsonl.idx").read_bytes() == (tmp_path / "folder.idx").read_bytes()
+
+
+def test_a_bad_json_line_is_named_and_nothing_is_written(tok_dir: Path, tmp_path: Path, capsys) -> None:
+    src = tmp_path / "c.jsonl"
+    src.write_text(json.dumps({"text": "fine"}) + "\n" + json.dumps({"txt": "no text key"}) + "\n")
+    texts = documents(str(src))
+    assert next(texts) == "fine"  # read as asked for: the bad line is not reached yet
+    capsys.readouterr()
+    assert _prepare(tok_dir, tmp_path / "out" / "d.bin", "--input", str(src)) == 2
+    err = capsys.readouterr().err
+    assert err == f"hybridpar: error: {src}:2: not a JSON object with a string under 'text' (--text-key names " + (
+        "the key holding each document's text)\n"
+    )
+    assert not list((tmp_path / "out").iterdir())
+
+
+@pytest.mark.multiprocess
+def test_workers_write_the_same_files_in_order(tok_dir: Path, tmp_path: Path) -> None:
+    from hybridpar.data.prepare import prepare
+
+    src = tmp_path / "c.jsonl"
+    src.write_text("".join(json.dumps({"text": f"{i} " + TEXTS[i % 4] * (i % 7 + 1)}) + "\n" for i in range(60)))
+    lines: list[str] = []
+    one = prepare(str(tok_dir), str(tmp_path / "one.bin"), str(src), batch_docs=4)
+    many = prepare(
+        str(tok_dir), str(tmp_path / "many.bin"), str(src), workers=2, batch_docs=4, progress=lines.append,
+        progress_every_s=0,
+    )  # fmt: skip
+    assert (one["tokens"], one["documents"]) == (many["tokens"], many["documents"]) and many["documents"] == 60
+    for suffix in (".bin", ".idx"):
+        assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"many{suffix}").read_bytes()
+    assert len(lines) == 15 and all(line.endswith(" tokens/s)") for line in lines)
+    assert lines[-1].startswith(f"hybridpar: {many['tokens']:,} tokens of 60 documents so far (")

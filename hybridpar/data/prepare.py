@@ -15,50 +15,92 @@ and out to the files, so memory stays bounded whatever the corpus's size; nothin
 
 from __future__ import annotations
 
+import collections
+import contextlib
+import functools
 import itertools
-import pathlib
+import multiprocessing as mp
+import os
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import numpy as np
 
-from hybridpar.data.sources import BINARY_SNIFF_BYTES, _walk_sorted, default_corpus_files
+from hybridpar.data.inputs import documents
 from hybridpar.data.tokenfile import TOKEN_DTYPES, TokenFileWriter, document_count
 from hybridpar.data.tokenizer import Tokenizer, train_bpe
 
-BATCH_DOCS = 512  # documents per call of the batch encoder: its threads stay busy, memory stays bounded
+# A batch for the encoder: enough documents to keep its threads busy, few enough characters that its
+# output (ids, offsets and token strings of every token, ~100 bytes a token) stays small.
+BATCH_DOCS, BATCH_CHARS = 512, 1 << 20
 
 
-def documents(path: str | None, max_bytes: int | None = None) -> Iterator[str]:
-    """The corpus at `path` (None: the default one) as texts, one per file, read as they are asked for;
-    at most `max_bytes` bytes of UTF-8 in all where given. Binary and empty files are skipped, as in
-    training's byte-level corpus (sources.py). ValueError at once if it holds no text at all."""
-    if path is None:
-        files = default_corpus_files()
-    else:
-        p = pathlib.Path(path)
-        if not p.exists():
-            raise ValueError(f"--input {path!r} does not exist")
-        files = _walk_sorted(p, frozenset(), None) if p.is_dir() else [p]
-    texts = _texts(files, max_bytes)
-    first = next(texts, None)
-    if first is None:
-        raise ValueError(f"--input {path!r} holds no (non-empty) text file")
-    return itertools.chain([first], texts)
+def _encode(tokenizer: str, eos: int, dtype: str, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+    """A batch of documents as (their ids one after another, each closed by `eos`; each one's length)."""
+    encoded = _tokenizer(tokenizer).encode_batch(texts)
+    lengths = np.fromiter((len(ids) + 1 for ids in encoded), dtype=np.int64, count=len(encoded))
+    ids = np.fromiter(
+        itertools.chain.from_iterable([*ids, eos] for ids in encoded),
+        dtype=np.dtype(TOKEN_DTYPES[dtype]),
+        count=int(lengths.sum()),
+    )
+    return ids, lengths
 
 
-def _texts(files: list[pathlib.Path], max_bytes: int | None) -> Iterator[str]:
-    used = 0
-    for f in files:
-        if max_bytes is not None and used >= max_bytes:
-            return
-        with open(f, "rb") as fh:
-            raw = fh.read() if max_bytes is None else fh.read(max_bytes - used)
-        if not raw or b"\0" in raw[:BINARY_SNIFF_BYTES]:
-            continue
-        used += len(raw)
-        yield raw.decode("utf-8", errors="replace")
+def _batches(texts: Iterator[str], docs: int, chars: int) -> Iterator[list[str]]:
+    """Consecutive documents in batches of at most `docs` documents and, past the first, `chars` characters."""
+    batch, size = [], 0
+    for t in texts:
+        if batch and (len(batch) == docs or size + len(t) > chars):
+            yield batch
+            batch, size = [], 0
+        batch.append(t)
+        size += len(t)
+    if batch:
+        yield batch
+
+
+@functools.lru_cache(maxsize=1)
+def _tokenizer(path: str) -> Tokenizer:
+    return Tokenizer(path)  # once per process: the workers of --workers load it on their first batch
+
+
+def _encoded(
+    tokenizer: str, eos: int, dtype: str, texts: Iterator[str], workers: int, batch_docs: int
+) -> Iterator[tuple[np.ndarray, np.ndarray]]:
+    """The corpus's batches encoded, in order: here, or by `workers` processes, each batch a task, at most
+    two per worker in flight (the reader waits for the writer, so memory stays bounded)."""
+    batches = _batches(texts, batch_docs, BATCH_CHARS)
+    if workers == 1:
+        yield from (_encode(tokenizer, eos, dtype, b) for b in batches)
+        return
+    # spawn: fresh interpreters, never a fork of a process whose tokenizer threads already ran. Each
+    # worker's tokenizer gets its share of the cores, not all of them (RAYON_NUM_THREADS, read at start).
+    threads = str(max(1, (os.cpu_count() or 1) // workers))
+    with _environ(RAYON_NUM_THREADS=threads), mp.get_context("spawn").Pool(workers) as pool:
+        pending: collections.deque = collections.deque()
+        for b in batches:
+            pending.append(pool.apply_async(_encode, (tokenizer, eos, dtype, b)))
+            if len(pending) >= 2 * workers:
+                yield pending.popleft().get()
+        while pending:
+            yield pending.popleft().get()
+
+
+@contextlib.contextmanager
+def _environ(**values: str) -> Iterator[None]:
+    """Environment variables set for the processes started inside (and restored after)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
 
 
 def prepare(
@@ -69,9 +111,16 @@ def prepare(
     dtype: str = "auto",
     eos_token: str | None = None,
     eos_id: int | None = None,
+    *,
+    text_key: str = "text",
+    workers: int = 1,
+    batch_docs: int = BATCH_DOCS,
+    progress: Callable[[str], None] | None = None,
+    progress_every_s: float = 10.0,
 ) -> dict:
     """Encode the corpus at `path` with the tokenizer directory `tokenizer` into `out` (a .bin), its index
-    and its description; returns the description."""
+    and its description; returns the description. `progress` gets a line (tokens, documents, tokens/s)
+    every `progress_every_s` seconds."""
     if not out.endswith(".bin"):
         raise ValueError(f"--out {out!r} must end in .bin (its index and description go beside it)")
     tok = Tokenizer(tokenizer)
@@ -81,11 +130,17 @@ def prepare(
     if dtype not in TOKEN_DTYPES or (dtype == "uint16" and not fits16):
         raise ValueError(f"--dtype {dtype!r} must be auto or uint32, or uint16 for a vocabulary of at most 65536")
     eos, eos_text = tok.end_of_text(eos_token, eos_id)
-    texts = documents(path, max_bytes)
-    np_dtype = np.dtype(TOKEN_DTYPES[dtype])
+    texts = documents(path, max_bytes, text_key)
+    t0 = last = time.perf_counter()
     with TokenFileWriter(out, dtype) as writer:
-        while batch := list(itertools.islice(texts, BATCH_DOCS)):
-            writer.add([np.asarray([*ids, eos], dtype=np_dtype) for ids in tok.encode_batch(batch)])
+        for ids, lengths in _encoded(str(tok.path), eos, dtype, texts, workers, batch_docs):
+            writer.add(ids, lengths)
+            if progress is not None and (now := time.perf_counter()) - last >= progress_every_s:
+                last = now
+                progress(
+                    f"hybridpar: {writer.tokens:,} tokens of {writer.documents:,} documents so far "
+                    f"({writer.tokens / (now - t0):,.0f} tokens/s)"
+                )
         meta = {
             "dtype": dtype,
             "vocab_size": tok.vocab_size,
@@ -99,8 +154,9 @@ def prepare(
 
 
 USAGE = """usage: hybridpar data train-tokenizer --vocab-size N --out DIR [--input PATH] [--max-bytes N]
+                                      [--text-key KEY]
        hybridpar data prepare --tokenizer DIR --out DATA.bin [--input PATH] [--max-bytes N] [--dtype D]
-                              [--eos-token TEXT | --eos-id N]
+                              [--eos-token TEXT | --eos-id N] [--text-key KEY] [--workers N]
 
 train-tokenizer  trains a byte-level BPE tokenizer of N ids (3 special tokens, the 256 bytes, merges)
                  on a corpus and writes tokenizer.json and tokenizer_config.json (with a chat template)
@@ -108,9 +164,12 @@ prepare          encodes a corpus with a tokenizer into DATA.bin (uint16 ids whe
                  else uint32; --dtype uint32 forces it), DATA.idx (document boundaries) and DATA.json
                  (dtype, counts, vocabulary, tokenizer hash); train on it with --data.path DATA.bin
                  --data.tokenizer DIR
---input          a text file or a folder of them (default: the Python standard library's source files)
---max-bytes      read only the first N bytes of the corpus (default: all of it)
---eos-token      the token closing each document (default: the tokenizer's eos_token); --eos-id by id"""
+--input          a text file (one document), a JSON Lines file (*.jsonl, *.ndjson: a document per line),
+                 either gzipped (*.gz), or a folder of them (default: the Python standard library's source)
+--text-key       the key of a JSON line that holds its text (default: text)
+--max-bytes      read only the first N bytes of the corpus's text (default: all of it)
+--eos-token      the token closing each document (default: the tokenizer's eos_token); --eos-id by id
+--workers        processes encoding batches of documents, written in order (default 1)"""
 
 
 def parse_data_args(argv: list[str]) -> tuple[str, dict[str, str | None]]:
@@ -126,7 +185,9 @@ def parse_data_args(argv: list[str]) -> tuple[str, dict[str, str | None]]:
     prep.add_argument("--dtype", default="auto")
     prep.add_argument("--eos-token", "--eos_token", dest="eos_token")
     prep.add_argument("--eos-id", "--eos_id", dest="eos_id", type=nonnegative_int)
+    prep.add_argument("--workers", type=positive_int, default=1)
     for p in (tok, prep):
+        p.add_argument("--text-key", "--text_key", dest="text_key", default="text")
         p.add_argument("--out", required=True)
         p.add_argument("--input")
         p.add_argument("--max-bytes", "--max_bytes", dest="max_bytes", type=positive_int)
@@ -146,7 +207,8 @@ def main(argv: list[str]) -> int:
         cmd, o = parse_data_args(argv)
         t0 = time.perf_counter()
         if cmd == "train-tokenizer":
-            out = train_bpe(documents(o["input"], _int(o["max_bytes"])), int(o["vocab_size"]), o["out"])
+            texts = documents(o["input"], _int(o["max_bytes"]), o["text_key"])
+            out = train_bpe(texts, int(o["vocab_size"]), o["out"])
             print(f"hybridpar: wrote a tokenizer of {Tokenizer(out).vocab_size} ids to {out}")
         else:
             meta = prepare(
@@ -157,6 +219,9 @@ def main(argv: list[str]) -> int:
                 o["dtype"],
                 o["eos_token"],
                 _int(o["eos_id"]),
+                text_key=o["text_key"],
+                workers=int(o["workers"]),
+                progress=print,
             )
             s = time.perf_counter() - t0
             print(

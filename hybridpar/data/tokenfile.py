@@ -155,15 +155,15 @@ class TokenFileWriter:
         self.tokens = self.documents = 0
         np.zeros(1, dtype=INDEX_DTYPE).tofile(self._idx)
 
-    def add(self, docs: list[np.ndarray]) -> None:
-        """Append documents (arrays of ids, each ending in its end-of-document id where there is one)."""
-        docs = [d for d in docs if len(d)]
-        if not docs:
+    def add(self, ids: np.ndarray, lengths: np.ndarray) -> None:
+        """Append documents: their ids one after another (each document ending in its end-of-document id)
+        and each one's length."""
+        if not len(lengths):
             return
-        np.concatenate(docs).astype(self.dtype, copy=False).tofile(self._bin)
-        ends = self.tokens + np.cumsum([len(d) for d in docs], dtype=np.uint64)
+        ids.astype(self.dtype, copy=False).tofile(self._bin)
+        ends = self.tokens + np.cumsum(lengths, dtype=np.uint64)
         ends.astype(INDEX_DTYPE).tofile(self._idx)
-        self.tokens, self.documents = int(ends[-1]), self.documents + len(docs)
+        self.tokens, self.documents = int(ends[-1]), self.documents + len(lengths)
 
     def commit(self, meta: dict[str, Any]) -> dict[str, Any]:
         """Close the files and put them in place. The sidecar is first replaced by one saying `writing`, so
