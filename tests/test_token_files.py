@@ -43,6 +43,28 @@ def test_token_file_is_mapped_not_copied(tmp_path: Path) -> None:
     assert isinstance(cut.tokens, np.memmap) and len(cut.tokens) == 3000  # a cut is a shorter view
 
 
+def _resident_kb(path: Path) -> int:
+    """This process's resident kB of its maps of `path` (/proc/self/smaps)."""
+    total, mine = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if not line[:1].isupper():  # a mapping's first line (its address); its fields are capitalised
+            mine = line.rstrip().endswith(str(path))
+        elif mine and line.startswith("Rss:"):
+            total += int(line.split()[1])
+    return total
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps (Linux)")
+def test_read_windows_leave_no_page_of_the_file_resident(tmp_path: Path) -> None:
+    _nanogpt(tmp_path / "t.bin", 4 << 20)  # 8 MB
+    data = TokenData.open(str(tmp_path / "t.bin"), None, 256, 0, 0.05)
+    for step in range(3):
+        data.step_samples(step, 32, 0, 32)
+        assert _resident_kb(tmp_path / "t.bin") == 0
+    data.tokens[:: 1 << 16].sum()  # any other read maps pages (so the probe above does see them)
+    assert _resident_kb(tmp_path / "t.bin") > 0
+
+
 def test_windows_from_the_map_equal_windows_from_memory(tmp_path: Path) -> None:
     """The one sample path: a token file's windows are those of the same ids held in memory."""
     ids = _nanogpt(tmp_path / "t.bin", 7000, seed=3)

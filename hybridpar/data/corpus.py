@@ -16,6 +16,7 @@ import numpy as np
 import torch
 
 from hybridpar.data.sources import Corpus, open_corpus
+from hybridpar.data.tokenfile import release_pages
 
 BYTE_VOCAB = 256
 # Epoch permutations kept: a step's batch spans at most two epochs, a few more absorb val/eval jitter.
@@ -141,6 +142,7 @@ class TokenData:
     def _gather(self, starts: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
         # Only these windows are read (a token file's pages come from the page cache) and widened.
         windows = torch.from_numpy(self.tokens[starts[:, None] + self._offsets[None, :]].astype(np.int64))
+        release_pages(self.tokens)  # the resident set keeps nothing of the file between batches
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
     def train_samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:

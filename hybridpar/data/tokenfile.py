@@ -14,6 +14,7 @@ interrupted `prepare` leaves nothing that training would accept (see `commit`).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import pathlib
 from typing import Any
@@ -128,6 +129,19 @@ def open_tokens(bin_path: str | pathlib.Path, dtype: str, count: int | None = No
     """The token file's ids, memory-mapped read-only: nothing is read until a window is asked for."""
     mm = np.memmap(bin_path, dtype=np.dtype(TOKEN_DTYPES[dtype]), mode="r")
     return mm if count is None else mm[:count]
+
+
+def release_pages(ids: np.ndarray) -> None:
+    """Take the pages a read of `ids` mapped out of this process's resident set, where `ids` is (a view
+    of) a token file's memory map: MADV_DONTNEED, after which they stay in the page cache, shared by the
+    ranks and reclaimable, and the next read maps them again. Without it a rank's RSS grows toward the
+    file's size as training samples all of it: kernels with large folios map up to 2 MB around each
+    window read (measured: 33 windows of 1025 ids mapped 62 MB of a 2 GB file on Linux 6.18)."""
+    base = ids
+    while base is not None and not isinstance(base, mmap.mmap):
+        base = getattr(base, "base", None)
+    if base is not None and hasattr(mmap, "MADV_DONTNEED"):
+        base.madvise(mmap.MADV_DONTNEED)
 
 
 def max_id(bin_path: str | pathlib.Path, dtype: str, count: int) -> int:
