@@ -89,7 +89,7 @@ COUNTS = [
     "train__microbatches",
     "train__seq_len",
     "train__val_batches",
-    "data__max_bytes",
+    "data__max_tokens",
 ]
 
 
@@ -613,7 +613,7 @@ def test_scalar_parsing() -> None:
             "--train.seed",
             "-1",
             "--train.sample_prompt=a = b",
-            "--data.max_bytes",
+            "--data.max_tokens",
             "1_000",
             "--parallel.schedule",
             "gpipe",
@@ -622,7 +622,7 @@ def test_scalar_parsing() -> None:
         ]
     )
     assert cfg.train.lr == 1e-3 and cfg.train.seed == -1 and cfg.train.sample_prompt == "a = b"
-    assert cfg.data.max_bytes == 1000 and cfg.parallel.schedule == "gpipe" and cfg.model.n_kv_heads == 2
+    assert cfg.data.max_tokens == 1000 and cfg.parallel.schedule == "gpipe" and cfg.model.n_kv_heads == 2
 
 
 @pytest.mark.parametrize(

@@ -198,7 +198,7 @@ def _trained_config(family: str, run_dir: Path) -> Config:
     cfg.parallel.tp, cfg.parallel.pp = 2, 1
     t = cfg.train
     t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.sample_tokens = 2, 4, 2, 16, 0, 0
-    cfg.checkpoint.every, cfg.data.max_bytes, cfg.run_dir = 2, 100_000, str(run_dir)
+    cfg.checkpoint.every, cfg.data.max_tokens, cfg.run_dir = 2, 100_000, str(run_dir)
     return cfg
 
 

@@ -99,7 +99,7 @@ def _finetune(hf_dir: Path, run_dir: Path, tp: int, pp: int) -> Config:
     t = cfg.train
     t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.sample_tokens = 2, 4, 2, 24, 0, 0
     t.warmup_steps, t.lr = 0, 1e-2  # a full learning rate from the first step: the steps move the weights
-    cfg.data.max_bytes, cfg.run_dir = 60_000, str(run_dir)
+    cfg.data.max_tokens, cfg.run_dir = 60_000, str(run_dir)
     return preflight(cfg, tp * pp)[0]
 
 
@@ -137,12 +137,12 @@ def test_finetuning_from_hf_at_tp2_pp2_equals_one_device(tie: bool, finetuned: d
 
 
 def _hf_loss(hf_dir: Path, cfg: Config) -> float:
-    from hybridpar.data.corpus import TokenData, load_tokens
+    from hybridpar.data.corpus import TokenData
 
     transformers = pytest.importorskip("transformers")
     hf = transformers.AutoModelForCausalLM.from_pretrained(hf_dir).eval()
     t = cfg.train
-    data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
+    data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
     x, y = data.step_samples(0, t.global_batch, 0, t.global_batch)
     with torch.no_grad():
         logits = hf(x).logits

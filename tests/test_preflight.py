@@ -17,7 +17,7 @@ import pytest
 from hybridpar.cli import main
 from hybridpar.resilience.checkpoint import write_manifest
 
-BASE = ["--data.max_bytes", "200000", "--train.steps", "2"]
+BASE = ["--data.max_tokens", "200000", "--train.steps", "2"]
 
 
 def _files(tmp: Path) -> dict[str, str]:
@@ -69,7 +69,8 @@ CASES: list[tuple[list[str], str]] = [
     (["--data.path", "@nofiles"], "contains no"),
     (["--data.path", "@hidden"], "contains no"),
     (["--data.path", "/dev/null"], "neither a regular file nor a folder"),
-    (["--data.max_bytes", "0"], "data.max_bytes must be a positive integer"),
+    (["--data.max_tokens", "0"], "data.max_tokens must be a positive integer or none"),
+    (["--data.max_bytes", "1000"], "--data.max_bytes: data.max_bytes is gone"),
     (["--data.val_fraction", "0.6"], "data.val_fraction must be in (0, 0.5)"),
     (["--data.val_fraction", "nan"], "data.val_fraction"),
     (["--train.lr", "inf"], "train.lr must be a finite number, got inf"),

@@ -68,7 +68,7 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[bool, tuple[Config
         cfg = parse_args(["--model.init_from", str(hf_dir), "--data.path", str(data), "--data.tokenizer", str(tok)])
         t = cfg.train
         t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.warmup_steps = 5, 4, 2, 32, 0, 0
-        cfg.data.max_bytes, cfg.run_dir = 400_000, str(run)
+        cfg.data.max_tokens, cfg.run_dir = 100_000, str(run)  # as max_bytes=400_000 read of uint32 ids
         out[tie] = (preflight(cfg, 4)[0], start, run)
     run_ranks(_train_ranks, 4, [out[tie][0].to_dict() for tie in TIES], timeout_s=240)
     return out

@@ -82,7 +82,7 @@ def _tiny(run_dir: Path, steps: int, every: int) -> Config:
     cfg.parallel.tp, cfg.parallel.pp = 2, 1
     t = cfg.train
     t.steps, t.global_batch, t.microbatches, t.seq_len, t.val_every, t.sample_tokens = steps, 4, 2, 16, 0, 4
-    cfg.checkpoint.every, cfg.data.max_bytes, cfg.run_dir = every, 60_000, str(run_dir)
+    cfg.checkpoint.every, cfg.data.max_tokens, cfg.run_dir = every, 60_000, str(run_dir)
     return cfg
 
 

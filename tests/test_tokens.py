@@ -15,8 +15,8 @@ import pytest
 
 from hybridpar import cli
 from hybridpar.config import ModelConfig
-from hybridpar.data.corpus import load_tokens
 from hybridpar.data.prepare import documents
+from hybridpar.data.sources import load_tokens
 from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.config import ServeConfig
 
@@ -48,13 +48,15 @@ def test_prepare_writes_the_tokenizers_ids_and_describes_them(tok_dir: Path, dty
     meta = _prepare(tok_dir, tmp_path / "d.bin", "--dtype", dtype)
     want_dtype = "uint16" if dtype == "auto" else "uint32"
     assert (meta["dtype"], meta["vocab_size"], meta["tokenizer_sha256"]) == (want_dtype, 320, tok.sha256)
-    docs = documents(None, int(CORPUS_BYTES))
-    want = [i for d in docs for i in tok.encode(d) + [tok.token_id("<|endoftext|>")]]
+    docs = list(documents(None, int(CORPUS_BYTES)))
+    eos = tok.token_id("<|im_end|>")  # the tokenizer's own eos_token closes each document
+    want = [i for d in docs for i in tok.encode(d) + [eos]]
+    assert (meta["eos_id"], meta["eos_token"]) == (eos, "<|im_end|>")
     assert meta["tokens"] == len(want) == (tmp_path / "d.bin").stat().st_size // (2 if dtype == "auto" else 4)
-    assert load_tokens(str(tmp_path / "d.bin"), 1 << 30).tolist() == want
-    starts = meta["documents"]
-    assert len(starts) == len(docs) and starts[0] == 0 and starts[1] == len(tok.encode(docs[0])) + 1
-    assert np.all(np.diff(starts) > 0)
+    assert load_tokens(str(tmp_path / "d.bin")).tolist() == want
+    bounds = np.fromfile(tmp_path / "d.idx", dtype="<u8")  # document i is ids[bounds[i]:bounds[i + 1]]
+    assert meta["documents"] == len(docs) == len(bounds) - 1 and bounds[0] == 0 and bounds[-1] == len(want)
+    assert bounds[1] == len(tok.encode(docs[0])) + 1 and np.all(np.diff(bounds) > 0)
 
 
 def test_trained_tokenizer_loads_in_transformers_with_the_same_ids(tok_dir: Path, tmp_path: Path) -> None:
@@ -106,7 +108,7 @@ def _bad(tok_dir: Path, tmp: Path, kind: str) -> tuple[list[str], str]:
         )
         return base[:2] + ["--data.tokenizer", str(other)] + base[4:], "was prepared with another tokenizer"
     if kind == "no-token-file":
-        return base[2:], "needs a token file prepared with it as data.path (now None)"
+        return base[2:], "needs a token file prepared with it as data.path, and data.path=None is byte-level text"
     return base[:2] + base[4:], "was prepared with the tokenizer"  # no data.tokenizer
 
 

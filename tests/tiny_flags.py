@@ -17,6 +17,6 @@ def tiny_flags(steps: int, val_every: int = 0, sample_tokens: int = 0) -> list[s
         "train.seq_len": 16,
         "train.val_every": val_every,
         "train.sample_tokens": sample_tokens,
-        "data.max_bytes": 100_000,
+        "data.max_tokens": 100_000,
     }
     return [x for k, v in flags.items() for x in (f"--{k}", str(v))]

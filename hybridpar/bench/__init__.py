@@ -35,6 +35,7 @@ BENCHES = (
     "records_cost",
     "launch_startup",
     "prepare",
+    "data",
     "serve",
     "plan_accuracy",
     "plan_scale",

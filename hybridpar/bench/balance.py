@@ -54,7 +54,7 @@ def scenario_config(name: str, mode: str, layer_ms: float, steps: int, slowdown:
     p.tp, p.pp, p.dp, p.schedule, p.partition = s["tp"], s["pp"], s["dp"], "1f1b", "uniform"
     t.steps, t.global_batch, t.microbatches, t.seq_len = steps, 28, s["microbatches"], 16
     t.warmup_steps, t.val_every, t.monitor_every, t.sample_tokens = 2, 0, 0, 0
-    cfg.data.max_bytes = 200_000
+    cfg.data.max_tokens = 200_000
     cfg.emulate.layer_ms = layer_ms if mode == "emulated" else 0.0
     cfg.emulate.slowdown = f"rank={SLOW_RANK}:2.0@step={SLOW_FROM}" if slowdown else ""
     cfg.balance.mode = balance

@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config.parse import parse_args
-from hybridpar.data.corpus import TokenData, load_tokens
+from hybridpar.data.corpus import TokenData
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_full_model
 
@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t = cfg.train
-    data = TokenData(load_tokens(cfg.data.path, 2_000_000), t.seq_len, t.seed, cfg.data.val_fraction)
+    data = TokenData.open(cfg.data.path, 2_000_000, t.seq_len, t.seed, cfg.data.val_fraction)
     models = {k: build_full_model(cfg.model, t.seed).to(dev) for k in ("autocast", "copies")}
     work = copy.deepcopy(models["copies"]).to(torch.bfloat16)
     opts = {k: make_optimizer(m.named_parameters(), t) for k, m in models.items()}

@@ -73,7 +73,7 @@ SOAK = {
     "train.val_batches": 1,
     "train.sample_tokens": 0,
     "train.monitor_every": 0,
-    "data.max_bytes": 400_000,
+    "data.max_tokens": 400_000,
     "checkpoint.every": 1,
     "checkpoint.keep": 3,
     "resilience.hang_timeout_s": 2.0,

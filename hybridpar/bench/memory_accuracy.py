@@ -41,7 +41,7 @@ def case_config(
         setattr(cfg.train, k, v)
     for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule}.items():
         setattr(cfg.parallel, k, v)
-    cfg.data.max_bytes = 2_000_000
+    cfg.data.max_tokens = 2_000_000
     return cfg
 
 

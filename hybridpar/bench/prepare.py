@@ -33,15 +33,15 @@ def main(argv: list[str]) -> int:
     with tempfile.TemporaryDirectory(prefix="hybridpar-bench-prepare-") as tmp:
         tok_dir = a.tokenizer or str(train_bpe(documents(a.input, 2_000_000), a.vocab_size, Path(tmp) / "tok"))
         tok = Tokenizer(tok_dir)
-        texts = documents(a.input, a.max_bytes)
+        texts = list(documents(a.input, a.max_bytes))
         load_before = os.getloadavg()
         rows: dict[str, list[float]] = {"prepare": [], "encoder": []}
         tokens = {}
         for _ in range(a.repeats):
             t0 = time.perf_counter()
             meta = prepare(tok_dir, str(Path(tmp) / "data.bin"), a.input, a.max_bytes)
-            # The text's tokens, as the encoder counts them (without the end-of-text token after each document).
-            tokens["prepare"] = meta["tokens"] - len(meta["documents"]) * (meta["eos_id"] is not None)
+            # The text's tokens, as the encoder counts them (less the end-of-text token closing each document).
+            tokens["prepare"] = meta["tokens"] - meta["documents"]
             rows["prepare"].append(tokens["prepare"] / (time.perf_counter() - t0))
             t0 = time.perf_counter()
             n = sum(

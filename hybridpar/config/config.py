@@ -7,7 +7,7 @@ import typing
 from dataclasses import dataclass, fields
 from typing import Any
 
-from hybridpar.config.keys import _is_int, _known_keys, _owner, _suggest, _type_name, _unwrap
+from hybridpar.config.keys import RETIRED, _is_int, _known_keys, _owner, _suggest, _type_name, _unwrap
 from hybridpar.config.sections import (
     BalanceConfig,
     BatchingConfig,
@@ -65,8 +65,10 @@ class Config:
         return dataclasses.asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> "Config":
-        """Strict inverse of to_dict: missing keys keep defaults, unknown keys and wrong types raise."""
+    def from_dict(cls, d: dict[str, Any], record: bool = False) -> "Config":
+        """Strict inverse of to_dict: missing keys keep defaults, unknown keys and wrong types raise. A key
+        this version no longer has (keys.RETIRED) raises its line, or is dropped where `record` says `d` is
+        what a run wrote (config.toml, trainer_state.json): a record of an older version, not a request."""
         if not isinstance(d, dict):
             raise ValueError(f"config must be a dict of sections, got {type(d).__name__}")
         cfg, known = cls(), _known_keys(Config)
@@ -84,6 +86,9 @@ class Config:
             else:
                 flat.append((name, value))
         for key, value in flat:
+            if key in RETIRED:
+                errors += [] if record else [RETIRED[key]]
+                continue
             if key not in known:
                 errors.append(f"unknown config key {key!r}{_suggest(key, [*sections, *known], repr)}")
                 continue

@@ -8,6 +8,17 @@ import typing
 from dataclasses import fields
 from typing import Any
 
+# Keys this version no longer has, each with the one line that says what to use instead. A config a
+# user writes (a file, a flag) that sets one is refused with it; a config a run wrote (config.toml,
+# trainer_state.json) has them dropped: it records what an older version did and asks for nothing.
+RETIRED: dict[str, str] = {
+    "data.max_bytes": (
+        "data.max_bytes is gone (it capped the corpus silently, at 16 MB by default): the whole corpus is used "
+        "unless data.max_tokens N asks for its first N tokens (for byte-level text a token is a byte, so the "
+        "same N keeps the same corpus); set that instead, or drop the key"
+    ),
+}
+
 
 def _is_num(v: Any, kinds: tuple[type, ...] = (int, float)) -> bool:
     return isinstance(v, kinds) and not isinstance(v, bool)  # bool is an int subclass, but True is not a number

@@ -8,7 +8,7 @@ from typing import Any
 import tomllib
 
 from hybridpar.config.config import Config
-from hybridpar.config.keys import _known_keys, _owner, _suggest, _type_name, _unwrap
+from hybridpar.config.keys import RETIRED, _known_keys, _owner, _suggest, _type_name, _unwrap
 
 
 def load_toml(path: str, what: str = "config file") -> dict[str, Any]:
@@ -51,6 +51,8 @@ def parse_args(argv: list[str], given: set[str] | None = None) -> Config:
             config_file = value
         elif key in known:
             overrides.append((f"--{name}", key, value))
+        elif key in RETIRED:
+            raise ValueError(f"--{name}: {RETIRED[key]}")
         else:
             raise ValueError(f"unknown option --{name}{_suggest(key, ['config', *known], _flag)}")
     cfg = Config()

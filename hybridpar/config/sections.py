@@ -233,10 +233,15 @@ class DataConfig:
     tokenizer: str | None = _f(
         None,
         "tokenizer directory (tokenizer.json, e.g. from `hybridpar data train-tokenizer`); data.path is then a "
-        "token file prepared with it, and final/ carries it (none = bytes)",
+        "token file prepared with it, and final/ carries it (none = model.init_from's own where it has one, else "
+        "bytes)",
     )
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
-    max_bytes: int = _f(16_000_000, "cap on corpus bytes read")
+    max_tokens: int | None = _f(
+        None,
+        "train on the first N tokens of the corpus only (a byte is a token of byte-level text); the run says "
+        "how many of how many it uses (none = all of it)",
+    )
 
 
 @dataclass

@@ -87,7 +87,7 @@ def _check_ranges(cfg: Config) -> None:
             "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim model.rope_original_max_positions "
             "parallel.tp parallel.pp "
             "parallel.dp train.steps train.global_batch train.microbatches "
-            "train.seq_len train.val_batches train.progress_every data.max_bytes checkpoint.keep",
+            "train.seq_len train.val_batches train.progress_every checkpoint.keep",
             count,
             "a positive integer",
         ),
@@ -101,7 +101,7 @@ def _check_ranges(cfg: Config) -> None:
         ),
         ("model.tie_embeddings", lambda v: v is None or isinstance(v, bool), "true, false or none"),
         (
-            "batching.microbatch_size emulate.memory_limit",
+            "batching.microbatch_size emulate.memory_limit data.max_tokens",
             lambda v: v is None or count(v),
             "a positive integer or none",
         ),

@@ -14,7 +14,7 @@ import json
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-TOKENIZER_FILE, CONFIG_FILE = "tokenizer.json", "tokenizer_config.json"
+TOKENIZER_FILE, CONFIG_FILE, SPECIAL_TOKENS_FILE = "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"
 END_OF_TEXT, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # The chat template written with a trained tokenizer (ChatML, as transformers' chat templates are written:
 # Jinja over `messages` and `add_generation_prompt`).
@@ -68,6 +68,37 @@ class Tokenizer:
         """A special token named in tokenizer_config.json (eos_token, bos_token), as its text."""
         v = self.config.get(key)
         return v.get("content") if isinstance(v, dict) else v if isinstance(v, str) else None
+
+    def end_of_text(self, eos_token: str | None = None, eos_id: int | None = None) -> tuple[int, str]:
+        """The id (and text) that closes each document of a prepared corpus: the one given (`eos_token` or
+        `eos_id`), else the tokenizer's own `eos_token` (tokenizer_config.json, else special_tokens_map.json).
+        ValueError naming the directory where there is none, or the given one is not in the vocabulary."""
+        if eos_token is not None and eos_id is not None:
+            raise ValueError("give --eos-token or --eos-id, not both")
+        if eos_id is not None:
+            if not 0 <= eos_id < self.vocab_size:
+                raise ValueError(
+                    f"--eos-id {eos_id} is not an id of {self.path / TOKENIZER_FILE} (0..{self.vocab_size - 1})"
+                )
+            return eos_id, self.tok.id_to_token(eos_id)
+        token, where = eos_token, "--eos-token"
+        if token is None:
+            token, where = self.special("eos_token"), f"the eos_token of {self.path / CONFIG_FILE}"
+        if token is None and (self.path / SPECIAL_TOKENS_FILE).is_file():
+            try:
+                v = json.loads((self.path / SPECIAL_TOKENS_FILE).read_text(encoding="utf-8")).get("eos_token")
+            except (OSError, UnicodeDecodeError, ValueError, AttributeError) as e:
+                raise ValueError(f"{self.path / SPECIAL_TOKENS_FILE} cannot be read: {e}") from None
+            token = v.get("content") if isinstance(v, dict) else v if isinstance(v, str) else None
+            where = f"the eos_token of {self.path / SPECIAL_TOKENS_FILE}"
+        if token is None:
+            raise ValueError(
+                f"the tokenizer {self.path} names no end-of-text token (no eos_token in {CONFIG_FILE} or "
+                f"{SPECIAL_TOKENS_FILE}), so nothing would separate documents: give --eos-token TEXT or --eos-id N"
+            )
+        if (found := self.tok.token_to_id(token)) is None:
+            raise ValueError(f"{where} {token!r} is not a token of {self.path / TOKENIZER_FILE}")
+        return found, token
 
     @property
     def chat_template(self) -> str | None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.data.corpus import TokenData, load_tokens
+from hybridpar.data.corpus import TokenData
 from hybridpar.model.optim import lr_at, make_optimizer, set_lr
 from hybridpar.model.registry import build_full_model
 
@@ -84,7 +84,7 @@ def tiny_config(**over: dict[str, Any]) -> Config:
     # parameter differences proportional to lr.
     t.warmup_steps, t.val_every, t.val_batches, t.sample_tokens = 1, 3, 1, 0
     t.grad_clip = 0.5  # low enough that clipping is active
-    cfg.data.max_bytes = 200_000
+    cfg.data.max_tokens = 200_000
     for section, values in over.items():
         for k, v in values.items():
             setattr(getattr(cfg, section), k, v)
@@ -123,7 +123,7 @@ def reference(
     an equally valid run). With `order` each step's samples are shuffled by that seed first: the same
     mean, summed in another order (again an equally valid run)."""
     t, dev = cfg.train, torch.device(device)
-    data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
+    data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed).to(dtype).to(dev)
     opt = make_optimizer(model.named_parameters(), t)
 

@@ -25,6 +25,7 @@ from hybridpar.config import Config
 from hybridpar.config.keys import _known_keys, _owner
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.sinks import missing_packages
+from hybridpar.run.data_checks import check_corpus, check_tokens, use_init_tokenizer
 
 
 def checkpoint_dir(cfg: Config) -> Path:
@@ -60,12 +61,12 @@ def preflight(
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
-    _check_tokens(cfg)
+    check_tokens(cfg)
     _check_device(cfg, local_ranks)
     if (why := missing_packages(cfg.sinks)) is not None:
         raise ValueError(why)
     if verify:
-        _check_data(cfg)
+        notes += check_corpus(cfg)
         _check_init_weights(cfg)
     _check_resume(cfg, verify)
     return cfg, notes
@@ -82,7 +83,8 @@ def preflight_config(cfg: Config) -> None:
 def resolve_init_from(cfg: Config) -> None:
     """With model.init_from, set the model's shape (every model key but init_from and init_std) from the
     directory's config.json, in place. A model key set to other than its default and than config.json
-    says is refused: the shape is the checkpoint's."""
+    says is refused: the shape is the checkpoint's. data.tokenizer left unset becomes the directory where
+    it holds a tokenizer (data_checks.use_init_tokenizer)."""
     path = cfg.model.init_from
     if path is None:
         return
@@ -104,6 +106,7 @@ def resolve_init_from(cfg: Config) -> None:
         )
     for k in keys:
         setattr(cfg.model, k, getattr(hf, k))
+    use_init_tokenizer(cfg)
 
 
 def _check_init_weights(cfg: Config) -> None:
@@ -154,54 +157,6 @@ def _check_dirs(cfg: Config) -> None:
     check_path_is_dir("run_dir", Path(cfg.run_dir))
     check_path_is_dir("checkpoint.dir", checkpoint_dir(cfg))
     read_run(Path(cfg.run_dir))  # a damaged run record is refused here, not in every worker
-
-
-def _check_tokens(cfg: Config) -> None:
-    """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given, a
-    tokenizer whose ids the model can embed. Reads the sidecar and tokenizer.json, not the tokens."""
-    from hybridpar.data.corpus import read_sidecar
-    from hybridpar.data.tokenizer import Tokenizer
-
-    d, vocab = cfg.data, cfg.model.vocab_size
-    meta = read_sidecar(d.path) if d.path and d.path.endswith(".bin") and Path(d.path).is_file() else None
-    if d.tokenizer is None:
-        if meta is not None:
-            raise ValueError(
-                f"data.path={d.path!r} was prepared with the tokenizer {meta.get('tokenizer')!r}: give it as "
-                f"data.tokenizer, so that the run's samples and final/ use it"
-            )
-        return
-    tok = Tokenizer(d.tokenizer)  # ValueError naming tokenizer.json
-    if tok.vocab_size > vocab:
-        raise ValueError(
-            f"data.tokenizer={d.tokenizer!r} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model "
-            f"cannot embed its ids; set model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
-        )
-    if meta is None:
-        raise ValueError(
-            f"data.tokenizer={d.tokenizer!r} needs a token file prepared with it as data.path (now "
-            f"{d.path!r}): hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin"
-        )
-    if meta.get("tokenizer_sha256") != tok.sha256:
-        raise ValueError(
-            f"data.path={d.path!r} was prepared with another tokenizer ({meta.get('tokenizer')!r}, sha256 "
-            f"{str(meta.get('tokenizer_sha256'))[:12]}…) than data.tokenizer={d.tokenizer!r} (sha256 "
-            f"{tok.sha256[:12]}…): prepare it again with this tokenizer"
-        )
-
-
-def _check_data(cfg: Config) -> None:
-    from hybridpar.data.corpus import TokenData, load_tokens
-
-    d, t = cfg.data, cfg.train
-    tokens = load_tokens(d.path, d.max_bytes)
-    data = TokenData(tokens, t.seq_len, t.seed, d.val_fraction)
-    if data.vocab_needed > cfg.model.vocab_size:
-        where = f"data.path={d.path!r}" if d.path else "the default corpus (data.path none)"
-        raise ValueError(
-            f"{where} holds token ids up to {data.vocab_needed - 1}: model.vocab_size="
-            f"{cfg.model.vocab_size} must be at least {data.vocab_needed}"
-        )
 
 
 def _saved_model(ckpt: Path) -> dict | None:

@@ -91,7 +91,7 @@ def write_model_dir(
 def run_config(run_dir: Path) -> Config | None:
     """The config a run recorded in its `config.toml` (None for a directory without one)."""
     path = Path(run_dir) / "config.toml"
-    return Config.from_dict(load_toml(str(path))) if path.is_file() else None
+    return Config.from_dict(load_toml(str(path)), record=True) if path.is_file() else None
 
 
 def _step_of(model_dir: Path) -> int:
@@ -152,7 +152,7 @@ def export_source(source: str, out: Path, step: int | None = None) -> Path:
         return Path(out)
     try:
         state_json = json.loads((src / "trainer_state.json").read_text(encoding="utf-8"))
-        cfg = Config.from_dict(state_json["config"])
+        cfg = Config.from_dict(state_json["config"], record=True)
     except (OSError, ValueError, KeyError) as e:
         raise ValueError(f"{src} is not a hybridpar checkpoint (its trainer_state.json: {e})") from None
     state = read_full_model(src, cfg.model)

@@ -27,7 +27,7 @@ from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
-from hybridpar.data.corpus import TokenData, load_tokens
+from hybridpar.data.corpus import TokenData
 from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
 from hybridpar.dataparallel.zero import full_optimizer_state
 from hybridpar.model.optim import lr_at, set_lr
@@ -46,7 +46,7 @@ class Trainer:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
         t = cfg.train
-        self.data = TokenData(load_tokens(cfg.data.path, cfg.data.max_bytes), t.seq_len, t.seed, cfg.data.val_fraction)
+        self.data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
         if self.data.vocab_needed > cfg.model.vocab_size:
             raise ValueError(
                 f"data.path holds token ids up to {self.data.vocab_needed - 1}: model.vocab_size="

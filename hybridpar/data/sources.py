@@ -1,0 +1,162 @@
+"""Opening a corpus for training: text (bytes, the default) or a token file read in place.
+
+The default corpus is the running interpreter's standard library source, which every machine with
+Python has; a folder is its text files, sorted; a token file (`hybridpar data prepare`, or nanoGPT's
+uint16 `.bin`) is memory-mapped, never copied, so opening it costs nothing whatever its size.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import sysconfig
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from hybridpar.data.tokenfile import max_id, open_tokens, read_sidecar
+
+# A NUL byte in the first 8 KiB is the same heuristic git/grep use to call a file binary.
+BINARY_SNIFF_BYTES = 8192
+# Directory names never taken into the default corpus: tests are huge, repetitive and full of
+# deliberately odd data; site-packages differs between environments and would break determinism.
+EXCLUDED_STDLIB_DIRS = frozenset({"test", "tests", "site-packages", "dist-packages", "__pycache__"})
+
+
+def _walk_sorted(root: pathlib.Path, skip_dir: frozenset[str], suffix: str | None) -> list[pathlib.Path]:
+    """Regular files under ``root``, sorted by relative POSIX path; hidden entries are skipped.
+
+    Pruning during the walk (rather than filtering afterwards) keeps excluded trees such as
+    site-packages from being traversed at all. Directory symlinks are not followed (no cycles).
+    """
+    found: list[tuple[str, pathlib.Path]] = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".") and d not in skip_dir]
+        for name in filenames:
+            if name.startswith(".") or (suffix is not None and not name.endswith(suffix)):
+                continue
+            full = pathlib.Path(dirpath, name)
+            if full.is_file():
+                found.append((full.relative_to(root).as_posix(), full))
+    found.sort(key=lambda item: item[0])
+    return [p for _, p in found]
+
+
+def default_corpus_files() -> list[pathlib.Path]:
+    """The running interpreter's stdlib ``.py`` files, sorted by path relative to the stdlib.
+
+    Skipped: hidden files/dirs and any directory named test, tests, site-packages, dist-packages
+    or __pycache__ (see EXCLUDED_STDLIB_DIRS). idlelib and the rest are kept. The result depends
+    only on the Python installation, so it is deterministic for a given interpreter.
+    """
+    root = pathlib.Path(sysconfig.get_paths()["stdlib"])
+    return _walk_sorted(root, EXCLUDED_STDLIB_DIRS, ".py")
+
+
+def _read_joined(files: Iterable[pathlib.Path], cap: int | None) -> tuple[bytes, int, int]:
+    """The text files joined with b"\\n", cut to the first ``cap`` bytes (None: all of them); returns
+    (data, number of text files, bytes of the whole join). Files that look binary or are empty are
+    skipped. Past the cap a file is only sniffed and measured, so a cap costs only the I/O it needs."""
+    parts: list[bytes] = []
+    used = n_text = total = 0
+    for path in files:
+        with open(path, "rb") as f:
+            head = f.read(BINARY_SNIFF_BYTES)
+            if not head or b"\0" in head:
+                continue
+            sep = 1 if n_text else 0  # the separator counts like any other byte
+            n_text += 1
+            total += sep + os.fstat(f.fileno()).st_size
+            if cap is not None and used >= cap:
+                continue
+            if sep:
+                parts.append(b"\n")
+                used += 1
+            remaining = None if cap is None else cap - used
+            if remaining is None:
+                chunk = head + f.read()
+            else:
+                chunk = head[:remaining] if len(head) >= remaining else head + f.read(remaining - len(head))
+        parts.append(chunk)
+        used += len(chunk)
+    data = b"".join(parts)
+    return (data if cap is None else data[:cap]), n_text, max(total, len(data))
+
+
+@dataclass(frozen=True)
+class Corpus:
+    """A corpus opened for training. A token file is read in place: ``tokens`` is a read-only memory map,
+    and only the windows a step asks for are ever read. Text (bytes) is small and held in memory."""
+
+    tokens: np.ndarray  # (n,) ids
+    total: int  # tokens of the whole corpus: more than n where data.max_tokens cuts it
+    name: str  # how messages name it
+    vocab: Callable[[], int] = field(repr=False)  # ids are below this (read, or scanned, when asked)
+
+
+def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
+    """Open a corpus, its first ``max_tokens`` tokens only where that is given.
+
+    * ``None``: the default stdlib corpus (``default_corpus_files``), joined with b"\\n" -> bytes.
+    * a folder: every non-hidden, non-binary regular file below it, sorted, joined -> bytes.
+    * ``*.bin`` with a ``.json`` sidecar (``hybridpar data prepare``): its uint16 or uint32 tokens.
+    * ``*.bin``: nanoGPT-style little-endian uint16 tokens.
+    * any other file: its raw bytes.
+    Problems raise ValueError naming the path.
+    """
+    if max_tokens is not None and max_tokens <= 0:
+        raise ValueError(f"data.max_tokens must be a positive integer or none, got {max_tokens}")
+    if path is None:
+        data, _, total = _read_joined(default_corpus_files(), max_tokens)
+        if not data:
+            raise ValueError(f"default corpus (stdlib at {sysconfig.get_paths()['stdlib']}) is empty")
+        return _bytes_corpus(data, total, "the default corpus (data.path none)")
+    p, name = pathlib.Path(path), f"data.path={path!r}"
+    if not p.exists():
+        raise ValueError(f"data path {path!r} does not exist")
+    if p.is_dir():
+        data, n_text, total = _read_joined(_walk_sorted(p, frozenset(), None), max_tokens)
+        if n_text == 0:
+            raise ValueError(f"data folder {path!r} contains no (non-empty, non-hidden) text files")
+        return _bytes_corpus(data, total, name)
+    if not p.is_file():
+        raise ValueError(f"data path {path!r} is neither a regular file nor a folder")
+    if p.suffix == ".bin" and (meta := read_sidecar(p)) is not None:
+        n = _cut(meta["tokens"], max_tokens)
+        return Corpus(open_tokens(p, meta["dtype"], n), meta["tokens"], name, lambda: meta["vocab_size"])
+    if p.suffix == ".bin":
+        size = p.stat().st_size
+        if size == 0:
+            raise ValueError(f"token file {path!r} is empty")
+        if size % 2:
+            raise ValueError(f"token file {path!r} has odd size {size} bytes; expected uint16 tokens")
+        n = _cut(size // 2, max_tokens)
+        return Corpus(open_tokens(p, "uint16", n), size // 2, name, lambda: max_id(p, "uint16", n) + 1)
+    with open(p, "rb") as f:
+        data = f.read() if max_tokens is None else f.read(max_tokens)
+    if not data:
+        raise ValueError(f"data file {path!r} is empty")
+    return _bytes_corpus(data, p.stat().st_size, name)
+
+
+def _cut(total: int, max_tokens: int | None) -> int:
+    return total if max_tokens is None else min(total, max_tokens)
+
+
+def _bytes_corpus(data: bytes, total: int, name: str) -> Corpus:
+    tokens = np.frombuffer(data, dtype=np.uint8)  # read-only, like a token file's map
+    return Corpus(tokens, total, name, lambda: int(tokens.max()) + 1)
+
+
+def load_tokens(path: str | None, max_tokens: int | None = None) -> np.ndarray:
+    """The ids of the corpus at ``path`` (``open_corpus``): a memory map for a token file, else bytes."""
+    return open_corpus(path, max_tokens).tokens
+
+
+def corpus_note(corpus: Corpus, max_tokens: int | None) -> str | None:
+    """The line a run prints where data.max_tokens cuts the corpus: how much of how much it uses."""
+    if max_tokens is None:
+        return None
+    n = len(corpus.tokens)
+    return f"data: {corpus.name}, its first {n:,} of {corpus.total:,} tokens (data.max_tokens={max_tokens:,})"

@@ -1,0 +1,94 @@
+"""The pre-flight's checks of the data (run/preflight.py calls them): the corpus, its token file and
+description, the tokenizer and the model's vocabulary, each refused in one line naming the file and
+what would be right, before any worker starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from hybridpar.config import Config
+
+
+def use_init_tokenizer(cfg: Config) -> None:
+    """model.init_from brings its tokenizer: data.tokenizer, left unset, becomes that directory where it
+    has a tokenizer.json (so fine-tuning reads, samples and exports text as the model was trained to)."""
+    from hybridpar.data.tokenizer import TOKENIZER_FILE
+
+    init = cfg.model.init_from
+    if init is not None and cfg.data.tokenizer is None and (Path(init) / TOKENIZER_FILE).is_file():
+        cfg.data.tokenizer = init
+
+
+def _token_file(path: str | None) -> dict | None:
+    from hybridpar.data.tokenfile import read_sidecar
+
+    return read_sidecar(path) if path and path.endswith(".bin") and Path(path).is_file() else None
+
+
+def _byte_level(path: str | None) -> bool:
+    """Text read as bytes: the default corpus, a folder, any file but a `.bin` token file."""
+    return path is None or Path(path).is_dir() or not path.endswith(".bin")
+
+
+def check_tokens(cfg: Config) -> None:
+    """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given (data.tokenizer,
+    or model.init_from's own), a tokenizer whose ids the model can embed, no bytes for a model of another
+    vocabulary. Reads the sidecar and tokenizer.json, not the tokens."""
+    from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
+
+    d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
+    meta = _token_file(d.path)
+    if d.tokenizer is None:
+        if meta is not None:
+            raise ValueError(
+                f"data.path={d.path!r} was prepared with the tokenizer {meta.get('tokenizer')!r}: give it as "
+                f"data.tokenizer, so that the run's samples and final/ use it"
+            )
+        if init is not None and vocab != 256 and _byte_level(d.path):
+            raise ValueError(
+                f"model.init_from={init!r} has a vocabulary of {vocab} ids and no {TOKENIZER_FILE}, but data.path="
+                f"{d.path!r} is byte-level text (ids 0-255): give the model's tokenizer as data.tokenizer and a "
+                f"token file prepared with it (hybridpar data prepare --tokenizer DIR --out DATA.bin) as data.path"
+            )
+        return
+    tok = Tokenizer(d.tokenizer)  # ValueError naming tokenizer.json
+    who = f"model.init_from={init!r} (its tokenizer)" if d.tokenizer == init else f"data.tokenizer={d.tokenizer!r}"
+    if tok.vocab_size > vocab:
+        raise ValueError(
+            f"{who} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model cannot embed its ids; set "
+            f"model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
+        )
+    if meta is None:
+        what = "byte-level text (ids 0-255)" if _byte_level(d.path) else "a token file without its description"
+        raise ValueError(
+            f"{who} needs a token file prepared with it as data.path, and data.path={d.path!r} is {what}: "
+            f"hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin, then --data.path DATA.bin"
+        )
+    if meta.get("tokenizer_sha256") != tok.sha256:
+        raise ValueError(
+            f"data.path={d.path!r} was prepared with another tokenizer ({meta.get('tokenizer')!r}, sha256 "
+            f"{str(meta.get('tokenizer_sha256'))[:12]}…) than {who} (sha256 {tok.sha256[:12]}…): prepare it "
+            f"again with hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin"
+        )
+
+
+def check_corpus(cfg: Config) -> list[str]:
+    """The corpus opened as the workers will open it (too short for a window, ids the model cannot
+    embed), without reading its tokens but to find the largest id of a file not prepared here; returns
+    the line to print where data.max_tokens cuts it."""
+    from hybridpar.data.corpus import TokenData
+    from hybridpar.data.sources import corpus_note
+    from hybridpar.data.tokenfile import check_index
+
+    d, t = cfg.data, cfg.train
+    if (meta := _token_file(d.path)) is not None:
+        check_index(d.path, meta)
+    data = TokenData.open(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
+    assert data.corpus is not None
+    if data.vocab_needed > cfg.model.vocab_size:
+        raise ValueError(
+            f"{data.corpus.name} holds token ids up to {data.vocab_needed - 1}: model.vocab_size="
+            f"{cfg.model.vocab_size} must be at least {data.vocab_needed}"
+        )
+    note = corpus_note(data.corpus, d.max_tokens)
+    return [note] if note else []
