@@ -11,6 +11,7 @@ reconnect when it restarts (topology/rdzv_client.py). It never reads what the ag
 
 from __future__ import annotations
 
+import errno
 import signal
 import socket
 import sys
@@ -130,11 +131,10 @@ def main(argv: list[str]) -> int:
     try:
         serve(host, port, stop)
     except OSError as e:  # the bind: the port taken, or an address this machine does not have
-        print(
-            f"hybridpar rendezvous: error: cannot listen on {host}:{port}: {e.strerror or e} (a store or an "
-            "agent hosting its own already listens there: start the store before the agents, or give "
-            "another --port)",
-            file=sys.stderr,
-        )
+        why = e.strerror or str(e)
+        if e.errno == errno.EADDRINUSE:
+            why += " (a store, or an agent hosting its own, listens there: start the store before the agents"
+            why += ", or give another --port)"
+        print(f"hybridpar rendezvous: error: cannot listen on {host}:{port}: {why}", file=sys.stderr)
         return 2
     return 0

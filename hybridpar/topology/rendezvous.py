@@ -1,5 +1,5 @@
-"""torchrun's c10d rendezvous, twice adapted: listening on loopback only, and agreeing on one attempt id
-per rendezvous round.
+"""torchrun's c10d rendezvous, three times adapted: listening on loopback only, agreeing on one attempt id
+per rendezvous round, and a client of a store outside the training nodes.
 
 Loopback: torch's TCPStore server listens on every interface, and torchrun's c10d rendezvous creates two
 of them (the rendezvous store and the store shared with the workers). For runs on one machine (one agent,
@@ -15,6 +15,12 @@ random id per round through the round's own store (rank 0 of the round writes it
 and hand it to their workers in `ATTEMPT_ENV`. `hybridpar train` uses these handlers for `--rdzv-backend
 c10d` (loopback for a loopback endpoint); plain torchrun reaches them as `--rdzv-backend
 hybridpar-loopback` or `hybridpar-c10d` (entry points, see pyproject.toml).
+
+Store outside the nodes: whichever agent hosts the rendezvous store takes the job down with its node.
+When `hybridpar rendezvous` (topology/rdzv_store.py) hosts it instead, the agents see the key it writes,
+reconnect when it restarts and write the rendezvous back into it (topology/rdzv_client.py); an agent of
+an elastic job whose store lives in an agent warns (`store_note`). `--rdzv-conf is_host=false` makes an
+agent a client only (torch's own key, honoured here for loopback endpoints too).
 """
 
 from __future__ import annotations
