@@ -246,7 +246,7 @@ def _run_agent(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
-    from hybridpar.topology.rdzv_client import store_lost
+    from hybridpar.topology.rdzv_client import store_error_line
     from hybridpar.topology.rendezvous import (
         C10D_BACKEND,
         LOOPBACK_BACKEND,
@@ -292,8 +292,8 @@ def _run_agent(
         agent = "signalled"
     except Exception as e:  # ChildFailedError: torch already printed the failing rank's traceback
         agent = "failed"
-        if lost := store_lost(e):  # the agent stopped its workers (SIGTERM: they checkpoint if they can)
-            print(f"hybridpar: error: {lost}", file=sys.stderr, flush=True)
+        if why := store_error_line(e, endpoint):  # the agent stopped its workers (they checkpoint if they can)
+            print(why, file=sys.stderr, flush=True)
     code, line = outcome()
     if line:
         print(line, file=sys.stderr if code in (1, 2) else sys.stdout, flush=True)

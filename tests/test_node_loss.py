@@ -33,7 +33,8 @@ from test_multinode import CLI, free_port, listening, records, spawn, wait_all  
 
 pytestmark = pytest.mark.multiprocess
 
-STEPS = 20
+STEPS = 24
+SHORT = 10  # the run of one node that loses its store
 TOL = 1e-5
 FLAGS = [
     "--parallel.tp",
@@ -58,13 +59,15 @@ def rendezvous_store(port: int, logs: Path) -> subprocess.Popen:
     return store
 
 
-def agent(run: Path, port: int, conf: str = "", pp1: bool = False) -> subprocess.Popen:
+def agent(run: Path, port: int, conf: str = "", alone: bool = False) -> subprocess.Popen:
+    """One node's `hybridpar train` (`alone`: a job of one node, one process, SHORT steps)."""
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loss"]
     # Every agent a client of the standalone store. Dead nodes are noticed after keep_alive_interval x
     # keep_alive_max_attempt seconds; a rendezvous with fewer than the most nodes waits last_call_timeout.
-    conf = "is_host=false,last_call_timeout=4,keep_alive_interval=1,keep_alive_max_attempt=3" + conf
-    cmd = [*CLI, "--nnodes", "1:2", "--nproc-per-node", "1", *rdzv, "--rdzv-conf", conf, "--max-restarts", "3"]
-    layout = ["--parallel.pp", "1"] if pp1 else []  # one node alone: one process
+    conf = "is_host=false,last_call_timeout=2,keep_alive_interval=1,keep_alive_max_attempt=3" + conf
+    nodes = "1" if alone else "1:2"
+    cmd = [*CLI, "--nnodes", nodes, "--nproc-per-node", "1", *rdzv, "--rdzv-conf", conf, "--max-restarts", "3"]
+    layout = ["--parallel.pp", "1", "--train.steps", str(SHORT)] if alone else []
     return spawn([*cmd, *FLAGS, *layout, *SLOW, "--run-dir", str(run)], run.with_name(f"agent-{time.time_ns()}"))
 
 
@@ -146,8 +149,10 @@ def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:
         store.kill()
         store.wait(10)
         procs[0] = store = rendezvous_store(port, run)
+        wait_for(lambda: all("restarted: reconnected" in p.logs[1].read_text() for p in (a, b)), "reconnects", procs)
         done = len(list(ck.glob("step-*")))
-        wait_for(lambda: len(list(ck.glob("step-*"))) >= done + 2, "training on after the store's restart", procs)
+        wait_for(lambda: len(list(ck.glob("step-*"))) > done, "training on after the store's restart", procs)
+        assert [e["world"] for e in events(run) if e["event"] == "start"] == [2]  # and no restart
         first, a2, first_hosted = lose_and_regain(a, b, run, port)  # the agent started first
         procs.append(a2)
         second, b2, second_hosted = lose_and_regain(b, a2, run, port)  # then the other one
@@ -158,8 +163,6 @@ def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:
             if p.poll() is None:
                 p.kill()
     assert [code for code, _, _ in ends] == [0, 0], [err[-3000:] for _, _, err in ends]
-    for p in (a, b):  # both reconnected, one wrote the rendezvous back
-        assert "restarted: reconnected" in p.logs[1].read_text()
     assert sum("wrote the rendezvous state back" in p.logs[1].read_text() for p in (a, b)) == 1
     segs = segments(events(run))
     assert [w for w, _ in segs] == [2, 1, 2, 1, 2], segs  # lost a node and got it back, twice
@@ -201,7 +204,7 @@ def test_a_store_that_stays_away_stops_the_run_which_resumes(tmp_path: Path) -> 
     exits with a line naming the store; the store and the agent started again finish the run."""
     run, port = tmp_path / "run", free_port()
     store = rendezvous_store(port, run)
-    one = [agent(run, port, conf=",read_timeout=2", pp1=True)]
+    one = [agent(run, port, ",read_timeout=2", alone=True)]
     try:
         wait_for(lambda: (run / "checkpoints" / "step-000001").is_dir(), "checkpoint step-000001", [store, *one])
         store.kill()
@@ -210,9 +213,9 @@ def test_a_store_that_stays_away_stops_the_run_which_resumes(tmp_path: Path) -> 
         assert code == 143, err[-3000:]  # stopped and checkpointed
         assert f"store at 127.0.0.1:{port} stopped answering and did not come back within 2 s" in err
         stopped = records(run / "metrics.jsonl")[-1]["step"]
-        assert stopped < STEPS - 1, "the run ended before the agent gave up on the store"
+        assert stopped < SHORT - 1, "the run ended before the agent gave up on the store"
         store = rendezvous_store(port, run)
-        one = [agent(run, port, pp1=True)]
+        one = [agent(run, port, alone=True)]
         ((code, out, err),) = wait_all(one, 120)
     finally:
         for p in (store, *one):
@@ -220,6 +223,6 @@ def test_a_store_that_stays_away_stops_the_run_which_resumes(tmp_path: Path) -> 
                 p.kill()
     assert code == 0 and "hybridpar: resumed from" in out, err[-3000:]
     final = records(run / "metrics.jsonl")[-1]
-    assert ledger_stats(final["samples_applied"], STEPS, 4) == {"lost_samples": 0, "duplicated_samples": 0}
-    assert sorted(r["step"] for r in records(run / "metrics.jsonl") if "loss" in r) == list(range(STEPS))
+    assert ledger_stats(final["samples_applied"], SHORT, 4) == {"lost_samples": 0, "duplicated_samples": 0}
+    assert sorted(r["step"] for r in records(run / "metrics.jsonl") if "loss" in r) == list(range(SHORT))
     print(f"\nstore gone for good: stopped after step {stopped} (exit 143, a line naming the store); resumed")

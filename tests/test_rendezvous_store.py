@@ -13,7 +13,7 @@ import pytest
 import torch.distributed as dist
 
 from hybridpar.cli import main
-from hybridpar.topology.rdzv_client import ReconnectingStore, StoreLost, store_lost
+from hybridpar.topology.rdzv_client import ReconnectingStore, StoreLost, store_error_line, store_lost
 from hybridpar.topology.rdzv_store import STANDALONE_KEY, host_store, parse_rendezvous_args
 from hybridpar.topology.rendezvous import ATTEMPT_ENV, _create_handler, store_note
 
@@ -55,16 +55,26 @@ def test_where_the_store_lives() -> None:
     )
 
 
-def test_store_lost_is_found_behind_torchs_errors() -> None:
-    lost = StoreLost("gone")
-    try:
+def test_a_lost_store_is_named_behind_torchs_errors() -> None:
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    def wrapped(cause: BaseException) -> BaseException:  # as torch's c10d backend raises it
         try:
-            raise lost
-        except StoreLost as e:
-            raise RuntimeError("The connection to the C10d store has failed.") from e
-    except RuntimeError as outer:
-        assert store_lost(outer) is lost
-    assert store_lost(ValueError("other")) is None
+            try:
+                raise cause
+            except BaseException as e:
+                raise RendezvousConnectionError("The connection to the C10d store has failed.") from e
+        except RendezvousConnectionError as outer:
+            return outer
+
+    lost = StoreLost("the rendezvous store at h:1 stopped answering")
+    assert store_lost(wrapped(lost)) is lost and store_lost(ValueError("other")) is None
+    assert store_error_line(wrapped(lost), "h:1") == "hybridpar: error: the rendezvous store at h:1 stopped answering"
+    died = store_error_line(wrapped(RuntimeError("Broken pipe")), "node0:29500")  # its host agent is gone
+    assert died.startswith("hybridpar: error: the rendezvous store at node0:29500 cannot be reached: if a training")
+    assert "hybridpar rendezvous --help" in died and "\n" not in died
+    assert store_error_line(RuntimeError("a worker failed"), "node0:29500") is None
+    assert store_error_line(wrapped(RuntimeError("x")), None) is None  # one node: its own store
 
 
 def test_a_client_outlives_a_restart_of_the_store() -> None:

@@ -52,6 +52,25 @@ def store_lost(e: BaseException | None) -> StoreLost | None:
     return e
 
 
+def store_error_line(e: BaseException, endpoint: str | None) -> str | None:
+    """The line a launcher prints when its agent ended because the rendezvous store at `endpoint` could not
+    be reached, or None: a standalone store that did not come back says so itself (StoreLost); any other
+    lost connection is a store that died with its host, a training agent, unless none answered at all."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+
+    if lost := store_lost(e):
+        return f"hybridpar: error: {lost}"
+    while e is not None and not isinstance(e, RendezvousConnectionError):
+        e = e.__cause__ or e.__context__
+    if e is None or endpoint is None:  # no endpoint: a one-node launch, whose agent hosts its own store
+        return None
+    return (
+        f"hybridpar: error: the rendezvous store at {endpoint} cannot be reached: if a training agent hosted "
+        "it, that agent's node is gone and the job with it (run the store outside the training nodes: "
+        "hybridpar rendezvous --help); continue with --checkpoint.resume auto"
+    )
+
+
 class ReconnectingStore(dist.Store):
     """A client of the TCPStore at host:port that connects again when the connection is lost (the store
     restarted) and repeats the operation. `on_reconnect` hooks run with the new connection first.
