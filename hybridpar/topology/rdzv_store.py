@@ -54,9 +54,10 @@ for each), so the job goes on as one; what is lost is a round's hand-over keys (
 worker store address), read only while a round forms. Costs: while it is down no agent notices a
 failed node or a new one (noticed after it is back); if it stays down past read_timeout the agents
 stop their workers (SIGTERM: they checkpoint the step in flight) and exit with a line naming the
-store: restart it and the agents with --checkpoint.resume auto. A restart while a round forms or while
-the agents wait for each other at the end can end those agents the same way. Stop it with SIGTERM or
-Ctrl-C once the job is over."""
+store (exit 143): restart it, then the agents with --checkpoint.resume auto. A restart while a round
+forms can end its agents once a store read times out (start them again the same way), and one while the
+agents wait for each other at the end can hold them up to torch's exit-barrier timeout (300 s). Stop
+it with SIGTERM or Ctrl-C once the job is over. More: docs/multi-node.md."""
 
 
 def parse_rendezvous_args(argv: list[str]) -> tuple[str, int]:
