@@ -201,7 +201,8 @@ def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:
 
 def test_a_store_that_stays_away_stops_the_run_which_resumes(tmp_path: Path) -> None:
     """The store killed for good: past read_timeout the agent stops its workers (they checkpoint) and
-    exits with a line naming the store; the store and the agent started again finish the run."""
+    exits with a line naming the store; the store started again and an agent of plain torchrun (its
+    client through the `hybridpar-loopback` entry point) finish the run."""
     run, port = tmp_path / "run", free_port()
     store = rendezvous_store(port, run)
     one = [agent(run, port, ",read_timeout=2", alone=True)]
@@ -215,14 +216,19 @@ def test_a_store_that_stays_away_stops_the_run_which_resumes(tmp_path: Path) -> 
         stopped = records(run / "metrics.jsonl")[-1]["step"]
         assert stopped < SHORT - 1, "the run ended before the agent gave up on the store"
         store = rendezvous_store(port, run)
-        one = [agent(run, port, alone=True)]
+        torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1"]
+        rdzv = ["--rdzv-backend", "hybridpar-loopback", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loss"]
+        train = ["-m", "hybridpar.run.train", *FLAGS, "--parallel.pp", "1", "--train.steps", str(SHORT)]
+        cmd = [*torchrun, *rdzv, "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1", *train, *SLOW]
+        one = [spawn([*cmd, "--run-dir", str(run)], run.with_name("torchrun"))]
         ((code, out, err),) = wait_all(one, 120)
     finally:
         for p in (store, *one):
             if p.poll() is None:
                 p.kill()
     assert code == 0 and "hybridpar: resumed from" in out, err[-3000:]
+    assert f"rendezvous store: the standalone store at 127.0.0.1:{port}" in err
     final = records(run / "metrics.jsonl")[-1]
     assert ledger_stats(final["samples_applied"], SHORT, 4) == {"lost_samples": 0, "duplicated_samples": 0}
     assert sorted(r["step"] for r in records(run / "metrics.jsonl") if "loss" in r) == list(range(SHORT))
-    print(f"\nstore gone for good: stopped after step {stopped} (exit 143, a line naming the store); resumed")
+    print(f"\nstore gone for good: stopped after step {stopped} (exit 143, a line naming it); resumed by torchrun")
