@@ -50,6 +50,7 @@ def test_where_the_store_lives() -> None:
     assert store_note(2, 2, False, "node0:29500") is None  # static: losing any node ends the job anyway
     assert store_note(1, 1, False, "127.0.0.1:0") is None  # one node
     assert "--port 29400" in store_note(1, 4, False, "node0")  # torch's default port
+    assert "--port 7" in store_note(1, 4, False, "[::1]:7") and "--port 29400" in store_note(1, 4, False, "[::1]")
     assert store_note(1, 2, True, "store:29400") == (
         "hybridpar: rendezvous store: the standalone store at store:29400 (no training node hosts it)"
     )

@@ -82,7 +82,9 @@ def store_note(min_nodes: int, max_nodes: int, standalone: bool, endpoint: str) 
         return f"hybridpar: rendezvous store: the standalone store at {endpoint} (no training node hosts it)"
     if max_nodes <= min_nodes:
         return None
-    port = endpoint.rsplit(":", 1)[1] if endpoint.rstrip("]").count(":") else "29400"
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)[1]
     return (
         f"hybridpar: warning: the rendezvous store at {endpoint} lives inside a training agent, so losing "
         f"that agent's node ends the job (--nnodes {min_nodes}:{max_nodes} survives any other node); run it "
