@@ -32,6 +32,7 @@ FILE, or this machine probed), holding the keys you give, prints the choice and 
        hybridpar data train-tokenizer|prepare [--help]  (a byte-level BPE tokenizer; a corpus as token files)
        hybridpar report RUN_DIR [--compare OTHER_RUN] [--out FILE]  (one HTML file: plots, stability figures)
        hybridpar plan (--hardware FILE | --probe) [--world N] [--top 10] [--json FILE] [--help]  (choose a layout)
+       hybridpar rendezvous [--port 29400] [--host 127.0.0.1] [--help]  (a multi-node run's store, outside its nodes)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)
        hybridpar bench microbatch [--help] [args ...] (every fixed microbatch split vs the adaptive policy)
@@ -245,6 +246,7 @@ def _run_agent(
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.run import get_args_parser, run
 
+    from hybridpar.topology.rdzv_client import store_error_line
     from hybridpar.topology.rendezvous import (
         C10D_BACKEND,
         LOOPBACK_BACKEND,
@@ -288,8 +290,10 @@ def _run_agent(
         run(args)
     except SignalException:  # the agent passed the signal to the workers, which checkpoint if they can
         agent = "signalled"
-    except Exception:  # ChildFailedError: torch already printed the failing rank's traceback
+    except Exception as e:  # ChildFailedError: torch already printed the failing rank's traceback
         agent = "failed"
+        if why := store_error_line(e, endpoint):  # the agent stopped its workers (they checkpoint if they can)
+            print(why, file=sys.stderr, flush=True)
     code, line = outcome()
     if line:
         print(line, file=sys.stderr if code in (1, 2) else sys.stdout, flush=True)
@@ -378,11 +382,15 @@ def main(argv: list[str] | None = None) -> int:
         from hybridpar.plan.main import main as plan_main
 
         return plan_main(rest)
+    if cmd == "rendezvous":
+        from hybridpar.topology.rdzv_store import main as rendezvous_main
+
+        return rendezvous_main(rest)
     if cmd == "bench":  # hybridpar bench pipeline ... -> hybridpar.bench.pipeline.main(...)
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    commands = "train, serve, export, data, report, plan, bench"
+    commands = "train, serve, export, data, report, plan, rendezvous, bench"
     print(f"hybridpar: unknown command {cmd!r}; commands: {commands}\n\n{USAGE}", file=sys.stderr)
     return 2
 

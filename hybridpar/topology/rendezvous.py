@@ -1,5 +1,5 @@
-"""torchrun's c10d rendezvous, twice adapted: listening on loopback only, and agreeing on one attempt id
-per rendezvous round.
+"""torchrun's c10d rendezvous, three times adapted: listening on loopback only, agreeing on one attempt id
+per rendezvous round, and a client of a store outside the training nodes.
 
 Loopback: torch's TCPStore server listens on every interface, and torchrun's c10d rendezvous creates two
 of them (the rendezvous store and the store shared with the workers). For runs on one machine (one agent,
@@ -15,6 +15,12 @@ random id per round through the round's own store (rank 0 of the round writes it
 and hand it to their workers in `ATTEMPT_ENV`. `hybridpar train` uses these handlers for `--rdzv-backend
 c10d` (loopback for a loopback endpoint); plain torchrun reaches them as `--rdzv-backend
 hybridpar-loopback` or `hybridpar-c10d` (entry points, see pyproject.toml).
+
+Store outside the nodes: whichever agent hosts the rendezvous store takes the job down with its node.
+When `hybridpar rendezvous` (topology/rdzv_store.py) hosts it instead, the agents see the key it writes,
+reconnect when it restarts and write the rendezvous back into it (topology/rdzv_client.py); an agent of
+an elastic job whose store lives in an agent warns (`store_note`). `--rdzv-conf is_host=false` makes an
+agent a client only (torch's own key, honoured here for loopback endpoints too).
 """
 
 from __future__ import annotations
@@ -22,10 +28,12 @@ from __future__ import annotations
 import errno
 import os
 import secrets
-import socket
-from datetime import timedelta
+import sys
 
 import torch.distributed as dist
+
+from hybridpar.topology.rdzv_client import ReconnectingStore, connect, restore_rendezvous
+from hybridpar.topology.rdzv_store import DEFAULT_PORT, STANDALONE_KEY, host_store
 
 LOOPBACK_BACKEND = "hybridpar-loopback"
 C10D_BACKEND = "hybridpar-c10d"
@@ -35,21 +43,7 @@ LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 def loopback_store(port: int = 0, timeout_s: float = 300.0) -> dist.TCPStore:
     """A TCPStore server bound to 127.0.0.1:port (0 picks a free port; see `.port`)."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", port))
-    sock.listen(128)
-    # TCPStore takes ownership of the descriptor; detach so Python's socket object does not close it.
-    fd = sock.detach()
-    return dist.TCPStore(
-        "127.0.0.1",
-        _port_of(fd),
-        is_master=True,
-        multi_tenant=True,
-        timeout=timedelta(seconds=timeout_s),
-        master_listen_fd=fd,
-        wait_for_workers=False,
-    )
+    return host_store("127.0.0.1", port, timeout_s)
 
 
 def set_loopback_rank_env(rank: int, world: int, port: int) -> None:
@@ -67,23 +61,36 @@ def set_loopback_rank_env(rank: int, world: int, port: int) -> None:
     )
 
 
-def _port_of(fd: int) -> int:
-    s = socket.socket(fileno=fd)
-    try:
-        return s.getsockname()[1]
-    finally:
-        s.detach()
-
-
-def host_or_join_loopback(port: int, timeout_s: float) -> dist.TCPStore:
+def host_or_join_loopback(port: int, timeout_s: float, is_host: bool | None = None) -> dist.TCPStore:
     """The rendezvous store on 127.0.0.1:port: hosted here if the port is free, else (another agent on this
-    machine hosts it) a client of it."""
-    try:
-        return loopback_store(port, timeout_s)
-    except OSError as e:
-        if port == 0 or e.errno != errno.EADDRINUSE:
-            raise
-    return dist.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(seconds=timeout_s))
+    machine, or `hybridpar rendezvous`, hosts it) a client of it. `is_host` (torch's --rdzv-conf key):
+    True hosts or fails, False connects only (waiting up to `timeout_s` for the store to listen)."""
+    if is_host is not False:
+        try:
+            return loopback_store(port, timeout_s)
+        except OSError as e:
+            if is_host or port == 0 or e.errno != errno.EADDRINUSE:
+                raise
+    return connect("127.0.0.1", port, timeout_s)
+
+
+def store_note(min_nodes: int, max_nodes: int, standalone: bool, endpoint: str) -> str | None:
+    """The line an agent prints about where the rendezvous store lives, or None: a warning where the
+    job is elastic (a lost node is meant to be survived) but the store lives inside a training agent,
+    whose node the job then cannot lose."""
+    if standalone:
+        return f"hybridpar: rendezvous store: the standalone store at {endpoint} (no training node hosts it)"
+    if max_nodes <= min_nodes:
+        return None
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
+
+    port = parse_rendezvous_endpoint(endpoint, default_port=DEFAULT_PORT)[1]
+    return (
+        f"hybridpar: warning: the rendezvous store at {endpoint} lives inside a training agent, so losing "
+        f"that agent's node ends the job (--nnodes {min_nodes}:{max_nodes} survives any other node); run it "
+        f"outside the training nodes (hybridpar rendezvous --host ADDR --port {port}) and give every agent "
+        "--rdzv-conf is_host=false"
+    )
 
 
 def _each_round(handler, next_rendezvous):  # wraps DynamicRendezvousHandler.next_rendezvous
@@ -106,6 +113,7 @@ def _each_round(handler, next_rendezvous):  # wraps DynamicRendezvousHandler.nex
 def _create_handler(params, loopback: bool):  # -> RendezvousHandler
     from torch.distributed.elastic.rendezvous.c10d_rendezvous_backend import C10dRendezvousBackend, create_backend
     from torch.distributed.elastic.rendezvous.dynamic_rendezvous import create_handler
+    from torch.distributed.elastic.rendezvous.utils import parse_rendezvous_endpoint
 
     name = LOOPBACK_BACKEND if loopback else C10D_BACKEND
 
@@ -114,17 +122,26 @@ def _create_handler(params, loopback: bool):  # -> RendezvousHandler
         def name(self) -> str:  # reported in torch's rendezvous events as --rdzv-backend
             return name
 
+    timeout_s = float(params.get_as_int("read_timeout", 60))
+    host, port = parse_rendezvous_endpoint(params.endpoint, default_port=DEFAULT_PORT)
     if loopback:
-        port = int(params.endpoint.rsplit(":", 1)[1]) if ":" in params.endpoint else 0
-        store = host_or_join_loopback(port, float(params.get("read_timeout", 60)))
+        store = host_or_join_loopback(port, timeout_s, params.get_as_bool("is_host"))
     else:
-        store = create_backend(params)[1]  # torch's own choice of host and client
-    handler = create_handler(store, _Backend(store, params.run_id), params)
+        store = create_backend(params)[1]  # torch's own choice of host and client (is_host, else hostname)
+    standalone = store.check([STANDALONE_KEY])  # written by `hybridpar rendezvous` as it starts
+    if standalone:
+        store = ReconnectingStore(host, port, timeout_s, inner=store)
+    backend = _Backend(store, params.run_id)
+    handler = create_handler(store, backend, params)
+    if standalone:
+        restore_rendezvous(handler, backend, store)
     if loopback:
         # The handler also starts the store the workers share (MASTER_ADDR/PORT); bind that one to
         # loopback too. `_create_tcp_store_server` is the (private) hook torch uses for it.
         handler._create_tcp_store_server = lambda addr, port: loopback_store(port)
     handler.next_rendezvous = _each_round(handler, handler.next_rendezvous)
+    if note := store_note(params.min_nodes, params.max_nodes, standalone, params.endpoint):
+        print(note, file=sys.stderr, flush=True)
     return handler
 
 
