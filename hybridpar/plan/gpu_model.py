@@ -26,6 +26,9 @@ From them, with no further constant:
 * a ring collective's step moves bytes at the bus fraction of its link's bandwidth (nccl-tests' busbw is
   exactly what a ring step achieves: algbw x 2 (n-1)/n for an all-reduce), and so does a pipeline hand-off.
 
+The fractions are measured in bf16 (the published runs' precision); an fp32 or tf32 run takes the same fraction of
+its own peak, an assumption no source here measured.
+
 Without the table the cost model takes the datasheet figures as they stand (optimistic on a GPU); CPU hosts
 use their probe's measured `[calibration]` instead (plan/calibrate.py), and nothing here applies to them.
 """
