@@ -3,7 +3,7 @@ own cluster file, (a) the prediction for the layout the authors used and (b) the
 unit the source published (TFLOP/s per GPU counted the source's way, MFU, or seconds per step) and as tokens/s
 per GPU. One cost model for every row; no constant is tuned per row.
 
-    .venv/bin/hybridpar bench published_compare [--rows ID,ID] [--no-search] [--json FILE] [--markdown]
+    .venv/bin/hybridpar bench published_compare [--rows ID,ID] [--no-search] [--json FILE] [--markdown | --accuracy]
 
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
@@ -135,11 +135,45 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
+def ratio(r: dict[str, Any], key: str = "predicted_tokens_per_s_per_gpu") -> float:
+    """Predicted over published throughput (tokens/s per GPU): above 1, the model is optimistic."""
+    return r[key] / r["published_tokens_per_s_per_gpu"]
+
+
+def accuracy(rows: list[dict[str, Any]]) -> str:
+    """The accuracy table: per row, published and predicted in the published unit and their throughput ratio
+    (the choice's too, where searched), then the summary line. Every figure is leave-one-out by construction:
+    no parameter of the cost model is derived from any row (the cluster files' calibration comes from outside
+    sources), and a row's own published figure enters only its `published` columns."""
+    lines = [
+        "| run | unit | published | predicted | ratio | choice predicted | choice / published |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        fmt = (lambda x: f"{x:.1%}") if r["unit"] == "MFU" else (lambda x: f"{x:,.4g}")
+        chosen = r.get("choice_predicted") is not None
+        lines.append(
+            f"| {r['id']} | {r['unit']} | {fmt(r['published'])} | {fmt(r['predicted_for_published_layout'])} | "
+            f"{ratio(r):.2f} | "
+            + (f"{fmt(r['choice_predicted'])} | {ratio(r, 'choice_tokens_per_s_per_gpu'):.2f} |" if chosen else "| |")
+        )
+    q = sorted(ratio(r) for r in rows)
+    off = sorted(abs(x - 1) for x in q)
+    mid = lambda xs: (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) / 2  # noqa: E731
+    within = sum(x <= 0.2 for x in off)
+    lines.append(
+        f"\n{len(q)} rows: ratio median {mid(q):.2f}, range {q[0]:.2f}-{q[-1]:.2f}; median |ratio - 1| {mid(off):.3f}; "
+        f"{within} of {len(q)} within +-0.20."
+    )
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench published_compare", description=__doc__.split("\n\n")[0])
     ap.add_argument("--rows", help="comma-separated row ids (default: every row)")
     ap.add_argument("--json", help="write the comparison here")
     ap.add_argument("--markdown", action="store_true", help="print the table as markdown")
+    ap.add_argument("--accuracy", action="store_true", help="print the accuracy table (ratios and summary)")
     ap.add_argument("--no-search", action="store_true", help="only the published layouts' predictions (fast)")
     a = ap.parse_args(argv)
     runs = load_runs()
@@ -161,5 +195,5 @@ def main(argv: list[str] | None = None) -> int:
         out = {"rows": rows, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
         if a.json:  # after every row: a long run keeps what it has
             Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
-    print(markdown(rows) if a.markdown else json.dumps(out, indent=1))
+    print(accuracy(rows) if a.accuracy else markdown(rows) if a.markdown else json.dumps(out, indent=1))
     return 0

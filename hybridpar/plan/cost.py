@@ -27,6 +27,9 @@ the runtime's measured per-action overhead; a tensor-parallel all-reduce takes i
 place (all ranks computing and reducing at once) where the calibration has one, and the other
 communication terms stay as above.
 
+Where it carries a `[gpu_calibration]` (plan/gpu_model.py), GEMMs are timed by their shapes, attention by
+its kernel, memory-bound work and links at their achievable fractions of the datasheet figures.
+
 The step time is the simulated action lists (pipeline/simulate.py, on `build_schedule`'s output, with
 the ranks sharing cores where the hardware says they do), then each rank's gradient reductions, then
 the optimizer step.
@@ -45,6 +48,8 @@ from hybridpar.pipeline.schedules import Action, Op, build_schedule, schedule_sp
 from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s
+from hybridpar.plan.gpu_model import layer_times
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -95,34 +100,6 @@ def placement(p: Shape | ParallelConfig, hw: Hardware) -> Placement:
         pp_nodes=tuple(r * p.tp // n for r in range(p.pp)),
         pp_speed=tuple(speeds),
     )
-
-
-def all_reduce_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
-    if n <= 1:
-        return 0.0
-    return 2 * (n - 1) * (_hop_s(link, hw) + nbytes / n / _ring_bps(link, hw))
-
-
-def all_gather_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
-    """All-gather whose result is `nbytes` in all."""
-    if n <= 1:
-        return 0.0
-    return (n - 1) * (_hop_s(link, hw) + nbytes / n / _ring_bps(link, hw))
-
-
-def _ring_bps(link: Link, hw: Hardware) -> float:
-    """Bytes/s of one ring step: the link's, or the hardware's collective figure where that is lower."""
-    bw = (
-        link.bandwidth_gbs
-        if hw.collective_bandwidth_gbs is None
-        else min(link.bandwidth_gbs, hw.collective_bandwidth_gbs)
-    )
-    return bw * 1e9
-
-
-def _hop_s(link: Link, hw: Hardware) -> float:
-    """Latency of one step of a ring collective: the hardware's collective figure where it has one."""
-    return (hw.collective_latency_us if hw.collective_latency_us is not None else link.latency_us) * 1e-6
 
 
 @dataclass(frozen=True)
@@ -194,8 +171,8 @@ class CostModel:
         return peak
 
     def _memory_s(self, elements: float, act_bytes: int) -> float:
-        bw = self.hw.memory_bandwidth_gbs
-        return 0.0 if bw is None else elements * act_bytes / (bw * 1e9)
+        bw = self.hw.memory_bps()
+        return 0.0 if bw is None else elements * act_bytes / bw
 
     def comm_stretch(self, t: TrainConfig) -> float | None:
         """On a calibrated host whose ranks share cores, the stretch its collectives were measured in place
@@ -223,10 +200,14 @@ class CostModel:
         mm = tokens * self._flops[t.seq_len] / tp / self._rate(t.precision)
         sharded = ATTENTION_ELEMENTS * (m.dim + m.kv_heads * m.head_dim) + 2 * m.dim + FFN_ELEMENTS * m.ffn_dim
         mem = self._memory_s(tokens * (REPLICATED_ELEMENTS * m.dim + sharded / tp), act)
+        rates, mem_b = self.hw.gpu_rates(t.precision), 2 * mem
+        if rates is not None:  # GEMMs by shape, attention by its kernel (plan/gpu_model.py)
+            mm, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
+            mem, mem_b = mem + att_f, mem_b + att_b
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
         comm = 2 * self.tp_all_reduce_s(t, tp, tokens, link)  # after attention and after the MLP
         f = Work(mm, mem, ops, comm)
-        b = Work(mm, 2 * mem, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
+        b = Work(mm, mem_b, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
         w = Work(mm, 0.0, 0.5 * ops)
         cal = self.calibrated(t)
         timed = cal.layer(tp, tokens) if cal is not None else None
@@ -256,6 +237,8 @@ class CostModel:
         ovh = self.hw.op_overhead_us * 1e-6
         embed = Work(0.0, self._memory_s(tokens * m.dim * 4, act), 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
         mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
+        rates = self.hw.gpu_rates(t.precision)  # the logits' GEMM by its shape where calibrated
+        mm = mm if rates is None else 3 * rates.gemm_s(tokens, m.vocab_size / tp, m.dim)
         head = Work(
             mm,
             self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act),
@@ -441,7 +424,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
         backward_comm_s=tuple(c.b.comm_s if split else c.b.comm_s + c.w.comm_s for c in sim),
         weight_comm_s=tuple(c.w.comm_s for c in sim) if split else 0.0,
         latency_s=pl.pp.latency_us * 1e-6,
-        bandwidth_Bps=pl.pp.bandwidth_gbs * 1e9,
+        bandwidth_Bps=hw.link_bps(pl.pp),
         message_bytes=msg,
     )
     ranks = spec.stage_ranks(p.pp, stages_per_rank(p))
@@ -540,8 +523,8 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     mine = params / dp if zero == 1 else params
-    bw = hw.memory_bandwidth_gbs
-    memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / (bw * 1e9)
+    bw = hw.memory_bps()
+    memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / bw
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
     gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0

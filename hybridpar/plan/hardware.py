@@ -37,6 +37,9 @@ Optional keys:
                                       data-parallel reduction after the pipeline): where ranks share cores
                                       the scheduler's time slices make ranks that did the same work arrive
                                       apart, by more the longer they computed; none = they arrive together
+    [gpu_calibration]                 what fraction of the datasheet figures a GPU's kernels and collectives
+                                      reach, each with its source (plan/gpu_model.py); none = the datasheet
+                                      figures as they stand
     [calibration]                     the model's own layers, embedding, head and optimizer timed on this
                                       machine at given (tp, tokens) shapes (plan/calibrate.py); the cost
                                       model uses them for that model shape in fp32, FLOPs otherwise
@@ -53,6 +56,7 @@ from typing import Any
 
 from hybridpar.config.parse import load_toml
 from hybridpar.plan.calibrate import Calibration, parse_calibration
+from hybridpar.plan.gpu_model import GpuCalibration, Rates, parse_gpu_calibration
 
 PRECISIONS = ("fp32", "bf16", "fp16", "tf32")
 REQUIRED_PRECISIONS = ("fp32", "bf16")
@@ -87,6 +91,7 @@ class Hardware:
     step_sync_us: float | None = None
     sync_wait: tuple[tuple[int, float, float], ...] | None = None
     calibration: Calibration | None = None
+    gpu_calibration: GpuCalibration | None = None
 
     @property
     def devices(self) -> int:
@@ -119,6 +124,27 @@ class Hardware:
         if self.calibration is not None:
             return ("fp32",) if self.peak_flops("fp32") > 0 else ()
         return tuple(p for p in REQUIRED_PRECISIONS if self.peak_flops(p) > 0)
+
+    def memory_bps(self) -> float | None:
+        """Memory bytes/s that memory-bound work reaches: the datasheet's, at the GPU calibration's fraction."""
+        if self.memory_bandwidth_gbs is None:
+            return None
+        g = self.gpu_calibration
+        return self.memory_bandwidth_gbs * 1e9 * (1.0 if g is None else g.memory_fraction)
+
+    def link_bps(self, link: Link) -> float:
+        """Bytes/s a collective's ring step or a hand-off reaches over `link`: its bandwidth, at the GPU
+        calibration's bus fraction for the link where there is one."""
+        g = self.gpu_calibration
+        frac = 1.0 if g is None else (g.inter_bus_fraction if link is self.inter_node else g.intra_bus_fraction)
+        return link.bandwidth_gbs * 1e9 * frac
+
+    def gpu_rates(self, precision: str) -> Rates | None:
+        """The GPU calibration's achievable rates in `precision`; None without one (or a memory bandwidth)."""
+        g, mem = self.gpu_calibration, self.memory_bps()
+        if g is None or mem is None:
+            return None
+        return Rates(self.peak_flops(precision) * g.matmul_fraction, mem, 4 if precision == "fp32" else 2)
 
     def device_speed(self, device: int) -> float:
         return 1.0 if self.speed is None else self.speed[device]
@@ -219,6 +245,7 @@ def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
         step_sync_us=_number(d, "step_sync_us", where, positive=False, default=None),
         sync_wait=_sync_wait(d.get("sync_wait"), where),
         calibration=None if "calibration" not in d else parse_calibration(d["calibration"], where),
+        gpu_calibration=None if "gpu_calibration" not in d else parse_gpu_calibration(d["gpu_calibration"], where),
     )
 
 
@@ -267,7 +294,7 @@ def to_toml(hw: Hardware) -> str:
         v = getattr(hw, f.name)
         if v is None:
             continue
-        if isinstance(v, Calibration):
+        if isinstance(v, (Calibration, GpuCalibration)):
             tables.append(v.to_toml())
         elif isinstance(v, Link):
             tables.append(f"\n[{f.name}]\nbandwidth_gbs = {v.bandwidth_gbs!r}\nlatency_us = {v.latency_us!r}")

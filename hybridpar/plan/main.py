@@ -52,6 +52,17 @@ def format_table(result: Plan, hw: Hardware) -> str:
     return "\n".join(lines)
 
 
+def calibration_note(hw: Hardware) -> str | None:
+    """The one line `plan` prints where a GPU hardware file (no CPU probe's calibration, no cores) has no
+    `[gpu_calibration]`: the plan still runs, on the datasheet figures as they stand (plan/gpu_model.py)."""
+    if hw.gpu_calibration is not None or hw.calibration is not None or hw.cores_per_node is not None:
+        return None
+    return (
+        f"hybridpar plan: note: {hw.name!r} has no [gpu_calibration]: matmuls timed at the datasheet peak and "
+        "links and memory at their datasheet bandwidth, so the predictions are optimistic (docs/planner.md)"
+    )
+
+
 def run(argv: list[str], memory: Memory | None = None) -> tuple[Plan, Hardware, argparse.Namespace]:
     """Parse, probe or load, plan; ValueError for any bad input or impossible request."""
     a, config_args = _parser().parse_known_args(argv)  # --config and --section.key go to the config parser
@@ -89,6 +100,9 @@ def main(argv: list[str]) -> int:
     except ValueError as e:
         print(f"hybridpar plan: {e}", file=sys.stderr)
         return 2
+    note = calibration_note(hw)
+    if note is not None:
+        print(note, file=sys.stderr)
     print(format_table(result, hw))
     print(f"\nchoice: {result.candidates[0].label.strip()} ({result.candidates[0].reason})")
     bind = "cores" if hw.fills_cores(a.world) else "none"

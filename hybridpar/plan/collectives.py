@@ -1,0 +1,35 @@
+"""Ring collectives' time on a hardware description (plan/cost.py's communication terms).
+
+An all-reduce moves 2 (n-1)/n of the bytes and takes 2 (n-1) hops, an all-gather half of that. A ring step
+moves its bytes at `Hardware.link_bps`: the link's bandwidth, at the GPU calibration's bus fraction where the
+hardware file has one (plan/gpu_model.py; nccl-tests' bus bandwidth is what one ring step reaches), or at
+the probe's measured collective figure on a CPU host where that is lower.
+"""
+
+from __future__ import annotations
+
+from hybridpar.plan.hardware import Hardware, Link
+
+
+def all_reduce_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * (_hop_s(link, hw) + nbytes / n / _ring_bps(link, hw))
+
+
+def all_gather_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
+    """All-gather whose result is `nbytes` in all."""
+    if n <= 1:
+        return 0.0
+    return (n - 1) * (_hop_s(link, hw) + nbytes / n / _ring_bps(link, hw))
+
+
+def _ring_bps(link: Link, hw: Hardware) -> float:
+    """Bytes/s of one ring step: `Hardware.link_bps`, or the hardware's collective figure where that is lower."""
+    bw = hw.link_bps(link)
+    return bw if hw.collective_bandwidth_gbs is None else min(bw, hw.collective_bandwidth_gbs * 1e9)
+
+
+def _hop_s(link: Link, hw: Hardware) -> float:
+    """Latency of one step of a ring collective: the hardware's collective figure where it has one."""
+    return (hw.collective_latency_us if hw.collective_latency_us is not None else link.latency_us) * 1e-6

@@ -1,0 +1,153 @@
+"""The GPU side of the cost model: what fraction of a datasheet figure a GPU's kernels and collectives reach.
+
+A hardware file's optional `[gpu_calibration]` table (plan/hardware.py) holds five global numbers per GPU type,
+each with its source and date, and the attention kernel of the software that ran on it:
+
+    matmul_fraction       the best GEMM rate over the datasheet peak (large, well-shaped GEMMs)
+    memory_fraction       achievable memory bandwidth over the datasheet's (a streaming copy)
+    attention_fraction    a fused (flash) attention kernel's forward + backward rate over the peak, counted
+                          as its authors count it (causal: the unmasked half of the score matrix)
+    intra_bus_fraction    NCCL all-reduce bus bandwidth over the intra-node link's datasheet bandwidth
+    inter_bus_fraction    the same over the inter-node link (the GPU's share of the NICs)
+    attention_kernel      "flash" (one fused kernel: no score matrix in memory) or "unfused" (two batched
+                          GEMMs with a fused scale-mask-softmax and dropout between them, as Megatron-LM
+                          ran before flash attention, 2021-2022)
+    source, date          where each number comes from, and when
+
+From them, with no further constant:
+
+* a GEMM (m, n, k) runs at `matmul_efficiency`: the roofline, min(1, intensity / ridge) of the matmul
+  fraction, where intensity is its FLOPs over the bytes of its three operands and the ridge is the achievable
+  FLOP rate over the achievable memory bandwidth (Williams et al. 2009, "Roofline", CACM 52(4)). It rises
+  with each of m, n, k and never exceeds `matmul_fraction`: a projection of thousands of tokens is at the
+  matmul fraction, the unfused attention's per-head products (k = head_dim) are below it;
+* memory-bound work (norms, activations, residuals, softmax, dropout, the optimizer) moves its bytes at
+  memory_fraction of the bandwidth;
+* a ring collective's step moves bytes at the bus fraction of its link's bandwidth (nccl-tests' busbw is
+  exactly what a ring step achieves: algbw x 2 (n-1)/n for an all-reduce), and so does a pipeline hand-off.
+
+The fractions are measured in bf16 (the published runs' precision); an fp32 or tf32 run takes the same fraction of
+its own peak, an assumption no source here measured.
+
+Without the table the cost model takes the datasheet figures as they stand (optimistic on a GPU); CPU hosts
+use their probe's measured `[calibration]` instead (plan/calibrate.py), and nothing here applies to them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from hybridpar.config import ModelConfig
+
+FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "intra_bus_fraction", "inter_bus_fraction")
+KERNELS = ("flash", "unfused")
+# Unfused attention's memory traffic per score element (2-byte elements), counted on Megatron-LM's kernels:
+# forward, the fused scale-mask-softmax reads the scores and writes the probabilities (2), dropout reads them
+# and writes its output and a one-byte mask (2.5); backward, dropout's reads the gradient and the mask and writes
+# (2.5), softmax's reads the probabilities and the gradient and writes (3).
+SOFTMAX_FORWARD_ACCESSES = 4.5
+SOFTMAX_BACKWARD_ACCESSES = 5.5
+
+
+@dataclass(frozen=True)
+class GpuCalibration:
+    matmul_fraction: float
+    memory_fraction: float
+    attention_fraction: float
+    intra_bus_fraction: float
+    inter_bus_fraction: float
+    attention_kernel: str
+    source: str
+    date: str
+
+    def to_toml(self) -> str:
+        nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
+        text = lambda s: '"""' + s.replace("\\", "\\\\").replace('"""', '\\"""') + '"""'  # noqa: E731
+        return (
+            f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n'
+            f"source = {text(self.source)}\ndate = {text(self.date)}"
+        )
+
+
+def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
+    """The `[gpu_calibration]` table; ValueError naming the key and its form."""
+    known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
+    if not isinstance(d, dict) or set(d) != known:
+        got = sorted(d) if isinstance(d, dict) else repr(d)
+        raise ValueError(f"{where} [gpu_calibration]: needs exactly the keys {', '.join(sorted(known))}, got {got}")
+    for k in FRACTIONS:
+        v = d[k]
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
+            raise ValueError(f"{where} [gpu_calibration]: {k} must be a fraction in (0, 1], got {v!r}")
+    if d["attention_kernel"] not in KERNELS:
+        raise ValueError(
+            f"{where} [gpu_calibration]: attention_kernel must be one of {', '.join(KERNELS)}, "
+            f"got {d['attention_kernel']!r}"
+        )
+    for k in ("source", "date"):
+        if not isinstance(d[k], str) or not d[k].strip():
+            raise ValueError(f"{where} [gpu_calibration]: {k} must be a non-empty string")
+    return GpuCalibration(
+        **{k: float(d[k]) for k in FRACTIONS}, **{k: d[k] for k in ("attention_kernel", "source", "date")}
+    )
+
+
+@dataclass(frozen=True)
+class Rates:
+    """What a GPU reaches: FLOP/s of its best GEMM, bytes/s of memory, bytes per element."""
+
+    flops: float
+    memory_bps: float
+    elem_bytes: int
+
+    def matmul_efficiency(self, m: float, n: float, k: float) -> float:
+        """Fraction of the best GEMM rate that an (m x k) @ (k x n) product reaches: the roofline."""
+        intensity = 2.0 * m * n * k / (self.elem_bytes * (m * k + k * n + m * n))
+        return min(1.0, intensity * self.memory_bps / self.flops)
+
+    def gemm_s(self, m: float, n: float, k: float, batch: float = 1.0) -> float:
+        """Seconds of `batch` products (m x k) @ (k x n)."""
+        if min(m, n, k, batch) <= 0:
+            return 0.0
+        return batch * 2.0 * m * n * k / (self.flops * self.matmul_efficiency(m, n, k))
+
+
+def peak_fraction(g: GpuCalibration, rates: Rates, m: float, n: float, k: float) -> float:
+    """A GEMM's rate over the datasheet peak: matmul_fraction x the roofline (monotone in m, n, k; at most
+    matmul_fraction)."""
+    return g.matmul_fraction * rates.matmul_efficiency(m, n, k)
+
+
+def weight_gemms(m: ModelConfig, tp: int) -> list[tuple[float, float]]:
+    """(k, n) of each projection of a decoder layer on one of `tp` ranks (Megatron's split: column-parallel
+    in, row-parallel out): q, k and v, the attention output, the MLP's up (and gate) and down."""
+    q, kv = m.n_heads * m.head_dim, m.kv_heads * m.head_dim
+    up = 2 * m.ffn_dim if m.family == "llama" else m.ffn_dim  # SwiGLU's gate and up projections
+    return [(m.dim, (q + 2 * kv) / tp), (q / tp, m.dim), (m.dim, up / tp), (m.ffn_dim / tp, m.dim)]
+
+
+def layer_times(
+    g: GpuCalibration, rates: Rates, m: ModelConfig, tp: int, tokens: int, seq_len: int
+) -> tuple[float, float, float]:
+    """One decoder layer's forward on one of `tp` ranks for `tokens` tokens (sequences of `seq_len`):
+    (matmul seconds: the projections at their GEMM shapes and attention's two products, attention's
+    forward memory-bound seconds, its backward's). The backward's matmuls are twice the forward's (the
+    same shapes, transposed). Flash attention: its FLOPs (the causal half, as its authors count) at
+    attention_fraction of the peak, no score matrix in memory; unfused: per head, scores (s x s x
+    head_dim) and values (s x head_dim x s) as batched GEMMs, the softmax and dropout over the score
+    matrix in memory."""
+    proj = sum(rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, tp))
+    heads, seqs = m.n_heads / tp, tokens / seq_len
+    if g.attention_kernel == "flash":
+        flops = 4.0 * tokens * seq_len * m.head_dim * heads / 2  # QK^T and PV, causal half
+        peak = rates.flops / g.matmul_fraction
+        return proj + flops / (g.attention_fraction * peak), 0.0, 0.0
+    batch = seqs * heads
+    attn = rates.gemm_s(seq_len, seq_len, m.head_dim, batch) + rates.gemm_s(seq_len, m.head_dim, seq_len, batch)
+    scores = batch * seq_len * seq_len * rates.elem_bytes  # bytes of one pass over the score matrix
+    return (
+        proj + attn,
+        SOFTMAX_FORWARD_ACCESSES * scores / rates.memory_bps,
+        SOFTMAX_BACKWARD_ACCESSES * scores / rates.memory_bps,
+    )

@@ -1,0 +1,159 @@
+"""The GPU calibration (plan/gpu_model.py): the GEMM efficiency curve is monotone and bounded, the table is
+refused with one line naming its key, a GPU file without it plans on the datasheet figures with one line
+saying so, the CPU path is the datasheet/probe path as before, and published rows are predicted leave-one-out."""
+
+from __future__ import annotations
+
+import itertools
+import re
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from hybridpar.bench import published_compare as pc
+from hybridpar.config import Config
+from hybridpar.model.registry import layer_flops_per_token
+from hybridpar.plan.cost import CostModel, predict
+from hybridpar.plan.gpu_model import Rates, parse_gpu_calibration, peak_fraction
+from hybridpar.plan.hardware import load_hardware, parse_hardware
+from hybridpar.plan.main import calibration_note
+from hybridpar.plan.published import PLANNER_DOCS, load_runs, row_config
+from tests.test_plan_hardware import good
+from tests.test_published_compare import weights_only
+
+ROOT = Path(__file__).parents[1]
+A100 = load_hardware(ROOT / "docs" / "hardware" / "dgx-a100-80gb.toml")
+RUNS = load_runs()
+
+
+def table() -> dict:
+    return {
+        "matmul_fraction": 0.8,
+        "memory_fraction": 0.85,
+        "attention_fraction": 0.5,
+        "intra_bus_fraction": 0.8,
+        "inter_bus_fraction": 0.9,
+        "attention_kernel": "flash",
+        "source": "a test",
+        "date": "2026-12-06",
+    }
+
+
+def test_gemm_efficiency_is_monotone_in_each_dimension_and_bounded() -> None:
+    g = A100.gpu_calibration
+    for precision in ("bf16", "fp32"):
+        rates = A100.gpu_rates(precision)
+        dims = [1, 8, 64, 96, 128, 512, 2048, 8192, 65536]
+        for m, n, k in itertools.product(dims, repeat=3):
+            e = peak_fraction(g, rates, m, n, k)
+            assert 0 < e <= g.matmul_fraction
+            for bigger in ((m * 2, n, k), (m, n * 2, k), (m, n, k * 2)):
+                assert peak_fraction(g, rates, *bigger) >= e * (1 - 1e-12)
+    rates = A100.gpu_rates("bf16")
+    assert peak_fraction(g, rates, 8192, 8192, 8192) == g.matmul_fraction  # large GEMMs: the measured best
+    assert peak_fraction(g, rates, 2048, 2048, 96) < g.matmul_fraction  # attention's per-head product: less
+
+
+def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
+    r = Rates(flops=100e12, memory_bps=1e12, elem_bytes=2)
+    assert r.gemm_s(4096, 4096, 4096) == pytest.approx(2 * 4096**3 / 100e12)
+    assert r.gemm_s(4096, 4096, 1) == pytest.approx(2 * 4096 * 4096 * 2 * (1 + 2 / 4096) / 1e12 / 2)
+    assert r.gemm_s(0, 10, 10) == 0.0
+
+
+@pytest.mark.parametrize(
+    "change, words",
+    [
+        ({"matmul_fraction": 1.2}, "matmul_fraction must be a fraction in (0, 1]"),
+        ({"memory_fraction": 0}, "memory_fraction must be a fraction in (0, 1]"),
+        ({"attention_kernel": "paged"}, "attention_kernel must be one of flash, unfused"),
+        ({"source": " "}, "source must be a non-empty string"),
+        ({"extra": 1}, "needs exactly the keys"),
+    ],
+)
+def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
+    d = good() | {"gpu_calibration": table() | change}
+    with pytest.raises(ValueError) as e:
+        parse_hardware(d, "hardware file 'x.toml'")
+    assert words in str(e.value) and "\n" not in str(e.value) and "x.toml" in str(e.value)
+
+
+def test_a_gpu_file_without_the_table_plans_on_datasheet_figures_and_says_so_in_one_line() -> None:
+    bare = replace(A100, gpu_calibration=None)
+    note = calibration_note(bare)
+    assert note is not None and "\n" not in note and "no [gpu_calibration]" in note and A100.name in note
+    assert calibration_note(A100) is None
+    assert calibration_note(replace(bare, cores_per_node=2.0)) is None  # a CPU host: its probe's numbers
+    cfg = Config()
+    cfg.train.precision = "bf16"
+    t, m = cfg.train, cfg.model
+    lay = CostModel(m, bare).layer(t, 1, 1024, bare.intra_node, "none")
+    assert lay.f.matmul_s == 1024 * layer_flops_per_token(m, t.seq_len) / 1 / bare.peak_flops("bf16")  # as before
+    slower = CostModel(m, A100).layer(t, 1, 1024, A100.intra_node, "none")
+    assert slower.f.matmul_s > lay.f.matmul_s and slower.f.memory_s > lay.f.memory_s
+
+
+def test_calibration_makes_a_published_row_slower_not_faster() -> None:
+    row = next(r for r in RUNS if r["id"] == "korthikanti-gpt-175b-a100")
+    cfg, hw = row_config(row), load_hardware(PLANNER_DOCS / row["cluster"])
+    calibrated = predict(CostModel(cfg.model, hw), cfg).step_s
+    datasheet = predict(CostModel(cfg.model, replace(hw, gpu_calibration=None)), cfg).step_s
+    assert calibrated > 1.1 * datasheet
+
+
+@pytest.mark.parametrize("row_id", ["korthikanti-gpt-22b-a100", "mcore-gpt-70b-h100"])
+def test_a_rows_prediction_does_not_see_its_published_figure(row_id: str) -> None:
+    """Leave-one-out: no cost-model parameter comes from the rows, so changing a row's published figures
+    leaves its prediction (and every other row's) as it was."""
+    row = next(r for r in RUNS if r["id"] == row_id)
+    other = {k: v * 3 for k, v in row.items() if k.startswith("reported_")}
+    a = pc.compare(row, memory=weights_only, search=False)
+    b = pc.compare(row | other, memory=weights_only, search=False)
+    assert a["predicted_tokens_per_s_per_gpu"] == b["predicted_tokens_per_s_per_gpu"]
+    change = pc.ratio(b) / pc.ratio(a)  # the published figure moved, tripled (a rate) or a third (a step time)
+    assert change == pytest.approx(1 / 3) or change == pytest.approx(3)
+
+
+def _docs_table() -> dict[str, list[str]]:
+    text = (ROOT / "docs" / "planner.md").read_text()
+    start = text.index("| run | unit | published | predicted | ratio |")
+    rows = {}
+    for line in text[start:].splitlines()[2:]:
+        if not line.startswith("|"):
+            break
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        rows[cells[0]] = cells
+    return rows
+
+
+def test_the_accuracy_table_in_the_docs_is_what_the_code_computes() -> None:
+    """Every row of docs/planner.md's accuracy table is a published row, and each row whose published layout
+    has at most 16 stages (the deep pipelines take seconds each to simulate) reads as computed now; the
+    summary line is that of the table's own ratios."""
+    doc = _docs_table()
+    assert set(doc) == {r["id"] for r in RUNS}
+    for row in RUNS:
+        if row["pp"] > 16:
+            continue
+        out = pc.compare(row, memory=weights_only, search=False)
+        line = pc.accuracy([out]).splitlines()[2]
+        assert [c.strip() for c in line.strip("|").split("|")][:5] == doc[row["id"]][:5], row["id"]
+    ratios = sorted(float(cells[4]) for cells in doc.values())
+    text = (ROOT / "docs" / "planner.md").read_text()
+    summary = re.search(r"(\d+) rows: ratio median ([\d.]+), range ([\d.]+)-([\d.]+)", text)
+    assert summary is not None and int(summary[1]) == len(ratios)
+    assert float(summary[3]) == ratios[0] and float(summary[4]) == ratios[-1]
+    n = len(ratios)
+    assert abs(float(summary[2]) - (ratios[(n - 1) // 2] + ratios[n // 2]) / 2) <= 0.01
+
+
+def test_every_calibration_names_its_source_and_date() -> None:
+    files = sorted((ROOT / "docs" / "hardware").glob("*.toml")) + sorted((PLANNER_DOCS / "clusters").glob("*.toml"))
+    for path in files:
+        g = load_hardware(path).gpu_calibration
+        assert g is not None, path
+        for key in ("matmul_fraction", "memory_fraction", "intra_bus_fraction", "inter_bus_fraction"):
+            assert key in g.source, (path, key)
+        assert re.search(r"20\d\d", g.date)
+    parse_gpu_calibration(table(), "t")  # the test's own table is a good one
