@@ -228,7 +228,8 @@ class DataConfig:
     path: str | None = _f(
         None,
         "text file, folder of text files, token file of `hybridpar data prepare` (.bin with its .json) or "
-        "nanoGPT uint16 .bin (none = stdlib .py files)",
+        "nanoGPT uint16 .bin (none = stdlib .py files); or a weighted mixture of them, 'WEIGHT:PATH,...' "
+        "(e.g. '0.7:web.bin,0.3:code.bin': each sample's source a function of seed and index)",
     )
     tokenizer: str | None = _f(
         None,

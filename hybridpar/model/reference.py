@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.data.corpus import TokenData
+from hybridpar.data.mixture import open_data
 from hybridpar.model.optim import lr_at, make_optimizer, set_lr
 from hybridpar.model.registry import build_full_model
 
@@ -123,7 +123,7 @@ def reference(
     an equally valid run). With `order` each step's samples are shuffled by that seed first: the same
     mean, summed in another order (again an equally valid run)."""
     t, dev = cfg.train, torch.device(device)
-    data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
+    data = open_data(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed).to(dtype).to(dev)
     opt = make_optimizer(model.named_parameters(), t)
 

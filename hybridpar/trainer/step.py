@@ -27,7 +27,7 @@ from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
-from hybridpar.data.corpus import TokenData
+from hybridpar.data.mixture import open_data
 from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
 from hybridpar.dataparallel.zero import full_optimizer_state
 from hybridpar.model.optim import lr_at, set_lr
@@ -46,7 +46,7 @@ class Trainer:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
         t = cfg.train
-        self.data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
+        self.data = open_data(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
         if self.data.vocab_needed > cfg.model.vocab_size:
             raise ValueError(
                 f"data.path holds token ids up to {self.data.vocab_needed - 1}: model.vocab_size="
@@ -82,6 +82,9 @@ class Trainer:
         self._attached: list[tuple[Attachment, Callable[[], None]]] = []
         # Fetched up front: a corpus too small for the validation set fails before any training step.
         self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
+        # A mixture's sources each alone too (the record's val_loss_by_source).
+        by_source = getattr(self.data, "val_sources", None)
+        self.val_sources = by_source(t.val_batches * t.global_batch) if t.val_every and by_source else {}
 
     # The pieces others read, by their usual names.
     stages = property(lambda self: self.mp.stages)
@@ -278,10 +281,11 @@ class Trainer:
         return plan
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, val_set: tuple[torch.Tensor, torch.Tensor] | None = None) -> float:
+        """The mean loss over the validation set (`val_set`, else the run's)."""
         t, topo = self.cfg.train, self.topo
         n = t.val_batches * t.global_batch
-        vx, vy = self.val_set
+        vx, vy = val_set or self.val_set
         total: torch.Tensor | None = None
         for b in range(t.val_batches):
             lo = b * t.global_batch + self.plan.replica_offset(topo.dp_rank)
