@@ -238,6 +238,12 @@ class DataConfig:
         "bytes)",
     )
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
+    document_mask: bool = _f(
+        False,
+        "attention stays inside each document of a training window (causal within it, never across the "
+        "boundaries of the token file's document index) and positions restart at 0 in each document; needs "
+        "token files of `hybridpar data prepare`",
+    )
     max_tokens: int | None = _f(
         None,
         "train on the first N tokens of the corpus only (a byte is a token of byte-level text); the run says "

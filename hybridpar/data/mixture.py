@@ -19,6 +19,8 @@ from __future__ import annotations
 import math
 import pathlib
 import re
+from collections.abc import Callable
+from typing import Any
 
 import numpy as np
 import torch
@@ -120,15 +122,17 @@ class MixtureData:
         source = self.source[place]
         return source, block * self.per_block[source] + self.rank[place]
 
-    def _blend(self, index: np.ndarray, fetch) -> tuple[torch.Tensor, torch.Tensor]:
+    def _blend(self, index: np.ndarray, fetch: Callable[[TokenData, np.ndarray], tuple[torch.Tensor, ...]]) -> tuple:
+        """What `fetch(source, samples within it)` gives, (n, seq_len) tensors, put in the order of `index`."""
         source, within = self._locate(index)
-        x = torch.empty(len(index), self.seq_len, dtype=torch.int64)
-        y = torch.empty_like(x)
+        out: list[torch.Tensor] = []
         for s in np.unique(source):
-            at = np.flatnonzero(source == s)
-            xs, ys = fetch(self.sources[s], within[at])
-            x[torch.from_numpy(at)], y[torch.from_numpy(at)] = xs, ys
-        return x, y
+            at = torch.from_numpy(np.flatnonzero(source == s))
+            for i, part in enumerate(fetch(self.sources[s], within[at.numpy()])):
+                if len(out) <= i:
+                    out.append(torch.empty(len(index), self.seq_len, dtype=torch.int64))
+                out[i][at] = part
+        return tuple(out)
 
     def train_samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global samples `start .. start+count-1` as (inputs, targets), each (count, seq_len) int64."""
@@ -151,26 +155,52 @@ class MixtureData:
             )
         return self._blend(np.arange(count, dtype=np.int64), _val_windows)
 
+    def step_documents(self, step: int, global_batch: int, start: int, count: int) -> torch.Tensor:
+        """Each sample's document numbers (`TokenData.documents`), as `step_samples` gives the samples."""
+        index = np.arange(step * global_batch + start, step * global_batch + start + count, dtype=np.int64)
+        return self._blend(index, lambda d, w: (_runs(d.train_documents, w),))[0]
+
+    def val_documents(self, count: int) -> torch.Tensor:
+        return self._blend(np.arange(count, dtype=np.int64), lambda d, w: (d.val_documents(int(w[-1]) + 1)[w],))[0]
+
     def val_sources(self, count: int) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
         """Each source's first `count` validation windows alone, by its name in data.path."""
         return {n: d.val_samples(count) for n, d in zip(self.names, self.sources)}
 
 
-def _train_windows(data: TokenData, within: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
-    """A source's training samples at the (rising) indices `within`: one read per run of neighbours."""
-    xs, ys, lo = [], [], 0
-    breaks = np.flatnonzero(np.diff(within) != 1) + 1
-    for hi in [*breaks.tolist(), len(within)]:
-        x, y = data.train_samples(int(within[lo]), hi - lo)
-        xs.append(x)
-        ys.append(y)
+def _runs(read: Callable[[int, int], Any], within: np.ndarray) -> Any:
+    """`read(start, count)` of a source's samples at the (rising) indices `within`, one call per run of
+    neighbours, concatenated (each part a tensor, or a tuple of them)."""
+    parts, lo = [], 0
+    for hi in [*(np.flatnonzero(np.diff(within) != 1) + 1).tolist(), len(within)]:
+        parts.append(read(int(within[lo]), hi - lo))
         lo = hi
-    return torch.cat(xs), torch.cat(ys)
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts)
+    return tuple(torch.cat(p) for p in zip(*parts))
+
+
+def _train_windows(data: TokenData, within: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+    return _runs(data.train_samples, within)
 
 
 def _val_windows(data: TokenData, within: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     x, y = data.val_samples(int(within[-1]) + 1)
     return x[torch.from_numpy(within)], y[torch.from_numpy(within)]
+
+
+ValSet = tuple[torch.Tensor, torch.Tensor, "torch.Tensor | None"]  # inputs, targets, document numbers
+
+
+def val_sets(data: TokenData | MixtureData, count: int, documents: bool) -> tuple[ValSet, dict[str, ValSet]]:
+    """The run's validation set and, for a mixture, each source's alone (by its name), each with its
+    windows' document numbers where `documents` (data.document_mask)."""
+
+    def one(d: TokenData | MixtureData) -> ValSet:
+        return (*d.val_samples(count), d.val_documents(count) if documents else None)
+
+    by_source = {n: one(d) for n, d in zip(data.names, data.sources)} if isinstance(data, MixtureData) else {}
+    return one(data), by_source
 
 
 def open_data(

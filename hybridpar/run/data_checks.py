@@ -46,6 +46,12 @@ def _check_source_tokens(cfg: Config, path: str | None) -> None:
 
     d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
     meta = _token_file(path)
+    if d.document_mask and meta is None:
+        what = "byte-level text" if _byte_level(path) else "a token file without a description or index"
+        raise ValueError(
+            f"data.document_mask needs the document index of a prepared token file, and data.path={path!r} is "
+            f"{what}: prepare it (hybridpar data prepare --out DATA.bin), or leave data.document_mask off"
+        )
     if d.tokenizer is None:
         if meta is not None:
             raise ValueError(
