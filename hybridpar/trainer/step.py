@@ -152,14 +152,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(topo.device)
             resident = torch.cuda.memory_allocated(topo.device)
         grads.m = len(sizes)
-        out = self.runtime.run(
-            self.actions(len(sizes)),
-            xs,
-            ys,
-            1.0 / (t.global_batch * t.seq_len),
-            on_stage_done=grads.stage_done,
-            documents=self._masks(d),
-        )
+        masks, scale = self._masks(d), 1.0 / (t.global_batch * t.seq_len)
+        out = self.runtime.run(self.actions(len(sizes)), xs, ys, scale, on_stage_done=grads.stage_done, documents=masks)
         grads.finish()
         self.last_output = out
         peak = meter.peak
