@@ -82,11 +82,11 @@ def grid_config(pp: int, schedule: str, v: int, **over: dict) -> Config:
     return cfg
 
 
-_REF: dict[str, tuple] = {}  # the reference depends on model and train settings only
+_REF: dict[str, tuple] = {}  # the reference depends on model, train and data settings only
 
 
 def ref_for(cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1, order: int | None = None) -> tuple:
-    key = repr((cfg.model, cfg.train, dtype, accumulate, order))
+    key = repr((cfg.model, cfg.train, cfg.data, dtype, accumulate, order))
     if key not in _REF:
         _REF[key] = reference(cfg, dtype, accumulate, order=order)
     return _REF[key]
@@ -97,7 +97,7 @@ _STICKS: dict[str, Yardstick] = {}
 
 def yardstick_for(cfg: Config) -> Yardstick:
     """The fp64 run of `cfg`'s training and the noise of single-process runs in other orders."""
-    key = repr((cfg.model, cfg.train))
+    key = repr((cfg.model, cfg.train, cfg.data))
     if key not in _STICKS:
         _STICKS[key] = yardstick(cfg, runs=lambda c, dt, k, o: ref_for(c, dt, k, o))
     return _STICKS[key]

@@ -35,6 +35,7 @@ BENCHES = (
     "records_cost",
     "launch_startup",
     "prepare",
+    "prepare_scaling",
     "data",
     "serve",
     "plan_accuracy",

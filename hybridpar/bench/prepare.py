@@ -21,15 +21,20 @@ from hybridpar.data.prepare import BATCH_DOCS, documents, prepare
 from hybridpar.data.tokenizer import Tokenizer, train_bpe
 
 
-def main(argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog="hybridpar bench prepare", description=__doc__.split("\n\n")[0])
+def corpus_options(ap: argparse.ArgumentParser, repeats: int) -> argparse.ArgumentParser:
+    """The options the prepare benchmarks share: tokenizer, corpus, size, repeats, output."""
     ap.add_argument("--tokenizer", help="tokenizer directory (default: a byte-level BPE trained here)")
     ap.add_argument("--vocab-size", type=int, default=1000, help="of the tokenizer trained here")
     ap.add_argument("--input", default=None, help="corpus (default: the embedded one, the stdlib's source)")
     ap.add_argument("--max-bytes", type=int, default=16_000_000)
-    ap.add_argument("--repeats", type=int, default=5, help="runs of each, alternating")
+    ap.add_argument("--repeats", type=int, default=repeats, help="runs of each contender, alternating")
     ap.add_argument("--out", help="also write the JSON here")
-    a = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str]) -> int:
+    ap = argparse.ArgumentParser(prog="hybridpar bench prepare", description=__doc__.split("\n\n")[0])
+    a = corpus_options(ap, 5).parse_args(argv)
     with tempfile.TemporaryDirectory(prefix="hybridpar-bench-prepare-") as tmp:
         tok_dir = a.tokenizer or str(train_bpe(documents(a.input, 2_000_000), a.vocab_size, Path(tmp) / "tok"))
         tok = Tokenizer(tok_dir)

@@ -228,7 +228,8 @@ class DataConfig:
     path: str | None = _f(
         None,
         "text file, folder of text files, token file of `hybridpar data prepare` (.bin with its .json) or "
-        "nanoGPT uint16 .bin (none = stdlib .py files)",
+        "nanoGPT uint16 .bin (none = stdlib .py files); or a weighted mixture of them, 'WEIGHT:PATH,...' "
+        "(e.g. '0.7:web.bin,0.3:code.bin': each sample's source a function of seed and index)",
     )
     tokenizer: str | None = _f(
         None,
@@ -237,6 +238,12 @@ class DataConfig:
         "bytes)",
     )
     val_fraction: float = _f(0.05, "fraction of the corpus held out for validation")
+    document_mask: bool = _f(
+        False,
+        "attention stays inside each document of a training window (causal within it, never across the "
+        "boundaries of the token file's document index) and positions restart at 0 in each document; needs "
+        "token files of `hybridpar data prepare`",
+    )
     max_tokens: int | None = _f(
         None,
         "train on the first N tokens of the corpus only (a byte is a token of byte-level text); the run says "

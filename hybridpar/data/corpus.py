@@ -145,8 +145,32 @@ class TokenData:
         release_pages(self.tokens)  # the resident set keeps nothing of the file between batches
         return windows[:, :-1].contiguous(), windows[:, 1:].contiguous()
 
+    def documents(self, starts: np.ndarray) -> torch.Tensor:
+        """The document number of each input position of the windows at ``starts``, counted from each
+        window's first (count, seq_len) int64: where data.document_mask keeps attention inside documents.
+        Binary search in the index: a few of its pages per window."""
+        index = None if self.corpus is None else self.corpus.index
+        if index is None:
+            name = "the corpus" if self.corpus is None else self.corpus.name
+            raise ValueError(f"data.document_mask needs a document index, and {name} has none")
+        at = starts[:, None] + self._offsets[None, :-1]  # (count, seq_len) token positions
+        doc = np.searchsorted(index, at, side="right").astype(np.int64)
+        release_pages(index)
+        return torch.from_numpy(doc - doc[:, :1])
+
+    def train_documents(self, start: int, count: int) -> torch.Tensor:
+        """``documents`` of global samples ``start .. start+count-1`` (those of ``train_samples``)."""
+        return self.documents(self._train_starts(start, count))
+
+    def val_documents(self, count: int) -> torch.Tensor:
+        """``documents`` of the first ``count`` validation windows (those of ``val_samples``)."""
+        return self.documents(self.val_start + np.arange(count, dtype=np.int64) * self.seq_len)
+
     def train_samples(self, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Global samples ``start .. start+count-1`` as (inputs, targets), each (count, seq_len) int64."""
+        return self._gather(self._train_starts(start, count))
+
+    def _train_starts(self, start: int, count: int) -> np.ndarray:
         if start < 0 or count < 0:
             raise ValueError(f"start and count must be >= 0, got start={start}, count={count}")
         n = self.n_train_windows
@@ -157,7 +181,7 @@ class TokenData:
             take = min(n - offset, start + count - g)
             window_ids[g - start : g - start + take] = self._epoch_perm(epoch)[offset : offset + take]
             g += take
-        return self._gather(window_ids.numpy() * self.seq_len)
+        return window_ids.numpy() * self.seq_len
 
     def step_samples(self, step: int, global_batch: int, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Slice ``[start, start+count)`` of global batch number ``step`` (0-based)."""
@@ -166,6 +190,10 @@ class TokenData:
         if start < 0 or count < 0 or start + count > global_batch:
             raise ValueError(f"slice [{start}, {start + count}) is outside the global batch of {global_batch}")
         return self.train_samples(step * global_batch + start, count)
+
+    def step_documents(self, step: int, global_batch: int, start: int, count: int) -> torch.Tensor:
+        """``documents`` of the samples ``step_samples`` gives for the same arguments."""
+        return self.train_documents(step * global_batch + start, count)
 
     def val_samples(self, count: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The first ``count`` non-overlapping windows of the held-out tail (same on every rank)."""

@@ -1,8 +1,10 @@
 """The documents `hybridpar data` reads, one at a time: each text file is one document; each line of a
 JSON Lines file (`*.jsonl`, `*.ndjson`) is one, its text under a key (`--text-key`, default `text`).
-Either may be gzip-compressed (`*.gz`). A folder is its files, sorted; the default corpus is the Python
-standard library's source. Nothing is read before it is asked for, so memory holds one document (one
-line of JSON Lines) at a time whatever the corpus's size.
+Either may be gzip-compressed (`*.gz`). Each row of a Parquet file (`*.parquet`, read with pyarrow, the
+`parquet` extra) is one, its text in the column `--text-key`. A folder is its files, sorted; the default
+corpus is the Python standard library's source. Nothing is read before it is asked for, so memory holds
+one document (one line of JSON Lines, one row group of a Parquet file's text column) at a time whatever
+the corpus's size.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ from typing import IO
 from hybridpar.data.sources import BINARY_SNIFF_BYTES, _walk_sorted, default_corpus_files
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
+PARQUET_SUFFIX = ".parquet"
 
 
 def documents(path: str | None, max_bytes: int | None = None, text_key: str = "text") -> Iterator[str]:
@@ -57,6 +60,9 @@ def _open(f: pathlib.Path) -> IO[bytes]:
 def _raw_documents(f: pathlib.Path, budget: int | None, text_key: str) -> Iterator[bytes]:
     """The documents of one file as UTF-8 bytes (a text file's first `budget` bytes only, where given)."""
     name = f.name[:-3] if f.name.endswith(".gz") else f.name
+    if f.name.endswith(PARQUET_SUFFIX):
+        yield from _parquet(f, text_key)
+        return
     if name.endswith(JSONL_SUFFIXES):
         yield from _jsonl(f, text_key)
         return
@@ -87,3 +93,34 @@ def _jsonl(f: pathlib.Path, text_key: str) -> Iterator[bytes]:
                 yield text.encode("utf-8", errors="surrogatepass")
     except (OSError, EOFError) as e:  # a damaged .gz
         raise ValueError(f"{f} cannot be read: {e}") from None
+
+
+def _parquet(f: pathlib.Path, text_key: str) -> Iterator[bytes]:
+    """The rows' texts of a Parquet file's column `text_key`, one row group read at a time (its other
+    columns never read). ValueError naming the file: not Parquet, no such column, not text, a null row."""
+    try:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+    except ImportError:
+        raise ValueError(f"{f} is a Parquet file, which needs pyarrow: pip install 'hybridpar[parquet]'") from None
+    try:
+        pf = pq.ParquetFile(f)
+    except (OSError, pa.ArrowException) as e:
+        raise ValueError(f"{f} cannot be read as Parquet: {e}") from None
+    schema = pf.schema_arrow
+    if text_key not in schema.names:
+        raise ValueError(
+            f"{f} has no column {text_key!r} (its columns: {', '.join(schema.names)}); --text-key names the "
+            f"column holding each document's text"
+        )
+    kind = schema.field(text_key).type
+    if not (pa.types.is_string(kind) or pa.types.is_large_string(kind)):
+        raise ValueError(f"{f}: column {text_key!r} holds {kind}, not text (--text-key names the text column)")
+    row = 0
+    with pf:
+        for g in range(pf.num_row_groups):
+            for text in pf.read_row_group(g, columns=[text_key]).column(0).to_pylist():
+                row += 1
+                if text is None:
+                    raise ValueError(f"{f}: row {row} has no text in column {text_key!r} (null)")
+                yield text.encode("utf-8", errors="surrogatepass")

@@ -165,8 +165,9 @@ prepare          encodes a corpus with a tokenizer into DATA.bin (uint16 ids whe
                  (dtype, counts, vocabulary, tokenizer hash); train on it with --data.path DATA.bin
                  --data.tokenizer DIR
 --input          a text file (one document), a JSON Lines file (*.jsonl, *.ndjson: a document per line),
-                 either gzipped (*.gz), or a folder of them (default: the Python standard library's source)
---text-key       the key of a JSON line that holds its text (default: text)
+                 either gzipped (*.gz), a Parquet file (*.parquet: a document per row; needs pyarrow), or a
+                 folder of them (default: the Python standard library's source)
+--text-key       the key of a JSON line, or the Parquet column, that holds its text (default: text)
 --max-bytes      read only the first N bytes of the corpus's text (default: all of it)
 --eos-token      the token closing each document (default: the tokenizer's eos_token); --eos-id by id
 --workers        processes encoding batches of documents, written in order (default 1)"""

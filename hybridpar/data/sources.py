@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from hybridpar.data.tokenfile import max_id, open_tokens, read_sidecar
+from hybridpar.data.tokenfile import FORMAT, INDEX_DTYPE, index_path, max_id, open_tokens, read_sidecar
 
 # A NUL byte in the first 8 KiB is the same heuristic git/grep use to call a file binary.
 BINARY_SNIFF_BYTES = 8192
@@ -93,6 +93,9 @@ class Corpus:
     total: int  # tokens of the whole corpus: more than n where data.max_tokens cuts it
     name: str  # how messages name it
     vocab: Callable[[], int] = field(repr=False)  # ids are below this (read, or scanned, when asked)
+    # A prepared file's document boundaries (the index, memory-mapped: each document's first token, then the
+    # token count); None for text and nanoGPT files, which have none.
+    index: np.ndarray | None = field(default=None, repr=False)
 
 
 def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
@@ -124,7 +127,11 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
         raise ValueError(f"data path {path!r} is neither a regular file nor a folder")
     if p.suffix == ".bin" and (meta := read_sidecar(p)) is not None:
         n = _cut(meta["tokens"], max_tokens)
-        return Corpus(open_tokens(p, meta["dtype"], n), meta["tokens"], name, lambda: meta["vocab_size"])
+        if meta["format"] == FORMAT:
+            index = np.memmap(index_path(p), dtype=INDEX_DTYPE, mode="r")
+        else:  # format 1: the starts as a JSON list
+            index = np.asarray([*meta["documents"], meta["tokens"]], dtype=INDEX_DTYPE)
+        return Corpus(open_tokens(p, meta["dtype"], n), meta["tokens"], name, lambda: meta["vocab_size"], index)
     if p.suffix == ".bin":
         size = p.stat().st_size
         if size == 0:

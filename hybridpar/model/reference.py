@@ -13,7 +13,8 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar.config import Config
-from hybridpar.data.corpus import TokenData
+from hybridpar.data.mixture import open_data
+from hybridpar.model.documents import DocumentMask
 from hybridpar.model.optim import lr_at, make_optimizer, set_lr
 from hybridpar.model.registry import build_full_model
 
@@ -123,7 +124,7 @@ def reference(
     an equally valid run). With `order` each step's samples are shuffled by that seed first: the same
     mean, summed in another order (again an equally valid run)."""
     t, dev = cfg.train, torch.device(device)
-    data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
+    data = open_data(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed).to(dtype).to(dev)
     opt = make_optimizer(model.named_parameters(), t)
 
@@ -131,26 +132,32 @@ def reference(
         bf16 = t.precision == "bf16"
         return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
-    def loss_of(x: torch.Tensor, y: torch.Tensor, reduction: str = "mean") -> torch.Tensor:
-        with mixed():
-            logits = model(x.to(dev))  # (B, T, vocab)
+    def loss_of(
+        x: torch.Tensor, y: torch.Tensor, reduction: str = "mean", d: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        with mixed():  # d: each position's document (data.document_mask)
+            logits = model(x.to(dev)) if d is None else model(x.to(dev), DocumentMask(d.to(dev)))  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1).to(dtype), y.to(dev).flatten(), reduction=reduction)
 
     losses, val_losses = [], []
-    vx, vy = data.val_samples(t.val_batches * t.global_batch)
+    docs, n_val = cfg.data.document_mask, t.val_batches * t.global_batch
+    vx, vy = data.val_samples(n_val)
+    vd = data.val_documents(n_val) if docs else None
     for step in range(t.steps):
         set_lr(opt, lr_at(step, t))
         x, y = data.step_samples(step, t.global_batch, 0, t.global_batch)
+        d = data.step_documents(step, t.global_batch, 0, t.global_batch) if docs else None
         if order is not None:
             perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(order * 100_003 + step))
-            x, y = x[perm], y[perm]
+            x, y, d = x[perm], y[perm], (d if d is None else d[perm])
         if accumulate == 1:
-            loss = loss_of(x, y)
+            loss = loss_of(x, y, d=d)
             loss.backward()
         else:
             loss = torch.zeros((), dtype=dtype, device=dev)
-            for xs, ys in zip(x.tensor_split(accumulate), y.tensor_split(accumulate)):
-                part = loss_of(xs, ys, "sum") / y.numel()
+            ds = [None] * accumulate if d is None else d.tensor_split(accumulate)
+            for xs, ys, dm in zip(x.tensor_split(accumulate), y.tensor_split(accumulate), ds):
+                part = loss_of(xs, ys, "sum", dm) / y.numel()
                 part.backward()
                 loss += part.detach()
         if t.grad_clip > 0:
@@ -160,7 +167,7 @@ def reference(
         losses.append(loss.item())
         if t.val_every and (step == 0 or (step + 1) % t.val_every == 0 or step == t.steps - 1):
             with torch.no_grad():
-                val_losses.append((step, loss_of(vx, vy).item()))
+                val_losses.append((step, loss_of(vx, vy, d=vd).item()))
     return losses, val_losses, {n: p.detach().to("cpu", copy=True) for n, p in model.named_parameters()}
 
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass, field
-from typing import Callable, Sequence
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -68,6 +68,7 @@ class _Step:
     loss: torch.Tensor | None = None
     waits: list[ActionTime] = field(default_factory=list)
     failed: str | None = None  # out of memory: the rest of the step only keeps messages flowing
+    documents: Sequence[Any] | None = None  # per microbatch: positions and mask (model/documents.py)
 
 
 class PipelineRuntime:
@@ -120,17 +121,20 @@ class PipelineRuntime:
         *,
         train: bool = True,
         on_stage_done: Callable[[int], None] | None = None,
+        documents: Sequence[Any] | None = None,
     ) -> StepOutput:
         """Execute one step. inputs[m]/targets[m]: token ids (b_m, T) of microbatch m. The loss of
         microbatch m is loss_fn(output, targets[m], loss_scale), by default sum(token CE) * loss_scale, so
         that with loss_scale = 1 / tokens-in-global-batch
         the gradients summed over every replica and microbatch are exactly those of the global token
-        mean. `on_stage_done(s)` fires once stage s's gradients are complete on this rank (its last
-        backward or weight action), where the data-parallel reduction of them can start."""
+        mean. `documents[m]`, where given, goes to every stage's forward of microbatch m (attention within
+        documents: model/documents.py). `on_stage_done(s)` fires once stage s's gradients are complete on
+        this rank (its last backward or weight action), where the data-parallel reduction of them can start."""
         ref = inputs[0] if inputs[0] is not None else targets[0]
         sizes = [t.shape[0] for t in (inputs if inputs[0] is not None else targets)]
         split = any(a.op == Op.WEIGHT for a in actions)
         st = _Step(inputs, targets, [(b, ref.shape[1], self.hidden) for b in sizes], loss_scale, train, split)
+        st.documents = documents
         final_op = Op.WEIGHT if split else Op.BACKWARD
         done_at = {a.stage: i for i, a in enumerate(actions) if a.op == final_op}
         timeline: list[ActionTime] = []
@@ -236,7 +240,7 @@ class PipelineRuntime:
         ):
             try:
                 with self._precision():
-                    y = self.stages[s](x)
+                    y = self.stages[s](x) if st.documents is None else self.stages[s](x, st.documents[m])
                 if s == self.n_stages - 1:
                     y = self.loss_fn(y, st.targets[m], st.loss_scale)
                     st.loss = y.detach() if st.loss is None else st.loss + y.detach()

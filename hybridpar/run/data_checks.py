@@ -33,21 +33,35 @@ def _byte_level(path: str | None) -> bool:
 def check_tokens(cfg: Config) -> None:
     """data <-> tokenizer <-> model: a token file prepared with the tokenizer the run is given (data.tokenizer,
     or model.init_from's own), a tokenizer whose ids the model can embed, no bytes for a model of another
-    vocabulary. Reads the sidecar and tokenizer.json, not the tokens."""
+    vocabulary; each source of a mixture alike, so all of them share the tokenizer (by its hash). Reads the
+    sidecars and tokenizer.json, not the tokens."""
+    from hybridpar.data.mixture import corpus_paths
+
+    for path in corpus_paths(cfg.data.path):  # a bad mixture: ValueError naming data.path and the item
+        _check_source_tokens(cfg, path)
+
+
+def _check_source_tokens(cfg: Config, path: str | None) -> None:
     from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
-    meta = _token_file(d.path)
+    meta = _token_file(path)
+    if d.document_mask and meta is None:
+        what = "byte-level text" if _byte_level(path) else "a token file without a description or index"
+        raise ValueError(
+            f"data.document_mask needs the document index of a prepared token file, and data.path={path!r} is "
+            f"{what}: prepare it (hybridpar data prepare --out DATA.bin), or leave data.document_mask off"
+        )
     if d.tokenizer is None:
         if meta is not None:
             raise ValueError(
-                f"data.path={d.path!r} was prepared with the tokenizer {meta.get('tokenizer')!r}: give it as "
+                f"data.path={path!r} was prepared with the tokenizer {meta.get('tokenizer')!r}: give it as "
                 f"data.tokenizer, so that the run's samples and final/ use it"
             )
-        if init is not None and vocab != 256 and _byte_level(d.path):
+        if init is not None and vocab != 256 and _byte_level(path):
             raise ValueError(
                 f"model.init_from={init!r} has a vocabulary of {vocab} ids and no {TOKENIZER_FILE}, but data.path="
-                f"{d.path!r} is byte-level text (ids 0-255): give the model's tokenizer as data.tokenizer and a "
+                f"{path!r} is byte-level text (ids 0-255): give the model's tokenizer as data.tokenizer and a "
                 f"token file prepared with it (hybridpar data prepare --tokenizer DIR --out DATA.bin) as data.path"
             )
         return
@@ -59,14 +73,14 @@ def check_tokens(cfg: Config) -> None:
             f"model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
         )
     if meta is None:
-        what = "byte-level text (ids 0-255)" if _byte_level(d.path) else "a token file without its description"
+        what = "byte-level text (ids 0-255)" if _byte_level(path) else "a token file without its description"
         raise ValueError(
-            f"{who} needs a token file prepared with it as data.path, and data.path={d.path!r} is {what}: "
+            f"{who} needs a token file prepared with it as data.path, and data.path={path!r} is {what}: "
             f"hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin, then --data.path DATA.bin"
         )
     if meta.get("tokenizer_sha256") != tok.sha256:
         raise ValueError(
-            f"data.path={d.path!r} was prepared with another tokenizer ({meta.get('tokenizer')!r}, sha256 "
+            f"data.path={path!r} was prepared with another tokenizer ({meta.get('tokenizer')!r}, sha256 "
             f"{str(meta.get('tokenizer_sha256'))[:12]}…) than {who} (sha256 {tok.sha256[:12]}…): prepare it "
             f"again with hybridpar data prepare --tokenizer {d.tokenizer} --out DATA.bin"
         )
@@ -76,19 +90,26 @@ def check_corpus(cfg: Config) -> list[str]:
     """The corpus opened as the workers will open it (too short for a window, ids the model cannot
     embed), without reading its tokens but to find the largest id of a file not prepared here; returns
     the line to print where data.max_tokens cuts it."""
-    from hybridpar.data.corpus import TokenData
+    from hybridpar.data.mixture import corpus_paths, open_data
     from hybridpar.data.sources import corpus_note
     from hybridpar.data.tokenfile import check_index
 
     d, t = cfg.data, cfg.train
-    if (meta := _token_file(d.path)) is not None:
-        check_index(d.path, meta)
-    data = TokenData.open(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
-    assert data.corpus is not None
-    if data.vocab_needed > cfg.model.vocab_size:
-        raise ValueError(
-            f"{data.corpus.name} holds token ids up to {data.vocab_needed - 1}: model.vocab_size="
-            f"{cfg.model.vocab_size} must be at least {data.vocab_needed}"
-        )
-    note = corpus_note(data.corpus, d.max_tokens)
-    return [note] if note else []
+    for path in corpus_paths(d.path):
+        if (meta := _token_file(path)) is not None:
+            check_index(path, meta)
+    data = open_data(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
+    notes = []
+    for source in getattr(data, "sources", [data]):
+        assert source.corpus is not None
+        if source.vocab_needed > cfg.model.vocab_size:
+            raise ValueError(
+                f"{source.corpus.name} holds token ids up to {source.vocab_needed - 1}: model.vocab_size="
+                f"{cfg.model.vocab_size} must be at least {source.vocab_needed}"
+            )
+        if note := corpus_note(source.corpus, d.max_tokens):
+            notes.append(note)
+    if t.val_every and hasattr(data, "val_sources"):  # a mixture: every source's tail holds the validation set
+        data.val_samples(t.val_batches * t.global_batch)
+        data.val_sources(t.val_batches * t.global_batch)
+    return notes

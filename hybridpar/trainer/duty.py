@@ -74,6 +74,8 @@ class ValidationDuty:
         if self.every and ((step + 1) % self.every == 0 or step == 0 or step == self.last):
             with self.probe.slow("validate"):  # the watchdog allows validation its slow-phase timeout
                 rec["val_loss"] = self.trainer.evaluate()
+                if sources := self.trainer.val_sources:  # a mixture: each source's own loss too
+                    rec["val_loss_by_source"] = {n: self.trainer.evaluate(v) for n, v in sources.items()}
             self.val_losses.append((step, rec["val_loss"]))
         return False
 

@@ -27,9 +27,10 @@ from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
-from hybridpar.data.corpus import TokenData
+from hybridpar.data.mixture import open_data, val_sets
 from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
 from hybridpar.dataparallel.zero import full_optimizer_state
+from hybridpar.model.documents import DocumentMask, document_masks
 from hybridpar.model.optim import lr_at, set_lr
 from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule, stages_per_rank
@@ -46,7 +47,7 @@ class Trainer:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
         t = cfg.train
-        self.data = TokenData.open(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
+        self.data = open_data(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
         if self.data.vocab_needed > cfg.model.vocab_size:
             raise ValueError(
                 f"data.path holds token ids up to {self.data.vocab_needed - 1}: model.vocab_size="
@@ -81,7 +82,9 @@ class Trainer:
         self._orders: dict[tuple[int, ...], list[int]] = {}  # planned sizes -> the order they run in
         self._attached: list[tuple[Attachment, Callable[[], None]]] = []
         # Fetched up front: a corpus too small for the validation set fails before any training step.
-        self.val_set = self.data.val_samples(t.val_batches * t.global_batch) if t.val_every else None
+        # A mixture's sources each alone too (the record's val_loss_by_source).
+        n_val, docs = t.val_batches * t.global_batch, cfg.data.document_mask
+        self.val_set, self.val_sources = val_sets(self.data, n_val, docs) if t.val_every else (None, {})
 
     # The pieces others read, by their usual names.
     stages = property(lambda self: self.mp.stages)
@@ -119,6 +122,11 @@ class Trainer:
         ys = list(torch.split(y.to(self.topo.device), sizes))
         return xs, ys
 
+    def _masks(self, d: torch.Tensor | None) -> list[DocumentMask] | None:
+        """Each microbatch's attention within documents (data.document_mask), split as the samples are."""
+        sizes = self._orders[self.plan.sizes[self.topo.dp_rank]]
+        return None if d is None else document_masks(list(torch.split(d.to(self.topo.device), sizes)))
+
     def _global_sum(self, local: torch.Tensor | None) -> float:
         """Sum a per-replica loss over the world (counted once per replica: last stage, tp rank 0)."""
         v = torch.zeros((), device=self.topo.device)
@@ -134,7 +142,9 @@ class Trainer:
         t, topo, grads = self.cfg.train, self.topo, self.dp.grads
         t0 = time.perf_counter()
         sizes = self.plan.sizes[topo.dp_rank]
-        x, y = self.data.step_samples(step, t.global_batch, self.plan.replica_offset(topo.dp_rank), sum(sizes))
+        at = (step, t.global_batch, self.plan.replica_offset(topo.dp_rank), sum(sizes))
+        x, y = self.data.step_samples(*at)
+        d = self.data.step_documents(*at) if self.cfg.data.document_mask else None
         xs, ys = self._microbatches(x, y)
         meter = self.runtime.meter
         meter.reset(q for st in self.stages.values() for q in st.parameters())
@@ -142,9 +152,8 @@ class Trainer:
             torch.cuda.reset_peak_memory_stats(topo.device)
             resident = torch.cuda.memory_allocated(topo.device)
         grads.m = len(sizes)
-        out = self.runtime.run(
-            self.actions(len(sizes)), xs, ys, 1.0 / (t.global_batch * t.seq_len), on_stage_done=grads.stage_done
-        )
+        masks, scale = self._masks(d), 1.0 / (t.global_batch * t.seq_len)
+        out = self.runtime.run(self.actions(len(sizes)), xs, ys, scale, on_stage_done=grads.stage_done, documents=masks)
         grads.finish()
         self.last_output = out
         peak = meter.peak
@@ -278,18 +287,21 @@ class Trainer:
         return plan
 
     @torch.no_grad()
-    def evaluate(self) -> float:
+    def evaluate(self, val_set: tuple | None = None) -> float:
+        """The mean loss over the validation set (`val_set`, else the run's: inputs, targets, documents)."""
         t, topo = self.cfg.train, self.topo
         n = t.val_batches * t.global_batch
-        vx, vy = self.val_set
+        vx, vy, vd = val_set or self.val_set
         total: torch.Tensor | None = None
         for b in range(t.val_batches):
             lo = b * t.global_batch + self.plan.replica_offset(topo.dp_rank)
             hi = lo + sum(self.plan.sizes[topo.dp_rank])
             xs, ys = self._microbatches(vx[lo:hi], vy[lo:hi])
-            out = self.runtime.run(
-                self.actions(len(self.plan.sizes[0]), train=False), xs, ys, 1.0 / (n * t.seq_len), train=False
+            acts, masks = (
+                self.actions(len(self.plan.sizes[0]), train=False),
+                self._masks(vd if vd is None else vd[lo:hi]),
             )
+            out = self.runtime.run(acts, xs, ys, 1.0 / (n * t.seq_len), train=False, documents=masks)
             if out.loss is not None:
                 total = out.loss if total is None else total + out.loss
         return self._global_sum(total)
