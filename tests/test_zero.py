@@ -12,6 +12,7 @@ import torch
 
 from hybridpar.config import Config
 from hybridpar.dataparallel.zero import slice_of
+from hybridpar.plan.memory_model import rank_memory
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
 
@@ -32,15 +33,20 @@ ZERO = dict(zero=1)
 
 
 def _layout_configs() -> list[Config]:
-    cfgs = [grid_config(2, s, v, parallel=dict(tp=1, pp=2, dp=2, **ZERO)) for s, v in (("1f1b", 1), ("zb-v", 2))]
-    cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, **ZERO)))
+    """Each layout under ZeRO-1, then under ZeRO-2 with tied embeddings (at pp2 the embedding's two
+    copies sum their kept slices; under ZB-V both sit on rank 0, and the W pass writes gradients late)."""
+    cfgs = []
+    for zero in (1, 2):
+        tied = dict(tie_embeddings=zero == 2)
+        for s, v in (("1f1b", 1), ("zb-v", 2)):
+            cfgs.append(grid_config(2, s, v, model=tied, parallel=dict(tp=1, pp=2, dp=2, zero=zero)))
+        cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, zero=zero)))
     return cfgs
 
 
 def _holds_configs() -> list[Config]:
-    base = tiny_config(parallel=dict(tp=1, pp=1, dp=4), train=dict(global_batch=16))
-    zero = tiny_config(parallel=dict(tp=1, pp=1, dp=4, **ZERO), train=dict(global_batch=16))
-    return [base, zero]
+    """No ZeRO, ZeRO-1, ZeRO-2 at dp=4, two microbatches a replica (gradients accumulate)."""
+    return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2)]
 
 
 REBALANCE_STEPS = 12
@@ -95,7 +101,7 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
         tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60.0))
         tr.step(0)
         held = sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values())
-        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters())])
+        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters()), tr.memory])
     return out
 
 
@@ -106,10 +112,28 @@ def test_zero1_holds_a_dp_th_of_the_optimizer_state(world4: tuple[Path, list[dic
     ranks = [r["holds"] for r in world4[1]]
     total = ranks[0][0][0]
     assert all(r[0][0] == total for r in ranks)  # without ZeRO every replica holds all of it
-    for (_, plain, n), (held, sharded, _) in ranks:
+    for (_, plain, n, _), (held, sharded, _, _), (held2, sharded2, _, _) in ranks:
         assert abs(held - total / 4) <= 0.02 * total / 4, (held, total / 4)
+        assert held2 == held
         assert plain == {"all_reduce": n, "reduce_scatter": 0}
-        assert sharded == {"all_reduce": 0, "reduce_scatter": n}
+        assert sharded == sharded2 == {"all_reduce": 0, "reduce_scatter": n}
+
+
+@pytest.mark.multiprocess
+def test_zero2_holds_a_dp_th_of_the_gradients_at_rest(world4: tuple[Path, list[dict]]) -> None:
+    """ZeRO-2 at dp=4, counted from each rank's tensors inside the optimizer step: gradients at rest
+    (the kept slices) = the whole gradients / 4 within 2%, as the memory model says; at their peak
+    (accumulating over the step's microbatches) they are whole, as without ZeRO-2."""
+    ranks = [r["holds"] for r in world4[1]]
+    whole = ranks[0][0][3]["grads"]
+    model = rank_memory(_holds_configs()[2])[0]
+    assert model.grads == whole and abs(model.grads_at_rest - whole / 4) <= 0.02 * whole / 4
+    for plain, zero1, zero2 in ranks:
+        assert plain[3]["grads_at_rest"] == zero1[3]["grads_at_rest"] == zero1[3]["grads"] == whole
+        at_rest = zero2[3]["grads_at_rest"]
+        assert abs(at_rest - whole / 4) <= 0.02 * whole / 4, (at_rest, whole / 4)
+        assert abs(at_rest - model.grads_at_rest) <= 0.02 * whole / 4
+        assert zero2[3]["grads"] == whole  # the peak: the whole gradients before the reduction
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
