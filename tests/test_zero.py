@@ -1,6 +1,7 @@
-"""ZeRO-1 (`--parallel.zero 1`): each dp rank holds the AdamW state of 1/dp of every parameter and the
-run still trains the one-device model — every layout with dp > 1 (replicas of 6 and 5 samples), tied
-embeddings, a live re-partition, and checkpoints resumed at another dp (and back)."""
+"""ZeRO-1 and ZeRO-2 (`--parallel.zero 1`, `2`): each dp rank holds the AdamW state of 1/dp of every
+parameter (and under ZeRO-2 its 1/dp slice of every gradient at rest) and the run still trains the
+one-device model — every layout with dp > 1 (replicas of 6 and 5 samples), tied embeddings, a live
+re-partition, and checkpoints resumed at another dp and ZeRO level (and back)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,33 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.dataparallel.zero import slice_of
-from hybridpar.plan.memory_model import rank_memory
+from hybridpar.dataparallel.zero import keep_slice, part, slice_of, summed_grad
+from hybridpar.plan.memory_model import rank_memory, stage_shapes
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
+
+
+def test_zero2_keeps_a_dp_th_of_the_gradients_in_tensors_of_their_own() -> None:
+    """In process: the four dp ranks' kept slices of the default model's gradients (tp2's shapes, a
+    column-parallel bias among them) are its gradient bytes / 4 within 2%, each in its own storage; the
+    memory model says the same at dp=4."""
+    cfg = tiny_config(parallel=dict(tp=2, pp=1, dp=4, zero=2), train=dict(global_batch=16))
+    shapes = stage_shapes(cfg, [range(cfg.model.n_layers)], 0)
+    whole = 4 * sum(torch.Size(s).numel() for s, _ in shapes)
+    for r in range(4):
+        kept = 0
+        for shape, d in shapes:
+            p = torch.nn.Parameter(torch.zeros(shape))
+            p.grad = torch.randn(shape)
+            s = slice_of(p.shape, d, 4)
+            expect = part(p.grad, s, r).clone()
+            keep_slice(p, s, r)
+            g = summed_grad(p, s, r)
+            assert torch.equal(g, expect) and (p.grad is None) == (s.dim is not None)
+            kept += g.untyped_storage().nbytes()
+        assert abs(kept - whole / 4) <= 0.02 * whole / 4, (r, kept, whole / 4)
+    est = rank_memory(cfg)[0]
+    assert est.grads == whole and abs(est.grads_at_rest - whole / 4) <= 0.02 * whole / 4
 
 
 def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
@@ -148,24 +172,25 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None:
-    """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-1) to step 3, at dp=1 to step 4,
-    and at dp=2 (ZeRO-1) to the end: the one-device model. Each ZeRO-1 rank writes only its slice of the
-    optimizer state (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
-    steps = 5
+def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None:
+    """dp=2 (ZeRO-2) is preempted after step 2, resumes at dp=4 (ZeRO-2) to step 3, at dp=1 to step 4,
+    at dp=2 (ZeRO-1) to step 5 and at dp=3 (ZeRO-2: uneven chunks) to the end: the one-device model.
+    Each ZeRO rank writes only its slice of the optimizer state (one chunk per dp rank in DCP's
+    metadata; ZeRO-2's state is ZeRO-1's); DCP re-cuts the slices on resume."""
+    steps = 6
     run = str(tmp_path / "run")
-    legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 1, "rank=3:term@step=2:phase=forward")]
-    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "")]
+    legs = [(2, 2, "rank=0:term@step=1:phase=forward"), (4, 2, "rank=3:term@step=2:phase=forward")]
+    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "rank=1:term@step=4:phase=forward"), (3, 2, "")]
     losses: dict[int, float] = {}
     for i, (dp, zero, fault) in enumerate(legs):
         cfg = tiny_config(
             parallel=dict(tp=1, pp=1, dp=dp, zero=zero),
             train=dict(steps=steps, microbatches=2),  # dp=4: replicas of 3, 3, 3 and 2 samples
-            checkpoint=dict(every=steps, resume="auto" if i else "off"),
+            checkpoint=dict(every=steps, keep=4, resume="auto" if i else "off"),
             emulate=dict(fault=fault),
         )
         out = run_ranks(_stage_worker, dp, cfg.to_dict(), run, timeout_s=240)[0]
-        assert out["start"] == (0, 2, 3, 4)[i] and out["preempted"] == (2, 3, 4, None)[i], out
+        assert out["start"] == (0, 2, 3, 4, 5)[i] and out["preempted"] == (2, 3, 4, 5, None)[i], out
         losses.update({out["start"] + k: v for k, v in enumerate(out["losses"])})
     ref = tiny_config(train=dict(steps=steps, microbatches=2))
     ref_losses, _, ref_state = ref_for(ref)
@@ -173,10 +198,10 @@ def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
-    check_fp64("dp 2 -> 4 -> 1 -> 2 under ZeRO-1", state, ref)
+    check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 2, 2, 0, 1, 2", state, ref)
     from hybridpar.resilience.safe_dcp import load_metadata
 
-    for step, chunks in ((3, 4), (4, 1), (5, 2)):  # written at dp 4 (ZeRO-1), dp 1, dp 2 (ZeRO-1)
+    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-2), 1, 2 (ZeRO-1), 3 (ZeRO-2)
         md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
         moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
         assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})
