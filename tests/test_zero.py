@@ -41,6 +41,17 @@ def test_zero2_keeps_a_dp_th_of_the_gradients_in_tensors_of_their_own() -> None:
     assert est.grads == whole and abs(est.grads_at_rest - whole / 4) <= 0.02 * whole / 4
 
 
+def test_zero_levels_are_checked_before_launch() -> None:
+    """dp = 1 shards nothing: zero 1 and 2 are accepted there and act as 0 (an elastic restart that
+    shrinks dp keeps its configuration); a level that does not exist is named with the ones that do."""
+    from hybridpar.pipeline.schedules.config_rules import validate_config
+
+    for zero in (1, 2):
+        validate_config(tiny_config(parallel=dict(dp=1, zero=zero)))
+    with pytest.raises(ValueError, match=r"parallel.zero=3 is not one of 0, 1, 2"):
+        validate_config(tiny_config(parallel=dict(zero=3)))
+
+
 def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
     s = slice_of(torch.Size([10, 6]), None, 3)
     assert (s.dim, s.offsets, s.sizes) == (0, (0, 4, 8), (4, 4, 2))  # torch.chunk: 4, 4, 2
