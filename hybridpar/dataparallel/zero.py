@@ -1,7 +1,7 @@
 """ZeRO-1 and ZeRO-2 over the data-parallel axis (`--parallel.zero 1` / `2`): each dp rank keeps the AdamW
 state of 1/dp of every parameter it holds, steps that slice, and the ranks all-gather the updated slices.
-ZeRO-2 also keeps only that slice of each gradient once the step's reduce-scatter is done (grads.py
-calls `keep_slice` per bucket as it completes): the whole gradients still exist while the microbatches
+ZeRO-2 also keeps only that slice of each gradient once the step's reduce-scatters are done (grads.py's
+finish() calls `keep_slice` parameter by parameter): the whole gradients still exist while the microbatches
 of the step accumulate into them (reduced once per step), and from the reduction to the next step's
 backward each rank holds its 1/dp slices — through clipping and the optimizer step.
 

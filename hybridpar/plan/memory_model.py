@@ -9,7 +9,7 @@ Components, each at its own high point in the step (their sum bounds the step's 
   the step's microbatches accumulate, ZeRO-2 included (it reduces once per step). `grads_at_rest` (not
   part of the total): what the rank holds from the reduction through the optimizer step — under ZeRO-2
   its 1/dp slice of each gradient (dp rank 0's, the largest), else the whole gradients.
-- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 for the
+- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 and 2 for the
   rank's slice only (dataparallel/zero.py's rule; the slice it steps is a view of the parameter).
 - activations: what autograd saves for backward (the meter's quantity, pipeline/activation_meter.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
