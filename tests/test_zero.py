@@ -1,6 +1,7 @@
-"""ZeRO-1 (`--parallel.zero 1`): each dp rank holds the AdamW state of 1/dp of every parameter and the
-run still trains the one-device model — every layout with dp > 1 (replicas of 6 and 5 samples), tied
-embeddings, a live re-partition, and checkpoints resumed at another dp (and back)."""
+"""ZeRO-1 and ZeRO-2 (`--parallel.zero 1`, `2`): each dp rank holds the AdamW state of 1/dp of every
+parameter (and under ZeRO-2 its 1/dp slice of every gradient at rest) and the run still trains the
+one-device model — every layout with dp > 1 (replicas of 6 and 5 samples), tied embeddings, a live
+re-partition, and checkpoints resumed at another dp and ZeRO level (and back)."""
 
 from __future__ import annotations
 
@@ -11,9 +12,44 @@ import pytest
 import torch
 
 from hybridpar.config import Config
-from hybridpar.dataparallel.zero import slice_of
+from hybridpar.dataparallel.zero import keep_slice, part, slice_of, summed_grad
+from hybridpar.plan.memory_model import rank_memory, stage_shapes
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
+
+
+def test_zero2_keeps_a_dp_th_of_the_gradients_in_tensors_of_their_own() -> None:
+    """In process: the four dp ranks' kept slices of the default model's gradients (tp2's shapes, a
+    column-parallel bias among them) are its gradient bytes / 4 within 2%, each in its own storage; the
+    memory model says the same at dp=4."""
+    cfg = tiny_config(parallel=dict(tp=2, pp=1, dp=4, zero=2), train=dict(global_batch=16))
+    shapes = stage_shapes(cfg, [range(cfg.model.n_layers)], 0)
+    whole = 4 * sum(torch.Size(s).numel() for s, _ in shapes)
+    for r in range(4):
+        kept = 0
+        for shape, d in shapes:
+            p = torch.nn.Parameter(torch.zeros(shape))
+            p.grad = torch.randn(shape)
+            s = slice_of(p.shape, d, 4)
+            expect = part(p.grad, s, r).clone()
+            keep_slice(p, s, r)
+            g = summed_grad(p, s, r)
+            assert torch.equal(g, expect) and (p.grad is None) == (s.dim is not None)
+            kept += g.untyped_storage().nbytes()
+        assert abs(kept - whole / 4) <= 0.02 * whole / 4, (r, kept, whole / 4)
+    est = rank_memory(cfg)[0]
+    assert est.grads == whole and abs(est.grads_at_rest - whole / 4) <= 0.02 * whole / 4
+
+
+def test_zero_levels_are_checked_before_launch() -> None:
+    """dp = 1 shards nothing: zero 1 and 2 are accepted there and act as 0 (an elastic restart that
+    shrinks dp keeps its configuration); a level that does not exist is named with the ones that do."""
+    from hybridpar.pipeline.schedules.config_rules import validate_config
+
+    for zero in (1, 2):
+        validate_config(tiny_config(parallel=dict(dp=1, zero=zero)))
+    with pytest.raises(ValueError, match=r"parallel.zero=3 is not one of 0, 1, 2"):
+        validate_config(tiny_config(parallel=dict(zero=3)))
 
 
 def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
@@ -32,15 +68,20 @@ ZERO = dict(zero=1)
 
 
 def _layout_configs() -> list[Config]:
-    cfgs = [grid_config(2, s, v, parallel=dict(tp=1, pp=2, dp=2, **ZERO)) for s, v in (("1f1b", 1), ("zb-v", 2))]
-    cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, **ZERO)))
+    """Each layout under ZeRO-1, then under ZeRO-2 with tied embeddings (at pp2 the embedding's two
+    copies sum their kept slices; under ZB-V both sit on rank 0, and the W pass writes gradients late)."""
+    cfgs = []
+    for zero in (1, 2):
+        tied = dict(tie_embeddings=zero == 2)
+        for s, v in (("1f1b", 1), ("zb-v", 2)):
+            cfgs.append(grid_config(2, s, v, model=tied, parallel=dict(tp=1, pp=2, dp=2, zero=zero)))
+        cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, zero=zero)))
     return cfgs
 
 
 def _holds_configs() -> list[Config]:
-    base = tiny_config(parallel=dict(tp=1, pp=1, dp=4), train=dict(global_batch=16))
-    zero = tiny_config(parallel=dict(tp=1, pp=1, dp=4, **ZERO), train=dict(global_batch=16))
-    return [base, zero]
+    """No ZeRO, ZeRO-1, ZeRO-2 at dp=4, two microbatches a replica (gradients accumulate)."""
+    return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2)]
 
 
 REBALANCE_STEPS = 12
@@ -95,7 +136,7 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
         tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60.0))
         tr.step(0)
         held = sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values())
-        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters())])
+        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters()), tr.memory])
     return out
 
 
@@ -106,10 +147,28 @@ def test_zero1_holds_a_dp_th_of_the_optimizer_state(world4: tuple[Path, list[dic
     ranks = [r["holds"] for r in world4[1]]
     total = ranks[0][0][0]
     assert all(r[0][0] == total for r in ranks)  # without ZeRO every replica holds all of it
-    for (_, plain, n), (held, sharded, _) in ranks:
+    for (_, plain, n, _), (held, sharded, _, _), (held2, sharded2, _, _) in ranks:
         assert abs(held - total / 4) <= 0.02 * total / 4, (held, total / 4)
+        assert held2 == held
         assert plain == {"all_reduce": n, "reduce_scatter": 0}
-        assert sharded == {"all_reduce": 0, "reduce_scatter": n}
+        assert sharded == sharded2 == {"all_reduce": 0, "reduce_scatter": n}
+
+
+@pytest.mark.multiprocess
+def test_zero2_holds_a_dp_th_of_the_gradients_at_rest(world4: tuple[Path, list[dict]]) -> None:
+    """ZeRO-2 at dp=4, counted from each rank's tensors inside the optimizer step: gradients at rest
+    (the kept slices) = the whole gradients / 4 within 2%, as the memory model says; at their peak
+    (accumulating over the step's microbatches) they are whole, as without ZeRO-2."""
+    ranks = [r["holds"] for r in world4[1]]
+    whole = ranks[0][0][3]["grads"]
+    model = rank_memory(_holds_configs()[2])[0]
+    assert model.grads == whole and abs(model.grads_at_rest - whole / 4) <= 0.02 * whole / 4
+    for plain, zero1, zero2 in ranks:
+        assert plain[3]["grads_at_rest"] == zero1[3]["grads_at_rest"] == zero1[3]["grads"] == whole
+        at_rest = zero2[3]["grads_at_rest"]
+        assert abs(at_rest - whole / 4) <= 0.02 * whole / 4, (at_rest, whole / 4)
+        assert abs(at_rest - model.grads_at_rest) <= 0.02 * whole / 4
+        assert zero2[3]["grads"] == whole  # the peak: the whole gradients before the reduction
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -124,24 +183,25 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 
 
 @pytest.mark.multiprocess
-def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None:
-    """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-1) to step 3, at dp=1 to step 4,
-    and at dp=2 (ZeRO-1) to the end: the one-device model. Each ZeRO-1 rank writes only its slice of the
-    optimizer state (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
-    steps = 5
+def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None:
+    """dp=2 (ZeRO-2) is preempted after step 2, resumes at dp=4 (ZeRO-2) to step 3, at dp=1 to step 4,
+    at dp=2 (ZeRO-1) to step 5 and at dp=3 (ZeRO-2: uneven chunks) to the end: the one-device model.
+    Each ZeRO rank writes only its slice of the optimizer state (one chunk per dp rank in DCP's
+    metadata; ZeRO-2's state is ZeRO-1's); DCP re-cuts the slices on resume."""
+    steps = 6
     run = str(tmp_path / "run")
-    legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 1, "rank=3:term@step=2:phase=forward")]
-    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "")]
+    legs = [(2, 2, "rank=0:term@step=1:phase=forward"), (4, 2, "rank=3:term@step=2:phase=forward")]
+    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "rank=1:term@step=4:phase=forward"), (3, 2, "")]
     losses: dict[int, float] = {}
     for i, (dp, zero, fault) in enumerate(legs):
         cfg = tiny_config(
             parallel=dict(tp=1, pp=1, dp=dp, zero=zero),
             train=dict(steps=steps, microbatches=2),  # dp=4: replicas of 3, 3, 3 and 2 samples
-            checkpoint=dict(every=steps, resume="auto" if i else "off"),
+            checkpoint=dict(every=steps, keep=4, resume="auto" if i else "off"),
             emulate=dict(fault=fault),
         )
         out = run_ranks(_stage_worker, dp, cfg.to_dict(), run, timeout_s=240)[0]
-        assert out["start"] == (0, 2, 3, 4)[i] and out["preempted"] == (2, 3, 4, None)[i], out
+        assert out["start"] == (0, 2, 3, 4, 5)[i] and out["preempted"] == (2, 3, 4, 5, None)[i], out
         losses.update({out["start"] + k: v for k, v in enumerate(out["losses"])})
     ref = tiny_config(train=dict(steps=steps, microbatches=2))
     ref_losses, _, ref_state = ref_for(ref)
@@ -149,10 +209,10 @@ def test_zero1_checkpoint_resumes_at_another_dp_and_back(tmp_path: Path) -> None
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
-    check_fp64("dp 2 -> 4 -> 1 -> 2 under ZeRO-1", state, ref)
+    check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 2, 2, 0, 1, 2", state, ref)
     from hybridpar.resilience.safe_dcp import load_metadata
 
-    for step, chunks in ((3, 4), (4, 1), (5, 2)):  # written at dp 4 (ZeRO-1), dp 1, dp 2 (ZeRO-1)
+    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-2), 1, 2 (ZeRO-1), 3 (ZeRO-2)
         md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
         moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
         assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})

@@ -1,15 +1,22 @@
 """Median training-step time of the default model under several layouts, in one run (JSON).
 
-    .venv/bin/hybridpar bench step_time [--steps 12] [--layouts 2x2x1,1x2x2] [--json FILE]
+    .venv/bin/hybridpar bench step_time [--steps 12] [--layouts 2x2x1,1x2x2] [--zero 1,2] [--repeats 3]
+                                        [--json FILE]
 
 Layouts are TPxPPxDP. Each layout trains the default model on local gloo processes; the first two
-steps (warm-up) are not counted. The ratio column compares each layout with the first one.
+steps (warm-up) are not counted. `--zero` runs each layout under each ZeRO level listed; `--repeats`
+launches the whole set that many times, alternating layouts and levels launch by launch, so a change in
+the machine's load falls on all of them alike: each record is the median over its launches of each
+launch's median step, with the load average (1 min) seen at each launch's start and rank 0's gradient
+bytes at the step's peak and at rest (trainer/held.py). The ratio column compares each record with the
+first one.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 
 from hybridpar.bench import layout_config
@@ -17,7 +24,7 @@ from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
 
-def _worker(cfg_dict: dict, steps: int) -> float:
+def _worker(cfg_dict: dict, steps: int) -> tuple[float, dict]:
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
@@ -25,7 +32,7 @@ def _worker(cfg_dict: dict, steps: int) -> float:
     p = cfg.parallel
     trainer = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s))
     times = [trainer.step(s)["step_time_s"] for s in range(steps)]
-    return statistics.median(times[2:])
+    return statistics.median(times[2:]), dict(trainer.memory)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -33,22 +40,36 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--layouts", default="2x2x1,1x2x2,1x4x1,2x1x2,1x1x1")
     ap.add_argument("--microbatches", type=int, default=4)
+    ap.add_argument("--zero", default="0", help="ZeRO levels to run each layout under, comma-separated")
+    ap.add_argument("--repeats", type=int, default=1, help="launches of each case, alternating")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
+    cases = [(layout, int(z)) for layout in a.layouts.split(",") for z in a.zero.split(",")]
+    runs: dict[tuple[str, int], list[tuple[float, dict, float]]] = {c: [] for c in cases}
+    for _ in range(a.repeats):
+        for layout, zero in cases:
+            cfg = layout_config(layout)
+            cfg.train.microbatches, cfg.parallel.zero = a.microbatches, zero
+            load = os.getloadavg()[0]
+            t, held = run_ranks(_worker, cfg.parallel.world_size, cfg.to_dict(), a.steps, timeout_s=600)[0]
+            runs[(layout, zero)].append((t, held, load))
     records = []
-    for layout in a.layouts.split(","):
+    for (layout, zero), got in runs.items():
         cfg = layout_config(layout)
-        tp, pp, dp = cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.dp
-        cfg.train.microbatches = a.microbatches
-        t = run_ranks(_worker, tp * pp * dp, cfg.to_dict(), a.steps, timeout_s=600)[0]
+        t = statistics.median(x[0] for x in got)
         records.append(
             {
-                "tp": tp,
-                "pp": pp,
-                "dp": dp,
+                "tp": cfg.parallel.tp,
+                "pp": cfg.parallel.pp,
+                "dp": cfg.parallel.dp,
+                "zero": zero,
                 "microbatches": a.microbatches,
                 "step_time_s": t,
+                "launches_s": [x[0] for x in got],
+                "load_avg_1m": [x[2] for x in got],
                 "tokens_per_s": cfg.train.global_batch * cfg.train.seq_len / t,
+                "grads_bytes": got[-1][1]["grads"],
+                "grads_at_rest_bytes": got[-1][1]["grads_at_rest"],
             }
         )
     for r in records:

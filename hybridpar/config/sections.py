@@ -152,8 +152,10 @@ class ParallelConfig:
     zero: int = _f(
         0,
         "ZeRO stage over the data-parallel axis: 0 = every replica holds the whole optimizer state; "
-        "1 = each dp rank holds the AdamW state of 1/dp of every parameter",
-        choices=(0, 1),
+        "1 = each dp rank holds the AdamW state of 1/dp of every parameter; 2 = that, and after the step's "
+        "reduce-scatter each dp rank keeps only its 1/dp slice of every gradient (the whole gradients still "
+        "accumulate during the backward); with dp = 1 there is nothing to shard and 1 and 2 act as 0",
+        choices=(0, 1, 2),
     )
     cpu_bind: str = _f(
         "none",

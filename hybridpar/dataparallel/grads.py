@@ -9,7 +9,8 @@ Under ZeRO-1 (zero.py) a rank steps only its slice of each parameter, so it need
 summed gradient: buckets are reduce-scattered instead of all-reduced, half the bytes of an all-reduce,
 and with the optimizer's all-gather of parameters the step moves what plain data parallelism moves. A
 gradient is then summed only on the rank's slice (the rest holds this replica's own contribution):
-the norm for clipping is taken over the slices (`clip_grad_norm(..., slices)`).
+the norm for clipping is taken over the slices (`clip_grad_norm(..., slices)`). Under ZeRO-2 each
+gradient's slice is then kept in a tensor of its own and the whole gradient freed (zero.keep_slice).
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.dataparallel.zero import Slice, in_place, part, slice_of
+from hybridpar.dataparallel.zero import Slice, in_place, keep_slice, part, slice_of, summed_grad
 from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
@@ -41,7 +42,8 @@ class DataParallelGrads:
 
     `sharded` (ZeRO-1): reduce-scatter each bucket so that this rank receives the sum of its own slices
     (`slices`, zero.slice_of's cut): in place in each gradient where its slices allow (zero.in_place),
-    through a padded flat buffer for the others; parameters that are not sliced are all-reduced whole."""
+    through a padded flat buffer for the others; parameters that are not sliced are all-reduced whole.
+    `keep_slices` (ZeRO-2): `finish()` then keeps each summed slice and frees the whole gradient."""
 
     def __init__(
         self,
@@ -50,10 +52,13 @@ class DataParallelGrads:
         microbatches: int | None = None,
         bucket_bytes: int = BUCKET_BYTES,
         sharded: bool = False,
+        keep_slices: bool = False,
     ) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
         self.group = topo.group("dp") if topo.dims.dp > 1 else None
         self.slices: dict[int, Slice] | None = None
+        self.keep_slices = keep_slices and sharded
+        self.whole_bytes = 0  # ZeRO-2: bytes of the whole gradients finish() freed (their peak, held.py)
         if sharded:
             dp = topo.dims.dp
             ps = [p for st in stages.values() for p in st.parameters()]
@@ -164,6 +169,11 @@ class DataParallelGrads:
         for cut, out, work in self._scattered:
             work.wait(timeout)
             _unflatten(out, [part(g, s, self.topo.dp_rank) for g, s in cut])
+        if self.keep_slices and self.group is not None:
+            ps = [p for st in self.stages.values() for p in st.parameters() if p.grad is not None]
+            self.whole_bytes = sum({p.grad.data_ptr(): p.grad.untyped_storage().nbytes() for p in ps}.values())
+            for p in ps:  # one parameter at a time: at most one slice more than the whole gradients
+                keep_slice(p, self.slices[id(p)], self.topo.dp_rank)
         self._pending.clear()
         self._scattered.clear()
         self._in_place.clear()
@@ -233,19 +243,24 @@ def _unflatten(flat: torch.Tensor, grads: list[torch.Tensor]) -> None:
         offset += g.numel()
 
 
-def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int) -> int:
+def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int, kept: bool = False) -> int:
     """With tied embeddings split over pipeline stages, the first stage's embedding and the last stage's
     head are two copies of one weight: sum their gradients (Megatron's embedding group). Every pp rank
-    takes part; ranks holding neither copy contribute zeros. Returns the bytes of the buffer summed in."""
+    takes part; ranks holding neither copy contribute zeros. `kept` (ZeRO-2): the copies are the kept
+    dp slices (the two are cut alike), summed slice by slice. Returns the bytes of the buffer summed in."""
     first = stages.get(0)
     last = stages.get(n_stages - 1)
     cfg = next(iter(stages.values())).cfg
     if not (cfg.tied and topo.dims.pp > 1):
         return 0
-    shape = (cfg.vocab_size // topo.dims.tp, cfg.dim)
-    copies = ([first.get_parameter(first.EMBED).grad] if first is not None else []) + (
-        [last.get_parameter(last.HEAD).grad] if last is not None else []
+    shape = torch.Size((cfg.vocab_size // topo.dims.tp, cfg.dim))
+    mine = ([first.get_parameter(first.EMBED)] if first is not None else []) + (
+        [last.get_parameter(last.HEAD)] if last is not None else []
     )
+    copies = [p.grad_slice if kept else p.grad for p in mine]
+    if kept:  # the embedding is vocab-sharded (dim 0) under tensor parallelism
+        cut = slice_of(shape, 0 if topo.dims.tp > 1 else None, topo.dims.dp)
+        shape = part(torch.empty(shape, device="meta"), cut, topo.dp_rank).shape
     grad = torch.zeros(shape, device=topo.device)
     for g in copies:
         grad += g
@@ -261,7 +276,7 @@ def clip_grad_norm(
     """Global L2 norm of the whole model's gradient (every parameter counted once: tp shards summed,
     replicated norm gains counted on tp rank 0 only, pipeline stages summed, dp replicas identical),
     then torch's clip rule: scale by min(1, max_norm / (norm + 1e-6)). max_norm <= 0: measure only.
-    `slices` (reduce-scattered gradients, ZeRO-1): each dp rank holds the sum of its slice only, so
+    `slices` (reduce-scattered gradients, ZeRO-1 and 2): each dp rank holds the sum of its slice only, so
     each counts its slices (an unsliced parameter on dp rank 0) and the squares are summed over dp."""
     sq = torch.zeros((), dtype=torch.float64, device=topo.device)
     params: list[nn.Parameter] = []
@@ -275,7 +290,7 @@ def clip_grad_norm(
             if slices is None:
                 sq += p.grad.double().pow(2).sum()
             elif slices[id(p)].dim is not None:
-                sq += part(p.grad, slices[id(p)], topo.dp_rank).double().pow(2).sum()
+                sq += summed_grad(p, slices[id(p)], topo.dp_rank).double().pow(2).sum()
             elif topo.dp_rank == 0:
                 sq += p.grad.double().pow(2).sum()
     if slices is not None and topo.dims.dp > 1:
@@ -288,6 +303,6 @@ def clip_grad_norm(
     if max_norm > 0:
         coef = min(1.0, max_norm / (norm + 1e-6))
         if coef < 1.0:
-            for p in params:
-                p.grad.mul_(coef)
+            for p in params:  # ZeRO-2: the whole gradient is freed, its kept slice scaled
+                (p.grad if p.grad is not None else p.grad_slice).mul_(coef)
     return norm

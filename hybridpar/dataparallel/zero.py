@@ -1,5 +1,9 @@
-"""ZeRO-1 over the data-parallel axis (`--parallel.zero 1`): each dp rank keeps the AdamW state of 1/dp
-of every parameter it holds, steps that slice, and the ranks all-gather the updated slices.
+"""ZeRO-1 and ZeRO-2 over the data-parallel axis (`--parallel.zero 1` / `2`): each dp rank keeps the AdamW
+state of 1/dp of every parameter it holds, steps that slice, and the ranks all-gather the updated slices.
+ZeRO-2 also keeps only that slice of each gradient once the step's reduce-scatters are done (grads.py's
+finish() calls `keep_slice` parameter by parameter): the whole gradients still exist while the microbatches
+of the step accumulate into them (reduced once per step), and from the reduction to the next step's
+backward each rank holds its 1/dp slices — through clipping and the optimizer step.
 
 Slicing: a parameter is cut along one dimension into dp chunks with torch.chunk's rule (ceil-sized
 chunks, the last ones smaller or empty), along its first dimension that tensor parallelism does not
@@ -64,6 +68,24 @@ def part(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
     return p if s.dim is None else p.narrow(s.dim, s.offsets[r], s.sizes[r])
 
 
+def summed_grad(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor | None:
+    """dp rank r's summed slice of p's gradient: the slice ZeRO-2 kept (`p.grad_slice`, its own tensor,
+    the whole gradient freed), else the view of the whole gradient where the reduce-scatter left it."""
+    kept = getattr(p, "grad_slice", None)
+    if kept is not None:
+        return kept
+    return None if p.grad is None else part(p.grad, s, r)
+
+
+def keep_slice(p: torch.Tensor, s: Slice, r: int) -> None:
+    """ZeRO-2: once p's gradient is reduce-scattered, keep rank r's summed slice in a tensor of its own
+    (`p.grad_slice`, Megatron's `main_grad` idea: `.grad` must keep the parameter's shape) and free the
+    whole gradient. Not sliced (s.dim None): the whole gradient is this rank's part and stays."""
+    if s.dim is not None and p.grad is not None:
+        p.grad_slice = part(p.grad, s, r).clone()
+        p.grad = None
+
+
 def in_place(shape: torch.Size | tuple[int, ...], s: Slice) -> bool:
     """Whether the dp slices of a tensor of `shape` lie one after another in its storage, equally long:
     then the flat tensor is the all-gather of its slices and the reduce-scatter's input, in place."""
@@ -103,8 +125,8 @@ class ShardedAdamW(torch.optim.AdamW):
 
     def step(self, closure: Any = None) -> Any:
         for p, s, q in zip(self.full, self.slices, self.views):
-            if q is not p:  # the summed slice of the gradient, read where the reduce-scatter left it
-                q.grad = None if p.grad is None else part(p.grad, s, self.r)
+            if q is not p:  # the summed slice of the gradient (ZeRO-2's kept slice, or a view of .grad)
+                q.grad = summed_grad(p, s, self.r)
         out = super().step(closure)
         self._gather()
         return out
@@ -113,6 +135,7 @@ class ShardedAdamW(torch.optim.AdamW):
         super().zero_grad(set_to_none)
         for p in self.full:
             p.grad = None if set_to_none else (p.grad.zero_() if p.grad is not None else None)
+            p.grad_slice = None  # ZeRO-2's slice: made anew by each step's reduction
 
     @torch.no_grad()
     def _gather(self) -> None:

@@ -397,7 +397,7 @@ def closing_s(hw: Hardware, tp: int, pp: int, dp: int, zero: int, link: Link) ->
     clip norm's square over each dimension whose ranks hold different parts of the gradient
     (grads.clip_grad_norm: tp, pp, and dp under ZeRO-1). Each is a third of `step_sync_us` where the
     hardware has it (a CPU host's probe times three in place), else a small all-reduce over every rank."""
-    calls = 2 + (tp > 1) + (pp > 1) + (dp > 1 and zero == 1)
+    calls = 2 + (tp > 1) + (pp > 1) + (dp > 1 and zero >= 1)
     if hw.step_sync_us is not None:
         return hw.step_sync_us * 1e-6 * calls / 3
     return calls * all_reduce_s(8, tp * pp * dp, link, hw)
@@ -522,12 +522,12 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     of the `world` steps at once: where a node's ranks outnumber its cores they share them."""
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
-    mine = params / dp if zero == 1 else params
+    mine = params / dp if zero >= 1 else params
     bw = hw.memory_bps()
     memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / bw
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
-    gather = all_gather_s(4 * params, dp, link, hw) if zero == 1 else 0.0
+    gather = all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
         return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather

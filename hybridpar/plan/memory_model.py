@@ -5,8 +5,11 @@ against what the trainer counts from its tensors (trainer/held.py), component by
 Components, each at its own high point in the step (their sum bounds the step's peak from above):
 - params: the rank's stages, tensor-parallel shards by the family's plan; a head tied to the embedding
   is a second copy on the last stage when the two sit on different stages, one tensor otherwise.
-- grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32).
-- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 for the
+- grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32), whole while
+  the step's microbatches accumulate, ZeRO-2 included (it reduces once per step). `grads_at_rest` (not
+  part of the total): what the rank holds from the reduction through the optimizer step — under ZeRO-2
+  its 1/dp slice of each gradient (dp rank 0's, the largest), else the whole gradients.
+- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 and 2 for the
   rank's slice only (dataparallel/zero.py's rule; the slice it steps is a view of the parameter).
 - activations: what autograd saves for backward (the meter's quantity, pipeline/activation_meter.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
@@ -60,6 +63,7 @@ class MemoryEstimate:
     optimizer: int
     activations: int
     buffers: int
+    grads_at_rest: int = 0  # after the step's reduction (ZeRO-2: the dp slices); not in `total`
 
     @property
     def total(self) -> int:
@@ -327,8 +331,8 @@ class MemoryModel:
         self._replays: dict[tuple, Replay] = {}
         self._messages: dict[tuple, list[int]] = {}
         self._activations: dict[tuple, list[int]] = {}
-        self._static: dict[tuple, list[tuple[int, int, int]]] = {}
-        self._ranks: dict[tuple, tuple[int, int, int]] = {}
+        self._static: dict[tuple, list[tuple[int, int, int, int]]] = {}
+        self._ranks: dict[tuple, tuple[int, int, int, int]] = {}
         self._traces: dict[tuple, Trace] = {}
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
@@ -345,7 +349,7 @@ class MemoryModel:
             lambda: message_buffers(cfg, sizes, actions, ranks, rep),
         )
         static = self._static_of(cfg, mk, parts, ranks)
-        return [MemoryEstimate(w, w, opt, acts[r], messages[r] + rest) for r, (w, opt, rest) in enumerate(static)]
+        return [MemoryEstimate(w, w, opt, acts[r], messages[r] + rest, g) for r, (w, opt, rest, g) in enumerate(static)]
 
     def lower_bound(self, cfg: Config, enough: int | None = None) -> int:
         """No more than `max(e.total for e in self(cfg))`: the fullest rank's parameters, gradients,
@@ -355,11 +359,11 @@ class MemoryModel:
         exceed `enough`, their bytes (the activations not asked)."""
         mk, parts, ranks = self._layout(cfg)
         static = self._static_of(cfg, mk, parts, ranks)
-        held = max(2 * w + opt + rest for w, opt, rest in static)
+        held = max(2 * w + opt + rest for w, opt, rest, _ in static)
         if enough is not None and held > enough:
             return held
         acts = self._activations_of(cfg, mk, parts, *self._sizes(cfg))
-        return max(2 * w + opt + rest + a for (w, opt, rest), a in zip(static, acts))
+        return max(2 * w + opt + rest + a for (w, opt, rest, _), a in zip(static, acts))
 
     def _sizes(self, cfg: Config) -> tuple[list[int], tuple]:
         """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
@@ -376,7 +380,7 @@ class MemoryModel:
         trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
         return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))
 
-    def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int]]:
+    def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int, int]]:
         p = cfg.parallel
         key = (mk, p.tp, p.pp, p.dp, p.zero, tuple(parts), ranks)
         return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
@@ -414,8 +418,8 @@ class MemoryModel:
             cache[key] = make()
         return cache[key]
 
-    def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, int, int]]:
-        """Per pipeline rank: (parameter bytes, optimizer bytes, largest transient buffer)."""
+    def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
+        """Per pipeline rank: (parameter bytes, optimizer bytes, largest transient buffer, gradient bytes at rest)."""
         p, n, out = cfg.parallel, len(parts), []
         mk = _model_key(cfg.model)
         for r in range(p.pp):
@@ -425,7 +429,7 @@ class MemoryModel:
             out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
 
-    def _rank_held(self, cfg: Config, parts: list[range], mine: list[int]) -> tuple[int, int, int]:
+    def _rank_held(self, cfg: Config, parts: list[range], mine: list[int]) -> tuple[int, int, int, int]:
         p = cfg.parallel
         per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
         shapes = [x for st in per_stage for x in st]
@@ -433,7 +437,10 @@ class MemoryModel:
         opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
         embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
         tie = embed if cfg.model.tied and p.pp > 1 else 0
-        return params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)
+        rest = params
+        if p.zero == 2 and p.dp > 1:  # ZeRO-2 keeps dp rank 0's slice of each gradient (zero.keep_slice)
+            rest = sum(n * _cut(shape, d, p.dp, self._cuts)[1] for (shape, d), n in Counter(shapes).items()) * F32
+        return params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather), rest
 
 
 def rank_memory(cfg: Config) -> list[MemoryEstimate]:

@@ -106,8 +106,9 @@ def build_data_parallel(
     (after a per-replica re-partition) reduce each layer over the ranks of the dp x pp plane holding it.
     Making the plane group is collective: every rank builds with the same layout."""
     if layout.shared_partition or cfg.parallel.dp == 1:
-        sharded = cfg.parallel.zero == 1 and cfg.parallel.dp > 1  # the optimizer is a ShardedAdamW
-        return DataParallel(DataParallelGrads(topo, stages, cfg.train.microbatches, sharded=sharded), plane)
+        sharded = cfg.parallel.zero if cfg.parallel.dp > 1 else 0  # >= 1: the optimizer is a ShardedAdamW
+        grads = DataParallelGrads(topo, stages, cfg.train.microbatches, sharded=bool(sharded), keep_slices=sharded == 2)
+        return DataParallel(grads, plane)
     plane = plane or plane_groups(topo)
     return DataParallel(PlaneGrads(topo, stages, cfg.model.n_layers, plane), plane)
 
@@ -119,13 +120,13 @@ def build_optimizer(
     layout: Layout,
     carry: dict[torch.Tensor, dict] | None = None,
 ) -> torch.optim.Optimizer:
-    """AdamW over `mp`'s parameters, its state sharded over dp under `parallel.zero=1` while the replicas
+    """AdamW over `mp`'s parameters, its state sharded over dp under `parallel.zero` 1 or 2 while the replicas
     share one partition (with per-replica partitions a layer's replicas sit on different pipeline ranks,
     so each rank keeps whole state until the layout is shared again). `carry` (whole state by parameter,
     as `full_optimizer_state` gives) is kept for the parameters it has — layers that moved here arrive
     with their state already in it."""
     named, t = mp.parameters(), cfg.train
-    if cfg.parallel.zero == 1 and layout.shared_partition:
+    if cfg.parallel.zero >= 1 and layout.shared_partition:
         return ShardedAdamW(named, t, topo, carry)
     opt = make_optimizer(named, t)
     if carry is not None:

@@ -3,7 +3,10 @@ memory model (plan/memory_model.py), reported per rank in metrics.jsonl (`monito
 `hybridpar bench memory_accuracy`.
 
 Each component is counted where it is largest in the step, the same definition the model uses:
-gradients after the backward and the data-parallel sum (before the optimizer clears them); optimizer
+gradients after the backward and the data-parallel sum (before the optimizer clears them) — under
+ZeRO-2 the whole gradients as the reduction found them, before it kept only this rank's slices, which
+are counted apart as `grads_at_rest` (what the rank holds from the reduction through the optimizer
+step; without ZeRO-2 the same as `grads`); optimizer
 state inside the optimizer step (AdamW's moments and step counts; under ZeRO-1 the slices it steps are
 views of the parameters and their gradients, counted there); activations as the meter's peak (what autograd saves
 for backward, pipeline/activation_meter.py); communication buffers as the most that was allocated for messages
@@ -48,12 +51,18 @@ def held_bytes(
     activation_peak: int,
     persistent_buffers: int,
     transient_buffers: Iterable[int],
+    whole_grads: int = 0,
 ) -> dict[str, int]:
-    """The components of one rank, counted inside the optimizer step (gradients still set)."""
+    """The components of one rank, counted inside the optimizer step (gradients still set). `whole_grads`:
+    under ZeRO-2 the bytes of the whole gradients the reduction freed (grads.DataParallelGrads.whole_bytes),
+    counted from its tensors before it freed them."""
     counted: set[int] = set()
+    params_bytes = tensor_bytes(params, counted)
+    rest = tensor_bytes((g for p in params for g in (p.grad, getattr(p, "grad_slice", None))), counted)
     return {
-        "params": tensor_bytes(params, counted),
-        "grads": tensor_bytes((p.grad for p in params), counted),
+        "params": params_bytes,
+        "grads": max(rest, whole_grads),
+        "grads_at_rest": rest,
         "optimizer": optimizer_bytes(opt, counted),
         "activations": int(activation_peak),
         "buffers": persistent_buffers + max(transient_buffers, default=0),

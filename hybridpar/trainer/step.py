@@ -215,13 +215,19 @@ class Trainer:
                 rec.setdefault("oom", []).append({"microbatches": sizes, "error": str(e)})
         tokens = t.global_batch * t.seq_len
         self.policy.observe(step, sizes, run_s, peak, tokens)
-        tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages)
+        kept = getattr(self.dp.grads, "keep_slices", False)  # ZeRO-2: gradients are dp slices from here on
+        tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages, kept)
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
         # Counted before the gradients go: what this rank held at the step's peak (plan/memory_model.py models it).
         transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))
         self.memory = held_bytes(
-            [q for _, q in self.mp.parameters()], self.opt, self.runtime.meter.peak, self.p2p.buffer_bytes(), transient
+            [q for _, q in self.mp.parameters()],
+            self.opt,
+            self.runtime.meter.peak,
+            self.p2p.buffer_bytes(),
+            transient,
+            getattr(self.dp.grads, "whole_bytes", 0) if kept else 0,
         )
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
