@@ -88,6 +88,7 @@ class Service:
             "max_batch": cfg.max_batch,
             "max_groups": cfg.max_groups,
             "kv_tokens": cfg.kv_tokens,
+            "block_size": cfg.block_size,
             "max_seq_len": cfg.max_seq_len,
         }
         spec = WorkerSpec(

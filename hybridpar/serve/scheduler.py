@@ -1,0 +1,138 @@
+"""Iteration-level scheduling of one replica (continuous batching, Orca, Yu et al. 2022; over a paged KV
+cache, vLLM, Kwon et al. 2023): the pure bookkeeping of which sequences run in which step.
+
+The replica's running sequences are spread over `max_groups` micro-batches of at most `max_batch`
+sequences each; up to pp micro-batches are in the pipeline at once (the driver keeps it full). Each time
+a micro-batch is about to be launched its step is formed anew: sequences that finished have left, waiting
+requests join (oldest first) while blocks and seats last, and then
+
+- if any sequence of the micro-batch has nothing in the cache yet, the step is the prefill of those
+  sequences alone (prefill as its own step; the others decode at the micro-batch's next step);
+- else every sequence decodes one token, each first given a block for it if its last one is full.
+  When blocks run out, the youngest sequence not in the pipeline is preempted by recomputation: its blocks
+  are freed and it goes back to the front of the queue with its prompt and what it generated so far, to be
+  prefilled again (vLLM's recompute preemption) — greedy outputs do not change.
+
+Nothing here touches torch.distributed: the driver turns a step into a tick.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from hybridpar.model.kvcache import BlockAllocator
+
+
+@dataclass
+class Seq:
+    """One request while the replica holds it."""
+
+    req: dict[str, Any]
+    gen: torch.Generator
+    arrived: float
+    order: int  # arrival order: the largest is the youngest (the first preempted)
+    out: list[int] = field(default_factory=list)
+    table: list[int] = field(default_factory=list)  # its KV blocks
+    cached: int = 0  # tokens whose keys/values are in its blocks
+    cancelled: bool = False
+    prefill_s: float = 0.0
+    prompt_fed: int = 0  # tokens of its (last) prefill
+    decode_s: float = 0.0
+    decode_steps: int = 0
+
+    @property
+    def tokens(self) -> list[int]:
+        return list(self.req["prompt"]) + self.out
+
+    @property
+    def rid(self) -> str:
+        return self.req["id"]
+
+
+@dataclass
+class MicroBatch:
+    seqs: list[Seq] = field(default_factory=list)
+    in_flight: bool = False
+    launched_at: float = 0.0
+
+
+@dataclass
+class Step:
+    """What one tick runs: rows fed `tokens[cached:]` from position `cached`."""
+
+    mb: MicroBatch
+    rows: list[Seq]
+    prefill: bool
+
+    def meta(self, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(ids (B, T) right-padded, meta (2 + NB, B): start, real tokens, block table padded with `scratch`)."""
+        feeds = [s.tokens[s.cached :] for s in self.rows]
+        B, T, NB = len(self.rows), max(len(f) for f in feeds), max(len(s.table) for s in self.rows)
+        x = torch.zeros(B, T, dtype=torch.int64)
+        meta = torch.full((2 + NB, B), scratch, dtype=torch.int64)
+        for i, (s, f) in enumerate(zip(self.rows, feeds)):
+            x[i, : len(f)] = torch.tensor(f, dtype=torch.int64)
+            meta[0, i], meta[1, i] = s.cached, len(f)
+            meta[2 : 2 + len(s.table), i] = torch.tensor(s.table, dtype=torch.int64)
+        return x, meta
+
+
+class Scheduler:
+    def __init__(self, alloc: BlockAllocator, max_batch: int, max_groups: int) -> None:
+        self.alloc, self.max_batch = alloc, max_batch
+        self.waiting: deque[Seq] = deque()
+        self.mbs = [MicroBatch() for _ in range(max_groups)]
+        self.preemptions = 0
+
+    @property
+    def running(self) -> list[Seq]:
+        return [s for mb in self.mbs for s in mb.seqs]
+
+    def leave(self, s: Seq) -> None:
+        """`s` finished (or was cancelled): its seat and blocks are free for the next step."""
+        for mb in self.mbs:
+            if s in mb.seqs:
+                mb.seqs.remove(s)
+        self.alloc.release(s.table)
+
+    def _admit(self, mb: MicroBatch) -> None:
+        while self.waiting and len(mb.seqs) < self.max_batch:
+            s = self.waiting[0]
+            if not self.alloc.grow(s.table, len(s.tokens)):
+                return  # not enough blocks yet: it waits (first in line) for some to free
+            mb.seqs.append(self.waiting.popleft())
+
+    def _preempt_youngest(self) -> Seq | None:
+        idle = [s for mb in self.mbs if not mb.in_flight for s in mb.seqs]
+        if not idle:
+            return None
+        victim = max(idle, key=lambda s: s.order)
+        self.leave(victim)
+        victim.cached = 0
+        self.waiting.appendleft(victim)
+        self.preemptions += 1
+        return victim
+
+    def step(self, mb: MicroBatch) -> Step | None:
+        """Form `mb`'s next step (None when it has nothing to run)."""
+        assert not mb.in_flight
+        self._admit(mb)
+        new = [s for s in mb.seqs if s.cached == 0]
+        if new:
+            return Step(mb, new, True)
+        for s in sorted(mb.seqs, key=lambda s: s.order):  # the oldest get blocks first
+            while s in mb.seqs and not self.alloc.grow(s.table, s.cached + 1):
+                if self._preempt_youngest() is None:
+                    break
+        return Step(mb, list(mb.seqs), False) if mb.seqs else None
+
+    def next_step(self) -> Step | None:
+        """The next step to launch: of the micro-batch not in flight that was launched longest ago."""
+        for mb in sorted((m for m in self.mbs if not m.in_flight), key=lambda m: m.launched_at):
+            if (st := self.step(mb)) is not None:
+                return st
+        return None
