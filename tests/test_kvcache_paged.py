@@ -1,5 +1,5 @@
 """The paged KV cache (model/kvcache.py): the allocator's free list and block tables, and logits of
-paged prefills and decodes over scattered blocks, several rows of different lengths in one step, equal
+paged prefills and decodes over scattered blocks, several sequences of different lengths in one step, equal
 to those of the same sequence laid out contiguously (blocks 0, 1, 2, ...), alone, and close to the
 full forward without a cache."""
 
@@ -37,12 +37,11 @@ def _cache(model):
 
 
 def _run(model, cache, rows: list[tuple[list[int], int, list[int]]]) -> torch.Tensor:
-    """One step: rows of (tokens, start position, block table) -> logits (B, V)."""
-    T, NB = max(len(r[0]) for r in rows), max(len(r[2]) for r in rows)
-    x = torch.zeros(len(rows), T, dtype=torch.int64)
+    """One step: rows of (tokens, start position, block table), packed into one row -> logits (R, V)."""
+    NB = max(len(r[2]) for r in rows)
+    x = torch.tensor([[t for r in rows for t in r[0]]])
     tables = torch.full((len(rows), NB), cache.scratch, dtype=torch.int64)
-    for i, (toks, _, table) in enumerate(rows):
-        x[i, : len(toks)] = torch.tensor(toks)
+    for i, (_, _, table) in enumerate(rows):
         tables[i, : len(table)] = torch.tensor(table)
     pos = torch.tensor([r[1] for r in rows])
     n = torch.tensor([len(r[0]) for r in rows])
@@ -79,7 +78,7 @@ def test_paged_decode_over_scattered_blocks_equals_contiguous_layout(cfg: ModelC
         paged = _generate(model, _cache(model), {k: prompt}, {k: scattered[k]}, steps)[k]
         # Alone, scattered blocks give bit for bit what contiguous ones give: the same values, the same mask.
         assert all(torch.equal(g, w) for g, w in zip(paged, want)), k
-        # Beside other rows (padding, longer key ranges masked out) only the kernels' summation order changes.
+        # Packed beside other sequences (their keys masked out) only the kernels' summation order changes.
         assert all(torch.allclose(g, w, atol=1e-5, rtol=1e-5) for g, w in zip(batched[k], want)), k
         # And the cache is right: the full forward of the same tokens agrees to fp32 rounding.
         toks = prompt + [int(w.argmax()) for w in want[:-1]]

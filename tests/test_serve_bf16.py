@@ -141,7 +141,7 @@ def test_bf16_kv_cache_bytes_halve(model_dir: str) -> None:
         topo = local_topology()
         runner = StageRunner(build_serving_stage(spec(model_dir, dtype), topo), topo)
         x = torch.tensor([PROMPTS[0]])
-        meta = torch.tensor([[0], [len(PROMPTS[0])], [0]])  # start, real tokens, its one block
+        meta = torch.tensor([[0], [len(PROMPTS[0])], [0]])  # start, new tokens, its one block
         logits = runner.run(Tick(OP_STEP, seq=1, meta=meta, x=x))
         assert logits.dtype == torch.float32  # sampling reads fp32 logits in either case
         sizes[dtype] = runner.kv_bytes()

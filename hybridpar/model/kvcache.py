@@ -12,13 +12,13 @@ sharded over tp (heads) × pp (layers) like the model. A sequence owns a list of
 table, kept by the replica's driver with a `BlockAllocator`), so sequences of any length join and leave
 a batch without copying anyone's cache, and a freed block serves the next sequence at once.
 
-A step is a batch of rows, each with its own start position, its own number of real tokens (the rest is
-right padding: a prefill next to decodes) and its own block table. Each layer writes the row's new
-keys/values through its block table, then gathers the row's blocks into a contiguous (B, kv, L, hd)
-tensor for attention. The gather copies the row's past once per layer per step: simple and exact (the
-same values, the same mask, the same kernel as a contiguous cache), not a paged attention kernel.
-Padding tokens write to the extra last block (the scratch block, owned by nobody), and every key a
-query must not see — another row's blocks behind a short table, positions past the row's own — is masked.
+A step is a batch of sequences, each with its own start position, its own number of new tokens (a
+prefill next to one-token decodes) and its own block table, their tokens packed into one row (`KVStep`).
+Each layer writes the new keys/values through the block tables, then gathers the sequences' blocks into
+one contiguous tensor for attention. The gather copies every sequence's past once per layer per step:
+simple and exact (the same values and the same kernel as a contiguous cache; every key a token must not
+see — another sequence's, positions after its own — is masked), not a fused paged-attention kernel.
+Block tables are padded with the extra last block (the scratch block, owned by nobody).
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ class BlockAllocator:
 
 class KVCache:
     """The block pools of one stage (this rank's kv heads and layers): per layer, keys and values of
-    shape (n_blocks + 1, kv_heads, block_size, head_dim); block n_blocks is the scratch block."""
+    shape ((n_blocks + 1) * block_size, kv_heads, head_dim), token slot i of block b at b * block_size + i
+    (token-major, so a gather is one index_select); block n_blocks is the scratch block."""
 
     def __init__(
         self,
@@ -82,7 +83,7 @@ class KVCache:
         dtype: torch.dtype,
     ) -> None:
         self.n_blocks, self.block_size = n_blocks, block_size
-        shape = (n_blocks + 1, kv_heads, block_size, head_dim)
+        shape = ((n_blocks + 1) * block_size, kv_heads, head_dim)
         self.k = {lid: torch.zeros(shape, device=device, dtype=dtype) for lid in layer_ids}
         self.v = {lid: torch.zeros(shape, device=device, dtype=dtype) for lid in layer_ids}
 
@@ -95,36 +96,39 @@ class KVCache:
 
 
 class KVStep:
-    """One step of B rows over the paged cache. pos (B,): position of each row's first token; n_valid (B,):
-    real tokens per row (the rest of the T is right padding); tables (B, NB): each row's blocks, padded
-    with the scratch block."""
+    """One step of R sequences over the paged cache, their tokens packed into one row (no padding):
+    x is (1, N) with N = n_valid.sum(), row r's tokens after row r-1's. pos (R,): position of each
+    sequence's first token here; n_valid (R,): its tokens here (a whole prompt, or 1 to decode); tables
+    (R, NB): its blocks (padded with the scratch block, never read). Attention is over the keys of every
+    sequence gathered into one (1, kv, S, hd) run, S = sum(pos + n_valid), with a mask that lets a token
+    see only its own sequence's keys up to its position: no padding in the matmuls, at the price of
+    N x S scores (quadratic in the batch; a varlen kernel would skip the masked blocks)."""
 
-    def __init__(self, cache: KVCache, pos: torch.Tensor, n_valid: torch.Tensor, T: int, tables: torch.Tensor) -> None:
-        B, dev, bs = pos.shape[0], pos.device, cache.block_size
-        self.cache, self.n_valid = cache, n_valid
+    def __init__(self, cache: KVCache, pos: torch.Tensor, n_valid: torch.Tensor, tables: torch.Tensor) -> None:
+        R, dev, bs = pos.shape[0], pos.device, cache.block_size
+        self.cache = cache
         self.max_len = tables.shape[1] * bs  # positions this step can address (the rope tables' length)
-        t = torch.arange(T, device=dev).view(1, T)
-        real = t < n_valid.view(B, 1)  # (B, T)
-        last = (pos + n_valid - 1).clamp(min=0).view(B, 1)
-        # A padding token sits at its row's last real position: a valid position for every family
-        # (learned positions included); its query's output is never read.
-        self.positions = torch.where(real, pos.view(B, 1) + t, last)  # (B, T)
-        blk = tables.gather(1, (self.positions // bs).clamp(max=tables.shape[1] - 1))
-        # (block, offset) of each token's new key/value (B, T): padding goes to the scratch block.
-        self.write = (torch.where(real, blk, cache.scratch), self.positions % bs)
-        self.L = int(self.positions.max()) + 1  # keys in use this step
-        j = torch.arange(self.L, device=dev)
-        self.read = (tables[:, j // bs], (j % bs).view(1, -1).expand(B, -1))  # (block, offset) of each key (B, L)
-        # Query t of row b sees keys j <= positions[b, t] (causal within the row, all of its past).
-        self.mask = j.view(1, 1, 1, self.L) <= self.positions.view(B, 1, T, 1)
+        seqs = torch.arange(R, device=dev)
+        row = torch.repeat_interleave(seqs, n_valid)  # (N,) sequence of each token
+        ends = torch.cumsum(n_valid, 0)
+        self.ends = ends - 1  # (R,) index of each sequence's last token
+        positions = pos[row] + torch.arange(row.shape[0], device=dev) - (ends - n_valid)[row]  # (N,)
+        self.positions = positions.view(1, -1)  # (1, N)
+        self.write = tables[row, positions // bs] * bs + positions % bs  # (N,) slot of each new key/value
+        lens = pos + n_valid  # keys of each sequence
+        krow = torch.repeat_interleave(seqs, lens)  # (S,)
+        j = torch.arange(krow.shape[0], device=dev) - (torch.cumsum(lens, 0) - lens)[krow]  # key positions
+        self.read = tables[krow, j // bs] * bs + j % bs  # (S,) slot of each key
+        # Token i sees key k iff k is its own sequence's and not after it (causal, with all of its past).
+        mask = (krow.view(1, -1) == row.view(-1, 1)) & (j.view(1, -1) <= positions.view(-1, 1))
+        self.mask = mask.view(1, 1, *mask.shape)  # (1, 1, N, S)
 
     def layer(self, lid: str) -> LayerKV:
         return LayerKV(self, lid)
 
     def last_tokens(self, h: torch.Tensor) -> torch.Tensor:
-        """Hidden states (B, T, d) -> those of each row's last real token (B, 1, d): all the head needs."""
-        B = h.shape[0]
-        return h[torch.arange(B, device=h.device), (self.n_valid - 1).clamp(min=0)].unsqueeze(1)
+        """Hidden states (1, N, d) -> those of each sequence's last token (R, 1, d): all the head needs."""
+        return h[0, self.ends].unsqueeze(1)
 
 
 class LayerKV:
@@ -134,15 +138,13 @@ class LayerKV:
         self.step, self.lid = step, lid
 
     def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values (B, kv, T, hd) into their blocks; return every key and value the
-        rows use (B, kv, L, hd), gathered from their blocks, and the attention mask (B, 1, T, L)."""
+        """Write this step's keys/values (1, kv, N, hd) into their blocks; return every key and value the
+        sequences use (1, kv, S, hd), gathered from their blocks, and the attention mask (1, 1, N, S)."""
         s, c = self.step, self.step.cache
         out = []
         for pool, new in ((c.k[self.lid], k), (c.v[self.lid], v)):
-            slots = pool.permute(0, 2, 1, 3)  # (n + 1, bs, kv, hd) view of the pool
-            # Advanced indices on the two leading dims: the target is (B, T, kv, hd).
-            slots[s.write] = new.transpose(1, 2)
-            out.append(slots[s.read].transpose(1, 2))  # (B, kv, L, hd)
+            pool.index_copy_(0, s.write, new[0].transpose(0, 1))
+            out.append(pool.index_select(0, s.read).transpose(0, 1).unsqueeze(0))  # (1, kv, S, hd)
         return out[0], out[1], s.mask
 
 

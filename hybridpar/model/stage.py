@@ -113,10 +113,11 @@ class Stage(nn.Module):
     def forward_cached(
         self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, n_valid: torch.Tensor, tables: torch.Tensor
     ) -> torch.Tensor:
-        """x: ids (B, T) on the first stage, hidden (B, T, d) elsewhere; pos (B,): position of each row's
-        first token; n_valid (B,): real tokens per row; tables (B, NB): each row's KV blocks. Returns hidden
-        (B, T, d), or on the last stage the logits at each row's last real token (B, V)."""
-        out = self(x, KVStep(cache, pos, n_valid, x.shape[1], tables))
+        """R sequences' new tokens packed into one row: x ids (1, N) on the first stage, hidden (1, N, d)
+        elsewhere; pos (R,): position of each sequence's first token here; n_valid (R,): its tokens here
+        (they sum to N); tables (R, NB): its KV blocks. Returns hidden (1, N, d), or on the last stage the
+        logits at each sequence's last token (R, V)."""
+        out = self(x, KVStep(cache, pos, n_valid, tables))
         return out[:, 0].float() if self.last else out
 
     def forward(self, x: torch.Tensor, kv: KVStep | None = None) -> torch.Tensor:

@@ -137,7 +137,7 @@ class Driver:
                 self.sched.leave(s)
                 self._finish(s, "cancelled", now)
                 continue
-            if st.prefill:
+            if st.prefill[i]:
                 s.prefill_s, s.prompt_fed = dt, fed
             else:
                 s.decode_s, s.decode_steps = s.decode_s + dt, s.decode_steps + 1

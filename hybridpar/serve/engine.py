@@ -10,9 +10,10 @@ dtype (fp32, or bf16 with `hybridpar serve --dtype bf16`); logits are fp32 in ev
 only read block tables: which blocks are free, and whose, is the driver's business.
 
 Wire format of a tick (all on the P2P links of the training runtime, same tp coordinate):
-header int64 (8,) = [op, 0, B, T, seq, NB, 0, 0]; then, for a step, meta int64 (2 + NB, B) =
-(start position, real tokens, NB block-table entries) per row, and the payload: token ids (B, T) broadcast from
-the driver to stage 0's tp peers, hidden states (B, T, d) between stages, logits (B, V) back to the
+header int64 (8,) = [op, 0, B, T, seq, NB, R, 0]; then, for a step of R sequences, meta int64 (2 + NB, R)
+= (start position, new tokens, NB block-table entries) per sequence, and the payload: their new tokens
+packed into one row (B = 1, T = their sum): token ids (B, T) broadcast from
+the driver to stage 0's tp peers, hidden states (B, T, d) between stages, logits (R, V) back to the
 driver (fp32, on their own link). An idle driver sends NOOP ticks so that every wait stays bounded by the timeout.
 """
 
@@ -36,13 +37,13 @@ HEADER = 8
 class Tick:
     op: int
     seq: int = 0
-    meta: torch.Tensor | None = None  # (2 + NB, B) int64: start position, real tokens, block table per row
+    meta: torch.Tensor | None = None  # (2 + NB, R) int64: start position, new tokens, block table per sequence
     x: torch.Tensor | None = None  # ids (B, T) or hidden (B, T, d)
 
     def header(self, device: torch.device) -> torch.Tensor:
         B, T = (self.x.shape[0], self.x.shape[1]) if self.x is not None else (0, 0)
-        NB = self.meta.shape[0] - 2 if self.meta is not None else 0
-        return torch.tensor([self.op, 0, B, T, self.seq, NB, 0, 0], dtype=torch.int64, device=device)
+        NB, R = (self.meta.shape[0] - 2, self.meta.shape[1]) if self.meta is not None else (0, 0)
+        return torch.tensor([self.op, 0, B, T, self.seq, NB, R, 0], dtype=torch.int64, device=device)
 
 
 class StageRunner:
@@ -105,16 +106,16 @@ class StageRunner:
         else:
             prev = self.topo.pp_peer(self.pp_rank - 1)
             h = self._recv(self.ctl, (HEADER,), prev)
-        op, _, B, T, seq, NB = (int(v) for v in h[:6].tolist())
+        op, _, B, T, seq, NB, R = (int(v) for v in h[:7].tolist())
         tick = Tick(op, seq)
         if op == OP_STEP:
             if self.pp_rank == 0:
-                tick.meta = torch.empty(2 + NB, B, dtype=torch.int64, device=self.device)
+                tick.meta = torch.empty(2 + NB, R, dtype=torch.int64, device=self.device)
                 tick.x = torch.empty(B, T, dtype=torch.int64, device=self.device)
                 dist.broadcast(tick.meta, src=self.driver_rank, group=self.tp_group)
                 dist.broadcast(tick.x, src=self.driver_rank, group=self.tp_group)
             else:
-                tick.meta = self._recv(self.ctl, (2 + NB, B), prev)
+                tick.meta = self._recv(self.ctl, (2 + NB, R), prev)
                 tick.x = self._recv(self.act, (B, T, self.stage.cfg.dim), prev)
         return tick
 
@@ -153,7 +154,7 @@ class StageRunner:
             self.act.flush()
             return None
         if out is not None and self.pp > 1 and self.tp_rank == 0:
-            self.logits.queue_send(out, self.driver_rank)  # (B, V) fp32: forward_cached widened them
+            self.logits.queue_send(out, self.driver_rank)  # (R, V) fp32: forward_cached widened them
             self.logits.flush()
         return out
 

@@ -3,15 +3,17 @@ cache, vLLM, Kwon et al. 2023): the pure bookkeeping of which sequences run in w
 
 The replica's running sequences are spread over `max_groups` micro-batches of at most `max_batch`
 sequences each; up to pp micro-batches are in the pipeline at once (the driver keeps it full). Each time
-a micro-batch is about to be launched its step is formed anew: sequences that finished have left, waiting
-requests join (oldest first) while blocks and seats last, and then
+a micro-batch is about to be launched its step is formed anew: sequences that finished have left, then
 
-- if any sequence of the micro-batch has nothing in the cache yet, the step is the prefill of those
-  sequences alone (prefill as its own step; the others decode at the micro-batch's next step);
-- else every sequence decodes one token, each first given a block for it if its last one is full.
-  When blocks run out, the youngest sequence not in the pipeline is preempted by recomputation: its blocks
-  are freed and it goes back to the front of the queue with its prompt and what it generated so far, to be
-  prefilled again (vLLM's recompute preemption) — greedy outputs do not change.
+- every running sequence gets a block for its next token if its last one is full. When blocks run out,
+  the youngest sequence not in the pipeline is preempted by recomputation: its blocks are freed and it
+  goes back to the front of the queue with its prompt and what it generated so far, to be prefilled again
+  (vLLM's recompute preemption) — greedy outputs do not change;
+- waiting requests join (oldest first) while seats and blocks for their prompts last;
+- the step runs every sequence of the micro-batch: the newcomers' prefills beside the others' one-token
+  decodes, their tokens packed into one row without padding (`model/kvcache.KVStep`), so a newcomer
+  costs its own tokens, not a pipeline step of its own. (Chunked prefill, which would bound a step's
+  tokens when a long prompt joins, is not done yet.)
 
 Nothing here touches torch.distributed: the driver turns a step into a tick.
 """
@@ -66,16 +68,16 @@ class Step:
 
     mb: MicroBatch
     rows: list[Seq]
-    prefill: bool
+    prefill: list[bool]  # per row: nothing of it in the cache before this step
 
     def meta(self, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """(ids (B, T) right-padded, meta (2 + NB, B): start, real tokens, block table padded with `scratch`)."""
+        """(ids (1, N): the rows' new tokens packed, meta (2 + NB, R): start, new tokens, block table padded
+        with `scratch`)."""
         feeds = [s.tokens[s.cached :] for s in self.rows]
-        B, T, NB = len(self.rows), max(len(f) for f in feeds), max(len(s.table) for s in self.rows)
-        x = torch.zeros(B, T, dtype=torch.int64)
-        meta = torch.full((2 + NB, B), scratch, dtype=torch.int64)
+        R, NB = len(self.rows), max(len(s.table) for s in self.rows)
+        x = torch.tensor([[t for f in feeds for t in f]], dtype=torch.int64)
+        meta = torch.full((2 + NB, R), scratch, dtype=torch.int64)
         for i, (s, f) in enumerate(zip(self.rows, feeds)):
-            x[i, : len(f)] = torch.tensor(f, dtype=torch.int64)
             meta[0, i], meta[1, i] = s.cached, len(f)
             meta[2 : 2 + len(s.table), i] = torch.tensor(s.table, dtype=torch.int64)
         return x, meta
@@ -120,15 +122,12 @@ class Scheduler:
     def step(self, mb: MicroBatch) -> Step | None:
         """Form `mb`'s next step (None when it has nothing to run)."""
         assert not mb.in_flight
-        self._admit(mb)
-        new = [s for s in mb.seqs if s.cached == 0]
-        if new:
-            return Step(mb, new, True)
         for s in sorted(mb.seqs, key=lambda s: s.order):  # the oldest get blocks first
             while s in mb.seqs and not self.alloc.grow(s.table, s.cached + 1):
                 if self._preempt_youngest() is None:
                     break
-        return Step(mb, list(mb.seqs), False) if mb.seqs else None
+        self._admit(mb)
+        return Step(mb, list(mb.seqs), [s.cached == 0 for s in mb.seqs]) if mb.seqs else None
 
     def next_step(self) -> Step | None:
         """The next step to launch: of the micro-batch not in flight that was launched longest ago."""
