@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridpar.config import ModelConfig
-from hybridpar.model.kvcache import BlockAllocator
+from hybridpar.model.blocks import BlockAllocator
 from hybridpar.model.registry import build_full_model
 
 CFG = ModelConfig(dim=32, n_layers=2, n_heads=4, n_kv_heads=2, ffn_dim=64)

@@ -68,14 +68,28 @@ def local_engine(reqs: list[dict], limits: dict = LIMITS) -> tuple[dict[str, lis
     return ch.results(), status
 
 
-def greedy_reference() -> dict[str, list[int]]:
+def greedy_reference(reqs: list[dict] | None = None) -> dict[str, list[int]]:
     model = build_full_model(CFG, SEED)
-    return {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
+    return {r["id"]: generate(model, r["prompt"], r["max_tokens"], temperature=0) for r in reqs or requests()}
+
+
+# Prompts sharing a 13-token prefix (3 whole blocks of 4, then more): later ones take its blocks.
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+PREFIXED = [
+    {"type": "generate", "id": f"p{i}", "prompt": SHARED + tail, "max_tokens": n, "temperature": 0.0}
+    for i, (tail, n) in enumerate([([7], 5), ([7, 9, 3], 4), ([], 6), ([2] * 6, 3)])
+]
 
 
 def test_local_engine_greedy_matches_generate() -> None:
     got, status = local_engine(requests())
     assert got == greedy_reference() and status["preemptions"] == 0 and status["kv_used_tokens"] == 0
+
+
+def test_local_engine_shares_prompt_prefixes_and_generates_the_same() -> None:
+    got, status = local_engine(PREFIXED, {**LIMITS, "block_size": 4, "max_batch": 1, "max_groups": 1})
+    assert got == greedy_reference(PREFIXED)
+    assert status["prefix_hit_tokens"] == 3 * 12  # p1, p2, p3 each took the 3 whole blocks p0 computed
 
 
 def test_local_engine_greedy_survives_preemption_by_recomputation() -> None:
@@ -94,7 +108,7 @@ SHARDED = {
     (1, 2, "llama"): requests(),
     (2, 2, "llama"): requests() + _sampled(requests()),
     (2, 2, "gpt2"): requests(),
-    (2, 2, "preempt"): requests(),  # Llama under TINY limits
+    (2, 2, "preempt"): requests() + PREFIXED,  # Llama under TINY limits
 }
 MODELS = {"llama": CFG, "gpt2": GPT2, "preempt": CFG}
 
@@ -158,9 +172,10 @@ def test_gpt2_sharded_greedy_matches_generate(served) -> None:
 @pytest.mark.multiprocess
 def test_sharded_greedy_survives_preemption_by_recomputation(served) -> None:
     """tp2 x pp2 with six KV blocks: sequences are preempted (only those not in the pipeline), their
-    blocks reused by others, and recomputed later; every request still gets single-device greedy tokens."""
+    blocks reused by others, and recomputed later, prompts with a common prefix share its blocks; every
+    request still gets single-device greedy tokens."""
     out = served((2, 2, "preempt"))
-    assert out["results"] == greedy_reference()
+    assert out["results"] == greedy_reference(requests() + PREFIXED)
     assert out["status"]["preemptions"] > 0 and out["status"]["kv_used_tokens"] == 0
 
 

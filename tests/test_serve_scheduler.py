@@ -7,19 +7,19 @@ from __future__ import annotations
 
 import torch
 
-from hybridpar.model.kvcache import BlockAllocator
+from hybridpar.model.blocks import BlockAllocator
 from hybridpar.serve.scheduler import Scheduler, Seq
 
 
-def seq(order: int, prompt_len: int, out: list[int] | None = None) -> Seq:
-    req = {"id": f"r{order}", "prompt": list(range(1, prompt_len + 1)), "max_tokens": 100}
+def seq(order: int, prompt_len: int, out: list[int] | None = None, first: int = 1) -> Seq:
+    req = {"id": f"r{order}", "prompt": list(range(first, first + prompt_len)), "max_tokens": 100}
     return Seq(req, torch.Generator(), 0.0, order, out=list(out or []))
 
 
 def run(sched: Scheduler, step) -> None:
     """What the driver does when a step's logits come back: everything fed is cached, one token more."""
     for s in step.rows:
-        s.cached = len(s.tokens)
+        sched.ran(s)
         s.out.append(7)
 
 
@@ -77,15 +77,17 @@ def test_preemption_frees_the_youngest_idle_sequence_and_requeues_it_first() -> 
     run(sched, nxt)
     sched.leave(old)
     other.in_flight = False
-    st = sched.next_step()  # back in once blocks are free: prompt + generated prefilled again
+    st = sched.next_step()  # back in once blocks are free: prompt + generated to prefill again
     assert young in st.rows and st.prefill[st.rows.index(young)]
     x, meta = st.meta(scratch=3)
-    assert meta[1, st.rows.index(young)] == 5
+    # Its first block's content (tokens 1-4, its prompt and old's) is still registered: shared, so only
+    # the generated token is computed again.
+    assert meta[:2, st.rows.index(young)].tolist() == [4, 1] and sched.prefix_hit_tokens == 4
 
 
 def test_a_lone_sequence_without_a_block_preempts_itself_and_waits() -> None:
     sched = Scheduler(BlockAllocator(2, 2), max_batch=1, max_groups=2)
-    a, b = seq(1, 2), seq(2, 2)
+    a, b = seq(1, 2), seq(2, 2, first=50)  # prompts of their own: nothing to share
     sched.waiting.extend([a, b])
     sa = sched.next_step()
     run(sched, sa)
@@ -95,3 +97,22 @@ def test_a_lone_sequence_without_a_block_preempts_itself_and_waits() -> None:
     assert sched.alloc.free == 0
     # b needs a block for its 3rd token; a (older) is in flight, so b itself gives way.
     assert sched.next_step() is None and list(sched.waiting) == [b] and b.table == []
+
+
+def test_full_blocks_are_shared_by_the_same_prefix_and_kept_after_their_owner_leaves() -> None:
+    from hybridpar.model.blocks import BlockAllocator as A
+
+    a = A(6, 2)
+    t1: list[int] = []
+    assert a.grow(t1, 5) and a.commit(t1, [1, 2, 3, 4, 5], 0) == 2  # two full blocks registered
+    assert a.match([1, 2, 3, 4, 9, 9]) == t1[:2] and a.used == 3  # shared: no new block taken
+    assert a.match([1, 2, 3, 4]) == t1[:1]  # one token is always left to compute
+    assert a.match([1, 2, 7, 7, 7]) == t1[:1] and a.match([2, 1, 3]) == []
+    for _ in range(3):
+        a.release(t1[:1] if _ else t1[:2])
+    a.release(t1)
+    assert a.free == 6 and a.match([1, 2, 3, 4, 5]) == [0, 1]  # freed, content kept until reused
+    t2: list[int] = [0, 1]
+    a.release(t2)
+    t3: list[int] = []
+    assert a.grow(t3, 12) and a.match([1, 2, 3, 4, 5]) == []  # every block handed out again: forgotten

@@ -9,8 +9,9 @@ projections all-reduce, the vocabulary-parallel embedding sums, the head gathers
 Paging (vLLM's PagedAttention, Kwon et al. 2023): each stage holds, per layer, one pool of fixed-size
 blocks (n_blocks + 1, kv_heads, block_size, head_dim) of this rank's kv heads and layers, so the cache is
 sharded over tp (heads) × pp (layers) like the model. A sequence owns a list of blocks (its block
-table, kept by the replica's driver with a `BlockAllocator`), so sequences of any length join and leave
-a batch without copying anyone's cache, and a freed block serves the next sequence at once.
+table, kept by the replica's driver with a `blocks.BlockAllocator`), so sequences of any length join and leave
+a batch without copying anyone's cache, and a freed block serves the next sequence at once
+(`model/blocks.py`: the free list, with prefix sharing).
 
 A step is a batch of sequences, each with its own start position, its own number of new tokens (a
 prefill next to one-token decodes) and its own block table, their tokens packed into one row (`KVStep`).
@@ -27,44 +28,6 @@ from collections.abc import Iterable
 
 import torch
 import torch.nn.functional as F
-
-
-class BlockAllocator:
-    """The free list of a pool of `n_blocks` blocks of `block_size` tokens (pure Python: the driver's
-    bookkeeping; the stages only read the block tables it sends)."""
-
-    def __init__(self, n_blocks: int, block_size: int) -> None:
-        if n_blocks < 1 or block_size < 1:
-            raise ValueError(f"a KV pool needs n_blocks >= 1 and block_size >= 1, got {n_blocks}, {block_size}")
-        self.n_blocks, self.block_size = n_blocks, block_size
-        self._free = list(range(n_blocks - 1, -1, -1))  # popped from the end: block 0 first
-
-    @property
-    def free(self) -> int:
-        return len(self._free)
-
-    @property
-    def used(self) -> int:
-        return self.n_blocks - len(self._free)
-
-    def blocks_for(self, n_tokens: int) -> int:
-        """Blocks that hold `n_tokens` tokens."""
-        return -(-n_tokens // self.block_size)
-
-    def grow(self, table: list[int], n_tokens: int) -> bool:
-        """Extend `table` in place to hold `n_tokens` tokens; False (table unchanged) if blocks run out."""
-        need = self.blocks_for(n_tokens) - len(table)
-        if need > len(self._free):
-            return False
-        for _ in range(max(0, need)):
-            table.append(self._free.pop())
-        return True
-
-    def release(self, table: list[int]) -> None:
-        """Return a sequence's blocks to the free list and empty its table."""
-        assert len(set(table)) == len(table) and not set(table) & set(self._free), "block freed twice"
-        self._free.extend(reversed(table))
-        table.clear()
 
 
 class KVCache:

@@ -17,7 +17,7 @@ from typing import Any, Protocol
 
 import torch
 
-from hybridpar.model.kvcache import BlockAllocator
+from hybridpar.model.blocks import BlockAllocator
 from hybridpar.serve.engine import OP_NOOP, OP_STEP, OP_STOP, StageRunner, Tick
 from hybridpar.serve.sampling import make_generator, sample_token
 from hybridpar.serve.scheduler import Scheduler, Seq, Step
@@ -141,7 +141,7 @@ class Driver:
                 s.prefill_s, s.prompt_fed = dt, fed
             else:
                 s.decode_s, s.decode_steps = s.decode_s + dt, s.decode_steps + 1
-            s.cached = len(s.tokens)
+            self.sched.ran(s)
             q = s.req
             tok = sample_token(logits[i], float(q.get("temperature", 0.0)), float(q.get("top_p", 1.0)), s.gen)
             s.out.append(tok)
@@ -183,6 +183,7 @@ class Driver:
             "slots": self.lim.max_batch * self.lim.max_groups,
             "completed": self.completed,
             "preemptions": self.sched.preemptions,
+            "prefix_hit_tokens": self.sched.prefix_hit_tokens,
             "max_in_flight": self.max_in_flight,
             "time": now,
         }

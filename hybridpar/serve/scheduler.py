@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from hybridpar.model.kvcache import BlockAllocator
+from hybridpar.model.blocks import BlockAllocator
 
 
 @dataclass
@@ -40,6 +40,8 @@ class Seq:
     out: list[int] = field(default_factory=list)
     table: list[int] = field(default_factory=list)  # its KV blocks
     cached: int = 0  # tokens whose keys/values are in its blocks
+    committed: int = 0  # its full blocks registered for prefix sharing
+    new: bool = True  # admitted, its first step (its prefill) not yet run
     cancelled: bool = False
     prefill_s: float = 0.0
     prompt_fed: int = 0  # tokens of its (last) prefill
@@ -68,7 +70,7 @@ class Step:
 
     mb: MicroBatch
     rows: list[Seq]
-    prefill: list[bool]  # per row: nothing of it in the cache before this step
+    prefill: list[bool]  # per row: its first step since it was admitted
 
     def meta(self, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (1, N): the rows' new tokens packed, meta (2 + NB, R): start, new tokens, block table padded
@@ -89,6 +91,7 @@ class Scheduler:
         self.waiting: deque[Seq] = deque()
         self.mbs = [MicroBatch() for _ in range(max_groups)]
         self.preemptions = 0
+        self.prefix_hit_tokens = 0  # prompt tokens taken from shared blocks instead of computed
 
     @property
     def running(self) -> list[Seq]:
@@ -101,11 +104,22 @@ class Scheduler:
                 mb.seqs.remove(s)
         self.alloc.release(s.table)
 
+    def ran(self, s: Seq) -> None:
+        """`s`'s step came back: every token it fed is in the cache, and its full blocks can be shared."""
+        s.cached, s.new = len(s.tokens), False
+        s.committed = self.alloc.commit(s.table, s.tokens, s.committed)
+
     def _admit(self, mb: MicroBatch) -> None:
         while self.waiting and len(mb.seqs) < self.max_batch:
             s = self.waiting[0]
+            s.table = self.alloc.match(s.tokens)  # a prefix someone computed already: shared, not recomputed
+            s.committed = len(s.table)
             if not self.alloc.grow(s.table, len(s.tokens)):
+                self.alloc.release(s.table)
                 return  # not enough blocks yet: it waits (first in line) for some to free
+            s.cached = s.committed * self.alloc.block_size
+            self.prefix_hit_tokens += s.cached
+            s.new = True
             mb.seqs.append(self.waiting.popleft())
 
     def _preempt_youngest(self) -> Seq | None:
@@ -114,7 +128,7 @@ class Scheduler:
             return None
         victim = max(idle, key=lambda s: s.order)
         self.leave(victim)
-        victim.cached = 0
+        victim.cached = victim.committed = 0
         self.waiting.appendleft(victim)
         self.preemptions += 1
         return victim
@@ -123,11 +137,11 @@ class Scheduler:
         """Form `mb`'s next step (None when it has nothing to run)."""
         assert not mb.in_flight
         for s in sorted(mb.seqs, key=lambda s: s.order):  # the oldest get blocks first
-            while s in mb.seqs and not self.alloc.grow(s.table, s.cached + 1):
+            while s in mb.seqs and not s.new and not self.alloc.grow(s.table, s.cached + 1):
                 if self._preempt_youngest() is None:
                     break
         self._admit(mb)
-        return Step(mb, list(mb.seqs), [s.cached == 0 for s in mb.seqs]) if mb.seqs else None
+        return Step(mb, list(mb.seqs), [s.new for s in mb.seqs]) if mb.seqs else None
 
     def next_step(self) -> Step | None:
         """The next step to launch: of the micro-batch not in flight that was launched longest ago."""
