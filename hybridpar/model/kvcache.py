@@ -7,18 +7,18 @@ same modules and weights run either way, so tensor parallelism works unchanged: 
 projections all-reduce, the vocabulary-parallel embedding sums, the head gathers.
 
 Paging (vLLM's PagedAttention, Kwon et al. 2023): each stage holds, per layer, one pool of fixed-size
-blocks (n_blocks + 1, kv_heads, block_size, head_dim) of this rank's kv heads and layers, so the cache is
-sharded over tp (heads) × pp (layers) like the model. A sequence owns a list of blocks (its block
-table, kept by the replica's driver with a `blocks.BlockAllocator`), so sequences of any length join and leave
-a batch without copying anyone's cache, and a freed block serves the next sequence at once
-(`model/blocks.py`: the free list, with prefix sharing).
+blocks ((n_blocks + 1) x block_size token slots of kv_heads x head_dim) of this rank's kv heads and
+layers, so the cache is sharded over tp (heads) x pp (layers) like the model. A sequence owns a list of
+blocks (its block table, kept by the replica's driver with a `blocks.BlockAllocator`), so sequences of
+any length join and leave a batch without copying anyone's cache, and a freed block serves the next
+sequence at once (`model/blocks.py`: the free list, with prefix sharing).
 
 A step is a batch of sequences, each with its own start position, its own number of new tokens (a
 prefill next to one-token decodes) and its own block table, their tokens packed into one row (`KVStep`).
-Each layer writes the new keys/values through the block tables, then gathers the sequences' blocks into
-one contiguous tensor for attention. The gather copies every sequence's past once per layer per step:
-simple and exact (the same values and the same kernel as a contiguous cache; every key a token must not
-see — another sequence's, positions after its own — is masked), not a fused paged-attention kernel.
+Each layer writes the new keys/values through the block tables, then gathers each sequence's blocks into
+a contiguous tensor for attention (the one-token decodes together, each prefill alone). The gather copies
+every sequence's past once per layer per step: simple and exact (the same values and the same kernel as a
+contiguous cache; keys past a sequence's own are masked), not a fused paged-attention kernel.
 Block tables are padded with the extra last block (the scratch block, owned by nobody).
 """
 
@@ -59,32 +59,40 @@ class KVCache:
 
 
 class KVStep:
-    """One step of R sequences over the paged cache, their tokens packed into one row (no padding):
-    x is (1, N) with N = n_valid.sum(), row r's tokens after row r-1's. pos (R,): position of each
-    sequence's first token here; n_valid (R,): its tokens here (a whole prompt, or 1 to decode); tables
-    (R, NB): its blocks (padded with the scratch block, never read). Attention is over the keys of every
-    sequence gathered into one (1, kv, S, hd) run, S = sum(pos + n_valid), with a mask that lets a token
-    see only its own sequence's keys up to its position: no padding in the matmuls, at the price of
-    N x S scores (quadratic in the batch; a varlen kernel would skip the masked blocks)."""
+    """One step of R sequences over the paged cache, their new tokens packed into one row (no padding):
+    x is (1, N) with N = n_valid.sum(), sequence r's tokens after sequence r-1's. pos (R,): position of
+    each sequence's first token here; n_valid (R,): its tokens here (a whole prompt, or 1 to decode);
+    tables (R, NB): its blocks (padded with the scratch block).
+
+    The matmuls run on the packed row; attention runs per part (`parts`): every one-token decode together,
+    each over its own keys padded to the longest (masked), so the scores grow with the batch times the
+    context, not its square; each prefill alone, over exactly its keys."""
 
     def __init__(self, cache: KVCache, pos: torch.Tensor, n_valid: torch.Tensor, tables: torch.Tensor) -> None:
         R, dev, bs = pos.shape[0], pos.device, cache.block_size
         self.cache = cache
         self.max_len = tables.shape[1] * bs  # positions this step can address (the rope tables' length)
-        seqs = torch.arange(R, device=dev)
-        row = torch.repeat_interleave(seqs, n_valid)  # (N,) sequence of each token
+        row = torch.repeat_interleave(torch.arange(R, device=dev), n_valid)  # (N,) sequence of each token
         ends = torch.cumsum(n_valid, 0)
         self.ends = ends - 1  # (R,) index of each sequence's last token
         positions = pos[row] + torch.arange(row.shape[0], device=dev) - (ends - n_valid)[row]  # (N,)
         self.positions = positions.view(1, -1)  # (1, N)
         self.write = tables[row, positions // bs] * bs + positions % bs  # (N,) slot of each new key/value
         lens = pos + n_valid  # keys of each sequence
-        krow = torch.repeat_interleave(seqs, lens)  # (S,)
-        j = torch.arange(krow.shape[0], device=dev) - (torch.cumsum(lens, 0) - lens)[krow]  # key positions
-        self.read = tables[krow, j // bs] * bs + j % bs  # (S,) slot of each key
-        # Token i sees key k iff k is its own sequence's and not after it (causal, with all of its past).
-        mask = (krow.view(1, -1) == row.view(-1, 1)) & (j.view(1, -1) <= positions.view(-1, 1))
-        self.mask = mask.view(1, 1, *mask.shape)  # (1, 1, N, S)
+        # (tokens (P, T), key slots (P, L), mask (P, 1, T, L)) of each part
+        self.parts: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        dec = (n_valid == 1).nonzero().flatten()
+        if dec.numel():
+            j = torch.arange(int(lens[dec].max()), device=dev)
+            read = tables[dec][:, j // bs] * bs + j % bs  # (D, L): past its length, any slot (masked)
+            self.parts.append((self.ends[dec].view(-1, 1), read, (j < lens[dec].view(-1, 1)).view(len(dec), 1, 1, -1)))
+        for r in (n_valid > 1).nonzero().flatten().tolist():
+            j = torch.arange(int(lens[r]), device=dev)
+            tok = torch.arange(int(ends[r] - n_valid[r]), int(ends[r]), device=dev)
+            mask = j.view(1, -1) <= positions[tok].view(-1, 1)  # causal, after all of its past
+            self.parts.append(
+                (tok.view(1, -1), (tables[r, j // bs] * bs + j % bs).view(1, -1), mask.view(1, 1, *mask.shape))
+            )
 
     def layer(self, lid: str) -> LayerKV:
         return LayerKV(self, lid)
@@ -100,24 +108,33 @@ class LayerKV:
     def __init__(self, step: KVStep, lid: str) -> None:
         self.step, self.lid = step, lid
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Write this step's keys/values (1, kv, N, hd) into their blocks; return every key and value the
-        sequences use (1, kv, S, hd), gathered from their blocks, and the attention mask (1, 1, N, S)."""
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Write this step's keys/values (1, kv, N, hd) into their blocks; return the attention of the
+        queries (1, h, N, hd) over their own sequences' keys, gathered from the blocks, part by part."""
         s, c = self.step, self.step.cache
-        out = []
-        for pool, new in ((c.k[self.lid], k), (c.v[self.lid], v)):
-            pool.index_copy_(0, s.write, new[0].transpose(0, 1))
-            out.append(pool.index_select(0, s.read).transpose(0, 1).unsqueeze(0))  # (1, kv, S, hd)
-        return out[0], out[1], s.mask
+        pk, pv = c.k[self.lid], c.v[self.lid]
+        pk.index_copy_(0, s.write, k[0].transpose(0, 1))
+        pv.index_copy_(0, s.write, v[0].transpose(0, 1))
+        out = torch.empty_like(q)
+        h, kvh, hd = q.shape[1], k.shape[1], q.shape[3]
+        for tok, read, mask in s.parts:
+            (P, T), L = tok.shape, read.shape[1]
+            qq = q[0][:, tok.flatten()].view(h, P, T, hd).transpose(0, 1)  # (P, h, T, hd)
+            kk, vv = (p.index_select(0, read.flatten()).view(P, L, kvh, hd).transpose(1, 2) for p in (pk, pv))
+            o = _sdpa(qq, kk, vv, mask)  # (P, h, T, hd)
+            out[0][:, tok.flatten()] = o.transpose(0, 1).reshape(h, P * T, hd)
+        return out
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
-    """Causal attention of q (B, h, T, hd) over k, v (B, kv, T, hd) -> (B, h, T, hd); with `kv`, over the
-    row's cached past as well. kv < h heads: grouped-query attention, each kv head shared by a group."""
-    mask = None
-    if kv is not None:
-        k, v, mask = kv.update(k, v)
+def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+    """kv < h heads: grouped-query attention, each kv head shared by a group of query heads."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
+    """Causal attention of q (B, h, T, hd) over k, v (B, kv, T, hd) -> (B, h, T, hd); with `kv`, over each
+    sequence's cached past as well (B = 1: the step's packed row)."""
+    return _sdpa(q, k, v, None) if kv is None else kv.attend(q, k, v)
