@@ -9,7 +9,8 @@ a micro-batch is about to be launched its step is formed anew: sequences that fi
   the youngest sequence not in the pipeline is preempted by recomputation: its blocks are freed and it
   goes back to the front of the queue with its prompt and what it generated so far, to be prefilled again
   (vLLM's recompute preemption) — greedy outputs do not change;
-- waiting requests join (oldest first) while seats and blocks for their prompts last;
+- waiting requests join (oldest first) while seats and blocks for their prompts last; whole blocks of a
+  prompt that some sequence computed already are shared, not computed again (`model/blocks.py`);
 - the step runs every sequence of the micro-batch: the newcomers' prefills beside the others' one-token
   decodes, their tokens packed into one row without padding (`model/kvcache.KVStep`), so a newcomer
   costs its own tokens, not a pipeline step of its own. (Chunked prefill, which would bound a step's
