@@ -28,7 +28,8 @@ N_TOKENS = [10, 6, 8, 12, 3, 9]
 LIMITS = {"max_batch": 2, "max_groups": 3, "kv_tokens": 4096, "max_seq_len": 64}  # 3 micro-batches of 2
 # Six blocks of 4 tokens for requests of up to 15 tokens (4 blocks): running ones run out, the youngest is
 # preempted and recomputed.
-TINY = {**LIMITS, "kv_tokens": 24, "block_size": 4}
+# Steps of at most 3 tokens: every prompt longer than what the decodes leave is prefilled in chunks.
+TINY = {**LIMITS, "kv_tokens": 24, "block_size": 4, "max_step_tokens": 3}
 
 
 def requests(temperature: float = 0.0, top_p: float = 1.0) -> list[dict]:
@@ -90,6 +91,11 @@ def test_local_engine_shares_prompt_prefixes_and_generates_the_same() -> None:
     got, status = local_engine(PREFIXED, {**LIMITS, "block_size": 4, "max_batch": 1, "max_groups": 1})
     assert got == greedy_reference(PREFIXED)
     assert status["prefix_hit_tokens"] == 3 * 12  # p1, p2, p3 each took the 3 whole blocks p0 computed
+
+
+def test_local_engine_chunked_prefill_generates_the_same() -> None:
+    got, status = local_engine(requests() + PREFIXED, {**LIMITS, "max_step_tokens": 3})
+    assert got == greedy_reference(requests() + PREFIXED)
 
 
 def test_local_engine_greedy_survives_preemption_by_recomputation() -> None:
@@ -171,9 +177,9 @@ def test_gpt2_sharded_greedy_matches_generate(served) -> None:
 
 @pytest.mark.multiprocess
 def test_sharded_greedy_survives_preemption_by_recomputation(served) -> None:
-    """tp2 x pp2 with six KV blocks: sequences are preempted (only those not in the pipeline), their
-    blocks reused by others, and recomputed later, prompts with a common prefix share its blocks; every
-    request still gets single-device greedy tokens."""
+    """tp2 x pp2 with six KV blocks and steps of 3 tokens: sequences are preempted (only those not in the
+    pipeline), their blocks reused by others, and recomputed later, prompts are prefilled in chunks and
+    those with a common prefix share its blocks; every request still gets single-device greedy tokens."""
     out = served((2, 2, "preempt"))
     assert out["results"] == greedy_reference(requests() + PREFIXED)
     assert out["status"]["preemptions"] > 0 and out["status"]["kv_used_tokens"] == 0

@@ -18,9 +18,10 @@ def seq(order: int, prompt_len: int, out: list[int] | None = None, first: int = 
 
 def run(sched: Scheduler, step) -> None:
     """What the driver does when a step's logits come back: everything fed is cached, one token more."""
-    for s in step.rows:
-        sched.ran(s)
-        s.out.append(7)
+    for s, n in zip(step.rows, step.feeds):
+        sched.ran(s, n)
+        if not s.new:
+            s.out.append(7)
 
 
 def test_requests_join_between_steps_and_prefill_beside_decodes() -> None:
@@ -116,3 +117,19 @@ def test_full_blocks_are_shared_by_the_same_prefix_and_kept_after_their_owner_le
     a.release(t2)
     t3: list[int] = []
     assert a.grow(t3, 12) and a.match([1, 2, 3, 4, 5]) == []  # every block handed out again: forgotten
+
+
+def test_chunked_prefill_feeds_decodes_first_and_the_prompt_over_several_steps() -> None:
+    sched = Scheduler(BlockAllocator(16, 4), max_batch=2, max_groups=1, max_step_tokens=4)
+    a, b = seq(1, 2), seq(2, 9, first=50)
+    sched.waiting.append(a)
+    run(sched, sched.next_step())  # a: prompt in, first token out
+    sched.waiting.append(b)
+    feeds = []
+    while b.new:
+        st = sched.next_step()
+        assert st.rows[0] is a and sum(st.feeds) <= 4  # a's decode first, then as much of b as fits
+        feeds.append(st.feeds[1])
+        run(sched, st)
+    assert feeds == [3, 3, 3] and b.out == [7] and len(a.out) == 4  # b's first token after its last chunk
+    assert sched.next_step().feeds == [1, 1]

@@ -57,6 +57,11 @@ class ServeConfig:
         "out the youngest running request is preempted and recomputed later",
     )
     block_size: int = _f(16, "tokens per KV-cache block (the paged cache's unit of allocation)")
+    max_step_tokens: int = _f(
+        2048,
+        "tokens one step feeds at most: prompts longer than what the step's decodes leave are prefilled in "
+        "chunks over several steps (chunked prefill); 0 = no limit; else more than max_batch",
+    )
     max_seq_len: int = _f(1024, "longest prompt + completion, in tokens")
     max_outstanding: int = _f(32, "requests placed on one replica before it counts as busy")
     max_pending: int = _f(64, "requests waiting for a replica before new ones get 429")
@@ -133,6 +138,14 @@ class ServeConfig:
         for f in fields(self):
             if (ch := f.metadata.get("choices")) and getattr(self, f.name) not in ch:
                 raise ValueError(f"serve {f.name}={getattr(self, f.name)!r} is not one of {', '.join(ch)}")
+        if not (
+            isinstance(self.max_step_tokens, int)
+            and (self.max_step_tokens == 0 or self.max_step_tokens > self.max_batch)
+        ):
+            raise ValueError(
+                f"serve max_step_tokens={self.max_step_tokens!r} must be 0 (no limit) or more than "
+                f"max_batch={self.max_batch} (room for every decode and a prefill chunk)"
+            )
         if self.kv_tokens < self.block_size:
             raise ValueError(
                 f"serve kv_tokens={self.kv_tokens} must hold at least one block (block_size={self.block_size})"

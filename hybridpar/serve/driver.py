@@ -34,6 +34,7 @@ class Limits:
     max_groups: int = 4  # micro-batches: at most max_batch x max_groups sequences run at once
     kv_tokens: int = 32768  # KV-cache budget in tokens (rounded down to whole blocks)
     block_size: int = 16  # tokens per KV block
+    max_step_tokens: int = 0  # tokens one step feeds at most (prefills chunked); 0 = no limit
     max_seq_len: int = 2048  # prompt + completion
     heartbeat_s: float = 2.0  # an idle driver sends a NOOP tick this often (keeps waits bounded)
     status_every_s: float = 0.05
@@ -48,7 +49,7 @@ class Driver:
         self.r, self.ch, self.lim = runner, channel, limits
         # The pool's shape is the stages' (they allocated it): the driver only keeps its free list.
         self.alloc = BlockAllocator(runner.cache.n_blocks, runner.cache.block_size)
-        self.sched = Scheduler(self.alloc, limits.max_batch, limits.max_groups)
+        self.sched = Scheduler(self.alloc, limits.max_batch, limits.max_groups, limits.max_step_tokens)
         self.in_flight: deque[tuple[Step, int, torch.Tensor | None]] = deque()
         self.seq = self.arrivals = 0
         self.max_in_flight = 0
@@ -131,17 +132,19 @@ class Driver:
         if not self.in_flight and self._busy_mark is not None:
             self.busy_s += now - self._busy_mark
             self._busy_mark = None
-        fed = sum(len(s.tokens) - s.cached for s in st.rows)
+        fed = sum(st.feeds)
         for i, s in enumerate(st.rows):
             if s.cancelled:
                 self.sched.leave(s)
                 self._finish(s, "cancelled", now)
                 continue
             if st.prefill[i]:
-                s.prefill_s, s.prompt_fed = dt, fed
+                s.prefill_s, s.prompt_fed = s.prefill_s + dt, s.prompt_fed + fed
             else:
                 s.decode_s, s.decode_steps = s.decode_s + dt, s.decode_steps + 1
-            self.sched.ran(s)
+            self.sched.ran(s, st.feeds[i])
+            if s.new:
+                continue  # a chunk of its prompt: no token yet
             q = s.req
             tok = sample_token(logits[i], float(q.get("temperature", 0.0)), float(q.get("top_p", 1.0)), s.gen)
             s.out.append(tok)

@@ -13,8 +13,10 @@ a micro-batch is about to be launched its step is formed anew: sequences that fi
   prompt that some sequence computed already are shared, not computed again (`model/blocks.py`);
 - the step runs every sequence of the micro-batch: the newcomers' prefills beside the others' one-token
   decodes, their tokens packed into one row without padding (`model/kvcache.KVStep`), so a newcomer
-  costs its own tokens, not a pipeline step of its own. (Chunked prefill, which would bound a step's
-  tokens when a long prompt joins, is not done yet.)
+  costs its own tokens, not a pipeline step of its own. Prefills are chunked (Sarathi, Agrawal et al.
+  2024): a step feeds at most `max_step_tokens` tokens, decodes first, so a long prompt joining does
+  not stall the others' decodes for its whole length; a prompt cut short goes on at the next step and
+  yields its first token when its last chunk is in.
 
 Nothing here touches torch.distributed: the driver turns a step into a tick.
 """
@@ -67,16 +69,17 @@ class MicroBatch:
 
 @dataclass
 class Step:
-    """What one tick runs: rows fed `tokens[cached:]` from position `cached`."""
+    """What one tick runs: each row fed `feeds[i]` tokens of `tokens[cached:]` from position `cached`."""
 
     mb: MicroBatch
     rows: list[Seq]
-    prefill: list[bool]  # per row: its first step since it was admitted
+    prefill: list[bool]  # per row: still prefilling (admitted, its prompt not all in the cache)
+    feeds: list[int]
 
     def meta(self, scratch: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(ids (1, N): the rows' new tokens packed, meta (2 + NB, R): start, new tokens, block table padded
         with `scratch`)."""
-        feeds = [s.tokens[s.cached :] for s in self.rows]
+        feeds = [s.tokens[s.cached : s.cached + n] for s, n in zip(self.rows, self.feeds)]
         R, NB = len(self.rows), max(len(s.table) for s in self.rows)
         x = torch.tensor([[t for f in feeds for t in f]], dtype=torch.int64)
         meta = torch.full((2 + NB, R), scratch, dtype=torch.int64)
@@ -87,8 +90,10 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, alloc: BlockAllocator, max_batch: int, max_groups: int) -> None:
-        self.alloc, self.max_batch = alloc, max_batch
+    def __init__(self, alloc: BlockAllocator, max_batch: int, max_groups: int, max_step_tokens: int = 0) -> None:
+        # Every decode of a full micro-batch fits a step, with a token to spare for a prefill.
+        assert max_step_tokens == 0 or max_step_tokens > max_batch, "max_step_tokens must exceed max_batch"
+        self.alloc, self.max_batch, self.max_step_tokens = alloc, max_batch, max_step_tokens
         self.waiting: deque[Seq] = deque()
         self.mbs = [MicroBatch() for _ in range(max_groups)]
         self.preemptions = 0
@@ -105,10 +110,12 @@ class Scheduler:
                 mb.seqs.remove(s)
         self.alloc.release(s.table)
 
-    def ran(self, s: Seq) -> None:
-        """`s`'s step came back: every token it fed is in the cache, and its full blocks can be shared."""
-        s.cached, s.new = len(s.tokens), False
-        s.committed = self.alloc.commit(s.table, s.tokens, s.committed)
+    def ran(self, s: Seq, fed: int) -> None:
+        """`s`'s step came back: the `fed` tokens it fed are in the cache, and its full blocks can be shared.
+        `s.new` stays True while its prompt is not all in (a chunked prefill: no token to sample yet)."""
+        s.cached += fed
+        s.new = s.cached < len(s.tokens)
+        s.committed = self.alloc.commit(s.table, s.tokens[: s.cached], s.committed)
 
     def _admit(self, mb: MicroBatch) -> None:
         while self.waiting and len(mb.seqs) < self.max_batch:
@@ -142,7 +149,15 @@ class Scheduler:
                 if self._preempt_youngest() is None:
                     break
         self._admit(mb)
-        return Step(mb, list(mb.seqs), [s.new for s in mb.seqs]) if mb.seqs else None
+        budget = self.max_step_tokens or 1 << 62
+        rows, feeds = [], []
+        for s in sorted(mb.seqs, key=lambda s: s.new):  # decodes first: they always fit
+            n = min(len(s.tokens) - s.cached, budget)
+            if n > 0:
+                rows.append(s)
+                feeds.append(n)
+                budget -= n
+        return Step(mb, rows, [s.new for s in rows], feeds) if rows else None
 
     def next_step(self) -> Step | None:
         """The next step to launch: of the micro-batch not in flight that was launched longest ago."""
