@@ -1,6 +1,6 @@
 """An asynchronous pipeline with real messages: a 12-layer model over 4 pipeline stages (4 worker
-processes), a batch of 16 requests in request groups ("microbatches") of 4. With 4 groups in flight
-every stage works on a different group at once; with 1 group at a time the stages take turns.
+processes), a batch of 16 requests in micro-batches of 4. With 4 micro-batches in flight
+every stage works on a different micro-batch at once; with 1 at a time the stages take turns.
 Both runs generate the same tokens (greedy); the numbers printed are measured.
 
     .venv/bin/python examples/async_pipeline.py
@@ -49,11 +49,11 @@ if __name__ == "__main__":
     assert seq_out == pipe_out, "pipelining must not change the tokens"
     total = BATCH * NEW_TOKENS
     print(
-        f"one group at a time : {seq_wall:6.2f} s  {total / seq_wall:7.1f} tokens/s"
-        f"  (max groups in flight {seq_flight})"
+        f"one micro-batch    : {seq_wall:6.2f} s  {total / seq_wall:7.1f} tokens/s"
+        f"  (max micro-batches in flight {seq_flight})"
     )
     print(
-        f"4 groups in flight  : {pipe_wall:6.2f} s  {total / pipe_wall:7.1f} tokens/s"
-        f"  (max groups in flight {pipe_flight})"
+        f"4 in flight         : {pipe_wall:6.2f} s  {total / pipe_wall:7.1f} tokens/s"
+        f"  (max micro-batches in flight {pipe_flight})"
     )
     print(f"speedup {seq_wall / pipe_wall:.2f}x, identical tokens")

@@ -52,7 +52,17 @@ def test_pooled_runs_take_percentiles_over_every_request():
 
 
 @pytest.mark.parametrize(
-    "args", [["--replicas", "1"], ["--slow", "0.5"], ["--load", "0"], ["--requests", "0"], ["--strategies", "nope"]]
+    "args",
+    [
+        ["--replicas", "1"],
+        ["--slow", "0.5"],
+        ["--load", "0"],
+        ["--requests", "0"],
+        ["--strategies", "nope"],
+        ["--throughput", "--pp", "0"],
+        ["--throughput", "--rate-rps", "-1"],
+        ["--throughput", "--rate-rps", "nan"],
+    ],
 )
 def test_bad_input_is_refused_before_any_process(args, capsys):
     assert main(args) == 2

@@ -32,7 +32,7 @@ from hybridpar.model.reference import U_BF16, reference, tiny_config
 from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.config import ServeConfig, parse_serve_args
 from hybridpar.serve.driver import Driver, Limits
-from hybridpar.serve.engine import OP_PREFILL, StageRunner, Tick
+from hybridpar.serve.engine import OP_STEP, StageRunner, Tick
 from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology, spec_dict
 from hybridpar.topology.spawn import run_ranks
 from hybridpar.trainer.export import write_model_dir
@@ -141,8 +141,8 @@ def test_bf16_kv_cache_bytes_halve(model_dir: str) -> None:
         topo = local_topology()
         runner = StageRunner(build_serving_stage(spec(model_dir, dtype), topo), topo)
         x = torch.tensor([PROMPTS[0]])
-        meta = torch.tensor([[0], [len(PROMPTS[0])]])
-        logits = runner.run(Tick(OP_PREFILL, group=0, seq=1, max_len=32, meta=meta, x=x))
+        meta = torch.tensor([[0], [len(PROMPTS[0])], [0]])  # start, new tokens, its one block
+        logits = runner.run(Tick(OP_STEP, seq=1, meta=meta, x=x))
         assert logits.dtype == torch.float32  # sampling reads fp32 logits in either case
         sizes[dtype] = runner.kv_bytes()
         assert all(p.dtype == {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype] for p in runner.stage.parameters())

@@ -39,6 +39,12 @@ def test_parse_and_defaults() -> None:
         (["--source", "init:0", "--strategy", "fastest"], "strategy='fastest' is not one of"),
         (["--source", "init:0", "--emulate-slowdown", "5:2"], "replica must be in 0..0"),
         (["--source", "init:0", "--max-batch", "0"], "max_batch must be a positive integer"),
+        (
+            ["--source", "init:0", "--max-step-tokens", "8"],
+            "max_step_tokens=8 must be 0 \\(no limit\\) or more than max_batch=8",
+        ),
+        (["--source", "init:0", "--max-step-tokens", "-1"], "max_step_tokens=-1 must be 0"),
+        (["--source", "init:0", "--kv-tokens", "8"], "kv_tokens=8 must hold at least one block \\(block_size=16\\)"),
         (["--source", "init:0", "--imbalance", "2"], "imbalance=2.0 must be in"),
         (["--source", "/no/such/dir"], "is not init:SEED"),
         (
@@ -82,6 +88,7 @@ SECONDS = ["request_timeout_s", "timeout_s", "client_timeout_s"]
                 "max_batch",
                 "max_groups",
                 "kv_tokens",
+                "block_size",
                 "max_seq_len",
                 "max_outstanding",
                 "max_pending",

@@ -1,7 +1,9 @@
 """The serving engine generates exactly what one device generates: greedy tokens equal to
-`generate` (full recompute, no cache) under tp=2, pp=2 and tp=2 x pp=2, with several request groups
-in flight through the pipeline, for every model family; seeded sampling gives the same tokens on
-every layout."""
+`generate` (full recompute, no cache) under tp=2, pp=2 and tp=2 x pp=2, with requests of mixed prompt
+and output lengths joining and leaving micro-batches between steps (continuous batching over the paged
+KV cache) and several micro-batches in flight through the pipeline, for every model family; the same
+when a budget of a few KV blocks forces preemptions by recomputation; seeded sampling gives the same
+tokens on every layout."""
 
 from __future__ import annotations
 
@@ -23,7 +25,11 @@ GPT2 = ModelConfig(family="gpt2", dim=32, n_layers=4, n_heads=4, ffn_dim=64, n_p
 SEED = 3
 PROMPTS = [[5, 6, 7, 8, 9], [1, 2, 3], [100, 200, 30, 40, 50, 60, 70], [42], [9, 9, 9, 9], [17, 18]]
 N_TOKENS = [10, 6, 8, 12, 3, 9]
-LIMITS = {"max_batch": 2, "max_groups": 3, "kv_tokens": 4096, "max_seq_len": 64}  # 3 groups of 2
+LIMITS = {"max_batch": 2, "max_groups": 3, "kv_tokens": 4096, "max_seq_len": 64}  # 3 micro-batches of 2
+# Six blocks of 4 tokens for requests of up to 15 tokens (4 blocks): running ones run out, the youngest is
+# preempted and recomputed.
+# Steps of at most 3 tokens: every prompt longer than what the decodes leave is prefilled in chunks.
+TINY = {**LIMITS, "kv_tokens": 24, "block_size": 4, "max_step_tokens": 3}
 
 
 def requests(temperature: float = 0.0, top_p: float = 1.0) -> list[dict]:
@@ -47,24 +53,55 @@ def _rank(spec_d: dict, reqs: list[dict]) -> dict | None:
     return None if status is None else {"results": ch.results(), "status": status}
 
 
-def spec(tp: int, pp: int, cfg: ModelConfig = CFG) -> dict:
+def spec(tp: int, pp: int, cfg: ModelConfig = CFG, limits: dict = LIMITS) -> dict:
     return spec_dict(
-        WorkerSpec(model=dataclasses.asdict(cfg), source=f"init:{SEED}", tp=tp, pp=pp, limits=LIMITS, timeout_s=60)
+        WorkerSpec(model=dataclasses.asdict(cfg), source=f"init:{SEED}", tp=tp, pp=pp, limits=limits, timeout_s=60)
     )
 
 
-def local_engine(reqs: list[dict]) -> dict[str, list[int]]:
-    """The same engine on one device, in this process (no torch.distributed)."""
+def local_engine(reqs: list[dict], limits: dict = LIMITS) -> tuple[dict[str, list[int]], dict]:
+    """The same engine on one device, in this process (no torch.distributed) -> (tokens, final status)."""
     topo = local_topology()
     ch = ListChannel(reqs)
-    Driver(StageRunner(build_full_model(CFG, SEED).eval(), topo), ch, Limits(**LIMITS)).run()
-    return ch.results()
+    lim = Limits(**limits)
+    runner = StageRunner(build_full_model(CFG, SEED).eval(), topo, kv_blocks=lim.kv_blocks, block_size=lim.block_size)
+    status = Driver(runner, ch, lim).run()
+    return ch.results(), status
+
+
+def greedy_reference(reqs: list[dict] | None = None) -> dict[str, list[int]]:
+    model = build_full_model(CFG, SEED)
+    return {r["id"]: generate(model, r["prompt"], r["max_tokens"], temperature=0) for r in reqs or requests()}
+
+
+# Prompts sharing a 13-token prefix (3 whole blocks of 4, then more): later ones take its blocks.
+SHARED = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9]
+PREFIXED = [
+    {"type": "generate", "id": f"p{i}", "prompt": SHARED + tail, "max_tokens": n, "temperature": 0.0}
+    for i, (tail, n) in enumerate([([7], 5), ([7, 9, 3], 4), ([], 6), ([2] * 6, 3)])
+]
 
 
 def test_local_engine_greedy_matches_generate() -> None:
-    model = build_full_model(CFG, SEED)
-    want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
-    assert local_engine(requests()) == want
+    got, status = local_engine(requests())
+    assert got == greedy_reference() and status["preemptions"] == 0 and status["kv_used_tokens"] == 0
+
+
+def test_local_engine_shares_prompt_prefixes_and_generates_the_same() -> None:
+    got, status = local_engine(PREFIXED, {**LIMITS, "block_size": 4, "max_batch": 1, "max_groups": 1})
+    assert got == greedy_reference(PREFIXED)
+    assert status["prefix_hit_tokens"] == 3 * 12  # p1, p2, p3 each took the 3 whole blocks p0 computed
+
+
+def test_local_engine_chunked_prefill_generates_the_same() -> None:
+    got, status = local_engine(requests() + PREFIXED, {**LIMITS, "max_step_tokens": 3})
+    assert got == greedy_reference(requests() + PREFIXED)
+
+
+def test_local_engine_greedy_survives_preemption_by_recomputation() -> None:
+    got, status = local_engine(requests(), TINY)
+    assert status["preemptions"] > 0 and status["kv_capacity_tokens"] == 24
+    assert got == greedy_reference() and status["kv_used_tokens"] == 0  # every block came back
 
 
 def _sampled(reqs: list[dict]) -> list[dict]:
@@ -77,7 +114,9 @@ SHARDED = {
     (1, 2, "llama"): requests(),
     (2, 2, "llama"): requests() + _sampled(requests()),
     (2, 2, "gpt2"): requests(),
+    (2, 2, "preempt"): requests() + PREFIXED,  # Llama under TINY limits
 }
+MODELS = {"llama": CFG, "gpt2": GPT2, "preempt": CFG}
 
 
 def _ranks(cases: list[tuple[dict, list[dict]]]) -> list[dict | None]:
@@ -96,7 +135,10 @@ def served():
         world = case[0] * case[1]
         if world not in launched:
             group = [c for c in SHARDED if c[0] * c[1] == world]
-            args = [(spec(tp, pp, {"llama": CFG, "gpt2": GPT2}[m]), SHARDED[(tp, pp, m)]) for tp, pp, m in group]
+            args = [
+                (spec(tp, pp, MODELS[m], TINY if m == "preempt" else LIMITS), SHARDED[(tp, pp, m)])
+                for tp, pp, m in group
+            ]
             try:
                 launched[world] = dict(zip(group, run_ranks(_ranks, world, args, timeout_s=120 * len(group))[0]))
             except Exception as e:
@@ -111,15 +153,14 @@ def served():
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("tp,pp", [(2, 1), (1, 2), (2, 2)])
 def test_sharded_greedy_matches_generate(tp: int, pp: int, served) -> None:
-    model = build_full_model(CFG, SEED)
-    want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
+    want = greedy_reference()
     driver = served((tp, pp, "llama"))
     got = driver["results"]
     assert {k: v for k, v in got.items() if k.startswith("r")} == want
     if pp > 1:  # several groups were in the pipeline at once, one per stage
         assert driver["status"]["max_in_flight"] == pp
     if (tp, pp) == (2, 2):  # seeded temperature/top-p sampling: same tokens as on one device
-        sampled = local_engine(_sampled(requests()))
+        sampled = local_engine(_sampled(requests()))[0]
         assert {k: v for k, v in got.items() if k.startswith("s")} == sampled
         assert any(sampled[f"sr{i}"] != want[f"r{i}"] for i in range(len(PROMPTS)))  # it did sample
 
@@ -132,6 +173,16 @@ def test_gpt2_sharded_greedy_matches_generate(served) -> None:
     want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
     out = served((2, 2, "gpt2"))
     assert out["results"] == want and out["status"]["max_in_flight"] == 2
+
+
+@pytest.mark.multiprocess
+def test_sharded_greedy_survives_preemption_by_recomputation(served) -> None:
+    """tp2 x pp2 with six KV blocks and steps of 3 tokens: sequences are preempted (only those not in the
+    pipeline), their blocks reused by others, and recomputed later, prompts are prefilled in chunks and
+    those with a common prefix share its blocks; every request still gets single-device greedy tokens."""
+    out = served((2, 2, "preempt"))
+    assert out["results"] == greedy_reference(requests() + PREFIXED)
+    assert out["status"]["preemptions"] > 0 and out["status"]["kv_used_tokens"] == 0
 
 
 class _CancellingChannel(ListChannel):
@@ -156,8 +207,7 @@ class _CancellingChannel(ListChannel):
 
 
 def test_cancel_stops_waiting_and_running_requests_and_spares_the_rest() -> None:
-    model = build_full_model(CFG, SEED)
-    want = {f"r{i}": generate(model, p, n, temperature=0) for i, (p, n) in enumerate(zip(PROMPTS, N_TOKENS))}
+    model, want = build_full_model(CFG, SEED), greedy_reference()
     ch = _CancellingChannel(requests())
     Driver(StageRunner(model.eval(), local_topology()), ch, Limits(**{**LIMITS, "max_groups": 1})).run()
     done = {e["id"]: e for e in ch.events if e["type"] == "done"}

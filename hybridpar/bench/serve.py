@@ -52,13 +52,14 @@ def run_trace(svc: Any, trace: list[dict[str, Any]], strategy: str, timeout_s: f
     with svc.lock:
         svc.router = Router(svc.cfg.dp, dataclasses.replace(svc.cfg.router(), strategy=strategy))
     lat: list[float] = []  # seconds, arrival to last token, of each completed request
+    ttft: list[float] = []  # seconds, arrival to first token, of each completed request
     tokens = failed = 0
     lock = threading.Lock()
     waiters = []
 
     def wait(p: Any, t_arrive: float) -> None:
         nonlocal tokens, failed
-        deadline = t_arrive + timeout_s
+        deadline, first = t_arrive + timeout_s, None
         while True:
             try:
                 kind, val = p.events.get(timeout=max(0.01, deadline - time.perf_counter()))
@@ -67,12 +68,15 @@ def run_trace(svc: Any, trace: list[dict[str, Any]], strategy: str, timeout_s: f
                 with lock:
                     failed += 1
                 return
+            if kind == "token" and first is None:
+                first = time.perf_counter() - t_arrive
             if kind == "done":
                 with lock:
                     if val.get("reason") == "error":
                         failed += 1
                     else:
                         lat.append(time.perf_counter() - t_arrive)
+                        ttft.append(first if first is not None else lat[-1])
                         tokens += val["completion_tokens"]
                 return
 
@@ -103,6 +107,8 @@ def run_trace(svc: Any, trace: list[dict[str, Any]], strategy: str, timeout_s: f
         "wall_s": wall,
         "tokens": tokens,
         "latencies": lat,
+        "ttfts": ttft,
+        "p99_ttft_s": percentile(ttft, 99),
         "routed_per_replica": routed,
         "strategy_usage": stats["strategy_usage"],
     }
@@ -175,6 +181,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         default="fp32",
         help="what the replicas serve in; both: fp32 against bf16 on one burst instead of the strategies",
     )
+    ap.add_argument(
+        "--throughput",
+        action="store_true",
+        help="one replica's tokens/s and p99 time to first token at saturation and at --load of it, "
+        "instead of the strategies",
+    )
+    ap.add_argument("--tp", type=int, default=1, help="--throughput: tensor-parallel degree of the replica")
+    ap.add_argument("--pp", type=int, default=2, help="--throughput: pipeline stages of the replica")
+    ap.add_argument(
+        "--rate-rps", type=float, default=0.0, help="--throughput: the saturation rate --load applies to (0 = measured)"
+    )
     ap.add_argument("--json", default=None, help="also write the results to this file")
     return ap.parse_args(argv)
 
@@ -190,6 +207,13 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if a.throughput:
+        if a.tp < 1 or a.pp < 1 or not a.rate_rps >= 0:
+            print("hybridpar bench serve: error: need --tp >= 1, --pp >= 1 and --rate-rps >= 0", file=sys.stderr)
+            return 2
+        from hybridpar.bench.serve_throughput import measure
+
+        return _emit({**measure(a), "command": "hybridpar bench serve " + " ".join(argv)}, a.json)
     from hybridpar.serve.service import Service
 
     model = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_dim=176)

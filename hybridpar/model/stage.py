@@ -105,15 +105,19 @@ class Stage(nn.Module):
         """Key/value heads of one layer held by this rank (n_kv_heads / tp)."""
         raise NotImplementedError
 
-    def new_cache(self, batch: int, max_len: int, device: torch.device, dtype: torch.dtype) -> KVCache:
-        return KVCache(self.layers.keys(), self.kv_heads(), self.cfg.head_dim, batch, max_len, device, dtype)
+    def new_cache(self, n_blocks: int, block_size: int, device: torch.device, dtype: torch.dtype) -> KVCache:
+        """This stage's paged KV pools: n_blocks blocks of block_size tokens per layer (model/kvcache.py)."""
+        return KVCache(self.layers.keys(), self.kv_heads(), self.cfg.head_dim, n_blocks, block_size, device, dtype)
 
     @torch.no_grad()
-    def forward_cached(self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, n_valid: torch.Tensor) -> torch.Tensor:
-        """x: ids (B, T) on the first stage, hidden (B, T, d) elsewhere; pos (B,): position of each row's
-        first token; n_valid (B,): real tokens per row. Returns hidden (B, T, d), or on the last stage the
-        logits at each row's last real token (B, V)."""
-        out = self(x, KVStep(cache, pos, n_valid, x.shape[1]))
+    def forward_cached(
+        self, x: torch.Tensor, cache: KVCache, pos: torch.Tensor, n_valid: torch.Tensor, tables: torch.Tensor
+    ) -> torch.Tensor:
+        """R sequences' new tokens packed into one row: x ids (1, N) on the first stage, hidden (1, N, d)
+        elsewhere; pos (R,): position of each sequence's first token here; n_valid (R,): its tokens here
+        (they sum to N); tables (R, NB): its KV blocks. Returns hidden (1, N, d), or on the last stage the
+        logits at each sequence's last token (R, V)."""
+        out = self(x, KVStep(cache, pos, n_valid, tables))
         return out[:, 0].float() if self.last else out
 
     def forward(self, x: torch.Tensor, kv: KVStep | None = None) -> torch.Tensor:

@@ -42,9 +42,26 @@ class ServeConfig:
     memory_pressure: float = _f(0.8, "hybrid: KV-cache use above this -> memory_aware")
     performance_pressure: float = _f(0.8, "hybrid: replica utilisation above this -> performance_optimized")
     imbalance: float = _f(0.5, "hybrid: outstanding-token imbalance above this -> load_balanced")
-    max_batch: int = _f(8, "sequences per request group")
-    max_groups: int = _f(4, "request groups holding a KV cache at once, per replica")
-    kv_tokens: int = _f(16384, "KV-cache budget per replica, in token slots")
+    max_batch: int = _f(
+        8,
+        "sequences per step (one micro-batch); requests join and leave it between steps (continuous batching)",
+    )
+    max_groups: int = _f(
+        4,
+        "micro-batches per replica, up to pp of them in the pipeline at once: at most max_batch x max_groups "
+        "sequences run at once, the rest wait",
+    )
+    kv_tokens: int = _f(
+        16384,
+        "KV-cache budget per replica, in tokens (kv_tokens // block_size blocks on every stage); when it runs "
+        "out the youngest running request is preempted and recomputed later",
+    )
+    block_size: int = _f(16, "tokens per KV-cache block (the paged cache's unit of allocation)")
+    max_step_tokens: int = _f(
+        2048,
+        "tokens one step feeds at most: prompts longer than what the step's decodes leave are prefilled in "
+        "chunks over several steps (chunked prefill); 0 = no limit; else more than max_batch",
+    )
     max_seq_len: int = _f(1024, "longest prompt + completion, in tokens")
     max_outstanding: int = _f(32, "requests placed on one replica before it counts as busy")
     max_pending: int = _f(64, "requests waiting for a replica before new ones get 429")
@@ -102,6 +119,7 @@ class ServeConfig:
             "max_batch",
             "max_groups",
             "kv_tokens",
+            "block_size",
             "max_seq_len",
             "max_outstanding",
             "max_pending",
@@ -120,6 +138,18 @@ class ServeConfig:
         for f in fields(self):
             if (ch := f.metadata.get("choices")) and getattr(self, f.name) not in ch:
                 raise ValueError(f"serve {f.name}={getattr(self, f.name)!r} is not one of {', '.join(ch)}")
+        if not (
+            isinstance(self.max_step_tokens, int)
+            and (self.max_step_tokens == 0 or self.max_step_tokens > self.max_batch)
+        ):
+            raise ValueError(
+                f"serve max_step_tokens={self.max_step_tokens!r} must be 0 (no limit) or more than "
+                f"max_batch={self.max_batch} (room for every decode and a prefill chunk)"
+            )
+        if self.kv_tokens < self.block_size:
+            raise ValueError(
+                f"serve kv_tokens={self.kv_tokens} must hold at least one block (block_size={self.block_size})"
+            )
         self.router().validate()
         self.slowdowns()
         if model is not None:

@@ -88,6 +88,8 @@ class Service:
             "max_batch": cfg.max_batch,
             "max_groups": cfg.max_groups,
             "kv_tokens": cfg.kv_tokens,
+            "block_size": cfg.block_size,
+            "max_step_tokens": cfg.max_step_tokens,
             "max_seq_len": cfg.max_seq_len,
         }
         spec = WorkerSpec(

@@ -129,10 +129,11 @@ def serve_rank(spec_d: dict[str, Any], channel: Channel | None) -> dict[str, Any
     topo = build_topology(spec.dp, spec.pp, spec.tp, spec.backend, spec.timeout_s)
     stage = build_serving_stage(spec, topo)
     slow = spec.slowdown[topo.dp_rank] if topo.dp_rank < len(spec.slowdown) else 1.0
-    runner = StageRunner(stage, topo, slowdown=slow)
+    limits = Limits(**spec.limits)
+    runner = StageRunner(stage, topo, slowdown=slow, kv_blocks=limits.kv_blocks, block_size=limits.block_size)
     if runner.is_driver:
         assert channel is not None, "a replica driver needs a channel"
-        return Driver(runner, channel, Limits(**spec.limits)).run()
+        return Driver(runner, channel, limits).run()
     runner.serve_forever()
     return None
 

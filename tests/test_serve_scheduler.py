@@ -1,0 +1,135 @@
+"""The replica's iteration-level scheduler (serve/scheduler.py), pure: requests join micro-batches between
+steps while seats and blocks last, newcomers prefill beside decodes in one packed step, finished ones
+leave and their blocks serve others at once, and when blocks run out the youngest sequence not in the
+pipeline is preempted (blocks freed, back to the front of the queue with what it generated)."""
+
+from __future__ import annotations
+
+import torch
+
+from hybridpar.model.blocks import BlockAllocator
+from hybridpar.serve.scheduler import Scheduler, Seq
+
+
+def seq(order: int, prompt_len: int, out: list[int] | None = None, first: int = 1) -> Seq:
+    req = {"id": f"r{order}", "prompt": list(range(first, first + prompt_len)), "max_tokens": 100}
+    return Seq(req, torch.Generator(), 0.0, order, out=list(out or []))
+
+
+def run(sched: Scheduler, step) -> None:
+    """What the driver does when a step's logits come back: everything fed is cached, one token more."""
+    for s, n in zip(step.rows, step.feeds):
+        sched.ran(s, n)
+        if not s.new:
+            s.out.append(7)
+
+
+def test_requests_join_between_steps_and_prefill_beside_decodes() -> None:
+    sched = Scheduler(BlockAllocator(16, 4), max_batch=2, max_groups=1)
+    a = seq(1, 5)
+    sched.waiting.append(a)
+    st = sched.next_step()
+    assert st.rows == [a] and st.prefill == [True] and a.table == [0, 1]  # 5 tokens: 2 blocks
+    x, meta = st.meta(scratch=16)
+    assert x.tolist() == [[1, 2, 3, 4, 5]] and meta[:, 0].tolist() == [0, 5, 0, 1]
+    run(sched, st)
+    b, c = seq(2, 3), seq(3, 2)
+    sched.waiting.extend([b, c])
+    st = sched.next_step()  # a decodes, b joins (one seat left), c waits
+    assert st.rows == [a, b] and st.prefill == [False, True] and list(sched.waiting) == [c]
+    x, meta = st.meta(scratch=16)
+    assert x.tolist() == [[7, 1, 2, 3]]  # a's last token, then b's prompt: packed, no padding
+    assert meta[:2].tolist() == [[5, 0], [1, 3]] and meta[2:, 1].tolist() == [2, 16]  # b's table padded
+    run(sched, st)
+    sched.leave(a)  # finished: its seat and blocks are free for the next step
+    assert a.table == [] and sched.alloc.used == 1
+    st = sched.next_step()
+    assert st.rows == [b, c] and st.prefill == [False, True] and not sched.waiting
+
+
+def test_micro_batches_fill_and_the_one_in_flight_is_left_alone() -> None:
+    sched = Scheduler(BlockAllocator(16, 4), max_batch=2, max_groups=2)
+    sched.waiting.extend(seq(i, 3) for i in range(1, 5))
+    first = sched.next_step()
+    first.mb.in_flight = True
+    second = sched.next_step()
+    assert first.mb is not second.mb and len(first.rows) == len(second.rows) == 2
+    second.mb.in_flight = True
+    assert sched.next_step() is None  # both in the pipeline
+    assert len(sched.running) == 4
+
+
+def test_preemption_frees_the_youngest_idle_sequence_and_requeues_it_first() -> None:
+    sched = Scheduler(BlockAllocator(3, 4), max_batch=2, max_groups=2)
+    old, young, busy = seq(1, 4), seq(3, 4), seq(2, 3)
+    for s in (old, young):
+        sched.waiting.append(s)
+    st = sched.next_step()
+    run(sched, st)  # old and young: 4 + 4 tokens in their 2 blocks, each block full
+    other = sched.mbs[1]
+    assert sched.alloc.grow(busy.table, 3)
+    other.seqs.append(busy)
+    busy.cached = 3
+    other.in_flight = True  # the youngest overall is not `busy`'s business: it is in the pipeline
+    nxt = sched.next_step()  # old needs a 2nd block, none free: young (idle, youngest) gives its block back
+    assert sched.preemptions == 1 and nxt.rows == [old] and young.cached == 0 and young.table == []
+    assert list(sched.waiting) == [young] and young.out == [7]  # keeps what it generated: recomputed later
+    assert young.tokens == [1, 2, 3, 4, 7] and busy.table and len(old.table) == 2
+    run(sched, nxt)
+    sched.leave(old)
+    other.in_flight = False
+    st = sched.next_step()  # back in once blocks are free: prompt + generated to prefill again
+    assert young in st.rows and st.prefill[st.rows.index(young)]
+    x, meta = st.meta(scratch=3)
+    # Its first block's content (tokens 1-4, its prompt and old's) is still registered: shared, so only
+    # the generated token is computed again.
+    assert meta[:2, st.rows.index(young)].tolist() == [4, 1] and sched.prefix_hit_tokens == 4
+
+
+def test_a_lone_sequence_without_a_block_preempts_itself_and_waits() -> None:
+    sched = Scheduler(BlockAllocator(2, 2), max_batch=1, max_groups=2)
+    a, b = seq(1, 2), seq(2, 2, first=50)  # prompts of their own: nothing to share
+    sched.waiting.extend([a, b])
+    sa = sched.next_step()
+    run(sched, sa)
+    sa.mb.in_flight = True
+    sb = sched.next_step()  # b joins the other micro-batch: the last block
+    run(sched, sb)
+    assert sched.alloc.free == 0
+    # b needs a block for its 3rd token; a (older) is in flight, so b itself gives way.
+    assert sched.next_step() is None and list(sched.waiting) == [b] and b.table == []
+
+
+def test_full_blocks_are_shared_by_the_same_prefix_and_kept_after_their_owner_leaves() -> None:
+    from hybridpar.model.blocks import BlockAllocator as A
+
+    a = A(6, 2)
+    t1: list[int] = []
+    assert a.grow(t1, 5) and a.commit(t1, [1, 2, 3, 4, 5], 0) == 2  # two full blocks registered
+    assert a.match([1, 2, 3, 4, 9, 9]) == t1[:2] and a.used == 3  # shared: no new block taken
+    assert a.match([1, 2, 3, 4]) == t1[:1]  # one token is always left to compute
+    assert a.match([1, 2, 7, 7, 7]) == t1[:1] and a.match([2, 1, 3]) == []
+    for _ in range(3):
+        a.release(t1[:1] if _ else t1[:2])
+    a.release(t1)
+    assert a.free == 6 and a.match([1, 2, 3, 4, 5]) == [0, 1]  # freed, content kept until reused
+    t2: list[int] = [0, 1]
+    a.release(t2)
+    t3: list[int] = []
+    assert a.grow(t3, 12) and a.match([1, 2, 3, 4, 5]) == []  # every block handed out again: forgotten
+
+
+def test_chunked_prefill_feeds_decodes_first_and_the_prompt_over_several_steps() -> None:
+    sched = Scheduler(BlockAllocator(16, 4), max_batch=2, max_groups=1, max_step_tokens=4)
+    a, b = seq(1, 2), seq(2, 9, first=50)
+    sched.waiting.append(a)
+    run(sched, sched.next_step())  # a: prompt in, first token out
+    sched.waiting.append(b)
+    feeds = []
+    while b.new:
+        st = sched.next_step()
+        assert st.rows[0] is a and sum(st.feeds) <= 4  # a's decode first, then as much of b as fits
+        feeds.append(st.feeds[1])
+        run(sched, st)
+    assert feeds == [3, 3, 3] and b.out == [7] and len(a.out) == 4  # b's first token after its last chunk
+    assert sched.next_step().feeds == [1, 1]
