@@ -5,14 +5,16 @@ document's tokens get the logits they would get alone: the same rows of the rota
 the position embedding (GPT-2), the same keys.
 
 `DocumentMask` is handed to a stage's forward where serving hands its `KVStep`: the families read
-per-row positions (`positions`, `max_len`), each layer's view (`layer`), which gives attention its mask
-(`update`: keys and values unchanged, no cache), and the head's rows (`last_tokens`: all of them). So
+per-row positions (`positions`, `max_len`), each layer's view (`layer`), which attends with the mask
+(`attend`: this step's keys and values, no cache), and the head's rows (`last_tokens`: all of them). So
 the model's code has one path for both, and the pipeline carries only the (B, T) document numbers.
 """
 
 from __future__ import annotations
 
 import torch
+
+from hybridpar.model.kvcache import sdpa
 
 
 class DocumentMask:
@@ -34,9 +36,9 @@ class DocumentMask:
     def layer(self, lid: str) -> DocumentMask:
         return self
 
-    def update(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """This step's keys and values as they are (nothing cached), with the mask attention applies."""
-        return k, v, self.mask
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """Attention of q (B, h, T, hd) over this step's keys and values (nothing cached), within documents."""
+        return sdpa(q, k, v, self.mask)
 
     def last_tokens(self, h: torch.Tensor) -> torch.Tensor:
         return h  # training and evaluation need every position's logits

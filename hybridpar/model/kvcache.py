@@ -121,12 +121,12 @@ class LayerKV:
             (P, T), L = tok.shape, read.shape[1]
             qq = q[0][:, tok.flatten()].view(h, P, T, hd).transpose(0, 1)  # (P, h, T, hd)
             kk, vv = (p.index_select(0, read.flatten()).view(P, L, kvh, hd).transpose(1, 2) for p in (pk, pv))
-            o = _sdpa(qq, kk, vv, mask)  # (P, h, T, hd)
+            o = sdpa(qq, kk, vv, mask)  # (P, h, T, hd)
             out[0][:, tok.flatten()] = o.transpose(0, 1).reshape(h, P * T, hd)
         return out
 
 
-def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
     """kv < h heads: grouped-query attention, each kv head shared by a group of query heads."""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
@@ -137,4 +137,4 @@ def _sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor 
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
     """Causal attention of q (B, h, T, hd) over k, v (B, kv, T, hd) -> (B, h, T, hd); with `kv`, over each
     sequence's cached past as well (B = 1: the step's packed row)."""
-    return _sdpa(q, k, v, None) if kv is None else kv.attend(q, k, v)
+    return sdpa(q, k, v, None) if kv is None else kv.attend(q, k, v)
