@@ -5,7 +5,7 @@ largest rank's peaks (largest file / smallest) is ~1 where memory does not grow 
 counts the token file's pages a rank has touched (`shared_mb`, file-backed and given back under
 pressure); what remains to grow is the shuffled order of the windows, 4 bytes per `--seq-len` tokens.
 
-    .venv/bin/hybridpar bench data [--sizes-mb 20,2048] [--steps 3] [--seq-len 1024] [--dir DIR] [--json FILE]
+    .venv/bin/hybridpar bench data [--sizes-mb 20,2048] [--steps 20] [--seq-len 1024] [--dir DIR] [--json FILE]
 
 A size whose file does not fit on the disk of --dir (with 1 GB to spare) is skipped, and said so.
 """
@@ -16,6 +16,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -80,19 +81,24 @@ def run_size(size_mb: int, a: argparse.Namespace, tmp: Path) -> dict:
     rc, peaks = peak_rss([exe, "train", "--config", str(toml)], env)
     data.unlink()
     ranks = sorted(peaks.values(), key=lambda m: -m["rss"])[:4]
+    steps = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
+    times = [r["step_time_s"] for r in steps if "step_time_s" in r]  # (missing if the run failed)
     return {
         "size_mb": size_mb,
         "tokens": tokens,
         "exit_code": rc,
         "peak_rss_mb": [round(m["rss"] / 2**20, 1) for m in ranks],
         "shared_mb": [round(m["shared"] / 2**20, 1) for m in ranks],
+        # The first step maps the file and faults in its first windows: where a corpus's size would show.
+        "first_step_s": round(times[0], 4) if times else None,
+        "median_step_s": round(statistics.median(times[1:]), 4) if len(times) > 1 else None,
     }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench data", description=__doc__.split("\n\n")[0])
     ap.add_argument("--sizes-mb", default="20,2048", help="token file sizes in MB, comma-separated")
-    ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=20)
     ap.add_argument("--seq-len", type=int, default=1024)
     ap.add_argument("--dir", default=None, help="where the token files are written (default: the temp dir)")
     ap.add_argument("--json", default=None, help="also write the JSON here")
@@ -114,6 +120,11 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "ratio_largest_rank_peak": (
             round(done[-1]["peak_rss_mb"][0] / done[0]["peak_rss_mb"][0], 3) if len(done) > 1 else None
+        ),
+        "ratio_first_step": (
+            round(done[-1]["first_step_s"] / done[0]["first_step_s"], 3)
+            if len(done) > 1 and done[0]["first_step_s"] and done[-1]["first_step_s"]
+            else None
         ),
         "load_avg_1m": os.getloadavg()[0],
     }
