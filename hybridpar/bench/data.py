@@ -81,8 +81,9 @@ def run_size(size_mb: int, a: argparse.Namespace, tmp: Path) -> dict:
     rc, peaks = peak_rss([exe, "train", "--config", str(toml)], env)
     data.unlink()
     ranks = sorted(peaks.values(), key=lambda m: -m["rss"])[:4]
-    steps = [json.loads(line) for line in (Path(cfg.run_dir) / "metrics.jsonl").read_text().splitlines()]
-    times = [r["step_time_s"] for r in steps if "step_time_s" in r]  # (missing if the run failed)
+    metrics = Path(cfg.run_dir) / "metrics.jsonl"  # (absent or short where the run failed: no times then)
+    records = [json.loads(line) for line in metrics.read_text().splitlines()] if metrics.exists() else []
+    times = [r["step_time_s"] for r in records if "step_time_s" in r]
     return {
         "size_mb": size_mb,
         "tokens": tokens,
