@@ -19,6 +19,7 @@ from hybridpar.config.parse import parse_args
 from hybridpar.data.corpus import TokenData
 from hybridpar.data.inputs import documents
 from hybridpar.data.sources import corpus_note, default_corpus_files, open_corpus
+from hybridpar.data.tokenfile import TOKEN_DTYPES
 from hybridpar.data.tokenizer import Tokenizer
 from hybridpar.run.data_checks import check_corpus
 from hybridpar.run.preflight import preflight
@@ -401,3 +402,30 @@ def test_workers_write_the_same_files_in_order(tok_dir: Path, tmp_path: Path) ->
         assert (tmp_path / f"one{suffix}").read_bytes() == (tmp_path / f"many{suffix}").read_bytes()
     assert len(lines) == 15 and all(line.endswith(" tokens/s)") for line in lines)
     assert lines[-1].startswith(f"hybridpar: {many['tokens']:,} tokens of 60 documents so far (")
+
+
+def test_a_slash_s_tokenizer_closes_every_json_line_with_one_end_id(tok_dir: Path, tmp_path: Path) -> None:
+    """Llama-2-style tokenizers end documents with `</s>`: taken from the tokenizer's own eos_token, one end id
+    per JSON line, never one inside a document, and the index's boundaries fall just after each."""
+    from tokenizers import Tokenizer as HFTokenizer
+
+    where = tmp_path / "slash_s"
+    where.mkdir()
+    hf = HFTokenizer.from_file(str(tok_dir / "tokenizer.json"))
+    hf.add_special_tokens(["</s>"])
+    hf.save(str(where / "tokenizer.json"))
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    (where / "tokenizer_config.json").write_text(json.dumps({**config, "eos_token": "</s>"}))
+    eos = Tokenizer(where).token_id("</s>")
+    texts = [f"document {i}: " + "def f(x):\n    return x * %d\n" % i * (1 + i % 5) for i in range(40)]
+    src = tmp_path / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": t}) + "\n" for t in texts), encoding="utf-8")
+    out = tmp_path / "d.bin"
+    assert cli.main(["data", "prepare", "--tokenizer", str(where), "--input", str(src), "--out", str(out)]) == 0
+    meta = json.loads((tmp_path / "d.json").read_text())
+    assert meta["eos_id"] == eos and meta["documents"] == len(texts)
+    ids = np.fromfile(out, dtype=TOKEN_DTYPES[meta["dtype"]])
+    ends = np.flatnonzero(ids == eos)
+    assert len(ends) == len(texts)  # exactly one per line
+    bounds = np.fromfile(tmp_path / "d.idx", dtype="<u8")
+    assert list(bounds[1:]) == [int(e) + 1 for e in ends]  # each document ends with its end id
