@@ -1,7 +1,7 @@
 """data.document_mask: attention stays inside each document of a window, positions restart per document,
 so each document's tokens get the logits they get alone; the document numbers come from the token file's
-index; text without an index is refused before launch; and tp=2 x pp=2 with the mask trains the same
-model as one device."""
+index; text without an index is refused before launch; and every schedule and axis with the mask trains
+the same model as one device."""
 
 from __future__ import annotations
 
@@ -97,12 +97,27 @@ def test_text_without_an_index_is_refused_before_launch(tmp_path: Path, capsys: 
 
 
 @pytest.mark.multiprocess
-def test_tp2_pp2_with_the_mask_equals_one_device(short_docs: tuple[Path, Path], tmp_path: Path) -> None:
-    from tests.test_equivalence import check_layouts, ref_for
+def test_the_grid_with_the_mask_equals_one_device(short_docs: tuple[Path, Path], tmp_path: Path) -> None:
+    """Every schedule and every axis once, in one launch of 4 ranks: the mask is applied inside each
+    stage's attention, so what could break it is how a layout cuts the model and the batch."""
+    from tests.test_equivalence import check_layouts, grid_config, ref_for
 
     tok, data = short_docs
     docs = dict(path=str(data), tokenizer=str(tok), document_mask=True, max_tokens=None)
-    cfg = tiny_config(model=dict(vocab_size=300), parallel=dict(tp=2, pp=2, dp=1, schedule="1f1b"), data=docs)
-    plain = tiny_config(model=dict(vocab_size=300), data={**docs, "document_mask": False})
-    assert ref_for(cfg)[0] != ref_for(plain)[0]  # the mask changes the training: the check below has teeth
-    check_layouts([cfg], tmp_path)
+    vocab = dict(vocab_size=300)
+    layouts = [  # (tp, pp, dp, schedule, virtual stages)
+        (2, 2, 1, "1f1b", 1),
+        (1, 2, 2, "zb-v", 2),
+        (2, 1, 2, "gpipe", 1),
+        (1, 2, 2, "interleaved-1f1b", 2),
+        (1, 4, 1, "zb-h1", 1),
+    ]
+    cfgs = [
+        grid_config(pp, s, v, model=vocab, parallel=dict(tp=tp, pp=pp, dp=dp), data=docs)
+        for tp, pp, dp, s, v in layouts
+    ]
+    cfgs.append(gpt2_config(tp=2, pp=2, dp=1, schedule="1f1b"))
+    cfgs[-1].model.vocab_size, cfgs[-1].data = 300, cfgs[0].data
+    plain = tiny_config(model=vocab, data={**docs, "document_mask": False})
+    assert ref_for(cfgs[0])[0] != ref_for(plain)[0]  # the mask changes the training: the check below has teeth
+    check_layouts(cfgs, tmp_path)
