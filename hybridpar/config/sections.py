@@ -102,6 +102,12 @@ class ParallelConfig:
     tp: int = _f(2, "tensor-parallel degree")
     pp: int = _f(2, "pipeline-parallel degree (pipeline ranks)")
     dp: int = _f(1, "data-parallel degree (replicas)")
+    cp: int = _f(
+        1,
+        "context-parallel degree: each sample's sequence split over cp ranks, attention by ring attention "
+        "(keys and values passed around the ranks; each rank holds sequence chunks i and 2cp-1-i, which "
+        "balances the causal work); train.seq_len must split into 2 cp chunks (docs/context-parallel.md)",
+    )
     schedule: str = _f(
         "1f1b",
         "pipeline schedule, by name: one of the registry's (hybridpar/pipeline/schedules/registry.py), "
@@ -167,11 +173,12 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tp * self.pp * self.dp
+        return self.tp * self.pp * self.dp * self.cp
 
     @property
     def layout(self) -> tuple[int, int, int]:
-        """(dp, pp, tp): the mesh's axes in rank order (topology/mesh.py)."""
+        """(dp, pp, tp): the mesh's axes in rank order (topology/mesh.py), cp aside (it is 1 wherever this
+        is read: CPU binding refuses cp > 1)."""
         return (self.dp, self.pp, self.tp)
 
     # Stages per rank (virtual_stages, or the schedule's own where unset) and the stage count are asked

@@ -45,6 +45,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_model(cfg.model, cfg.parallel, cfg.train)
     _check_recompute(cfg.train)
     _check_batch_split(cfg.train, cfg.parallel)
+    _check_context(cfg)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
     _check_planned(cfg)
@@ -86,7 +87,7 @@ def _check_ranges(cfg: Config) -> None:
         (
             "model.vocab_size model.dim model.n_layers model.n_heads model.ffn_dim model.rope_original_max_positions "
             "parallel.tp parallel.pp "
-            "parallel.dp train.steps train.global_batch train.microbatches "
+            "parallel.dp parallel.cp train.steps train.global_batch train.microbatches "
             "train.seq_len train.val_batches train.progress_every checkpoint.keep",
             count,
             "a positive integer",
@@ -218,11 +219,34 @@ def _check_balance(cfg: Config) -> None:
 
 def _check_world_size(p: ParallelConfig, world_size: int | None) -> None:
     if world_size is not None and p.world_size != world_size:
+        cp = (" × parallel.cp", f" × {p.cp}") if p.cp > 1 else ("", "")
         raise ValueError(
-            f"parallel.tp × parallel.pp × parallel.dp = {p.tp} × {p.pp} × {p.dp} = "
+            f"parallel.tp × parallel.pp × parallel.dp{cp[0]} = {p.tp} × {p.pp} × {p.dp}{cp[1]} = "
             f"{p.world_size}, but {world_size} processes were started: "
             f"start {p.world_size} processes or change the layout"
         )
+
+
+def _check_context(cfg: Config) -> None:
+    """Context parallelism (parallel.cp > 1): the sequence must cut into 2 cp equal chunks (each rank
+    holds chunk i and 2cp-1-i), and what does not compose with it yet is refused by name."""
+    p, t = cfg.parallel, cfg.train
+    if p.cp == 1:
+        return
+    _require(
+        t.seq_len % (2 * p.cp) == 0,
+        f"train.seq_len={t.seq_len} does not split into 2 × parallel.cp = {2 * p.cp} equal chunks: use a "
+        f"multiple of {2 * p.cp} (e.g. {(t.seq_len // (2 * p.cp) + 1) * 2 * p.cp})",
+    )
+    unsupported = [
+        (cfg.data.document_mask, "data.document_mask=true", "data.document_mask=false"),
+        (cfg.balance.mode != "off", f"balance.mode={cfg.balance.mode}", "balance.mode=off"),
+        (p.auto, "parallel.auto=true", "an explicit layout"),
+        (p.zero > 0 and p.dp > 1, f"parallel.zero={p.zero} with parallel.dp={p.dp}", "parallel.zero=0"),
+        (p.cpu_bind != "none", f"parallel.cpu_bind={p.cpu_bind}", "parallel.cpu_bind=none"),
+    ]
+    for bad, what, fix in unsupported:
+        _require(not bad, f"parallel.cp={p.cp} does not support {what} yet: use {fix} or parallel.cp=1")
 
 
 def check_model(m: ModelConfig) -> None:

@@ -55,7 +55,8 @@ class DataParallelGrads:
         keep_slices: bool = False,
     ) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
-        self.group = topo.group("dp") if topo.dims.dp > 1 else None
+        # Context-parallel peers hold the same parameters and each a part of every sequence's gradient.
+        self.group = topo.group("dp_cp") if topo.dims.dp * topo.dims.cp > 1 else None
         self.slices: dict[int, Slice] | None = None
         self.keep_slices = keep_slices and sharded
         self.whole_bytes = 0  # ZeRO-2: bytes of the whole gradients finish() freed (their peak, held.py)

@@ -139,7 +139,7 @@ def _train(
     resolve_init_from(cfg)  # (train() called directly, without the pre-flight)
     p = cfg.parallel
     if topo is None:
-        topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
+        topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s, p.cp)
     validate_config(cfg, world_size=topo.dims.world_size)
     run_id, token = own_run(cfg, topo, held)
     if topo.rank == 0:  # the run as it runs (layout re-planned, defaults filled in): --config reads it back

@@ -1,8 +1,9 @@
 """Process layout: `ParallelDims` (pure) and `Topology` (the live DeviceMesh and groups).
 
-Rank order is (dp, pp, tp) with tp fastest, as in Megatron-LM: tensor-parallel peers, which talk on
-every layer, are neighbouring ranks (same node, fastest links); data-parallel peers, which talk once
-per step, are furthest apart.
+Rank order is (dp, pp, cp, tp) with tp fastest, as in Megatron-LM: tensor-parallel peers, which talk on
+every layer, are neighbouring ranks (same node, fastest links); context-parallel peers, which pass keys
+and values around a ring in every attention layer, next; data-parallel peers, which talk once per step,
+are furthest apart.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from hybridpar.topology.rendezvous import worker_store_prefix
 # The parallel axes in rank order, slowest first. A new axis (a sharded-optimizer or context-parallel
 # one) is a field of ParallelDims plus its place here: coordinates, rank arithmetic, the DeviceMesh and
 # its groups all follow from this tuple.
-AXES = ("dp", "pp", "tp")
+AXES = ("dp", "pp", "cp", "tp")
 
 
 @dataclass(frozen=True)
@@ -31,6 +32,7 @@ class ParallelDims:
     pp: int
     tp: int
     world_size: int
+    cp: int = 1  # context parallelism: the sequence split over cp ranks (model/ring_attention.py)
 
     def __post_init__(self) -> None:
         for name in (*AXES, "world_size"):
@@ -50,7 +52,7 @@ class ParallelDims:
         return tuple(getattr(self, a) for a in AXES)
 
     def coords(self, rank: int) -> tuple[int, ...]:
-        """Coordinates of a global rank, in AXES order: (dp_rank, pp_rank, tp_rank)."""
+        """Coordinates of a global rank, in AXES order: (dp_rank, pp_rank, cp_rank, tp_rank)."""
         if not 0 <= rank < self.world_size:
             raise ValueError(f"rank {rank} is outside 0..{self.world_size - 1}")
         out = []
@@ -132,12 +134,18 @@ class Topology:
     dp_rank: int = field(init=False)
     pp_rank: int = field(init=False)
     tp_rank: int = field(init=False)
+    cp_rank: int = field(init=False)
     nodes: NodeMap | None = None  # which ranks share a node (topology/nodes.py); None: not gathered
 
     def __post_init__(self) -> None:
         self.dp_rank, self.pp_rank, self.tp_rank = (self.dims.coord(self.rank, a) for a in ("dp", "pp", "tp"))
+        self.cp_rank = self.dims.coord(self.rank, "cp")
 
     def group(self, axis: str) -> dist.ProcessGroup:
+        """The group of `axis` ("dp", "pp", "cp", "tp"), or "dp_cp": the ranks that hold the same
+        parameters and so sum their gradients (data-parallel replicas x context-parallel peers)."""
+        if axis == "dp_cp" and self.dims.cp == 1:
+            axis = "dp"
         return self.mesh.get_group(axis)
 
     def pp_peer(self, pp_rank: int) -> int:
@@ -145,17 +153,21 @@ class Topology:
         return self.dims.moved(self.rank, pp=pp_rank)
 
 
-def build_topology(dp: int, pp: int, tp: int, backend: str = "auto", timeout_s: float = 120.0) -> Topology:
-    """Create (or reuse) the default process group and a (dp, pp, tp) DeviceMesh whose every sub-group
+def build_topology(dp: int, pp: int, tp: int, backend: str = "auto", timeout_s: float = 120.0, cp: int = 1) -> Topology:
+    """Create (or reuse) the default process group and a (dp, pp, cp, tp) DeviceMesh whose every sub-group
     carries the same timeout."""
     backend, device_type = pick_backend(backend)
     init_process_group(backend, timeout_s)
-    dims = ParallelDims(dp=dp, pp=pp, tp=tp, world_size=dist.get_world_size())
+    dims = ParallelDims(dp=dp, pp=pp, tp=tp, cp=cp, world_size=dist.get_world_size())
     mesh = init_device_mesh(device_type, dims.shape, mesh_dim_names=AXES)
+    axes: tuple[str, ...] = AXES
+    if cp > 1:  # gradients are summed over replicas and context-parallel peers alike
+        mesh["dp", "cp"]._flatten("dp_cp")
+        axes = (*AXES, "dp_cp")
     # DeviceMesh builds its sub-groups with c10d's default timeout (30 min for gloo), not the default
     # group's: set ours on each so that no collective can hang longer than asked.
     timeout = timedelta(seconds=timeout_s)
-    for axis in AXES:
+    for axis in axes:
         dist.distributed_c10d._set_pg_timeout(timeout, mesh.get_group(axis))
     device = torch.device("cuda", torch.cuda.current_device()) if device_type == "cuda" else torch.device("cpu")
     nodes = NodeMap.gather(device, dims)  # raises if tensor-parallel peers would span nodes

@@ -68,8 +68,10 @@ class NodeMap:
         return self.node_of[a] == self.node_of[b]
 
     def spans(self, dims: ParallelDims, axis: str) -> bool:
-        """Whether some group along `axis` ('dp', 'pp' or 'tp') has ranks on more than one node."""
-        k = ("dp", "pp", "tp").index(axis)
+        """Whether some group along `axis` ('dp', 'pp', 'cp' or 'tp') has ranks on more than one node."""
+        from hybridpar.topology.mesh import AXES
+
+        k = AXES.index(axis)
         groups: dict[tuple[int, ...], set[int]] = {}
         for r in range(dims.world_size):
             c = dims.coords(r)
@@ -87,5 +89,5 @@ class NodeMap:
 
     def describe(self, dims: ParallelDims) -> str:
         """E.g. '2 nodes: tp inside nodes; pp across nodes'."""
-        across = [a for a in ("pp", "dp") if self.spans(dims, a)]
+        across = [a for a in ("cp", "pp", "dp") if self.spans(dims, a)]
         return f"{self.n_nodes} nodes: tp inside nodes" + (f"; {', '.join(across)} across nodes" if across else "")

@@ -32,6 +32,7 @@ from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
 from hybridpar.dataparallel.zero import full_optimizer_state
 from hybridpar.model.documents import DocumentMask, document_masks
 from hybridpar.model.optim import lr_at, set_lr
+from hybridpar.model.ring_attention import Ring, RingContext, shard_sequence
 from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule, stages_per_rank
 from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
@@ -74,6 +75,8 @@ class Trainer:
         self.dp = build_data_parallel(cfg, topo, self.mp.stages, self.layout)
         self.opt = build_optimizer(cfg, topo, self.mp, self.layout)
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
+        cp = cfg.parallel.cp  # context parallelism: this rank's chunks of every sequence, ring attention
+        self.ring = Ring(topo.group("cp"), cp, topo.cp_rank, cfg.parallel.timeout_s) if cp > 1 else None
         self.memory: dict[str, int] = {}  # bytes held per component at the last step's peak (trainer/held.py)
         self.oom_retries = 0  # steps redone after running out of memory, over the run
         self.cost = cost_model(cfg)  # units of work per stage, so per-rank speeds compare (report/records.py)
@@ -118,13 +121,18 @@ class Trainer:
             p = self.cfg.parallel
             self._orders[planned] = pipeline_order(planned, p.schedule, p.pp, stages_per_rank(p))
         sizes = self._orders[planned]
+        if self.ring is not None:  # the loss is a sum over tokens: each cp rank sums its own
+            x, y = (shard_sequence(t, self.ring.cp, self.ring.rank) for t in (x, y))
         xs = list(torch.split(x.to(self.topo.device), sizes))
         ys = list(torch.split(y.to(self.topo.device), sizes))
         return xs, ys
 
-    def _masks(self, d: torch.Tensor | None) -> list[DocumentMask] | None:
-        """Each microbatch's attention within documents (data.document_mask), split as the samples are."""
+    def _masks(self, d: torch.Tensor | None) -> list[DocumentMask] | list[RingContext] | None:
+        """Each microbatch's attention within documents (data.document_mask), split as the samples are;
+        or under context parallelism its ring attention and positions."""
         sizes = self._orders[self.plan.sizes[self.topo.dp_rank]]
+        if self.ring is not None:
+            return [RingContext(self.ring, self.cfg.train.seq_len, n, self.topo.device) for n in sizes]
         return None if d is None else document_masks(list(torch.split(d.to(self.topo.device), sizes)))
 
     def _global_sum(self, local: torch.Tensor | None) -> float:
