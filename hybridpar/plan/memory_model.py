@@ -179,11 +179,30 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
     return total
 
 
+def seq_len(cfg: Config) -> int:
+    """Tokens of one sample on one rank: the sequence, or under context parallelism its 1/cp (every
+    per-token term below scales with it)."""
+    return cfg.train.seq_len // cfg.parallel.cp
+
+
+def ring_attention_saved(cfg: Config, bt: int, b: int) -> int:
+    """What ring attention (parallel.cp > 1, model/ring_attention.py) saves instead of the fused kernel's:
+    its q, and k, v of the kv heads only (the rank's own block), its fp32 output and log-sum-exp, and the
+    output projection's input (the output transposed: a copy). Llama's q and k come out of the rotary
+    product with fp32 tables, so they are fp32 under autocast too (the ring computes in fp32)."""
+    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    hq, hk, hd = m.n_heads // tp, m.kv_heads // tp, m.head_dim
+    c = 2 if t.precision == "bf16" else F32
+    qk = F32 if m.family == "llama" else c
+    out = bt * hq * hd * F32 + b * hq * seq_len(cfg) * F32
+    return bt * (hq + hk) * hd * qk + bt * hk * hd * c + out + bt * hq * hd * c
+
+
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
     """Bytes autograd saves for one decoder layer's backward, microbatch of b samples (tp rank's share).
     Counted per op from what each backward reads; checked against the meter by tests/test_memory_model.py."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    bt, d, hd = b * t.seq_len, m.dim, m.head_dim
+    bt, d, hd = b * seq_len(cfg), m.dim, m.head_dim
     hq, hk, f = m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
     low = t.precision == "bf16"
     c = 2 if low else F32  # bytes of what the matmuls produce (autocast's dtype)
@@ -194,7 +213,8 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     if mode == "selective":  # the input and every matmul output
         outs = (hq + 2 * hk) * hd + 2 * d + (2 * f if llama else f)
         return x + bt * outs * c
-    attn = 4 * bt * hq * hd * c + b * hq * t.seq_len * F32  # attention's q, k, v, output; log-sum-exp (fp32)
+    attn = 4 * bt * hq * hd * c + b * hq * seq_len(cfg) * F32  # attention's q, k, v, output; log-sum-exp (fp32)
+    attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
     if llama:
         # RMSNorm keeps its input, 1/rms and the normalised input (fp32); the projections keep their
         # input: the norm's output itself in fp32, bf16 casts (one per projection) under autocast, and
@@ -205,7 +225,8 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
     norms = 2 * (bt * d + 2 * bt) * F32
     ins = 2 * bt * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs)
-    attn = bt * 3 * hq * hd * c + b * hq * t.seq_len * F32 + bt * hq * hd * c
+    attn = bt * 3 * hq * hd * c + b * hq * seq_len(cfg) * F32 + bt * hq * hd * c
+    attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
     weights = 2 * (3 * hq * hd * d + hq * hd * d + 2 * d * f) if low else 0
     return norms + ins + attn + weights + 2 * bt * f * c
 
@@ -213,13 +234,15 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
 def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
     """Per microbatch, what the embedding (first stage) and the final norm, head and loss (last) save."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    bt, d, low = b * t.seq_len, m.dim, t.precision == "bf16"
+    bt, d, low = b * seq_len(cfg), m.dim, t.precision == "bf16"
     out = 0
     if first:
         # Vocabulary-parallel lookup: shifted ids and the outside-the-shard mask (one rank: the ids
         # themselves, a view of the replica's batch, counted once per step in `step_saved`).
         out += bt * (I64 + 1) if tp > 1 else 0
-        out += t.seq_len * I64 if m.family == "gpt2" else 0  # the positions looked up
+        out += seq_len(cfg) * I64 if m.family == "gpt2" else 0  # the positions looked up
+    if cfg.parallel.cp > 1 and m.family == "llama":  # each microbatch's rows of the rotary tables (cos, sin)
+        out += 2 * bt * m.head_dim * F32
     if last:
         # The final norm as in the layers, the head's input (cast and weight cast under autocast), the
         # fp32 log-softmax over the whole vocabulary, the loss's total weight.
@@ -232,9 +255,9 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
 def step_saved(cfg: Config, first: bool, last: bool, replica: int) -> int:
     """Saved once per stage while any of its microbatches is held: the rotary tables (one storage per
     stage), the replica's token ids (first stage, one rank) and targets (last stage)."""
-    m, t = cfg.model, cfg.train
-    rope = 2 * t.seq_len * m.head_dim * F32 if m.family == "llama" else 0
-    ids = replica * t.seq_len * I64
+    m = cfg.model
+    rope = 2 * seq_len(cfg) * m.head_dim * F32 if m.family == "llama" and cfg.parallel.cp == 1 else 0
+    ids = replica * seq_len(cfg) * I64
     return rope + (ids if first and cfg.parallel.tp == 1 else 0) + (ids if last else 0)
 
 
@@ -245,7 +268,7 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     input and its (vocabulary shard of the) logits' gradient. The same whatever the recomputation: a
     recomputed layer's rerun in B hands over the same tensors."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
-    bt, d, hd, f = b * t.seq_len, m.dim, m.head_dim, m.ffn_dim // tp
+    bt, d, hd, f = b * seq_len(cfg), m.dim, m.head_dim, m.ffn_dim // tp
     hq, hk = m.n_heads // tp, m.kv_heads // tp
     c = 2 if t.precision == "bf16" else F32
     inputs = 2 * bt * d * F32 + bt * hq * hd * c + bt * f * c
@@ -281,8 +304,8 @@ def activation_peaks(
         # layers' fp32 inputs (the norms' outputs) are not what autograd saves (their bf16 casts), so
         # they come on top: two per layer, and the head's (never recomputed).
         norms = 2 * len(parts[s]) * (modes[s] == "none") + last
-        one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
-        bt_d = b * cfg.train.seq_len * cfg.model.dim
+        one += norms * b * seq_len(cfg) * cfg.model.dim * F32 if split and c == 2 else 0
+        bt_d = b * seq_len(cfg) * cfg.model.dim
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
         return one, const, kept, inside
 
@@ -345,7 +368,7 @@ class MemoryModel:
         rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks, self.program(*sched)))
         messages = self._get(
             self._messages,
-            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len, tuple(sizes)),
+            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len, p.cp, tuple(sizes)),
             lambda: message_buffers(cfg, sizes, actions, ranks, rep),
         )
         static = self._static_of(cfg, mk, parts, ranks)
@@ -375,7 +398,7 @@ class MemoryModel:
     def _activations_of(self, cfg: Config, mk: tuple, parts: list[range], sizes: list[int], sched: tuple) -> list[int]:
         # The compute lists are enough: messages save nothing (activation_peaks skips them).
         p, t = cfg.parallel, cfg.train
-        key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
+        key = (mk, p.tp, p.cp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
         compute = lambda: self.compute(*sched[:4])  # noqa: E731
         trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
         return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))

@@ -61,7 +61,7 @@ def message_buffers(
     rep = rep or replay(actions, pp, ranks)
     split, at = rep.split, rep.at
     lent = transport(cfg) == "shared_memory" and not split  # read in place in the ring until the backward
-    msg = [b * t.seq_len * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
+    msg = [b * (t.seq_len // cfg.parallel.cp) * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
     # A gradient received in fp32 is the one its W keeps (the last layer's output gradient); a bf16 one
     # is widened to fp32 first, and goes with its B.
     release = Op.WEIGHT if split and t.precision == "fp32" else Op.BACKWARD
