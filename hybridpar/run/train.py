@@ -166,8 +166,9 @@ def _steps(
     run_dir = Path(cfg.run_dir)
     trainer = Trainer(cfg, topo)
     logger.info(
-        f"run {run_id}: rank {topo.rank} of {topo.dims.world_size} (dp {topo.dp_rank}, pp {topo.pp_rank}, tp "
-        f"{topo.tp_rank}) holds "
+        f"run {run_id}: rank {topo.rank} of {topo.dims.world_size} (dp {topo.dp_rank}, pp {topo.pp_rank}, "
+        + (f"cp {topo.cp_rank}, " if topo.dims.cp > 1 else "")
+        + f"tp {topo.tp_rank}) holds "
         + ", ".join(f"stage {s} (layers {trainer.parts[s].start}-{trainer.parts[s].stop - 1})" for s in trainer.stages)
     )
     rank0 = topo.rank == 0
