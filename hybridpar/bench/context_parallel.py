@@ -10,7 +10,8 @@ pipeline/activation_meter.py) over cp = 1's, the memory model's prediction for t
 (plan/memory_model.py) and their ratio, and the step losses, which must agree with cp = 1's (the
 layouts train the same model). Time: at --time-seq-len, launches of cp = 1 and of the largest other cp
 alternate for --rounds rounds, each timing --steps steps after one warm-up step; the median step time
-per cp and the median of the per-round ratios. Each rank runs one thread (topology/spawn.py): cp ranks
+per cp and the median of the per-round ratios, and the CPU seconds per step summed over ranks (the work
+done, which a loaded machine's waits for a core do not inflate). Each rank runs one thread (topology/spawn.py): cp ranks
 are cp cores, so the ratio shows what splitting a sequence over more cores gains after the ring's
 traffic, which overlaps each block's compute. The load average is taken before and after.
 """
@@ -22,6 +23,7 @@ import json
 import os
 import statistics
 import sys
+import time
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules.config_rules import validate_config
@@ -47,8 +49,13 @@ def _worker(cfg_dict: dict) -> dict:
     cfg = Config.from_dict(cfg_dict)
     p = cfg.parallel
     trainer = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s, p.cp))
-    recs = [trainer.step(s) for s in range(cfg.train.steps)]
+    recs, cpu = [], []
+    for s in range(cfg.train.steps):
+        c0 = time.process_time()
+        recs.append(trainer.step(s))
+        cpu.append(time.process_time() - c0)
     return {
+        "cpu_s": cpu[1:],
         "losses": [r["loss"] for r in recs],
         "step_times_s": [r["step_time_s"] for r in recs[1:]],  # the first step warms up
         "activation_peak_bytes": max(r["activation_peak_bytes"] for r in recs),
@@ -56,7 +63,9 @@ def _worker(cfg_dict: dict) -> dict:
 
 
 def _launch(cfg: Config) -> dict:
-    return run_ranks(_worker, cfg.parallel.cp, cfg.to_dict(), timeout_s=1800)[0]
+    """Rank 0's record, with the CPU seconds per step summed over the ranks (median over steps)."""
+    ranks = run_ranks(_worker, cfg.parallel.cp, cfg.to_dict(), timeout_s=1800)
+    return {**ranks[0], "cpu_s": sum(statistics.median(r["cpu_s"]) for r in ranks)}
 
 
 def memory_records(cps: list[int], seq_len: int, steps: int) -> list[dict]:
@@ -81,12 +90,15 @@ def memory_records(cps: list[int], seq_len: int, steps: int) -> list[dict]:
 
 def time_record(cp: int, seq_len: int, steps: int, rounds: int) -> dict:
     times: dict[int, list[float]] = {1: [], cp: []}
+    cpu: dict[int, list[float]] = {1: [], cp: []}
     ratios = []
     for r in range(rounds):
         block = {}
         for c in (1, cp) if r % 2 == 0 else (cp, 1):  # alternate which goes first
-            block[c] = statistics.median(_launch(bench_config(c, seq_len, steps + 1))["step_times_s"])
+            got = _launch(bench_config(c, seq_len, steps + 1))
+            block[c] = statistics.median(got["step_times_s"])
             times[c] += [block[c]]
+            cpu[c] += [got["cpu_s"]]
         ratios.append(block[cp] / block[1])
     return {
         "seq_len": seq_len,
@@ -96,6 +108,9 @@ def time_record(cp: int, seq_len: int, steps: int, rounds: int) -> dict:
         "median_step_time_s": {f"cp{c}": statistics.median(v) for c, v in times.items()},
         "step_time_vs_cp1": statistics.median(ratios),
         "step_time_vs_cp1_spread": [min(ratios), max(ratios)],
+        # CPU seconds per step summed over the ranks: the work each does, whatever the machine's load
+        "cpu_s_per_step": {f"cp{c}": statistics.median(v) for c, v in cpu.items()},
+        "cpu_time_vs_cp1": statistics.median(cpu[cp]) / statistics.median(cpu[1]),
     }
 
 

@@ -169,7 +169,9 @@ class _RingAttention(torch.autograd.Function):
             attend_block(qf, kv, ring.rank, (ring.rank - j) % ring.cp, ring.cp, acc)
             ring.wait(works)
             kv = nxt
-        out = torch.cat([acc[0][0], acc[1][0]], dim=2)  # (B, h, 2C, hd)
+        # (B, h, 2C, hd) as a view of a (B, 2C, h, hd) tensor: the caller's transpose back to tokens-major
+        # is then a view too, and the output projection saves the very storage kept here for backward.
+        out = torch.cat([acc[0][0], acc[1][0]], dim=2).transpose(1, 2).contiguous().transpose(1, 2)
         lse = torch.cat([acc[0][1], acc[1][1]], dim=2)  # (B, h, 2C)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.ring = ring

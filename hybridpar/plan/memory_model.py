@@ -188,14 +188,15 @@ def seq_len(cfg: Config) -> int:
 def ring_attention_saved(cfg: Config, bt: int, b: int) -> int:
     """What ring attention (parallel.cp > 1, model/ring_attention.py) saves instead of the fused kernel's:
     its q, and k, v of the kv heads only (the rank's own block), its fp32 output and log-sum-exp, and the
-    output projection's input (the output transposed: a copy). Llama's q and k come out of the rotary
-    product with fp32 tables, so they are fp32 under autocast too (the ring computes in fp32)."""
+    output projection's input: the output itself in fp32 (laid out tokens-major, so the projection's
+    input is a view of it), its bf16 cast under autocast. Llama's q and k come out of the rotary product
+    with fp32 tables, so they are fp32 under autocast too (the ring computes in fp32)."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     hq, hk, hd = m.n_heads // tp, m.kv_heads // tp, m.head_dim
     c = 2 if t.precision == "bf16" else F32
     qk = F32 if m.family == "llama" else c
     out = bt * hq * hd * F32 + b * hq * seq_len(cfg) * F32
-    return bt * (hq + hk) * hd * qk + bt * hk * hd * c + out + bt * hq * hd * c
+    return bt * (hq + hk) * hd * qk + bt * hk * hd * c + out + (bt * hq * hd * c if c != F32 else 0)
 
 
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
