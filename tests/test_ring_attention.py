@@ -81,7 +81,19 @@ def test_what_cp_does_not_support_is_refused_before_launch(tmp_path: Path, capsy
     for flags, what in (
         (["--data.document_mask", "true"], "data.document_mask=true"),
         (["--balance.mode", "auto"], "balance.mode=auto"),
-        (["--parallel.dp", "2", "--parallel.zero", "1"], "parallel.zero=1 with parallel.dp=2"),
+        (["--parallel.cpu_bind", "cores"], "parallel.cpu_bind=cores"),
     ):
         err = _refused(["--parallel.cp", "2", "--train.seq_len", "64", *flags], tmp_path / "r", capsys)
         assert f"parallel.cp=2 does not support {what} yet" in err, err
+
+
+def test_an_elastic_replan_keeps_cp_where_it_divides_the_world() -> None:
+    from hybridpar.model.reference import tiny_config
+    from hybridpar.resilience.elastic import replan
+
+    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=1, cp=2))  # seq_len 16: cp 2, 4 and 8 split it
+    got = [(q.tp, q.pp, q.dp, q.cp) for q in (replan(cfg, w).parallel for w in (4, 3, 6))]
+    assert got == [(1, 1, 2, 2), (1, 1, 3, 1), (1, 1, 3, 2)]
+    cfg.train.seq_len = 12  # 2 cp = 8 does not divide 12: cp 4 falls back to 2
+    cfg.parallel.cp = 4
+    assert replan(cfg, 8).parallel.cp == 2

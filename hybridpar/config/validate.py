@@ -242,7 +242,6 @@ def _check_context(cfg: Config) -> None:
         (cfg.data.document_mask, "data.document_mask=true", "data.document_mask=false"),
         (cfg.balance.mode != "off", f"balance.mode={cfg.balance.mode}", "balance.mode=off"),
         (p.auto, "parallel.auto=true", "an explicit layout"),
-        (p.zero > 0 and p.dp > 1, f"parallel.zero={p.zero} with parallel.dp={p.dp}", "parallel.zero=0"),
         (p.cpu_bind != "none", f"parallel.cpu_bind={p.cpu_bind}", "parallel.cpu_bind=none"),
     ]
     for bad, what, fix in unsupported:

@@ -55,8 +55,12 @@ class DataParallelGrads:
         keep_slices: bool = False,
     ) -> None:
         self.topo, self.stages, self.m = topo, stages, microbatches
-        # Context-parallel peers hold the same parameters and each a part of every sequence's gradient.
+        # Context-parallel peers hold the same parameters and each a part of every sequence's gradient:
+        # summed over dp x cp at once, or (ZeRO, whose slices are cut over dp) over cp first.
         self.group = topo.group("dp_cp") if topo.dims.dp * topo.dims.cp > 1 else None
+        self.cp_group = topo.group("cp") if sharded and topo.dims.cp > 1 else None
+        if self.cp_group is not None:
+            self.group = topo.group("dp")
         self.slices: dict[int, Slice] | None = None
         self.keep_slices = keep_slices and sharded
         self.whole_bytes = 0  # ZeRO-2: bytes of the whole gradients finish() freed (their peak, held.py)
@@ -106,6 +110,11 @@ class DataParallelGrads:
     def _launch(self, key: tuple[int, int]) -> None:
         self._launched.add(key)
         params = self._buckets[key[0]][key[1]]
+        if self.cp_group is not None:  # the cp sum first (blocking: the dp reduce-scatter reads it)
+            grads = [p.grad for p in params]
+            flat = torch.cat([g.reshape(-1) for g in grads])
+            dist.all_reduce(flat, group=self.cp_group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
+            _unflatten(flat, grads)
         if self.slices is not None:
             cut = [(p.grad, self.slices[id(p)]) for p in params if self.slices[id(p)].dim is not None]
             params = [p for p in params if self.slices[id(p)].dim is None]

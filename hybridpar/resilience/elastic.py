@@ -1,7 +1,9 @@
 """Elastic restarts (pure): what a worker does differently when the elastic agent restarted it, and how a
-run resumed on a different number of processes picks its new (tp, pp, dp).
+run resumed on a different number of processes picks its new (tp, pp, dp, cp).
 
 Re-plan policy (`replan`), for a world of W processes:
+0. cp: keep it if it divides W; otherwise the largest divisor of W below it that splits train.seq_len
+   into 2 cp chunks (1 at worst); steps 1-3 then lay out W / cp processes.
 1. tp: keep it if it divides W; otherwise the largest divisor of W below it that still divides the
    heads, kv heads, FFN and vocabulary (tensor-parallel peers must hold equal shards).
 2. pp: keep it if it divides W / tp and the model has enough layers; otherwise the largest such divisor
@@ -51,6 +53,10 @@ def replan(cfg: Config, world: int) -> Config:
     m, p, t = cfg.model, cfg.parallel, cfg.train
     out = copy.deepcopy(cfg)
     q, tr = out.parallel, out.train
+    # cp first (context parallelism): kept if it divides the world, else the largest divisor below it
+    # that still splits the sequence into 2 cp chunks; the other axes share what is left.
+    q.cp = next(d for d in _divisors_desc(world, p.cp) if d == 1 or t.seq_len % (2 * d) == 0)
+    cp, world = q.cp, world // q.cp
     shards = tuple(tp_split_sizes(m).values())
     tps = [d for d in _divisors_desc(world, p.tp) if all(s % d == 0 for s in shards)]
     if not tps:
@@ -83,7 +89,7 @@ def replan(cfg: Config, world: int) -> Config:
         q.partition, q.layer_costs = "params", None
     if q.partition == "layers" and stage_count(q) != stage_count(p):
         q.partition, q.stage_layers = "params", None
-    validate_config(out, world_size=world)
+    validate_config(out, world_size=world * cp)
     return out
 
 
@@ -101,8 +107,8 @@ def layout_for_world(
     p, q = cfg.parallel, new.parallel
     note = (
         f"hybridpar: elastic re-plan for {world} processes{' (planner)' if replanner is not replan else ''}: "
-        f"tp={p.tp} pp={p.pp} dp={p.dp} -> "
-        f"tp={q.tp} pp={q.pp} dp={q.dp} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
+        f"tp={p.tp} pp={p.pp} dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} -> "
+        f"tp={q.tp} pp={q.pp} dp={q.dp}{f' cp={q.cp}' if max(p.cp, q.cp) > 1 else ''} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
         f"global batch {new.train.global_batch})"
     )
     return new, note

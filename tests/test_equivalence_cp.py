@@ -1,5 +1,5 @@
 """Context parallelism (parallel.cp) trains the same model as one device: every axis it composes with
-once — cp4 alone, cp2 × tp2, cp2 × pp2 (1F1B), cp2 × dp2 with GPT-2 (learned positions) — and a run
+once — cp4 alone, cp2 × tp2, cp2 × pp2 (1F1B), cp2 × dp2 ZeRO-2 with GPT-2 (learned positions) — and a run
 that resumes across cp sizes, cp2 × tp2 → cp1 (dp2 × tp2) → cp4, all in one launch of 4 ranks on the
 equivalence tests' tiny model (whose single-device and fp64 references those tests share)."""
 
@@ -30,7 +30,9 @@ def _layout(cfg: Config, **axes: int) -> Config:
 def _configs() -> list[Config]:
     cfgs = [_layout(tiny_config(), **a) for a in (dict(cp=4), dict(cp=2, tp=2), dict(cp=2, pp=2))]
     cfgs[1].checkpoint.every, cfgs[1].checkpoint.keep = 1, 3  # the start of the resumed runs
-    return cfgs + [_layout(gpt2_config(), dp=2, cp=2)]
+    gpt2 = _layout(gpt2_config(), dp=2, cp=2)
+    gpt2.parallel.zero = 2  # ZeRO's slices are cut over dp: the gradients are summed over cp first
+    return cfgs + [gpt2]
 
 
 def _resumed_configs(out: str) -> list[Config]:
