@@ -105,10 +105,11 @@ def layout_for_world(
     new = replanner(cfg, world)
     validate_config(new, world_size=world)  # whoever chose it: a layout the run can take
     p, q = cfg.parallel, new.parallel
+    cps = (f" cp={p.cp}", f" cp={q.cp}") if max(p.cp, q.cp) > 1 else ("", "")
     note = (
         f"hybridpar: elastic re-plan for {world} processes{' (planner)' if replanner is not replan else ''}: "
-        f"tp={p.tp} pp={p.pp} dp={p.dp}{f' cp={p.cp}' if p.cp > 1 else ''} -> "
-        f"tp={q.tp} pp={q.pp} dp={q.dp}{f' cp={q.cp}' if max(p.cp, q.cp) > 1 else ''} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
+        f"tp={p.tp} pp={p.pp} dp={p.dp}{cps[0]} -> "
+        f"tp={q.tp} pp={q.pp} dp={q.dp}{cps[1]} ({q.schedule}, {new.train.microbatches} microbatches per replica, "
         f"global batch {new.train.global_batch})"
     )
     return new, note
