@@ -128,7 +128,8 @@ def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=2)
     status, text = call(port, "GET", "/metrics")
-    assert status == 200 and "hybridpar_requests_completed_total" in text and 'replica="0"' in text
+    assert status == 200 and 'hybridpar:requests_completed_total{model_name="hybridpar"}' in text
+    assert 'hybridpar:time_to_first_token_seconds_count{model_name="hybridpar"}' in text and 'replica="0"' in text
 
 
 @pytest.mark.multiprocess

@@ -119,6 +119,9 @@ class Driver:
         st.mb.in_flight, st.mb.launched_at = True, time.perf_counter()
         if self._busy_mark is None:
             self._busy_mark = st.mb.launched_at
+        for s in st.rows:
+            if s.scheduled is None:
+                s.scheduled = st.mb.launched_at
         self.in_flight.append((st, self.seq, self._issue(tick)))
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
@@ -164,6 +167,8 @@ class Driver:
                 "prompt_tokens": len(s.req["prompt"]),
                 "completion_tokens": len(s.out),
                 "latency_s": now - s.arrived,
+                # Waiting for a seat here (a request cancelled while it waited waited all its time).
+                "queue_s": (s.scheduled if s.scheduled is not None else now) - s.arrived,
                 # Measured per-token costs for the router: prefill seconds per token of its prefill step,
                 # decode seconds per step (one token per row).
                 "prefill_s_per_token": s.prefill_s / max(1, s.prompt_fed),
@@ -187,6 +192,7 @@ class Driver:
             "completed": self.completed,
             "preemptions": self.sched.preemptions,
             "prefix_hit_tokens": self.sched.prefix_hit_tokens,
+            "prefix_query_tokens": self.sched.prefix_query_tokens,
             "max_in_flight": self.max_in_flight,
             "time": now,
         }

@@ -19,7 +19,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterator, TypeVar
 
-from hybridpar.serve.api import ApiError, metrics_text, parse_completion
+from hybridpar.serve.api import ApiError, parse_completion
 from hybridpar.serve.chat import parse_chat
 from hybridpar.serve.router import Overloaded, Unavailable
 from hybridpar.serve.server import HttpServer
@@ -74,8 +74,8 @@ class Api:
                     },
                 )
             if req.path == "/metrics":
-                text = await self._run(lambda: metrics_text(self.svc.statistics()))
-                return Response(200, text.encode(), "text/plain; version=0.0.4")
+                text = await self._run(self.svc.metrics.text)
+                return Response(200, text, "text/plain; version=0.0.4; charset=utf-8")
             return await self._completions(req, chat=req.path == "/v1/chat/completions")
         except ApiError as e:
             if e.status in (429, 503):

@@ -50,6 +50,7 @@ class Seq:
     prompt_fed: int = 0  # tokens of its (last) prefill
     decode_s: float = 0.0
     decode_steps: int = 0
+    scheduled: float | None = None  # when its first step was launched (the end of its queue time)
 
     @property
     def tokens(self) -> list[int]:
@@ -98,6 +99,7 @@ class Scheduler:
         self.mbs = [MicroBatch() for _ in range(max_groups)]
         self.preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens taken from shared blocks instead of computed
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the shared blocks (vLLM's queries)
 
     @property
     def running(self) -> list[Seq]:
@@ -127,6 +129,7 @@ class Scheduler:
                 return  # not enough blocks yet: it waits (first in line) for some to free
             s.cached = s.committed * self.alloc.block_size
             self.prefix_hit_tokens += s.cached
+            self.prefix_query_tokens += len(s.tokens)
             s.new = True
             mb.seqs.append(self.waiting.popleft())
 

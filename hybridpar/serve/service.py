@@ -25,6 +25,7 @@ from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.api import ApiError
 from hybridpar.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from hybridpar.serve.config import ServeConfig
+from hybridpar.serve.metrics import ServeMetrics
 from hybridpar.serve.pool import ReplicaPool
 from hybridpar.serve.router import Request, Router
 from hybridpar.serve.text import ByteDetokenizer, NoText
@@ -54,6 +55,9 @@ class Pending:
     max_tokens: int
     msg: dict[str, Any] = field(default_factory=dict)  # what the replica's driver is sent
     created: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.monotonic)  # arrival, for the latency histograms
+    sent_at: float | None = None  # handed to its replica (the router's queue time ends)
+    last_token_at: float = 0.0
     sent: bool = False  # handed to its replica's driver
     streamed: int = 0  # tokens handed to the client: from the first on, the replica's death fails it
     events: EventQueue = field(default_factory=EventQueue)
@@ -84,6 +88,7 @@ class Service:
         self.counters: Counter = Counter()
         self.closing = False
         self.replica_status: dict[int, dict[str, Any]] = {}  # each replica's latest measured status
+        self.metrics = ServeMetrics(cfg.model_name, self.statistics)
         limits = {
             "max_batch": cfg.max_batch,
             "max_groups": cfg.max_groups,
@@ -169,7 +174,7 @@ class Service:
                         self.counters["requests_cancelled"] += 1
                 continue
             if self.pool.send(rep, p.msg):
-                p.sent = True
+                p.sent, p.sent_at = True, time.monotonic()
             else:  # the replica died before it got the request: place it again
                 placed += self._replica_down(rep)
 
@@ -223,7 +228,9 @@ class Service:
         if kind == "token":
             p = self.inflight.get(ev["id"])
             if p is not None:
-                p.streamed += 1
+                now = time.monotonic()
+                (self.metrics.itl if p.streamed else self.metrics.ttft).observe(now - (p.last_token_at or p.t0))
+                p.streamed, p.last_token_at = p.streamed + 1, now
                 p.events.put(("token", ev["token"]))
         elif kind == "done":
             with self.lock:
@@ -246,10 +253,20 @@ class Service:
                 self.counters["prompt_tokens_total"] += ev.get("prompt_tokens", 0)
                 self.counters["completion_tokens_total"] += ev.get("completion_tokens", 0)
             if p is not None:
+                if ev.get("reason") != "error":
+                    now = time.monotonic()
+                    queued = (p.sent_at or now) - p.t0 + ev.get("queue_s", 0.0)
+                    n_in, n_out = ev.get("prompt_tokens", 0), ev.get("completion_tokens", 0)
+                    self.metrics.finished(now - p.t0, queued, n_in, n_out)
                 p.events.put(("done", ev))
             self._send(placed)
         elif kind == "status":
             with self.lock:
+                last = self.replica_status.get(rep, {})
+                self.metrics.prefix(
+                    ev.get("prefix_query_tokens", 0) - last.get("prefix_query_tokens", 0),
+                    ev.get("prefix_hit_tokens", 0) - last.get("prefix_hit_tokens", 0),
+                )
                 self.replica_status[rep] = ev
                 self.router.report(
                     rep,
@@ -281,7 +298,15 @@ class Service:
 
     def statistics(self) -> dict[str, Any]:
         with self.lock:
-            return {**self.router.statistics(), "counters": dict(self.counters), "replicas_alive": self.alive()}
+            st = self.router.statistics()
+            live = [self.replica_status.get(i, {}) for i, r in enumerate(st["replicas"]) if r["alive"]]
+            return {
+                **st,
+                "counters": dict(self.counters),
+                "replicas_alive": self.alive(),
+                "running": sum(r.get("running", 0) for r in live),
+                "waiting": st["pending"] + sum(r.get("queue_depth", 0) for r in live),
+            }
 
     def close(self) -> None:
         self.closing = True
