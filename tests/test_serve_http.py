@@ -27,7 +27,15 @@ MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
 def server() -> Iterator[tuple[int, Any]]:
     from hybridpar.serve.service import Service
 
-    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60)
+    cfg = ServeConfig(
+        source="init:7",
+        served_model_name="hybridpar",
+        port=0,
+        max_seq_len=64,
+        kv_tokens=512,
+        timeout_s=60,
+        request_timeout_s=60,
+    )
     svc = Service(cfg, MODEL, cfg.source)
     srv = make_server(svc, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -209,7 +217,7 @@ class _Full:
     """A service whose router refuses everything (as `Router.submit` does when full)."""
 
     def __init__(self) -> None:
-        self.cfg = ServeConfig(model_name="m")
+        self.cfg = ServeConfig(served_model_name="m")
         self.model = MODEL
         self.counters: Counter = Counter()
 
@@ -310,6 +318,7 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
     # One replica that takes one request and queues one more: a burst of long requests fills it.
     cfg = ServeConfig(
         source="init:7",
+        served_model_name="hybridpar",
         port=0,
         max_seq_len=64,
         kv_tokens=512,
@@ -366,6 +375,7 @@ def test_killed_replica_request_completes_on_the_live_one() -> None:
     # greedy tokens that replica 1 gives it directly.
     cfg = ServeConfig(
         source="init:7",
+        served_model_name="hybridpar",
         dp=2,
         strategy="round_robin",
         max_seq_len=64,

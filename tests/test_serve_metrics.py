@@ -50,7 +50,7 @@ def status(used: int, queried: int, hit: int) -> dict[str, Any]:
 def test_histograms_count_every_request_and_counters_add_the_reports() -> None:
     from hybridpar.serve.service import Service
 
-    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin", model_name="tiny")
+    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin", served_model_name="tiny")
     svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
     reqs = [svc.submit([1, 2, 3], 4, 0.0, 1.0, None) for _ in range(3)]
     svc._on_event(0, status(128, 10, 0))

@@ -149,6 +149,7 @@ def parse_options(body: dict[str, Any], ids: list[int], max_seq_len: int, max_to
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {_short(stream)}", "stream")
     return {
+        **_stream_options(body.get("stream_options"), stream),
         "prompt": ids,
         "max_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
@@ -157,3 +158,16 @@ def parse_options(body: dict[str, Any], ids: list[int], max_seq_len: int, max_to
         "stream": stream,
         "stop": stop,
     }
+
+
+def _stream_options(options: Any, stream: bool) -> dict[str, bool]:
+    """OpenAI's stream_options: {include_usage: bool} (a last chunk with the usage), for streams only."""
+    if options is None:
+        return {"include_usage": False}
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, f"stream_options must be {{include_usage: bool}}, got {_short(options)}", "stream_options")
+    if extra := sorted(set(options) - {"include_usage"}):
+        raise ApiError(400, f"stream_options {', '.join(map(_short, extra))} is not supported", "stream_options")
+    return {"include_usage": options.get("include_usage", False)}

@@ -27,7 +27,16 @@ class ServeConfig:
         "model: a Hugging Face Llama or GPT-2 model dir (config.json + *.safetensors, such as a run's "
         "final/), a hybridpar run dir (its newest model) or checkpoint dir, or init:SEED (random init)",
     )
-    model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
+    served_model_name: str = _f(
+        "",
+        "model id clients ask for (/v1/models, a request's model); empty = --source as given (as vLLM names a "
+        "model by its path or Hugging Face name)",
+    )
+    api_key: str = _f(
+        "",
+        "when set, every /v1 request must carry 'Authorization: Bearer KEY' (401 otherwise); /health and /metrics "
+        "stay open",
+    )
     tokenizer: str = _f(
         "",
         "tokenizer directory (tokenizer.json) for text prompts and answers; empty = the model's own (its "
@@ -85,6 +94,11 @@ class ServeConfig:
         "BENCHMARK/TEST MODE, off by default: 'REPLICA:FACTOR,...' makes a replica's "
         "ranks sleep (FACTOR-1) x their measured compute, e.g. '1:2.0'",
     )
+
+    @property
+    def model_name(self) -> str:
+        """The served name: --served-model-name, else the source as given (a trailing / dropped)."""
+        return self.served_model_name or self.source.rstrip("/") or self.source
 
     def slowdowns(self) -> list[float]:
         out = [1.0] * self.dp
