@@ -51,6 +51,11 @@ class ServeConfig:
     memory_pressure: float = _f(0.8, "hybrid: KV-cache use above this -> memory_aware")
     performance_pressure: float = _f(0.8, "hybrid: replica utilisation above this -> performance_optimized")
     imbalance: float = _f(0.5, "hybrid: outstanding-token imbalance above this -> load_balanced")
+    cache_slack: int = _f(
+        4,
+        "cache_aware: a request goes to the replica holding the longest cached prefix of its prompt unless that "
+        "one has this many more requests outstanding than the least loaded (then hybrid decides)",
+    )
     max_batch: int = _f(
         8,
         "sequences per step (one micro-batch); requests join and leave it between steps (continuous batching)",
@@ -123,6 +128,8 @@ class ServeConfig:
             self.imbalance,
             self.max_outstanding,
             self.max_pending,
+            cache_slack=self.cache_slack,
+            block_size=self.block_size,
         )
 
     def validate(self, model: ModelConfig | None = None) -> None:
@@ -137,6 +144,7 @@ class ServeConfig:
             "max_seq_len",
             "max_outstanding",
             "max_pending",
+            "cache_slack",
         ):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):

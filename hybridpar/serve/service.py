@@ -27,6 +27,7 @@ from hybridpar.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.metrics import ServeMetrics
 from hybridpar.serve.pool import ReplicaPool
+from hybridpar.serve.prefix import block_hashes
 from hybridpar.serve.router import Request, Router
 from hybridpar.serve.text import ByteDetokenizer, NoText
 from hybridpar.serve.worker import WorkerSpec
@@ -156,7 +157,8 @@ class Service:
             "stop_tokens": stop_tokens or [],
         }
         with self.lock:
-            placed = self.router.submit(Request(p.id, len(prompt), max_tokens), time.monotonic())
+            req = Request(p.id, len(prompt), max_tokens, block_hashes(prompt, self.cfg.block_size))
+            placed = self.router.submit(req, time.monotonic())
             self.inflight[p.id] = p
             self.counters["requests_total"] += 1
         self._send(placed)
