@@ -71,6 +71,11 @@ class ServeConfig:
         "out the youngest running request is preempted and recomputed later",
     )
     block_size: int = _f(16, "tokens per KV-cache block (the paged cache's unit of allocation)")
+    prefix_caching: bool = _f(
+        True,
+        "share the KV blocks of a prompt's whole leading blocks that a replica computed already (true/false; "
+        "false only to measure what it saves)",
+    )
     max_step_tokens: int = _f(
         2048,
         "tokens one step feeds at most: prompts longer than what the step's decodes leave are prefilled in "
@@ -189,6 +194,13 @@ class ServeConfig:
                 raise ValueError(f"serve pp={self.pp} exceeds the model's n_layers={model.n_layers}")
 
 
+def boolean(text: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.strip().lower() not in words:
+        raise ValueError(f"expects true or false, got {text!r}")
+    return words[text.strip().lower()]
+
+
 def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
     """`--key value` (or --key=value) for ServeConfig fields; `--model.*` flags give the model shape."""
     from hybridpar.config.args import ArgParser, integer, number
@@ -207,7 +219,7 @@ def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
     cfg = ServeConfig()
     for f in fields(ServeConfig):
         kind = type(getattr(cfg, f.name))
-        typ = {int: integer, float: number}.get(kind, kind)
+        typ = {int: integer, float: number, bool: boolean}.get(kind, kind)
         dashed = "--" + f.name.replace("_", "-")
         names = [dashed] + (["--" + f.name] if "_" in f.name else [])
         ap.add_argument(*names, dest=f.name, type=typ, default=getattr(cfg, f.name))

@@ -36,6 +36,7 @@ class Limits:
     block_size: int = 16  # tokens per KV block
     max_step_tokens: int = 0  # tokens one step feeds at most (prefills chunked); 0 = no limit
     max_seq_len: int = 2048  # prompt + completion
+    prefix_caching: bool = True  # share whole prompt blocks computed already
     heartbeat_s: float = 2.0  # an idle driver sends a NOOP tick this often (keeps waits bounded)
     status_every_s: float = 0.05
 
@@ -49,7 +50,9 @@ class Driver:
         self.r, self.ch, self.lim = runner, channel, limits
         # The pool's shape is the stages' (they allocated it): the driver only keeps its free list.
         self.alloc = BlockAllocator(runner.cache.n_blocks, runner.cache.block_size)
-        self.sched = Scheduler(self.alloc, limits.max_batch, limits.max_groups, limits.max_step_tokens)
+        self.sched = Scheduler(
+            self.alloc, limits.max_batch, limits.max_groups, limits.max_step_tokens, limits.prefix_caching
+        )
         self.in_flight: deque[tuple[Step, int, torch.Tensor | None]] = deque()
         self.seq = self.arrivals = 0
         self.max_in_flight = 0

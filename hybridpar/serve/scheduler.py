@@ -91,10 +91,12 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, alloc: BlockAllocator, max_batch: int, max_groups: int, max_step_tokens: int = 0) -> None:
+    def __init__(
+        self, alloc: BlockAllocator, max_batch: int, max_groups: int, max_step_tokens: int = 0, share: bool = True
+    ) -> None:
         # Every decode of a full micro-batch fits a step, with a token to spare for a prefill.
         assert max_step_tokens == 0 or max_step_tokens > max_batch, "max_step_tokens must exceed max_batch"
-        self.alloc, self.max_batch, self.max_step_tokens = alloc, max_batch, max_step_tokens
+        self.alloc, self.max_batch, self.max_step_tokens, self.share = alloc, max_batch, max_step_tokens, share
         self.waiting: deque[Seq] = deque()
         self.mbs = [MicroBatch() for _ in range(max_groups)]
         self.preemptions = 0
@@ -122,7 +124,8 @@ class Scheduler:
     def _admit(self, mb: MicroBatch) -> None:
         while self.waiting and len(mb.seqs) < self.max_batch:
             s = self.waiting[0]
-            s.table = self.alloc.match(s.tokens)  # a prefix someone computed already: shared, not recomputed
+            # A prefix someone computed already: shared, not recomputed (unless prefix caching is off).
+            s.table = self.alloc.match(s.tokens) if self.share else []
             s.committed = len(s.table)
             if not self.alloc.grow(s.table, len(s.tokens)):
                 self.alloc.release(s.table)

@@ -127,6 +127,7 @@ class Service:
             "kv_tokens": cfg.kv_tokens,
             "block_size": cfg.block_size,
             "max_step_tokens": cfg.max_step_tokens,
+            "prefix_caching": cfg.prefix_caching,
             "max_seq_len": cfg.max_seq_len,
         }
         spec = WorkerSpec(
