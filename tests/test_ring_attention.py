@@ -82,6 +82,7 @@ def test_what_cp_does_not_support_is_refused_before_launch(tmp_path: Path, capsy
         (["--data.document_mask", "true"], "data.document_mask=true"),
         (["--balance.mode", "auto"], "balance.mode=auto"),
         (["--parallel.cpu_bind", "cores"], "parallel.cpu_bind=cores"),
+        (["--parallel.grad_sum", "tree"], "parallel.grad_sum=tree"),
     ):
         err = _refused(["--parallel.cp", "2", "--train.seq_len", "64", *flags], tmp_path / "r", capsys)
         assert f"parallel.cp=2 does not support {what} yet" in err, err
