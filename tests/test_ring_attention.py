@@ -29,10 +29,9 @@ def _ring_by_hand(q, k, v, dout, cp):
         o, lse = torch.cat([acc[0][0], acc[1][0]], 2), torch.cat([acc[0][1], acc[1][1]], 2)
         out[:, :, pos[r]] = o
         do = dout[:, :, pos[r]]
-        delta = (do * o).sum(-1)
         for j in range(cp):
             s = (r - j) % cp
-            g_q, g_kv = grad_block(q[:, :, pos[r]], kvs[s], r, s, cp, do, delta, lse)
+            g_q, g_kv = grad_block(q[:, :, pos[r]], kvs[s], r, s, cp, do, o, lse)
             dq[:, :, pos[r]] += g_q
             dkv[s] += g_kv
     for s in range(cp):
@@ -40,8 +39,13 @@ def _ring_by_hand(q, k, v, dout, cp):
     return out, dq, dk, dv
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["cpu-kernels", "op-by-op"])
 @pytest.mark.parametrize("cp", [1, 2, 4])
-def test_the_ring_gives_causal_attention_and_its_gradients(cp: int) -> None:
+def test_the_ring_gives_causal_attention_and_its_gradients(cp: int, fused: bool, monkeypatch) -> None:
+    """Both ways a block is computed: torch's fused CPU kernels, and op by op (CUDA, bf16)."""
+    import hybridpar.model.ring_attention as ring
+
+    monkeypatch.setattr(ring, "_fused", lambda q: fused)
     g = torch.Generator().manual_seed(cp)
     B, h, kv, T, hd = 2, 4, 2, 16, 8  # grouped-query: 2 query heads per kv head
     q, k, v = (torch.randn(B, n, T, hd, generator=g, requires_grad=True) for n in (h, kv, kv))

@@ -76,6 +76,12 @@ def _scores(q: torch.Tensor, k: torch.Tensor, kind: str) -> torch.Tensor:
     return s
 
 
+def _fused(q: torch.Tensor) -> bool:
+    """Whether the blocks run torch's fused CPU attention kernels (which return each block's
+    log-sum-exp and take the final one back in the backward): fp32 on the CPU; elsewhere op by op."""
+    return q.device.type == "cpu" and q.dtype == torch.float32
+
+
 def _merge(acc: Block | None, out: torch.Tensor, lse: torch.Tensor) -> Block:
     """Two partial attentions of the same queries over disjoint keys, merged by their log-sum-exps."""
     if acc is None:
@@ -95,9 +101,14 @@ def attend_block(q: torch.Tensor, kv: torch.Tensor, r: int, s: int, cp: int, acc
             if kind is None:
                 continue
             k, v = (_expand(t[:, :, j * C : (j + 1) * C].float(), h) for t in kv)
-            sc = _scores(q[:, :, i * C : (i + 1) * C], k, kind)
-            lse = sc.logsumexp(-1)
-            acc[i] = _merge(acc[i], (sc - lse.unsqueeze(-1)).exp() @ v, lse)
+            qi = q[:, :, i * C : (i + 1) * C]
+            if _fused(q):  # torch's fused kernel, which returns the block's log-sum-exp too
+                out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(qi, k, v, 0.0, kind == "causal")
+            else:
+                sc = _scores(qi, k, kind)
+                lse = sc.logsumexp(-1)
+                out = (sc - lse.unsqueeze(-1)).exp() @ v
+            acc[i] = _merge(acc[i], out, lse)
 
 
 def grad_block(
@@ -107,12 +118,14 @@ def grad_block(
     s: int,
     cp: int,
     dout: torch.Tensor,
-    delta: torch.Tensor,
+    out: torch.Tensor,
     lse: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Rank r's contribution through source s's block: (dq (B, h, 2C, hd), dkv (2, B, kv, 2C, hd)), fp32.
-    dout, lse (B, h, 2C) and delta = rowsum(dout * out) are the whole attention's (FlashAttention-2)."""
+    dout, out and lse (B, h, 2C) are the whole attention's: FlashAttention-2's backward of one block with
+    the final output and log-sum-exp gives exactly that block's share of the gradients."""
     h, C, n_kv = q.shape[1], q.shape[2] // 2, kv.shape[2]
+    delta = None if _fused(q) else (dout * out).sum(-1)  # (B, h, 2C)
     dq = torch.zeros_like(q)
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)
     for i, cq in enumerate(_chunks(cp, r)):
@@ -123,12 +136,17 @@ def grad_block(
                 continue
             cols = slice(j * C, (j + 1) * C)
             k, v = (_expand(t[:, :, cols].float(), h) for t in kv)
-            p = (_scores(qi, k, kind) - lse[:, :, rows].unsqueeze(-1)).exp()  # (B, h, Cq, Ck)
-            dv = p.transpose(-1, -2) @ dout[:, :, rows]
-            ds = p * (dout[:, :, rows] @ v.transpose(-1, -2) - delta[:, :, rows].unsqueeze(-1))
-            scale = q.shape[-1] ** -0.5
-            dq[:, :, rows] += ds @ k * scale
-            dkv[0][:, :, cols] += _fold(ds.transpose(-1, -2) @ qi * scale, n_kv)
+            if delta is None:
+                dqi, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    dout[:, :, rows], qi, k, v, out[:, :, rows], lse[:, :, rows], 0.0, kind == "causal"
+                )
+            else:
+                p = (_scores(qi, k, kind) - lse[:, :, rows].unsqueeze(-1)).exp()  # (B, h, Cq, Ck)
+                dv = p.transpose(-1, -2) @ dout[:, :, rows]
+                ds = p * (dout[:, :, rows] @ v.transpose(-1, -2) - delta[:, :, rows].unsqueeze(-1))
+                dqi, dk = ds @ k * q.shape[-1] ** -0.5, ds.transpose(-1, -2) @ qi * q.shape[-1] ** -0.5
+            dq[:, :, rows] += dqi
+            dkv[0][:, :, cols] += _fold(dk, n_kv)
             dkv[1][:, :, cols] += _fold(dv, n_kv)
     return dq, dkv
 
@@ -182,7 +200,6 @@ class _RingAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         ring: Ring = ctx.ring
         qf, do = q.float(), dout.float()
-        delta = (do * out).sum(-1)  # (B, h, 2C)
         kv = torch.stack([k, v]).contiguous()
         dq, acc = torch.zeros_like(qf), None
         for j in range(ring.cp):
@@ -192,7 +209,7 @@ class _RingAttention(torch.autograd.Function):
                 incoming = torch.empty_like(acc)
                 pairs.append((acc, incoming))
             works = ring.exchange(pairs)
-            dq_j, dkv = grad_block(qf, kv, ring.rank, (ring.rank - j) % ring.cp, ring.cp, do, delta, lse)
+            dq_j, dkv = grad_block(qf, kv, ring.rank, (ring.rank - j) % ring.cp, ring.cp, do, out, lse)
             dq += dq_j
             ring.wait(works)
             acc = dkv if acc is None else dkv + incoming
