@@ -23,25 +23,28 @@ def test_parallel_dims_coordinates_round_trip():
         assert dims.rank_of(*c) == r
         seen.add(c)
     assert len(seen) == 12
-    assert dims.coords(1) == (0, 0, 1)  # tp is the fastest axis: tp peers are neighbours
-    assert dims.coords(2) == (0, 1, 0)
+    assert dims.coords(1) == (0, 0, 0, 1)  # tp is the fastest axis: tp peers are neighbours
+    assert dims.coords(2) == (0, 1, 0, 0)
+    cp = ParallelDims(dp=2, pp=1, tp=2, cp=2, world_size=8)  # cp next: its ring peers are near neighbours
+    assert [cp.coord(r, "cp") for r in range(4)] == [0, 0, 1, 1] and cp.coords(5) == (1, 0, 0, 1)
 
 
 def test_parallel_dims_named_axes():
     """Every axis is named once (AXES): shape, coordinates and moves along one axis follow from it."""
     dims = ParallelDims(dp=2, pp=3, tp=2, world_size=12)
-    assert AXES == ("dp", "pp", "tp") and dims.shape == (2, 3, 2)
-    assert [dims.coord(7, a) for a in AXES] == list(dims.coords(7)) == [1, 0, 1]
-    assert dims.moved(7, pp=2) == dims.rank_of(1, 2, 1) == 11
+    assert AXES == ("dp", "pp", "cp", "tp") and dims.shape == (2, 3, 1, 2)
+    assert [dims.coord(7, a) for a in AXES] == list(dims.coords(7)) == [1, 0, 0, 1]
+    assert dims.moved(7, pp=2) == dims.rank_of(1, 2, 0, 1) == 11
     assert dims.moved(7, pp=0, tp=0) == 6 and dims.moved(7) == 7
-    with pytest.raises(ValueError, match=r"rank_of takes 3 coordinates \(dp, pp, tp\), got 2"):
+    with pytest.raises(ValueError, match=r"rank_of takes 4 coordinates \(dp, pp, cp, tp\), got 2"):
         dims.rank_of(1, 2)
 
 
 @pytest.mark.parametrize(
     "kw,match",
     [
-        (dict(dp=2, pp=2, tp=2, world_size=4), "2 × 2 × 2 = 8 does not equal the world size 4"),
+        (dict(dp=2, pp=2, tp=2, world_size=4), "dp × pp × cp × tp = 2 × 2 × 1 × 2 = 8 does not equal the world size 4"),
+        (dict(dp=1, pp=1, tp=1, cp=0, world_size=1), "cp must be a positive integer"),
         (dict(dp=0, pp=2, tp=2, world_size=0), "dp must be a positive integer"),
     ],
 )
