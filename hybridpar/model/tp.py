@@ -81,15 +81,17 @@ def gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(B, T/n, ...) on each of the n ranks -> the whole (B, T, ...), ranks' slices in rank order."""
     xs = _seq_first(x)
     out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    dist.all_gather_into_tensor(out, xs, group=group)
-    return out.transpose(0, 1)
+    dist.all_gather_single(out, xs, group=group)
+    # Contiguous: the projections that read it (q, k, v; gate, up) then save this one tensor for their
+    # backward, where a strided view would have each flatten, and save, a copy of its own.
+    return out.transpose(0, 1).contiguous()
 
 
 def scatter_seq_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) slice of their sum."""
     xs = _seq_first(x)
     out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
-    dist.reduce_scatter_tensor(out, xs, group=group)
+    dist.reduce_scatter_single(out, xs, group=group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -117,7 +119,7 @@ class _ScatterSeq(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return gather_seq(g.contiguous(), ctx.group).contiguous(), None
+        return gather_seq(g.contiguous(), ctx.group), None
 
 
 class _GatherLastDim(torch.autograd.Function):
