@@ -204,7 +204,7 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
         dp=k["dp"],
         schedule=k["schedule"],
         zero=k["zero"],
-        sequence_parallel=k["sp"],
+        sequence_parallel=k.get("sp", False),
         partition=k["partition"],
         virtual_stages=k["v"] if SCHEDULES[k["schedule"]].virtual_stages is None else None,
         layer_costs=[1.0] * base.model.n_layers if k["partition"] == "cost" else None,
@@ -227,7 +227,7 @@ def _group(k: dict[str, Any]) -> tuple:
 
 
 def _frugal(k: dict[str, Any], knobs_of_group: list[dict[str, Any]]) -> dict[str, Any]:
-    sp = k["tp"] > 1 and any(x["sp"] for x in knobs_of_group)
+    sp = k["tp"] > 1 and any(x.get("sp", False) for x in knobs_of_group)
     return {
         **k,
         "recompute": "full",
@@ -242,7 +242,7 @@ def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (
         RECOMPUTE.index(a["recompute"]) >= RECOMPUTE.index(b["recompute"])
         and a["zero"] >= b["zero"]
-        and a["sp"] >= b["sp"]  # sequence parallelism holds no more than without it
+        and a.get("sp", False) >= b.get("sp", False)  # sequence parallelism holds no more than without it
         and a["m"] >= b["m"]
     )
 
@@ -291,7 +291,7 @@ class Planner:
             t = dataclasses.replace(self.base.train, precision=k["precision"])
             tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
-            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k["sp"]).busy(st)
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False)).busy(st)
             embed, head = (busy_comm(e, st) for e in self.model.ends(t, k["tp"], tokens, pl.tp))
             share = sharing(shape, self.hw, pl)
             capacity = None if share is None else sum(share.capacity)
@@ -308,7 +308,7 @@ class Planner:
         pl = placement(shape, self.hw)
         t = dataclasses.replace(self.base.train, precision=k["precision"])
         tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
-        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k["sp"])
+        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False))
         embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
         per_layer = layer.f.total + layer.b.total + layer.w.total
         total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
