@@ -87,6 +87,7 @@ def test_what_cp_does_not_support_is_refused_before_launch(tmp_path: Path, capsy
         (["--balance.mode", "auto"], "balance.mode=auto"),
         (["--parallel.cpu_bind", "cores"], "parallel.cpu_bind=cores"),
         (["--parallel.grad_sum", "tree"], "parallel.grad_sum=tree"),
+        (["--parallel.tp", "2", "--parallel.sequence_parallel", "true"], "parallel.sequence_parallel=true"),
     ):
         err = _refused(["--parallel.cp", "2", "--train.seq_len", "64", *flags], tmp_path / "r", capsys)
         assert f"parallel.cp=2 does not support {what} yet" in err, err

@@ -26,6 +26,7 @@ BENCHES = (
     "step_time",
     "recompute",
     "context_parallel",
+    "sequence_parallel",
     "precision",
     "precision_quality",
     "bf16_copies",
