@@ -197,5 +197,7 @@ def run(a: Any) -> dict[str, Any]:
         body = against_transformers(a)
     else:
         body = {"prefix": prefix, "kill": kill, "pp-vs-tp": pp_vs_tp}[a.scenario](a)
-    head = {"bench": "serve", "scenario": a.scenario, "model": dataclasses.asdict(MODEL), "repeats": a.repeats}
+    head = {"bench": "serve", "scenario": a.scenario, "model": dataclasses.asdict(MODEL)}
+    if a.scenario in ("prefix", "transformers", "pp-vs-tp"):  # the others run once
+        head["repeats"] = a.repeats
     return head | body | {"load_avg_before": before, "load_avg_after": os.getloadavg(), "cpus": os.cpu_count()}
