@@ -42,14 +42,21 @@ def test_zero2_keeps_a_dp_th_of_the_gradients_in_tensors_of_their_own() -> None:
 
 
 def test_zero_levels_are_checked_before_launch() -> None:
-    """dp = 1 shards nothing: zero 1 and 2 are accepted there and act as 0 (an elastic restart that
-    shrinks dp keeps its configuration); a level that does not exist is named with the ones that do."""
+    """dp = 1 shards nothing: zero 1, 2 and 3 are accepted there and act as 0 (an elastic restart that
+    shrinks dp keeps its configuration); a level that does not exist is named with the ones that do; ZeRO-3
+    with live re-partition (which moves whole layers) is refused naming both, and so is an unknown regather."""
     from hybridpar.pipeline.schedules.config_rules import validate_config
 
-    for zero in (1, 2):
+    for zero in (1, 2, 3):
         validate_config(tiny_config(parallel=dict(dp=1, zero=zero)))
-    with pytest.raises(ValueError, match=r"parallel.zero=3 is not one of 0, 1, 2"):
-        validate_config(tiny_config(parallel=dict(zero=3)))
+    with pytest.raises(ValueError, match=r"parallel.zero=4 is not one of 0, 1, 2, 3"):
+        validate_config(tiny_config(parallel=dict(zero=4)))
+    with pytest.raises(ValueError, match=r"parallel.zero3_regather='layer' is not one of microbatch, step"):
+        validate_config(tiny_config(parallel=dict(zero=3, zero3_regather="layer")))
+    balance = dict(mode="auto")
+    validate_config(tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=2), balance=balance))
+    with pytest.raises(ValueError, match=r"balance.mode=auto moves whole layers .* parallel.zero=3 .* parallel.dp=2"):
+        validate_config(tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=3), balance=balance))
 
 
 def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
@@ -68,20 +75,24 @@ ZERO = dict(zero=1)
 
 
 def _layout_configs() -> list[Config]:
-    """Each layout under ZeRO-1, then under ZeRO-2 with tied embeddings (at pp2 the embedding's two
-    copies sum their kept slices; under ZB-V both sit on rank 0, and the W pass writes gradients late)."""
+    """Each layout under ZeRO-1, then under ZeRO-2 and 3 with tied embeddings (at pp2 the embedding's two
+    copies sum their kept slices; under ZB-V both sit on rank 0, and the W pass writes gradients late).
+    ZeRO-3: 1F1B with full recomputation and tp2 regather per microbatch (a layer recomputed in the backward
+    is gathered again), ZB-V keeps its parameters through the step."""
     cfgs = []
-    for zero in (1, 2):
-        tied = dict(tie_embeddings=zero == 2)
+    for zero in (1, 2, 3):
+        tied = dict(tie_embeddings=zero >= 2)
         for s, v in (("1f1b", 1), ("zb-v", 2)):
-            cfgs.append(grid_config(2, s, v, model=tied, parallel=dict(tp=1, pp=2, dp=2, zero=zero)))
+            z = dict(zero=zero, zero3_regather="microbatch" if s == "1f1b" else "step")
+            rec = dict(recompute="full" if zero == 3 and s == "1f1b" else "none")
+            cfgs.append(grid_config(2, s, v, model=tied, parallel=dict(tp=1, pp=2, dp=2, **z), train=rec))
         cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, zero=zero)))
     return cfgs
 
 
 def _holds_configs() -> list[Config]:
-    """No ZeRO, ZeRO-1, ZeRO-2 at dp=4, two microbatches a replica (gradients accumulate)."""
-    return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2)]
+    """No ZeRO, ZeRO-1, ZeRO-2, ZeRO-3 at dp=4, two microbatches a replica (gradients accumulate)."""
+    return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2, 3)]
 
 
 REBALANCE_STEPS = 12
@@ -136,7 +147,10 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
         tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60.0))
         tr.step(0)
         held = sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values())
-        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters()), tr.memory])
+        ps = [q for _, q in tr.mp.parameters()]
+        # ZeRO-3: bytes in the parameters' own storages at rest (0 where sliced), and all-gathers started.
+        rest, gathers = sum(q.untyped_storage().nbytes() for q in ps), 0 if tr.zero3 is None else tr.zero3.gathers
+        out.append([held, tr.dp.grads.handed, sum(q.numel() for q in ps), tr.memory, rest, gathers, len(ps)])
     return out
 
 
@@ -147,7 +161,7 @@ def test_zero1_holds_a_dp_th_of_the_optimizer_state(world4: tuple[Path, list[dic
     ranks = [r["holds"] for r in world4[1]]
     total = ranks[0][0][0]
     assert all(r[0][0] == total for r in ranks)  # without ZeRO every replica holds all of it
-    for (_, plain, n, _), (held, sharded, _, _), (held2, sharded2, _, _) in ranks:
+    for (_, plain, n, *_), (held, sharded, *_), (held2, sharded2, *_), _ in ranks:
         assert abs(held - total / 4) <= 0.02 * total / 4, (held, total / 4)
         assert held2 == held
         assert plain == {"all_reduce": n, "reduce_scatter": 0}
@@ -163,12 +177,29 @@ def test_zero2_holds_a_dp_th_of_the_gradients_at_rest(world4: tuple[Path, list[d
     whole = ranks[0][0][3]["grads"]
     model = rank_memory(_holds_configs()[2])[0]
     assert model.grads == whole and abs(model.grads_at_rest - whole / 4) <= 0.02 * whole / 4
-    for plain, zero1, zero2 in ranks:
+    for plain, zero1, zero2, _ in ranks:
         assert plain[3]["grads_at_rest"] == zero1[3]["grads_at_rest"] == zero1[3]["grads"] == whole
         at_rest = zero2[3]["grads_at_rest"]
         assert abs(at_rest - whole / 4) <= 0.02 * whole / 4, (at_rest, whole / 4)
         assert abs(at_rest - model.grads_at_rest) <= 0.02 * whole / 4
         assert zero2[3]["grads"] == whole  # the peak: the whole gradients before the reduction
+
+
+@pytest.mark.multiprocess
+def test_zero3_holds_a_dp_th_of_parameters_gradients_and_state_at_rest(world4: tuple[Path, list[dict]]) -> None:
+    """ZeRO-3 at dp=4, counted from each rank's tensors: parameters (the slices; the parameters' own
+    storages are empty) + gradients + optimizer state at rest = the whole of them without ZeRO / 4 within
+    2%; every parameter was gathered for each use: 2 microbatches x (forward + backward)."""
+    ranks = [r["holds"] for r in world4[1]]
+    plain = ranks[0][0][3]
+    total = plain["params"] + plain["grads"] + plain["optimizer"]
+    for _, _, _, zero3 in ranks:
+        mem, rest, gathers, count = zero3[3], zero3[4], zero3[5], zero3[6]
+        at_rest = mem["params_at_rest"] + mem["grads_at_rest"] + mem["optimizer"]
+        assert abs(at_rest - total / 4) <= 0.02 * total / 4, (at_rest, total / 4, mem)
+        assert rest == 0, rest  # every parameter of this model is sliced: nothing whole at rest
+        assert mem["params"] > mem["params_at_rest"]  # the step's gathered layers, counted at their peak
+        assert gathers == 2 * 2 * count, (gathers, count)
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -184,14 +215,14 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None:
-    """dp=2 (ZeRO-2) is preempted after step 2, resumes at dp=4 (ZeRO-2) to step 3, at dp=1 to step 4,
-    at dp=2 (ZeRO-1) to step 5 and at dp=3 (ZeRO-2: uneven chunks) to the end: the one-device model.
-    Each ZeRO rank writes only its slice of the optimizer state (one chunk per dp rank in DCP's
-    metadata; ZeRO-2's state is ZeRO-1's); DCP re-cuts the slices on resume."""
+    """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-3) to step 3, at dp=1 to step 4,
+    at dp=2 (ZeRO-2) to step 5 and at dp=3 (ZeRO-3: uneven chunks) to the end: the one-device model.
+    Each ZeRO rank writes only its slice of the optimizer state, and under ZeRO-3 of the parameters too
+    (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
     steps = 6
     run = str(tmp_path / "run")
-    legs = [(2, 2, "rank=0:term@step=1:phase=forward"), (4, 2, "rank=3:term@step=2:phase=forward")]
-    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "rank=1:term@step=4:phase=forward"), (3, 2, "")]
+    legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 3, "rank=3:term@step=2:phase=forward")]
+    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 2, "rank=1:term@step=4:phase=forward"), (3, 3, "")]
     losses: dict[int, float] = {}
     for i, (dp, zero, fault) in enumerate(legs):
         cfg = tiny_config(
@@ -209,13 +240,16 @@ def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
-    check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 2, 2, 0, 1, 2", state, ref)
+    check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 1, 3, 0, 2, 3", state, ref)
     from hybridpar.resilience.safe_dcp import load_metadata
 
-    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-2), 1, 2 (ZeRO-1), 3 (ZeRO-2)
+    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-3), 1, 2 (ZeRO-2), 3 (ZeRO-3)
         md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
         moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
         assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})
+        params = [k for k in md if k.startswith("model.") and k.endswith("proj.weight")]
+        zero3 = step in (3, 6)  # the parameters are written as slices, one per dp rank, none gathered
+        assert params and all(len(md[k].chunks) == (chunks if zero3 else 1) for k in params), step
 
 
 def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:

@@ -7,7 +7,8 @@ replicas (dp, and tp for norm gains) present identical tensors under one (key, o
 DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A head tied across stages
 (`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys. Under ZeRO-1 each
 dp rank writes only its slice of the optimizer state, a DTensor over the (dp, tp) sub-mesh (`Where`): no
-rank gathers the whole, and a resume at another dp, or without ZeRO, reads the slices it needs.
+rank gathers the whole, and a resume at another dp, or without ZeRO, reads the slices it needs. Under
+ZeRO-3 the parameters are written the same way, from each rank's slice (dataparallel/zero3.py).
 
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
@@ -202,13 +203,21 @@ def _opt_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[dict[str,
     return {p: (st, None) for p, st in opt.state.items()}
 
 
+def _param_shards(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[torch.Tensor, Slice]]:
+    """Under ZeRO-3, this rank's slice of each sliced parameter (the parameter itself is empty at rest)."""
+    if not isinstance(opt, ShardedAdamW) or not opt.own:
+        return {}
+    return {p: (q, s) for p, s, q in zip(opt.full, opt.slices, opt.views) if s.dim is not None}
+
+
 def _tensors(
     stages: dict[int, Stage],
     opt_state: Mapping[torch.Tensor, tuple[dict[str, torch.Tensor], Slice | None]],
     tied_copy: bool,
+    shards: Mapping[torch.Tensor, tuple[torch.Tensor, Slice]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, Where]]:
     """(key, local tensor, where it sits) for parameters and the optimizer state this rank holds of
-    them (`opt_state` as `_opt_state` gives it)."""
+    them (`opt_state` as `_opt_state` gives it; `shards`: ZeRO-3's parameter slices, `_param_shards`)."""
     for stage in stages.values():
         for name, p in stage.named_parameters():
             if stage.holds_tied_copy and stage.stored_name(name) != name:
@@ -216,7 +225,10 @@ def _tensors(
                     continue
                 name = stage.stored_name(name)  # the same weight and optimizer state as the first stage's embedding
             dim = getattr(p, "tp_dim", None)
-            yield name, p.detach(), Where(dim)
+            if shards and p in shards:  # ZeRO-3: this rank's slice, written and read in place as the state's
+                yield name, shards[p][0].detach(), Where(dim, shards[p][1])
+            else:
+                yield name, p.detach(), Where(dim)
             state, cut = opt_state.get(p, ({}, None))
             assert state, f"{name} has no optimizer state: checkpoints are taken after a step"
             for k in sorted(state):
@@ -312,14 +324,16 @@ def save_checkpoint(
     `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
     ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
     why this run no longer owns its directory, or None: a refusal leaves the commit undone."""
-    state = {k: _for_dcp(t, where, topo) for k, t, where in _tensors(stages, _opt_state(opt), tied_copy=False)}
+    tensors = _tensors(stages, _opt_state(opt), False, _param_shards(opt))
+    state = {k: _for_dcp(t, where, topo) for k, t, where in tensors}
     return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
 
 
 def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, Where]]:
     """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input;
     `as_dcp_state` turns it into DCP's state dict, off the training thread)."""
-    return [(k, t.detach().clone(), where) for k, t, where in _tensors(stages, _opt_state(opt), tied_copy=False)]
+    tensors = _tensors(stages, _opt_state(opt), False, _param_shards(opt))
+    return [(k, t.detach().clone(), where) for k, t, where in tensors]
 
 
 def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, Where]]) -> dict[str, torch.Tensor]:
@@ -408,7 +422,7 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
     targets: dict[str, list[torch.Tensor]] = {}
     bufs: dict[str, torch.Tensor] = {}
-    for key, t, where in _tensors(stages, _state_to_load(opt), tied_copy=True):
+    for key, t, where in _tensors(stages, _state_to_load(opt), True, _param_shards(opt)):
         if key not in bufs:
             bufs[key] = _for_dcp(torch.empty_like(t), where, topo)
         targets.setdefault(key, []).append(t)
