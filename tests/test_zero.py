@@ -71,6 +71,41 @@ def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
     assert slice_of(torch.Size([8, 8]), None, 1).dim is None
 
 
+def test_memory_model_knows_zero3() -> None:
+    """At dp=4: ZeRO-3's parameters at rest are a quarter of ZeRO-0's (within 2%); at their peak the slices
+    plus, per microbatch, the parameters outside layers and two layers, per step all of them; gradients
+    whole at the peak and a quarter at rest (ZeRO-2's); optimizer state ZeRO-1's; never more than ZeRO-0."""
+    est = {}
+    for zero, mode in ((0, "microbatch"), (1, "microbatch"), (3, "microbatch"), (3, "step")):
+        cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=zero, zero3_regather=mode), train=dict(global_batch=16))
+        est[zero, mode] = rank_memory(cfg)[0]
+    whole, z1, z3, z3s = est[0, "microbatch"], est[1, "microbatch"], est[3, "microbatch"], est[3, "step"]
+    assert abs(z3.params_at_rest - whole.params / 4) <= 0.02 * whole.params / 4
+    cfg = tiny_config(parallel=dict(tp=1, pp=1))
+    middle = stage_shapes(cfg, [range(0, 1), range(1, 2), range(2, 3)], 1)  # a stage of one layer: a layer
+    layer = 4 * sum(torch.Size(s).numel() for s, _ in middle)
+    others = whole.params - cfg.model.n_layers * layer  # embedding, final norm, head
+    assert others > 0 and z3.params == z3.params_at_rest + others + 2 * layer
+    assert z3s.params == z3.params_at_rest + whole.params
+    assert z3.grads == whole.grads and abs(z3.grads_at_rest - whole.grads / 4) <= 0.02 * whole.grads / 4
+    assert z3.optimizer == z1.optimizer and z3.total <= whole.total and z3s.total <= whole.total
+
+
+def test_planner_offers_zero3_and_picks_it_where_memory_requires() -> None:
+    """With a memory where only ZeRO-3 fits, every layout the planner returns is ZeRO-3 (dp > 1); with room
+    for everything it prefers a cheaper level (ZeRO-3's per-use gathers cost time)."""
+    from hybridpar.plan.search import GIB, plan
+    from tests.test_plan_search import Est, hw
+
+    def tight(cfg: Config) -> list[Est]:
+        return [Est((2 if cfg.parallel.zero == 3 else 40) * GIB)] * cfg.parallel.pp
+
+    got = plan(Config(), hw(), tight, world=4, top=3).candidates
+    assert got and all(c.cfg.parallel.zero == 3 and c.cfg.parallel.dp > 1 for c in got), [c.label for c in got]
+    roomy = plan(Config(), hw(), lambda cfg: [Est(0)] * cfg.parallel.pp, world=4, top=1).candidates[0]
+    assert roomy.cfg.parallel.zero != 3, roomy.label
+
+
 ZERO = dict(zero=1)
 
 
@@ -91,7 +126,7 @@ def _layout_configs() -> list[Config]:
 
 
 def _holds_configs() -> list[Config]:
-    """No ZeRO, ZeRO-1, ZeRO-2, ZeRO-3 at dp=4, two microbatches a replica (gradients accumulate)."""
+    """No ZeRO, ZeRO-1, ZeRO-2, ZeRO-3 at dp=4, four microbatches a replica (gradients accumulate)."""
     return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2, 3)]
 
 
@@ -133,7 +168,16 @@ def test_zero1_layouts_match_single_device(world4: tuple[Path, list[dict]]) -> N
     """World 4: pp2 x dp2 under every schedule, tp2 x dp2 with tied embeddings. Global batch 11: the
     replicas hold 6 and 5 samples."""
     out, ranks = world4
-    check_results(_layout_configs(), ranks[0]["layouts"], out / "layouts")
+    check_results([_as_reference(c) for c in _layout_configs()], ranks[0]["layouts"], out / "layouts")
+
+
+def _as_reference(cfg: Config) -> Config:
+    """`cfg` with its one-device reference's recomputation: none, whose losses and parameters are
+    bit-identical to full recomputation's (tests/test_recompute.py), so the reference and its fp64
+    yardstick are computed once for both."""
+    ref = Config.from_dict(cfg.to_dict())
+    ref.train.recompute = "none"
+    return ref
 
 
 def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
@@ -189,17 +233,22 @@ def test_zero2_holds_a_dp_th_of_the_gradients_at_rest(world4: tuple[Path, list[d
 def test_zero3_holds_a_dp_th_of_parameters_gradients_and_state_at_rest(world4: tuple[Path, list[dict]]) -> None:
     """ZeRO-3 at dp=4, counted from each rank's tensors: parameters (the slices; the parameters' own
     storages are empty) + gradients + optimizer state at rest = the whole of them without ZeRO / 4 within
-    2%; every parameter was gathered for each use: 2 microbatches x (forward + backward)."""
+    2%; every parameter was gathered for each use: each microbatch's forward and backward. Parameters at
+    their peak (slices + the most gathered at once) within 10% of the memory model's, at rest within 2%."""
     ranks = [r["holds"] for r in world4[1]]
     plain = ranks[0][0][3]
     total = plain["params"] + plain["grads"] + plain["optimizer"]
+    model = rank_memory(_holds_configs()[3])[0]
     for _, _, _, zero3 in ranks:
         mem, rest, gathers, count = zero3[3], zero3[4], zero3[5], zero3[6]
         at_rest = mem["params_at_rest"] + mem["grads_at_rest"] + mem["optimizer"]
         assert abs(at_rest - total / 4) <= 0.02 * total / 4, (at_rest, total / 4, mem)
         assert rest == 0, rest  # every parameter of this model is sliced: nothing whole at rest
         assert mem["params"] > mem["params_at_rest"]  # the step's gathered layers, counted at their peak
-        assert gathers == 2 * 2 * count, (gathers, count)
+        # The memory model: the slices, plus the parameters outside layers and two layers at the peak.
+        assert abs(mem["params_at_rest"] - model.params_at_rest) <= 0.02 * model.params_at_rest, (mem, model)
+        assert abs(mem["params"] - model.params) <= 0.10 * model.params, (mem["params"], model.params)
+        assert gathers == 2 * _holds_configs()[3].train.microbatches * count, (gathers, count)
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:

@@ -98,11 +98,15 @@ class Zero3:
             self._hooks.append(layer.register_forward_pre_hook(self._layer_pre(s, st, i)))
             self._hooks.append(layer.register_forward_hook(self._layer_post(s, st, i)))
 
-    def close(self) -> None:
-        """Gather every parameter (whole again) and remove the hooks."""
+    def gather_all(self) -> None:
+        """Every parameter whole (collective over dp), until the next `release()`."""
         for s in self.units:
             for u in range(len(self.units[s])):
                 self.gather(s, u)
+
+    def close(self) -> None:
+        """Gather every parameter (whole again) and remove the hooks."""
+        self.gather_all()
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -169,8 +173,10 @@ class Zero3:
     def _start(self, ps: list[nn.Parameter]) -> None:
         if not ps:
             return
-        for p in ps:
+        for p in ps:  # counted from here: the prefetched layer's storage is held while the current one computes
             p.data.untyped_storage().resize_(p.numel() * p.element_size())
+            self.held += p.numel() * p.element_size()
+        self.peak = max(self.peak, self.held)
         flat = [p for p in ps if in_place(p.shape, self.shards[id(p)][1])]
         works: list[Any] = []
         if flat:
@@ -200,8 +206,6 @@ class Zero3:
                 piece = part(p.data, s, r)
                 piece.copy_(buf[: piece.numel()].view(piece.shape))
         self.gathered.add(id(p))
-        self.held += p.numel() * p.element_size()
-        self.peak = max(self.peak, self.held)
         if self.meter is not None:
             self.meter.exclude(p)
 
