@@ -16,7 +16,8 @@ file), and renames the directory: the rename is the commit. Old commits go only 
 Resume verifies the manifest before anything is read (accidents: torn writes, bit flips, files of another
 step). Tampering it does not stop (whoever can replace a file can re-hash it), so nothing read runs code:
 DCP's pickled `.metadata` goes through an allowlisting unpickler (`safe_dcp.py`), tensors through
-`torch.load(weights_only=True)`. Several nodes need a shared filesystem: rank 0 hashes what every rank wrote.
+`torch.load(weights_only=True)`. Several nodes need a shared filesystem: the ranks hash the written files in
+shares (each about its own shard file) and rank 0 writes the manifest from their digests.
 """
 
 from __future__ import annotations
@@ -74,11 +75,20 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(fh.fileno())
 
 
-def write_manifest(ckpt: Path, step: int, run_id: str | None = None) -> dict[str, Any]:
+def _digest(ckpt: Path, f: Path, known: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    rel, size = f.relative_to(ckpt).as_posix(), f.stat().st_size
+    given = known.get(rel)
+    return given if given is not None and given.get("size") == size else {"size": size, "sha256": _sha256(f)}
+
+
+def write_manifest(
+    ckpt: Path, step: int, run_id: str | None = None, known: Mapping[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Write `ckpt/manifest.json` listing size and sha256 of every other file in `ckpt` (call it last),
-    and the id of the run that wrote it (see rundir.py)."""
+    and the id of the run that wrote it (see rundir.py). `known`: digests other ranks already took of
+    files they wrote (`_hash_share`), used where the size still matches; the rest are hashed here."""
     files = {
-        f.relative_to(ckpt).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        f.relative_to(ckpt).as_posix(): _digest(ckpt, f, known or {})
         for f in sorted(ckpt.rglob("*"))
         if f.is_file() and f.relative_to(ckpt).as_posix() != MANIFEST
     }
@@ -366,12 +376,14 @@ def write_committed(
         tmp.mkdir(parents=True)
         return str(tmp)
 
+    known: dict[str, dict[str, Any]] = {}
+
     def commit() -> None:
         if (why := owner_check()) is not None:
             raise RuntimeError(f"not committed: {why}")
         _write_json(tmp / STATE, trainer_state)
         on_phase("ckpt-manifest")
-        write_manifest(tmp, step, run_id)
+        write_manifest(tmp, step, run_id, known)
         on_phase("ckpt-rename")
         _commit(tmp, final, run_id)
         on_phase("ckpt-done")
@@ -382,8 +394,38 @@ def write_committed(
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)  # DCP reports a failure on any rank to all
     on_phase("ckpt-barrier")
     dist.barrier(group=group)  # every rank's files are written and synced
+    # The manifest's hashes, shared out: each rank hashes a share of the files (its own shard file first), so
+    # rank 0 does not read every byte alone; gathered as JSON bytes (nothing pickled).
+    known.update(_gather_json(topo, _hash_share(tmp, group), group))
     _on_rank0(topo, commit, fail, group)
     return final
+
+
+def _hash_share(tmp: Path, group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of this rank's share of the files DCP wrote into `tmp`: round robin over them, by
+    name, so each rank hashes about one shard file."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    files = sorted(f for f in tmp.rglob("*") if f.is_file())
+    return {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files[rank::world]}
+
+
+def _gather_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Every rank's JSON object merged (a dict), as bytes in tensors (nothing pickled on the wire). A
+    `group` of our own (the async writer's gloo group) carries CPU tensors."""
+    device = topo.device if group is None else torch.device("cpu")
+    world = dist.get_world_size(group)
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    width = max(int(n) for n in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    outs = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(outs, padded, group=group)
+    merged: dict[str, Any] = {}
+    for n, buf in zip(sizes, outs):
+        merged.update(json.loads(bytes(buf[: int(n)].cpu().tolist()).decode()))
+    return merged
 
 
 def choose_checkpoint(
