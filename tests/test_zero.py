@@ -142,13 +142,20 @@ def _rebalance_config() -> Config:
     )
 
 
-def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, out: str) -> dict:
-    """The three 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance
-    first: its timing sees nothing else run before it)."""
+def _bf16_configs() -> list[Config]:
+    """bf16 with selective recomputation at pp2 x dp2, tied: ZeRO-2, then ZeRO-3 (per-microbatch regather)."""
+    over = dict(model=dict(tie_embeddings=True), train=dict(precision="bf16", recompute="selective"))
+    return [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=z), **over) for z in (2, 3)]
+
+
+def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], out: str) -> dict:
+    """The 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance first:
+    its timing sees nothing else run before it)."""
     return {
         "rebalance": _rebalance_worker(rebalance, str(Path(out, "rebalance"))),
         "layouts": _worker(layouts, str(Path(out, "layouts"))),
         "holds": _bytes_worker(holds),
+        "bf16": _worker(bf16, str(Path(out, "bf16"))),
     }
 
 
@@ -157,10 +164,11 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """One launch for the 4-rank tests below: a launch costs ~5 s of four interpreters importing torch
     before their first step. Each test reads only its own part (rank 0's, or every rank's)."""
     out = tmp_path_factory.mktemp("world4")
-    for d in ("rebalance", "layouts"):
+    for d in ("rebalance", "layouts", "bf16"):
         (out / d).mkdir()
     layouts, holds = [c.to_dict() for c in _layout_configs()], [c.to_dict() for c in _holds_configs()]
-    return out, run_ranks(_world4_worker, 4, layouts, holds, _rebalance_config().to_dict(), str(out), timeout_s=400)
+    bf16, rebalance = [c.to_dict() for c in _bf16_configs()], _rebalance_config().to_dict()
+    return out, run_ranks(_world4_worker, 4, layouts, holds, rebalance, bf16, str(out), timeout_s=400)
 
 
 @pytest.mark.multiprocess
@@ -249,6 +257,18 @@ def test_zero3_holds_a_dp_th_of_parameters_gradients_and_state_at_rest(world4: t
         assert abs(mem["params_at_rest"] - model.params_at_rest) <= 0.02 * model.params_at_rest, (mem, model)
         assert abs(mem["params"] - model.params) <= 0.10 * model.params, (mem["params"], model.params)
         assert gathers == 2 * _holds_configs()[3].train.microbatches * count, (gathers, count)
+
+
+@pytest.mark.multiprocess
+def test_zero3_under_bf16_is_zero2_bit_for_bit(world4: tuple[Path, list[dict]]) -> None:
+    """bf16 autocast (its cache of low-precision weight copies) with selective recomputation: ZeRO-3's
+    gathered parameters are the ones ZeRO-2 holds, so every loss and every final parameter is identical
+    (ZeRO-2 itself is held to one device by the layout tests)."""
+    out, ranks = world4
+    zero2, zero3 = ranks[0]["bf16"]
+    assert zero2 == zero3
+    a, b = (torch.load(out / "bf16" / f"state{i}.pt", weights_only=True) for i in (0, 1))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
