@@ -99,6 +99,8 @@ class PipelineRuntime:
         self.profiling = False  # name each action as a torch.profiler range (set for profiled steps only)
         # Called with the stage after each of its compute actions (ZeRO-3 frees gathered parameters there).
         self.after_compute: Callable[[int], None] | None = None
+        # Sequence parallelism (model/tp.py): a message holds this tp rank's 1/seq_shards of the sequence.
+        self.seq_shards = 1
 
     def _precision(self) -> contextlib.AbstractContextManager:
         if self.autocast is None:
@@ -135,7 +137,8 @@ class PipelineRuntime:
         ref = inputs[0] if inputs[0] is not None else targets[0]
         sizes = [t.shape[0] for t in (inputs if inputs[0] is not None else targets)]
         split = any(a.op == Op.WEIGHT for a in actions)
-        st = _Step(inputs, targets, [(b, ref.shape[1], self.hidden) for b in sizes], loss_scale, train, split)
+        T = ref.shape[1] // self.seq_shards
+        st = _Step(inputs, targets, [(b, T, self.hidden) for b in sizes], loss_scale, train, split)
         st.documents = documents
         final_op = Op.WEIGHT if split else Op.BACKWARD
         done_at = {a.stage: i for i, a in enumerate(actions) if a.op == final_op}
