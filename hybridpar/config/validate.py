@@ -277,6 +277,7 @@ def _check_context(cfg: Config) -> None:
         (p.cpu_bind != "none", f"parallel.cpu_bind={p.cpu_bind}", "parallel.cpu_bind=none"),
         (p.grad_sum == "tree", "parallel.grad_sum=tree", "parallel.grad_sum=overlapped"),
         (p.sequence_parallel, "parallel.sequence_parallel=true", "parallel.sequence_parallel=false"),
+        (p.zero == 3 and p.dp > 1, "parallel.zero=3", "parallel.zero=2"),
     ]
     for bad, what, fix in unsupported:
         _require(not bad, f"parallel.cp={p.cp} does not support {what} yet: use {fix} or parallel.cp=1")
