@@ -28,7 +28,9 @@ place (all ranks computing and reducing at once) where the calibration has one, 
 communication terms stay as above.
 
 Where it carries a `[gpu_calibration]` (plan/gpu_model.py), GEMMs are timed by their shapes, attention by
-its kernel, memory-bound work and links at their achievable fractions of the datasheet figures.
+its kernel, memory-bound work and links at their achievable fractions of the datasheet figures; ZeRO-1's
+gradient reduction is a reduce-scatter and small all-reduces take NCCL's tree (plan/collectives.py); and the
+communication its `overlap` names (gpu_model.OVERLAPS) hides behind the compute it runs beside.
 
 The step time is the simulated action lists (pipeline/simulate.py, on `build_schedule`'s output, with
 the ranks sharing cores where the hardware says they do), then each rank's gradient reductions, then
