@@ -393,7 +393,8 @@ class Setup(NamedTuple):
         rank_params = [
             sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
-        world = p.tp * p.pp * p.dp
+        world, c = p.tp * p.pp * p.dp, model.counts
+        first = [(c.layer + (c.embed if r == self.ranks[0] else 0)) / p.tp for r in range(p.pp)]  # needed first
         opt = max(
             optimizer_s(
                 model,
@@ -403,7 +404,7 @@ class Setup(NamedTuple):
                 pl.dp,
                 n,
                 world,
-                math.inf if hidden is None else hidden[r],
+                (math.inf, 0.0) if hidden is None else (hidden[r], first[r]),
                 cfg.train.precision,
             )
             for r, n in enumerate(rank_params)
@@ -480,7 +481,9 @@ def predict(
         m * sum(c.f.compute + c.b.compute + c.w.compute for s, c in enumerate(su.costs) if su.ranks[s] == r)
         for r in range(p.pp)
     ]
-    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, su.ranks, work)
+    # The gradients a stage's backward produces last: its first layer's, and the embedding's on the first stage.
+    tail = [model.counts.layer + (model.counts.embed if s == 0 else 0) for s in range(len(su.parts))]
+    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, tail, su.ranks, work)
     marks = model._last[key]
     opt, fixed = su.after_pipeline(model, cfg, [marks.first_forward.get(r, 0.0) for r in range(p.pp)])
     busiest = max(range(p.pp), key=lambda r: sim.busy_s[r])
@@ -535,13 +538,15 @@ def _dp_reductions(
     hw: Hardware,
     pl: Placement,
     stage_params: list[int],
+    tail_params: list[int],
     ranks: tuple[int, ...],
     work: list[float],
 ) -> tuple[float, float]:
     """(when the last rank's gradient reductions end, how much later that is than the pipeline): each
     stage's reduction starts at its last backward action's end (or its start, where the GPU software
-    reduces buckets as that action produces them: gpu_model.OVERLAPS) and runs after the rank's earlier
-    ones, ending no sooner than that action. A rank's first one also waits for its replicas, which reach
+    reduces buckets as that action produces them: gpu_model.OVERLAPS, and then ends no sooner than that
+    action's end plus the reduction of the gradients it produces last, `tail_params`) and runs after the
+    rank's earlier ones. A rank's first one also waits for its replicas, which reach
     it apart after the step's `work` (its compute seconds) where ranks share cores (`Hardware.sync_wait_s`):
     nothing synchronises replicas before it."""
     p = cfg.parallel
@@ -556,7 +561,8 @@ def _dp_reductions(
         waited.add(r)
         start = marks.last_start[s] if early else marks.last_end[s]
         reduce = grad_reduce_s(hw, 4 * stage_params[s] / p.tp, p.dp, pl.dp, p.zero)
-        free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s])
+        last = grad_reduce_s(hw, 4 * tail_params[s] / p.tp, p.dp, pl.dp, p.zero) if early else 0.0
+        free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s] + last)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s
 
@@ -569,14 +575,15 @@ def optimizer_s(
     link: Link,
     params: float,
     world: int = 1,
-    hidden_s: float = 0.0,
+    hidden: tuple[float, float] = (0.0, 0.0),
     precision: str = "fp32",
 ) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
     over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
     of the `world` steps at once: where a node's ranks outnumber its cores they share them. Where the GPU
     software overlaps the gather (gpu_model.OVERLAPS: the compute-precision weights, dispatched at the next
-    step's start), only what exceeds `hidden_s`, the rank's time to its first forward's end, is counted."""
+    step's start), only what exceeds `hidden` = (the rank's time to its first forward's end, the parameters
+    that forward needs first), and no less than those parameters' gather, is counted."""
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     mine = params / dp if zero >= 1 else params
@@ -587,7 +594,8 @@ def optimizer_s(
     gather = all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
     if zero >= 1 and overlapped(hw.gpu_calibration, "param_gather"):
         width = 4 if precision == "fp32" else 2
-        gather = max(0.0, all_gather_s(width * params, dp, link, hw) - hidden_s)
+        hide, first = hidden
+        gather = max(all_gather_s(width * first, dp, link, hw), all_gather_s(width * params, dp, link, hw) - hide)
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
         return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather
