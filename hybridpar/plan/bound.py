@@ -65,7 +65,7 @@ def knob_bound(
     params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
     world = k["tp"] * k["pp"] * k["dp"]
     # Affine in params (max >= at mean); an overlapped parameter gather counted as wholly hidden.
-    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, (math.inf, 0.0))
+    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, hidden=(math.inf, 0.0))
     return work + opt + closing_s(model.hw, k["tp"], k["pp"], k["dp"], k["zero"], pl.world)
 
 

@@ -397,6 +397,7 @@ class Setup(NamedTuple):
             sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
         world, c = p.tp * p.pp * p.dp, model.counts
+        gathers = param_gathers(p.zero, p.zero3_regather, cfg.train.microbatches)
         first = [(c.layer + (c.embed if r == self.ranks[0] else 0)) / p.tp for r in range(p.pp)]  # needed first
         opt = max(
             optimizer_s(
@@ -407,6 +408,7 @@ class Setup(NamedTuple):
                 pl.dp,
                 n,
                 world,
+                gathers,
                 (math.inf, 0.0) if hidden is None else (hidden[r], first[r]),
                 cfg.train.precision,
             )
@@ -571,6 +573,15 @@ def _dp_reductions(
     return end, end - sim.step_time_s
 
 
+def param_gathers(zero: int, regather: str, microbatches: int) -> int:
+    """All-gathers of a rank's parameters per step: ZeRO-1 and 2 one after the optimizer step; ZeRO-3
+    (dataparallel/zero3.py) one per use: per microbatch in its forward and again in its backward, or once
+    per step where gathered parameters are kept (regather=step)."""
+    if zero < 3:
+        return 1
+    return 1 if regather == "step" else 2 * microbatches
+
+
 def optimizer_s(
     model: CostModel,
     pp: int,
@@ -579,15 +590,19 @@ def optimizer_s(
     link: Link,
     params: float,
     world: int = 1,
+    gathers: int = 1,
     hidden: tuple[float, float] = (0.0, 0.0),
     precision: str = "fp32",
 ) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
     over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
-    of the `world` steps at once: where a node's ranks outnumber its cores they share them. Where the GPU
-    software overlaps the gather (gpu_model.OVERLAPS: the compute-precision weights, dispatched at the next
-    step's start), only what exceeds `hidden` = (the rank's time to its first forward's end, the parameters
-    that forward needs first), and no less than those parameters' gather, is counted."""
+    of the `world` steps at once: where a node's ranks outnumber its cores they share them. `gathers`:
+    how many all-gathers of the parameters the step makes (`param_gathers`; ZeRO-3's, counted here whole,
+    as if the prefetch hid none of them: the planner then picks ZeRO-3 only where memory requires it).
+    Where the GPU software overlaps ZeRO-1/2's one gather (gpu_model.OVERLAPS: the compute-precision weights,
+    dispatched at the next step's start), only what exceeds `hidden` = (the rank's time to its first
+    forward's end, the parameters that forward needs first), and no less than those parameters' gather,
+    is counted."""
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     mine = params / dp if zero >= 1 else params
@@ -595,8 +610,8 @@ def optimizer_s(
     memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / bw
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
-    gather = all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
-    if zero >= 1 and overlapped(hw.gpu_calibration, "param_gather"):
+    gather = gathers * all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
+    if 1 <= zero < 3 and overlapped(hw.gpu_calibration, "param_gather"):
         width = 4 if precision == "fp32" else 2
         hide, first = hidden
         gather = max(all_gather_s(width * first, dp, link, hw), all_gather_s(width * params, dp, link, hw) - hide)
