@@ -22,6 +22,7 @@ from hybridpar.balance.live import LiveBalancer, cost_model
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.repartition import Layout
+from hybridpar.balance.restore import Restored, restored_layout
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
@@ -283,6 +284,24 @@ class Trainer:
         self.layout, self.parts = layout, list(layout.parts[d])
         self.plan = self._plan(len(self.plan.sizes[d]))
         return info
+
+    def restore_layout(self, saved: dict | None) -> Restored:
+        """After resuming from `saved` (a checkpoint's trainer state), adopt the layout it recorded where it
+        still applies (balance/restore.py), by the move a live rebalance makes (collective: every rank
+        reads the same checkpoint). Returns which layout the run starts from and why."""
+        p, t = self.cfg.parallel, self.cfg.train
+        restored = restored_layout(
+            saved,
+            self.layout,
+            pp=p.pp,
+            dp=p.dp,
+            virtual_stages=stages_per_rank(p),
+            global_batch=t.global_batch,
+            microbatches=len(self.plan.sizes[self.topo.dp_rank]),
+        )
+        if restored.layout is not None:
+            self.apply_layout(restored.layout)
+        return restored
 
     def _plan(self, count: int) -> BatchPlan:
         """The step's batch plan: the microbatch policy's, with the load balancer's replica shares."""
