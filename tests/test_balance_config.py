@@ -43,9 +43,10 @@ def test_bad_values(over: dict, fragment: str) -> None:
 def test_layouts_refused_before_launch() -> None:
     cfg = Config()
     cfg.balance.mode = "auto"
-    cfg.parallel.schedule = "zb-h1"
-    with pytest.raises(ValueError, match="re-partitions pipeline stages for parallel.schedule gpipe or 1f1b"):
+    for schedule, v in (("zb-h1", None), ("zb-v", 2), ("interleaved-1f1b", 2)):  # every schedule re-partitions
+        cfg.parallel.schedule, cfg.parallel.virtual_stages = schedule, v
         validate_config(cfg)
+    cfg.parallel.virtual_stages = None
     cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.dp = "1f1b", 1, 2
     cfg.train.microbatch_sizes = [2, 2, 2, 2]
     with pytest.raises(ValueError, match="drop them"):

@@ -3,8 +3,9 @@
 A decision is due once the detector has a full window (devices unequal from the start) and after
 every straggler change (a slowdown, or a recovery that should get its work back); a change seen
 inside the interval waits for it to end. Each position (replica d, stage s) of the (dp, pp) grid is
-one "rank" of the detector (`RankSample.rank = d * pp + s`; tensor-parallel peers of a stage move
-together, so the caller reports their slowest). The planner (`simulated.plan_layout_simulated`) then
+one "rank" of the detector (`RankSample.rank = d * pp + s`, s the pipeline rank; tensor-parallel peers
+move together, so the caller reports their slowest). With virtual stages (interleaved, ZB-V) a rank holds
+several stages, each of which runs at the rank's speed. The planner (`simulated.plan_layout_simulated`) then
 re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
@@ -23,6 +24,7 @@ from hybridpar.balance.repartition import CostModel, Layout, check_modelled, pre
 from hybridpar.balance.scores import RankSample, load_scores
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig
+from hybridpar.pipeline.schedules import schedule_spec
 
 MODES: tuple[str, ...] = ("off", "detect", "auto")
 
@@ -106,6 +108,7 @@ class Balancer:
         microbatches: int = 1,
         schedule: str = "1f1b",
         min_per_replica: int = 1,
+        virtual_stages: int = 1,
     ) -> None:
         c = config
         if c.mode not in MODES:
@@ -119,7 +122,8 @@ class Balancer:
             raise ValueError(f"microbatches={microbatches} and min_per_replica={min_per_replica} must be >= 1")
         self.config, self.cost = c, cost
         self.microbatches, self.schedule, self.min_per_replica = microbatches, schedule, min_per_replica
-        self.sim = ScheduleSim(schedule, microbatches)
+        self.sim = ScheduleSim(schedule, microbatches, virtual_stages)
+        self.virtual_stages = virtual_stages
         self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
         self.detector = StragglerDetector(c.threshold, c.window, c.patience)
         self._updates = 0
@@ -142,12 +146,15 @@ class Balancer:
             self._pending = f"first full window of {c.window} measurements"
         if self._pending is None or (self._last_decision is not None and step - self._last_decision < c.interval):
             return None
-        n = layout.dp * layout.pp
+        ranks = layout.pp // self.virtual_stages  # pipeline ranks: a position is (replica, pipeline rank)
+        n = layout.dp * ranks
         smooth = self.detector.smoothed()
         if any(r not in smooth for r in range(n)):
             return None  # some position has not reported yet: stay pending
-        # Absolute speeds (units of work per second) so that predicted steps come out in seconds.
-        speeds = [[1.0 / smooth[d * layout.pp + s] for s in range(layout.pp)] for d in range(layout.dp)]
+        # Absolute speeds (units of work per second) so that predicted steps come out in seconds; each
+        # stage runs at the speed of the rank the schedule places it on.
+        placed = schedule_spec(self.schedule).stage_ranks(ranks, self.virtual_stages)
+        speeds = [[1.0 / smooth[d * ranks + placed[s]] for s in range(layout.pp)] for d in range(layout.dp)]
         why, self._pending = self._pending, None
         # Speeds off by a relative e move a simulated step by up to e, so two candidates' difference is
         # only real beyond twice the measured noise; and never below the gain a move must bring anyway.
@@ -157,8 +164,9 @@ class Balancer:
         )
         before = self.sim.layout_step(layout, self.cost, speeds)
         after = self.sim.layout_step(new, self.cost, speeds)
-        bound_before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule)
-        bound_after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule)
+        v = self.virtual_stages
+        bound_before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule, v)
+        bound_after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule, v)
         # The simulation alone leads away from the min-bottleneck partition (beyond the margin); the bound
         # leads back to it once the simulated advantage is within the margin (e.g. a straggler recovered
         # and a partition one layer off simulates no faster than the even one, but no slower either).

@@ -261,22 +261,23 @@ class Trainer:
         """Adopt a new layout (collective): move layers with their optimizer state between this replica's
         pipeline ranks, rebuild the data-parallel and optimizer bundles, re-attach hooks, re-split the batch."""
         topo, p = self.topo, self.cfg.parallel
-        old, d, s = self.layout, topo.dp_rank, topo.pp_rank
+        old, d = self.layout, topo.dp_rank
         info: dict = {}
         if layout.parts != old.parts:
             self.dp.grads.close()
             whole = full_optimizer_state(self.opt)  # moves carry whole state (gathered under ZeRO-1)
             tp_group = topo.group("tp") if p.tp > 1 else None
+            any_stage = next(iter(self.stages.values()))
             stats = move_layers(
                 topo,
-                self.stages[s],
-                s,
+                self.stages,
                 whole,
                 old.parts[d],
                 layout.parts[d],
-                default_layer_builder(self.stages[s], tp_group, topo.device),
-                topo.pp_peer,
+                default_layer_builder(any_stage, tp_group, topo.device),
+                lambda st: topo.pp_peer(self.stage_ranks[st]),
             )
+            self.runtime.layers_changed()  # split backward's hooks were on the old layers
             info = stats.to_dict()
             self.opt = build_optimizer(self.cfg, topo, self.mp, layout, carry=whole)
             self.dp = build_data_parallel(self.cfg, topo, self.stages, layout, self.dp.plane)
