@@ -131,7 +131,7 @@ def test_margin_grows_with_measured_noise(spread: float, margin: float, sizes: l
     # 6/2 is taken. Readings spread by a median absolute deviation of 5% (the window's median is the
     # same): margin = 2 x 5% = 10% > 7.8%, the min-bottleneck 5/3 is kept.
     series = [[1.0, (1 + spread * ((s % 5) - 2)) / 0.55] for s in range(30)]
-    bal = Balancer(BalanceConfig(mode="auto", threshold=3.0), EIGHT, microbatches=1, schedule="gpipe")
+    bal = Balancer(BalanceConfig(mode="auto", threshold=3.0, window=5), EIGHT, microbatches=1, schedule="gpipe")
     (d,), _ = run(bal, Layout.uniform(R(4, 4), [1]), series)
     assert [len(r) for r in d.new.parts[0]] == sizes and d.margin == pytest.approx(margin)
     assert d.simulated_step_before_s == pytest.approx(4 + 4 / 0.55)

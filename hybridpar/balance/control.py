@@ -130,6 +130,26 @@ class Balancer:
         self._last_step: int | None = None
         self._last_decision: int | None = None
         self._pending: str | None = None  # why an evaluation is due
+        # Relative time per unit of each position (fastest = 1) when a layout was last evaluated: a drift
+        # from it beyond the margin is due for an evaluation too, even with no straggler change.
+        self._evaluated: dict[int, float] | None = None
+        self._drift_streak = 0  # consecutive updates beyond it: `patience` of them, as for a straggler
+
+    def _drifted(self, smooth: dict[int, float], n: int) -> str | None:
+        """Why the speeds call for another evaluation since the last one, or None: some position's time
+        per unit, relative to the fastest, moved by more than max(min_gain, 2 x the measured noise) (a
+        slowdown that grows or fades gradually never crosses the detector's thresholds again), in
+        `balance.patience` consecutive updates of the smoothed (median) times."""
+        if self._evaluated is None:
+            return None
+        fastest = min(smooth[r] for r in range(n))
+        tol = max(self.config.min_gain, 2.0 * self.detector.noise())
+        moved = {r: smooth[r] / fastest / self._evaluated[r] - 1.0 for r in range(n)}
+        r = max(moved, key=lambda q: abs(moved[q]))
+        self._drift_streak = self._drift_streak + 1 if abs(moved[r]) > tol else 0
+        if self._drift_streak < self.config.patience:
+            return None
+        return f"speeds drifted: position {r}'s relative time per unit {moved[r]:+.1%} since the last evaluation"
 
     def update(self, step: int, samples: Sequence[RankSample], layout: Layout) -> Decision | None:
         c = self.config
@@ -144,13 +164,18 @@ class Balancer:
             self._pending = state.reason
         elif self._updates == c.window:
             self._pending = f"first full window of {c.window} measurements"
-        if self._pending is None or (self._last_decision is not None and step - self._last_decision < c.interval):
+        if self._last_decision is not None and step - self._last_decision < c.interval:
             return None
         ranks = layout.pp // self.virtual_stages  # pipeline ranks: a position is (replica, pipeline rank)
         n = layout.dp * ranks
         smooth = self.detector.smoothed()
         if any(r not in smooth for r in range(n)):
             return None  # some position has not reported yet: stay pending
+        self._pending = self._pending or self._drifted(smooth, n)
+        if self._pending is None:
+            return None
+        fastest = min(smooth[r] for r in range(n))
+        self._evaluated, self._drift_streak = {r: smooth[r] / fastest for r in range(n)}, 0
         # Absolute speeds (units of work per second) so that predicted steps come out in seconds; each
         # stage runs at the speed of the rank the schedule places it on.
         placed = schedule_spec(self.schedule).stage_ranks(ranks, self.virtual_stages)
@@ -185,7 +210,6 @@ class Balancer:
             f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
         )
         self._last_decision = step
-        fastest = min(smooth[r] for r in range(n))
         scores = load_scores(samples, self.weights)
         return Decision(
             kind,
