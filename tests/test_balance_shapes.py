@@ -11,6 +11,7 @@ from hybridpar.balance.repartition import CostModel, Layout
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig
 from hybridpar.emulate.profiles import parse_shaped, shaped_factor
+from hybridpar.emulate.slow_link import link_delays, parse_slow_link
 from hybridpar.pipeline.partition import partition_uniform
 from tests.test_balancer import group
 
@@ -90,3 +91,19 @@ def test_a_drift_is_followed_without_oscillation() -> None:
     assert layers[-1] == 6 and min(layers) < 6  # given back at the end
     # Throughput over the whole drift: >= 0.90 of the best layout's, integrated step by step.
     assert sum(best) / sum(held) >= 0.90, sum(best) / sum(held)
+
+
+def test_slow_link() -> None:
+    assert parse_slow_link("") is None and parse_slow_link(" 1 : 10 ", pp=4) == (1, 10.0)
+    peers = {0: 10, 2: 12}  # pipeline rank 1's neighbours, by their global ranks
+    assert link_delays("1:10", 2.0, 4, 1, peers) == {12: pytest.approx(0.018)}  # (10 - 1) x 2 ms, from rank 2
+    assert link_delays("1:10", 2.0, 4, 2, {1: 11, 3: 13}) == {11: pytest.approx(0.018)}
+    assert link_delays("1:10", 2.0, 4, 0, {1: 11}) == {} and link_delays("", 2.0, 4, 1, peers) == {}
+    for spec, why in (
+        ("1-10", "malformed: expected <boundary>:<factor>"),
+        ("1:0.5", "factor must be >= 1.0"),
+        ("3:10", "boundary 3 is not between two of parallel.pp=4 pipeline ranks (0..2)"),
+    ):
+        with pytest.raises(ValueError, match="emulate.slow_link=") as e:
+            parse_slow_link(spec, pp=4)
+        assert why in str(e.value)

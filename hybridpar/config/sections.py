@@ -352,6 +352,13 @@ class EmulateConfig:
         "TESTING/BENCHMARK MODE, off by default: a short one-off slowdown, e.g. "
         "'rank=1:5.0@step=40+3' (rank 1 5x slow for steps 40-42 only)",
     )
+    slow_link: str = _f(
+        "",
+        "TESTING/BENCHMARK MODE, off by default: one pipeline boundary slower than the others, e.g. '1:10' "
+        "(messages between pipeline ranks 1 and 2 each take 9 x emulate.link_ms longer; "
+        "see hybridpar/emulate/slow_link.py)",
+    )
+    link_ms: float = _f(1.0, "the emulated time of one message on a normal link, used by emulate.slow_link only")
     fault: str = _f(
         "",
         "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "

@@ -2,7 +2,8 @@
 on and hands it over, so the trainer and the resilience session hold no emulation code of their own.
 
 - `emulated_devices`: an attachment for `Trainer.attach` (slow ranks, `emulate.slowdown`, and slowdowns
-  shaped in time, `emulate.drift` and `emulate.spike`, whose factors multiply; fixed layer
+  shaped in time, `emulate.drift` and `emulate.spike`, whose factors multiply; a slow pipeline link,
+  `emulate.slow_link`; fixed layer
   costs, `emulate.layer_ms`). `attach` re-applies it when a layout change rebuilds the trainer's pieces.
 - `fault_injector`: the injector of `emulate.fault`, for the resilience session's probe, which fires it at
   each phase (resilience/probe.py).
@@ -20,6 +21,7 @@ from hybridpar.config import Config
 from hybridpar.emulate.faults import Injector, parse_faults
 from hybridpar.emulate.layer_cost import attach_layer_cost
 from hybridpar.emulate.profiles import SHAPES, parse_shaped, shaped_factor
+from hybridpar.emulate.slow_link import link_delays
 from hybridpar.emulate.slowdown import SlowdownPlan
 from hybridpar.topology.mesh import Topology
 from hybridpar.trainer.step import Attachment, Trainer
@@ -36,10 +38,15 @@ def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
     def factor(rank: int, step: int) -> float:
         return plan.factor(rank, step) * shaped_factor(shaped, rank, step)
 
+    delays = _slow_link(cfg, topo) if cfg.emulate.slow_link.strip() else {}
+
     def attach(trainer: Trainer) -> Callable[[], None]:
         undo = [attach_layer_cost(stage, layer_ms) for stage in trainer.stages.values()]
         if plan or shaped:
             undo.append(_stretch_steps(trainer, factor))
+        if delays:
+            trainer.p2p.link_delay_s = dict(delays)
+            undo.append(trainer.p2p.link_delay_s.clear)
 
         def detach() -> None:
             for u in undo:
@@ -48,6 +55,13 @@ def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
         return detach
 
     return attach
+
+
+def _slow_link(cfg: Config, topo: Topology) -> dict[int, float]:
+    """This rank's added seconds per message received, by sender (`emulate.slow_link`)."""
+    pp, me = topo.dims.pp, topo.pp_rank
+    peers = {r: topo.pp_peer(r) for r in (me - 1, me + 1) if 0 <= r < pp}
+    return link_delays(cfg.emulate.slow_link, cfg.emulate.link_ms, pp, me, peers)
 
 
 def _stretch_steps(trainer: Trainer, factor: Callable[[int, int], float]) -> Callable[[], None]:
