@@ -59,15 +59,25 @@ def test_layouts_refused_before_launch() -> None:
 
 
 def test_bench_scenarios_are_valid_configs() -> None:
-    from hybridpar.bench.balance import SCENARIOS, parse_args, scenario_config
+    from hybridpar.bench.balance import parse_args
+    from hybridpar.bench.balance_cases import CASES, LAYOUTS, case_config
 
-    for name in SCENARIOS:
-        for mode in ("emulated", "compute"):
-            cfg = scenario_config(name, mode, 1.0, 40, True, "auto")
-            validate_config(cfg, world_size=4)
-            assert cfg.model.n_layers == 24 and cfg.emulate.slowdown == "rank=2:2.0@step=10"
-            assert cfg.emulate.layer_ms == (1.0 if mode == "emulated" else 0.0)
-    assert parse_args([]).clean_steps == 200
-    for bad in (["--scenarios", "pp8"], ["--modes", "fast"], ["--steps", "15"], ["--layer-ms", "0"]):
+    a = parse_args(["--layer-ms", "1.0"])
+    assert (a.clean_steps, a.repeats, a.drift_steps) == (200, 3, 300)
+    for layout in LAYOUTS:
+        for case in CASES:
+            if case == "slow_link" and LAYOUTS[layout]["pp"] < 4:
+                continue
+            for contender in (False, True):
+                cfg = case_config(layout, case, "emulated", a, contender)
+                validate_config(cfg, world_size=4)
+                assert cfg.model.n_layers == 24 and cfg.emulate.layer_ms == 1.0
+                assert cfg.balance.mode == ("auto" if contender or case == "clean" else "off")
+    one = case_config("dp2xpp2", "one", "compute", a, True)
+    assert one.emulate.slowdown == "rank=2:2.0@step=10" and one.emulate.layer_ms == 0.0
+    assert case_config("pp4-zb-v", "drift", "emulated", a, True).emulate.drift == "rank=2:2.5@step=10+300"
+    link = case_config("pp4-1f1b", "slow_link", "emulated", a, True)
+    assert link.emulate.slow_link == "1:10" and link.batching.policy == "adaptive"
+    for bad in (["--layouts", "pp8"], ["--cases", "three"], ["--modes", "fast"], ["--steps", "15"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
