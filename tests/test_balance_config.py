@@ -81,3 +81,27 @@ def test_bench_scenarios_are_valid_configs() -> None:
     for bad in (["--layouts", "pp8"], ["--cases", "three"], ["--modes", "fast"], ["--steps", "15"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_bench_figures_against_the_bound() -> None:
+    """A pair of runs turned into ratios: 4 ranks, clean step 1.0 s; rank 2 at 2x drags the static run to
+    2.0 s and the balanced one settles at 1.2 s. Bound: 1.0 x 4 / 3.5."""
+    from argparse import Namespace
+
+    from hybridpar.bench.balance_cases import case_config, drift_bound, figures
+
+    a = Namespace(layer_ms=1.0, link_ms=2.0, steps=40, drift_steps=300, measure=10, clean_steps=200)
+    cfg = case_config("pp4-1f1b", "one", "emulated", a, True)
+
+    def rows(times: list[float], moved_at: int | None = None) -> list[dict]:
+        out: list[dict] = [{"step": i, "step_time_s": t} for i, t in enumerate(times)]
+        if moved_at is not None:
+            out[moved_at]["balance"] = [{"event": "rebalance", "applied": True, "step": moved_at}]
+        return out
+
+    f = figures(cfg, "one", rows([1.0] * 10 + [2.0] * 30), rows([1.0] * 10 + [1.2] * 30, moved_at=14), a)
+    assert f["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2) and f["static_over_ideal"] == pytest.approx(4 / 7)
+    assert f["balanced_over_static"] == pytest.approx(2.0 / 1.2) and f["steps_to_rebalance"] == 4 and f["moves"] == 1
+    # Drift: the bound integrates each step's summed speeds (all 4 at full speed outside the drift).
+    assert drift_bound(1.0, 4, "rank=2:2.5@step=100+10", range(0, 10)) == pytest.approx(10.0)
+    assert drift_bound(1.0, 4, "rank=2:2.0@step=0+2", range(1, 2)) == pytest.approx(4 / 3.5)
