@@ -102,6 +102,8 @@ def test_bench_figures_against_the_bound() -> None:
     f = figures(cfg, "one", rows([1.0] * 10 + [2.0] * 30), rows([1.0] * 10 + [1.2] * 30, moved_at=14), a)
     assert f["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2) and f["static_over_ideal"] == pytest.approx(4 / 7)
     assert f["balanced_over_static"] == pytest.approx(2.0 / 1.2) and f["steps_to_rebalance"] == 4 and f["moves"] == 1
+    # The emulated costs' own bound: 1 ms x 3 x 28 samples x 24 layers / 3.5, 1f1b pp4 m4: x 7 / 4.
+    assert f["balanced_over_analytic"] == pytest.approx(0.001 * 3 * 28 * 24 / 3.5 * 7 / 4 / 1.2)
     # Drift: the bound integrates each step's summed speeds (all 4 at full speed outside the drift).
     assert drift_bound(1.0, 4, "rank=2:2.5@step=100+10", range(0, 10)) == pytest.approx(10.0)
     assert drift_bound(1.0, 4, "rank=2:2.0@step=0+2", range(1, 2)) == pytest.approx(4 / 3.5)

@@ -22,6 +22,7 @@ from typing import Any
 
 from hybridpar.config import Config
 from hybridpar.emulate.profiles import parse_shaped, shaped_factor
+from hybridpar.pipeline.schedules import schedule_spec
 
 ONSET = 10
 LAYOUTS: dict[str, dict[str, Any]] = {
@@ -82,6 +83,19 @@ def drift_bound(clean_step: float, world: int, drift: str, steps: range) -> floa
     return sum(clean_step * world / sum(1.0 / shaped_factor(entries, r, s) for r in range(world)) for s in steps)
 
 
+def analytic_step(cfg: Config, speeds: float) -> float:
+    """Emulated mode's bound from the emulated costs alone: every layer layer_ms per sample forward and
+    twice that backward, the work shared by `speeds` (summed rank speeds), stretched by the schedule's
+    bubble at uniform costs. It leaves out the real compute and messages, so measured steps sit above it;
+    unlike the clean-step bound it does not depend on how loaded the machine was before the onset."""
+    p, t = cfg.parallel, cfg.train
+    spec = schedule_spec(p.schedule)
+    v = spec.resolve_virtual_stages(p.virtual_stages)
+    work = cfg.emulate.layer_ms / 1000.0 * 3 * t.global_batch * cfg.model.n_layers
+    bubble = spec.bubble_fraction(p.pp, v, t.microbatches) if p.pp > 1 else 0.0
+    return work / speeds / (1.0 - bubble)
+
+
 def figures(cfg: Config, case: str, base: list[dict], cont: list[dict], a: Any) -> dict[str, Any]:
     """One pair of runs (baseline, contender) as ratios to the capacity bound and to each other."""
     world, skip = cfg.parallel.world_size, cfg.balance.skip_steps
@@ -117,6 +131,9 @@ def figures(cfg: Config, case: str, base: list[dict], cont: list[dict], a: Any) 
         ideal = clean_step * world / speeds
         sb, sc = statistics.median(tb[-a.measure :]), statistics.median(tc[-a.measure :])
         first = next((d["step"] for d in moves if d["step"] >= ONSET), None)
+        if cfg.emulate.layer_ms > 0:
+            analytic = analytic_step(cfg, speeds)
+            out |= {"balanced_over_analytic": analytic / sc, "static_over_analytic": analytic / sb}
         out |= {
             "balanced_over_ideal": ideal / sc,
             "static_over_ideal": ideal / sb,
