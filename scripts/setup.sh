@@ -10,7 +10,7 @@ if ! "$PY" -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null; th
     exit 2
 fi
 [ -x .venv/bin/python ] || "$PY" -m venv .venv
-extras="[report]"  # the report's plots: `hybridpar report` works after the first command
+extras="[report,serve]"  # the report's plots and /metrics: `hybridpar report` and `serve` work after the first command
 [ "${1:-}" = "test" ] && extras="[test]"
 pip_q=(-q --disable-pip-version-check)
 .venv/bin/pip install "${pip_q[@]}" "torch==2.13.0" numpy 2>&1 | grep -v "^WARNING: Location" || true

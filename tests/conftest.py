@@ -21,3 +21,13 @@ def _processes_need_the_mark(request: pytest.FixtureRequest, monkeypatch: pytest
 
     monkeypatch.setattr(subprocess.Popen, "__init__", refuse)
     monkeypatch.setattr(multiprocessing.process.BaseProcess, "start", refuse)
+
+
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """matplotlib lists the system's fonts with `fc-list` the first time it is imported on a machine (it
+    then caches them): do it here, before the guard above, so that a pure test drawing a plot on a fresh
+    machine is not taken for one that starts processes."""
+    try:
+        import matplotlib.font_manager  # noqa: F401
+    except ImportError:
+        pass

@@ -99,7 +99,9 @@ def test_hugging_face_in_and_out_with_a_trained_tokenizer(tie: bool, trained: di
     from hybridpar.serve.main import prepare, tokenizer_for
     from hybridpar.serve.service import Service
 
-    scfg, model_cfg, source = prepare(["--source", str(run), "--tp", "2", "--pp", "2", "--timeout-s", "60"])
+    scfg, model_cfg, source = prepare(
+        ["--source", str(run), "--tp", "2", "--pp", "2", "--timeout-s", "60", "--served-model-name", "hybridpar"]
+    )
     svc = Service(scfg, model_cfg, source, tokenizer=tokenizer_for(scfg, model_cfg, source))
     hf_tok = transformers.AutoTokenizer.from_pretrained(final)
     prompt = hf_tok.apply_chat_template(MESSAGES, add_generation_prompt=True, return_tensors="pt", return_dict=True)

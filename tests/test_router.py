@@ -187,3 +187,40 @@ def test_bad_router_config_is_refused() -> None:
     placed(rt, req(0))
     with pytest.raises(ValueError, match="already in flight"):
         rt.submit(req(0), 0.0)
+
+
+def test_cache_aware_follows_the_longest_cached_prefix_within_its_slack() -> None:
+    from hybridpar.serve.prefix import block_hashes
+
+    rt = Router(3, RouterConfig("cache_aware", cache_slack=3, max_outstanding=16))
+    system = list(range(40))  # a shared prefix of 2 full blocks of 16 (+ 8 tokens)
+    assert block_hashes(system + [1], 16) == block_hashes(system + [2], 16)  # equal whole blocks, equal hashes
+    assert len(block_hashes(system, 16)) == 2 and block_hashes([1] * 15, 16) == ()
+
+    def ask(i: int, prompt: list[int]) -> int:
+        return placed(rt, Request(f"c{i}", len(prompt), 4, block_hashes(prompt, 16)))
+
+    first = ask(0, system + [100])  # nothing cached anywhere: hybrid places it
+    assert rt.usage["cache_aware:hybrid"] == 1
+    assert ask(1, system + [101]) == first and rt.usage["cache_aware:prefix"] == 1  # its prefix is there
+    other = ask(2, list(range(500, 540)))  # another prefix: hybrid balances it to a less loaded replica
+    assert other != first
+    # The longer match wins over the shorter: a prompt sharing 2 blocks with `first`, 1 with `other`.
+    rt.prefix.placed(other, block_hashes(system[:16], 16))
+    assert ask(3, system + [102]) == first
+    # Slack: `first` holds 3 outstanding, a replica holds 0: 3 beyond the least loaded, too busy.
+    assert ask(4, system + [103]) != first and rt.usage["cache_aware:hybrid"] == 3
+    rt.down(first)  # a dead replica's cache is forgotten with it
+    assert rt.prefix.matched(first, block_hashes(system, 16)) == 0
+
+
+def test_prefix_index_forgets_least_recently_used_blocks_at_the_replicas_capacity() -> None:
+    from hybridpar.serve.prefix import PrefixIndex
+
+    ix = PrefixIndex(1)
+    ix.resize(0, 3)
+    ix.placed(0, (1, 2))
+    ix.placed(0, (1, 3))  # 1 used again: 2 is now the least recent
+    ix.placed(0, (4,))
+    assert ix.matched(0, (1, 3)) == 2 and ix.matched(0, (1, 2)) == 1 and ix.matched(0, (4,)) == 1
+    assert ix.best((9,), [0], {0: 0}, 4) is None  # nothing cached: the caller balances

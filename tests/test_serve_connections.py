@@ -34,6 +34,7 @@ def server() -> Iterator[tuple[int, Any]]:
     # Emulated 50x slow (a token per ~0.05 s here): a 50-token stream still runs when its client leaves.
     cfg = ServeConfig(
         source="init:7",
+        served_model_name="hybridpar",
         port=0,
         max_seq_len=64,
         kv_tokens=512,

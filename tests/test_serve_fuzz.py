@@ -22,7 +22,14 @@ def port() -> Iterator[int]:
     from hybridpar.serve.service import Service
 
     cfg = ServeConfig(
-        source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60, client_timeout_s=5
+        source="init:7",
+        served_model_name="hybridpar",
+        port=0,
+        max_seq_len=64,
+        kv_tokens=512,
+        timeout_s=60,
+        request_timeout_s=60,
+        client_timeout_s=5,
     )
     with serving_in_background(Service(cfg, MODEL, cfg.source)) as port:
         yield port
@@ -154,15 +161,27 @@ CASES: list[tuple[str, bytes, int | None, bool]] = [  # (name, bytes, expected s
     ),
     ("body shorter than length", req("POST /v1/completions HTTP/1.1", ["Content-Length: 100"], b"{}"), 400, True),
     (
-        "chunked",
+        "chunked",  # read; no model named
         req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked"], b"2\r\n{}\r\n0\r\n\r\n"),
-        411,
+        404,
         False,
     ),
     (
         "chunked and length",
         req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked", "Content-Length: 2"], b"{}"),
-        411,
+        400,
+        False,
+    ),
+    (
+        "gzip transfer-encoding",
+        req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: gzip"], b"{}"),
+        501,
+        False,
+    ),
+    (
+        "chunk larger than the body limit",
+        req("POST /v1/completions HTTP/1.1", ["Transfer-Encoding: chunked"], b"200000\r\n"),
+        413,
         False,
     ),
     ("no length", req("POST /v1/completions HTTP/1.1"), 411, False),

@@ -27,7 +27,15 @@ MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
 def server() -> Iterator[tuple[int, Any]]:
     from hybridpar.serve.service import Service
 
-    cfg = ServeConfig(source="init:7", port=0, max_seq_len=64, kv_tokens=512, timeout_s=60, request_timeout_s=60)
+    cfg = ServeConfig(
+        source="init:7",
+        served_model_name="hybridpar",
+        port=0,
+        max_seq_len=64,
+        kv_tokens=512,
+        timeout_s=60,
+        request_timeout_s=60,
+    )
     svc = Service(cfg, MODEL, cfg.source)
     srv = make_server(svc, "127.0.0.1", 0)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
@@ -128,7 +136,8 @@ def test_openai_client_completes_and_streams(server: tuple[int, Any]) -> None:
     with pytest.raises(openai.NotFoundError):
         client.completions.create(model="other", prompt="x", max_tokens=2)
     status, text = call(port, "GET", "/metrics")
-    assert status == 200 and "hybridpar_requests_completed_total" in text and 'replica="0"' in text
+    assert status == 200 and 'hybridpar:requests_completed_total{model_name="hybridpar"}' in text
+    assert 'hybridpar:time_to_first_token_seconds_count{model_name="hybridpar"}' in text and 'replica="0"' in text
 
 
 @pytest.mark.multiprocess
@@ -208,7 +217,7 @@ class _Full:
     """A service whose router refuses everything (as `Router.submit` does when full)."""
 
     def __init__(self) -> None:
-        self.cfg = ServeConfig(model_name="m")
+        self.cfg = ServeConfig(served_model_name="m")
         self.model = MODEL
         self.counters: Counter = Counter()
 
@@ -269,14 +278,51 @@ def test_dead_replica_requests_are_placed_again_or_failed_clearly() -> None:
     assert pool.sent[2:] == [(0, c.id)]  # c runs on the live replica
     svc._on_event(0, {"type": "token", "id": c.id, "token": 5})  # c's client now holds a token
     pool.alive[0] = False
-    svc._on_event(0, {"type": "replica_failed"})  # c was half-streamed on 0: it fails; d has nowhere to go
+    svc._on_event(0, {"type": "replica_failed"})  # c (half-streamed) and d have nowhere to go: they fail
     assert [p.events.get_nowait()[1]["reason"] for p in (a, b)] == ["length", "length"]
     assert c.events.get_nowait() == ("token", 5)
-    assert c.events.get_nowait()[1] == {"reason": "error", "error": "replica 0 stopped"}
+    assert c.events.get_nowait()[1] == {
+        "reason": "error",
+        "error": "no replica is running (the last one, replica 0, stopped)",
+    }
     assert "no replica is running" in d.events.get_nowait()[1]["error"]
     with pytest.raises(Unavailable):
         svc.submit([1], 4, 0.0, 1.0, None)
     assert svc.counters["requests_failed"] == 2 and not svc.inflight
+
+
+def test_a_half_streamed_request_resumes_on_a_live_replica_from_what_was_sent() -> None:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=3, strategy="round_robin")
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    pool = svc.pool
+    msgs: list[dict] = []
+    send = pool.send
+    pool.send = lambda d, m: msgs.append(m) or send(d, m)  # type: ignore[method-assign]
+    a, b = svc.submit([1, 2], 5, 0.7, 1.0, 40), svc.submit([3], 2, 0.0, 1.0, None)  # a on 0, b on 1
+    for t in (7, 8):
+        svc._on_event(0, {"type": "token", "id": a.id, "token": t})
+    svc._on_event(1, {"type": "token", "id": b.id, "token": 4})
+    svc._on_event(1, {"type": "token", "id": b.id, "token": 5})  # b has all its tokens, no done yet
+    pool.alive[0] = False
+    svc._on_event(0, {"type": "replica_failed"})
+    svc._on_event(0, {"type": "token", "id": a.id, "token": 9})  # late from the dead replica: not streamed
+    assert msgs[-1] == {**a.msg, "prompt": [1, 2, 7, 8], "max_tokens": 3, "seed": 42} and pool.sent[-1] == (2, a.id)
+    assert svc.counters["requests_resumed"] == 1 and [a.events.get_nowait() for _ in range(2)] == [
+        ("token", 7),
+        ("token", 8),
+    ]
+    for t in (9, 10, 11):
+        svc._on_event(2, {"type": "token", "id": a.id, "token": t})
+    svc._on_event(2, {"type": "done", "id": a.id, "reason": "length", "prompt_tokens": 4, "completion_tokens": 3})
+    got = [a.events.get_nowait() for _ in range(4)]
+    assert got[:3] == [("token", 9), ("token", 10), ("token", 11)] and a.events.empty()
+    assert (got[3][1]["prompt_tokens"], got[3][1]["completion_tokens"]) == (2, 5)  # counts of the whole request
+    pool.alive[1] = False  # b's replica dies after b's last token, before its done
+    svc._on_event(1, {"type": "replica_failed"})
+    assert [b.events.get_nowait()[0] for _ in range(3)] == ["token", "token", "done"]  # done without a resend
+    assert svc.counters["requests_failed"] == 0 and not svc.inflight
 
 
 def test_a_sent_request_whose_client_saw_nothing_starts_over_on_a_live_replica() -> None:
@@ -309,6 +355,7 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
     # One replica that takes one request and queues one more: a burst of long requests fills it.
     cfg = ServeConfig(
         source="init:7",
+        served_model_name="hybridpar",
         port=0,
         max_seq_len=64,
         kv_tokens=512,
@@ -360,9 +407,9 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
 def test_killed_replica_request_completes_on_the_live_one() -> None:
     from hybridpar.serve.service import Service
 
-    # Replica 0 is emulated 2000x slow, so its first token is seconds away when its process is killed:
-    # the request, sent there but unseen by its client, must start over on replica 1 and give the
-    # greedy tokens that replica 1 gives it directly.
+    # Replica 0 is emulated 200x slow: a request there has streamed its first token, not its last, when
+    # the process is killed. It must resume on replica 1 from prompt + that token and end with the
+    # greedy tokens of an uninterrupted run (replica 1's own, the same model).
     cfg = ServeConfig(
         source="init:7",
         dp=2,
@@ -371,26 +418,29 @@ def test_killed_replica_request_completes_on_the_live_one() -> None:
         kv_tokens=512,
         timeout_s=60,
         request_timeout_s=60,
-        emulate_slowdown="0:2000",
+        emulate_slowdown="0:200",
     )
     svc = Service(cfg, MODEL, cfg.source)
     try:
 
-        def tokens(p) -> tuple[list[int], dict]:
+        def tokens(p, n: int | None = None) -> tuple[list[int], dict]:
             out = []
-            while True:
+            while n is None or len(out) < n:
                 kind, v = p.events.get(timeout=60)
                 if kind == "done":
                     return out, v
                 out.append(v)
+            return out, {}
 
-        a = svc.submit([1, 2, 3], 6, 0.0, 1.0, None)  # round robin: replica 0
+        a = svc.submit([1, 2, 3], 12, 0.0, 1.0, None)  # round robin: replica 0
         assert svc.router.where[a.id] == 0 and a.sent
+        head, _ = tokens(a, 1)
         svc.pool.procs[0].kill()
-        got, info = tokens(a)
-        assert info["reason"] == "length" and len(got) == 6 and svc.counters["requests_retried"] == 1
-        ref, _ = tokens(svc.submit([1, 2, 3], 6, 0.0, 1.0, None))  # replica 1, the only one alive
-        assert got == ref and svc.counters["requests_failed"] == 0
+        rest, info = tokens(a)
+        assert info["reason"] == "length" and info["completion_tokens"] == 12 and len(head + rest) == 12
+        ref, _ = tokens(svc.submit([1, 2, 3], 12, 0.0, 1.0, None))  # replica 1, the only one alive
+        assert head + rest == ref and svc.counters["requests_failed"] == 0
+        assert svc.counters["requests_resumed"] == 1 and svc.counters["requests_retried"] == 0
         assert [(f["replica"], f["rank"]) for f in svc.pool.failures] == [(0, 0)]  # the killed driver, named
     finally:
         svc.close()

@@ -36,6 +36,7 @@ def test_a_killed_stage_worker_turns_health_503_and_the_other_replica_serves() -
     # dp=2 replicas of pp=2: ranks 0, 1 are replica 0 (stage 0 = its driver, stage 1), ranks 2, 3 replica 1.
     cfg = ServeConfig(
         source="init:7",
+        served_model_name="hybridpar",
         dp=2,
         pp=2,
         strategy="round_robin",

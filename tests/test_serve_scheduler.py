@@ -133,3 +133,13 @@ def test_chunked_prefill_feeds_decodes_first_and_the_prompt_over_several_steps()
         run(sched, st)
     assert feeds == [3, 3, 3] and b.out == [7] and len(a.out) == 4  # b's first token after its last chunk
     assert sched.next_step().feeds == [1, 1]
+
+
+def test_prefix_caching_off_computes_every_prompt_whole() -> None:
+    for share, hit in ((True, 8), (False, 0)):
+        sched = Scheduler(BlockAllocator(16, 4), max_batch=2, max_groups=1, share=share)
+        sched.waiting.append(seq(1, 10))
+        run(sched, sched.next_step())
+        sched.waiting.append(seq(2, 10))  # the same prompt: two whole blocks computed already
+        st = sched.next_step()
+        assert st.feeds == [1, 10 - hit] and sched.prefix_hit_tokens == hit and sched.prefix_query_tokens == 20

@@ -157,7 +157,7 @@ def serve(tok_dir: Path) -> Iterator[Any]:
     servers = []
 
     def start(vocab: int, tokenizer: Path | None) -> int:
-        cfg = ServeConfig(source="init:1", port=0, max_seq_len=256)
+        cfg = ServeConfig(source="init:1", served_model_name="hybridpar", port=0, max_seq_len=256)
         tok = Tokenizer(tokenizer) if tokenizer else None
         svc = Service(cfg, ModelConfig(vocab_size=vocab), cfg.source, pool=EchoPool, tokenizer=tok)
         srv = make_server(svc, "127.0.0.1", 0)

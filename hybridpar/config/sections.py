@@ -157,6 +157,14 @@ class ParallelConfig:
         "accumulate during the backward); with dp = 1 there is nothing to shard and 1 and 2 act as 0",
         choices=(0, 1, 2),
     )
+    grad_sum: str = _f(
+        "overlapped",
+        "how gradients are summed over microbatches and replicas: overlapped = accumulated in order and "
+        "all-reduced in buckets during the backward; tree = one fixed binary tree over the step's microbatches, "
+        "the same at every power-of-two dp, so a run resumed at another dp (dp × train.microbatches kept) trains "
+        "bit for bit the uninterrupted run's model (no overlap; docs/checkpoints.md)",
+        choices=("overlapped", "tree"),
+    )
     cpu_bind: str = _f(
         "none",
         "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "

@@ -47,6 +47,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_batch_split(cfg.train, cfg.parallel)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
+    _check_grad_sum(cfg)
     _check_planned(cfg)
     for key in ("profile.steps", "profile.trace_steps"):
         step_range(getattr(cfg.profile, key.split(".")[1]), key)
@@ -217,6 +218,37 @@ def _check_balance(cfg: Config) -> None:
         f"balance.mode={b.mode} with parallel.dp="
         f"{p.dp} re-splits the batch among replicas and needs batching.policy=fixed, got "
         f"{cfg.batching.policy!r}",
+    )
+
+
+def _check_grad_sum(cfg: Config) -> None:
+    """parallel.grad_sum tree sums the step's dp × microbatches gradients in one balanced tree
+    (dataparallel/tree.py): that needs powers of two and equal microbatches that stay where they are."""
+    p, t = cfg.parallel, cfg.train
+    if p.grad_sum != "tree":
+        return
+    key = "parallel.grad_sum=tree"
+    for name, n in (("parallel.dp", p.dp), ("train.microbatches", t.microbatches)):
+        _require(n & (n - 1) == 0, f"{key} sums a balanced binary tree: {name} must be a power of two, got {n}")
+    units = p.dp * t.microbatches
+    _require(
+        t.global_batch % units == 0,
+        f"{key} needs equal microbatches: train.global_batch={t.global_batch} must be a multiple of "
+        f"parallel.dp × train.microbatches = {units}",
+    )
+    others = {
+        "parallel.zero": p.zero != 0,
+        "parallel.replica_batch": p.replica_batch is not None,
+        "train.microbatch_sizes": t.microbatch_sizes is not None,
+        "batching.microbatch_size": cfg.batching.microbatch_size is not None,
+        "batching.policy=adaptive": cfg.batching.policy != "fixed",
+        f"balance.mode={cfg.balance.mode}": cfg.balance.mode != "off",
+    }
+    bad = [k for k, on in others.items() if on]
+    _require(
+        not bad,
+        f"{key} keeps every microbatch whole on its replica and sums whole gradients; it cannot run with "
+        f"{', '.join(bad)}: leave them at their defaults or use parallel.grad_sum=overlapped",
     )
 
 

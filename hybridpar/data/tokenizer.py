@@ -111,26 +111,21 @@ class Tokenizer:
 
 
 class StreamDecoder:
-    """Text of a growing id sequence, piece by piece: a character split over several tokens (a byte-level
-    BPE's partial UTF-8) is held back until complete, so the pieces join to the full decoding."""
+    """Text of a growing id sequence, piece by piece, through the `tokenizers` streaming decoder
+    (`decoders.DecodeStream`): each new id costs a decode of a few ids, not of all so far (decoding the
+    whole sequence again per token is quadratic in its length). A character split over several tokens
+    (a byte-level BPE's partial UTF-8) comes out once complete, so the pieces join to the full decoding."""
 
     def __init__(self, tok: Tokenizer) -> None:
-        self.tok, self.ids, self.sent = tok, [], ""
+        from tokenizers.decoders import DecodeStream
+
+        self.tok, self._stream = tok, DecodeStream(skip_special_tokens=False)
 
     def feed(self, token: int) -> str:
-        self.ids.append(token)
-        text = self.tok.decode(self.ids)
-        if text.endswith("\ufffd"):  # perhaps the first bytes of a character: wait for the rest
-            return ""
-        return self._emit(text)
+        return self._stream.step(self.tok.tok, token) or ""  # None: an incomplete character, held back
 
     def flush(self) -> str:
-        return self._emit(self.tok.decode(self.ids))
-
-    def _emit(self, text: str) -> str:
-        piece = text[len(self.sent) :] if text.startswith(self.sent) else text
-        self.sent = text
-        return piece
+        return ""  # what DecodeStream holds is an incomplete character: no text (decode would give U+FFFD)
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int, out: str | Path) -> Path:

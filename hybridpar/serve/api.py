@@ -1,5 +1,5 @@
 """The OpenAI-compatible API's data, apart from any transport: the error body every failure is
-answered with, validation of a /v1/completions body, and the Prometheus text of /metrics.
+answered with and validation of a /v1/completions body.
 
 Validation is total: whatever bytes a client sends, `parse_completion` returns a request or raises
 ApiError (a 4xx naming the parameter) — never another exception, which would be a 500."""
@@ -149,6 +149,7 @@ def parse_options(body: dict[str, Any], ids: list[int], max_seq_len: int, max_to
     if not isinstance(stream, bool):
         raise ApiError(400, f"stream must be true or false, got {_short(stream)}", "stream")
     return {
+        **_stream_options(body.get("stream_options"), stream),
         "prompt": ids,
         "max_tokens": max_tokens,
         "temperature": _number(body, "temperature", 1.0, 0.0, 2.0),
@@ -159,49 +160,14 @@ def parse_options(body: dict[str, Any], ids: list[int], max_seq_len: int, max_to
     }
 
 
-def metrics_text(stats: dict[str, Any]) -> str:
-    """Prometheus exposition format of the service's measured counters and router state."""
-    lines = []
-
-    def metric(name: str, kind: str, help_: str, samples: list[tuple[str, float | None]]) -> None:
-        lines.extend([f"# HELP hybridpar_{name} {help_}", f"# TYPE hybridpar_{name} {kind}"])
-        lines.extend(f"hybridpar_{name}{labels} {v}" for labels, v in samples if v is not None)
-
-    c = stats["counters"]
-    for key, help_ in (
-        ("requests_total", "requests accepted"),
-        ("requests_completed", "requests finished"),
-        ("requests_failed", "requests failed"),
-        ("requests_retried", "requests started over on another replica after theirs died"),
-        ("requests_cancelled", "requests given up by their client (timed out, or it left) before the end"),
-        ("prompt_tokens_total", "prompt tokens processed"),
-        ("completion_tokens_total", "tokens generated"),
-        ("requests_rejected", "requests refused (429/503)"),
-    ):
-        metric(key if key.endswith("total") else key + "_total", "counter", help_, [("", c.get(key, 0))])
-    metric("pending_requests", "gauge", "requests waiting in the router", [("", stats["pending"])])
-    metric("replicas_alive", "gauge", "replicas running", [("", stats["replicas_alive"])])
-    lat = stats["latency_s"]
-    metric(
-        "request_latency_seconds",
-        "gauge",
-        "request latency percentiles over the recent window",
-        [(f'{{quantile="{q}"}}', lat[k]) for q, k in (("0.5", "p50"), ("0.9", "p90"), ("0.99", "p99"))],
-    )
-    per = stats["replicas"]
-    for key, help_ in (
-        ("queue_depth", "requests waiting for a KV slot"),
-        ("outstanding_requests", "requests placed"),
-        ("kv_used_tokens", "KV-cache slots allocated"),
-        ("utilisation", "measured busy fraction"),
-        ("decode_s_per_token", "measured decode seconds per token (EWMA)"),
-        ("prefill_s_per_token", "measured prefill seconds per prompt token (EWMA)"),
-    ):
-        metric(f"replica_{key}", "gauge", help_, [(f'{{replica="{i}"}}', r[key]) for i, r in enumerate(per)])
-    metric(
-        "strategy_decisions_total",
-        "counter",
-        "placements by strategy",
-        [(f'{{strategy="{k}"}}', v) for k, v in sorted(stats["strategy_usage"].items())],
-    )
-    return "\n".join(lines) + "\n"
+def _stream_options(options: Any, stream: bool) -> dict[str, bool]:
+    """OpenAI's stream_options: {include_usage: bool} (a last chunk with the usage), for streams only."""
+    if options is None:
+        return {"include_usage": False}
+    if not stream:
+        raise ApiError(400, "stream_options is only allowed with stream: true", "stream_options")
+    if not (isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)):
+        raise ApiError(400, f"stream_options must be {{include_usage: bool}}, got {_short(options)}", "stream_options")
+    if extra := sorted(set(options) - {"include_usage"}):
+        raise ApiError(400, f"stream_options {', '.join(map(_short, extra))} is not supported", "stream_options")
+    return {"include_usage": options.get("include_usage", False)}

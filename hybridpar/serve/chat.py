@@ -65,17 +65,10 @@ def parse_chat(
         plain.append({"role": m["role"], "content": _text(m["content"], f"messages[{i}].content")})
     if body.get("logprobs") not in (None, False):
         raise ApiError(400, "logprobs is not supported by this server", "logprobs")
-    options = body.get("stream_options")
-    if options is not None and not (
-        isinstance(options, dict) and isinstance(options.get("include_usage", False), bool)
-    ):
-        raise ApiError(400, f"stream_options must be {{include_usage: bool}}, got {_short(options)}", "stream_options")
     try:
         prompt = render(plain)
     except TemplateError as e:
         raise ApiError(400, f"the chat template refuses these messages: {e}", "messages") from None
     max_tokens = next((body[k] for k in ("max_completion_tokens", "max_tokens") if body.get(k) is not None), 16)
     rest = {k: v for k, v in body.items() if k != "logprobs"}
-    r = parse_options(rest, tokenize(prompt), max_seq_len, max_tokens)
-    r["include_usage"] = bool((options or {}).get("include_usage", False))
-    return r
+    return parse_options(rest, tokenize(prompt), max_seq_len, max_tokens)

@@ -27,7 +27,16 @@ class ServeConfig:
         "model: a Hugging Face Llama or GPT-2 model dir (config.json + *.safetensors, such as a run's "
         "final/), a hybridpar run dir (its newest model) or checkpoint dir, or init:SEED (random init)",
     )
-    model_name: str = _f("hybridpar", "model id clients ask for (/v1/models)")
+    served_model_name: str = _f(
+        "",
+        "model id clients ask for (/v1/models, a request's model); empty = --source as given (as vLLM names a "
+        "model by its path or Hugging Face name)",
+    )
+    api_key: str = _f(
+        "",
+        "when set, every /v1 request must carry 'Authorization: Bearer KEY' (401 otherwise); /health and /metrics "
+        "stay open",
+    )
     tokenizer: str = _f(
         "",
         "tokenizer directory (tokenizer.json) for text prompts and answers; empty = the model's own (its "
@@ -42,6 +51,11 @@ class ServeConfig:
     memory_pressure: float = _f(0.8, "hybrid: KV-cache use above this -> memory_aware")
     performance_pressure: float = _f(0.8, "hybrid: replica utilisation above this -> performance_optimized")
     imbalance: float = _f(0.5, "hybrid: outstanding-token imbalance above this -> load_balanced")
+    cache_slack: int = _f(
+        4,
+        "cache_aware: a request goes to the replica holding the longest cached prefix of its prompt unless that "
+        "one has this many more requests outstanding than the least loaded (then hybrid decides)",
+    )
     max_batch: int = _f(
         8,
         "sequences per step (one micro-batch); requests join and leave it between steps (continuous batching)",
@@ -57,6 +71,11 @@ class ServeConfig:
         "out the youngest running request is preempted and recomputed later",
     )
     block_size: int = _f(16, "tokens per KV-cache block (the paged cache's unit of allocation)")
+    prefix_caching: bool = _f(
+        True,
+        "share the KV blocks of a prompt's whole leading blocks that a replica computed already (true/false; "
+        "false only to measure what it saves)",
+    )
     max_step_tokens: int = _f(
         2048,
         "tokens one step feeds at most: prompts longer than what the step's decodes leave are prefilled in "
@@ -86,6 +105,11 @@ class ServeConfig:
         "ranks sleep (FACTOR-1) x their measured compute, e.g. '1:2.0'",
     )
 
+    @property
+    def model_name(self) -> str:
+        """The served name: --served-model-name, else the source as given (a trailing / dropped)."""
+        return self.served_model_name or self.source.rstrip("/") or self.source
+
     def slowdowns(self) -> list[float]:
         out = [1.0] * self.dp
         for part in filter(None, (p.strip() for p in self.emulate_slowdown.split(","))):
@@ -109,6 +133,8 @@ class ServeConfig:
             self.imbalance,
             self.max_outstanding,
             self.max_pending,
+            cache_slack=self.cache_slack,
+            block_size=self.block_size,
         )
 
     def validate(self, model: ModelConfig | None = None) -> None:
@@ -123,6 +149,7 @@ class ServeConfig:
             "max_seq_len",
             "max_outstanding",
             "max_pending",
+            "cache_slack",
         ):
             v = getattr(self, name)
             if not (isinstance(v, int) and not isinstance(v, bool) and v >= 1):
@@ -167,6 +194,13 @@ class ServeConfig:
                 raise ValueError(f"serve pp={self.pp} exceeds the model's n_layers={model.n_layers}")
 
 
+def boolean(text: str) -> bool:
+    words = {"true": True, "1": True, "yes": True, "false": False, "0": False, "no": False}
+    if text.strip().lower() not in words:
+        raise ValueError(f"expects true or false, got {text!r}")
+    return words[text.strip().lower()]
+
+
 def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
     """`--key value` (or --key=value) for ServeConfig fields; `--model.*` flags give the model shape."""
     from hybridpar.config.args import ArgParser, integer, number
@@ -185,7 +219,7 @@ def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
     cfg = ServeConfig()
     for f in fields(ServeConfig):
         kind = type(getattr(cfg, f.name))
-        typ = {int: integer, float: number}.get(kind, kind)
+        typ = {int: integer, float: number, bool: boolean}.get(kind, kind)
         dashed = "--" + f.name.replace("_", "-")
         names = [dashed] + (["--" + f.name] if "_" in f.name else [])
         ap.add_argument(*names, dest=f.name, type=typ, default=getattr(cfg, f.name))

@@ -36,6 +36,7 @@ class Limits:
     block_size: int = 16  # tokens per KV block
     max_step_tokens: int = 0  # tokens one step feeds at most (prefills chunked); 0 = no limit
     max_seq_len: int = 2048  # prompt + completion
+    prefix_caching: bool = True  # share whole prompt blocks computed already
     heartbeat_s: float = 2.0  # an idle driver sends a NOOP tick this often (keeps waits bounded)
     status_every_s: float = 0.05
 
@@ -49,7 +50,9 @@ class Driver:
         self.r, self.ch, self.lim = runner, channel, limits
         # The pool's shape is the stages' (they allocated it): the driver only keeps its free list.
         self.alloc = BlockAllocator(runner.cache.n_blocks, runner.cache.block_size)
-        self.sched = Scheduler(self.alloc, limits.max_batch, limits.max_groups, limits.max_step_tokens)
+        self.sched = Scheduler(
+            self.alloc, limits.max_batch, limits.max_groups, limits.max_step_tokens, limits.prefix_caching
+        )
         self.in_flight: deque[tuple[Step, int, torch.Tensor | None]] = deque()
         self.seq = self.arrivals = 0
         self.max_in_flight = 0
@@ -119,6 +122,9 @@ class Driver:
         st.mb.in_flight, st.mb.launched_at = True, time.perf_counter()
         if self._busy_mark is None:
             self._busy_mark = st.mb.launched_at
+        for s in st.rows:
+            if s.scheduled is None:
+                s.scheduled = st.mb.launched_at
         self.in_flight.append((st, self.seq, self._issue(tick)))
         self.max_in_flight = max(self.max_in_flight, len(self.in_flight))
 
@@ -164,6 +170,8 @@ class Driver:
                 "prompt_tokens": len(s.req["prompt"]),
                 "completion_tokens": len(s.out),
                 "latency_s": now - s.arrived,
+                # Waiting for a seat here (a request cancelled while it waited waited all its time).
+                "queue_s": (s.scheduled if s.scheduled is not None else now) - s.arrived,
                 # Measured per-token costs for the router: prefill seconds per token of its prefill step,
                 # decode seconds per step (one token per row).
                 "prefill_s_per_token": s.prefill_s / max(1, s.prompt_fed),
@@ -187,6 +195,7 @@ class Driver:
             "completed": self.completed,
             "preemptions": self.sched.preemptions,
             "prefix_hit_tokens": self.sched.prefix_hit_tokens,
+            "prefix_query_tokens": self.sched.prefix_query_tokens,
             "max_in_flight": self.max_in_flight,
             "time": now,
         }

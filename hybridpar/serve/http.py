@@ -12,6 +12,8 @@ a request's tokens takes none (the service's event queue wakes the loop).
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import json
 import queue
 import threading
@@ -19,12 +21,12 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from typing import Any, AsyncGenerator, AsyncIterator, Callable, Iterator, TypeVar
 
-from hybridpar.serve.api import ApiError, metrics_text, parse_completion
+from hybridpar.serve.api import ApiError, parse_completion
 from hybridpar.serve.chat import parse_chat
 from hybridpar.serve.router import Overloaded, Unavailable
 from hybridpar.serve.server import HttpServer
 from hybridpar.serve.service import Pending, Service
-from hybridpar.serve.text import StopText
+from hybridpar.serve.text import NoText, StopText
 from hybridpar.serve.wire import Request, Response, Stream, error_response
 
 MAX_BODY = 1 << 20
@@ -63,6 +65,14 @@ class Api:
                     f"{req.method[:20]} is not allowed on {req.path}; use {', '.join(allowed)}",
                     headers={"Allow": ", ".join(allowed)},
                 )
+            if req.path.startswith("/v1/") and self.cfg.api_key and not self._authorized(req):
+                raise ApiError(
+                    401,
+                    "a valid API key is required: send the header 'Authorization: Bearer KEY' (the server's --api-key)",
+                    kind="invalid_request_error",
+                    code="invalid_api_key",
+                    headers={"WWW-Authenticate": "Bearer"},
+                )
             if req.path == "/health":
                 return _json(*self.svc.health())
             if req.path == "/v1/models":
@@ -74,8 +84,8 @@ class Api:
                     },
                 )
             if req.path == "/metrics":
-                text = await self._run(lambda: metrics_text(self.svc.statistics()))
-                return Response(200, text.encode(), "text/plain; version=0.0.4")
+                text = await self._run(self.svc.metrics.text)
+                return Response(200, text, "text/plain; version=0.0.4; charset=utf-8")
             return await self._completions(req, chat=req.path == "/v1/chat/completions")
         except ApiError as e:
             if e.status in (429, 503):
@@ -85,9 +95,15 @@ class Api:
         except Exception as e:  # a bug of ours: answer 500, keep serving
             return error_response(ApiError(500, f"internal error: {type(e).__name__}: {e}", kind="server_error"))
 
+    def _authorized(self, req: Request) -> bool:
+        # Digests compared in constant time: the time taken says nothing of how much of the key matched
+        # (nor, hashed first, of its length).
+        given = hashlib.sha256(req.headers.get("authorization", "").encode("latin-1")).digest()
+        return hmac.compare_digest(given, hashlib.sha256(f"Bearer {self.cfg.api_key}".encode()).digest())
+
     async def _completions(self, req: Request, chat: bool) -> Response | Stream:
-        if req.content_length is None:
-            raise ApiError(411, "a Content-Length header is required")
+        if req.content_length is None and not req.chunked:
+            raise ApiError(411, "a Content-Length header (or a chunked Transfer-Encoding) is required")
         name, svc = self.cfg.model_name, self.svc
         if chat:
             r = await self._run(parse_chat, req.body, name, self.cfg.max_seq_len, svc.chat.render, svc.tokenize)
@@ -100,8 +116,16 @@ class Api:
         answer = Answer(p, name, chat, r.get("stop_tokens", []), r.get("include_usage", False))
         stop, events = StopText(r["stop"]), self._events(p)
         if not r["stream"]:
-            return await self._complete(answer, stop, events)
-        kind, val = await events.__anext__()  # the first token before the status line: failures keep theirs
+            try:
+                return await self._complete(answer, stop, events)
+            except asyncio.CancelledError:  # the client left (server.py): stop generating for nobody
+                self._cancel_soon(p.id)
+                raise
+        try:  # the first token before the status line: failures keep theirs
+            kind, val = await events.__anext__()
+        except asyncio.CancelledError:
+            self._cancel_soon(p.id)
+            raise
         if kind == "done" and val.get("reason") == "error":
             raise ApiError(503, f"generation failed: {val.get('error')}", kind="server_error")
         return Stream({}, self._sse(answer, stop, events, kind, val), lambda: self._cancel_soon(p.id))
@@ -185,18 +209,23 @@ class Api:
             return b"data: " + (obj if isinstance(obj, bytes) else json.dumps(obj).encode()) + b"\n\n"
 
         det = self.svc.detokenizer()
+        ids_only = isinstance(det, NoText)  # no text to send: each chunk carries its token ids
         try:
-            n = 0
+            n, ids = 0, []
             while kind == "token":
                 n += 1
-                if val not in a.stop_tokens and (piece := stop.feed(det.feed(val))):
-                    yield data(a.chunk(piece))
+                ids.append(val)
+                piece = stop.feed(det.feed(val)) if val not in a.stop_tokens else ""
+                if piece or (ids_only and val not in a.stop_tokens):
+                    yield data(a.chunk(piece, ids=ids))
+                    ids = []
                 if stop.hit:
                     kind, val = "done", await self._stopped(a.p, n)
                     break
                 kind, val = await events.__anext__()
             tail = "" if stop.hit else stop.feed(det.flush()) + stop.flush()
-            for last in a.last_chunks(tail, "stop" if stop.hit else val.get("reason"), val.get("completion_tokens")):
+            finish = "stop" if stop.hit else val.get("reason")
+            for last in a.last_chunks(tail, finish, val.get("completion_tokens"), ids):
                 yield data(last)
         except ApiError as e:  # deadline passed mid-stream: the status is sent, so say it in the stream
             yield data(e.body())
@@ -238,26 +267,30 @@ class Answer:
         out["choices"][0]["token_ids"] = ids
         return {**out, "usage": self._usage(n_out)}
 
-    def chunk(self, text: str, finish: str | None = None) -> dict[str, Any]:
+    def chunk(self, text: str, finish: str | None = None, ids: list[int] | None = None) -> dict[str, Any]:
+        """A streamed chunk; `ids`: the generated token ids it covers (beyond OpenAI's fields, as `whole`
+        has them: all that a model without a tokenizer can stream)."""
+        extra = {} if ids is None else {"token_ids": list(ids)}
         if not self.chat:
-            return self._base(
-                "text_completion", [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]
-            )
+            choice = {"text": text, "index": 0, "logprobs": None, "finish_reason": finish, **extra}
+            return self._base("text_completion", [choice])
         delta = {"content": text} if text or finish is None else {}
         if not self.started:
             delta, self.started = {"role": "assistant", **delta}, True
-        return self._base(
-            "chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}]
-        )
+        choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish, **extra}
+        return self._base("chat.completion.chunk", [choice])
 
-    def last_chunks(self, tail: str, finish: str | None, n_out: int | None) -> list[dict[str, Any]]:
-        if not self.chat:  # the last text chunk carries the usage (none after a failure)
-            last = self.chunk(tail, finish)
-            return [last if n_out is None else {**last, "usage": self._usage(n_out)}]
-        out = [self.chunk(tail)] if tail else []
-        out.append(self.chunk("", finish))
-        if self.include_usage:
-            out.append({**self._base("chat.completion.chunk", []), "usage": self._usage(n_out or 0)})
+    def last_chunks(self, tail: str, finish: str | None, n_out: int | None, ids: list[int]) -> list[dict[str, Any]]:
+        """The stream's end: the text held back and the finish reason, then (stream_options.include_usage)
+        a chunk with no choices and the usage, as OpenAI's API sends it."""
+        if self.chat:
+            out = [self.chunk(tail, ids=ids)] if tail else []
+            out.append(self.chunk("", finish, ids=None if tail else ids))
+        else:
+            out = [self.chunk(tail, finish, ids=ids)]
+        if self.include_usage and n_out is not None:  # none after a failure
+            kind = "chat.completion.chunk" if self.chat else "text_completion"
+            out.append({**self._base(kind, []), "usage": self._usage(n_out)})
         return out
 
 

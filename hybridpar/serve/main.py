@@ -3,6 +3,7 @@ replicas, then answer HTTP on 127.0.0.1 (by default) until interrupted."""
 
 from __future__ import annotations
 
+import importlib.util
 import signal
 import sys
 
@@ -60,6 +61,8 @@ def main(argv: list[str]) -> int:
     try:
         cfg, model_cfg, source = prepare(argv)
         tokenizer = tokenizer_for(cfg, model_cfg, source)
+        if importlib.util.find_spec("prometheus_client") is None:  # /metrics is written with it
+            raise ValueError("hybridpar serve needs prometheus_client: pip install 'hybridpar[serve]'")
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2

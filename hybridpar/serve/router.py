@@ -7,7 +7,9 @@ Strategies: `round_robin` (the baseline), `load_balanced` (fewest outstanding to
 `performance_optimized` (smallest estimated completion: outstanding tokens × the replica's measured
 seconds per token, weighted for this request's mix — a prefill-heavy request weighs the measured
 prefill cost, a decode-heavy one the decode cost), `memory_aware` (most KV headroom), `hybrid`
-(chooses one of them from the measured state, fixed thresholds by default, else a blend).
+(chooses one of them from the measured state, fixed thresholds by default, else a blend), `cache_aware`
+(the replica holding the longest cached prefix of the prompt, `prefix.py`, unless it has `cache_slack`
+more requests outstanding than the least loaded one; else hybrid).
 
 No request is lost: a replica at its outstanding-request limit is skipped; when all are, requests
 wait in the router's FIFO and are placed as replicas finish work. Only past `max_pending` waiting
@@ -26,7 +28,9 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import Any
 
-STRATEGIES = ("round_robin", "load_balanced", "performance_optimized", "memory_aware", "hybrid")
+from hybridpar.serve.prefix import PrefixIndex
+
+STRATEGIES = ("round_robin", "load_balanced", "performance_optimized", "memory_aware", "hybrid", "cache_aware")
 
 
 class Overloaded(Exception):
@@ -45,6 +49,8 @@ class RouterConfig:
     imbalance: float = 0.5  # hybrid: above this → load_balanced
     max_outstanding: int = 64  # requests per replica before it counts as busy
     max_pending: int = 256  # requests waiting in the router before submit refuses
+    cache_slack: int = 4  # cache_aware: outstanding requests beyond the least loaded that a prefix is worth
+    block_size: int = 16  # the replicas' KV block (cache_aware sizes its index from their capacity)
     ewma: float = 0.3  # weight of a new latency measurement
     window: int = 2048  # completed requests kept for latency percentiles
 
@@ -55,7 +61,7 @@ class RouterConfig:
             v = getattr(self, name)
             if not (isinstance(v, (int, float)) and 0 < v <= 1):
                 raise ValueError(f"router {name}={v!r} must be in (0, 1]")
-        for name in ("max_outstanding", "max_pending", "window"):
+        for name in ("max_outstanding", "max_pending", "window", "cache_slack", "block_size"):
             v = getattr(self, name)
             if not (isinstance(v, int) and v >= 1):
                 raise ValueError(f"router {name}={v!r} must be a positive integer")
@@ -66,6 +72,7 @@ class Request:
     id: str
     prompt_tokens: int
     max_tokens: int
+    blocks: tuple[int, ...] = ()  # chained hashes of its prompt's full KV blocks (prefix.block_hashes)
 
     @property
     def tokens(self) -> int:
@@ -126,6 +133,7 @@ class Router:
         self.latencies: deque[float] = deque(maxlen=self.cfg.window)
         self.completed = 0
         self._rr = 0
+        self.prefix = PrefixIndex(n_replicas)
 
     # -- public API ----------------------------------------------------------------------------------
     def submit(self, req: Request, now: float) -> list[tuple[Request, int]]:
@@ -186,6 +194,7 @@ class Router:
             queued_tokens,
         )
         rep.sent_since_status = 0
+        self.prefix.resize(replica, kv_capacity // self.cfg.block_size)
         if rep._busy is not None and now > rep._busy[1]:
             rep.utilisation = min(1.0, max(0.0, (busy_s - rep._busy[0]) / (now - rep._busy[1])))
         rep._busy = (busy_s, now)
@@ -197,6 +206,7 @@ class Router:
         """Replica `replica` stopped: it gets no more placements. Returns the ids placed on it (the
         caller `requeue`s those that can start over and fails the others). Idempotent."""
         self.replicas[replica].alive = False
+        self.prefix.forget(replica)
         return [rid for rid, r in self.where.items() if r == replica]
 
     def requeue(self, req_id: str) -> list[tuple[Request, int]]:
@@ -275,7 +285,12 @@ class Router:
 
     def _place(self, req: Request) -> int:
         choices = self._available()
-        name = self.cfg.strategy
+        name, hit = self.cfg.strategy, None
+        if name == "cache_aware":
+            loads = {i: len(self.replicas[i].outstanding) for i in choices}
+            hit = self.prefix.best(req.blocks, choices, loads, self.cfg.cache_slack)
+            self.usage["cache_aware:" + ("prefix" if hit is not None else "hybrid")] += 1
+            name = "cache_aware" if hit is not None else "hybrid"
         if name == "hybrid":
             st = self.state()
             if st["memory_pressure"] > self.cfg.memory_pressure:
@@ -288,7 +303,8 @@ class Router:
                 name = "blend"
             self.usage[f"hybrid:{name}"] += 1
         self.usage[name] += 1
-        r = getattr(self, f"_{name}")(req, choices)
+        r = hit if name == "cache_aware" else getattr(self, f"_{name}")(req, choices)
+        self.prefix.placed(r, req.blocks)  # whatever placed it: the replica will cache these blocks
         rep = self.replicas[r]
         rep.outstanding[req.id] = req
         rep.sent_since_status += req.tokens

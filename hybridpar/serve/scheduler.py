@@ -50,6 +50,7 @@ class Seq:
     prompt_fed: int = 0  # tokens of its (last) prefill
     decode_s: float = 0.0
     decode_steps: int = 0
+    scheduled: float | None = None  # when its first step was launched (the end of its queue time)
 
     @property
     def tokens(self) -> list[int]:
@@ -90,14 +91,17 @@ class Step:
 
 
 class Scheduler:
-    def __init__(self, alloc: BlockAllocator, max_batch: int, max_groups: int, max_step_tokens: int = 0) -> None:
+    def __init__(
+        self, alloc: BlockAllocator, max_batch: int, max_groups: int, max_step_tokens: int = 0, share: bool = True
+    ) -> None:
         # Every decode of a full micro-batch fits a step, with a token to spare for a prefill.
         assert max_step_tokens == 0 or max_step_tokens > max_batch, "max_step_tokens must exceed max_batch"
-        self.alloc, self.max_batch, self.max_step_tokens = alloc, max_batch, max_step_tokens
+        self.alloc, self.max_batch, self.max_step_tokens, self.share = alloc, max_batch, max_step_tokens, share
         self.waiting: deque[Seq] = deque()
         self.mbs = [MicroBatch() for _ in range(max_groups)]
         self.preemptions = 0
         self.prefix_hit_tokens = 0  # prompt tokens taken from shared blocks instead of computed
+        self.prefix_query_tokens = 0  # prompt tokens looked up in the shared blocks (vLLM's queries)
 
     @property
     def running(self) -> list[Seq]:
@@ -120,13 +124,15 @@ class Scheduler:
     def _admit(self, mb: MicroBatch) -> None:
         while self.waiting and len(mb.seqs) < self.max_batch:
             s = self.waiting[0]
-            s.table = self.alloc.match(s.tokens)  # a prefix someone computed already: shared, not recomputed
+            # A prefix someone computed already: shared, not recomputed (unless prefix caching is off).
+            s.table = self.alloc.match(s.tokens) if self.share else []
             s.committed = len(s.table)
             if not self.alloc.grow(s.table, len(s.tokens)):
                 self.alloc.release(s.table)
                 return  # not enough blocks yet: it waits (first in line) for some to free
             s.cached = s.committed * self.alloc.block_size
             self.prefix_hit_tokens += s.cached
+            self.prefix_query_tokens += len(s.tokens)
             s.new = True
             mb.seqs.append(self.waiting.popleft())
 

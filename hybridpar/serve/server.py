@@ -8,7 +8,10 @@ listens with a backlog of 5 and answers malformed requests with HTML pages. Here
   then is closed silently (a kept-alive client may be just about to reuse it), a later one gets 408;
 - every error, a broken request line included, is the API's JSON error body (`{"error": {...}}`,
   wire.py reads requests strictly);
-- the listen backlog is the system's maximum (at least 1024), so bursts of connections queue.
+- the listen backlog is the system's maximum (at least 1024), so bursts of connections queue;
+- while a request is being answered the connection is watched: a client that closes it (or its sending
+  side) has its answer cancelled, and with it the request's generation (http.py cancels on
+  CancelledError), streamed or not, instead of generating for nobody.
 The application (`App`) runs on the loop; its blocking work goes to a thread pool of its own.
 """
 
@@ -17,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import socket
 import threading
-from typing import Callable
+from typing import Awaitable, Callable, TypeVar
 
 from hybridpar.serve.api import ApiError
 from hybridpar.serve.wire import (
@@ -29,9 +32,11 @@ from hybridpar.serve.wire import (
     error_response,
     format_head,
     read_body,
+    read_chunked,
     read_request,
 )
 
+T = TypeVar("T")
 LINGER_S = 2.0
 BACKLOG = max(1024, socket.SOMAXCONN)
 
@@ -105,8 +110,9 @@ class HttpServer:
         task = asyncio.current_task()
         assert task is not None
         self._tasks[task] = writer
+        carry = bytearray()  # a byte of the next request, read while watching the current one
         try:
-            while await self._exchange(reader, writer):
+            while await self._exchange(reader, writer, carry):
                 pass
         except (OSError, asyncio.TimeoutError):
             pass  # the client left (or its socket failed), or it stopped reading its answer
@@ -118,15 +124,20 @@ class HttpServer:
             self._tasks.pop(task, None)
             writer.close()
 
-    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> bool:
+    async def _exchange(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, carry: bytearray) -> bool:
         """Serve one request; True to keep the connection for the next."""
         progress, t = Progress(), self.client_timeout_s
         try:
             try:
-                req = await asyncio.wait_for(read_request(reader, writer, progress, self.max_body), t)
+                first = bytes(carry)
+                carry.clear()
+                req = await asyncio.wait_for(read_request(reader, writer, progress, self.max_body, first), t)
                 if req is None:
                     return False
-                req.body = await asyncio.wait_for(read_body(reader, req.content_length or 0), t)
+                n = req.content_length or 0
+                req.body = await asyncio.wait_for(
+                    read_chunked(reader, self.max_body) if req.chunked else read_body(reader, n), t
+                )
             except asyncio.TimeoutError:
                 if not progress.started:
                     return False  # idle: close without a word
@@ -135,12 +146,36 @@ class HttpServer:
             await self._send(writer, error_response(e), False, False)
             await self._linger(reader, writer)
             return False
-        resp = await self.app(req)
-        if isinstance(resp, Stream):
-            await self._stream(writer, resp)
-            return False
+        watch = asyncio.ensure_future(reader.read(1))
+        try:
+            resp = await self._unless_gone(self.app(req), watch)
+            if resp is None:
+                return False
+            if isinstance(resp, Stream):
+                await self._unless_gone(self._stream(writer, resp), watch)
+                return False
+        finally:
+            if watch.done() and not watch.cancelled() and watch.exception() is None:
+                carry += watch.result()  # pipelined: the next request's first byte
+            watch.cancel()  # a read waiting for data loses nothing when cancelled
         await self._send(writer, resp, req.keep_alive, req.method == "HEAD")
         return req.keep_alive
+
+    @staticmethod
+    async def _unless_gone(work: Awaitable[T], watch: asyncio.Future) -> T | None:
+        """`work`'s result, or None (with `work` cancelled) if the client closes its side first. A byte
+        arriving instead (a pipelined request) ends the watch: `work` then runs to its end."""
+        task = asyncio.ensure_future(work)
+        try:
+            done, _ = await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+            if task not in done and (watch.exception() is not None or watch.result() == b""):
+                task.cancel()
+                await asyncio.wait({task})
+                return None
+            return await task
+        except BaseException:
+            task.cancel()  # the server stops (or the watch failed): the work stops with it
+            raise
 
     async def _send(self, writer: asyncio.StreamWriter, resp: Response, keep: bool, head_only: bool) -> None:
         headers = {

@@ -2,11 +2,15 @@
 forwards it to its replica's driver, and turns the replica's events back into per-request streams.
 Measured replica status and completion costs feed the router; counters feed /metrics.
 
-When a replica dies, each request on it whose client has seen nothing yet (not sent there, or sent
-but no token streamed) is placed again on a live replica and starts over there: none of those is lost
-while a replica lives. Only a request already half-streamed fails, since its client holds tokens the
-retry could not be guaranteed to reproduce. Events are taken only from the replica a request is
-placed on now, so a dead replica's late ones cannot leak into a moved request's stream."""
+When a replica dies, each request on it is placed again on a live replica: none is lost while a replica
+lives. One whose client has seen nothing yet starts over there; one half-streamed resumes there from its
+prompt plus the tokens its client already holds, for the tokens still owed (vLLM's recompute, across
+replicas): a greedy continuation is the uninterrupted one, token for token (the model is the same); a
+sampled one is a sample of the same model given what was sent, not the tokens the dead replica would
+have drawn (its generator state died with it; the resumed part is seeded from the request's seed and
+the count sent, so a seeded request resumes the same way every time). Events are taken only from the
+live replica a request is placed on now (checked under the lock that moves it), so a dead replica's
+late tokens can neither leak into a moved request's stream nor be sent twice."""
 
 from __future__ import annotations
 
@@ -25,7 +29,9 @@ from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.api import ApiError
 from hybridpar.serve.chat import DEFAULT_TEMPLATE, ChatTemplate
 from hybridpar.serve.config import ServeConfig
+from hybridpar.serve.metrics import ServeMetrics
 from hybridpar.serve.pool import ReplicaPool
+from hybridpar.serve.prefix import block_hashes
 from hybridpar.serve.router import Request, Router
 from hybridpar.serve.text import ByteDetokenizer, NoText
 from hybridpar.serve.worker import WorkerSpec
@@ -54,9 +60,39 @@ class Pending:
     max_tokens: int
     msg: dict[str, Any] = field(default_factory=dict)  # what the replica's driver is sent
     created: float = field(default_factory=time.time)
+    t0: float = field(default_factory=time.monotonic)  # arrival, for the latency histograms
+    sent_at: float | None = None  # handed to its replica (the router's queue time ends)
+    last_token_at: float = 0.0
     sent: bool = False  # handed to its replica's driver
-    streamed: int = 0  # tokens handed to the client: from the first on, the replica's death fails it
+    streamed: int = 0  # tokens handed to the client
+    tokens: list[int] = field(default_factory=list)  # those tokens: a resumed request's prompt goes on with them
     events: EventQueue = field(default_factory=EventQueue)
+
+    resumed_at: int = 0  # tokens already streamed when it was last sent (its replica's counts start there)
+
+    def message(self) -> dict[str, Any]:
+        """What its replica is sent now: the request, or, after tokens were streamed from a replica that
+        died, its continuation (prompt + those tokens, for the tokens still owed)."""
+        self.resumed_at = n = len(self.tokens)
+        if not n:
+            return self.msg
+        seed = self.msg["seed"]
+        return {
+            **self.msg,
+            "prompt": self.msg["prompt"] + self.tokens,
+            "max_tokens": self.max_tokens - n,
+            "seed": None if seed is None else (seed + n) % 2**63,
+        }
+
+    def finish(self, ev: dict[str, Any]) -> dict[str, Any]:
+        """Its replica's `done` as the client sees it: a resumed request's counts are of the whole request."""
+        if not self.resumed_at or ev.get("reason") == "error":
+            return ev
+        return {
+            **ev,
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": ev.get("completion_tokens", 0) + self.resumed_at,
+        }
 
 
 class Service:
@@ -84,12 +120,14 @@ class Service:
         self.counters: Counter = Counter()
         self.closing = False
         self.replica_status: dict[int, dict[str, Any]] = {}  # each replica's latest measured status
+        self.metrics = ServeMetrics(cfg.model_name, self.statistics)
         limits = {
             "max_batch": cfg.max_batch,
             "max_groups": cfg.max_groups,
             "kv_tokens": cfg.kv_tokens,
             "block_size": cfg.block_size,
             "max_step_tokens": cfg.max_step_tokens,
+            "prefix_caching": cfg.prefix_caching,
             "max_seq_len": cfg.max_seq_len,
         }
         spec = WorkerSpec(
@@ -151,7 +189,8 @@ class Service:
             "stop_tokens": stop_tokens or [],
         }
         with self.lock:
-            placed = self.router.submit(Request(p.id, len(prompt), max_tokens), time.monotonic())
+            req = Request(p.id, len(prompt), max_tokens, block_hashes(prompt, self.cfg.block_size))
+            placed = self.router.submit(req, time.monotonic())
             self.inflight[p.id] = p
             self.counters["requests_total"] += 1
         self._send(placed)
@@ -168,29 +207,34 @@ class Service:
                     if self._cancelled.pop(req.id, None) is False:
                         self.counters["requests_cancelled"] += 1
                 continue
-            if self.pool.send(rep, p.msg):
-                p.sent = True
+            with self.lock:
+                msg = p.message()
+            if msg["max_tokens"] < 1:  # its replica died after the last token, before its done
+                last = p.tokens[-1] in (msg.get("stop_tokens") or ())
+                self._on_event(rep, {"type": "done", "id": req.id, "reason": "stop" if last else "length"})
+            elif self.pool.send(rep, msg):
+                p.sent, p.sent_at = True, time.monotonic()
             else:  # the replica died before it got the request: place it again
                 placed += self._replica_down(rep)
 
     def _replica_down(self, rep: int) -> list[tuple[Request, int]]:
-        """Replica `rep` is dead: re-place what its clients have seen nothing of (returns those
-        placements, to be sent), fail the half-streamed rest; with no replica left, fail the waiting
-        requests too."""
+        """Replica `rep` is dead: re-place its requests (returns those placements, to be sent: from the
+        start, or resumed after what was streamed); with no replica left, fail the waiting requests."""
         with self.lock:
             held = self.router.down(rep)
-            again = [rid for rid in held if rid in self.inflight and self.inflight[rid].streamed == 0]
+            again = [rid for rid in held if rid in self.inflight]
             for rid in again:
-                if self.inflight[rid].sent:
-                    self.inflight[rid].sent = False
-                    self.counters["requests_retried"] += 1
+                p = self.inflight[rid]
+                if p.sent:
+                    p.sent = False
+                    self.counters["requests_resumed" if p.tokens else "requests_retried"] += 1
             placed = [pl for rid in again for pl in self.router.requeue(rid)]
             stranded = self.router.abandon()
         for rid in held:
             if rid not in again:
                 self._fail(rid, f"replica {rep} stopped")
         for req in stranded:
-            self._fail(req.id, f"no replica is running (replica {rep} stopped before this request was sent)")
+            self._fail(req.id, f"no replica is running (the last one, replica {rep}, stopped)")
         return placed
 
     def _fail(self, rid: str, why: str) -> None:
@@ -216,18 +260,29 @@ class Service:
         if p is not None and p.sent and rep is not None:
             self.pool.send(rep, {"type": "cancel", "id": rid})
 
+    def _current(self, rep: int, rid: str) -> bool:
+        """Whether `rep` is alive and holds `rid`: only its events count (a dead one's late tokens would
+        be streamed twice, once from it and once resumed elsewhere)."""
+        return self.router.where.get(rid) == rep and self.router.replicas[rep].alive
+
     def _on_event(self, rep: int, ev: dict[str, Any]) -> None:
         kind = ev.get("type")
-        if kind in ("token", "done") and self.router.where.get(ev["id"]) != rep:
+        if kind in ("token", "done") and not self._current(rep, ev["id"]):
             return  # from a replica the request is no longer on (it died and the request moved)
         if kind == "token":
-            p = self.inflight.get(ev["id"])
-            if p is not None:
-                p.streamed += 1
+            with self.lock:  # against _replica_down: a token is streamed, or the request moves without it
+                p = self.inflight.get(ev["id"])
+                if p is None or not self._current(rep, ev["id"]):
+                    return
+                now = time.monotonic()
+                (self.metrics.itl if p.streamed else self.metrics.ttft).observe(now - (p.last_token_at or p.t0))
+                p.streamed, p.last_token_at = p.streamed + 1, now
+                p.tokens.append(ev["token"])
                 p.events.put(("token", ev["token"]))
         elif kind == "done":
             with self.lock:
                 p = self.inflight.pop(ev["id"], None)
+                ev = p.finish(ev) if p is not None else ev
                 placed = (
                     self.router.finished(
                         ev["id"], time.monotonic(), ev.get("prefill_s_per_token"), ev.get("decode_s_per_token")
@@ -246,10 +301,20 @@ class Service:
                 self.counters["prompt_tokens_total"] += ev.get("prompt_tokens", 0)
                 self.counters["completion_tokens_total"] += ev.get("completion_tokens", 0)
             if p is not None:
+                if ev.get("reason") != "error":
+                    now = time.monotonic()
+                    queued = (p.sent_at or now) - p.t0 + ev.get("queue_s", 0.0)
+                    n_in, n_out = ev.get("prompt_tokens", 0), ev.get("completion_tokens", 0)
+                    self.metrics.finished(now - p.t0, queued, n_in, n_out)
                 p.events.put(("done", ev))
             self._send(placed)
         elif kind == "status":
             with self.lock:
+                last = self.replica_status.get(rep, {})
+                self.metrics.prefix(
+                    ev.get("prefix_query_tokens", 0) - last.get("prefix_query_tokens", 0),
+                    ev.get("prefix_hit_tokens", 0) - last.get("prefix_hit_tokens", 0),
+                )
                 self.replica_status[rep] = ev
                 self.router.report(
                     rep,
@@ -281,7 +346,15 @@ class Service:
 
     def statistics(self) -> dict[str, Any]:
         with self.lock:
-            return {**self.router.statistics(), "counters": dict(self.counters), "replicas_alive": self.alive()}
+            st = self.router.statistics()
+            live = [self.replica_status.get(i, {}) for i, r in enumerate(st["replicas"]) if r["alive"]]
+            return {
+                **st,
+                "counters": dict(self.counters),
+                "replicas_alive": self.alive(),
+                "running": sum(r.get("running", 0) for r in live),
+                "waiting": st["pending"] + sum(r.get("queue_depth", 0) for r in live),
+            }
 
     def close(self) -> None:
         self.closing = True

@@ -3,9 +3,9 @@
 Strict because a client's bytes are untrusted: every malformed request line, header or length is an
 ApiError with the status HTTP gives it (the server answers it as the API's JSON error body), never an
 exception of another kind. Limits, as common servers set them: request line 8 KiB (414); a header line
-8 KiB, 100 headers, 64 KiB in all (431); a body at most `max_body` (413), framed by Content-Length only
-(411 for Transfer-Encoding: no client of this API sends chunked bodies). Timeouts are the caller's
-(server.py).
+8 KiB, 100 headers, 64 KiB in all (431); a body at most `max_body` (413), framed by Content-Length or
+by chunked Transfer-Encoding (RFC 9112 §7.1; both at once is refused, as a request-smuggling risk).
+Timeouts are the caller's (server.py).
 """
 
 from __future__ import annotations
@@ -39,6 +39,7 @@ class Request:
     body: bytes = b""
     content_length: int | None = None
     keep_alive: bool = False
+    chunked: bool = False  # the body comes in chunks (Transfer-Encoding: chunked), its length unknown
 
 
 @dataclass
@@ -133,8 +134,12 @@ def _parse_header(raw: bytes, headers: dict[str, str]) -> None:
 
 
 def _content_length(headers: dict[str, str], max_body: int) -> int | None:
-    if "transfer-encoding" in headers:  # chunked uploads: not needed by any client of this API
-        raise ApiError(411, "Transfer-Encoding is not supported: send the body with a Content-Length header")
+    if (te := headers.get("transfer-encoding")) is not None:
+        if te.strip().lower() != "chunked":  # gzip and the like: no client of this API sends them
+            raise ApiError(501, f"Transfer-Encoding {_clip(te)} is not supported (only chunked)")
+        if "content-length" in headers:
+            raise ApiError(400, "a request with both Transfer-Encoding and Content-Length is refused: send one")
+        return None
     v = headers.get("content-length")
     if v is None:
         return None
@@ -152,10 +157,11 @@ class Progress:
 
 
 async def read_request(
-    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, progress: Progress, max_body: int
+    reader: asyncio.StreamReader, writer: asyncio.StreamWriter, progress: Progress, max_body: int, first: bytes = b""
 ) -> Request | None:
-    """The next request's head and body; None if the client closed before sending one."""
-    first = await reader.read(1)
+    """The next request's head; None if the client closed before sending one. `first`: its first byte,
+    when the caller has read it already (while watching for the client leaving)."""
+    first = first or await reader.read(1)
     if not first:
         return None
     progress.started = True
@@ -179,11 +185,11 @@ async def read_request(
     if (expect := headers.get("expect")) is not None:
         if expect.lower() != "100-continue":
             raise ApiError(417, f"Expect: {_clip(expect)} is not supported (only 100-continue)")
-        if version == "HTTP/1.1" and n:
+        if version == "HTTP/1.1" and (n or "transfer-encoding" in headers):
             writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
     tokens = {t.strip().lower() for t in headers.get("connection", "").split(",")}
     keep = "close" not in tokens if version == "HTTP/1.1" else "keep-alive" in tokens
-    return Request(method, path, version, headers, b"", n, keep)
+    return Request(method, path, version, headers, b"", n, keep, "transfer-encoding" in headers)
 
 
 async def read_body(reader: asyncio.StreamReader, n: int) -> bytes:
@@ -191,3 +197,26 @@ async def read_body(reader: asyncio.StreamReader, n: int) -> bytes:
         return await reader.readexactly(n)
     except asyncio.IncompleteReadError as e:
         raise ApiError(400, f"the connection ended after {len(e.partial)} of the {n} body bytes") from None
+
+
+async def read_chunked(reader: asyncio.StreamReader, max_body: int) -> bytes:
+    """A chunked body (RFC 9112 §7.1): hex size lines (extensions ignored), each chunk and its CRLF, a zero
+    size, then trailer lines (dropped) up to an empty line. At most `max_body` bytes in all (413)."""
+    body = bytearray()
+    while True:
+        line = (await _line(reader, "chunk size line", 400)).rstrip(b"\r\n")
+        size = line.split(b";", 1)[0].strip()
+        if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", size):
+            raise ApiError(400, f"malformed chunk size line {_clip(line.decode('latin-1'))}")
+        n = int(size, 16)
+        if n == 0:
+            break
+        if len(body) + n > max_body:
+            raise ApiError(413, f"chunked request body exceeds {max_body} bytes")
+        body += await read_body(reader, n)
+        if await read_body(reader, 2) != b"\r\n":
+            raise ApiError(400, "a chunk does not end with CRLF where its size says")
+    for _ in range(MAX_HEADERS + 1):  # trailer fields: read and dropped
+        if (await _line(reader, "trailer line", 431)) in (b"\r\n", b"\n"):
+            return bytes(body)
+    raise ApiError(431, f"more than {MAX_HEADERS} trailer lines")

@@ -23,6 +23,7 @@ from hybridpar.balance.live import plane_groups
 from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
 from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
+from hybridpar.dataparallel.tree import TreeGrads
 from hybridpar.dataparallel.zero import ShardedAdamW
 from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
@@ -95,7 +96,7 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
 class DataParallel:
     """dp: the gradient reduction among replicas for the current layout."""
 
-    grads: DataParallelGrads | PlaneGrads
+    grads: DataParallelGrads | PlaneGrads | TreeGrads
     plane: dist.ProcessGroup | None  # the (dp x pp) plane group, made once replicas' partitions differ
 
 
@@ -105,6 +106,8 @@ def build_data_parallel(
     """Replicas with one partition reduce each parameter over dp; replicas with different partitions
     (after a per-replica re-partition) reduce each layer over the ranks of the dp x pp plane holding it.
     Making the plane group is collective: every rank builds with the same layout."""
+    if cfg.parallel.grad_sum == "tree":  # validate.py: no re-partition, no ZeRO
+        return DataParallel(TreeGrads(topo, stages), plane)
     if layout.shared_partition or cfg.parallel.dp == 1:
         sharded = cfg.parallel.zero if cfg.parallel.dp > 1 else 0  # >= 1: the optimizer is a ShardedAdamW
         grads = DataParallelGrads(topo, stages, cfg.train.microbatches, sharded=bool(sharded), keep_slices=sharded == 2)

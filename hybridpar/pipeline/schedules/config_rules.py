@@ -29,6 +29,7 @@ def check_config(cfg: Config) -> None:
     (the counts they compare are positive integers)."""
     _check_name(cfg)
     _check_balance(cfg)
+    _check_grad_sum(cfg)
     _check_layout(cfg)
     _check_recompute(cfg)
     _check_microbatch_size(cfg)
@@ -54,6 +55,17 @@ def _check_balance(cfg: Config) -> None:
     _require(
         p.pp == 1 or schedule_spec(p.schedule).live_repartition,
         f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule {live}, got {p.schedule}",
+    )
+
+
+def _check_grad_sum(cfg: Config) -> None:
+    # The tree takes each microbatch's gradient from autograd's accumulation (a post-accumulate hook);
+    # a split backward's W writes linear weights' gradients itself.
+    p = cfg.parallel
+    whole = " or ".join(s.name for s in SCHEDULES.values() if not s.splits_backward)
+    _require(
+        p.grad_sum != "tree" or p.pp == 1 or not schedule_spec(p.schedule).splits_backward,
+        f"parallel.grad_sum=tree needs a schedule whose backward is not split ({whole}), got {p.schedule}",
     )
 
 
