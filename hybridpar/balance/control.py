@@ -9,8 +9,9 @@ several stages, each of which runs at the rank's speed. The planner (`simulated.
 re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
-time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers costs a
-weight and optimizer-state transfer).
+time or its bottleneck bound (`repartition.predicted_step`) falls by more than that margin too (moving layers
+costs a weight and optimizer-state transfer, and a gain inside the noise may be none). Besides straggler
+changes, a drift of the relative speeds beyond the margin since the last evaluation makes one due.
 """
 
 from __future__ import annotations
@@ -134,15 +135,21 @@ class Balancer:
         # from it beyond the margin is due for an evaluation too, even with no straggler change.
         self._evaluated: dict[int, float] | None = None
         self._drift_streak = 0  # consecutive updates beyond it: `patience` of them, as for a straggler
+        # After a move the reference is taken afresh once a whole window was measured on the new layout:
+        # what a position measures per unit shifts with its layers (costs the model leaves out, such as a
+        # stage's embedding or head, spread over fewer units), which is no drift of the device.
+        self._rebase_at: int | None = None
 
     def _drifted(self, smooth: dict[int, float], n: int) -> str | None:
         """Why the speeds call for another evaluation since the last one, or None: some position's time
         per unit, relative to the fastest, moved by more than max(min_gain, 2 x the measured noise) (a
         slowdown that grows or fades gradually never crosses the detector's thresholds again), in
         `balance.patience` consecutive updates of the smoothed (median) times."""
-        if self._evaluated is None:
-            return None
         fastest = min(smooth[r] for r in range(n))
+        if self._evaluated is None:
+            if self._rebase_at is not None and self._updates >= self._rebase_at:
+                self._evaluated, self._rebase_at = {r: smooth[r] / fastest for r in range(n)}, None
+            return None
         tol = max(self.config.min_gain, 2.0 * self.detector.noise())
         moved = {r: smooth[r] / fastest / self._evaluated[r] - 1.0 for r in range(n)}
         r = max(moved, key=lambda q: abs(moved[q]))
@@ -195,7 +202,8 @@ class Balancer:
         # The simulation alone leads away from the min-bottleneck partition (beyond the margin); the bound
         # leads back to it once the simulated advantage is within the margin (e.g. a straggler recovered
         # and a partition one layer off simulates no faster than the even one, but no slower either).
-        if new == layout or max(1.0 - after / before, 1.0 - bound_after / bound_before) < c.min_gain:
+        # A gain inside the margin may be noise as much as a candidate's advantage may (min_gain at least).
+        if new == layout or max(1.0 - after / before, 1.0 - bound_after / bound_before) < margin:
             return None
         moved, resplit = new.parts != layout.parts, new.split != layout.split
         kind: Literal["pipeline", "data", "pipeline+data"] = (
@@ -210,6 +218,8 @@ class Balancer:
             f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
         )
         self._last_decision = step
+        if c.mode == "auto":  # the layout changes: measure the new one before judging drift
+            self._evaluated, self._rebase_at = None, self._updates + c.window
         scores = load_scores(samples, self.weights)
         return Decision(
             kind,
