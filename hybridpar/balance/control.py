@@ -9,8 +9,8 @@ several stages, each of which runs at the rank's speed. The planner (`simulated.
 re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
-time or its bottleneck bound (`repartition.predicted_step`) falls by more than that margin too (moving layers
-costs a weight and optimizer-state transfer, and a gain inside the noise may be none). Besides straggler
+time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers
+costs a weight and optimizer-state transfer). Besides straggler
 changes, a drift of the relative speeds beyond the margin since the last evaluation makes one due.
 """
 
@@ -202,8 +202,7 @@ class Balancer:
         # The simulation alone leads away from the min-bottleneck partition (beyond the margin); the bound
         # leads back to it once the simulated advantage is within the margin (e.g. a straggler recovered
         # and a partition one layer off simulates no faster than the even one, but no slower either).
-        # A gain inside the margin may be noise as much as a candidate's advantage may (min_gain at least).
-        if new == layout or max(1.0 - after / before, 1.0 - bound_after / bound_before) < margin:
+        if new == layout or max(1.0 - after / before, 1.0 - bound_after / bound_before) < c.min_gain:
             return None
         moved, resplit = new.parts != layout.parts, new.split != layout.split
         kind: Literal["pipeline", "data", "pipeline+data"] = (
