@@ -262,6 +262,7 @@ def test_gpt2_layout_matches_single_device(tp: int, pp: int, dp: int, shared) ->
 def test_odd_shapes(tmp_path: Path) -> None:
     cfgs = [
         odd_config(tp=3, pp=1, dp=1, schedule="1f1b"),
+        odd_config(tp=3, pp=1, dp=1, schedule="1f1b", sequence_parallel=True),  # 33 tokens, 11 per rank
         odd_config(tp=1, pp=3, dp=1, schedule="zb-h1"),
         odd_config(tp=1, pp=1, dp=3, schedule="1f1b"),
     ]

@@ -207,10 +207,12 @@ def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
     from hybridpar.trainer import Trainer
 
     torch.set_num_threads(1)
-    p = Config.from_dict(cfg_dicts[0]).parallel
-    topo = build_topology(p.dp, p.pp, p.tp, "gloo", 60.0)
-    out = []
+    out, topos = [], {}
     for d in cfg_dicts:
+        p = Config.from_dict(d).parallel
+        if p.layout not in topos:  # one mesh per layout, the process group reused
+            topos[p.layout] = build_topology(p.dp, p.pp, p.tp, "gloo", 60.0)
+        topo = topos[p.layout]
         tr = Trainer(Config.from_dict(d), topo)
         for s in range(2):
             tr.step(s)
@@ -223,11 +225,13 @@ def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
 def test_model_matches_what_ranks_hold() -> None:
     """dp2 x pp2 on 11 samples (replicas of 6 and 5, unequal microbatches), GQA: 1F1B with ZeRO-1, bf16,
     selective recomputation on one stage and full on the other; and ZB-V (two stages per rank, B and W
-    split), bf16 without recomputation. Every component of dp rank 0 (the larger share, which the model
-    describes) within 10% of the model."""
+    split), bf16 without recomputation; tp2 x pp2 with sequence parallelism under ZB-H1. Every component of
+    dp rank 0 (the larger share, which the model describes) within 10% of the model."""
     cfgs = [
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", recompute="selective,full")),
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="zb-v"), train=dict(microbatches=4, precision="bf16")),
+        # sequence parallelism at tp2 x pp2 under the B/W split: the norm regions and messages at 1/tp
+        tiny_config(parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1", sequence_parallel=True)),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     for i, cfg in enumerate(cfgs):

@@ -62,6 +62,7 @@ OPTIONAL: dict[str, type] = {
     "microbatch_size": int,
     "recompute": str,
     "zero": int,  # 1 where the source's run sharded the optimizer state over data parallelism (ZeRO-1 or more)
+    "sequence_parallel": bool,  # true where the source's run split the norm regions' sequence over tp
     **REPORTED,
 }
 PRECISIONS = ("fp32", "bf16", "fp16")  # fp16 runs are planned as bf16: same tensor-core peak
@@ -132,7 +133,7 @@ def test_row_has_the_schema(row: dict[str, Any]) -> None:
     for key, value in row.items():
         want = schema[key]
         ok = isinstance(value, want) if want is not float else isinstance(value, (int, float))
-        assert ok and not isinstance(value, bool), f"{key}={value!r} is not a {want.__name__}"
+        assert ok and isinstance(value, bool) == (want is bool), f"{key}={value!r} is not a {want.__name__}"
         if want in (int, float):
             assert value > 0, f"{key}={value!r} must be positive"
     assert row["family"] in FAMILIES

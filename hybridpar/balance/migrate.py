@@ -75,8 +75,8 @@ def default_layer_builder(
     stage: Stage, tp_group: dist.ProcessGroup | None, device: torch.device
 ) -> Callable[[int], nn.Module]:
     """Empty decoder layer `i` with this rank's tensor-parallel shard shapes and hooks (its values
-    are overwritten by the received ones)."""
-    return lambda i: empty_layer(stage.cfg, i, device, tp_group)
+    are overwritten by the received ones; sequence-parallel hooks if the stage's are)."""
+    return lambda i: empty_layer(stage.cfg, i, device, tp_group, stage.seq_shards > 1)
 
 
 def _transfers(

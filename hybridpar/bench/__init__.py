@@ -25,6 +25,7 @@ BENCHES = (
     "microbatch",
     "step_time",
     "recompute",
+    "sequence_parallel",
     "precision",
     "precision_quality",
     "bf16_copies",

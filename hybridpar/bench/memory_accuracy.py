@@ -1,6 +1,7 @@
 """`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
-For the default model and a larger one, at tp2 x pp2 and dp2 x pp2, over precision (fp32, bf16) x
+For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
+parallelism, `--layouts tp2xpp2-sp`), over precision (fp32, bf16) x
 ZeRO (0, 1) x activation recomputation (none, full, selective), a short run counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
 peak of what autograd saves) and communication buffers; and the step time (the last step's, past the
@@ -23,7 +24,11 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules import schedule_names
 from hybridpar.topology.spawn import run_ranks
 
-LAYOUTS = {"tp2xpp2": dict(tp=2, pp=2, dp=1), "dp2xpp2": dict(tp=1, pp=2, dp=2)}
+LAYOUTS = {
+    "tp2xpp2": dict(tp=2, pp=2, dp=1),
+    "dp2xpp2": dict(tp=1, pp=2, dp=2),
+    "tp2xpp2-sp": dict(tp=2, pp=2, dp=1, sequence_parallel=True),  # sequence parallelism (model/tp.py)
+}
 MODELS = {
     "default": dict(model={}, train={}),
     "larger": dict(model=dict(dim=256, n_layers=8, n_heads=8, ffn_dim=704), train=dict(seq_len=256, global_batch=8)),

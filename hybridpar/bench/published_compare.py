@@ -7,7 +7,8 @@ per GPU. One cost model for every row; no constant is tuned per row.
 
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
-where the source's run sharded it), its precision (fp16 as bf16).
+where the source's run sharded it), its sequence parallelism (`sequence_parallel`, where the source ran it),
+its precision (fp16 as bf16).
 `fits` says whether our memory model (plan/memory_model.py) puts it within the cluster file's device memory;
 where the planner finds no layout at all, `no_choice` says why (its one-line error).
 """
@@ -73,6 +74,7 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     p = cfg.parallel
     layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else "")
     layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}" + (f" zero{p.zero}" if p.zero else "")
+    layout += " sp" if p.sequence_parallel else ""
     out = {
         "id": row["id"],
         "cluster": hw.name,

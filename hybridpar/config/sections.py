@@ -165,6 +165,12 @@ class ParallelConfig:
         "bit for bit the uninterrupted run's model (no overlap; docs/checkpoints.md)",
         choices=("overlapped", "tree"),
     )
+    sequence_parallel: bool = _f(
+        False,
+        "sequence parallelism (needs tp > 1): the norms, residual stream, embedding output and pipeline "
+        "messages hold 1/tp of the sequence on each tp rank; the tp all-reduces become an all-gather before "
+        "and a reduce-scatter after the sharded matmuls (the same bytes); train.seq_len must split over tp",
+    )
     cpu_bind: str = _f(
         "none",
         "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "

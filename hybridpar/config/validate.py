@@ -296,6 +296,17 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
     # Tensor parallelism shards heads, the FFN and the vocabulary evenly across tp ranks.
     for key, v in tp_split_sizes(m).items():
         _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide model.{key}={v}")
+    if p.sequence_parallel:
+        _require(
+            p.tp > 1,
+            f"parallel.sequence_parallel splits the sequence over the tp ranks, but parallel.tp={p.tp}: "
+            "use parallel.tp >= 2 or parallel.sequence_parallel=false",
+        )
+        _require(
+            t.seq_len % p.tp == 0,
+            f"parallel.sequence_parallel: parallel.tp={p.tp} does not divide train.seq_len={t.seq_len} "
+            f"(use a multiple of {p.tp})",
+        )
 
 
 def _check_recompute(t: TrainConfig) -> None:

@@ -270,6 +270,27 @@ def sync_tied_embeddings(topo: Topology, stages: dict[int, Stage], n_stages: int
     return grad.numel() * grad.element_size()
 
 
+def sync_sequence_parallel(topo: Topology, stages: dict[int, Stage]) -> int:
+    """Under sequence parallelism a replicated parameter (norm gain, row-parallel bias, learned
+    positions) saw only this tp rank's slice of the sequence: sum its gradient over tp (Megatron's
+    all-reduce of the layernorm gradients). After the dp reduction, as sums commute; under ZeRO-2 the
+    kept dp slice where the whole gradient was freed (cut alike on every tp rank). Returns the elements summed."""
+    grads = [
+        p.grad if p.grad is not None else getattr(p, "grad_slice", None)
+        for st in stages.values()
+        if st.seq_shards > 1
+        for p in st.parameters()
+        if not is_sharded(p)
+    ]
+    grads = [g for g in grads if g is not None]
+    if not grads:
+        return 0
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, group=topo.group("tp"))
+    _unflatten(flat, grads)
+    return flat.numel()
+
+
 def clip_grad_norm(
     topo: Topology, stages: dict[int, Stage], max_norm: float, slices: dict[int, Slice] | None = None
 ) -> float:

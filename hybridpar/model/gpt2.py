@@ -119,7 +119,8 @@ class GPT2Stage(Stage):
     def forward(self, x: torch.Tensor, kv: KVStep | None = None) -> torch.Tensor:
         if self.first:
             pos = torch.arange(x.shape[1], device=x.device) if kv is None else kv.positions  # (T,) | (B, T)
-            h = self.transformer.wte(x) + self.transformer.wpe(pos)  # (B, T, d)
+            # (B, T, d); sequence-parallel: this rank's slice of the sequence, with its positions only
+            h = self.transformer.wte(x) + self.transformer.wpe(self.seq_slice(pos, -1))
         else:
             h = x
         for lid, block in self.transformer.h.items():

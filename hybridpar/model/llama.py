@@ -161,8 +161,8 @@ class LlamaStage(Stage):
         return self._rope[device]
 
     def forward(self, x: torch.Tensor, kv: KVStep | None = None) -> torch.Tensor:
-        h = self.model.embed_tokens(x) if self.first else x  # (B, T, d)
-        T = h.shape[1]
+        h = self.model.embed_tokens(x) if self.first else x  # (B, T, d); (B, T/tp, d) sequence-parallel
+        T = h.shape[1] * self.seq_shards  # attention sees the whole sequence (model/tp.py)
         if kv is None:
             cos, sin = (t[:T] for t in self._tables(T, h.device))  # (T, hd)
         else:  # each row at its own positions

@@ -45,14 +45,16 @@ def empty_stage(
     last: bool,
     device: torch.device,
     tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> Stage:
-    """A stage with uninitialised tensors on `device`, sharded over `tp_group`: values are to be loaded.
-    Built on the meta device first, so nothing is allocated twice."""
+    """A stage with uninitialised tensors on `device`, sharded over `tp_group` (and its activations over
+    the sequence: model/tp.py): values are to be loaded. Built on the meta device first, so nothing is
+    allocated twice."""
     with torch.device("meta"):
         stage = family(cfg).stage(cfg, layers, first, last)
     stage.to_empty(device=device)
     stage.tie_()  # to_empty keeps the tie, but be explicit about it
-    return apply_tp(stage, tp_group)
+    return apply_tp(stage, tp_group, sequence_parallel)
 
 
 def build_stage(
@@ -63,11 +65,12 @@ def build_stage(
     seed: int,
     device: torch.device,
     tp_group: dist.ProcessGroup | None = None,
+    sequence_parallel: bool = False,
 ) -> Stage:
     """A stage initialised deterministically from `seed` (the same values in every layout), then sharded."""
     stage = empty_stage(cfg, layers, first, last, device)
     stage.init_(seed)
-    return apply_tp(stage, tp_group)
+    return apply_tp(stage, tp_group, sequence_parallel)
 
 
 def build_full_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Stage:
@@ -75,9 +78,11 @@ def build_full_model(cfg: ModelConfig, seed: int, device: torch.device | str = "
     return build_stage(cfg, range(cfg.n_layers), True, True, seed, torch.device(device))
 
 
-def empty_layer(cfg: ModelConfig, i: int, device: torch.device, tp_group: dist.ProcessGroup | None) -> nn.Module:
+def empty_layer(
+    cfg: ModelConfig, i: int, device: torch.device, tp_group: dist.ProcessGroup | None, sequence_parallel: bool = False
+) -> nn.Module:
     """Decoder layer `i` alone, uninitialised, with this rank's tensor-parallel shard shapes and hooks."""
-    return empty_stage(cfg, [i], False, False, device, tp_group).layers[str(i)]
+    return empty_stage(cfg, [i], False, False, device, tp_group, sequence_parallel).layers[str(i)]
 
 
 # -- names, shapes, counts ---------------------------------------------------------------------------------

@@ -47,6 +47,14 @@ class Stage(nn.Module):
         self.layer_ids = list(layers)
         self.recompute = "none"  # train.recompute for this stage (model/recompute.py)
         self.recompute_phase: str | None = None  # "forward" / "recompute" while a layer is recomputed
+        # Sequence parallelism (model/tp.py): hidden states here are slice `seq_rank` of `seq_shards`
+        # equal slices of the sequence, (B, T/seq_shards, d); set by apply_tp.
+        self.seq_rank, self.seq_shards = 0, 1
+
+    def seq_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """This rank's slice of `t` along its sequence dimension `dim` (all of it without sequence parallelism)."""
+        n = t.shape[dim] // self.seq_shards
+        return t.narrow(dim, self.seq_rank * n, n)
 
     def run_layer(self, layer: nn.Module, *args: object) -> torch.Tensor:
         """One decoder layer's forward, under this stage's activation recomputation mode."""

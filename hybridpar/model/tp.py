@@ -18,6 +18,16 @@ returned a Replicate gradient for the Shard(0) embedding, which norms over shard
 
 A sharded parameter carries `tp_dim` (the dimension it is split along); everything that reduces,
 clips or gathers parameters reads that attribute.
+
+Sequence parallelism (`apply_tp(..., sequence_parallel=True)`; Korthikanti et al. 2022, "Reducing
+Activation Recomputation in Large Transformer Models"): between the tp-sharded matmuls — the norms, the
+residual stream, the embedding's output, the messages between pipeline stages — each tp rank holds only
+its 1/tp of the sequence (B, T/tp, d) instead of a full copy. `f` becomes an all-gather of the sequence
+(its backward a reduce-scatter of the input gradient) and `g` a reduce-scatter (its backward an
+all-gather): the same bytes as the two all-reduces they replace, since an all-reduce is a
+reduce-scatter plus an all-gather. A replicated parameter (norm gain, row-parallel bias, learned
+positions) then sees only this rank's tokens, so its gradient is a partial sum over tp
+(dataparallel/grads.py `sync_sequence_parallel` sums it).
 """
 
 from __future__ import annotations
@@ -62,6 +72,56 @@ class _ReduceFromTP(torch.autograd.Function):
         return g, None
 
 
+def _seq_first(x: torch.Tensor) -> torch.Tensor:
+    # The collectives split and concatenate dimension 0: put the sequence there, (T, B, d).
+    return x.transpose(0, 1).contiguous()
+
+
+def gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T/n, ...) on each of the n ranks -> the whole (B, T, ...), ranks' slices in rank order."""
+    xs = _seq_first(x)
+    out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
+    dist.all_gather_single(out, xs, group=group)
+    # Contiguous: the projections that read it (q, k, v; gate, up) then save this one tensor for their
+    # backward, where a strided view would have each flatten, and save, a copy of its own.
+    return out.transpose(0, 1).contiguous()
+
+
+def scatter_seq_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+    """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) slice of their sum."""
+    xs = _seq_first(x)
+    out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
+    dist.reduce_scatter_single(out, xs, group=group)
+    return out.transpose(0, 1).contiguous()
+
+
+class _GatherSeq(torch.autograd.Function):
+    """Sequence-parallel f: every rank needs the whole sequence; its gradient is a partial sum whose
+    rows belonging to each rank's slice are summed onto that rank."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return scatter_seq_sum(g, ctx.group), None
+
+
+class _ScatterSeq(torch.autograd.Function):
+    """Sequence-parallel g: sum the ranks' partial outputs, each keeping its slice of the sequence."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        return scatter_seq_sum(x, group)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return gather_seq(g.contiguous(), ctx.group), None
+
+
 class _GatherLastDim(torch.autograd.Function):
     """Concatenate the ranks' slices of the last dimension; backward keeps this rank's slice."""
 
@@ -80,31 +140,41 @@ class _GatherLastDim(torch.autograd.Function):
 class VocabParallelEmbedding(nn.Module):
     """Rows [lo, hi) of the embedding table; tokens outside look up zeros, and g sums the ranks."""
 
-    def __init__(self, weight: torch.Tensor, lo: int, group: dist.ProcessGroup) -> None:
+    def __init__(self, weight: torch.Tensor, lo: int, group: dist.ProcessGroup, reduce: Any) -> None:
         super().__init__()
         self.weight = weight
         self.lo, self.hi, self.group = lo, lo + weight.shape[0], group
+        self.reduce = reduce  # g: _ReduceFromTP, or _ScatterSeq under sequence parallelism
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         outside = (ids < self.lo) | (ids >= self.hi)
         h = F.embedding((ids - self.lo).masked_fill(outside, 0), self.weight)
-        return _ReduceFromTP.apply(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
+        return self.reduce.apply(h.masked_fill(outside.unsqueeze(-1), 0.0), self.group)
 
 
 class RowParallelLinear(nn.Linear):
     """y = g(x_r W_r^T) + b: this rank's slice of the input times its columns of the weight, summed over
-    the tp ranks, then the (replicated) bias once. Still an nn.Linear, for the zero-bubble B/W split."""
+    the tp ranks, then the (replicated) bias once. Still an nn.Linear, for the zero-bubble B/W split.
 
-    def __init__(self, linear: nn.Linear, rank: int, n: int, group: dist.ProcessGroup) -> None:
+    `forward` is the local product only; g and the bias are a forward hook, so the zero-bubble capture
+    (a hook put before it) sees the product and its gradient: under sequence parallelism g's output holds
+    1/tp of the sequence, the product (and dW = g^T x) all of it."""
+
+    def __init__(self, linear: nn.Linear, rank: int, n: int, group: dist.ProcessGroup, reduce: Any) -> None:
         nn.Module.__init__(self)  # the weight exists already: skip nn.Linear's allocation
         self.in_features, self.out_features = linear.in_features // n, linear.out_features
         self.weight = _shard(linear.weight, 1, rank, n)
         self.register_parameter("bias", linear.bias)
-        self.group = group
+        self.group, self.reduce = group, reduce
+        self.register_forward_hook(RowParallelLinear._sum)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = _ReduceFromTP.apply(F.linear(x, self.weight), self.group)
-        return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight)
+
+    @staticmethod
+    def _sum(mod: RowParallelLinear, args: tuple, partial: torch.Tensor) -> torch.Tensor:
+        y = mod.reduce.apply(partial, mod.group)
+        return y if mod.bias is None else y + mod.bias
 
 
 def _shard(p: nn.Parameter, dim: int, rank: int, n: int) -> nn.Parameter:
@@ -118,11 +188,15 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent), attr, new)
 
 
-def apply_tp(stage: Stage, group: dist.ProcessGroup | None) -> Stage:
-    """Shard `stage` in place over the tp `group` following its family's TP_PLAN. A no-op without tp."""
+def apply_tp(stage: Stage, group: dist.ProcessGroup | None, sequence_parallel: bool = False) -> Stage:
+    """Shard `stage` in place over the tp `group` following its family's TP_PLAN. A no-op without tp.
+    `sequence_parallel`: the regions between the sharded matmuls hold 1/tp of the sequence (module doc)."""
     if group is None or dist.get_world_size(group) == 1:
         return stage
     rank, n = dist.get_rank(group), dist.get_world_size(group)
+    f, g = (_GatherSeq, _ScatterSeq) if sequence_parallel else (_CopyToTP, _ReduceFromTP)
+    if sequence_parallel:
+        stage.seq_rank, stage.seq_shards = rank, n
     for name, mod in list(stage.named_modules()):
         style = next((s for pat, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, pat)), None)
         if style in ("colwise", "colwise_gather"):
@@ -130,14 +204,14 @@ def apply_tp(stage: Stage, group: dist.ProcessGroup | None) -> Stage:
             if mod.bias is not None:
                 mod.bias = _shard(mod.bias, 0, rank, n)
         if style in ("copy_in", "colwise_gather"):
-            mod.register_forward_pre_hook(lambda m, args: (_CopyToTP.apply(args[0], group), *args[1:]))
+            mod.register_forward_pre_hook(lambda m, args: (f.apply(args[0], group), *args[1:]))
         if style == "colwise_gather":
             mod.register_forward_hook(lambda m, args, out: _GatherLastDim.apply(out, group))
         elif style == "rowwise":
-            _replace(stage, name, RowParallelLinear(mod, rank, n, group))
+            _replace(stage, name, RowParallelLinear(mod, rank, n, group, g))
         elif style == "vocab":
             w = _shard(mod.weight, 0, rank, n)
-            _replace(stage, name, VocabParallelEmbedding(w, rank * w.shape[0], group))
+            _replace(stage, name, VocabParallelEmbedding(w, rank * w.shape[0], group, g))
     stage.tie_()  # embedding and head are the same row shard: re-tie
     return stage
 

@@ -97,6 +97,8 @@ class PipelineRuntime:
         # pipeline adds to the one-device bf16 model is one per stage boundary and direction.
         self.autocast: torch.dtype | None = None
         self.profiling = False  # name each action as a torch.profiler range (set for profiled steps only)
+        # Sequence parallelism (model/tp.py): a message holds this tp rank's 1/seq_shards of the sequence.
+        self.seq_shards = 1
 
     def _precision(self) -> contextlib.AbstractContextManager:
         if self.autocast is None:
@@ -141,7 +143,8 @@ class PipelineRuntime:
         ref = inputs[0] if inputs[0] is not None else targets[0]
         sizes = [t.shape[0] for t in (inputs if inputs[0] is not None else targets)]
         split = any(a.op == Op.WEIGHT for a in actions)
-        st = _Step(inputs, targets, [(b, ref.shape[1], self.hidden) for b in sizes], loss_scale, train, split)
+        T = ref.shape[1] // self.seq_shards
+        st = _Step(inputs, targets, [(b, T, self.hidden) for b in sizes], loss_scale, train, split)
         st.documents = documents
         final_op = Op.WEIGHT if split else Op.BACKWARD
         done_at = {a.stage: i for i, a in enumerate(actions) if a.op == final_op}

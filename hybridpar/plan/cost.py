@@ -189,17 +189,20 @@ class CostModel:
         return cal if ok else None
 
     def layer(
-        self, t: TrainConfig, tp: int, tokens: int, link: Link, recompute: str, split: bool = False
+        self, t: TrainConfig, tp: int, tokens: int, link: Link, recompute: str, split: bool = False, sp: bool = False
     ) -> LayerCosts:
         """One decoder layer for a microbatch of `tokens` tokens on one tp rank (`split`: the schedule
-        runs B and W apart; otherwise W may be 0 with the whole backward in B)."""
+        runs B and W apart; otherwise W may be 0 with the whole backward in B). `sp` (sequence
+        parallelism): the norms and residuals run on 1/tp of the tokens; its all-gather and reduce-scatter
+        move the bytes of the all-reduces they replace, so the collectives are costed as those."""
         m = self.m
         if t.seq_len not in self._flops:
             self._flops[t.seq_len] = layer_flops_per_token(m, t.seq_len)
         act = 2 if t.precision == "bf16" else 4
         mm = tokens * self._flops[t.seq_len] / tp / self._rate(t.precision)
         sharded = ATTENTION_ELEMENTS * (m.dim + m.kv_heads * m.head_dim) + 2 * m.dim + FFN_ELEMENTS * m.ffn_dim
-        mem = self._memory_s(tokens * (REPLICATED_ELEMENTS * m.dim + sharded / tp), act)
+        replicated = REPLICATED_ELEMENTS * m.dim / (tp if sp else 1)
+        mem = self._memory_s(tokens * (replicated + sharded / tp), act)
         rates, mem_b = self.hw.gpu_rates(t.precision), 2 * mem
         if rates is not None:  # GEMMs by shape, attention by its kernel (plan/gpu_model.py)
             mm, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
@@ -349,7 +352,7 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
     out, layers = [], {}  # one layer's costs per recomputation mode: the stages repeat the same few
     for s, r in enumerate(parts):
         if modes[s] not in layers:
-            layers[modes[s]] = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split)
+            layers[modes[s]] = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split, p.sequence_parallel)
         lay = layers[modes[s]]
         f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
         w = w + action if split else w
@@ -414,6 +417,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
     spec = schedule_spec(p.schedule)
     split = spec.splits_backward
     msg = tokens * model.m.dim * (2 if t.precision == "bf16" else 4)
+    msg //= p.tp if p.sequence_parallel else 1  # sequence parallelism: a tp rank's slice of the sequence
     st = model.comm_stretch(t)
     sim = [c.busy(st) for c in costs]
     sim_costs = Costs(

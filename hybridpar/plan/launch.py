@@ -190,7 +190,12 @@ def summary(ap: AutoPlan) -> str:
     p, t, best = ap.cfg.parallel, ap.cfg.train, ap.result.candidates[0]
     extra = "".join(
         f", {k}={v}"
-        for k, v in (("stage_layers", p.stage_layers), ("replica_batch", p.replica_batch), ("cpu_bind", p.cpu_bind))
+        for k, v in (
+            ("stage_layers", p.stage_layers),
+            ("replica_batch", p.replica_batch),
+            ("cpu_bind", p.cpu_bind),
+            ("sequence_parallel", p.sequence_parallel),
+        )
         if v and v != "none"
     )
     kept = ", ".join(f"{k}={v}" for k, v in ap.fixed.items())

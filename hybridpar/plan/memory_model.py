@@ -179,15 +179,24 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
     return total
 
 
+def seq_shards(cfg: Config) -> int:
+    """The sequence's slices under sequence parallelism (model/tp.py): tp with it, else 1. The norms'
+    own tensors, a layer's input and the messages between stages hold 1/seq_shards of the tokens; what
+    the tp-sharded matmuls save (their gathered inputs, their outputs) holds all of them."""
+    p = cfg.parallel
+    return p.tp if p.sequence_parallel and p.tp > 1 else 1
+
+
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
     """Bytes autograd saves for one decoder layer's backward, microbatch of b samples (tp rank's share).
     Counted per op from what each backward reads; checked against the meter by tests/test_memory_model.py."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     bt, d, hd = b * t.seq_len, m.dim, m.head_dim
+    bs = bt // seq_shards(cfg)  # tokens of the sequence-sharded regions (all of them without SP)
     hq, hk, f = m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
     low = t.precision == "bf16"
     c = 2 if low else F32  # bytes of what the matmuls produce (autocast's dtype)
-    x = bt * d * F32  # the layer's input: all that full recomputation keeps
+    x = bs * d * F32  # the layer's input: all that full recomputation keeps
     if mode == "full":
         return x
     llama = m.family == "llama"
@@ -199,12 +208,12 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         # RMSNorm keeps its input, 1/rms and the normalised input (fp32); the projections keep their
         # input: the norm's output itself in fp32, bf16 casts (one per projection) under autocast, and
         # the casts of their weights. SwiGLU keeps gate, up, silu(gate) and the product.
-        norms = 2 * ((2 * bt * d + bt) * F32 + (0 if low else bt * d * F32))
+        norms = 2 * ((2 * bs * d + bs) * F32 + (0 if low else bt * d * F32))
         casts = 5 * bt * d * 2 + (2 * (hq + 2 * hk) * hd * d + 2 * hq * hd * d + 6 * d * f) if low else 0
         return norms + casts + attn + 4 * bt * f * c
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
-    norms = 2 * (bt * d + 2 * bt) * F32
-    ins = 2 * bt * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs)
+    norms = 2 * (bs * d + 2 * bs) * F32
+    ins = 2 * bt * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
     attn = bt * 3 * hq * hd * c + b * hq * t.seq_len * F32 + bt * hq * hd * c
     weights = 2 * (3 * hq * hd * d + hq * hd * d + 2 * d * f) if low else 0
     return norms + ins + attn + weights + 2 * bt * f * c
@@ -223,7 +232,8 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
     if last:
         # The final norm as in the layers, the head's input (cast and weight cast under autocast), the
         # fp32 log-softmax over the whole vocabulary, the loss's total weight.
-        norm = (2 * bt * d + bt) * F32 if m.family == "llama" else (bt * d + 2 * bt) * F32
+        bs = bt // seq_shards(cfg)  # the final norm runs on the rank's slice of the sequence
+        norm = (2 * bs * d + bs) * F32 if m.family == "llama" else (bs * d + 2 * bs) * F32
         head_in = bt * d * 2 + (m.vocab_size // tp) * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
     return out
@@ -282,7 +292,7 @@ def activation_peaks(
         # they come on top: two per layer, and the head's (never recomputed).
         norms = 2 * len(parts[s]) * (modes[s] == "none") + last
         one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
-        bt_d = b * cfg.train.seq_len * cfg.model.dim
+        bt_d = b * cfg.train.seq_len * cfg.model.dim // seq_shards(cfg)  # a stage's input and output
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
         return one, const, kept, inside
 
@@ -345,7 +355,7 @@ class MemoryModel:
         rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks, self.program(*sched)))
         messages = self._get(
             self._messages,
-            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len, tuple(sizes)),
+            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len // seq_shards(cfg), tuple(sizes)),
             lambda: message_buffers(cfg, sizes, actions, ranks, rep),
         )
         static = self._static_of(cfg, mk, parts, ranks)
@@ -375,7 +385,16 @@ class MemoryModel:
     def _activations_of(self, cfg: Config, mk: tuple, parts: list[range], sizes: list[int], sched: tuple) -> list[int]:
         # The compute lists are enough: messages save nothing (activation_peaks skips them).
         p, t = cfg.parallel, cfg.train
-        key = (mk, p.tp, t.precision, t.seq_len, tuple(t.recompute_modes(len(parts))), tuple(parts), tuple(sizes))
+        key = (
+            mk,
+            p.tp,
+            p.sequence_parallel,
+            t.precision,
+            t.seq_len,
+            tuple(t.recompute_modes(len(parts))),
+            tuple(parts),
+        )
+        key += (tuple(sizes),)
         compute = lambda: self.compute(*sched[:4])  # noqa: E731
         trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
         return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))

@@ -57,11 +57,13 @@ def message_buffers(
     costs (`replay`, given or run here): receive buffers from their posting to their last reader, and
     (shared memory) each send link's ring, which grows when a message does not fit behind those the
     receiver still holds."""
-    m, t, pp = cfg.model, cfg.train, cfg.parallel.pp
+    m, t, p, pp = cfg.model, cfg.train, cfg.parallel, cfg.parallel.pp
     rep = rep or replay(actions, pp, ranks)
     split, at = rep.split, rep.at
     lent = transport(cfg) == "shared_memory" and not split  # read in place in the ring until the backward
-    msg = [b * t.seq_len * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
+    # Sequence parallelism: a message is the tp rank's slice of the sequence (model/tp.py).
+    tokens = t.seq_len // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    msg = [b * tokens * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
     # A gradient received in fp32 is the one its W keeps (the last layer's output gradient); a bf16 one
     # is widened to fp32 first, and goes with its B.
     release = Op.WEIGHT if split and t.precision == "fp32" else Op.BACKWARD

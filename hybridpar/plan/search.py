@@ -75,6 +75,7 @@ class Candidate:
         p, t = self.cfg.parallel, self.cfg.train
         v = f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else ""
         extras = [f"zero{p.zero}"] * (p.zero > 0) + [f"recompute={t.recompute}"] * (t.recompute != "none")
+        extras += ["sp"] * p.sequence_parallel
         extras += [t.precision] * (t.precision != "fp32") + ["cost-balanced"] * (p.partition == "cost")
         return f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule}{v} m{t.microbatches} " + " ".join(extras)
 
@@ -90,6 +91,7 @@ class Candidate:
                 "virtual_stages": stages_per_rank(p),
                 "partition": p.partition,
                 "zero": p.zero,
+                "sequence_parallel": p.sequence_parallel,
             },
             "train": {"microbatches": t.microbatches, "recompute": t.recompute, "precision": t.precision},
             "step_s": self.prediction.step_s,
@@ -134,8 +136,10 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                 for v, mb in itertools.product(vs, _divisors(per_replica)):
                     if spec.layout_problem(pp, v) or spec.count_problem(pp, mb) or pp * v > m.n_layers:
                         continue
-                    for zero, rec, prec, part in itertools.product(
+                    for zero, sp, rec, prec, part in itertools.product(
                         (0, 1) if dp > 1 else (0,),
+                        # sequence parallelism: with tp > 1, where the sequence splits over tp
+                        (False, True) if tp > 1 and base.train.seq_len % tp == 0 else (False,),
                         RECOMPUTE,
                         precisions,
                         ("params", "cost") if pp > 1 else ("params",),
@@ -148,6 +152,7 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                             v=v,
                             m=mb,
                             zero=zero,
+                            sp=sp,
                             recompute=rec,
                             precision=prec,
                             partition=part,
@@ -163,6 +168,7 @@ KNOB_KEYS = {
     "v": "parallel.virtual_stages",
     "m": "train.microbatches",
     "zero": "parallel.zero",
+    "sp": "parallel.sequence_parallel",
     "recompute": "train.recompute",
     "precision": "train.precision",
     "partition": "parallel.partition",
@@ -198,6 +204,7 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
         dp=k["dp"],
         schedule=k["schedule"],
         zero=k["zero"],
+        sequence_parallel=k.get("sp", False),
         partition=k["partition"],
         virtual_stages=k["v"] if SCHEDULES[k["schedule"]].virtual_stages is None else None,
         layer_costs=[1.0] * base.model.n_layers if k["partition"] == "cost" else None,
@@ -220,7 +227,14 @@ def _group(k: dict[str, Any]) -> tuple:
 
 
 def _frugal(k: dict[str, Any], knobs_of_group: list[dict[str, Any]]) -> dict[str, Any]:
-    return {**k, "recompute": "full", "zero": 1 if k["dp"] > 1 else 0, "m": max(x["m"] for x in knobs_of_group)}
+    sp = k["tp"] > 1 and any(x.get("sp", False) for x in knobs_of_group)
+    return {
+        **k,
+        "recompute": "full",
+        "zero": 1 if k["dp"] > 1 else 0,
+        "sp": sp,
+        "m": max(x["m"] for x in knobs_of_group),
+    }
 
 
 def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
@@ -228,6 +242,7 @@ def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
     return (
         RECOMPUTE.index(a["recompute"]) >= RECOMPUTE.index(b["recompute"])
         and a["zero"] >= b["zero"]
+        and a.get("sp", False) >= b.get("sp", False)  # sequence parallelism holds no more than without it
         and a["m"] >= b["m"]
     )
 
@@ -276,7 +291,7 @@ class Planner:
             t = dataclasses.replace(self.base.train, precision=k["precision"])
             tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
-            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"]).busy(st)
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False)).busy(st)
             embed, head = (busy_comm(e, st) for e in self.model.ends(t, k["tp"], tokens, pl.tp))
             share = sharing(shape, self.hw, pl)
             capacity = None if share is None else sum(share.capacity)
@@ -293,7 +308,7 @@ class Planner:
         pl = placement(shape, self.hw)
         t = dataclasses.replace(self.base.train, precision=k["precision"])
         tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
-        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"])
+        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False))
         embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
         per_layer = layer.f.total + layer.b.total + layer.w.total
         total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
@@ -322,7 +337,7 @@ class Planner:
         if key not in self._shapes:
             self._shapes[key] = compute_shape(self.compute(*key))
         # The layouts come in pairs that differ in ZeRO only, which changes what follows the pipeline only.
-        layout = key + (p.tp, p.dp, p.partition, t.recompute, t.precision)
+        layout = key + (p.tp, p.dp, p.partition, t.recompute, t.precision, p.sequence_parallel)
         if layout not in self._pipeline_bounds:
             self._pipeline_bounds[layout] = pipeline_bound(self.model, cfg, self._shapes[key])
         end, su = self._pipeline_bounds[layout]

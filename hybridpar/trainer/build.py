@@ -71,6 +71,7 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     n_stages = stage_count(p)
     stage_ranks = schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p))
     tp_group = topo.group("tp") if p.tp > 1 else None
+    sp = p.sequence_parallel and p.tp > 1
     # model.init_from: each rank reads only its stages' tensors, and of those only its tp slices.
     hf = SafetensorsDir(cfg.model.init_from) if cfg.model.init_from else None
     stages: dict[int, Stage] = {}
@@ -78,14 +79,15 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     for s in (s for s, r in enumerate(stage_ranks) if r == topo.pp_rank):
         first, last = s == 0, s == n_stages - 1
         if hf is None:
-            stages[s] = build_stage(cfg.model, parts[s], first, last, t.seed, topo.device, tp_group)
+            stages[s] = build_stage(cfg.model, parts[s], first, last, t.seed, topo.device, tp_group, sp)
         else:
-            stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group)
+            stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group, sp)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         stages[s].recompute = recompute[s]
     low = torch.bfloat16 if t.precision == "bf16" else None
     p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)
+    runtime.seq_shards = p.tp if sp else 1  # messages carry this rank's 1/tp of the sequence
     runtime.autocast = low
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent

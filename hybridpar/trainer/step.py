@@ -29,7 +29,7 @@ from hybridpar.batching.recompute import RecomputeChoice
 from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
 from hybridpar.data.mixture import open_data, val_sets
-from hybridpar.dataparallel.grads import clip_grad_norm, sync_tied_embeddings
+from hybridpar.dataparallel.grads import clip_grad_norm, sync_sequence_parallel, sync_tied_embeddings
 from hybridpar.dataparallel.zero import full_optimizer_state
 from hybridpar.model.documents import DocumentMask, document_masks
 from hybridpar.model.optim import lr_at, set_lr
@@ -217,6 +217,7 @@ class Trainer:
         tokens = t.global_batch * t.seq_len
         self.policy.observe(step, sizes, run_s, peak, tokens)
         kept = getattr(self.dp.grads, "keep_slices", False)  # ZeRO-2: gradients are dp slices from here on
+        sync_sequence_parallel(topo, self.stages)
         tie_bytes = sync_tied_embeddings(topo, self.stages, self.n_stages, kept)
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
