@@ -261,10 +261,10 @@ def _worker(base: dict, root: str, kill_at: int, other_layout: dict) -> dict:
     # A save that fails on rank 0 after every rank wrote: all ranks raise, earlier commits stay intact.
     manifest = ckpt.write_manifest
 
-    def failing_manifest(path: Path, step: int, run_id: str | None = None) -> dict:
+    def failing_manifest(path: Path, step: int, run_id: str | None = None, known: dict | None = None) -> dict:
         if step == 4:
             raise OSError(28, "No space left on device")
-        return manifest(path, step, run_id)
+        return manifest(path, step, run_id, known)
 
     ckpt.write_manifest = failing_manifest
     r["save_fails"] = run("e", kill=None)

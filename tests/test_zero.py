@@ -42,14 +42,21 @@ def test_zero2_keeps_a_dp_th_of_the_gradients_in_tensors_of_their_own() -> None:
 
 
 def test_zero_levels_are_checked_before_launch() -> None:
-    """dp = 1 shards nothing: zero 1 and 2 are accepted there and act as 0 (an elastic restart that
-    shrinks dp keeps its configuration); a level that does not exist is named with the ones that do."""
+    """dp = 1 shards nothing: zero 1, 2 and 3 are accepted there and act as 0 (an elastic restart that
+    shrinks dp keeps its configuration); a level that does not exist is named with the ones that do; ZeRO-3
+    with live re-partition (which moves whole layers) is refused naming both, and so is an unknown regather."""
     from hybridpar.pipeline.schedules.config_rules import validate_config
 
-    for zero in (1, 2):
+    for zero in (1, 2, 3):
         validate_config(tiny_config(parallel=dict(dp=1, zero=zero)))
-    with pytest.raises(ValueError, match=r"parallel.zero=3 is not one of 0, 1, 2"):
-        validate_config(tiny_config(parallel=dict(zero=3)))
+    with pytest.raises(ValueError, match=r"parallel.zero=4 is not one of 0, 1, 2, 3"):
+        validate_config(tiny_config(parallel=dict(zero=4)))
+    with pytest.raises(ValueError, match=r"parallel.zero3_regather='layer' is not one of microbatch, step"):
+        validate_config(tiny_config(parallel=dict(zero=3, zero3_regather="layer")))
+    balance = dict(mode="auto")
+    validate_config(tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=2), balance=balance))
+    with pytest.raises(ValueError, match=r"balance.mode=auto moves whole layers .* parallel.zero=3 .* parallel.dp=2"):
+        validate_config(tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=3), balance=balance))
 
 
 def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
@@ -64,24 +71,63 @@ def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
     assert slice_of(torch.Size([8, 8]), None, 1).dim is None
 
 
+def test_memory_model_knows_zero3() -> None:
+    """At dp=4: ZeRO-3's parameters at rest are a quarter of ZeRO-0's (within 2%); at their peak the slices
+    plus, per microbatch, the parameters outside layers and two layers, per step all of them; gradients
+    whole at the peak and a quarter at rest (ZeRO-2's); optimizer state ZeRO-1's; never more than ZeRO-0."""
+    est = {}
+    for zero, mode in ((0, "microbatch"), (1, "microbatch"), (3, "microbatch"), (3, "step")):
+        cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=zero, zero3_regather=mode), train=dict(global_batch=16))
+        est[zero, mode] = rank_memory(cfg)[0]
+    whole, z1, z3, z3s = est[0, "microbatch"], est[1, "microbatch"], est[3, "microbatch"], est[3, "step"]
+    assert abs(z3.params_at_rest - whole.params / 4) <= 0.02 * whole.params / 4
+    cfg = tiny_config(parallel=dict(tp=1, pp=1))
+    middle = stage_shapes(cfg, [range(0, 1), range(1, 2), range(2, 3)], 1)  # a stage of one layer: a layer
+    layer = 4 * sum(torch.Size(s).numel() for s, _ in middle)
+    others = whole.params - cfg.model.n_layers * layer  # embedding, final norm, head
+    assert others > 0 and z3.params == z3.params_at_rest + others + 2 * layer
+    assert z3s.params == z3.params_at_rest + whole.params
+    assert z3.grads == whole.grads and abs(z3.grads_at_rest - whole.grads / 4) <= 0.02 * whole.grads / 4
+    assert z3.optimizer == z1.optimizer and z3.total <= whole.total and z3s.total <= whole.total
+
+
+def test_planner_offers_zero3_and_picks_it_where_memory_requires() -> None:
+    """With a memory where only ZeRO-3 fits, every layout the planner returns is ZeRO-3 (dp > 1); with room
+    for everything it prefers a cheaper level (ZeRO-3's per-use gathers cost time)."""
+    from hybridpar.plan.search import GIB, plan
+    from tests.test_plan_search import Est, hw
+
+    def tight(cfg: Config) -> list[Est]:
+        return [Est((2 if cfg.parallel.zero == 3 else 40) * GIB)] * cfg.parallel.pp
+
+    got = plan(Config(), hw(), tight, world=4, top=3).candidates
+    assert got and all(c.cfg.parallel.zero == 3 and c.cfg.parallel.dp > 1 for c in got), [c.label for c in got]
+    roomy = plan(Config(), hw(), lambda cfg: [Est(0)] * cfg.parallel.pp, world=4, top=1).candidates[0]
+    assert roomy.cfg.parallel.zero != 3, roomy.label
+
+
 ZERO = dict(zero=1)
 
 
 def _layout_configs() -> list[Config]:
-    """Each layout under ZeRO-1, then under ZeRO-2 with tied embeddings (at pp2 the embedding's two
-    copies sum their kept slices; under ZB-V both sit on rank 0, and the W pass writes gradients late)."""
+    """Each layout under ZeRO-1, then under ZeRO-2 and 3 with tied embeddings (at pp2 the embedding's two
+    copies sum their kept slices; under ZB-V both sit on rank 0, and the W pass writes gradients late).
+    ZeRO-3: 1F1B with full recomputation and tp2 regather per microbatch (a layer recomputed in the backward
+    is gathered again), ZB-V keeps its parameters through the step."""
     cfgs = []
-    for zero in (1, 2):
-        tied = dict(tie_embeddings=zero == 2)
+    for zero in (1, 2, 3):
+        tied = dict(tie_embeddings=zero >= 2)
         for s, v in (("1f1b", 1), ("zb-v", 2)):
-            cfgs.append(grid_config(2, s, v, model=tied, parallel=dict(tp=1, pp=2, dp=2, zero=zero)))
+            z = dict(zero=zero, zero3_regather="microbatch" if s == "1f1b" else "step")
+            rec = dict(recompute="full" if zero == 3 and s == "1f1b" else "none")
+            cfgs.append(grid_config(2, s, v, model=tied, parallel=dict(tp=1, pp=2, dp=2, **z), train=rec))
         cfgs.append(tiny_config(model=dict(tie_embeddings=True), parallel=dict(tp=2, pp=1, dp=2, zero=zero)))
     return cfgs
 
 
 def _holds_configs() -> list[Config]:
-    """No ZeRO, ZeRO-1, ZeRO-2 at dp=4, two microbatches a replica (gradients accumulate)."""
-    return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2)]
+    """No ZeRO, ZeRO-1, ZeRO-2, ZeRO-3 at dp=4, four microbatches a replica (gradients accumulate)."""
+    return [tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=z), train=dict(global_batch=16)) for z in (0, 1, 2, 3)]
 
 
 REBALANCE_STEPS = 12
@@ -96,13 +142,20 @@ def _rebalance_config() -> Config:
     )
 
 
-def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, out: str) -> dict:
-    """The three 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance
-    first: its timing sees nothing else run before it)."""
+def _bf16_configs() -> list[Config]:
+    """bf16 with selective recomputation at pp2 x dp2, tied: ZeRO-2, then ZeRO-3 (per-microbatch regather)."""
+    over = dict(model=dict(tie_embeddings=True), train=dict(precision="bf16", recompute="selective"))
+    return [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=z), **over) for z in (2, 3)]
+
+
+def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], out: str) -> dict:
+    """The 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance first:
+    its timing sees nothing else run before it)."""
     return {
         "rebalance": _rebalance_worker(rebalance, str(Path(out, "rebalance"))),
         "layouts": _worker(layouts, str(Path(out, "layouts"))),
         "holds": _bytes_worker(holds),
+        "bf16": _worker(bf16, str(Path(out, "bf16"))),
     }
 
 
@@ -111,10 +164,11 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """One launch for the 4-rank tests below: a launch costs ~5 s of four interpreters importing torch
     before their first step. Each test reads only its own part (rank 0's, or every rank's)."""
     out = tmp_path_factory.mktemp("world4")
-    for d in ("rebalance", "layouts"):
+    for d in ("rebalance", "layouts", "bf16"):
         (out / d).mkdir()
     layouts, holds = [c.to_dict() for c in _layout_configs()], [c.to_dict() for c in _holds_configs()]
-    return out, run_ranks(_world4_worker, 4, layouts, holds, _rebalance_config().to_dict(), str(out), timeout_s=400)
+    bf16, rebalance = [c.to_dict() for c in _bf16_configs()], _rebalance_config().to_dict()
+    return out, run_ranks(_world4_worker, 4, layouts, holds, rebalance, bf16, str(out), timeout_s=400)
 
 
 @pytest.mark.multiprocess
@@ -122,7 +176,16 @@ def test_zero1_layouts_match_single_device(world4: tuple[Path, list[dict]]) -> N
     """World 4: pp2 x dp2 under every schedule, tp2 x dp2 with tied embeddings. Global batch 11: the
     replicas hold 6 and 5 samples."""
     out, ranks = world4
-    check_results(_layout_configs(), ranks[0]["layouts"], out / "layouts")
+    check_results([_as_reference(c) for c in _layout_configs()], ranks[0]["layouts"], out / "layouts")
+
+
+def _as_reference(cfg: Config) -> Config:
+    """`cfg` with its one-device reference's recomputation: none, whose losses and parameters are
+    bit-identical to full recomputation's (tests/test_recompute.py), so the reference and its fp64
+    yardstick are computed once for both."""
+    ref = Config.from_dict(cfg.to_dict())
+    ref.train.recompute = "none"
+    return ref
 
 
 def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
@@ -136,7 +199,10 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[list]:
         tr = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, "gloo", 60.0))
         tr.step(0)
         held = sum(v.numel() * v.element_size() for st in tr.opt.state.values() for v in st.values())
-        out.append([held, tr.dp.grads.handed, sum(q.numel() for _, q in tr.mp.parameters()), tr.memory])
+        ps = [q for _, q in tr.mp.parameters()]
+        # ZeRO-3: bytes in the parameters' own storages at rest (0 where sliced), and all-gathers started.
+        rest, gathers = sum(q.untyped_storage().nbytes() for q in ps), 0 if tr.zero3 is None else tr.zero3.gathers
+        out.append([held, tr.dp.grads.handed, sum(q.numel() for q in ps), tr.memory, rest, gathers, len(ps)])
     return out
 
 
@@ -147,7 +213,7 @@ def test_zero1_holds_a_dp_th_of_the_optimizer_state(world4: tuple[Path, list[dic
     ranks = [r["holds"] for r in world4[1]]
     total = ranks[0][0][0]
     assert all(r[0][0] == total for r in ranks)  # without ZeRO every replica holds all of it
-    for (_, plain, n, _), (held, sharded, _, _), (held2, sharded2, _, _) in ranks:
+    for (_, plain, n, *_), (held, sharded, *_), (held2, sharded2, *_), _ in ranks:
         assert abs(held - total / 4) <= 0.02 * total / 4, (held, total / 4)
         assert held2 == held
         assert plain == {"all_reduce": n, "reduce_scatter": 0}
@@ -163,12 +229,46 @@ def test_zero2_holds_a_dp_th_of_the_gradients_at_rest(world4: tuple[Path, list[d
     whole = ranks[0][0][3]["grads"]
     model = rank_memory(_holds_configs()[2])[0]
     assert model.grads == whole and abs(model.grads_at_rest - whole / 4) <= 0.02 * whole / 4
-    for plain, zero1, zero2 in ranks:
+    for plain, zero1, zero2, _ in ranks:
         assert plain[3]["grads_at_rest"] == zero1[3]["grads_at_rest"] == zero1[3]["grads"] == whole
         at_rest = zero2[3]["grads_at_rest"]
         assert abs(at_rest - whole / 4) <= 0.02 * whole / 4, (at_rest, whole / 4)
         assert abs(at_rest - model.grads_at_rest) <= 0.02 * whole / 4
         assert zero2[3]["grads"] == whole  # the peak: the whole gradients before the reduction
+
+
+@pytest.mark.multiprocess
+def test_zero3_holds_a_dp_th_of_parameters_gradients_and_state_at_rest(world4: tuple[Path, list[dict]]) -> None:
+    """ZeRO-3 at dp=4, counted from each rank's tensors: parameters (the slices; the parameters' own
+    storages are empty) + gradients + optimizer state at rest = the whole of them without ZeRO / 4 within
+    2%; every parameter was gathered for each use: each microbatch's forward and backward. Parameters at
+    their peak (slices + the most gathered at once) within 10% of the memory model's, at rest within 2%."""
+    ranks = [r["holds"] for r in world4[1]]
+    plain = ranks[0][0][3]
+    total = plain["params"] + plain["grads"] + plain["optimizer"]
+    model = rank_memory(_holds_configs()[3])[0]
+    for _, _, _, zero3 in ranks:
+        mem, rest, gathers, count = zero3[3], zero3[4], zero3[5], zero3[6]
+        at_rest = mem["params_at_rest"] + mem["grads_at_rest"] + mem["optimizer"]
+        assert abs(at_rest - total / 4) <= 0.02 * total / 4, (at_rest, total / 4, mem)
+        assert rest == 0, rest  # every parameter of this model is sliced: nothing whole at rest
+        assert mem["params"] > mem["params_at_rest"]  # the step's gathered layers, counted at their peak
+        # The memory model: the slices, plus the parameters outside layers and two layers at the peak.
+        assert abs(mem["params_at_rest"] - model.params_at_rest) <= 0.02 * model.params_at_rest, (mem, model)
+        assert abs(mem["params"] - model.params) <= 0.10 * model.params, (mem["params"], model.params)
+        assert gathers == 2 * _holds_configs()[3].train.microbatches * count, (gathers, count)
+
+
+@pytest.mark.multiprocess
+def test_zero3_under_bf16_is_zero2_bit_for_bit(world4: tuple[Path, list[dict]]) -> None:
+    """bf16 autocast (its cache of low-precision weight copies) with selective recomputation: ZeRO-3's
+    gathered parameters are the ones ZeRO-2 holds, so every loss and every final parameter is identical
+    (ZeRO-2 itself is held to one device by the layout tests)."""
+    out, ranks = world4
+    zero2, zero3 = ranks[0]["bf16"]
+    assert zero2 == zero3
+    a, b = (torch.load(out / "bf16" / f"state{i}.pt", weights_only=True) for i in (0, 1))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -184,14 +284,14 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 
 @pytest.mark.multiprocess
 def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None:
-    """dp=2 (ZeRO-2) is preempted after step 2, resumes at dp=4 (ZeRO-2) to step 3, at dp=1 to step 4,
-    at dp=2 (ZeRO-1) to step 5 and at dp=3 (ZeRO-2: uneven chunks) to the end: the one-device model.
-    Each ZeRO rank writes only its slice of the optimizer state (one chunk per dp rank in DCP's
-    metadata; ZeRO-2's state is ZeRO-1's); DCP re-cuts the slices on resume."""
+    """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-3) to step 3, at dp=1 to step 4,
+    at dp=2 (ZeRO-2) to step 5 and at dp=3 (ZeRO-3: uneven chunks) to the end: the one-device model.
+    Each ZeRO rank writes only its slice of the optimizer state, and under ZeRO-3 of the parameters too
+    (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
     steps = 6
     run = str(tmp_path / "run")
-    legs = [(2, 2, "rank=0:term@step=1:phase=forward"), (4, 2, "rank=3:term@step=2:phase=forward")]
-    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 1, "rank=1:term@step=4:phase=forward"), (3, 2, "")]
+    legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 3, "rank=3:term@step=2:phase=forward")]
+    legs += [(1, 0, "rank=0:term@step=3:phase=forward"), (2, 2, "rank=1:term@step=4:phase=forward"), (3, 3, "")]
     losses: dict[int, float] = {}
     for i, (dp, zero, fault) in enumerate(legs):
         cfg = tiny_config(
@@ -209,13 +309,16 @@ def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
-    check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 2, 2, 0, 1, 2", state, ref)
+    check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 1, 3, 0, 2, 3", state, ref)
     from hybridpar.resilience.safe_dcp import load_metadata
 
-    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-2), 1, 2 (ZeRO-1), 3 (ZeRO-2)
+    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-3), 1, 2 (ZeRO-2), 3 (ZeRO-3)
         md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
         moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
         assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})
+        params = [k for k in md if k.startswith("model.") and k.endswith("proj.weight")]
+        zero3 = step in (3, 6)  # the parameters are written as slices, one per dp rank, none gathered
+        assert params and all(len(md[k].chunks) == (chunks if zero3 else 1) for k in params), step
 
 
 def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:

@@ -31,6 +31,7 @@ BENCHES = (
     "bf16_copies",
     "exactness",
     "memory_accuracy",
+    "checkpoint",
     "balance",
     "chaos",
     "records_cost",

@@ -1,15 +1,16 @@
 """Median training-step time of the default model under several layouts, in one run (JSON).
 
-    .venv/bin/hybridpar bench step_time [--steps 12] [--layouts 2x2x1,1x2x2] [--zero 1,2] [--repeats 3]
-                                        [--json FILE]
+    .venv/bin/hybridpar bench step_time [--steps 12] [--layouts 2x2x1,1x2x2] [--zero 1,2,3]
+                                        [--regather microbatch,step] [--repeats 3] [--json FILE]
 
 Layouts are TPxPPxDP. Each layout trains the default model on local gloo processes; the first two
-steps (warm-up) are not counted. `--zero` runs each layout under each ZeRO level listed; `--repeats`
+steps (warm-up) are not counted. `--zero` runs each layout under each ZeRO level listed (ZeRO-3 under
+each `--regather` mode: when gathered parameters are freed, dataparallel/zero3.py); `--repeats`
 launches the whole set that many times, alternating layouts and levels launch by launch, so a change in
 the machine's load falls on all of them alike: each record is the median over its launches of each
 launch's median step, with the load average (1 min) seen at each launch's start and rank 0's gradient
-bytes at the step's peak and at rest (trainer/held.py). The ratio column compares each record with the
-first one.
+and parameter bytes at the step's peak and at rest (trainer/held.py). The ratio column compares each record
+with the first one (ratio_vs_first: the first one's time over this one's; step_time_vs_first: the inverse).
 """
 
 from __future__ import annotations
@@ -41,20 +42,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="2x2x1,1x2x2,1x4x1,2x1x2,1x1x1")
     ap.add_argument("--microbatches", type=int, default=4)
     ap.add_argument("--zero", default="0", help="ZeRO levels to run each layout under, comma-separated")
+    ap.add_argument("--regather", default="microbatch", help="ZeRO-3's parallel.zero3_regather modes, comma-separated")
     ap.add_argument("--repeats", type=int, default=1, help="launches of each case, alternating")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
-    cases = [(layout, int(z)) for layout in a.layouts.split(",") for z in a.zero.split(",")]
-    runs: dict[tuple[str, int], list[tuple[float, dict, float]]] = {c: [] for c in cases}
+    modes = a.regather.split(",")
+    cases = [
+        (layout, int(z), mode)
+        for layout in a.layouts.split(",")
+        for z in a.zero.split(",")
+        for mode in (modes if int(z) == 3 else modes[:1])
+    ]
+    runs: dict[tuple[str, int, str], list[tuple[float, dict, float]]] = {c: [] for c in cases}
     for _ in range(a.repeats):
-        for layout, zero in cases:
+        for layout, zero, mode in cases:
             cfg = layout_config(layout)
-            cfg.train.microbatches, cfg.parallel.zero = a.microbatches, zero
+            cfg.train.microbatches, cfg.parallel.zero, cfg.parallel.zero3_regather = a.microbatches, zero, mode
             load = os.getloadavg()[0]
             t, held = run_ranks(_worker, cfg.parallel.world_size, cfg.to_dict(), a.steps, timeout_s=600)[0]
-            runs[(layout, zero)].append((t, held, load))
+            runs[(layout, zero, mode)].append((t, held, load))
     records = []
-    for (layout, zero), got in runs.items():
+    for (layout, zero, mode), got in runs.items():
         cfg = layout_config(layout)
         t = statistics.median(x[0] for x in got)
         records.append(
@@ -63,6 +71,7 @@ def main(argv: list[str] | None = None) -> int:
                 "pp": cfg.parallel.pp,
                 "dp": cfg.parallel.dp,
                 "zero": zero,
+                "zero3_regather": mode if zero == 3 else None,
                 "microbatches": a.microbatches,
                 "step_time_s": t,
                 "launches_s": [x[0] for x in got],
@@ -70,10 +79,13 @@ def main(argv: list[str] | None = None) -> int:
                 "tokens_per_s": cfg.train.global_batch * cfg.train.seq_len / t,
                 "grads_bytes": got[-1][1]["grads"],
                 "grads_at_rest_bytes": got[-1][1]["grads_at_rest"],
+                "params_bytes": got[-1][1]["params"],
+                "params_at_rest_bytes": got[-1][1]["params_at_rest"],
             }
         )
     for r in records:
         r["ratio_vs_first"] = records[0]["step_time_s"] / r["step_time_s"]
+        r["step_time_vs_first"] = r["step_time_s"] / records[0]["step_time_s"]
     out = json.dumps(records, indent=1)
     print(out)
     if a.json:

@@ -154,8 +154,19 @@ class ParallelConfig:
         "ZeRO stage over the data-parallel axis: 0 = every replica holds the whole optimizer state; "
         "1 = each dp rank holds the AdamW state of 1/dp of every parameter; 2 = that, and after the step's "
         "reduce-scatter each dp rank keeps only its 1/dp slice of every gradient (the whole gradients still "
-        "accumulate during the backward); with dp = 1 there is nothing to shard and 1 and 2 act as 0",
-        choices=(0, 1, 2),
+        "accumulate during the backward); 3 = that, and each dp rank keeps only its 1/dp slice of every "
+        "parameter at rest, all-gathering a layer's parameters just before the layer runs (the next layer's "
+        "gather prefetched) and freeing them after (parallel.zero3_regather says when); with dp = 1 there is "
+        "nothing to shard and 1, 2 and 3 act as 0",
+        choices=(0, 1, 2, 3),
+    )
+    zero3_regather: str = _f(
+        "microbatch",
+        "with parallel.zero=3, when gathered parameters are freed: microbatch = after each layer's forward and "
+        "again after its backward, so every microbatch gathers them anew (least memory, most traffic); step = "
+        "kept from their first use in the step until its backward is done (one gather per layer per step, "
+        "a stage's whole parameters held during the step)",
+        choices=("microbatch", "step"),
     )
     grad_sum: str = _f(
         "overlapped",

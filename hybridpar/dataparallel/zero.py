@@ -105,8 +105,12 @@ class ShardedAdamW(torch.optim.AdamW):
         t: TrainConfig,
         topo: Topology,
         carry: dict[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+        own: bool = False,
     ) -> None:
         self.topo, self.dp, self.r = topo, topo.dims.dp, topo.dp_rank
+        # ZeRO-3 (zero3.py): each slice is a tensor of its own, the parameters' storages are freed, and a
+        # step leaves the parameters sharded (no all-gather: zero3.Zero3 gathers them where they are used).
+        self.own = own
         self.group = topo.group("dp") if self.dp > 1 else None
         self.full: list[nn.Parameter] = []  # the model's parameters, in order
         self.slices: list[Slice] = []
@@ -117,7 +121,8 @@ class ShardedAdamW(torch.optim.AdamW):
             self.full.append(p)
             self.slices.append(s)
             # Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group.
-            self.views.append(p if s.dim is None else nn.Parameter(part(p.detach(), s, self.r)))
+            mine = part(p.detach(), s, self.r)
+            self.views.append(p if s.dim is None else nn.Parameter(mine.clone() if own else mine))
         groups = param_groups([(f"{i}", q) for i, q in enumerate(self.views)], t.weight_decay)
         super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
         if carry is not None:
@@ -128,7 +133,8 @@ class ShardedAdamW(torch.optim.AdamW):
             if q is not p:  # the summed slice of the gradient (ZeRO-2's kept slice, or a view of .grad)
                 q.grad = summed_grad(p, s, self.r)
         out = super().step(closure)
-        self._gather()
+        if not self.own:
+            self._gather()
         return out
 
     def zero_grad(self, set_to_none: bool = True) -> None:

@@ -58,6 +58,15 @@ class ActivationMeter:
         self.peak = self.live
         self._excluded = {p.untyped_storage().data_ptr() for p in params}
 
+    def exclude(self, p: torch.Tensor) -> None:
+        """Never count `p`'s storage from now on: a ZeRO-3 parameter just gathered (dataparallel/zero3.py),
+        whose storage is new since `reset`."""
+        self._excluded.add(p.untyped_storage().data_ptr())
+
+    def include(self, p: torch.Tensor) -> None:
+        """`p`'s storage is about to be freed (ZeRO-3): its address may next hold an activation."""
+        self._excluded.discard(p.untyped_storage().data_ptr())
+
     def _pack(self, t: torch.Tensor) -> _Held:
         if t.device.type == "meta" or t.layout != torch.strided:
             return _Held(t, None, self)

@@ -97,6 +97,8 @@ class PipelineRuntime:
         # pipeline adds to the one-device bf16 model is one per stage boundary and direction.
         self.autocast: torch.dtype | None = None
         self.profiling = False  # name each action as a torch.profiler range (set for profiled steps only)
+        # Called with the stage after each of its compute actions (ZeRO-3 frees gathered parameters there).
+        self.after_compute: Callable[[int], None] | None = None
         # Sequence parallelism (model/tp.py): a message holds this tp rank's 1/seq_shards of the sequence.
         self.seq_shards = 1
 
@@ -183,6 +185,8 @@ class PipelineRuntime:
             elif st.failed is None:
                 p2p.flush()  # like F and B: the preceding B's SEND_B must not wait behind this W
                 self._compute(st, lambda: self._split(s).weight((s, m)))
+            if self.after_compute is not None:
+                self.after_compute(s)
             if self.stretch > 1.0:
                 waited = sum(w.end - w.start for w in st.waits[n_waits:])
                 time.sleep((self.stretch - 1.0) * max(0.0, time.perf_counter() - t0 - waited))

@@ -391,7 +391,8 @@ class Setup(NamedTuple):
         rank_params = [
             sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
-        opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n, p.tp * p.pp * p.dp) for n in rank_params)
+        gathers = param_gathers(p.zero, p.zero3_regather, cfg.train.microbatches)
+        opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n, p.tp * p.pp * p.dp, gathers) for n in rank_params)
         return opt, closing_s(model.hw, p.tp, p.pp, p.dp, p.zero, pl.world)
 
 
@@ -520,10 +521,23 @@ def _dp_reductions(
     return end, end - sim.step_time_s
 
 
-def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, params: float, world: int = 1) -> float:
+def param_gathers(zero: int, regather: str, microbatches: int) -> int:
+    """All-gathers of a rank's parameters per step: ZeRO-1 and 2 one after the optimizer step; ZeRO-3
+    (dataparallel/zero3.py) one per use: per microbatch in its forward and again in its backward, or once
+    per step where gathered parameters are kept (regather=step)."""
+    if zero < 3:
+        return 1
+    return 1 if regather == "step" else 2 * microbatches
+
+
+def optimizer_s(
+    model: CostModel, pp: int, dp: int, zero: int, link: Link, params: float, world: int = 1, gathers: int = 1
+) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
     over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
-    of the `world` steps at once: where a node's ranks outnumber its cores they share them."""
+    of the `world` steps at once: where a node's ranks outnumber its cores they share them. `gathers`:
+    how many all-gathers of the parameters the step makes (`param_gathers`; ZeRO-3's, counted here whole,
+    as if the prefetch hid none of them: the planner then picks ZeRO-3 only where memory requires it)."""
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     mine = params / dp if zero >= 1 else params
@@ -531,7 +545,7 @@ def optimizer_s(model: CostModel, pp: int, dp: int, zero: int, link: Link, param
     memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / bw
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
-    gather = all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
+    gather = gathers * all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
         return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather

@@ -9,8 +9,12 @@ Components, each at its own high point in the step (their sum bounds the step's 
   the step's microbatches accumulate, ZeRO-2 included (it reduces once per step). `grads_at_rest` (not
   part of the total): what the rank holds from the reduction through the optimizer step — under ZeRO-2
   its 1/dp slice of each gradient (dp rank 0's, the largest), else the whole gradients.
-- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1 and 2 for the
-  rank's slice only (dataparallel/zero.py's rule; the slice it steps is a view of the parameter).
+- optimizer: AdamW's two fp32 moments and a 4-byte step count per parameter; under ZeRO-1, 2 and 3 for the
+  rank's slice only (dataparallel/zero.py's rule; the slice it steps is a view of the parameter, under
+  ZeRO-3 a tensor of its own counted with the parameters).
+- ZeRO-3 (dataparallel/zero3.py): params at the peak are the rank's slices plus the most it gathers at
+  once (per microbatch: a stage's parameters outside its layers and two layers; per step: its stages
+  whole); `params_at_rest` (not in the total) the slices alone.
 - activations: what autograd saves for backward (the meter's quantity, pipeline/activation_meter.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
@@ -64,6 +68,7 @@ class MemoryEstimate:
     activations: int
     buffers: int
     grads_at_rest: int = 0  # after the step's reduction (ZeRO-2: the dp slices); not in `total`
+    params_at_rest: int = 0  # between steps (ZeRO-3: the dp slices, else `params`); not in `total`
 
     @property
     def total(self) -> int:
@@ -341,8 +346,8 @@ class MemoryModel:
         self._replays: dict[tuple, Replay] = {}
         self._messages: dict[tuple, list[int]] = {}
         self._activations: dict[tuple, list[int]] = {}
-        self._static: dict[tuple, list[tuple[int, int, int, int]]] = {}
-        self._ranks: dict[tuple, tuple[int, int, int, int]] = {}
+        self._static: dict[tuple, list[tuple[int, ...]]] = {}
+        self._ranks: dict[tuple, tuple[int, ...]] = {}
         self._traces: dict[tuple, Trace] = {}
 
     def __call__(self, cfg: Config) -> list[MemoryEstimate]:
@@ -359,7 +364,10 @@ class MemoryModel:
             lambda: message_buffers(cfg, sizes, actions, ranks, rep),
         )
         static = self._static_of(cfg, mk, parts, ranks)
-        return [MemoryEstimate(w, w, opt, acts[r], messages[r] + rest, g) for r, (w, opt, rest, g) in enumerate(static)]
+        return [
+            MemoryEstimate(w, gr, opt, acts[r], messages[r] + rest, g, w0)
+            for r, (w, gr, opt, rest, g, w0) in enumerate(static)
+        ]
 
     def lower_bound(self, cfg: Config, enough: int | None = None) -> int:
         """No more than `max(e.total for e in self(cfg))`: the fullest rank's parameters, gradients,
@@ -369,11 +377,11 @@ class MemoryModel:
         exceed `enough`, their bytes (the activations not asked)."""
         mk, parts, ranks = self._layout(cfg)
         static = self._static_of(cfg, mk, parts, ranks)
-        held = max(2 * w + opt + rest for w, opt, rest, _ in static)
+        held = max(w + gr + opt + rest for w, gr, opt, rest, _, _ in static)
         if enough is not None and held > enough:
             return held
         acts = self._activations_of(cfg, mk, parts, *self._sizes(cfg))
-        return max(2 * w + opt + rest + a for (w, opt, rest, _), a in zip(static, acts))
+        return max(w + gr + opt + rest + a for (w, gr, opt, rest, _, _), a in zip(static, acts))
 
     def _sizes(self, cfg: Config) -> tuple[list[int], tuple]:
         """(dp rank 0's microbatch sizes in the pipeline's order, the schedule's key)."""
@@ -399,9 +407,9 @@ class MemoryModel:
         trace = lambda: self._get(self._traces, (sched, tuple(sizes)), lambda: activation_trace(sizes, compute()))  # noqa: E731
         return self._get(self._activations, key + sched, lambda: activation_peaks(cfg, parts, sizes, [], trace()))
 
-    def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, int, int, int]]:
+    def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, ...]]:
         p = cfg.parallel
-        key = (mk, p.tp, p.pp, p.dp, p.zero, tuple(parts), ranks)
+        key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather, tuple(parts), ranks)
         return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
 
     def program(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> Program:
@@ -437,18 +445,20 @@ class MemoryModel:
             cache[key] = make()
         return cache[key]
 
-    def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, int, int, int]]:
-        """Per pipeline rank: (parameter bytes, optimizer bytes, largest transient buffer, gradient bytes at rest)."""
+    def _held(self, cfg: Config, parts: list[range], ranks: tuple[int, ...]) -> list[tuple[int, ...]]:
+        """Per pipeline rank: (parameter bytes, gradient bytes, optimizer bytes, largest transient buffer,
+        gradient bytes at rest, parameter bytes at rest)."""
         p, n, out = cfg.parallel, len(parts), []
         mk = _model_key(cfg.model)
         for r in range(p.pp):
             mine = [s for s in range(n) if ranks[s] == r]
             # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
-            key = (mk, p.tp, p.pp, p.dp, p.zero, tuple((len(parts[s]), s == 0, s == n - 1) for s in mine))
+            key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather)
+            key += tuple((len(parts[s]), s == 0, s == n - 1) for s in mine)
             out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
 
-    def _rank_held(self, cfg: Config, parts: list[range], mine: list[int]) -> tuple[int, int, int, int]:
+    def _rank_held(self, cfg: Config, parts: list[range], mine: list[int]) -> tuple[int, ...]:
         p = cfg.parallel
         per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
         shapes = [x for st in per_stage for x in st]
@@ -456,10 +466,25 @@ class MemoryModel:
         opt, gather = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
         embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
         tie = embed if cfg.model.tied and p.pp > 1 else 0
-        rest = params
-        if p.zero == 2 and p.dp > 1:  # ZeRO-2 keeps dp rank 0's slice of each gradient (zero.keep_slice)
+        grads, rest, at_rest = params, params, params
+        if p.zero >= 2 and p.dp > 1:  # ZeRO-2 and 3 keep dp rank 0's slice of each gradient (zero.keep_slice)
             rest = sum(n * _cut(shape, d, p.dp, self._cuts)[1] for (shape, d), n in Counter(shapes).items()) * F32
-        return params, opt, max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather), rest
+        if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)
+            at_rest, gather = rest, 0  # no all-gather after the step: the parameters stay sharded
+            params = rest + self._gathered(cfg, parts, mine, per_stage)
+        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)
+        return params, grads, opt, buffers, rest, at_rest
+
+    def _gathered(self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]]) -> int:
+        """ZeRO-3's most whole parameters at once (zero3.Zero3.peak): under regather=step every stage of the
+        rank; per microbatch, one stage at a time (the runtime frees after each action) with its parameters
+        outside layers and two layers (the one running and the next one's prefetch)."""
+        whole = [sum(_numel(s) for s, _ in st) * F32 for st in per_stage]
+        if cfg.parallel.zero3_regather == "step":
+            return sum(whole)
+        one = [x for _, x in _built_shapes(cfg, range(1), False, False)]  # a middle stage of one layer: a layer
+        layer = sum(_numel(s) for s, _ in one) * F32
+        return max(w - (len(parts[s]) - min(2, len(parts[s]))) * layer for w, s in zip(whole, mine))
 
 
 def rank_memory(cfg: Config) -> list[MemoryEstimate]:

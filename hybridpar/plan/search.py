@@ -39,6 +39,7 @@ from hybridpar.plan.cost import (
     all_reduce_s,
     busy_comm,
     optimizer_s,
+    param_gathers,
     placement,
     predict,
     sharing,
@@ -137,7 +138,7 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                     if spec.layout_problem(pp, v) or spec.count_problem(pp, mb) or pp * v > m.n_layers:
                         continue
                     for zero, sp, rec, prec, part in itertools.product(
-                        (0, 1) if dp > 1 else (0,),
+                        (0, 1, 3) if dp > 1 else (0,),  # ZeRO-2 keeps ZeRO-1's peak: never preferred
                         # sequence parallelism: with tp > 1, where the sequence splits over tp
                         (False, True) if tp > 1 and base.train.seq_len % tp == 0 else (False,),
                         RECOMPUTE,
@@ -222,7 +223,7 @@ def _knob_key(k: dict[str, Any]) -> tuple:
 
 def _group(k: dict[str, Any]) -> tuple:
     """The knobs memory is not assumed monotone in; within a group, memory is assumed not to grow with
-    more recomputation, ZeRO or more (smaller) microbatches."""
+    more recomputation, ZeRO (as `_zero_covers` orders its levels) or more (smaller) microbatches."""
     return tuple(k[n] for n in ("tp", "pp", "dp", "schedule", "v", "precision", "partition"))
 
 
@@ -237,11 +238,18 @@ def _frugal(k: dict[str, Any], knobs_of_group: list[dict[str, Any]]) -> dict[str
     }
 
 
+def _zero_covers(a: int, b: int) -> bool:
+    """Whether ZeRO level `a` holds no more than level `b` whatever the layout: 1 and 2 hold the same peak
+    and every level no more than 0; ZeRO-3 (its slices besides the gathered layers) can hold more than
+    ZeRO-1 where a stage has only a layer or two, so 3 and 1/2 are not compared."""
+    return a == b or b == 0 or (a in (1, 2) and b in (1, 2))
+
+
 def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
     """Whether `a` is at least as frugal as `b` in every monotone knob (so `a` not fitting means `b` does not)."""
     return (
         RECOMPUTE.index(a["recompute"]) >= RECOMPUTE.index(b["recompute"])
-        and a["zero"] >= b["zero"]
+        and _zero_covers(a["zero"], b["zero"])
         and a.get("sp", False) >= b.get("sp", False)  # sequence parallelism holds no more than without it
         and a["m"] >= b["m"]
     )
@@ -325,7 +333,9 @@ class Planner:
             work = max(work, total / sum(share.capacity))
         # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
         params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
-        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, k["tp"] * k["pp"] * k["dp"])
+        gathers = param_gathers(k["zero"], self.base.parallel.zero3_regather, k["m"])
+        world = k["tp"] * k["pp"] * k["dp"]
+        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, gathers)
         after += all_reduce_s(4 * params / k["v"], k["dp"], pl.dp, self.hw)
         self._estimates[key] = work + after
         return self._estimates[key]
@@ -449,7 +459,7 @@ class _Search:
             frugal = _frugal(k, group)
             # Once a layout is found the misfits no longer name the smallest: the group's test only needs to
             # rule it out, which the lower bound does without the schedule's replay (or leaves to its layouts).
-            if frugal in group and self.fits(frugal, full=not self.found) is None:
+            if frugal in group and self.fits(frugal, full=not self.found) is None and _covers(frugal, k):
                 return
         if any(_knob_key({**k, "recompute": r}) in self.fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
             return  # recomputation only costs time: it is worth it only where less of it does not fit

@@ -7,7 +7,8 @@ replicas (dp, and tp for norm gains) present identical tensors under one (key, o
 DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A head tied across stages
 (`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys. Under ZeRO-1 each
 dp rank writes only its slice of the optimizer state, a DTensor over the (dp, tp) sub-mesh (`Where`): no
-rank gathers the whole, and a resume at another dp, or without ZeRO, reads the slices it needs.
+rank gathers the whole, and a resume at another dp, or without ZeRO, reads the slices it needs. Under
+ZeRO-3 the parameters are written the same way, from each rank's slice (dataparallel/zero3.py).
 
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
@@ -15,7 +16,8 @@ file), and renames the directory: the rename is the commit. Old commits go only 
 Resume verifies the manifest before anything is read (accidents: torn writes, bit flips, files of another
 step). Tampering it does not stop (whoever can replace a file can re-hash it), so nothing read runs code:
 DCP's pickled `.metadata` goes through an allowlisting unpickler (`safe_dcp.py`), tensors through
-`torch.load(weights_only=True)`. Several nodes need a shared filesystem: rank 0 hashes what every rank wrote.
+`torch.load(weights_only=True)`. Several nodes need a shared filesystem: the ranks hash the written files in
+shares (each about its own shard file) and rank 0 writes the manifest from their digests.
 """
 
 from __future__ import annotations
@@ -73,11 +75,20 @@ def _write_json(path: Path, obj: Any) -> None:
         os.fsync(fh.fileno())
 
 
-def write_manifest(ckpt: Path, step: int, run_id: str | None = None) -> dict[str, Any]:
+def _digest(ckpt: Path, f: Path, known: Mapping[str, dict[str, Any]]) -> dict[str, Any]:
+    rel, size = f.relative_to(ckpt).as_posix(), f.stat().st_size
+    given = known.get(rel)
+    return given if given is not None and given.get("size") == size else {"size": size, "sha256": _sha256(f)}
+
+
+def write_manifest(
+    ckpt: Path, step: int, run_id: str | None = None, known: Mapping[str, dict[str, Any]] | None = None
+) -> dict[str, Any]:
     """Write `ckpt/manifest.json` listing size and sha256 of every other file in `ckpt` (call it last),
-    and the id of the run that wrote it (see rundir.py)."""
+    and the id of the run that wrote it (see rundir.py). `known`: digests other ranks already took of
+    files they wrote (`_hash_share`), used where the size still matches; the rest are hashed here."""
     files = {
-        f.relative_to(ckpt).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)}
+        f.relative_to(ckpt).as_posix(): _digest(ckpt, f, known or {})
         for f in sorted(ckpt.rglob("*"))
         if f.is_file() and f.relative_to(ckpt).as_posix() != MANIFEST
     }
@@ -202,13 +213,21 @@ def _opt_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[dict[str,
     return {p: (st, None) for p, st in opt.state.items()}
 
 
+def _param_shards(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[torch.Tensor, Slice]]:
+    """Under ZeRO-3, this rank's slice of each sliced parameter (the parameter itself is empty at rest)."""
+    if not isinstance(opt, ShardedAdamW) or not opt.own:
+        return {}
+    return {p: (q, s) for p, s, q in zip(opt.full, opt.slices, opt.views) if s.dim is not None}
+
+
 def _tensors(
     stages: dict[int, Stage],
     opt_state: Mapping[torch.Tensor, tuple[dict[str, torch.Tensor], Slice | None]],
     tied_copy: bool,
+    shards: Mapping[torch.Tensor, tuple[torch.Tensor, Slice]] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor, Where]]:
     """(key, local tensor, where it sits) for parameters and the optimizer state this rank holds of
-    them (`opt_state` as `_opt_state` gives it)."""
+    them (`opt_state` as `_opt_state` gives it; `shards`: ZeRO-3's parameter slices, `_param_shards`)."""
     for stage in stages.values():
         for name, p in stage.named_parameters():
             if stage.holds_tied_copy and stage.stored_name(name) != name:
@@ -216,7 +235,10 @@ def _tensors(
                     continue
                 name = stage.stored_name(name)  # the same weight and optimizer state as the first stage's embedding
             dim = getattr(p, "tp_dim", None)
-            yield name, p.detach(), Where(dim)
+            if shards and p in shards:  # ZeRO-3: this rank's slice, written and read in place as the state's
+                yield name, shards[p][0].detach(), Where(dim, shards[p][1])
+            else:
+                yield name, p.detach(), Where(dim)
             state, cut = opt_state.get(p, ({}, None))
             assert state, f"{name} has no optimizer state: checkpoints are taken after a step"
             for k in sorted(state):
@@ -312,14 +334,16 @@ def save_checkpoint(
     `on_phase(name)` is called entering each phase (ckpt-write, ckpt-barrier, ckpt-manifest, ckpt-rename,
     ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
     why this run no longer owns its directory, or None: a refusal leaves the commit undone."""
-    state = {k: _for_dcp(t, where, topo) for k, t, where in _tensors(stages, _opt_state(opt), tied_copy=False)}
+    tensors = _tensors(stages, _opt_state(opt), False, _param_shards(opt))
+    state = {k: _for_dcp(t, where, topo) for k, t, where in tensors}
     return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
 
 
 def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, Where]]:
     """What save_checkpoint would write, copied: later steps cannot change it (the async writer's input;
     `as_dcp_state` turns it into DCP's state dict, off the training thread)."""
-    return [(k, t.detach().clone(), where) for k, t, where in _tensors(stages, _opt_state(opt), tied_copy=False)]
+    tensors = _tensors(stages, _opt_state(opt), False, _param_shards(opt))
+    return [(k, t.detach().clone(), where) for k, t, where in tensors]
 
 
 def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, Where]]) -> dict[str, torch.Tensor]:
@@ -352,12 +376,14 @@ def write_committed(
         tmp.mkdir(parents=True)
         return str(tmp)
 
+    known: dict[str, dict[str, Any]] = {}
+
     def commit() -> None:
         if (why := owner_check()) is not None:
             raise RuntimeError(f"not committed: {why}")
         _write_json(tmp / STATE, trainer_state)
         on_phase("ckpt-manifest")
-        write_manifest(tmp, step, run_id)
+        write_manifest(tmp, step, run_id, known)
         on_phase("ckpt-rename")
         _commit(tmp, final, run_id)
         on_phase("ckpt-done")
@@ -368,8 +394,38 @@ def write_committed(
     dcp.save(state, checkpoint_id=str(tmp), process_group=group)  # DCP reports a failure on any rank to all
     on_phase("ckpt-barrier")
     dist.barrier(group=group)  # every rank's files are written and synced
+    # The manifest's hashes, shared out: each rank hashes a share of the files (its own shard file first), so
+    # rank 0 does not read every byte alone; gathered as JSON bytes (nothing pickled).
+    known.update(_gather_json(topo, _hash_share(tmp, group), group))
     _on_rank0(topo, commit, fail, group)
     return final
+
+
+def _hash_share(tmp: Path, group: dist.ProcessGroup | None) -> dict[str, dict[str, Any]]:
+    """Size and sha256 of this rank's share of the files DCP wrote into `tmp`: round robin over them, by
+    name, so each rank hashes about one shard file."""
+    rank, world = dist.get_rank(group), dist.get_world_size(group)
+    files = sorted(f for f in tmp.rglob("*") if f.is_file())
+    return {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files[rank::world]}
+
+
+def _gather_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
+    """Every rank's JSON object merged (a dict), as bytes in tensors (nothing pickled on the wire). A
+    `group` of our own (the async writer's gloo group) carries CPU tensors."""
+    device = topo.device if group is None else torch.device("cpu")
+    world = dist.get_world_size(group)
+    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
+    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
+    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
+    width = max(int(n) for n in sizes)
+    padded = torch.zeros(width, dtype=torch.uint8, device=device)
+    padded[: data.numel()] = data
+    outs = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(outs, padded, group=group)
+    merged: dict[str, Any] = {}
+    for n, buf in zip(sizes, outs):
+        merged.update(json.loads(bytes(buf[: int(n)].cpu().tolist()).decode()))
+    return merged
 
 
 def choose_checkpoint(
@@ -408,7 +464,7 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
     targets: dict[str, list[torch.Tensor]] = {}
     bufs: dict[str, torch.Tensor] = {}
-    for key, t, where in _tensors(stages, _state_to_load(opt), tied_copy=True):
+    for key, t, where in _tensors(stages, _state_to_load(opt), True, _param_shards(opt)):
         if key not in bufs:
             bufs[key] = _for_dcp(torch.empty_like(t), where, topo)
         targets.setdefault(key, []).append(t)

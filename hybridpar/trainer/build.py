@@ -6,6 +6,7 @@
   over dp, or over the dp x pp plane once the balancer gave replicas different partitions).
 - `build_optimizer`: AdamW over the stages' parameters (ZeRO-1: each dp rank steps its slice,
   hybridpar/dataparallel/zero.py), carrying state over when the stages change.
+- `build_zero3`: under ZeRO-3, the per-layer gathers and frees of the parameters (dataparallel/zero3.py).
 
 The trainer (trainer/step.py) builds them once and rebuilds the last two when the load balancer moves
 layers; nothing here knows about steps, balancing or probes.
@@ -25,6 +26,7 @@ from hybridpar.config import Config
 from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
 from hybridpar.dataparallel.tree import TreeGrads
 from hybridpar.dataparallel.zero import ShardedAdamW
+from hybridpar.dataparallel.zero3 import Zero3
 from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
@@ -112,10 +114,20 @@ def build_data_parallel(
         return DataParallel(TreeGrads(topo, stages), plane)
     if layout.shared_partition or cfg.parallel.dp == 1:
         sharded = cfg.parallel.zero if cfg.parallel.dp > 1 else 0  # >= 1: the optimizer is a ShardedAdamW
-        grads = DataParallelGrads(topo, stages, cfg.train.microbatches, sharded=bool(sharded), keep_slices=sharded == 2)
+        grads = DataParallelGrads(topo, stages, cfg.train.microbatches, sharded=bool(sharded), keep_slices=sharded >= 2)
         return DataParallel(grads, plane)
     plane = plane or plane_groups(topo)
     return DataParallel(PlaneGrads(topo, stages, cfg.model.n_layers, plane), plane)
+
+
+def build_zero3(cfg: Config, topo: Topology, mp: ModelParallel, opt: torch.optim.Optimizer) -> Zero3 | None:
+    """ZeRO-3's gathers and frees of `mp`'s parameters (dataparallel/zero3.py), hooked into its stages and
+    runtime; None without ZeRO-3 (or with dp = 1)."""
+    if not isinstance(opt, ShardedAdamW) or not opt.own:
+        return None
+    z = Zero3(topo, mp.stages, opt, cfg.parallel.zero3_regather, mp.runtime.meter)
+    mp.runtime.after_compute = z.after_action
+    return z
 
 
 def build_optimizer(
@@ -132,7 +144,7 @@ def build_optimizer(
     with their state already in it."""
     named, t = mp.parameters(), cfg.train
     if cfg.parallel.zero >= 1 and layout.shared_partition:
-        return ShardedAdamW(named, t, topo, carry)
+        return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.zero == 3 and cfg.parallel.dp > 1)
     opt = make_optimizer(named, t)
     if carry is not None:
         for _, q in named:

@@ -97,6 +97,9 @@ class FinalModelDuty:
 
     def finish(self) -> None:
         tr, cfg = self.trainer, self.trainer.cfg
+        if tr.zero3 is not None:  # the export gathers once, at the end (collective over dp)
+            tr.zero3.close()
+            tr.zero3 = None
         state = gather_full_state(tr.topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
         if tr.topo.rank != 0:
             return

@@ -52,15 +52,18 @@ def held_bytes(
     persistent_buffers: int,
     transient_buffers: Iterable[int],
     whole_grads: int = 0,
+    gathered_params: int = 0,
 ) -> dict[str, int]:
     """The components of one rank, counted inside the optimizer step (gradients still set). `whole_grads`:
     under ZeRO-2 the bytes of the whole gradients the reduction freed (grads.DataParallelGrads.whole_bytes),
-    counted from its tensors before it freed them."""
+    counted from its tensors before it freed them. Under ZeRO-3 `params` are this rank's slices (at rest) and
+    `gathered_params` the most bytes of whole parameters it had gathered at once in the step (zero3.Zero3.peak)."""
     counted: set[int] = set()
     params_bytes = tensor_bytes(params, counted)
     rest = tensor_bytes((g for p in params for g in (p.grad, getattr(p, "grad_slice", None))), counted)
     return {
-        "params": params_bytes,
+        "params": params_bytes + gathered_params,
+        "params_at_rest": params_bytes,
         "grads": max(rest, whole_grads),
         "grads_at_rest": rest,
         "optimizer": optimizer_bytes(opt, counted),

@@ -37,7 +37,13 @@ from hybridpar.pipeline.runtime import forward_actions
 from hybridpar.pipeline.schedules import Action, build_schedule, stages_per_rank
 from hybridpar.report.records import FIELDS, rank_summary, step_fields, unpack
 from hybridpar.topology.mesh import Topology
-from hybridpar.trainer.build import build_data_parallel, build_model_parallel, build_optimizer, layer_partition
+from hybridpar.trainer.build import (
+    build_data_parallel,
+    build_model_parallel,
+    build_optimizer,
+    build_zero3,
+    layer_partition,
+)
 from hybridpar.trainer.held import held_bytes
 
 # Attaches hooks to a trainer's current pieces and returns the function that detaches them.
@@ -74,6 +80,7 @@ class Trainer:
         self.plan: BatchPlan = self._plan(count)
         self.dp = build_data_parallel(cfg, topo, self.mp.stages, self.layout)
         self.opt = build_optimizer(cfg, topo, self.mp, self.layout)
+        self.zero3 = build_zero3(cfg, topo, self.mp, self.opt)  # ZeRO-3: parameters sharded at rest
         self.balancer = LiveBalancer(cfg, topo) if cfg.balance.mode != "off" else None
         self.memory: dict[str, int] = {}  # bytes held per component at the last step's peak (trainer/held.py)
         self.oom_retries = 0  # steps redone after running out of memory, over the run
@@ -155,6 +162,8 @@ class Trainer:
         grads.m = len(sizes)
         masks, scale = self._masks(d), 1.0 / (t.global_batch * t.seq_len)
         out = self.runtime.run(self.actions(len(sizes)), xs, ys, scale, on_stage_done=grads.stage_done, documents=masks)
+        if self.zero3 is not None:
+            self.zero3.release()  # the backward is done: back to the slices until the next step
         grads.finish()
         self.last_output = out
         peak = meter.peak
@@ -223,14 +232,18 @@ class Trainer:
         self.opt.step()
         # Counted before the gradients go: what this rank held at the step's peak (plan/memory_model.py models it).
         transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))
+        z3 = self.zero3
         self.memory = held_bytes(
-            [q for _, q in self.mp.parameters()],
+            [q for _, q in self.mp.parameters()] if z3 is None else list(self.opt.views),
             self.opt,
             self.runtime.meter.peak,
             self.p2p.buffer_bytes(),
             transient,
             getattr(self.dp.grads, "whole_bytes", 0) if kept else 0,
+            0 if z3 is None else z3.peak,
         )
+        if z3 is not None:
+            z3.peak = 0
         self.opt.zero_grad(set_to_none=True)
         dt = time.perf_counter() - t0
         rec.update(
@@ -331,4 +344,6 @@ class Trainer:
             out = self.runtime.run(acts, xs, ys, 1.0 / (n * t.seq_len), train=False, documents=masks)
             if out.loss is not None:
                 total = out.loss if total is None else total + out.loss
+        if self.zero3 is not None:
+            self.zero3.release()
         return self._global_sum(total)
