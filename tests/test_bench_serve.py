@@ -62,6 +62,8 @@ def test_pooled_runs_take_percentiles_over_every_request():
         ["--throughput", "--pp", "0"],
         ["--throughput", "--rate-rps", "-1"],
         ["--throughput", "--rate-rps", "nan"],
+        ["--scenario", "soak", "--clients", "0"],
+        ["--scenario", "soak", "--client-timeout-s", "0"],
     ],
 )
 def test_bad_input_is_refused_before_any_process(args, capsys):
@@ -82,3 +84,14 @@ def test_small_run_end_to_end(tmp_path, capsys):
         assert r["p50_s"] <= r["p99_s"] and r["tokens_per_s"] > 0
         assert sum(r["routed_per_replica"]) >= r["completed"]
     assert rec["hybrid_p99_over_round_robin_p99"] > 0
+
+
+def test_shared_prefix_trace_draws_requests_from_a_few_long_prefixes():
+    from hybridpar.bench.serve_scenarios import prefix_trace
+
+    a = prefix_trace(64, 10.0, 1, prefixes=4, prefix_len=32)
+    assert a == prefix_trace(64, 10.0, 1, prefixes=4, prefix_len=32) and a != prefix_trace(64, 10.0, 2)
+    heads = {tuple(r["prompt"][:32]) for r in a}
+    assert len(heads) == 4 and all(40 <= len(r["prompt"]) <= 56 and 4 <= r["max_tokens"] <= 8 for r in a)
+    with pytest.raises(SystemExit):  # argparse refuses an unknown scenario
+        main(["--scenario", "nope"])

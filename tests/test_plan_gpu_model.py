@@ -14,8 +14,9 @@ import pytest
 from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
-from hybridpar.plan.cost import CostModel, predict
-from hybridpar.plan.gpu_model import Rates, parse_gpu_calibration, peak_fraction
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s
+from hybridpar.plan.cost import CostModel, grad_reduce_s, predict
+from hybridpar.plan.gpu_model import OVERLAPS, Rates, parse_gpu_calibration, peak_fraction
 from hybridpar.plan.hardware import load_hardware, parse_hardware
 from hybridpar.plan.main import calibration_note
 from hybridpar.plan.published import PLANNER_DOCS, load_runs, row_config
@@ -70,6 +71,8 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"attention_kernel": "paged"}, "attention_kernel must be one of flash, unfused"),
         ({"source": " "}, "source must be a non-empty string"),
         ({"extra": 1}, "needs exactly the keys"),
+        ({"overlap": ["dp"]}, "overlap must be a list of distinct names from tp_comm, grad_reduce, param_gather"),
+        ({"overlap": ["tp_comm", "tp_comm"]}, "overlap must be a list of distinct names"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -157,3 +160,44 @@ def test_every_calibration_names_its_source_and_date() -> None:
             assert key in g.source, (path, key)
         assert re.search(r"20\d\d", g.date)
     parse_gpu_calibration(table(), "t")  # the test's own table is a good one
+
+
+H100 = load_hardware(PLANNER_DOCS / "clusters" / "dgx-h100-ndr.toml")
+
+
+def test_each_overlap_hides_only_the_term_it_names() -> None:
+    """The H100 clusters' software overlaps three collectives with compute (gpu_model.OVERLAPS): each alone
+    shortens the step through its own breakdown term only, and none makes a step longer."""
+    cfg = Config.from_dict(
+        {
+            "model": {"dim": 1024, "n_layers": 4, "n_heads": 16, "ffn_dim": 4096, "vocab_size": 1024},
+            "parallel": {"tp": 8, "pp": 2, "dp": 4, "zero": 1},
+            "train": {"global_batch": 16, "microbatches": 2, "seq_len": 1024, "precision": "bf16"},
+        }
+    )
+    assert set(H100.gpu_calibration.overlap) == set(OVERLAPS)
+    on = lambda names: replace(H100, gpu_calibration=replace(H100.gpu_calibration, overlap=names))  # noqa: E731
+    none = predict(CostModel(cfg.model, on(())), cfg).breakdown()
+    term = {"tp_comm": "tp_comm_s", "grad_reduce": "dp_reduce_s", "param_gather": "optimizer_s"}
+    for name in OVERLAPS:
+        one = predict(CostModel(cfg.model, on((name,))), cfg).breakdown()
+        assert one[term[name]] < none[term[name]] and one["step_s"] < none["step_s"], name
+        for other in set(term.values()) - {term[name], "tp_comm_s"}:  # tp's change moves the pipeline's timing
+            assert one[other] == pytest.approx(none[other]) or name == "tp_comm", (name, other)
+    toml = on(OVERLAPS).gpu_calibration.to_toml()
+    assert 'overlap = ["tp_comm", "grad_reduce", "param_gather"]' in toml
+
+
+def test_nccl_takes_the_tree_for_small_all_reduces_and_zero_reduce_scatters() -> None:
+    """On a GPU a step's small all-reduces over thousands of ranks take 2 log2 n hops (NCCL's tree), not the
+    ring's 2 (n - 1); under ZeRO-1 a gradient reduction is a reduce-scatter, half an all-reduce's bytes. A CPU
+    host keeps the ring and the all-reduce (its probe measured those)."""
+    link, hop = H100.inter_node, H100.inter_node.latency_us * 1e-6
+    assert all_reduce_s(8, 16384, link, H100) == pytest.approx(2 * 14 * hop, rel=1e-3)
+    cpu = replace(H100, gpu_calibration=None)
+    assert all_reduce_s(8, 16384, link, cpu) == pytest.approx(2 * 16383 * hop, rel=1e-3)
+    big = 4e9  # large messages: the ring, on either
+    assert all_reduce_s(big, 64, link, H100) == pytest.approx(2 * 63 * (hop + big / 64 / H100.link_bps(link)))
+    assert grad_reduce_s(H100, big, 64, link, 1) == all_gather_s(big, 64, link, H100)
+    assert grad_reduce_s(H100, big, 64, link, 0) == all_reduce_s(big, 64, link, H100)
+    assert grad_reduce_s(cpu, big, 64, link, 1) == all_reduce_s(big, 64, link, cpu)

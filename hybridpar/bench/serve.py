@@ -34,6 +34,8 @@ from hybridpar.config import ModelConfig
 from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.router import STRATEGIES, Overloaded, Router, percentile
 
+SCENARIOS = ("prefix", "kill", "transformers", "pp-vs-tp", "soak")  # serve_scenarios.py
+
 
 def make_trace(n: int, rate: float, seed: int) -> list[dict[str, Any]]:
     """Poisson arrivals at `rate` per second; prompts and outputs each short or long at random."""
@@ -192,6 +194,17 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     ap.add_argument(
         "--rate-rps", type=float, default=0.0, help="--throughput: the saturation rate --load applies to (0 = measured)"
     )
+    ap.add_argument(
+        "--scenario",
+        choices=SCENARIOS,
+        default=None,
+        help="instead of the strategies: prefix (shared-prefix trace: prefix caching on/off, cache_aware vs "
+        "hybrid), kill (a replica killed mid-run), transformers (against generate), pp-vs-tp, soak (HTTP, "
+        "--clients concurrent plus --slow-clients)",
+    )
+    ap.add_argument("--clients", type=int, default=200, help="--scenario soak: concurrent clients")
+    ap.add_argument("--slow-clients", type=int, default=50, help="--scenario soak: clients trickling a request head")
+    ap.add_argument("--client-timeout-s", type=float, default=2.0, help="--scenario soak: the server's client timeout")
     ap.add_argument("--json", default=None, help="also write the results to this file")
     return ap.parse_args(argv)
 
@@ -207,6 +220,8 @@ def main(argv: list[str]) -> int:
             file=sys.stderr,
         )
         return 2
+    if a.scenario is not None:
+        return _scenario(a, argv)
     if a.throughput:
         if a.tp < 1 or a.pp < 1 or not a.rate_rps >= 0:
             print("hybridpar bench serve: error: need --tp >= 1, --pp >= 1 and --rate-rps >= 0", file=sys.stderr)
@@ -268,6 +283,18 @@ def main(argv: list[str]) -> int:
         "hybrid_p99_over_round_robin_p99": ratio,
     }
     return _emit(out, a.json)
+
+
+def _scenario(a: argparse.Namespace, argv: list[str]) -> int:
+    if a.clients < 1 or a.slow_clients < 0 or not 0 < a.client_timeout_s <= 60:
+        print(
+            "hybridpar bench serve: error: need --clients >= 1, --slow-clients >= 0 and --client-timeout-s in (0, 60]",
+            file=sys.stderr,
+        )
+        return 2
+    from hybridpar.bench.serve_scenarios import run
+
+    return _emit({**run(a), "command": "hybridpar bench serve " + " ".join(argv)}, a.json)
 
 
 def _emit(out: dict[str, Any], path: str | None) -> int:

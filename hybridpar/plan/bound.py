@@ -19,12 +19,14 @@ Two bounds, each no greater than the prediction (tests/test_plan_bound.py checks
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from dataclasses import dataclass
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op, stage_count
-from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, all_reduce_s, closing_s, optimizer_s, setup
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, closing_s, grad_reduce_s, optimizer_s, setup
+from hybridpar.plan.gpu_model import overlapped
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 
@@ -62,7 +64,8 @@ def knob_bound(
         work = max(work, k["m"] * compute * L / speed / share_capacity)
     params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
     world = k["tp"] * k["pp"] * k["dp"]
-    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world)  # affine in params: max >= at mean
+    # Affine in params (max >= at mean); an overlapped parameter gather counted as wholly hidden.
+    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, hidden=(math.inf, 0.0))
     return work + opt + closing_s(model.hw, k["tp"], k["pp"], k["dp"], k["zero"], pl.world)
 
 
@@ -97,5 +100,8 @@ def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[
         end = max(end, done + (up[last.stage] if last.op is Op.BACKWARD else 0.0))
         if p.dp > 1 and last.op is not Op.FORWARD:
             params = su.stage_params[last.stage] / p.tp
-            end = max(end, done + all_reduce_s(4 * params, p.dp, su.pl.dp, model.hw))
+            # ZeRO-1's reduction where it is the shorter (the bound is shared with it); from the last action's
+            # start where the GPU software reduces buckets during it.
+            early = dur[last.op][last.stage] if overlapped(model.hw.gpu_calibration, "grad_reduce") else 0.0
+            end = max(end, done - early + grad_reduce_s(model.hw, 4 * params, p.dp, su.pl.dp, 1))
     return end, su

@@ -28,7 +28,9 @@ place (all ranks computing and reducing at once) where the calibration has one, 
 communication terms stay as above.
 
 Where it carries a `[gpu_calibration]` (plan/gpu_model.py), GEMMs are timed by their shapes, attention by
-its kernel, memory-bound work and links at their achievable fractions of the datasheet figures.
+its kernel, memory-bound work and links at their achievable fractions of the datasheet figures; ZeRO-1's
+gradient reduction is a reduce-scatter and small all-reduces take NCCL's tree (plan/collectives.py); and the
+communication its `overlap` names (gpu_model.OVERLAPS) hides behind the compute it runs beside.
 
 The step time is the simulated action lists (pipeline/simulate.py, on `build_schedule`'s output, with
 the ranks sharing cores where the hardware says they do), then each rank's gradient reductions, then
@@ -48,8 +50,8 @@ from hybridpar.pipeline.schedules import Action, Op, build_schedule, schedule_sp
 from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
-from hybridpar.plan.collectives import all_gather_s, all_reduce_s
-from hybridpar.plan.gpu_model import layer_times
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from hybridpar.plan.gpu_model import layer_times, overlapped
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -162,7 +164,7 @@ class CostModel:
         self.layer_tensors = layer_tensors(m)
         self._flops: dict[int, float] = {}
         self._parts: dict[tuple, list[range]] = {}
-        self._last: dict[tuple, dict[int, float]] = {}  # a simulation's key -> when each stage's backward ends
+        self._last: dict[tuple, SimMarks] = {}  # a simulation's key -> when its collectives may start
 
     def _rate(self, precision: str) -> float:
         peak = self.hw.peak_flops(precision)
@@ -209,6 +211,8 @@ class CostModel:
             mem, mem_b = mem + att_f, mem_b + att_b
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
         comm = 2 * self.tp_all_reduce_s(t, tp, tokens, link)  # after attention and after the MLP
+        if rates is not None and overlapped(self.hw.gpu_calibration, "tp_comm"):
+            comm = max(0.0, comm - mm)  # chunked against the pass's GEMMs (forward's; B's are as long)
         f = Work(mm, mem, ops, comm)
         b = Work(mm, mem_b, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
         w = Work(mm, 0.0, 0.5 * ops)
@@ -385,14 +389,31 @@ class Setup(NamedTuple):
     stage_params: list[int]
     msg: int
 
-    def after_pipeline(self, model: CostModel, cfg: Config) -> tuple[float, float]:
-        """(The optimizer step of the slowest rank, the step's small all-reduces)."""
+    def after_pipeline(self, model: CostModel, cfg: Config, hidden: list[float] | None = None) -> tuple[float, float]:
+        """(The optimizer step of the slowest rank, the step's small all-reduces). `hidden`: per pipeline rank,
+        what an overlapped parameter gather may hide behind (`optimizer_s`); None: all of it, a lower bound."""
         p, pl = cfg.parallel, self.pl
         rank_params = [
             sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
+        world, c = p.tp * p.pp * p.dp, model.counts
         gathers = param_gathers(p.zero, p.zero3_regather, cfg.train.microbatches)
-        opt = max(optimizer_s(model, p.pp, p.dp, p.zero, pl.dp, n, p.tp * p.pp * p.dp, gathers) for n in rank_params)
+        first = [(c.layer + (c.embed if r == self.ranks[0] else 0)) / p.tp for r in range(p.pp)]  # needed first
+        opt = max(
+            optimizer_s(
+                model,
+                p.pp,
+                p.dp,
+                p.zero,
+                pl.dp,
+                n,
+                world,
+                gathers,
+                (math.inf, 0.0) if hidden is None else (hidden[r], first[r]),
+                cfg.train.precision,
+            )
+            for r, n in enumerate(rank_params)
+        )
         return opt, closing_s(model.hw, p.tp, p.pp, p.dp, p.zero, pl.world)
 
 
@@ -461,13 +482,16 @@ def predict(
     if sims is not None:
         sims[key] = sim
     if key not in model._last:
-        model._last[key] = last_backwards(sim)
+        model._last[key] = sim_marks(sim)
     work = [
         m * sum(c.f.compute + c.b.compute + c.w.compute for s, c in enumerate(su.costs) if su.ranks[s] == r)
         for r in range(p.pp)
     ]
-    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, su.ranks, work)
-    opt, fixed = su.after_pipeline(model, cfg)
+    # The gradients a stage's backward produces last: its first layer's, and the embedding's on the first stage.
+    tail = [model.counts.layer + (model.counts.embed if s == 0 else 0) for s in range(len(su.parts))]
+    end, reduce_extra = _dp_reductions(sim, model._last[key], cfg, hw, su.pl, su.stage_params, tail, su.ranks, work)
+    marks = model._last[key]
+    opt, fixed = su.after_pipeline(model, cfg, [marks.first_forward.get(r, 0.0) for r in range(p.pp)])
     busiest = max(range(p.pp), key=lambda r: sim.busy_s[r])
     tp_comm = m * sum(c.f.comm_s + c.b.comm_s + c.w.comm_s for s, c in enumerate(su.costs) if su.ranks[s] == busiest)
     return Prediction(
@@ -483,40 +507,68 @@ def predict(
     )
 
 
-def last_backwards(sim: SimResult) -> dict[int, float]:
-    """When each stage's last backward (B or W) action ends."""
-    last: dict[int, float] = {}
+class SimMarks(NamedTuple):
+    """What the step's collectives around the pipeline wait for, from a simulation."""
+
+    last_end: dict[int, float]  # stage -> when its last backward (B or W) action ends
+    last_start: dict[int, float]  # stage -> when that action starts
+    first_forward: dict[int, float]  # pipeline rank -> when its first forward ends
+
+
+def sim_marks(sim: SimResult) -> SimMarks:
+    end: dict[int, float] = {}
+    start: dict[int, float] = {}
+    first: dict[int, float] = {}
     for e in sim.events:
-        if e.action.op in (Op.BACKWARD, Op.WEIGHT):
-            last[e.action.stage] = max(last.get(e.action.stage, 0.0), e.end)
-    return last
+        st = e.action.stage
+        if e.action.op in (Op.BACKWARD, Op.WEIGHT) and e.end >= end.get(st, 0.0):
+            end[st], start[st] = e.end, e.start
+        elif e.action.op is Op.FORWARD:
+            first[e.rank] = min(first.get(e.rank, math.inf), e.end)
+    return SimMarks(end, start, first)
+
+
+def grad_reduce_s(hw: Hardware, nbytes: float, dp: int, link: Link, zero: int) -> float:
+    """A stage's data-parallel gradient reduction: an all-reduce, or under ZeRO-1 on a GPU a reduce-scatter
+    (each rank keeps the sum of its own slice, as dataparallel/grads.py and Megatron's distributed
+    optimizer do). The CPU path keeps the all-reduce its probe's collective figures were measured on."""
+    if zero >= 1 and hw.gpu_calibration is not None:
+        return reduce_scatter_s(nbytes, dp, link, hw)
+    return all_reduce_s(nbytes, dp, link, hw)
 
 
 def _dp_reductions(
     sim: SimResult,
-    last: dict[int, float],
+    marks: SimMarks,
     cfg: Config,
     hw: Hardware,
     pl: Placement,
     stage_params: list[int],
+    tail_params: list[int],
     ranks: tuple[int, ...],
     work: list[float],
 ) -> tuple[float, float]:
     """(when the last rank's gradient reductions end, how much later that is than the pipeline): each
-    stage's all-reduce starts at its last backward action (`last`) and runs after the rank's earlier ones.
-    A rank's first one also waits for its replicas, which reach it apart after the step's `work` (its
-    compute seconds) where ranks share cores (`Hardware.sync_wait_s`): nothing synchronises replicas
-    before it."""
+    stage's reduction starts at its last backward action's end (or its start, where the GPU software
+    reduces buckets as that action produces them: gpu_model.OVERLAPS, and then ends no sooner than that
+    action's end plus the reduction of the gradients it produces last, `tail_params`) and runs after the
+    rank's earlier ones. A rank's first one also waits for its replicas, which reach
+    it apart after the step's `work` (its compute seconds) where ranks share cores (`Hardware.sync_wait_s`):
+    nothing synchronises replicas before it."""
     p = cfg.parallel
     if p.dp == 1:
         return sim.step_time_s, 0.0
+    early = overlapped(hw.gpu_calibration, "grad_reduce")
     free = [0.0] * p.pp
     waited: set[int] = set()
-    for s in sorted(last, key=last.get):
+    for s in sorted(marks.last_end, key=marks.last_end.get):
         r = ranks[s]
         wait = 0.0 if r in waited else hw.sync_wait_s(p.dp, work[r])
         waited.add(r)
-        free[r] = max(free[r], last[s]) + wait + all_reduce_s(4 * stage_params[s] / p.tp, p.dp, pl.dp, hw)
+        start = marks.last_start[s] if early else marks.last_end[s]
+        reduce = grad_reduce_s(hw, 4 * stage_params[s] / p.tp, p.dp, pl.dp, p.zero)
+        last = grad_reduce_s(hw, 4 * tail_params[s] / p.tp, p.dp, pl.dp, p.zero) if early else 0.0
+        free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s] + last)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s
 
@@ -531,13 +583,26 @@ def param_gathers(zero: int, regather: str, microbatches: int) -> int:
 
 
 def optimizer_s(
-    model: CostModel, pp: int, dp: int, zero: int, link: Link, params: float, world: int = 1, gathers: int = 1
+    model: CostModel,
+    pp: int,
+    dp: int,
+    zero: int,
+    link: Link,
+    params: float,
+    world: int = 1,
+    gathers: int = 1,
+    hidden: tuple[float, float] = (0.0, 0.0),
+    precision: str = "fp32",
 ) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
     over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
     of the `world` steps at once: where a node's ranks outnumber its cores they share them. `gathers`:
     how many all-gathers of the parameters the step makes (`param_gathers`; ZeRO-3's, counted here whole,
-    as if the prefetch hid none of them: the planner then picks ZeRO-3 only where memory requires it)."""
+    as if the prefetch hid none of them: the planner then picks ZeRO-3 only where memory requires it).
+    Where the GPU software overlaps ZeRO-1/2's one gather (gpu_model.OVERLAPS: the compute-precision weights,
+    dispatched at the next step's start), only what exceeds `hidden` = (the rank's time to its first
+    forward's end, the parameters that forward needs first), and no less than those parameters' gather,
+    is counted."""
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     mine = params / dp if zero >= 1 else params
@@ -546,6 +611,10 @@ def optimizer_s(
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
     gather = gathers * all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
+    if 1 <= zero < 3 and overlapped(hw.gpu_calibration, "param_gather"):
+        width = 4 if precision == "fp32" else 2
+        hide, first = hidden
+        gather = max(all_gather_s(width * first, dp, link, hw), all_gather_s(width * params, dp, link, hw) - hide)
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
         return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather

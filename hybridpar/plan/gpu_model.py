@@ -12,6 +12,8 @@ each with its source and date, and the attention kernel of the software that ran
     attention_kernel      "flash" (one fused kernel: no score matrix in memory) or "unfused" (two batched
                           GEMMs with a fused scale-mask-softmax and dropout between them, as Megatron-LM
                           ran before flash attention, 2021-2022)
+    overlap               (optional, default none) which communication the cluster's training software
+                          runs behind compute, a fact of that software like the attention kernel (OVERLAPS)
     source, date          where each number comes from, and when
 
 From them, with no further constant:
@@ -42,6 +44,16 @@ from hybridpar.config import ModelConfig
 
 FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "intra_bus_fraction", "inter_bus_fraction")
 KERNELS = ("flash", "unfused")
+# Communication a GPU training stack can run behind compute (Megatron-Core's --tp-comm-overlap,
+# --overlap-grad-reduce, --overlap-param-gather; Llama 3's stack likewise, arXiv:2407.21783 Sec. 3.3.2):
+#   tp_comm       a layer's tensor-parallel collectives, chunked against its GEMMs: only what exceeds the GEMMs
+#                 of the same pass is exposed
+#   grad_reduce   the data-parallel gradient reduction, bucket by bucket as the stage's last backward produces
+#                 its gradients: it may start when that backward starts instead of when it ends
+#   param_gather  the sharded optimizer's all-gather of the updated weights, in the compute precision (the
+#                 bf16 model copy; fp32 masters stay sharded), dispatched at the next step's start: hidden
+#                 behind what the rank does before its first forward ends (its pipeline fill and that forward)
+OVERLAPS = ("tp_comm", "grad_reduce", "param_gather")
 # Unfused attention's memory traffic per score element (2-byte elements), counted on Megatron-LM's kernels:
 # forward, the fused scale-mask-softmax reads the scores and writes the probabilities (2), dropout reads them
 # and writes its output and a one-byte mask (2.5); backward, dropout's reads the gradient and the mask and writes
@@ -60,12 +72,14 @@ class GpuCalibration:
     attention_kernel: str
     source: str
     date: str
+    overlap: tuple[str, ...] = ()
 
     def to_toml(self) -> str:
         nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
         text = lambda s: '"""' + s.replace("\\", "\\\\").replace('"""', '\\"""') + '"""'  # noqa: E731
+        over = f"overlap = {list(self.overlap)!r}\n".replace("'", '"') if self.overlap else ""
         return (
-            f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n'
+            f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n{over}'
             f"source = {text(self.source)}\ndate = {text(self.date)}"
         )
 
@@ -73,9 +87,18 @@ class GpuCalibration:
 def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     """The `[gpu_calibration]` table; ValueError naming the key and its form."""
     known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
-    if not isinstance(d, dict) or set(d) != known:
+    if not isinstance(d, dict) or not known <= set(d) <= known | {"overlap"}:
         got = sorted(d) if isinstance(d, dict) else repr(d)
-        raise ValueError(f"{where} [gpu_calibration]: needs exactly the keys {', '.join(sorted(known))}, got {got}")
+        raise ValueError(
+            f"{where} [gpu_calibration]: needs exactly the keys {', '.join(sorted(known))} (and optionally "
+            f"overlap), got {got}"
+        )
+    over = d.get("overlap", [])
+    if not isinstance(over, list) or not set(over) <= set(OVERLAPS) or len(set(over)) != len(over):
+        raise ValueError(
+            f"{where} [gpu_calibration]: overlap must be a list of distinct names from {', '.join(OVERLAPS)}, "
+            f"got {over!r}"
+        )
     for k in FRACTIONS:
         v = d[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
@@ -89,7 +112,9 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
         if not isinstance(d[k], str) or not d[k].strip():
             raise ValueError(f"{where} [gpu_calibration]: {k} must be a non-empty string")
     return GpuCalibration(
-        **{k: float(d[k]) for k in FRACTIONS}, **{k: d[k] for k in ("attention_kernel", "source", "date")}
+        **{k: float(d[k]) for k in FRACTIONS},
+        **{k: d[k] for k in ("attention_kernel", "source", "date")},
+        overlap=tuple(over),
     )
 
 
@@ -151,3 +176,8 @@ def layer_times(
         SOFTMAX_FORWARD_ACCESSES * scores / rates.memory_bps,
         SOFTMAX_BACKWARD_ACCESSES * scores / rates.memory_bps,
     )
+
+
+def overlapped(g: GpuCalibration | None, name: str) -> bool:
+    """Whether the calibrated software runs the communication `name` (OVERLAPS) behind compute."""
+    return g is not None and name in g.overlap
