@@ -43,9 +43,10 @@ def test_bad_values(over: dict, fragment: str) -> None:
 def test_layouts_refused_before_launch() -> None:
     cfg = Config()
     cfg.balance.mode = "auto"
-    cfg.parallel.schedule = "zb-h1"
-    with pytest.raises(ValueError, match="re-partitions pipeline stages for parallel.schedule gpipe or 1f1b"):
+    for schedule, v in (("zb-h1", None), ("zb-v", 2), ("interleaved-1f1b", 2)):  # every schedule re-partitions
+        cfg.parallel.schedule, cfg.parallel.virtual_stages = schedule, v
         validate_config(cfg)
+    cfg.parallel.virtual_stages = None
     cfg.parallel.schedule, cfg.parallel.pp, cfg.parallel.dp = "1f1b", 1, 2
     cfg.train.microbatch_sizes = [2, 2, 2, 2]
     with pytest.raises(ValueError, match="drop them"):
@@ -58,15 +59,51 @@ def test_layouts_refused_before_launch() -> None:
 
 
 def test_bench_scenarios_are_valid_configs() -> None:
-    from hybridpar.bench.balance import SCENARIOS, parse_args, scenario_config
+    from hybridpar.bench.balance import parse_args
+    from hybridpar.bench.balance_cases import CASES, LAYOUTS, case_config
 
-    for name in SCENARIOS:
-        for mode in ("emulated", "compute"):
-            cfg = scenario_config(name, mode, 1.0, 40, True, "auto")
-            validate_config(cfg, world_size=4)
-            assert cfg.model.n_layers == 24 and cfg.emulate.slowdown == "rank=2:2.0@step=10"
-            assert cfg.emulate.layer_ms == (1.0 if mode == "emulated" else 0.0)
-    assert parse_args([]).clean_steps == 200
-    for bad in (["--scenarios", "pp8"], ["--modes", "fast"], ["--steps", "15"], ["--layer-ms", "0"]):
+    a = parse_args(["--layer-ms", "1.0"])
+    assert (a.clean_steps, a.repeats, a.drift_steps) == (200, 3, 300)
+    for layout in LAYOUTS:
+        for case in CASES:
+            if case == "slow_link" and LAYOUTS[layout]["pp"] < 4:
+                continue
+            for contender in (False, True):
+                cfg = case_config(layout, case, "emulated", a, contender)
+                validate_config(cfg, world_size=4)
+                assert cfg.model.n_layers == 24 and cfg.emulate.layer_ms == 1.0
+                assert cfg.balance.mode == ("auto" if contender or case == "clean" else "off")
+    one = case_config("dp2xpp2", "one", "compute", a, True)
+    assert one.emulate.slowdown == "rank=2:2.0@step=10" and one.emulate.layer_ms == 0.0
+    assert case_config("pp4-zb-v", "drift", "emulated", a, True).emulate.drift == "rank=2:2.5@step=10+300"
+    link = case_config("pp4-1f1b", "slow_link", "emulated", a, True)
+    assert link.emulate.slow_link == "1:10" and link.batching.policy == "adaptive"
+    for bad in (["--layouts", "pp8"], ["--cases", "three"], ["--modes", "fast"], ["--steps", "15"], ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
+
+
+def test_bench_figures_against_the_bound() -> None:
+    """A pair of runs turned into ratios: 4 ranks, clean step 1.0 s; rank 2 at 2x drags the static run to
+    2.0 s and the balanced one settles at 1.2 s. Bound: 1.0 x 4 / 3.5."""
+    from argparse import Namespace
+
+    from hybridpar.bench.balance_cases import case_config, drift_bound, figures
+
+    a = Namespace(layer_ms=1.0, link_ms=2.0, steps=40, drift_steps=300, measure=10, clean_steps=200)
+    cfg = case_config("pp4-1f1b", "one", "emulated", a, True)
+
+    def rows(times: list[float], moved_at: int | None = None) -> list[dict]:
+        out: list[dict] = [{"step": i, "step_time_s": t} for i, t in enumerate(times)]
+        if moved_at is not None:
+            out[moved_at]["balance"] = [{"event": "rebalance", "applied": True, "step": moved_at}]
+        return out
+
+    f = figures(cfg, "one", rows([1.0] * 10 + [2.0] * 30), rows([1.0] * 10 + [1.2] * 30, moved_at=14), a)
+    assert f["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2) and f["static_over_ideal"] == pytest.approx(4 / 7)
+    assert f["balanced_over_static"] == pytest.approx(2.0 / 1.2) and f["steps_to_rebalance"] == 4 and f["moves"] == 1
+    # The emulated costs' own bound: 1 ms x 3 x 28 samples x 24 layers / 3.5, 1f1b pp4 m4: x 7 / 4.
+    assert f["balanced_over_analytic"] == pytest.approx(0.001 * 3 * 28 * 24 / 3.5 * 7 / 4 / 1.2)
+    # Drift: the bound integrates each step's summed speeds (all 4 at full speed outside the drift).
+    assert drift_bound(1.0, 4, "rank=2:2.5@step=100+10", range(0, 10)) == pytest.approx(10.0)
+    assert drift_bound(1.0, 4, "rank=2:2.0@step=0+2", range(1, 2)) == pytest.approx(4 / 3.5)

@@ -36,9 +36,11 @@ def test_pipeline_step_is_the_simulated_schedule() -> None:
 
 
 def test_sim_errors() -> None:
-    with pytest.raises(ValueError, match="not one the balancer models"):
-        ScheduleSim("zb-h1", 4)
-    with pytest.raises(ValueError, match="microbatches must be >= 1"):
+    with pytest.raises(ValueError, match="unknown schedule 'zb-h2'"):
+        ScheduleSim("zb-h2", 4)
+    with pytest.raises(ValueError, match="3 stages are not 2 per rank"):
+        ScheduleSim("zb-v", 4, 2).pipeline_step([1.0] * 3)
+    with pytest.raises(ValueError, match="microbatches and virtual_stages must be >= 1, got 0, 1"):
         ScheduleSim("1f1b", 0)
     with pytest.raises(ValueError, match="positive stage times"):
         ScheduleSim("1f1b", 4).pipeline_step([1.0, 0.0])
@@ -129,7 +131,7 @@ def test_margin_grows_with_measured_noise(spread: float, margin: float, sizes: l
     # 6/2 is taken. Readings spread by a median absolute deviation of 5% (the window's median is the
     # same): margin = 2 x 5% = 10% > 7.8%, the min-bottleneck 5/3 is kept.
     series = [[1.0, (1 + spread * ((s % 5) - 2)) / 0.55] for s in range(30)]
-    bal = Balancer(BalanceConfig(mode="auto", threshold=3.0), EIGHT, microbatches=1, schedule="gpipe")
+    bal = Balancer(BalanceConfig(mode="auto", threshold=3.0, window=5), EIGHT, microbatches=1, schedule="gpipe")
     (d,), _ = run(bal, Layout.uniform(R(4, 4), [1]), series)
     assert [len(r) for r in d.new.parts[0]] == sizes and d.margin == pytest.approx(margin)
     assert d.simulated_step_before_s == pytest.approx(4 + 4 / 0.55)
@@ -184,3 +186,19 @@ def test_bound_leads_back_to_min_bottleneck_after_recovery() -> None:
     (d,), layout = run(bal, Layout.uniform(R(3, 2, 1, 2), [4]), [[1.0] * 4 for _ in range(10)])
     assert layout.parts == (R(2, 2, 2, 2),) and d.gain == pytest.approx(0.0, abs=1e-12)
     assert d.predicted_step_before_s == pytest.approx(7 * 3.0) and d.predicted_step_after_s == pytest.approx(7 * 2.0)
+
+
+@pytest.mark.parametrize(
+    "schedule, v, slow_stages", [("interleaved-1f1b", 2, (1, 3)), ("zb-v", 2, (1, 2)), ("zb-h1", 1, (1,))]
+)
+def test_slow_rank_sheds_layers_under_every_schedule(schedule: str, v: int, slow_stages: tuple[int, ...]) -> None:
+    # pp=2, 8 layers, rank 1 twice as slow from the start (a position is a pipeline rank: its readings are
+    # time per unit of its stages' work). Every stage the schedule places on rank 1 loses layers, and the
+    # simulated step of the schedule that runs falls.
+    series = [[1.0, 2.0] for _ in range(10)]
+    bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4, schedule=schedule, virtual_stages=v)
+    (d,), layout = run(bal, Layout.uniform(partition_uniform(8, 2 * v), [11]), series)
+    sizes = [len(r) for r in layout.parts[0]]
+    assert sum(sizes[s] for s in slow_stages) < 4 < sum(n for s, n in enumerate(sizes) if s not in slow_stages)
+    assert d.simulated_step_after_s < 0.9 * d.simulated_step_before_s and len(d.speeds) == 2
+    assert d.speeds == pytest.approx((1.0, 0.5))

@@ -3,6 +3,7 @@ layout planning and the controller's policy (modes, interval, give-back on recov
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -19,13 +20,14 @@ from hybridpar.balance.repartition import (
     plan_layout,
     predicted_pipeline_step,
     predicted_step,
+    rank_times,
     split_by_speed,
 )
 from hybridpar.balance.scores import RankSample, load_scores, relative_speeds
 from hybridpar.batching.split import plan_batch, split_evenly
 from hybridpar.config import BalanceConfig
 from hybridpar.pipeline.partition import partition_uniform
-from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.schedules import SCHEDULES, build_schedule
 from hybridpar.pipeline.simulate import Costs, simulate
 
 
@@ -318,8 +320,29 @@ def test_predicted_step_matches_simulator() -> None:
                     build_schedule(name, pp, 1, m, 1), pp, pp, Costs([x / 3 for x in t], [2 * x / 3 for x in t])
                 )
                 assert sim.step_time_s <= predicted_pipeline_step(t, m, name) + 1e-9
+    # Every schedule with its placement: the bound is an upper bound of the simulated step, and exact for
+    # equal stages (ZB's with its bubble formula's unit F = B = W costs).
+    for name, v, m in (("interleaved-1f1b", 2, 4), ("zb-h1", 1, 4), ("zb-v", 2, 4)):
+        spec, n = SCHEDULES[name], 2 * v
+        ranks = spec.stage_ranks(2, v)
+        t = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        costs = Costs([x / 3 for x in t], [x / 3 for x in t], [x / 3 for x in t]) if spec.splits_backward else None
+        costs = costs or Costs([x / 3 for x in t], [2 * x / 3 for x in t])
+        sim = simulate(build_schedule(name, 2, v, m), 2, n, costs, ranks=ranks)
+        assert sim.step_time_s <= predicted_pipeline_step(t, m, name, v) + 1e-9, name
+    assert rank_times([1.0, 2.0, 3.0, 4.0], "zb-v", 2) == [5.0, 5.0]  # V: stages 0 and 3 on rank 0
+    assert rank_times([1.0, 2.0, 3.0, 4.0], "interleaved-1f1b", 2) == [4.0, 6.0]  # loop: 0 and 2 on rank 0
+    with pytest.raises(ValueError, match="3 stages do not make 2 stages"):
+        predicted_pipeline_step([1.0] * 3, 4, "zb-v", 2)
+
+
+def test_a_schedule_the_balancer_cannot_move_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every registered schedule re-partitions live; one declaring it cannot is refused by name."""
+    monkeypatch.setitem(SCHEDULES, "zb-h1", dataclasses.replace(SCHEDULES["zb-h1"], live_repartition=False))
     with pytest.raises(ValueError, match="'zb-h1' is not one the balancer models"):
         predicted_pipeline_step([1.0], 2, "zb-h1")
+    with pytest.raises(ValueError, match="not one the balancer models"):
+        Balancer(cfg(), CostModel((1.0,)), schedule="zb-h1")
 
 
 # --- controller --------------------------------------------------------------------------------
@@ -388,7 +411,7 @@ def test_steady_after_rebalance_and_initial_heterogeneity() -> None:
     # window still rebalances it once, and jitter afterwards never triggers another move.
     series = [[rng.uniform(0.97, 1.03), 1.2 * rng.uniform(0.97, 1.03)] for _ in range(300)]
     decisions = drive(data_balancer(cfg()), series, [10, 10])
-    assert len(decisions) == 1 and decisions[0].step == 4 and decisions[0].stragglers == ()
+    assert len(decisions) == 1 and decisions[0].step == cfg().window - 1 and decisions[0].stragglers == ()
     assert decisions[0].new.split == (11, 9)
 
 
@@ -439,8 +462,6 @@ def test_controller_errors() -> None:
         data_balancer(cfg(mode="on"))
     with pytest.raises(ValueError, match="threshold must be > 1.0"):
         data_balancer(cfg(threshold=0.9))
-    with pytest.raises(ValueError, match="not one the balancer models"):
-        Balancer(cfg(), CostModel((1.0,)), schedule="zb-h1")
     bal = data_balancer(cfg(mode="detect"))
     layout = Layout.uniform([range(0, 1)], [1])
     bal.update(3, group(3, [1.0]), layout)

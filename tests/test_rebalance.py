@@ -84,6 +84,22 @@ CASES = {
         dict(microbatches=1),
         {1: Layout.uniform(R(8), [10, 1]), 3: Layout.uniform(R(8), [3, 8])},
     ),
+    # Interleaved, two chunks per rank (stages 0, 2 on rank 0; 1, 3 on rank 1): layers cross both ways, then
+    # two pairs of stages (1 -> 2 and 3 -> 2) send from rank 1 to rank 0 in one exchange.
+    "interleaved-pp2": (
+        dict(tp=1, pp=2, dp=1, schedule="interleaved-1f1b", virtual_stages=2),
+        {},
+        {1: Layout.uniform(R(3, 1, 1, 3), [11]), 3: Layout.uniform(R(1, 2, 4, 1), [11])},
+    ),
+    # ZB-H1: the split backward's W hooks follow the layers that moved.
+    "zb-h1-pp2": (dict(tp=1, pp=2, dp=1, schedule="zb-h1"), {}, {1: Layout.uniform(R(6, 2), [11])}),
+    # ZB-V (stages 0, 3 on rank 0; 1, 2 on rank 1: the V's turn is local) with ZeRO-1, replica 0 alone
+    # re-partitioned and the batch re-split, then both replicas on one new partition again.
+    "zb-v-pp2-dp2": (
+        dict(tp=1, pp=2, dp=2, schedule="zb-v", virtual_stages=2, zero=1),
+        {},
+        {1: Layout((R(1, 2, 4, 1), R(2, 2, 2, 2)), (7, 4)), 3: Layout((R(3, 1, 1, 3), R(3, 1, 1, 3)), (4, 7))},
+    ),
 }
 
 
@@ -96,7 +112,7 @@ def _case(case: str) -> tuple[Config, dict[int, Layout]]:
         )
         return cfg, {1: Layout.uniform(R(2, 6), [11])}
     par, train, moves = CASES[case]
-    return tiny_config(parallel=dict(schedule="1f1b", **par), train={"steps": 5, **train}), moves
+    return tiny_config(parallel={"schedule": "1f1b", **par}, train={"steps": 5, **train}), moves
 
 
 def _cases_worker(cases: list[tuple[dict, dict, str]]) -> list[dict]:

@@ -5,6 +5,7 @@ metrics.jsonl, and the model trained is still the one-device model (<= 1e-5)."""
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -17,15 +18,18 @@ from tests.test_equivalence import TOL, ref_for, tiny_config
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
 
-def _worker(cfg_dict: dict, out: str) -> list[float]:
+def _worker(cfg_dict: dict, out: str) -> tuple[list[float], list[float]]:
+    """The run, then (same launch) the run resumed from its checkpoint (after step 14) to the same end."""
     from hybridpar.run.train import train
 
     cfg = Config.from_dict(cfg_dict)
     cfg.run_dir = str(Path(out) / "run")
     res = train(cfg, log=False)
-    if res.state is not None:
+    if res.state is not None:  # rank 0: keep what the resumed run will cut back to its step
         torch.save(res.state, Path(out) / "state.pt")
-    return res.losses
+        shutil.copy(Path(cfg.run_dir) / "metrics.jsonl", Path(out) / "metrics.jsonl")
+    cfg.checkpoint.resume, cfg.checkpoint.every = "auto", 0
+    return res.losses, train(cfg, log=False).losses
 
 
 def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
@@ -37,10 +41,12 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
         # rank 1 three times slower for steps onset..recovery-1.
         emulate=dict(layer_ms=2.0, slowdown=f"rank=1:3.0@step={onset},rank=1:1.0@step={recovery}"),
         balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        # One checkpoint, after step 14: between the move away (by step 13) and the move back (after 16).
+        checkpoint=dict(every=14),
     )
     cfg.run_dir = str(tmp_path / "run")
-    losses = run_ranks(_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]
-    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses, resumed = run_ranks(_worker, 2, cfg.to_dict(), str(tmp_path), timeout_s=240)[0]
+    rows = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     events = [e for r in rows if "balance" in r for e in r["balance"]]
     decisions = [e for e in events if e["event"] == "rebalance"]
     assert len(decisions) == 2, decisions
@@ -62,6 +68,13 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
 
     ref_losses, _, ref_state = ref_for(cfg)
     assert max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    # The restart keeps its balance: it starts from the partition the checkpoint recorded, says so, and
+    # trains on exactly (its losses are the one-device ones of steps 14 to the end).
+    said = [json.loads(x) for x in (tmp_path / "run" / "resilience.jsonl").read_text().splitlines()]
+    layout = [e for e in said if e["event"] == "layout"]
+    assert len(layout) == 1 and layout[0]["source"] == "checkpoint" and layout[0]["step"] == 14, layout
+    assert layout[0]["layout"]["parts"] == away["new"]["parts"] != away["old"]["parts"]
+    assert len(resumed) == steps - 14 and max(abs(a - b) for a, b in zip(resumed, ref_losses[14:])) <= TOL
     state = torch.load(tmp_path / "state.pt", weights_only=True)
     for name, ref in ref_state.items():
         assert (state[name] - ref).abs().max().item() <= TOL, name

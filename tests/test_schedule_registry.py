@@ -130,7 +130,7 @@ def test_fallback_chains_end_and_capabilities_are_declared() -> None:
             spec = schedule_spec(spec.fallback)
             assert spec.name not in seen
             seen.add(spec.name)
-    assert {s.name for s in SCHEDULES.values() if s.live_repartition} == {"gpipe", "1f1b"}
+    assert all(s.live_repartition for s in SCHEDULES.values())  # the balancer moves layers under every one
     assert all(s.torch_peer for s in SCHEDULES.values())  # every schedule has its peer in the benchmark
 
 

@@ -3,13 +3,15 @@
 A decision is due once the detector has a full window (devices unequal from the start) and after
 every straggler change (a slowdown, or a recovery that should get its work back); a change seen
 inside the interval waits for it to end. Each position (replica d, stage s) of the (dp, pp) grid is
-one "rank" of the detector (`RankSample.rank = d * pp + s`; tensor-parallel peers of a stage move
-together, so the caller reports their slowest). The planner (`simulated.plan_layout_simulated`) then
+one "rank" of the detector (`RankSample.rank = d * pp + s`, s the pipeline rank; tensor-parallel peers
+move together, so the caller reports their slowest). With virtual stages (interleaved, ZB-V) a rank holds
+several stages, each of which runs at the rank's speed. The planner (`simulated.plan_layout_simulated`) then
 re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
-time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers costs a
-weight and optimizer-state transfer).
+time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers
+costs a weight and optimizer-state transfer). Besides straggler
+changes, a drift of the relative speeds beyond the margin since the last evaluation makes one due.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from hybridpar.balance.repartition import CostModel, Layout, check_modelled, pre
 from hybridpar.balance.scores import RankSample, load_scores
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig
+from hybridpar.pipeline.schedules import schedule_spec
 
 MODES: tuple[str, ...] = ("off", "detect", "auto")
 
@@ -106,6 +109,7 @@ class Balancer:
         microbatches: int = 1,
         schedule: str = "1f1b",
         min_per_replica: int = 1,
+        virtual_stages: int = 1,
     ) -> None:
         c = config
         if c.mode not in MODES:
@@ -119,13 +123,40 @@ class Balancer:
             raise ValueError(f"microbatches={microbatches} and min_per_replica={min_per_replica} must be >= 1")
         self.config, self.cost = c, cost
         self.microbatches, self.schedule, self.min_per_replica = microbatches, schedule, min_per_replica
-        self.sim = ScheduleSim(schedule, microbatches)
+        self.sim = ScheduleSim(schedule, microbatches, virtual_stages)
+        self.virtual_stages = virtual_stages
         self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
         self.detector = StragglerDetector(c.threshold, c.window, c.patience)
         self._updates = 0
         self._last_step: int | None = None
         self._last_decision: int | None = None
         self._pending: str | None = None  # why an evaluation is due
+        # Relative time per unit of each position (fastest = 1) when a layout was last evaluated: a drift
+        # from it beyond the margin is due for an evaluation too, even with no straggler change.
+        self._evaluated: dict[int, float] | None = None
+        self._drift_streak = 0  # consecutive updates beyond it: `patience` of them, as for a straggler
+        # After a move the reference is taken afresh once a whole window was measured on the new layout:
+        # what a position measures per unit shifts with its layers (costs the model leaves out, such as a
+        # stage's embedding or head, spread over fewer units), which is no drift of the device.
+        self._rebase_at: int | None = None
+
+    def _drifted(self, smooth: dict[int, float], n: int) -> str | None:
+        """Why the speeds call for another evaluation since the last one, or None: some position's time
+        per unit, relative to the fastest, moved by more than max(min_gain, 2 x the measured noise) (a
+        slowdown that grows or fades gradually never crosses the detector's thresholds again), in
+        `balance.patience` consecutive updates of the smoothed (median) times."""
+        fastest = min(smooth[r] for r in range(n))
+        if self._evaluated is None:
+            if self._rebase_at is not None and self._updates >= self._rebase_at:
+                self._evaluated, self._rebase_at = {r: smooth[r] / fastest for r in range(n)}, None
+            return None
+        tol = max(self.config.min_gain, 2.0 * self.detector.noise())
+        moved = {r: smooth[r] / fastest / self._evaluated[r] - 1.0 for r in range(n)}
+        r = max(moved, key=lambda q: abs(moved[q]))
+        self._drift_streak = self._drift_streak + 1 if abs(moved[r]) > tol else 0
+        if self._drift_streak < self.config.patience:
+            return None
+        return f"speeds drifted: position {r}'s relative time per unit {moved[r]:+.1%} since the last evaluation"
 
     def update(self, step: int, samples: Sequence[RankSample], layout: Layout) -> Decision | None:
         c = self.config
@@ -140,14 +171,22 @@ class Balancer:
             self._pending = state.reason
         elif self._updates == c.window:
             self._pending = f"first full window of {c.window} measurements"
-        if self._pending is None or (self._last_decision is not None and step - self._last_decision < c.interval):
+        if self._last_decision is not None and step - self._last_decision < c.interval:
             return None
-        n = layout.dp * layout.pp
+        ranks = layout.pp // self.virtual_stages  # pipeline ranks: a position is (replica, pipeline rank)
+        n = layout.dp * ranks
         smooth = self.detector.smoothed()
         if any(r not in smooth for r in range(n)):
             return None  # some position has not reported yet: stay pending
-        # Absolute speeds (units of work per second) so that predicted steps come out in seconds.
-        speeds = [[1.0 / smooth[d * layout.pp + s] for s in range(layout.pp)] for d in range(layout.dp)]
+        self._pending = self._pending or self._drifted(smooth, n)
+        if self._pending is None:
+            return None
+        fastest = min(smooth[r] for r in range(n))
+        self._evaluated, self._drift_streak = {r: smooth[r] / fastest for r in range(n)}, 0
+        # Absolute speeds (units of work per second) so that predicted steps come out in seconds; each
+        # stage runs at the speed of the rank the schedule places it on.
+        placed = schedule_spec(self.schedule).stage_ranks(ranks, self.virtual_stages)
+        speeds = [[1.0 / smooth[d * ranks + placed[s]] for s in range(layout.pp)] for d in range(layout.dp)]
         why, self._pending = self._pending, None
         # Speeds off by a relative e move a simulated step by up to e, so two candidates' difference is
         # only real beyond twice the measured noise; and never below the gain a move must bring anyway.
@@ -157,8 +196,9 @@ class Balancer:
         )
         before = self.sim.layout_step(layout, self.cost, speeds)
         after = self.sim.layout_step(new, self.cost, speeds)
-        bound_before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule)
-        bound_after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule)
+        v = self.virtual_stages
+        bound_before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule, v)
+        bound_after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule, v)
         # The simulation alone leads away from the min-bottleneck partition (beyond the margin); the bound
         # leads back to it once the simulated advantage is within the margin (e.g. a straggler recovered
         # and a partition one layer off simulates no faster than the even one, but no slower either).
@@ -177,7 +217,8 @@ class Balancer:
             f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
         )
         self._last_decision = step
-        fastest = min(smooth[r] for r in range(n))
+        if c.mode == "auto":  # the layout changes: measure the new one before judging drift
+            self._evaluated, self._rebase_at = None, self._updates + c.window
         scores = load_scores(samples, self.weights)
         return Decision(
             kind,

@@ -41,7 +41,7 @@ class StragglerDetector:
     def __init__(
         self,
         threshold: float = 1.25,
-        window: int = 5,
+        window: int = 7,
         patience: int = 3,
         recover_threshold: float | None = None,
         cooldown: int | None = None,

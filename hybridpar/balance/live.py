@@ -28,6 +28,7 @@ from hybridpar.balance.repartition import CostModel, Layout
 from hybridpar.balance.scores import RankSample
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
+from hybridpar.pipeline.schedules import schedule_spec, stages_per_rank
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
 
@@ -79,8 +80,14 @@ class LiveBalancer:
         self.cost = cost_model(cfg)
         # Every replica keeps `microbatches` samples at least: it splits its share into that many.
         self.policy = Balancer(
-            cfg.balance, self.cost, t.microbatches, cfg.parallel.schedule, min_per_replica=t.microbatches
+            cfg.balance,
+            self.cost,
+            t.microbatches,
+            cfg.parallel.schedule,
+            min_per_replica=t.microbatches,
+            virtual_stages=stages_per_rank(cfg.parallel),
         )
+        self.placed = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
         self.step_times: deque[float] = deque(maxlen=cfg.balance.window)
         self._follow: list[dict[str, Any]] = []  # applied decisions awaiting their measured step time
         self._start: int | None = None  # first step of this process (a resumed run warms up too)
@@ -106,7 +113,8 @@ class LiveBalancer:
         out = []
         for pos, reps in sorted(by_pos.items()):
             d, s = divmod(pos, dims.pp)
-            work = layout.split[d] * self.cost.stage_costs(layout.parts[d])[s]
+            costs = self.cost.stage_costs(layout.parts[d])
+            work = layout.split[d] * sum(c for c, r in zip(costs, self.placed) if r == s)  # s's stages' work
             out.append(
                 RankSample(
                     rank=pos,

@@ -79,10 +79,24 @@ def default_layer_builder(
     return lambda i: empty_layer(stage.cfg, i, device, tp_group, stage.seq_shards > 1)
 
 
+def _transfers(
+    moves: list[tuple[int, int, int]], mine: set[int]
+) -> tuple[dict[tuple[int, int], list[int]], dict[tuple[int, int], list[int]]]:
+    """The layers this rank sends and receives, per (from stage, to stage) pair with one end here and the
+    other on another rank; moves between two stages of this rank (virtual stages) need no message."""
+    out: dict[tuple[int, int], list[int]] = {}
+    inc: dict[tuple[int, int], list[int]] = {}
+    for i, src, dst in moves:
+        if src in mine and dst not in mine:
+            out.setdefault((src, dst), []).append(i)
+        elif dst in mine and src not in mine:
+            inc.setdefault((src, dst), []).append(i)
+    return out, inc
+
+
 def move_layers(
     topo: Topology,
-    stage: Stage,
-    stage_index: int,
+    stages: dict[int, Stage],
     opt_state: dict,
     old: Sequence[range],
     new: Sequence[range],
@@ -90,75 +104,83 @@ def move_layers(
     peer: Callable[[int], int],
 ) -> MoveStats:
     """Collective over this replica's pipeline ranks (call on all of them, with the same `old` and
-    `new`): after it, `stage` holds the layers `new[stage_index]`, with their parameters and their
-    entries in `opt_state` (the optimizer's `state`, keyed by parameter) brought from the rank that
-    held them; entries of layers that left are deleted. `peer(s)` is the global rank of stage s.
-    The caller rebuilds whatever caches parameters (optimizer groups, gradient hooks)."""
+    `new`): after it, each of this rank's `stages` (stage index -> stage: one per rank, or several with
+    virtual stages) holds the layers `new[s]`, with their parameters and their entries in `opt_state`
+    (the optimizer's `state`, keyed by parameter) brought from the rank that held them; entries of layers
+    that left the rank are deleted. `peer(s)` is the global rank of stage s. Messages between one pair of
+    ranks are posted in (from stage, to stage) order on both ends, so they match whatever the placement.
+    The caller rebuilds whatever caches parameters (optimizer groups, gradient hooks, split backward)."""
     t0 = time.perf_counter()
     stats = MoveStats()
-    moves = layer_moves(old, new)
-    me = stage_index
-    out: dict[int, list[int]] = {}
-    inc: dict[int, list[int]] = {}
-    for i, src, dst in moves:
-        if src == me:
-            out.setdefault(dst, []).append(i)
-        elif dst == me:
-            inc.setdefault(src, []).append(i)
-    layers = dict(stage.layers.items())
+    out, inc = _transfers(layer_moves(old, new), set(stages))
+    layers = {k: v for st in stages.values() for k, v in st.layers.items()}
     template = next(iter(layers.values()))
     # Sizes of an incoming layer's buffers, from a layer we hold: every decoder layer has the same
     # parameter shapes on a given tp rank, and the same optimizer state.
     n_flat, n_scalar = (t.numel() for t in _pack([template], opt_state))
     ops: list[dist.P2POp] = []
-    received: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for dst, ids in sorted(out.items()):
+    received: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    for (src, dst), ids in sorted(out.items()):
         flat, scalars = _pack([layers[str(i)] for i in ids], opt_state)
         ops += [dist.P2POp(dist.isend, flat, peer(dst)), dist.P2POp(dist.isend, scalars, peer(dst))]
         stats.layers_sent += len(ids)
         stats.bytes_sent += flat.numel() * flat.element_size() + scalars.numel() * 8
-    for src, ids in sorted(inc.items()):
+    for (src, dst), ids in sorted(inc.items()):
         flat = torch.empty(n_flat * len(ids), dtype=template_dtype(template), device=topo.device)
         scalars = torch.empty(n_scalar * len(ids), dtype=torch.float64, device=topo.device)
         ops += [dist.P2POp(dist.irecv, flat, peer(src)), dist.P2POp(dist.irecv, scalars, peer(src))]
-        received[src] = (flat, scalars)
+        received[(src, dst)] = (flat, scalars)
         stats.layers_received += len(ids)
         stats.bytes_received += flat.numel() * flat.element_size() + scalars.numel() * 8
     if ops:
         timeout = timedelta(seconds=topo.timeout_s)
         for w in dist.batch_isend_irecv(ops):
             w.wait(timeout)
-    tmpl_keys = {id(p): _state_keys(opt_state[p], p) for p in template.parameters()}
-    tmpl_params = list(template.parameters())
-    for src, ids in sorted(inc.items()):
-        flat, scalars = received[src]
-        fo = so = 0
-        for i in ids:
-            layer = build_layer(i)
-            for p, tp_ in zip(layer.parameters(), tmpl_params):
-                moments, counters = tmpl_keys[id(tp_)]
-                tmpl_state = opt_state[tp_]
-                with torch.no_grad():
-                    p.copy_(flat[fo : fo + p.numel()].view_as(p))
-                fo += p.numel()
-                st: dict[str, torch.Tensor] = {}
-                for k in moments:
-                    st[k] = flat[fo : fo + p.numel()].view_as(p).clone()
-                    fo += p.numel()
-                for k in counters:
-                    ref = tmpl_state[k]
-                    st[k] = scalars[so].to(device=ref.device, dtype=ref.dtype).reshape(ref.shape).clone()
-                    so += 1
-                opt_state[p] = st
-            layers[str(i)] = layer
+    for pair, ids in sorted(inc.items()):
+        layers.update(_unpack(ids, *received[pair], template, opt_state, build_layer))
     for ids in out.values():
         for i in ids:
             for p in layers.pop(str(i)).parameters():
                 opt_state.pop(p, None)
-    keep = new[me]
-    stage.set_layers({str(i): layers[str(i)] for i in keep})
+    for s, stage in stages.items():
+        stage.set_layers({str(i): layers[str(i)] for i in new[s]})
     stats.seconds = time.perf_counter() - t0
     return stats
+
+
+def _unpack(
+    ids: list[int],
+    flat: torch.Tensor,
+    scalars: torch.Tensor,
+    template: nn.Module,
+    opt_state: dict,
+    build_layer: Callable[[int], nn.Module],
+) -> dict[str, nn.Module]:
+    """The received layers `ids`, built empty and filled from one pair's buffers (packed by `_pack`), their
+    optimizer state entered in `opt_state` with the dtypes and shapes of `template`'s."""
+    tmpl_keys = {id(p): _state_keys(opt_state[p], p) for p in template.parameters()}
+    tmpl_params = list(template.parameters())
+    fo = so = 0
+    built: dict[str, nn.Module] = {}
+    for i in ids:
+        layer = build_layer(i)
+        for p, tp_ in zip(layer.parameters(), tmpl_params):
+            moments, counters = tmpl_keys[id(tp_)]
+            tmpl_state = opt_state[tp_]
+            with torch.no_grad():
+                p.copy_(flat[fo : fo + p.numel()].view_as(p))
+            fo += p.numel()
+            st: dict[str, torch.Tensor] = {}
+            for k in moments:
+                st[k] = flat[fo : fo + p.numel()].view_as(p).clone()
+                fo += p.numel()
+            for k in counters:
+                ref = tmpl_state[k]
+                st[k] = scalars[so].to(device=ref.device, dtype=ref.dtype).reshape(ref.shape).clone()
+                so += 1
+            opt_state[p] = st
+        built[str(i)] = layer
+    return built
 
 
 def template_dtype(layer: nn.Module) -> torch.dtype:

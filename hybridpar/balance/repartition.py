@@ -71,12 +71,26 @@ def split_by_speed(global_batch: int, speeds: Sequence[float], min_per_replica: 
     return sizes
 
 
-def predicted_pipeline_step(stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b") -> float:
-    """m x slowest stage time / (1 - the schedule's bubble fraction): for GPipe and 1F1B (Narayanan et
-    al. 2021) (m + p - 1) x slowest stage time.
+def rank_times(stage_times: Sequence[float], schedule: str, virtual_stages: int = 1) -> list[float]:
+    """Per pipeline rank, the summed time of the stages the schedule places on it (its placement; with
+    one stage per rank, the stage times themselves)."""
+    n = len(stage_times)
+    if virtual_stages < 1 or n % virtual_stages:
+        raise ValueError(f"{n} stages do not make {virtual_stages} stages on each of a whole number of ranks")
+    pp = n // virtual_stages
+    ranks = schedule_spec(schedule).stage_ranks(pp, virtual_stages)
+    return [sum(t for t, r in zip(stage_times, ranks) if r == k) for k in range(pp)]
 
-    `stage_times` are per microbatch (forward + backward). Exact for equal stages; with unequal
-    ones it is an upper bound (fill and drain really run at each stage's own speed); either way a
+
+def predicted_pipeline_step(
+    stage_times: Sequence[float], microbatches: int, schedule: str = "1f1b", virtual_stages: int = 1
+) -> float:
+    """m x the busiest rank's time / (1 - the schedule's bubble fraction): for GPipe and 1F1B (Narayanan
+    et al. 2021) (m + p - 1) x slowest stage time. A rank's time is the sum of its stages' (several with
+    virtual stages: interleaved, ZB-V).
+
+    `stage_times` are per microbatch (forward + backward), one per stage. Exact for equal stages; with
+    unequal ones it is an upper bound (fill and drain really run at each stage's own speed); either way a
     predicted gain is just the ratio of the bottlenecks. Communication is not modelled.
     """
     check_modelled(schedule)
@@ -84,8 +98,9 @@ def predicted_pipeline_step(stage_times: Sequence[float], microbatches: int, sch
         raise ValueError(
             f"need microbatches >= 1 and positive stage times, got " f"{microbatches}, {list(stage_times)}"
         )
-    bubble = schedule_spec(schedule).bubble_fraction(len(stage_times), 1, microbatches)
-    return microbatches * max(stage_times) / (1.0 - bubble)
+    per_rank = rank_times(stage_times, schedule, virtual_stages)
+    bubble = schedule_spec(schedule).bubble_fraction(len(per_rank), virtual_stages, microbatches)
+    return microbatches * max(per_rank) / (1.0 - bubble)
 
 
 @dataclass(frozen=True)
@@ -144,16 +159,21 @@ class CostModel:
 
 
 def predicted_step(
-    layout: Layout, cost: CostModel, speeds: Sequence[Sequence[float]], microbatches: int, schedule: str = "1f1b"
+    layout: Layout,
+    cost: CostModel,
+    speeds: Sequence[Sequence[float]],
+    microbatches: int,
+    schedule: str = "1f1b",
+    virtual_stages: int = 1,
 ) -> float:
-    """Step time of `layout` when position (d, s) processes `speeds[d][s]` units per second: the
-    slowest replica's pipeline time (`predicted_pipeline_step` on per-microbatch stage times). The
-    data-parallel all-reduce is the same for every layout and is left out."""
+    """Step time of `layout` when stage s of replica d processes `speeds[d][s]` units per second (the
+    speed of the rank holding it): the slowest replica's pipeline time (`predicted_pipeline_step` on
+    per-microbatch stage times). The data-parallel all-reduce is the same for every layout and is left out."""
     worst = 0.0
     for d, parts in enumerate(layout.parts):
         per_mb = layout.split[d] / microbatches
         times = [c * per_mb / v for c, v in zip(cost.stage_costs(parts), speeds[d])]
-        worst = max(worst, predicted_pipeline_step(times, microbatches, schedule))
+        worst = max(worst, predicted_pipeline_step(times, microbatches, schedule, virtual_stages))
     return worst
 
 

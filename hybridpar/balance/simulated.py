@@ -21,7 +21,7 @@ from collections.abc import Sequence
 
 from hybridpar.balance.repartition import CostModel, Layout, check_modelled, split_by_speed
 from hybridpar.pipeline.partition import partition_by_cost
-from hybridpar.pipeline.schedules import build_schedule
+from hybridpar.pipeline.schedules import build_schedule, schedule_spec
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import Costs, simulate
 
@@ -30,27 +30,36 @@ class ScheduleSim:
     """Simulated step times of one schedule at a fixed microbatch count; each pipeline depth's action
     lists are built and lowered once (a decision simulates a few dozen cost vectors on them)."""
 
-    def __init__(self, schedule: str, microbatches: int) -> None:
+    def __init__(self, schedule: str, microbatches: int, virtual_stages: int = 1) -> None:
         check_modelled(schedule)
-        if microbatches < 1:
-            raise ValueError(f"microbatches must be >= 1, got {microbatches}")
-        self.schedule, self.microbatches = schedule, microbatches
-        self._programs: dict[int, Program] = {}
+        if microbatches < 1 or virtual_stages < 1:
+            raise ValueError(f"microbatches and virtual_stages must be >= 1, got {microbatches}, {virtual_stages}")
+        self.schedule, self.microbatches, self.virtual_stages = schedule, microbatches, virtual_stages
+        self.splits = schedule_spec(schedule).splits_backward
+        self._programs: dict[int, tuple[Program, tuple[int, ...]]] = {}
 
-    def _program(self, pp: int) -> Program:
-        if pp not in self._programs:
-            # Live re-partition runs one stage per rank (the registry allows it only for such schedules).
-            self._programs[pp] = compile_program(build_schedule(self.schedule, pp, 1, self.microbatches), pp, pp)
-        return self._programs[pp]
+    def _program(self, n_stages: int) -> tuple[Program, tuple[int, ...]]:
+        """The lowered action lists of `n_stages` stages and each stage's rank (the schedule's placement)."""
+        if n_stages not in self._programs:
+            v = self.virtual_stages
+            if n_stages % v:
+                raise ValueError(f"{n_stages} stages are not {v} per rank")
+            pp = n_stages // v
+            ranks = schedule_spec(self.schedule).stage_ranks(pp, v)
+            acts = build_schedule(self.schedule, pp, v, self.microbatches)
+            self._programs[n_stages] = (compile_program(acts, pp, n_stages, ranks), ranks)
+        return self._programs[n_stages]
 
     def pipeline_step(self, stage_times: Sequence[float]) -> float:
         """Simulated step of a pipeline whose stage s takes `stage_times[s]` per microbatch (forward +
-        backward, split 1 : 2)."""
+        backward, split 1 : 2; with a split backward B and W take half of it each)."""
         if len(stage_times) == 0 or min(stage_times) <= 0:
             raise ValueError(f"need positive stage times, got {list(stage_times)}")
-        pp = len(stage_times)
-        costs = Costs([t / 3 for t in stage_times], [2 * t / 3 for t in stage_times])
-        return simulate(self._program(pp), pp, pp, costs).step_time_s
+        n = len(stage_times)
+        program, ranks = self._program(n)
+        fwd = [t / 3 for t in stage_times]
+        costs = Costs(fwd, fwd, fwd) if self.splits else Costs(fwd, [2 * t for t in fwd])
+        return simulate(program, n // self.virtual_stages, n, costs, ranks=ranks).step_time_s
 
     def per_sample(self, parts: Sequence[range], cost: CostModel, speeds: Sequence[float]) -> float:
         """A replica's simulated step per sample of its share: without communication every cost scales

@@ -374,6 +374,23 @@ class EmulateConfig:
         "TESTING/BENCHMARK MODE, off by default: stretch ranks' compute, e.g. "
         "'rank=2:2.0@step=10,rank=2:1.0@step=50' (rank 2 twice as slow for steps 10-49)",
     )
+    drift: str = _f(
+        "",
+        "TESTING/BENCHMARK MODE, off by default: a rank slowing gradually and recovering, e.g. "
+        "'rank=1:2.5@step=50+300' (1x at step 50, 2.5x at 200, 1x again at 350; see hybridpar/emulate/profiles.py)",
+    )
+    spike: str = _f(
+        "",
+        "TESTING/BENCHMARK MODE, off by default: a short one-off slowdown, e.g. "
+        "'rank=1:5.0@step=40+3' (rank 1 5x slow for steps 40-42 only)",
+    )
+    slow_link: str = _f(
+        "",
+        "TESTING/BENCHMARK MODE, off by default: one pipeline boundary slower than the others, e.g. '1:10' "
+        "(messages between pipeline ranks 1 and 2 each take 9 x emulate.link_ms longer; "
+        "see hybridpar/emulate/slow_link.py)",
+    )
+    link_ms: float = _f(1.0, "the emulated time of one message on a normal link, used by emulate.slow_link only")
     fault: str = _f(
         "",
         "TESTING MODE, off by default: inject faults, each once per run_dir, e.g. "
@@ -403,7 +420,11 @@ class BalanceConfig:
     min_gain: float = _f(0.05, "act only if the predicted step time falls by at least this fraction")
     threshold: float = _f(1.25, "straggler: smoothed time per unit of work above this x the others' median")
     skip_steps: int = _f(2, "first steps of a run not measured (allocation and lazy-init warm-up)")
-    window: int = _f(5, "measurements in each rank's smoothing median")
+    window: int = _f(
+        7,
+        "measurements in each rank's smoothing median (a slowdown of fewer than half as many steps, a spike, "
+        "never moves layers)",
+    )
     patience: int = _f(
         3, "consecutive measurements beyond the threshold before a straggler (or its " "recovery) counts"
     )

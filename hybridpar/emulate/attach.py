@@ -1,7 +1,9 @@
 """How a run enters emulation: the run entry (run/train.py) asks here for what the `[emulate]` keys turn
 on and hands it over, so the trainer and the resilience session hold no emulation code of their own.
 
-- `emulated_devices`: an attachment for `Trainer.attach` (slow ranks, `emulate.slowdown`; fixed layer
+- `emulated_devices`: an attachment for `Trainer.attach` (slow ranks, `emulate.slowdown`, and slowdowns
+  shaped in time, `emulate.drift` and `emulate.spike`, whose factors multiply; a slow pipeline link,
+  `emulate.slow_link`; fixed layer
   costs, `emulate.layer_ms`). `attach` re-applies it when a layout change rebuilds the trainer's pieces.
 - `fault_injector`: the injector of `emulate.fault`, for the resilience session's probe, which fires it at
   each phase (resilience/probe.py).
@@ -18,6 +20,8 @@ from typing import Any, Callable
 from hybridpar.config import Config
 from hybridpar.emulate.faults import Injector, parse_faults
 from hybridpar.emulate.layer_cost import attach_layer_cost
+from hybridpar.emulate.profiles import SHAPES, parse_shaped, shaped_factor
+from hybridpar.emulate.slow_link import link_delays
 from hybridpar.emulate.slowdown import SlowdownPlan
 from hybridpar.topology.mesh import Topology
 from hybridpar.trainer.step import Attachment, Trainer
@@ -26,13 +30,23 @@ from hybridpar.trainer.step import Attachment, Trainer
 def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
     """The trainer attachment of `emulate.slowdown` and `emulate.layer_ms` (ValueError naming the key for
     a bad slowdown spec)."""
-    plan = SlowdownPlan.from_config(cfg.emulate.slowdown, topo.dims.world_size)
+    world = topo.dims.world_size
+    plan = SlowdownPlan.from_config(cfg.emulate.slowdown, world)
+    shaped = tuple(e for shape in SHAPES for e in parse_shaped(shape, getattr(cfg.emulate, shape), world))
     layer_ms = cfg.emulate.layer_ms
+
+    def factor(rank: int, step: int) -> float:
+        return plan.factor(rank, step) * shaped_factor(shaped, rank, step)
+
+    delays = _slow_link(cfg, topo) if cfg.emulate.slow_link.strip() else {}
 
     def attach(trainer: Trainer) -> Callable[[], None]:
         undo = [attach_layer_cost(stage, layer_ms) for stage in trainer.stages.values()]
-        if plan:
-            undo.append(_stretch_steps(trainer, plan))
+        if plan or shaped:
+            undo.append(_stretch_steps(trainer, factor))
+        if delays:
+            trainer.p2p.link_delay_s = dict(delays)
+            undo.append(trainer.p2p.link_delay_s.clear)
 
         def detach() -> None:
             for u in undo:
@@ -43,13 +57,20 @@ def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
     return attach
 
 
-def _stretch_steps(trainer: Trainer, plan: SlowdownPlan) -> Callable[[], None]:
+def _slow_link(cfg: Config, topo: Topology) -> dict[int, float]:
+    """This rank's added seconds per message received, by sender (`emulate.slow_link`)."""
+    pp, me = topo.dims.pp, topo.pp_rank
+    peers = {r: topo.pp_peer(r) for r in (me - 1, me + 1) if 0 <= r < pp}
+    return link_delays(cfg.emulate.slow_link, cfg.emulate.link_ms, pp, me, peers)
+
+
+def _stretch_steps(trainer: Trainer, factor: Callable[[int, int], float]) -> Callable[[], None]:
     """Before each step, set the runtime's stretch to this rank's factor at that step (the runtime sleeps
     `stretch - 1` times each compute action's own time); returns the function that stops it."""
     step, rank = trainer.step, trainer.topo.rank
 
     def stretched(s: int) -> dict[str, Any]:
-        trainer.runtime.stretch = plan.factor(rank, s)
+        trainer.runtime.stretch = factor(rank, s)
         return step(s)
 
     setattr(trainer, "step", stretched)  # on this instance only: deleting it uncovers the class's method

@@ -118,6 +118,9 @@ class P2P:
         self._flushes = self._posted = 0
         self._cond = threading.Condition()
         self._world, self._rank = (dist.get_world_size(), dist.get_rank()) if dist.is_initialized() else (None, None)
+        # Emulation only (emulate/slow_link.py): seconds added to every message received from these peers,
+        # as a link that much slower would take; counted as waiting. Empty = off.
+        self.link_delay_s: dict[int, float] = {}
 
     def _check_peer(self, peer: int) -> None:
         # The posting thread calls the process group directly, which does not check ranks (gloo
@@ -274,6 +277,8 @@ class P2P:
             buf = self._wait_shared_memory(key, peer)
         else:
             self._wait(batch, i, f"receive {key} from rank {peer}")
+        if peer in self.link_delay_s:
+            time.sleep(self.link_delay_s[peer])
         st = self.stats[peer]
         st.recv_wait_s += time.perf_counter() - t0
         st.recv_bytes += buf.numel() * buf.element_size()

@@ -110,6 +110,14 @@ class PipelineRuntime:
     def _remote(self, a: int, b: int) -> bool:
         return self.stage_peer(a) != self.stage_peer(b)
 
+    def layers_changed(self) -> None:
+        """The stages' layers were replaced (a live re-partition): the split backward's hooks sit on the old
+        ones (a layer moved between two stages of this rank carries its old stage's), so drop them all; each
+        stage's next B/W hooks its current layers afresh."""
+        for d in self._deferral.values():
+            d.detach()
+        self._deferral.clear()
+
     def _split(self, s: int) -> WeightGradDeferral:
         if s not in self._deferral:
             self._deferral[s] = WeightGradDeferral(self.stages[s])

@@ -53,19 +53,27 @@ class WeightGradDeferral:
         self.key: Hashable | None = None
         self.captured: dict[Hashable, list[list]] = {}
         self._pending: dict[tuple[Hashable, int], list] = {}  # (key, id(linear)) -> entry awaiting its input
+        self._hooks: list[torch.utils.hooks.RemovableHandle] = []
         for m in self.linears:
             # prepend: see the raw linear output, before any tensor-parallel hook reduces or gathers it.
-            m.register_forward_hook(self._capture, prepend=True)
+            self._hooks.append(m.register_forward_hook(self._capture, prepend=True))
             # Before the linear runs: a recomputation may stop right after its last saved tensor, inside
             # the last linear (torch.utils.checkpoint's early stop), so its forward hook would not fire.
-            m.register_forward_pre_hook(self._recomputed_input)
+            self._hooks.append(m.register_forward_pre_hook(self._recomputed_input))
         self.custom = [
             m
             for m in stage.modules()
             if callable(getattr(m, "defer_weight_grad", None)) and callable(getattr(m, "weight_grad", None))
         ]
         for m in self.custom:
-            m.register_forward_pre_hook(self._announce)
+            self._hooks.append(m.register_forward_pre_hook(self._announce))
+
+    def detach(self) -> None:
+        """Take every hook off the stage's modules and forget the captures (its layers are changing)."""
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self.clear()
 
     def clear(self) -> None:
         """Forget every microbatch's captures (a failed step)."""

@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from hybridpar.balance.restore import recorded_layout
 from hybridpar.config import Config
 from hybridpar.model.optim import lr_at
 from hybridpar.pipeline.schedules import stages_per_rank
@@ -30,6 +31,7 @@ class CheckpointedTrainer(Protocol):
     stages: dict[int, torch.nn.Module]
     opt: Any  # the optimizer over this rank's stages (model/optim.py)
     parts: list[range]
+    layout: Any  # the load balancer's layout (balance/repartition.py): every replica's partition and share
     plan: Any  # batching's per-replica microbatch plan: its sizes
     policy: Any  # the microbatch policy: its state_dict()
 
@@ -43,6 +45,9 @@ def trainer_state(cfg: Config, trainer: CheckpointedTrainer, done: int) -> dict:
         "config": cfg.to_dict(),
         "partition": [[r.start, r.stop] for r in trainer.parts],
         "batch_plan": [list(s) for s in trainer.plan.sizes],
+        # Every replica's partition and batch share (the balancer's, if it moved any): a resumed run starts
+        # from it where it still applies (balance/restore.py).
+        "balance_layout": recorded_layout(trainer.layout, p.pp, p.dp, stages_per_rank(p)),
         "layout": {
             "tp": p.tp,
             "pp": p.pp,
@@ -57,9 +62,12 @@ def trainer_state(cfg: Config, trainer: CheckpointedTrainer, done: int) -> dict:
     }
 
 
-def resume_run(cfg: Config, trainer: CheckpointedTrainer, session: Session, logger: logging.Logger) -> int:
+def resume_run(
+    cfg: Config, trainer: CheckpointedTrainer, session: Session, logger: logging.Logger
+) -> dict[str, Any] | None:
     """Collective: load the checkpoint checkpoint.resume names (if any) into the trainer, then start the
-    session's step loop (its ledger, the SIGTERM handler). Returns the steps already done (0: none)."""
+    session's step loop (its ledger, the SIGTERM handler). Returns the checkpoint's trainer state (None:
+    not resumed); its "step" is the steps already done."""
     ck, topo = cfg.checkpoint, trainer.topo
     saved = None
     if ck.resume != "off":
@@ -71,7 +79,7 @@ def resume_run(cfg: Config, trainer: CheckpointedTrainer, session: Session, logg
                 if topo.rank == 0:
                     logger.info(f"hybridpar: microbatch policy starts afresh: {e}")
     session.resumed(saved)
-    return saved["step"] if saved else 0
+    return saved
 
 
 class SessionDuty:

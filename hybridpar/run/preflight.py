@@ -42,6 +42,8 @@ def preflight(
     with the same errors; hashing a named checkpoint, which rank 0 verifies on resume). `local_ranks`: the
     processes this node starts, where known (NCCL needs a GPU for each)."""
     from hybridpar.emulate.faults import parse_faults
+    from hybridpar.emulate.profiles import SHAPES, parse_shaped
+    from hybridpar.emulate.slow_link import parse_slow_link
     from hybridpar.emulate.slowdown import SlowdownPlan
     from hybridpar.resilience.elastic import layout_for_world
 
@@ -59,6 +61,9 @@ def preflight(
         validate_config(cfg, world_size=world)
         notes += [note] if note else []
         SlowdownPlan.from_config(cfg.emulate.slowdown, world)
+        for shape in SHAPES:
+            parse_shaped(shape, getattr(cfg.emulate, shape), world)
+        parse_slow_link(cfg.emulate.slow_link, cfg.parallel.pp)
         parse_faults(cfg.emulate.fault, world)
     _check_dirs(cfg)
     check_tokens(cfg)

@@ -179,7 +179,13 @@ def _steps(
     session = Session(cfg, topo, ck_dir, restart_count, run_id, lambda: rundir.lock_holder_ok(run_dir, token), injector)
     trainer.attach(lambda tr: install(session.probe, tr.stages.values(), tr.p2p, tr.dp.grads, tr.opt))
     sessions.append(session)
-    res = TrainResult(run_id=run_id, start_step=resume_run(cfg, trainer, session, logger))
+    saved = resume_run(cfg, trainer, session, logger)
+    res = TrainResult(run_id=run_id, start_step=saved["step"] if saved else 0)
+    if saved is not None:  # a restart keeps its balance where the recorded layout still applies
+        restored = trainer.restore_layout(saved)
+        session.event("layout", step=res.start_step, **restored.to_record())
+        if rank0:
+            logger.info(f"hybridpar: resumed layout: {restored.reason}")
     # Rank 0's outputs, opened (metrics.jsonl cut back to the resumed step) before the records' collective set-up.
     metrics = MetricsDuty(cfg, run_id, res.start_step) if rank0 else None
     progress = ProgressDuty(cfg, logger, res.start_step) if rank0 else None

@@ -22,6 +22,7 @@ from hybridpar.balance.live import LiveBalancer, cost_model
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.repartition import Layout
+from hybridpar.balance.restore import Restored, restored_layout
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import make_policy, plan_for
 from hybridpar.batching.recompute import RecomputeChoice
@@ -282,22 +283,23 @@ class Trainer:
         """Adopt a new layout (collective): move layers with their optimizer state between this replica's
         pipeline ranks, rebuild the data-parallel and optimizer bundles, re-attach hooks, re-split the batch."""
         topo, p = self.topo, self.cfg.parallel
-        old, d, s = self.layout, topo.dp_rank, topo.pp_rank
+        old, d = self.layout, topo.dp_rank
         info: dict = {}
         if layout.parts != old.parts:
             self.dp.grads.close()
             whole = full_optimizer_state(self.opt)  # moves carry whole state (gathered under ZeRO-1)
             tp_group = topo.group("tp") if p.tp > 1 else None
+            any_stage = next(iter(self.stages.values()))
             stats = move_layers(
                 topo,
-                self.stages[s],
-                s,
+                self.stages,
                 whole,
                 old.parts[d],
                 layout.parts[d],
-                default_layer_builder(self.stages[s], tp_group, topo.device),
-                topo.pp_peer,
+                default_layer_builder(any_stage, tp_group, topo.device),
+                lambda st: topo.pp_peer(self.stage_ranks[st]),
             )
+            self.runtime.layers_changed()  # split backward's hooks were on the old layers
             info = stats.to_dict()
             self.opt = build_optimizer(self.cfg, topo, self.mp, layout, carry=whole)
             self.dp = build_data_parallel(self.cfg, topo, self.stages, layout, self.dp.plane)
@@ -305,6 +307,24 @@ class Trainer:
         self.layout, self.parts = layout, list(layout.parts[d])
         self.plan = self._plan(len(self.plan.sizes[d]))
         return info
+
+    def restore_layout(self, saved: dict | None) -> Restored:
+        """After resuming from `saved` (a checkpoint's trainer state), adopt the layout it recorded where it
+        still applies (balance/restore.py), by the move a live rebalance makes (collective: every rank
+        reads the same checkpoint). Returns which layout the run starts from and why."""
+        p, t = self.cfg.parallel, self.cfg.train
+        restored = restored_layout(
+            saved,
+            self.layout,
+            pp=p.pp,
+            dp=p.dp,
+            virtual_stages=stages_per_rank(p),
+            global_batch=t.global_batch,
+            microbatches=len(self.plan.sizes[self.topo.dp_rank]),
+        )
+        if restored.layout is not None:
+            self.apply_layout(restored.layout)
+        return restored
 
     def _plan(self, count: int) -> BatchPlan:
         """The step's batch plan: the microbatch policy's, with the load balancer's replica shares."""

@@ -31,6 +31,7 @@ SPEC = ScheduleSpec(
     microbatches_multiple_of_pp=True,
     virtual_stages=None,
     default_virtual_stages=2,
+    live_repartition=True,
     torch_peer="ScheduleInterleaved1F1B",
     fallback="1f1b",
 )

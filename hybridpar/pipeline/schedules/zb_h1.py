@@ -55,6 +55,7 @@ SPEC = ScheduleSpec(
     build_zb_h1,
     zb_h1_bubble,
     splits_backward=True,
+    live_repartition=True,
     torch_peer="ScheduleInterleavedZeroBubble",
     fallback="1f1b",
 )

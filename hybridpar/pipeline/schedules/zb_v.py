@@ -92,6 +92,7 @@ SPEC = ScheduleSpec(
     virtual_stages=(2,),
     default_virtual_stages=2,
     splits_backward=True,
+    live_repartition=True,
     torch_peer="ScheduleZBVZeroBubble",
     fallback="zb-h1",
 )
