@@ -16,7 +16,7 @@ from tests.test_plan_bound import HARDWARE, layouts, model
 def test_memory_model_answers_as_rank_memory_and_bounds_from_below() -> None:
     base, h = model(n_layers=6, global_batch=16), HARDWARE["gpu"]
     cached = MemoryModel(validate_schedules=False)
-    cfgs = [cfg for _, cfg in layouts(base, h, 8)]
+    cfgs = [cfg for _, cfg in layouts(base, h, 4)]
     assert len(cfgs) > 100
     for cfg in cfgs:
         want = rank_memory(cfg)
@@ -27,11 +27,11 @@ def test_memory_model_answers_as_rank_memory_and_bounds_from_below() -> None:
 @pytest.mark.parametrize("name", ["gpu", "cpu"])
 def test_fast_search_ranks_as_brute_force(name: str) -> None:
     base, h = model(n_layers=6, global_batch=16), HARDWARE[name]
-    need = sorted(max(e.total for e in rank_memory(c)) for _, c in layouts(base, h, 8))
+    need = sorted(max(e.total for e in rank_memory(c)) for _, c in layouts(base, h, 4))
     # Device memory between the smallest and the largest need: both the lower bound and the replay decide.
     h = dataclasses.replace(h, device_memory_gib=need[len(need) // 3] / GIB)
-    fast = plan(base, h, rank_memory, world=8, top=6)
-    brute = plan(base, h, lambda c: rank_memory(c), world=8, top=6, prune=False)  # noqa: PLW0108 - no MemoryModel
+    fast = plan(base, h, rank_memory, world=4, top=6)
+    brute = plan(base, h, lambda c: rank_memory(c), world=4, top=6, prune=False)  # noqa: PLW0108 - no MemoryModel
     key = lambda p: [(c.label, c.prediction.step_s, c.memory, c.reason) for c in p.candidates]  # noqa: E731
     assert key(fast) == key(brute)
     assert fast.simulated < brute.simulated
