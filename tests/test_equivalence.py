@@ -129,7 +129,8 @@ def check_results(cfgs: list[Config], results: list, out: Path, first: int = 0) 
     for i, cfg in enumerate(cfgs):
         ref_losses, ref_val, ref_state = ref_for(cfg)
         p = cfg.parallel
-        label = f"tp={p.tp} pp={p.pp} dp={p.dp} {p.schedule} v={stages_per_rank(p)} m={cfg.train.microbatches}"
+        cp = f" cp={p.cp}" if p.cp > 1 else ""
+        label = f"tp={p.tp} pp={p.pp} dp={p.dp}{cp} {p.schedule} v={stages_per_rank(p)} m={cfg.train.microbatches}"
         losses, val = results[i]
         assert len(losses) == len(ref_losses) and len(val) == len(ref_val) == 2
         for (s, a), (_, b) in zip(val, ref_val):

@@ -1,8 +1,10 @@
 """Context parallelism (parallel.cp) trains the same model as one device: every axis it composes with
-once — cp2 × tp2, cp2 × pp2 (1F1B), cp2 × dp2 ZeRO-2 with GPT-2 (learned positions) — and a run that
-resumes across cp sizes, cp2 × tp2 → cp1 (dp2 × tp2) → cp4, all in one launch of 4 ranks on the
-equivalence tests' tiny model (whose single-device and fp64 references those tests share; the file
-sorts after theirs so that a suite run computes them once)."""
+once — cp2 × tp2, cp2 × pp2 (1F1B), cp2 × dp2 ZeRO-2 with GPT-2 (learned positions) — whole runs at cp4
+with both families, and a run that resumes across cp sizes, cp2 × tp2 → cp1 (dp2 × tp2) → cp4, all in
+one launch of 4 ranks; and cp2 × pp2 × dp2 with both families in one launch of 8. The layouts at cp ≥ 2
+without tp train a 2-layer model at seq_len 256 (chunks of 32 to 64 tokens: the ring's blocks are real
+matrices, not a token or two); the others the equivalence tests' tiny model (whose single-device and
+fp64 references those tests share; the file sorts after theirs so that a suite run computes them once)."""
 
 from __future__ import annotations
 
@@ -29,12 +31,30 @@ def _layout(cfg: Config, **axes: int) -> Config:
     return cfg
 
 
+def _long(family: str, **axes: int) -> Config:
+    """A 2-layer, 16-wide model at seq_len 256, 2 steps of 6 samples (the fewest the fp64 criterion's
+    single-process orders split into): cheap references for the layouts that need long sequences."""
+    cfg = tiny_config() if family == "llama" else gpt2_config()
+    m, t = cfg.model, cfg.train
+    m.n_layers, m.dim, m.ffn_dim, m.n_heads = 2, 16, 32, 2
+    if family == "llama":
+        m.n_kv_heads = 1  # GQA: one kv head travels the ring for two query heads
+    else:
+        m.n_positions = 256
+    t.seq_len, t.steps, t.global_batch, t.microbatches = 256, 2, 6, 2
+    return _layout(cfg, **axes)
+
+
 def _configs() -> list[Config]:
-    cfgs = [_layout(tiny_config(), **a) for a in (dict(cp=2, tp=2), dict(cp=2, pp=2))]
-    cfgs[0].checkpoint.every, cfgs[0].checkpoint.keep = 1, 3  # the start of the resumed runs
-    gpt2 = _layout(gpt2_config(), dp=2, cp=2)
+    first = _layout(tiny_config(), cp=2, tp=2)
+    first.checkpoint.every, first.checkpoint.keep = 1, 3  # the start of the resumed runs
+    gpt2 = _long("gpt2", dp=2, cp=2)
     gpt2.parallel.zero = 2  # ZeRO's slices are cut over dp: the gradients are summed over cp first
-    return cfgs + [gpt2]
+    return [first, _long("llama", cp=2, pp=2), gpt2, _long("llama", cp=4), _long("gpt2", cp=4)]
+
+
+def _configs8() -> list[Config]:
+    return [_long(family, cp=2, pp=2, dp=2) for family in ("llama", "gpt2")]
 
 
 def _resumed_configs(out: str) -> list[Config]:
@@ -46,12 +66,13 @@ def _resumed_configs(out: str) -> list[Config]:
     return cfgs
 
 
-def _worker(cfg_dicts: list[dict], out: str) -> list:
+def _worker(cfg_dicts: list[dict], out: str, resume: bool = True) -> list:
     from hybridpar.run.train import train
 
     results = []
+    resumed = _resumed_configs(out) if resume else []
     for name, d in [(f"run{i}", d) for i, d in enumerate(cfg_dicts)] + [
-        (f"resumed{i}", c.to_dict()) for i, c in enumerate(_resumed_configs(out))
+        (f"resumed{i}", c.to_dict()) for i, c in enumerate(resumed)
     ]:
         cfg = Config.from_dict(d)
         cfg.run_dir = f"{out}/{name}"
@@ -73,3 +94,9 @@ def test_context_parallel_layouts_and_resume_across_cp_equal_one_device(tmp_path
             assert abs(a - b) <= TOL, f"resumed at {axes}: step {s} loss {a} vs single device {b}"
     state = torch.load(tmp_path / "resumed1.pt", weights_only=True)
     check_fp64("cp2 x tp2 -> cp1 (dp2 x tp2) -> cp4", state, tiny_config())
+
+
+def test_context_parallel_with_pipeline_and_data_parallel_at_world_8_equals_one_device(tmp_path: Path) -> None:
+    cfgs = _configs8()
+    results = run_ranks(_worker, 8, [c.to_dict() for c in cfgs], str(tmp_path), False, timeout_s=400)[0]
+    check_results(cfgs, [r[:2] for r in results], tmp_path)
