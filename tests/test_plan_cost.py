@@ -111,3 +111,45 @@ def test_shared_cores_serialise_work_but_not_waits() -> None:
     assert 3 * m * pp < one < 3 * m * pp + 2 * m * pp
     with pytest.raises(ValueError, match="node_of"):
         CoreSharing((0, 1), (1.0,))
+
+
+def test_context_parallel_ring_costs_what_its_hops_outlast_the_attention() -> None:
+    """Ring attention's hops (plan/cost.py `ring_s`) at cp4, one 4096-token sample, fp32 at 1 TFLOP/s: a
+    rank's 1024 tokens each attend over 4096 (4 x 4096 x 128 FLOPs each: 2.147 ms), a block a quarter of
+    that (0.537 ms); its keys and values are 2 x 1024 x 128 fp32 (1 MiB)."""
+    h = hw()
+    model = CostModel(Config().model, h)
+    t = cfg_of(seq_len=4096, global_batch=1, m=1).train
+    alone = model.layer(t, 1, 1024, h.intra_node, "none")
+    fast = model.layer(t, 1, 1024, h.intra_node, "none", ring=(4, h.intra_node))
+    slow = model.layer(t, 1, 1024, h.intra_node, "none", ring=(4, h.inter_node))
+    mib, block = 2**20, 1024 * 4 * 4096 * 128 / 1e12 / 4
+    # 100 GB/s: every hop hides behind its block; only the accumulator's last hop home shows.
+    assert fast.f.comm_s == alone.f.comm_s == 0.0
+    assert fast.b.comm_s == pytest.approx(1e-6 + mib / 100e9)
+    # 1 GB/s: each of the 3 forward hops outlasts its block; the backward's carry the accumulator too
+    # (twice the bytes) against twice the block, then the last hop.
+    hop = 50e-6 + mib / 1e9
+    assert slow.f.comm_s == pytest.approx(3 * (hop - block))
+    assert slow.b.comm_s == pytest.approx(3 * (50e-6 + 2 * mib / 1e9 - 2 * block) + hop)
+    assert slow.f.matmul_s == alone.f.matmul_s and slow.w == alone.w  # the compute is the rank's own
+    # Full recomputation runs the forward's ring again in the backward.
+    assert model.layer(t, 1, 1024, h.intra_node, "full", ring=(4, h.inter_node)).b.comm_s == pytest.approx(
+        slow.b.comm_s + slow.f.comm_s
+    )
+
+
+def test_context_parallel_layout_splits_tokens_and_sums_gradients_over_dp_and_cp() -> None:
+    h = hw()
+    one, cp2 = cfg_of(dp=2, seq_len=1024, m=2), cfg_of(dp=2, seq_len=1024, m=2)
+    cp2.parallel.cp = 2
+    validate_config(cp2, 4)
+    pl = placement(cp2.parallel, h)
+    assert pl.cp is h.intra_node and pl.dp_cp is h.intra_node and pl.pp_nodes == (0,)
+    assert placement(Shape(2, 1, 2, 2), h).dp_cp is h.inter_node  # 8 ranks: the replicas on two nodes
+    assert placement(Shape(4, 1, 1, 2), h).cp is h.inter_node  # a cp x tp group larger than a node
+    model = CostModel(one.model, h)
+    a, b = predict(model, one), predict(model, cp2)
+    assert b.message_bytes * 2 == a.message_bytes  # a rank's half of each sample's tokens
+    assert b.compute_s < 0.6 * a.compute_s  # half the tokens (each attending over the whole sequence)
+    assert b.dp_reduce_s > a.dp_reduce_s  # the gradient all-reduce spans dp x cp = 4 ranks, not 2

@@ -117,3 +117,20 @@ def test_plan_command(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
     # The schedule's rules (above config/) run too, before anything is planned.
     assert main(["--hardware", str(f), "--parallel.schedule", "zb_v"]) == 2
     assert "parallel.schedule='zb_v' is not one of gpipe, 1f1b" in capsys.readouterr().err
+
+
+def test_context_parallel_layouts_are_searched_where_the_sequence_is_long() -> None:
+    """cp is a knob where each of a rank's two chunks holds MIN_CP_CHUNK tokens: at seq_len 1024, cp2 and
+    cp4 (chunks of 256 and 128); at the default 128, none (a chunk of 32)."""
+    base = Config()
+    base.model.n_layers, base.train.global_batch = 2, 4
+    fixed = {"parallel.schedule": "1f1b", "train.recompute": "none", "train.precision": "fp32"}
+    with pytest.raises(ValueError, match="parallel.cp=2"):
+        plan(base, hw(), params_memory(), world=4, fixed={**fixed, "parallel.cp": 2})
+    base.train.seq_len = 1024
+    found = plan(base, hw(), params_memory(), world=4, top=100, fixed=fixed).candidates
+    cps = {c.cfg.parallel.cp for c in found}
+    assert cps == {1, 2, 4}, cps
+    for c in found:
+        validate_config(c.cfg, 4)
+        assert ("cp" in c.label) == (c.cfg.parallel.cp > 1) and c.to_dict()["parallel"]["cp"] == c.cfg.parallel.cp

@@ -12,7 +12,9 @@ import torch
 import torch.nn.functional as F
 
 from hybridpar import cli
+from hybridpar.config import parse_args
 from hybridpar.model.ring_attention import attend_block, chunk_positions, grad_block, relation, shard_sequence
+from hybridpar.pipeline.schedules.config_rules import validate_config
 
 
 def _ring_by_hand(q, k, v, dout, cp):
@@ -88,9 +90,14 @@ def test_what_cp_does_not_support_is_refused_before_launch(tmp_path: Path, capsy
         (["--parallel.cpu_bind", "cores"], "parallel.cpu_bind=cores"),
         (["--parallel.grad_sum", "tree"], "parallel.grad_sum=tree"),
         (["--parallel.tp", "2", "--parallel.sequence_parallel", "true"], "parallel.sequence_parallel=true"),
+        (["--parallel.dp", "2", "--parallel.zero", "3"], "parallel.zero=3"),
+        (["--parallel.auto", "true", "--nproc-per-node", "2"], "parallel.auto=true"),
     ):
         err = _refused(["--parallel.cp", "2", "--train.seq_len", "64", *flags], tmp_path / "r", capsys)
         assert f"parallel.cp=2 does not support {what} yet" in err, err
+    cfg = parse_args(["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.cp", "2", "--train.seq_len", "64"])
+    with pytest.raises(ValueError, match=r"parallel.dp × parallel.cp = 1 × 1 × 1 × 2 = 2, but 3 processes"):
+        validate_config(cfg, world_size=3)  # the world the launcher starts must be tp x pp x dp x cp
 
 
 def test_an_elastic_replan_keeps_cp_where_it_divides_the_world() -> None:

@@ -277,7 +277,7 @@ def _check_context(cfg: Config) -> None:
     unsupported = [
         (cfg.data.document_mask, "data.document_mask=true", "data.document_mask=false"),
         (cfg.balance.mode != "off", f"balance.mode={cfg.balance.mode}", "balance.mode=off"),
-        (p.auto, "parallel.auto=true", "an explicit layout"),
+        (p.auto, "parallel.auto=true", "an explicit layout (hybridpar plan ranks cp layouts)"),
         (p.cpu_bind != "none", f"parallel.cpu_bind={p.cpu_bind}", "parallel.cpu_bind=none"),
         (p.grad_sum == "tree", "parallel.grad_sum=tree", "parallel.grad_sum=overlapped"),
         (p.sequence_parallel, "parallel.sequence_parallel=true", "parallel.sequence_parallel=false"),

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op, stage_count
-from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, closing_s, grad_reduce_s, optimizer_s, setup
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, closing_s, grad_sum_s, optimizer_s, setup
 from hybridpar.plan.gpu_model import overlapped
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
@@ -63,7 +63,7 @@ def knob_bound(
         compute = layer.f.compute + layer.b.compute + layer.w.compute
         work = max(work, k["m"] * compute * L / speed / share_capacity)
     params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
-    world = k["tp"] * k["pp"] * k["dp"]
+    world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
     # Affine in params (max >= at mean); an overlapped parameter gather counted as wholly hidden.
     opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, hidden=(math.inf, 0.0))
     return work + opt + closing_s(model.hw, k["tp"], k["pp"], k["dp"], k["zero"], pl.world)
@@ -98,10 +98,11 @@ def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[
         busy = sum(dur[op][s] * count for (op, s), count in counts.items())
         done = (down[first.stage] if first.op is Op.FORWARD else 0.0) + busy  # its last action ends no sooner
         end = max(end, done + (up[last.stage] if last.op is Op.BACKWARD else 0.0))
-        if p.dp > 1 and last.op is not Op.FORWARD:
+        if p.dp * p.cp > 1 and last.op is not Op.FORWARD:
             params = su.stage_params[last.stage] / p.tp
-            # ZeRO-1's reduction where it is the shorter (the bound is shared with it); from the last action's
-            # start where the GPU software reduces buckets during it.
+            # The shorter of the reductions with and without ZeRO (the bound is shared by both); from the last
+            # action's start where the GPU software reduces buckets during it.
             early = dur[last.op][last.stage] if overlapped(model.hw.gpu_calibration, "grad_reduce") else 0.0
-            end = max(end, done - early + grad_reduce_s(model.hw, 4 * params, p.dp, su.pl.dp, 1))
+            reduce = min(grad_sum_s(model.hw, 4 * params, p, su.pl, z) for z in (0, 1))
+            end = max(end, done - early + reduce)
     return end, su

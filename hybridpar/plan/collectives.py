@@ -48,6 +48,12 @@ def _hop_s(link: Link, hw: Hardware) -> float:
     return (hw.collective_latency_us if hw.collective_latency_us is not None else link.latency_us) * 1e-6
 
 
+def p2p_s(nbytes: float, link: Link, hw: Hardware) -> float:
+    """One point-to-point message (a pipeline hand-off, a hop of ring attention's key/value blocks): the
+    link's latency and its bytes at `Hardware.link_bps`, as the simulator moves pipeline messages."""
+    return link.latency_us * 1e-6 + nbytes / hw.link_bps(link)
+
+
 def reduce_scatter_s(nbytes: float, n: int, link: Link, hw: Hardware) -> float:
     """Reduce-scatter of `nbytes` in all (each rank keeps 1/n of the sum): the all-gather's steps, reversed."""
     return all_gather_s(nbytes, n, link, hw)

@@ -50,7 +50,7 @@ from hybridpar.pipeline.schedules import Action, Op, build_schedule, schedule_sp
 from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
-from hybridpar.plan.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from hybridpar.plan.gpu_model import layer_times, overlapped
 from hybridpar.plan.hardware import Hardware, Link
 
@@ -62,6 +62,7 @@ REPLICATED_ELEMENTS = 18  # x dim: the norms and residuals every tp rank runs wh
 ATTENTION_ELEMENTS = 9  # x (q + k width): rotary
 FFN_ELEMENTS = 5  # x ffn_dim
 OPS_PER_LAYER = 30  # framework operations of one decoder layer's forward
+F32_BYTES = 4
 ADAMW_BYTES = 28  # per parameter: read p, g, m, v; write p, m, v (fp32)
 OPS_PER_PARAM_TENSOR = 12  # AdamW's per-tensor operations (torch's for-loop implementation on CPU)
 
@@ -74,33 +75,41 @@ class Placement:
     pp: Link
     dp: Link
     world: Link  # the step's world-wide all-reduces
-    pp_nodes: tuple[int, ...]  # node of each pipeline rank (of replica 0, tp rank 0)
-    pp_speed: tuple[float, ...]  # slowest device of each pipeline rank (over its tp and dp ranks)
+    pp_nodes: tuple[int, ...]  # node of each pipeline rank (of replica 0, cp and tp rank 0)
+    pp_speed: tuple[float, ...]  # slowest device of each pipeline rank (over its tp, cp and dp ranks)
+    cp: Link | None = None  # the context-parallel ring's hops (None: cp = 1)
+    dp_cp: Link | None = None  # the gradient sum over the dp x cp ranks: its slowest hop (None: cp = 1, dp's)
 
 
 class Shape(NamedTuple):
     tp: int
     pp: int
     dp: int
+    cp: int = 1
 
 
 def placement(p: Shape | ParallelConfig, hw: Hardware) -> Placement:
-    n = hw.devices_per_node
-    world = p.tp * p.pp * p.dp
+    """Global ranks run tp fastest, then cp, then pp, then dp (topology/mesh.py)."""
+    n, cp = hw.devices_per_node, p.cp
+    inner = p.tp * cp  # the ranks of one pipeline rank of one replica
+    world = inner * p.pp * p.dp
     link = lambda crosses: hw.inter_node if crosses else hw.intra_node  # noqa: E731
     speeds = [1.0] * p.pp
     if hw.speed is not None:
         speeds = [
-            min(hw.device_speed((d * p.pp + r) * p.tp + t) for d in range(p.dp) for t in range(p.tp))
+            min(hw.device_speed((d * p.pp + r) * inner + i) for d in range(p.dp) for i in range(inner))
             for r in range(p.pp)
         ]
+    ring_crosses = inner > n or n % inner != 0  # a node does not hold whole cp x tp groups
     return Placement(
         tp=link(p.tp > n or n % p.tp != 0),
-        pp=link(p.pp > 1 and p.tp * p.pp > n),
+        pp=link(p.pp > 1 and inner * p.pp > n),
         dp=link(p.dp > 1 and world > n),
         world=link(world > n),
-        pp_nodes=tuple(r * p.tp // n for r in range(p.pp)),
+        pp_nodes=tuple(r * inner // n for r in range(p.pp)),
         pp_speed=tuple(speeds),
+        cp=link(ring_crosses) if cp > 1 else None,
+        dp_cp=link(ring_crosses or (p.dp > 1 and world > n)) if cp > 1 else None,
     )
 
 
@@ -191,12 +200,22 @@ class CostModel:
         return cal if ok else None
 
     def layer(
-        self, t: TrainConfig, tp: int, tokens: int, link: Link, recompute: str, split: bool = False, sp: bool = False
+        self,
+        t: TrainConfig,
+        tp: int,
+        tokens: int,
+        link: Link,
+        recompute: str,
+        split: bool = False,
+        sp: bool = False,
+        ring: tuple[int, Link] | None = None,
     ) -> LayerCosts:
         """One decoder layer for a microbatch of `tokens` tokens on one tp rank (`split`: the schedule
         runs B and W apart; otherwise W may be 0 with the whole backward in B). `sp` (sequence
         parallelism): the norms and residuals run on 1/tp of the tokens; its all-gather and reduce-scatter
-        move the bytes of the all-reduces they replace, so the collectives are costed as those."""
+        move the bytes of the all-reduces they replace, so the collectives are costed as those. `ring`:
+        (cp, the ring's link) under context parallelism, `tokens` then being this rank's share of the
+        sequences (each still attends over the whole sequence: `ring_s`)."""
         m = self.m
         if t.seq_len not in self._flops:
             self._flops[t.seq_len] = layer_flops_per_token(m, t.seq_len)
@@ -222,11 +241,35 @@ class CostModel:
             f = Work(timed.f, comm_s=f.comm_s)
             b = Work(timed.b_input if split else timed.b, comm_s=b.comm_s)
             w = Work(timed.w if split else 0.0)
+        if ring is not None and ring[0] > 1:  # the exposed part of the ring's hops: forward and backward (B)
+            share = 4.0 * t.seq_len * m.dim / self._flops[t.seq_len]  # attention's share of the layer's FLOPs
+            ring_f, ring_b = self.ring_s(t, tp, tokens, ring, share * f.matmul_s)
+            f, b = f + Work(comm_s=ring_f), b + Work(comm_s=ring_b)
         if recompute == "full":
             b = b + f
         elif recompute == "selective":  # the forward's work outside its matmuls (measured: in the counted share)
             b = b + (Work(0.0, mem, ops) if timed is None else Work(f.compute * (mem + ops) / (mm + mem + ops)))
         return LayerCosts(f, b, w)
+
+    def ring_s(
+        self, t: TrainConfig, tp: int, tokens: int, ring: tuple[int, Link], attention_s: float
+    ) -> tuple[float, float]:
+        """What ring attention's hops add to one layer's forward and backward for this rank's `tokens`
+        (model/ring_attention.py), as the implementation overlaps them: at each of the cp steps the hop
+        of the next key/value block is posted before the current block's attention is computed, so a
+        hop costs only what it outlasts that block (the rank's `attention_s`, forward, over cp steps:
+        every step computes the same work, the chunks being paired for balance). Forward: cp - 1 hops of
+        the rank's keys and values (its tp share of the kv heads, in the activations' precision).
+        Backward: the same cp - 1 hops, each with the travelling dK/dV accumulator (fp32) beside it,
+        against a block's backward (twice its forward's FLOPs), then one last hop of the accumulator
+        home, which nothing overlaps."""
+        cp, link = ring
+        kv = 2 * tokens * self.m.kv_heads * self.m.head_dim / tp  # keys and values, elements
+        act = 2 if t.precision == "bf16" else 4
+        block = attention_s / cp
+        forward = (cp - 1) * max(0.0, p2p_s(kv * act, link, self.hw) - block)
+        backward = (cp - 1) * max(0.0, p2p_s(kv * (act + F32_BYTES), link, self.hw) - 2 * block)
+        return forward, backward + p2p_s(kv * F32_BYTES, link, self.hw)
 
     def tp_all_reduce_s(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> float:
         """One tensor-parallel all-reduce of a microbatch's activations: measured in place where the
@@ -356,7 +399,8 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
     out, layers = [], {}  # one layer's costs per recomputation mode: the stages repeat the same few
     for s, r in enumerate(parts):
         if modes[s] not in layers:
-            layers[modes[s]] = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split, p.sequence_parallel)
+            ring = (p.cp, pl.cp) if pl.cp is not None else None
+            layers[modes[s]] = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split, p.sequence_parallel, ring)
         lay = layers[modes[s]]
         f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
         w = w + action if split else w
@@ -368,13 +412,14 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
 
 
 def sharing(p: Shape | ParallelConfig, hw: Hardware, pl: Placement) -> CoreSharing | None:
-    """Ranks sharing cores: each simulated pipeline rank stands for its tp ranks and the replicas on
+    """Ranks sharing cores: each simulated pipeline rank stands for its tp (x cp) ranks and the replicas on
     its node, all computing at once, so a node's cores per pipeline rank are cores / (tp x replicas)."""
     if hw.cores_per_node is None:
         return None
-    replicas_per_node = max(1, min(p.dp, hw.devices_per_node // (p.tp * p.pp)))
+    inner = p.tp * p.cp  # the ranks each simulated pipeline rank stands for in one replica
+    replicas_per_node = max(1, min(p.dp, hw.devices_per_node // (inner * p.pp)))
     nodes = max(pl.pp_nodes) + 1
-    return CoreSharing(pl.pp_nodes, (hw.cores_per_node / (p.tp * replicas_per_node),) * nodes)
+    return CoreSharing(pl.pp_nodes, (hw.cores_per_node / (inner * replicas_per_node),) * nodes)
 
 
 class Setup(NamedTuple):
@@ -396,7 +441,7 @@ class Setup(NamedTuple):
         rank_params = [
             sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
         ]
-        world, c = p.tp * p.pp * p.dp, model.counts
+        world, c = p.world_size, model.counts
         gathers = param_gathers(p.zero, p.zero3_regather, cfg.train.microbatches)
         first = [(c.layer + (c.embed if r == self.ranks[0] else 0)) / p.tp for r in range(p.pp)]  # needed first
         opt = max(
@@ -430,11 +475,11 @@ def closing_s(hw: Hardware, tp: int, pp: int, dp: int, zero: int, link: Link) ->
 
 def setup(model: CostModel, cfg: Config) -> Setup:
     """The simulator's inputs for the layout `cfg` (equal microbatches: the per-replica batch over
-    train.microbatches, rounded up)."""
+    train.microbatches, rounded up; under context parallelism a rank's 1/cp of their tokens)."""
     hw, p, t = model.hw, cfg.parallel, cfg.train
     pl = placement(p, hw)
     parts = model.parts(cfg, pl)
-    tokens = math.ceil(t.global_batch / p.dp / t.microbatches) * t.seq_len
+    tokens = math.ceil(t.global_batch / p.dp / t.microbatches) * t.seq_len // p.cp
     costs = stage_costs(model, cfg, pl, parts, tokens)
     spec = schedule_spec(p.schedule)
     split = spec.splits_backward
@@ -537,6 +582,17 @@ def grad_reduce_s(hw: Hardware, nbytes: float, dp: int, link: Link, zero: int) -
     return all_reduce_s(nbytes, dp, link, hw)
 
 
+def grad_sum_s(hw: Hardware, nbytes: float, p: Shape | ParallelConfig, pl: Placement, zero: int) -> float:
+    """A stage's gradient sum over its data-parallel replicas and, under context parallelism, its cp peers
+    (which hold the same parameters and the gradients of other tokens): one all-reduce over the dp x cp
+    ranks; under ZeRO-1/2 first the cp sum, then dp's reduction of the slices (dataparallel/grads.py)."""
+    if p.cp == 1 or pl.cp is None or pl.dp_cp is None:
+        return grad_reduce_s(hw, nbytes, p.dp, pl.dp, zero)
+    if zero >= 1 and p.dp > 1:
+        return all_reduce_s(nbytes, p.cp, pl.cp, hw) + grad_reduce_s(hw, nbytes, p.dp, pl.dp, zero)
+    return all_reduce_s(nbytes, p.dp * p.cp, pl.dp_cp, hw)
+
+
 def _dp_reductions(
     sim: SimResult,
     marks: SimMarks,
@@ -556,18 +612,18 @@ def _dp_reductions(
     it apart after the step's `work` (its compute seconds) where ranks share cores (`Hardware.sync_wait_s`):
     nothing synchronises replicas before it."""
     p = cfg.parallel
-    if p.dp == 1:
+    if p.dp * p.cp == 1:
         return sim.step_time_s, 0.0
     early = overlapped(hw.gpu_calibration, "grad_reduce")
     free = [0.0] * p.pp
     waited: set[int] = set()
     for s in sorted(marks.last_end, key=marks.last_end.get):
         r = ranks[s]
-        wait = 0.0 if r in waited else hw.sync_wait_s(p.dp, work[r])
+        wait = 0.0 if r in waited else hw.sync_wait_s(p.dp * p.cp, work[r])
         waited.add(r)
         start = marks.last_start[s] if early else marks.last_end[s]
-        reduce = grad_reduce_s(hw, 4 * stage_params[s] / p.tp, p.dp, pl.dp, p.zero)
-        last = grad_reduce_s(hw, 4 * tail_params[s] / p.tp, p.dp, pl.dp, p.zero) if early else 0.0
+        reduce = grad_sum_s(hw, 4 * stage_params[s] / p.tp, p, pl, p.zero)
+        last = grad_sum_s(hw, 4 * tail_params[s] / p.tp, p, pl, p.zero) if early else 0.0
         free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s] + last)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s

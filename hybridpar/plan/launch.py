@@ -49,6 +49,9 @@ PLANNED = (
     "parallel.cpu_bind",
 )
 LAYOUT_KEYS = ("parallel.tp", "parallel.pp", "parallel.dp")
+# What planning at launch holds beside the user's keys: no context parallelism, which parallel.auto does not
+# run yet (config/validate.py refuses the two together; `hybridpar plan` searches cp).
+LAUNCH_HOLDS = {"parallel.cp": 1}
 
 
 @dataclass
@@ -147,7 +150,7 @@ def auto_plan(cfg: Config, given: set[str], world: int, hw: Hardware | None = No
 
     fixed = constraints(cfg, given)
     hw = hw or hardware_for(cfg, world)
-    result = plan(_base(cfg), hw, rank_memory, world=world, top=TOP, fixed=fixed)
+    result = plan(_base(cfg), hw, rank_memory, world=world, top=TOP, fixed={**fixed, **LAUNCH_HOLDS})
     chosen = runnable(result.candidates[0], hw)
     if hw.fills_cores(world) and cfg.parallel.cpu_bind == "none" and "parallel.cpu_bind" not in given:
         chosen.parallel.cpu_bind = "cores"
@@ -227,7 +230,8 @@ def replan_with_planner(cfg: Config, world: int) -> Config:
         ) from None
     fixed["train.precision"] = cfg.train.precision
     try:
-        result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed=fixed)
+        result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed={**fixed, **LAUNCH_HOLDS})
     except ValueError:  # the user's keys do not suit the new world (a schedule that needs pp > 1): go on without
-        result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed={"train.precision": cfg.train.precision})
+        held = {"train.precision": cfg.train.precision, **LAUNCH_HOLDS}
+        result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed=held)
     return runnable(result.candidates[0], hw)

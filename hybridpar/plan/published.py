@@ -38,6 +38,7 @@ def row_config(row: dict[str, Any]) -> Config:
     chunks = row.get("virtual_stages", 1)
     parallel = {k: row[k] for k in ("tp", "pp", "dp")} | {"zero": row.get("zero", 0)}
     parallel["sequence_parallel"] = row.get("sequence_parallel", False)
+    parallel["cp"] = row.get("cp", 1)
     if chunks > 1:
         parallel.update(schedule="interleaved-1f1b", virtual_stages=chunks)
     train = {

@@ -25,7 +25,7 @@ import itertools
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
-from hybridpar.config import Config
+from hybridpar.config import Config, TrainConfig
 from hybridpar.pipeline.schedules import SCHEDULES, Action, add_communication, compute_schedule, stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.sim_program import Program, compile_program
@@ -33,24 +33,29 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
 from hybridpar.plan.cost import (
     CostModel,
+    Placement,
     Prediction,
     Setup,
     Shape,
-    all_reduce_s,
     busy_comm,
+    grad_sum_s,
     optimizer_s,
     param_gathers,
     placement,
     predict,
     sharing,
 )
-from hybridpar.plan.hardware import Hardware
+from hybridpar.plan.hardware import Hardware, Link
 from hybridpar.plan.memory_model import MemoryModel, rank_memory
 from hybridpar.report.mfu import model_flops_per_token
 
 TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
 VIRTUAL_STAGES = (2, 4, 8)  # tried for schedules that take any count
 RECOMPUTE = ("none", "selective", "full")
+# Context parallelism is searched where each of a rank's two chunks holds at least this many tokens: a
+# shorter ring block is below the tile a flash-attention kernel computes at once (128 x 128 in
+# FlashAttention-2), so the block neither uses the device nor hides the hop behind it.
+MIN_CP_CHUNK = 128
 GIB = 2**30
 
 
@@ -76,7 +81,7 @@ class Candidate:
         p, t = self.cfg.parallel, self.cfg.train
         v = f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else ""
         extras = [f"zero{p.zero}"] * (p.zero > 0) + [f"recompute={t.recompute}"] * (t.recompute != "none")
-        extras += ["sp"] * p.sequence_parallel
+        extras += ["sp"] * p.sequence_parallel + [f"cp{p.cp}"] * (p.cp > 1)
         extras += [t.precision] * (t.precision != "fp32") + ["cost-balanced"] * (p.partition == "cost")
         return f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule}{v} m{t.microbatches} " + " ".join(extras)
 
@@ -93,6 +98,7 @@ class Candidate:
                 "partition": p.partition,
                 "zero": p.zero,
                 "sequence_parallel": p.sequence_parallel,
+                "cp": p.cp,
             },
             "train": {"microbatches": t.microbatches, "recompute": t.recompute, "precision": t.precision},
             "step_s": self.prediction.step_s,
@@ -119,14 +125,21 @@ def _divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
 
+def _cps(base: Config, ranks: int) -> list[int]:
+    """The context-parallel sizes searched among `ranks`: 1, and those whose 2 cp chunks of the sequence
+    hold MIN_CP_CHUNK tokens or more each."""
+    seq = base.train.seq_len
+    return [c for c in _divisors(ranks) if c == 1 or (seq % (2 * c) == 0 and seq // (2 * c) >= MIN_CP_CHUNK)]
+
+
 def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) -> Iterator[dict[str, Any]]:
     """Every combination of knobs (not yet validated)."""
     m = base.model
     for tp in _divisors(world):
         if tp > hw.devices_per_node or hw.devices_per_node % tp:
             continue
-        for pp in _divisors(world // tp):
-            dp = world // (tp * pp)
+        for cp, pp in ((c, q) for c in _cps(base, world // tp) for q in _divisors(world // (tp * c))):
+            dp = world // (tp * cp * pp)
             if pp > m.n_layers or base.train.global_batch % dp:
                 continue
             per_replica = base.train.global_batch // dp
@@ -138,9 +151,10 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                     if spec.layout_problem(pp, v) or spec.count_problem(pp, mb) or pp * v > m.n_layers:
                         continue
                     for zero, sp, rec, prec, part in itertools.product(
-                        (0, 1, 3) if dp > 1 else (0,),  # ZeRO-2 keeps ZeRO-1's peak: never preferred
-                        # sequence parallelism: with tp > 1, where the sequence splits over tp
-                        (False, True) if tp > 1 and base.train.seq_len % tp == 0 else (False,),
+                        # ZeRO-2 keeps ZeRO-1's peak: never preferred; ZeRO-3 does not compose with cp yet
+                        ((0, 1, 3) if cp == 1 else (0, 1)) if dp > 1 else (0,),
+                        # sequence parallelism: with tp > 1, where the sequence splits over tp (not with cp yet)
+                        (False, True) if tp > 1 and cp == 1 and base.train.seq_len % tp == 0 else (False,),
                         RECOMPUTE,
                         precisions,
                         ("params", "cost") if pp > 1 else ("params",),
@@ -149,6 +163,7 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                             tp=tp,
                             pp=pp,
                             dp=dp,
+                            cp=cp,
                             schedule=spec.name,
                             v=v,
                             m=mb,
@@ -165,6 +180,7 @@ KNOB_KEYS = {
     "tp": "parallel.tp",
     "pp": "parallel.pp",
     "dp": "parallel.dp",
+    "cp": "parallel.cp",
     "schedule": "parallel.schedule",
     "v": "parallel.virtual_stages",
     "m": "train.microbatches",
@@ -203,6 +219,7 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
         tp=k["tp"],
         pp=k["pp"],
         dp=k["dp"],
+        cp=k.get("cp", 1),
         schedule=k["schedule"],
         zero=k["zero"],
         sequence_parallel=k.get("sp", False),
@@ -224,7 +241,7 @@ def _knob_key(k: dict[str, Any]) -> tuple:
 def _group(k: dict[str, Any]) -> tuple:
     """The knobs memory is not assumed monotone in; within a group, memory is assumed not to grow with
     more recomputation, ZeRO (as `_zero_covers` orders its levels) or more (smaller) microbatches."""
-    return tuple(k[n] for n in ("tp", "pp", "dp", "schedule", "v", "precision", "partition"))
+    return tuple(k.get(n, 1) for n in ("tp", "pp", "dp", "cp", "schedule", "v", "precision", "partition"))
 
 
 def _frugal(k: dict[str, Any], knobs_of_group: list[dict[str, Any]]) -> dict[str, Any]:
@@ -290,16 +307,23 @@ class Planner:
             self._compute[key] = compute_schedule(name, pp, v, m)
         return self._compute[key]
 
+    def _shape(self, k: dict[str, Any]) -> tuple[Shape, Placement, TrainConfig, int, tuple[int, Link] | None]:
+        """Knobs `k`'s mesh shape, placement, training settings, a rank's tokens per microbatch (1/cp of
+        the microbatch's under context parallelism) and ring (cp and its link; None without cp)."""
+        shape = Shape(k["tp"], k["pp"], k["dp"], k.get("cp", 1))
+        pl = placement(shape, self.hw)
+        t = dataclasses.replace(self.base.train, precision=k["precision"])
+        tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len // shape.cp
+        return shape, pl, t, tokens, None if pl.cp is None else (shape.cp, pl.cp)
+
     def bound(self, k: dict[str, Any]) -> float:
         """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition does not enter)."""
         key = tuple(v for n, v in k.items() if n != "partition")
         if key not in self._bounds:
-            shape = Shape(k["tp"], k["pp"], k["dp"])
-            pl = placement(shape, self.hw)
-            t = dataclasses.replace(self.base.train, precision=k["precision"])
-            tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
+            shape, pl, t, tokens, ring = self._shape(k)
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
-            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False)).busy(st)
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False), ring=ring)
+            layer = layer.busy(st)
             embed, head = (busy_comm(e, st) for e in self.model.ends(t, k["tp"], tokens, pl.tp))
             share = sharing(shape, self.hw, pl)
             capacity = None if share is None else sum(share.capacity)
@@ -312,11 +336,8 @@ class Planner:
         key = tuple(v for n, v in k.items() if n != "partition")
         if key in self._estimates:
             return self._estimates[key]
-        shape = Shape(k["tp"], k["pp"], k["dp"])
-        pl = placement(shape, self.hw)
-        t = dataclasses.replace(self.base.train, precision=k["precision"])
-        tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len
-        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False))
+        shape, pl, t, tokens, ring = self._shape(k)
+        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False), ring=ring)
         embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
         per_layer = layer.f.total + layer.b.total + layer.w.total
         total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
@@ -334,9 +355,9 @@ class Planner:
         # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
         params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
         gathers = param_gathers(k["zero"], self.base.parallel.zero3_regather, k["m"])
-        world = k["tp"] * k["pp"] * k["dp"]
+        world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
         after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, gathers)
-        after += all_reduce_s(4 * params / k["v"], k["dp"], pl.dp, self.hw)
+        after += grad_sum_s(self.hw, 4 * params / k["v"], shape, pl, 0)
         self._estimates[key] = work + after
         return self._estimates[key]
 
