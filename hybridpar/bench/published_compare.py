@@ -75,6 +75,7 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else "")
     layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}" + (f" zero{p.zero}" if p.zero else "")
     layout += " sp" if p.sequence_parallel else ""
+    layout += f" cp{p.cp}" if p.cp > 1 else ""
     out = {
         "id": row["id"],
         "cluster": hw.name,

@@ -372,7 +372,7 @@ class Prediction:
     optimizer_s: float
     bubble: float  # idle fraction of the pipeline part, from the simulation
     compute_s: float  # the busiest rank's compute
-    tp_comm_s: float  # of which tensor-parallel collectives
+    tp_comm_s: float  # of which tensor-parallel collectives and ring attention's exposed hops
     message_bytes: int
     parts: tuple[tuple[int, int], ...]  # (first layer, end) of each stage
 

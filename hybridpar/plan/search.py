@@ -600,7 +600,7 @@ def _no_split(base: Config, hw: Hardware, world: int) -> str:
 
 _TERMS = {
     "compute_s": "compute",
-    "tp_comm_s": "tensor-parallel communication",
+    "tp_comm_s": "tensor- and context-parallel communication",
     "bubble_s": "pipeline bubble",
     "dp_reduce_s": "gradient all-reduce",
     "optimizer_s": "optimizer step",
