@@ -93,7 +93,10 @@ def synthetic_run(d: Path) -> Path:
     _jsonl(d / "metrics.superseded.jsonl", first[3:])
     _jsonl(
         d / "resilience.jsonl",
-        [{"event": "start", "time": 100.0, "restart": 0}, {"event": "start", "time": 108.0, "restart": 1}],
+        [
+            {"event": "start", "time": 100.0, "restart": 0, "mesh": {"tp": 1, "cp": 1, "pp": 2, "dp": 1}},
+            {"event": "start", "time": 108.0, "restart": 1, "mesh": {"tp": 1, "cp": 2, "pp": 1, "dp": 1}},
+        ],
     )
     (d / "chaos.jsonl").write_text('\n{"fault": "rank=1:kill@step=4:phase=forward", "rank": 1, "time": 105.5}\n')
     slices = [
@@ -121,6 +124,7 @@ def test_report_shows_the_known_figures_with_definitions(tmp_path: Path, capsys:
     assert f"report written to {run / 'report.html'}" in capsys.readouterr().out
     page = (run / "report.html").read_text()
     assert _cells(page, "wall time")[0] == "16 s"
+    assert "<tr><td>mesh (last start)</td><td>tp1 cp2 pp1 dp1</td>" in page  # the elastic restart's layout
     assert _cells(page, "productive time")[0] == "10 s"
     assert _cells(page, "goodput")[0] == "62.5 %"
     assert _cells(page, "interruptions")[0] == "1"

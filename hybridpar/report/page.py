@@ -49,6 +49,7 @@ def _mean(run: Run, key: str) -> float | None:
 
 def summary(runs: Sequence[Run]) -> str:
     rows = [
+        ["mesh (last start)", *(_mesh(r) for r in runs)],
         ["steps recorded", *(len(r.steps) for r in runs)],
         ["final loss", *(_fmt(r.steps[-1]["loss"], digits=5) for r in runs)],
         ["mean tokens/s", *(_fmt(_mean(r, "tokens_per_s"), digits=4) for r in runs)],
@@ -58,6 +59,12 @@ def summary(runs: Sequence[Run]) -> str:
         ["params digest", *(((r.final or {}).get("params_digest") or "— (not finished)")[:16] for r in runs)],
     ]
     return _table(["", *(r.name for r in runs)], rows)
+
+
+def _mesh(run: Run) -> str:
+    """The mesh of the run's last start (resilience.jsonl), e.g. "tp2 cp2 pp1 dp1"; "—" where not recorded."""
+    starts = [e["mesh"] for e in run.events if e.get("event") == "start" and "mesh" in e]
+    return " ".join(f"{k}{v}" for k, v in starts[-1].items()) if starts else "—"
 
 
 def _peak(run: Run) -> str:

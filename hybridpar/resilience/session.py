@@ -85,7 +85,8 @@ class Session:
         self.preemption = Preemption()
         self.writer = AsyncCheckpointer(topo, cfg.parallel.timeout_s) if cfg.checkpoint.async_save else None
         self._first_step_logged = False
-        self.event("start", restart=restart_count, world=topo.dims.world_size)
+        d = topo.dims  # the mesh this start runs (an elastic restart may change it): the report shows it
+        self.event("start", restart=restart_count, world=d.world_size, mesh=dict(tp=d.tp, cp=d.cp, pp=d.pp, dp=d.dp))
 
     def event(self, name: str, **fields: Any) -> None:
         if self.topo.rank == 0:
