@@ -134,12 +134,13 @@ def test_context_parallel_bounds_and_pruning() -> None:
     prediction, and the pruned search's list the unpruned one's."""
     h, base = HARDWARE["gpu"], model(n_layers=2, global_batch=4)
     base.train.seq_len = 512
-    planner = Planner(base, h, lambda cfg: [Est(0)] * cfg.parallel.pp)
     cps = [(k, cfg) for k, cfg in layouts(base, h, 4) if k["cp"] > 1]
-    for k, cfg in cps[::2]:
-        step = predict(planner.model, cfg, planner.actions).step_s
-        assert planner.bound(k) <= step * (1 + 1e-9) and planner.step_bound(cfg) <= step * (1 + 1e-9), k
     assert len(cps) > 10
+    for hard in (h, OVERLAPPED):  # the ring against the flash kernel's own time on a calibrated GPU too
+        planner = Planner(base, hard, lambda cfg: [Est(0)] * cfg.parallel.pp)
+        for k, cfg in cps[::4]:
+            step = predict(planner.model, cfg, planner.actions).step_s
+            assert planner.bound(k) <= step * (1 + 1e-9) and planner.step_bound(cfg) <= step * (1 + 1e-9), k
     fixed = {"parallel.cp": 2, "train.precision": "fp32"}
     pruned, full = (plan(base, h, params_memory(), world=4, top=4, fixed=fixed, prune=p) for p in (True, False))
     assert [(c.label, c.prediction.step_s) for c in pruned.candidates] == [

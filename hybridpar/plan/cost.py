@@ -51,7 +51,7 @@ from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from hybridpar.plan.gpu_model import layer_times, overlapped
+from hybridpar.plan.gpu_model import layer_times, overlapped, weight_gemms
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -242,8 +242,12 @@ class CostModel:
             b = Work(timed.b_input if split else timed.b, comm_s=b.comm_s)
             w = Work(timed.w if split else 0.0)
         if ring is not None and ring[0] > 1:  # the exposed part of the ring's hops: forward and backward (B)
-            share = 4.0 * t.seq_len * m.dim / self._flops[t.seq_len]  # attention's share of the layer's FLOPs
-            ring_f, ring_b = self.ring_s(t, tp, tokens, ring, share * f.matmul_s)
+            # The attention's forward: on a GPU its kernel's own time (the layer's matmul time less the
+            # projections'), elsewhere its share of the layer's FLOPs of the (counted or measured) time.
+            attention = 4.0 * t.seq_len * m.dim / self._flops[t.seq_len] * f.matmul_s
+            if rates is not None and timed is None:
+                attention = mm - sum(rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, tp))
+            ring_f, ring_b = self.ring_s(t, tp, tokens, ring, attention)
             f, b = f + Work(comm_s=ring_f), b + Work(comm_s=ring_b)
         if recompute == "full":
             b = b + f
