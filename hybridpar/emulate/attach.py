@@ -41,7 +41,7 @@ def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
     delays = _slow_link(cfg, topo) if cfg.emulate.slow_link.strip() else {}
 
     def attach(trainer: Trainer) -> Callable[[], None]:
-        undo = [attach_layer_cost(stage, layer_ms) for stage in trainer.stages.values()]
+        undo = [attach_layer_cost(trainer.runtime, layer_ms)]
         if plan or shaped:
             undo.append(_stretch_steps(trainer, factor))
         if delays:
