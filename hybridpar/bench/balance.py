@@ -29,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.bench import runs_dir
-from hybridpar.bench.balance_cases import CASES, LAYOUTS, case_config, figures
+from hybridpar.bench.balance_alternate import alternate_figures, measure_worker
+from hybridpar.bench.balance_cases import CASES, LAYOUTS, ONSET, case_config, figures, slow_factors
 from hybridpar.config import Config
 
 
@@ -38,6 +39,9 @@ def _worker(cfg_dict: dict) -> int:
 
     train(Config.from_dict(cfg_dict), log=False)
     return 0
+
+
+ALTERNATING = ("one", "two", "spike")  # measured in one launch each (bench/balance_alternate.py)
 
 
 def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
@@ -49,6 +53,19 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_alternating(cfg: Config, case: str, a: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """One launch of bench/balance_alternate.py: its figures against the bound the launch measured."""
+    from hybridpar.topology.spawn import run_ranks
+
+    cfg.run_dir = str(run_dir)
+    world = cfg.parallel.world_size
+    res = run_ranks(measure_worker, world, cfg.to_dict(), a.steps, a.rounds, a.block, timeout_s=1800)[0]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "alternating.json").write_text(json.dumps(res, indent=1) + "\n")
+    speeds = world if case == "spike" else world - sum(1.0 - 1.0 / f for f in slow_factors(case, 0).values())
+    return alternate_figures(res, speeds, world, ONSET)
+
+
 def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     """Every repeat of (baseline, contender) of one layout and slowdown, alternating; medians over them."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
@@ -56,6 +73,9 @@ def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Pat
     for r in range(a.repeats):
         tag = f"{mode}-{layout}-{case}-{r}"
         cont_cfg = case_config(layout, case, mode, a, True)
+        if case in ALTERNATING:  # one launch: balancing, then balanced / static / clean blocks in turn
+            reps.append(run_alternating(cont_cfg, case, a, runs / f"{tag}-alternating"))
+            continue
         if case == "clean":  # one run: the balancer on a clean machine
             rows = run(cont_cfg, runs / f"{tag}-balanced")
             reps.append(figures(cont_cfg, case, rows, rows, a))
@@ -113,6 +133,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--link-ms", type=float, default=2.0, help="slow_link: a normal link's emulated ms per message")
     ap.add_argument("--steps", type=int, default=40, help="steps of the one, two, spike and slow_link runs")
     ap.add_argument("--drift-steps", type=int, default=300, help="drift: steps from 1x to 2.5x and back")
+    ap.add_argument("--rounds", type=int, default=3, help="one, two, spike: rounds of alternating blocks per launch")
+    ap.add_argument("--block", type=int, default=5, help="one, two, spike: measured steps per block")
     ap.add_argument("--measure", type=int, default=10, help="throughput: median over the last N steps")
     ap.add_argument("--clean-steps", type=int, default=200, help="steps of the clean (no slowdown) run")
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -129,6 +151,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 ap.error(f"unknown {key[:-1]} {x!r}; known: {', '.join(known)}")
     if a.steps < 10 + 10 + a.measure:
         ap.error(f"--steps={a.steps} leaves no room: need >= onset 10 + 10 steps to rebalance + --measure={a.measure}")
+    if a.rounds < 1 or a.block < 1:
+        ap.error(f"--rounds={a.rounds} and --block={a.block} must be >= 1")
     if a.layer_ms <= 0 or a.link_ms <= 0 or a.repeats < 1 or a.clean_steps < 10 or a.drift_steps < 10:
         ap.error("--layer-ms and --link-ms must be > 0, --repeats >= 1, --clean-steps and --drift-steps >= 10")
     return a
