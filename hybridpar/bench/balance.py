@@ -142,7 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--runs-dir",
         default=None,
         help="keep every run's directory here, as <mode>-<layout>-<case>-<repeat>-<static|balanced> (`hybridpar "
-        "report DIR/emulated-pp4-1f1b-one-0-balanced` reads one); default: runs/bench/balance-<time>",
+        "report DIR/emulated-pp4-1f1b-clean-0-balanced` reads one; one, two and spike keep "
+        "<...>-alternating/alternating.json); default: runs/bench/balance-<time>",
     )
     a = ap.parse_args(argv)
     for key, known in (("layouts", LAYOUTS), ("cases", CASES), ("modes", ("emulated", "compute"))):
