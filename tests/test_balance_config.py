@@ -130,6 +130,10 @@ def test_alternating_blocks_against_each_rounds_bound() -> None:
     assert [x["balanced_over_ideal"] for x in f["rounds"]] == pytest.approx([4 / 3.5 / 1.2] * 2 + [4 / 3.5 / 1.6])
     assert f["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2) and f["static_over_ideal"] == pytest.approx(4 / 7)
     assert f["steps_to_rebalance"] == 4 and f["moves"] == 1 and f["balanced_over_static"] == pytest.approx(2 / 1.2)
+    res["blocks"][1]["step_s"] = [3.0, 1.2, 3.0]  # a burst on two of round 0's balanced steps: its quietest kept
+    f = alternate_figures(res, 3.5, 4, 10)
+    assert f["rounds"][0]["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 3.0)
+    assert f["rounds"][0]["quiet_balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2)
 
 
 def test_drift_oscillation_counts_direction_changes() -> None:

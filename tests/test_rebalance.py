@@ -102,7 +102,8 @@ CASES = {
         {1: Layout((R(1, 2, 4, 1), R(2, 2, 2, 2)), (7, 4)), 3: Layout((R(3, 1, 1, 3), R(3, 1, 1, 3)), (4, 7))},
     ),
     # bf16 with ZeRO-1: layers move with their fp32 masters and sharded AdamW state, replica 0 alone
-    # re-partitioned and the batch re-split (check_rebalance holds it to bf16's criterion).
+    # re-partitioned and the batch re-split (check_rebalance holds it to bf16's criterion). Its model and
+    # train settings are test_precision.py's world-4 ones, so the suite computes the bf16 yardstick once.
     "pp2-dp2-zero1-bf16": (
         dict(tp=1, pp=2, dp=2, zero=1),
         dict(steps=3, precision="bf16"),
