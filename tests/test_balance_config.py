@@ -134,6 +134,9 @@ def test_alternating_blocks_against_each_rounds_bound() -> None:
     f = alternate_figures(res, 3.5, 4, 10)
     assert f["rounds"][0]["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 3.0)
     assert f["rounds"][0]["quiet_balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2)
+    # Half of the clean step emulated compute: only that half is scaled, the rest stays (1.0 + 0.5 x 0.5 / 3.5).
+    f = alternate_figures(res, 3.5, 4, 10, emulated_s=0.5)
+    assert f["rounds"][2]["balanced_over_ideal"] == pytest.approx((1.0 + 0.5 * 0.5 / 3.5) / 1.6)
 
 
 def test_drift_oscillation_counts_direction_changes() -> None:

@@ -30,7 +30,7 @@ from typing import Any
 
 from hybridpar.bench import runs_dir
 from hybridpar.bench.balance_alternate import alternate_figures, measure_worker
-from hybridpar.bench.balance_cases import CASES, LAYOUTS, ONSET, case_config, figures, slow_factors
+from hybridpar.bench.balance_cases import CASES, LAYOUTS, ONSET, analytic_step, case_config, figures, slow_factors
 from hybridpar.config import Config
 
 
@@ -63,7 +63,7 @@ def run_alternating(cfg: Config, case: str, a: argparse.Namespace, run_dir: Path
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "alternating.json").write_text(json.dumps(res, indent=1) + "\n")
     speeds = world if case == "spike" else world - sum(1.0 - 1.0 / f for f in slow_factors(case, 0).values())
-    return alternate_figures(res, speeds, world, ONSET)
+    return alternate_figures(res, speeds, world, ONSET, analytic_step(cfg, world) if cfg.emulate.layer_ms > 0 else None)
 
 
 def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Path) -> dict[str, Any]:
