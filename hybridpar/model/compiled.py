@@ -1,0 +1,67 @@
+"""`train.compile`: each decoder layer's training forward (and so its backward) through `torch.compile`.
+
+One compiled callable per process, `call(layer, *args)`, is shared by every stage and layer the process
+holds: the layer is an argument, not a closure, so dynamo traces the layer's code once and layers of the
+same shapes (every decoder layer of a stage, and layers that a live re-partition moves here later) reuse
+that graph without recompiling — guards check the module's structure and tensors' shapes, not which
+layer it is. A new shape (an unequal microbatch) recompiles once, after which dynamo marks the size
+dynamic (automatic dynamic shapes), so a run compiles a handful of graphs whatever its length;
+`CompiledLayers.graphs` counts them and the run log reports the count.
+
+What stays eager, by design (graph breaks, `torch.compiler.disable`):
+- the tensor-parallel collectives (model/tp.py `collective`): explicit gloo/NCCL calls inside autograd
+  Functions; eager between compiled regions, their backward is an ordinary autograd node.
+- the zero-bubble split's capture hooks on linear layers (pipeline/split_backward.py): they keep Python
+  state per microbatch and register tensor hooks. The linear layers around them then run eagerly too, so
+  B still skips the weight-gradient matmuls that W computes (a compiled backward computes all of its
+  graph's gradients at once: a linear inside it would have its dW computed in B and again in W).
+- evaluation, sampling and serving (no gradient): eager, so the validation step adds no graph.
+
+Activation recomputation checkpoints the compiled call (model/recompute.py): the rerun in backward calls
+the same graph on the same input. Only inductor generates code; `aot_eager` captures and differentiates
+the same graphs and runs them with eager kernels (bit-identical to eager: the composition check).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
+def _call(layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    return layer(*args)
+
+
+class CompiledLayers:
+    """`self(layer, *args)` = `layer(*args)`, compiled with `backend`; counts the graphs it compiles and
+    the seconds its backend spent compiling forward graphs (backward graphs compile at their first use)."""
+
+    def __init__(self, backend: str) -> None:
+        if backend not in COMPILE_BACKENDS:
+            raise ValueError(f"train.compile_backend={backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.backend = backend
+        self._compile_graph = lookup_backend(backend)
+        self.graphs = 0  # graphs compiled: first compiles, graph-break fragments and recompiles
+        self.seconds = 0.0
+        self._fn = torch.compile(_call, backend=self._counted)
+
+    def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        t0 = time.perf_counter()
+        self.graphs += 1
+        try:
+            return self._compile_graph(gm, example_inputs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __call__(self, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        return self._fn(layer, *args)
+
+    def summary(self) -> dict[str, Any]:
+        """For the run log and the benchmarks: what was compiled, and how often."""
+        return {"backend": self.backend, "graphs": self.graphs, "compile_s": round(self.seconds, 3)}

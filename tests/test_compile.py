@@ -1,0 +1,79 @@
+"""train.compile and train.fused_adamw without processes: a compiled model's gradients against eager ones
+(aot_eager: dynamo's capture and AOT autograd's differentiation, run with eager kernels, so equal bit for
+bit), how many graphs a model compiles (one for all its layers; a new shape adds one, a moved layer none),
+the refusals, and fused AdamW against the fp64 criterion. The inductor-generated kernels' figures and
+their distance from eager are measured by `hybridpar bench compile` (docs/performance.md); the compiled
+pipeline and zero-bubble split against one device: tests/test_equivalence.py."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from hybridpar.config import Config
+from hybridpar.config.validate import validate
+from hybridpar.model.compiled import CompiledLayers
+from hybridpar.model.optim import make_optimizer
+from hybridpar.model.reference import TOL, reference, tiny_config, yardstick
+from hybridpar.model.registry import build_full_model
+
+
+def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
+    model.zero_grad()
+    model(x).pow(2).mean().backward()
+    return [p.grad.clone() for p in model.parameters()]
+
+
+def test_compiled_layers_equal_eager_with_few_graphs() -> None:
+    torch._dynamo.reset()  # dynamo's per-function state (sizes seen so far) from other tests in this process
+    cfg = tiny_config(model=dict(n_layers=3))
+    eager, compiled = build_full_model(cfg.model, 0), build_full_model(cfg.model, 0)
+    # Selective recomputation: the checkpoint reruns the compiled layer inside its own dispatch mode.
+    eager.recompute = compiled.recompute = "selective"
+    compiled.compiled = layers = CompiledLayers("aot_eager")
+    g = torch.Generator().manual_seed(0)
+    for batch in (3, 2):  # a second shape recompiles once, with the size dynamic (later sizes reuse it)
+        x = torch.randint(0, cfg.model.vocab_size, (batch, 16), generator=g)
+        for a, b in zip(_grads(eager, x), _grads(compiled, x)):
+            assert torch.equal(a, b)
+    assert layers.graphs == 2, layers.summary()
+    # A layer that arrives from elsewhere (live re-partition builds it anew) runs the same graphs.
+    moved = copy.deepcopy(compiled.layers["0"])
+    compiled.set_layers({**compiled.layers, "8": moved})
+    _grads(compiled, x)
+    assert layers.graphs == 2, layers.summary()
+    with torch.no_grad():  # evaluation stays eager: no graph for it
+        compiled(x)
+    assert layers.graphs == 2
+
+
+@pytest.mark.parametrize(
+    "over,message",
+    [
+        (dict(parallel=dict(dp=2, zero=3)), "does not support parallel.zero=3 yet: use parallel.zero=2"),
+        (dict(parallel=dict(cp=2)), "train.compile=true does not support parallel.cp=2 yet: use parallel.cp=1"),
+    ],
+)
+def test_compile_refuses_what_it_does_not_compose_with(over: dict, message: str) -> None:
+    cfg = tiny_config(train=dict(compile=True), **over)
+    with pytest.raises(ValueError, match=message):
+        validate(cfg)
+    bad = Config.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "compile_backend": "eager"}})
+    with pytest.raises(ValueError, match="train.compile_backend"):
+        validate(bad)
+
+
+def test_fused_adamw_is_exact() -> None:
+    """torch's fused AdamW updates in another order of operations than the foreach path: by DESIGN.md's
+    criterion its run is one more equally valid single-process run."""
+    small = dict(n_layers=2)  # the criterion's runs (fp64 and other orders) take most of this test's time
+    plain = tiny_config(model=small, train=dict(fused_adamw="off"))
+    fused = tiny_config(model=small, train=dict(fused_adamw="on"))
+    assert make_optimizer(build_full_model(plain.model, 0).named_parameters(), fused.train).defaults["fused"]
+    losses, _, ref_state = reference(plain)
+    f_losses, _, state = reference(fused)
+    assert all(abs(a - b) <= TOL for a, b in zip(losses, f_losses)), (losses, f_losses)
+    assert not yardstick(plain).failures(state)
+    assert any(not torch.equal(state[n], ref_state[n]) for n in state), "fused took the same path: nothing tested"
