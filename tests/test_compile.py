@@ -8,9 +8,11 @@ pipeline and zero-bubble split against one device: tests/test_equivalence.py."""
 from __future__ import annotations
 
 import copy
+from typing import Any
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from hybridpar.config import Config
 from hybridpar.config.validate import validate
@@ -18,6 +20,7 @@ from hybridpar.model.compiled import CompiledLayers
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.reference import TOL, reference, tiny_config, yardstick
 from hybridpar.model.registry import build_full_model
+from hybridpar.pipeline.split_backward import WeightGradDeferral
 
 
 def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
@@ -47,6 +50,40 @@ def test_compiled_layers_equal_eager_with_few_graphs() -> None:
     with torch.no_grad():  # evaluation stays eager: no graph for it
         compiled(x)
     assert layers.graphs == 2
+
+
+class _CountMatmuls(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.n = 0
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        self.n += func is torch.ops.aten.mm.default
+        return func(*args, **(kwargs or {}))
+
+
+def test_zero_bubble_b_leaves_weight_gradients_to_w_when_compiled() -> None:
+    """Under the B/W split the linear layers run eagerly between compiled regions: B computes the same
+    matmuls as eager B (input gradients only), none of the dW products W computes."""
+    cfg = tiny_config(model=dict(n_layers=2))
+    x = torch.randint(0, cfg.model.vocab_size, (2, 16))
+    counts, grads = [], []
+    for compiled in (False, True):
+        model = build_full_model(cfg.model, 0)
+        model.compiled = CompiledLayers("aot_eager") if compiled else None
+        split = WeightGradDeferral(model)
+        split.key = "m0"
+        y = model(x).pow(2).mean()
+        split.key = None
+        with _CountMatmuls() as mm:
+            gx = split.backward_input(y, None, None, "m0")
+        split.weight("m0")
+        counts.append(mm.n)
+        grads.append([p.grad for p in model.parameters()])
+        split.detach()
+        assert gx is None and "forward" not in vars(model.layers["0"].mlp.up_proj)  # detach restores the class's
+    assert counts[0] == counts[1], counts
+    assert all(torch.equal(a, b) for a, b in zip(*grads))
 
 
 @pytest.mark.parametrize(
