@@ -18,7 +18,7 @@ from hybridpar.config import Config
 from hybridpar.config.validate import validate
 from hybridpar.model.compiled import CompiledLayers
 from hybridpar.model.optim import make_optimizer
-from hybridpar.model.reference import TOL, reference, tiny_config, yardstick
+from hybridpar.model.reference import TOL, reference, tiny_config
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 
@@ -83,7 +83,9 @@ def test_zero_bubble_b_leaves_weight_gradients_to_w_when_compiled() -> None:
         split.detach()
         assert gx is None and "forward" not in vars(model.layers["0"].mlp.up_proj)  # detach restores the class's
     assert counts[0] == counts[1], counts
-    assert all(torch.equal(a, b) for a, b in zip(*grads))
+    # Not bit for bit: between graph breaks AOT autograd's decompositions round some products differently.
+    for a, b in zip(*grads):
+        torch.testing.assert_close(a, b)
 
 
 @pytest.mark.parametrize(
@@ -103,14 +105,17 @@ def test_compile_refuses_what_it_does_not_compose_with(over: dict, message: str)
 
 
 def test_fused_adamw_is_exact() -> None:
-    """torch's fused AdamW updates in another order of operations than the foreach path: by DESIGN.md's
-    criterion its run is one more equally valid single-process run."""
-    small = dict(n_layers=2)  # the criterion's runs (fp64 and other orders) take most of this test's time
+    """torch's fused AdamW computes the same update in another order of operations. From the same gradients
+    the two differ by rounding only (measured: 6e-8 on the default model after 3 steps, bench compile), while
+    a wrong update (weight decay or bias correction missed, another lr) moves parameters by about lr = 3e-3
+    per step. The fp64 criterion of whole runs: bench compile's records."""
+    small = dict(n_layers=2)
     plain = tiny_config(model=small, train=dict(fused_adamw="off"))
     fused = tiny_config(model=small, train=dict(fused_adamw="on"))
     assert make_optimizer(build_full_model(plain.model, 0).named_parameters(), fused.train).defaults["fused"]
+    assert not make_optimizer(build_full_model(plain.model, 0).named_parameters(), plain.train).defaults["fused"]
     losses, _, ref_state = reference(plain)
     f_losses, _, state = reference(fused)
     assert all(abs(a - b) <= TOL for a, b in zip(losses, f_losses)), (losses, f_losses)
-    assert not yardstick(plain).failures(state)
-    assert any(not torch.equal(state[n], ref_state[n]) for n in state), "fused took the same path: nothing tested"
+    worst = max(float((state[n] - ref_state[n]).abs().max()) for n in state)
+    assert worst <= 1e-6, f"fused AdamW differs from foreach by {worst}"
