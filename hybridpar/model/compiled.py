@@ -4,9 +4,9 @@ One compiled callable per process, `call(layer, *args)`, is shared by every stag
 holds: the layer is an argument, not a closure, so dynamo traces the layer's code once and layers of the
 same shapes (every decoder layer of a stage, and layers that a live re-partition moves here later) reuse
 that graph without recompiling — guards check the module's structure and tensors' shapes, not which
-layer it is. A new shape (an unequal microbatch) recompiles once, after which dynamo marks the size
-dynamic (automatic dynamic shapes), so a run compiles a handful of graphs whatever its length;
-`CompiledLayers.graphs` counts them and the run log reports the count.
+layer it is. The batch dimension is dynamic from the first compile, so unequal microbatches share the
+graph too (a microbatch of one sample gets its own: dynamo specialises size 1); a run compiles a handful
+of graphs whatever its length; `CompiledLayers.graphs` counts them and the run log reports the count.
 
 What stays eager, by design (graph breaks, `torch.compiler.disable`):
 - the tensor-parallel collectives (model/tp.py `collective`): explicit gloo/NCCL calls inside autograd
@@ -60,6 +60,12 @@ class CompiledLayers:
             self.seconds += time.perf_counter() - t0
 
     def __call__(self, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        # The batch size dynamic from the first compile: one graph serves every microbatch size (dynamo
+        # still specialises a size of 1). Otherwise the second size recompiles, and an activation
+        # recomputation of an earlier microbatch in backward would find the newer graph first and rerun
+        # other operations than its forward ran: selective recomputation refuses that.
+        if args and isinstance(args[0], torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(args[0], 0)
         return self._fn(layer, *args)
 
     def summary(self) -> dict[str, Any]:
