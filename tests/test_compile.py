@@ -33,8 +33,8 @@ def test_compiled_layers_equal_eager_with_few_graphs() -> None:
     torch._dynamo.reset()  # dynamo's per-function state (sizes seen so far) from other tests in this process
     cfg = tiny_config(model=dict(n_layers=3))
     eager, compiled = build_full_model(cfg.model, 0), build_full_model(cfg.model, 0)
-    # Selective recomputation: the checkpoint reruns the compiled layer inside its own dispatch mode.
-    eager.recompute = compiled.recompute = "selective"
+    # Full recomputation: the checkpoint reruns the compiled layer in backward.
+    eager.recompute = compiled.recompute = "full"
     compiled.compiled = layers = CompiledLayers("aot_eager")
     g = torch.Generator().manual_seed(0)
     for batch in (3, 2):  # the batch size is dynamic from the start: one graph for both
@@ -93,6 +93,10 @@ def test_zero_bubble_b_leaves_weight_gradients_to_w_when_compiled() -> None:
     [
         (dict(parallel=dict(dp=2, zero=3)), "does not support parallel.zero=3 yet: use parallel.zero=2"),
         (dict(parallel=dict(cp=2)), "train.compile=true does not support parallel.cp=2 yet: use parallel.cp=1"),
+        (
+            dict(train=dict(recompute="selective")),
+            "does not support train.recompute=selective yet: use train.recompute=full",
+        ),
     ],
 )
 def test_compile_refuses_what_it_does_not_compose_with(over: dict, message: str) -> None:

@@ -184,11 +184,11 @@ def unequal_configs() -> list[Config]:
 
 def compile_configs() -> list[Config]:
     """train.compile (aot_eager: the capture, graph breaks and compiled backward without code generation) with
-    the zero-bubble B/W split and selective recomputation over two stages, and with tensor parallelism's
-    explicit collectives between compiled regions. Inductor's kernels: `hybridpar bench compile`."""
+    the zero-bubble B/W split and full recomputation over two stages, and with tensor parallelism's
+    collectives traced into the graph. Inductor's kernels: `hybridpar bench compile`."""
     c = dict(compile=True, compile_backend="aot_eager")
     return [
-        grid_config(2, "zb-h1", 1, parallel=dict(tp=1, pp=2, dp=1), train=dict(recompute="selective", **c)),
+        grid_config(2, "zb-h1", 1, parallel=dict(tp=1, pp=2, dp=1), train=dict(recompute="full", **c)),
         grid_config(1, "1f1b", 1, parallel=dict(tp=2, pp=1, dp=1), train=c),
     ]
 

@@ -12,7 +12,9 @@ steady state), tokens/s, the ratio to eager in the same layout and model (eager'
 > 1 is faster), the compile overhead — the first step's time less the steady step (per launch: the first
 launch of a process tree compiles from scratch, later ones reuse torch's on-disk cache) — the graphs
 compiled per rank, the load average (1 min) at each launch's start, and exactness against eager: the
-largest difference of a step's loss, and (1x1x1) of any parameter after the last step.
+largest difference of a step's loss, and (1x1x1) of any parameter after the last step. Last, per model,
+AdamW's step alone, fused against foreach, alternating step by step in one process (`--adamw-rounds`):
+a figure the machine's load disturbs far less than whole launches.
 """
 
 from __future__ import annotations
@@ -75,6 +77,32 @@ def _param_diff(a: str, b: str) -> float | None:
     return max(float((x[k] - y[k]).abs().max()) for k in x)
 
 
+def adamw_step_times(cfg: Config, rounds: int) -> dict[str, float]:
+    """AdamW's step alone over `cfg`'s model, fused against foreach, alternating step by step in one
+    process (the same gradients), so the machine's load falls on both alike: median seconds per step."""
+    import time
+
+    import torch
+
+    from hybridpar.model.optim import make_optimizer
+    from hybridpar.model.registry import build_full_model
+
+    times: dict[str, list[float]] = {"foreach": [], "fused": []}
+    opts = {}
+    for kind in times:
+        model = build_full_model(cfg.model, 0)
+        for q in model.parameters():
+            q.grad = torch.randn(q.shape, generator=torch.Generator().manual_seed(q.numel()))
+        cfg.train.fused_adamw = "on" if kind == "fused" else "off"
+        opts[kind] = make_optimizer(model.named_parameters(), cfg.train)
+    for r in range(rounds):
+        for kind in times if r % 2 == 0 else reversed(list(times)):
+            t0 = time.perf_counter()
+            opts[kind].step()
+            times[kind].append(time.perf_counter() - t0)
+    return {k: statistics.median(v[2:]) for k, v in times.items()}
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench compile", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int, default=8)
@@ -82,12 +110,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="1x1x1,2x2x1")
     ap.add_argument("--models", default="default,4x")
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
+    ap.add_argument("--adamw-rounds", type=int, default=200, help="optimizer steps timed per kind (alternating)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
     cases = [
         (model, layout, v)
         for model in a.models.split(",")
-        for layout in a.layouts.split(",")
+        for layout in filter(None, a.layouts.split(","))  # --layouts "": AdamW's figures only
         for v in VARIANTS
         if v != "fused_adamw" or layout == "1x1x1"
     ]
@@ -104,6 +133,14 @@ def main(argv: list[str] | None = None) -> int:
             runs[c].append((out[0], load))
             print(json.dumps({"case": c, "round": r, "times": out[0]["times"], "load": load}), flush=True)
     records = [_record(a, c, got, runs, tmp) for c, got in runs.items()]
+    for model in a.models.split(","):
+        load = os.getloadavg()[0]
+        t = adamw_step_times(case_config(model, "1x1x1", "eager", a.backend), a.adamw_rounds)
+        records.append(
+            {"model": model, "variant": "adamw_step_only", "rounds": a.adamw_rounds, "load_avg_1m": load}
+            | {f"{k}_step_s": v for k, v in t.items()}
+            | {"fused_speedup_vs_foreach": t["foreach"] / t["fused"]}
+        )
     out = json.dumps(records, indent=1)
     print(out)
     if a.json:

@@ -245,9 +245,9 @@ class TrainConfig:
     eps: float = _f(1e-8, "AdamW epsilon")
     fused_adamw: str = _f(
         "auto",
-        "AdamW's kernel: on = torch's fused AdamW (one kernel updates every parameter), off = its multi-tensor "
-        "(foreach) path, auto = fused where it is the faster (CUDA), foreach elsewhere (measured slower fused on "
-        "CPU: docs/performance.md); the same update either way, within the exactness criterion",
+        "AdamW's kernel: on = torch's fused AdamW (one kernel updates every parameter), off = torch's default "
+        "path (multi-tensor foreach on CUDA, a loop over parameters on CPU), auto = fused on CUDA, the default "
+        "elsewhere (docs/compile.md); the same update either way, to rounding",
         choices=("auto", "on", "off"),
     )
     grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")

@@ -8,18 +8,20 @@ layer it is. The batch dimension is dynamic from the first compile, so unequal m
 graph too (a microbatch of one sample gets its own: dynamo specialises size 1); a run compiles a handful
 of graphs whatever its length; `CompiledLayers.graphs` counts them and the run log reports the count.
 
+Tensor parallelism's collectives (autograd Functions around gloo/NCCL calls, model/tp.py) are traced into
+the graph: dynamo turns them into its functional collectives (one graph per rank at tp 2, measured).
+
 What stays eager, by design (graph breaks, `torch.compiler.disable`):
-- the tensor-parallel collectives (model/tp.py `collective`): explicit gloo/NCCL calls inside autograd
-  Functions; eager between compiled regions, their backward is an ordinary autograd node.
 - the zero-bubble split's capture hooks on linear layers (pipeline/split_backward.py): they keep Python
   state per microbatch and register tensor hooks. The linear layers around them then run eagerly too, so
   B still skips the weight-gradient matmuls that W computes (a compiled backward computes all of its
   graph's gradients at once: a linear inside it would have its dW computed in B and again in W).
 - evaluation, sampling and serving (no gradient): eager, so the validation step adds no graph.
 
-Activation recomputation checkpoints the compiled call (model/recompute.py): the rerun in backward calls
+Full activation recomputation checkpoints the compiled call (model/recompute.py): the rerun in backward calls
 the same graph on the same input. Only inductor generates code; `aot_eager` captures and differentiates
-the same graphs and runs them with eager kernels (bit-identical to eager: the composition check).
+the same graphs and runs them with eager kernels (bit-identical to eager where nothing breaks the graph:
+the composition check).
 """
 
 from __future__ import annotations
