@@ -100,7 +100,8 @@ def test_zero_bubble_b_leaves_weight_gradients_to_w_when_compiled() -> None:
     ],
 )
 def test_compile_refuses_what_it_does_not_compose_with(over: dict, message: str) -> None:
-    cfg = tiny_config(train=dict(compile=True), **over)
+    cfg = tiny_config(**over)
+    cfg.train.compile = True
     with pytest.raises(ValueError, match=message):
         validate(cfg)
     bad = Config.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "compile_backend": "eager"}})
