@@ -24,6 +24,7 @@ from typing import Any
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import schedule_names
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
 
 LAYOUTS = {
@@ -49,7 +50,10 @@ def case_config(
         setattr(cfg.train, k, v)
     for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule}.items():
         setattr(cfg.parallel, k, v)
+    # At most a sample per microbatch: the larger model's 8 samples at dp4 are 2 per replica.
+    cfg.train.microbatches = min(cfg.train.microbatches, cfg.train.global_batch // cfg.parallel.dp)
     cfg.data.max_tokens = 2_000_000
+    validate_config(cfg)  # before any launch: a bad combination is named, not found by a rank
     return cfg
 
 
