@@ -14,13 +14,10 @@ from typing import Any, Iterator
 
 import pytest
 
-from hybridpar.config import ModelConfig
-from hybridpar.serve.config import ServeConfig
-from hybridpar.serve.http import serving_in_background
+from tests.serving import live_server
 
 pytestmark = pytest.mark.multiprocess  # every test here starts a live server with a worker process
 
-MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
 # The server's --client-timeout-s here. Four waits below last about as long as it (the slow-body test
 # waits twice), so it is short; a request sent whole (every /health probe) is read as soon as it
 # arrives, far inside it even on loaded cores, and the slow heads would still take 20 s.
@@ -29,22 +26,8 @@ TIMEOUT_S = 2.5
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[int, Any]]:
-    from hybridpar.serve.service import Service
-
     # Emulated 50x slow (a token per ~0.05 s here): a 50-token stream still runs when its client leaves.
-    cfg = ServeConfig(
-        source="init:7",
-        served_model_name="hybridpar",
-        port=0,
-        max_seq_len=64,
-        kv_tokens=512,
-        timeout_s=60,
-        request_timeout_s=60,
-        client_timeout_s=TIMEOUT_S,
-        emulate_slowdown="0:50",
-    )
-    svc = Service(cfg, MODEL, cfg.source)
-    with serving_in_background(svc) as port:
+    with live_server(client_timeout_s=TIMEOUT_S, emulate_slowdown="0:50") as (port, svc):
         yield port, svc
 
 

@@ -10,28 +10,12 @@ from typing import Any, Iterator
 
 import pytest
 
-from hybridpar.config import ModelConfig
-from hybridpar.serve.config import ServeConfig
-from hybridpar.serve.http import serving_in_background
-
-MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+from tests.serving import live_server
 
 
 @pytest.fixture(scope="module")
 def port() -> Iterator[int]:
-    from hybridpar.serve.service import Service
-
-    cfg = ServeConfig(
-        source="init:7",
-        served_model_name="hybridpar",
-        port=0,
-        max_seq_len=64,
-        kv_tokens=512,
-        timeout_s=60,
-        request_timeout_s=60,
-        client_timeout_s=5,
-    )
-    with serving_in_background(Service(cfg, MODEL, cfg.source)) as port:
+    with live_server(client_timeout_s=5) as (port, _):
         yield port
 
 

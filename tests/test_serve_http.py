@@ -12,53 +12,19 @@ from typing import Any, Iterator
 
 import pytest
 
-from hybridpar.config import ModelConfig
 from hybridpar.data.corpus import decode
 from hybridpar.model.registry import build_full_model
 from hybridpar.model.stage import generate
 from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.http import make_server
 from hybridpar.serve.router import Overloaded
-
-MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
+from tests.serving import MODEL, call, live_server, tiny_serve_config
 
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[tuple[int, Any]]:
-    from hybridpar.serve.service import Service
-
-    cfg = ServeConfig(
-        source="init:7",
-        served_model_name="hybridpar",
-        port=0,
-        max_seq_len=64,
-        kv_tokens=512,
-        timeout_s=60,
-        request_timeout_s=60,
-    )
-    svc = Service(cfg, MODEL, cfg.source)
-    srv = make_server(svc, "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    try:
-        yield srv.server_address[1], svc
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        svc.close()
-
-
-def call(
-    port: int, method: str, path: str, body: bytes | None = None, headers: dict[str, str] | None = None
-) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    conn.request(method, path, body=body, headers=headers or {})
-    resp = conn.getresponse()
-    data = resp.read()
-    conn.close()
-    try:
-        return resp.status, json.loads(data)
-    except json.JSONDecodeError:
-        return resp.status, data.decode()
+    with live_server() as (port, svc):
+        yield port, svc
 
 
 def post(port: int, obj: Any) -> tuple[int, Any]:
@@ -350,24 +316,12 @@ def test_a_sent_request_whose_client_saw_nothing_starts_over_on_a_live_replica()
 
 @pytest.mark.multiprocess
 def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
-    from hybridpar.serve.service import Service
-
     # One replica that takes one request and queues one more: a burst of long requests fills it.
-    cfg = ServeConfig(
-        source="init:7",
-        served_model_name="hybridpar",
-        port=0,
-        max_seq_len=64,
-        kv_tokens=512,
-        max_outstanding=1,
-        max_pending=1,
-        timeout_s=60,
-        request_timeout_s=60,
-    )
-    svc = Service(cfg, MODEL, cfg.source)
-    srv = make_server(svc, "127.0.0.1", 0)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    port = srv.server_address[1]
+    with live_server(max_outstanding=1, max_pending=1) as (port, svc):
+        _burst_until_refused(port, svc)
+
+
+def _burst_until_refused(port: int, svc: Any) -> None:
     long = {**GOOD, "max_tokens": 60}
     results: list[tuple[int, str | None, Any]] = []
 
@@ -378,28 +332,23 @@ def test_a_full_live_server_refuses_with_429_then_serves_again() -> None:
         results.append((resp.status, resp.getheader("Retry-After"), json.loads(resp.read())))
         conn.close()
 
-    try:
-        for _ in range(3):  # a burst normally fills it at once; retried in case the replica outpaced it
-            threads = [threading.Thread(target=one) for _ in range(6)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join(30)
-            if any(s != 200 for s, _, _ in results):
-                break
-        refused = [(s, ra, body) for s, ra, body in results if s != 200]
-        assert refused, "the server never refused a request"
-        for s, ra, body in refused:
-            assert s in (429, 503) and ra == "1" and body["error"]["message"], (s, body)
-        done = [body for s, _, body in results if s == 200]
-        assert done and all(b["usage"]["completion_tokens"] == 60 for b in done)  # accepted ones finish whole
-        status, body = post(port, GOOD)  # and it serves again
-        assert status == 200 and body["usage"]["completion_tokens"] == 4
-        assert svc.counters["requests_rejected"] == len(refused) and svc.counters["requests_failed"] == 0
-    finally:
-        srv.shutdown()
-        srv.server_close()
-        svc.close()
+    for _ in range(3):  # a burst normally fills it at once; retried in case the replica outpaced it
+        threads = [threading.Thread(target=one) for _ in range(6)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(30)
+        if any(s != 200 for s, _, _ in results):
+            break
+    refused = [(s, ra, body) for s, ra, body in results if s != 200]
+    assert refused, "the server never refused a request"
+    for s, ra, body in refused:
+        assert s in (429, 503) and ra == "1" and body["error"]["message"], (s, body)
+    done = [body for s, _, body in results if s == 200]
+    assert done and all(b["usage"]["completion_tokens"] == 60 for b in done)  # accepted ones finish whole
+    status, body = post(port, GOOD)  # and it serves again
+    assert status == 200 and body["usage"]["completion_tokens"] == 4
+    assert svc.counters["requests_rejected"] == len(refused) and svc.counters["requests_failed"] == 0
 
 
 @pytest.mark.multiprocess
@@ -410,16 +359,7 @@ def test_killed_replica_request_completes_on_the_live_one() -> None:
     # Replica 0 is emulated 200x slow: a request there has streamed its first token, not its last, when
     # the process is killed. It must resume on replica 1 from prompt + that token and end with the
     # greedy tokens of an uninterrupted run (replica 1's own, the same model).
-    cfg = ServeConfig(
-        source="init:7",
-        dp=2,
-        strategy="round_robin",
-        max_seq_len=64,
-        kv_tokens=512,
-        timeout_s=60,
-        request_timeout_s=60,
-        emulate_slowdown="0:200",
-    )
+    cfg = tiny_serve_config(dp=2, strategy="round_robin", emulate_slowdown="0:200")
     svc = Service(cfg, MODEL, cfg.source)
     try:
 

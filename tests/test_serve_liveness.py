@@ -3,52 +3,20 @@ seconds, its replica leaves routing (its other workers are stopped) and the othe
 
 from __future__ import annotations
 
-import http.client
-import json
 import time
-from typing import Any
 
 import pytest
 
-from hybridpar.config import ModelConfig
-from hybridpar.serve.config import ServeConfig
-from hybridpar.serve.http import serving_in_background
+from tests.serving import call, live_server
 
 pytestmark = pytest.mark.multiprocess  # every test here starts a live server with four worker processes
-
-MODEL = ModelConfig(dim=32, n_layers=2, n_heads=4, ffn_dim=64)
-
-
-def call(port: int, method: str, path: str, body: Any = None) -> tuple[int, Any]:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
-    try:
-        conn.request(method, path, body=None if body is None else json.dumps(body))
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read())
-    finally:
-        conn.close()
 
 
 @pytest.mark.timeout(240)
 def test_a_killed_stage_worker_turns_health_503_and_the_other_replica_serves() -> None:
-    from hybridpar.serve.service import Service
-
     # dp=2 replicas of pp=2: ranks 0, 1 are replica 0 (stage 0 = its driver, stage 1), ranks 2, 3 replica 1.
-    cfg = ServeConfig(
-        source="init:7",
-        served_model_name="hybridpar",
-        dp=2,
-        pp=2,
-        strategy="round_robin",
-        max_seq_len=64,
-        kv_tokens=512,
-        timeout_s=60,
-        request_timeout_s=60,
-        client_timeout_s=30,
-    )
-    svc = Service(cfg, MODEL, cfg.source)
     good = {"model": "hybridpar", "prompt": "def ", "max_tokens": 4, "temperature": 0}
-    with serving_in_background(svc) as port:
+    with live_server(dp=2, pp=2, strategy="round_robin", client_timeout_s=30) as (port, svc):
         status, body = call(port, "GET", "/health")
         assert status == 200 and body["replicas_alive"] == 2
         want = [call(port, "POST", "/v1/completions", good)[1]["choices"][0]["text"] for _ in range(2)]
