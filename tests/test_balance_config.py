@@ -107,3 +107,57 @@ def test_bench_figures_against_the_bound() -> None:
     # Drift: the bound integrates each step's summed speeds (all 4 at full speed outside the drift).
     assert drift_bound(1.0, 4, "rank=2:2.5@step=100+10", range(0, 10)) == pytest.approx(10.0)
     assert drift_bound(1.0, 4, "rank=2:2.0@step=0+2", range(1, 2)) == pytest.approx(4 / 3.5)
+
+
+def test_alternating_blocks_against_each_rounds_bound() -> None:
+    """bench/balance_alternate.py: each round's balanced and static blocks against that round's clean block
+    (4 ranks, one 2x slow: bound = clean x 4 / 3.5), medians over the rounds; a round the load slowed as a
+    whole keeps its ratios."""
+    from hybridpar.bench.balance_alternate import alternate_figures
+
+    def blocks(r: int, clean: float, balanced: float, static: float) -> list[dict]:
+        return [
+            {"round": r, "variant": v, "step_s": [t, t, 9.0 * t], "load_average": 1.0}
+            for v, t in (("clean", clean), ("balanced", balanced), ("static", static))
+        ]
+
+    res = {
+        "blocks": blocks(0, 1.0, 1.2, 2.0) + blocks(1, 2.0, 2.4, 4.0) + blocks(2, 1.0, 1.6, 2.0),
+        "moves": [{"step": 14}],
+        "balanced_parts": [[[0, 7], [7, 14], [14, 17], [17, 24]]],
+    }
+    f = alternate_figures(res, 3.5, 4, 10)
+    assert [x["balanced_over_ideal"] for x in f["rounds"]] == pytest.approx([4 / 3.5 / 1.2] * 2 + [4 / 3.5 / 1.6])
+    assert f["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2) and f["static_over_ideal"] == pytest.approx(4 / 7)
+    assert f["steps_to_rebalance"] == 4 and f["moves"] == 1 and f["balanced_over_static"] == pytest.approx(2 / 1.2)
+    res["blocks"][1]["step_s"] = [3.0, 1.2, 3.0]  # a burst on two of round 0's balanced steps: its quietest kept
+    f = alternate_figures(res, 3.5, 4, 10)
+    assert f["rounds"][0]["balanced_over_ideal"] == pytest.approx(4 / 3.5 / 3.0)
+    assert f["rounds"][0]["quiet_balanced_over_ideal"] == pytest.approx(4 / 3.5 / 1.2)
+    # Half of the clean step emulated compute: only that half is scaled, the rest stays (1.0 + 0.5 x 0.5 / 3.5).
+    f = alternate_figures(res, 3.5, 4, 10, emulated_s=0.5)
+    assert f["rounds"][2]["balanced_over_ideal"] == pytest.approx((1.0 + 0.5 * 0.5 / 3.5) / 1.6)
+
+
+def test_drift_oscillation_counts_direction_changes() -> None:
+    """A drift's moves take work off the slow rank, then give it back: one change of direction; a move
+    back and forth again counts twice more."""
+    from argparse import Namespace
+
+    from hybridpar.bench.balance_cases import case_config, oscillation
+
+    a = Namespace(layer_ms=1.0, link_ms=2.0, steps=40, drift_steps=300, measure=10, clean_steps=200)
+    cfg = case_config("pp4-interleaved", "drift", "emulated", a, True)  # stages 2 and 6 on rank 2
+
+    def move(step: int, old: list[int], new: list[int]) -> dict:
+        def rec(sizes: list[int]) -> dict:
+            bounds = [sum(sizes[:i]) for i in range(len(sizes) + 1)]
+            return {"parts": [[[x, y] for x, y in zip(bounds, bounds[1:])]], "split": [28]}
+
+        return {"step": step, "old": rec(old), "new": rec(new)}
+
+    u, less, least = [3] * 8, [3, 3, 2, 4, 3, 3, 3, 3], [3, 3, 2, 4, 3, 3, 2, 4]
+    monotone = [move(40, u, less), move(80, less, least), move(200, least, less), move(260, less, u)]
+    expected = {"min_move_gap": 40, "direction_changes": 1, "work_changes": [-28, -28, 28, 28]}
+    assert oscillation(cfg, monotone) == expected
+    assert oscillation(cfg, monotone[:2] + [move(100, least, less), move(120, less, least)])["direction_changes"] == 2

@@ -6,7 +6,6 @@ from __future__ import annotations
 from types import SimpleNamespace
 
 import pytest
-import torch
 from torch import nn
 
 from hybridpar.config import Config
@@ -99,13 +98,13 @@ def test_negative_compute_refused() -> None:
 
 
 class _FakeTrainer:
-    """What the attachment touches of a Trainer: its stages, runtime, topology and step."""
+    """What the attachment touches of a Trainer: its runtime (stages, stretch, emulated cost), topology
+    and step."""
 
     def __init__(self) -> None:
         stage = nn.Identity()
         stage.layer_ids = [0, 1]  # the stage's decoder layers: the cost is per layer
-        self.stages = {0: stage}
-        self.runtime = SimpleNamespace(stretch=1.0)
+        self.runtime = SimpleNamespace(stretch=1.0, emulated_cost=None, stages={0: stage})
         self.topo = SimpleNamespace(rank=1, dims=SimpleNamespace(world_size=2))
         self.seen: list[float] = []
 
@@ -115,26 +114,58 @@ class _FakeTrainer:
 
 
 def test_emulated_devices_attach_and_detach() -> None:
-    """The slowdown sets the runtime's stretch before each step, the layer cost hooks each stage; detach
-    takes both off (Trainer.attach re-applies them after a layout change)."""
+    """The slowdown sets the runtime's stretch before each step, the layer cost the runtime's emulated
+    cost (per layer and sample, read from the stage's current layers); detach takes both off
+    (Trainer.attach re-applies them after a layout change)."""
     cfg = Config()
-    cfg.emulate.slowdown, cfg.emulate.layer_ms = "rank=1:3.0@step=2", 1e-3
+    cfg.emulate.slowdown, cfg.emulate.layer_ms = "rank=1:3.0@step=2", 1.5
     tr = _FakeTrainer()
     detach = emulated_devices(cfg, tr.topo)(tr)
     assert [tr.step(s)["step"] for s in range(4)] == [0, 1, 2, 3] and tr.seen == [1.0, 1.0, 3.0, 3.0]
-    stage = tr.stages[0]
-    assert len(stage._forward_hooks) == 1
-    x = torch.ones(2, 3, requires_grad=True)
-    stage(x).sum().backward()  # the sleep node passes values and gradients through unchanged
-    assert torch.equal(x.grad, torch.ones(2, 3))
+    assert tr.runtime.emulated_cost(0, 4) == pytest.approx(2 * 4 * 1.5e-3)
+    tr.runtime.stages[0].layer_ids = [0, 1, 2]  # a move: the cost follows the stage's layers
+    assert tr.runtime.emulated_cost(0, 4) == pytest.approx(3 * 4 * 1.5e-3)
     detach()
-    assert "step" not in vars(tr) and not stage._forward_hooks
+    assert "step" not in vars(tr) and tr.runtime.emulated_cost is None
+
+
+def _emulated_sleep(monkeypatch, stretch: float, cost_s: float | None, own_s: float, op, split: bool) -> float:
+    """What the runtime sleeps after a compute action whose own compute took `own_s` (one message wait of
+    1 s inside it, excluded), with `stretch` and a forward's emulated cost `cost_s` (None: off)."""
+    from hybridpar.pipeline import runtime as rt
+    from hybridpar.pipeline.schedules import Action
+
+    slept: list[float] = []
+    monkeypatch.setattr(rt.time, "sleep", slept.append)
+    monkeypatch.setattr(rt.time, "perf_counter", lambda: 100.0 + own_s + 1.0)
+    me = SimpleNamespace(stretch=stretch, emulated_cost=None if cost_s is None else (lambda s, n: cost_s * n))
+    wait = SimpleNamespace(start=100.2, end=101.2)
+    st = SimpleNamespace(waits=[wait], shapes=[(2, 16, 32)])
+    rt.PipelineRuntime._emulate(me, st, Action(0, op, 0), split, 100.0, 0)
+    return slept[0]
+
+
+def test_runtime_emulated_cost_is_a_floor_stretched(monkeypatch) -> None:
+    """A compute action lasts max(own compute, stretch x emulated cost): real compute under the cost is
+    absorbed (a loaded machine does not change the emulated speed), above it shows; B = 2F unsplit,
+    B = W = F split; message waits are no compute."""
+    from hybridpar.pipeline.schedules import Op
+
+    f = _emulated_sleep  # cost 0.1 s per sample, 2 samples: F 0.2 s, unsplit B 0.4 s
+    assert f(monkeypatch, 1.0, 0.1, 0.05, Op.FORWARD, False) == pytest.approx(0.15)
+    assert f(monkeypatch, 1.0, 0.1, 0.05, Op.BACKWARD, False) == pytest.approx(0.35)
+    assert f(monkeypatch, 1.0, 0.1, 0.05, Op.BACKWARD, True) == pytest.approx(0.15)
+    assert f(monkeypatch, 1.0, 0.1, 0.05, Op.WEIGHT, True) == pytest.approx(0.15)
+    assert f(monkeypatch, 2.0, 0.1, 0.05, Op.FORWARD, False) == pytest.approx(0.35)  # 2 x 0.2 - 0.05
+    assert f(monkeypatch, 2.0, 0.1, 0.3, Op.FORWARD, False) == pytest.approx(0.1)  # real under 2 x the cost
+    assert f(monkeypatch, 1.0, 0.1, 0.3, Op.FORWARD, False) == pytest.approx(0.0)  # real above the cost
+    assert f(monkeypatch, 2.0, None, 0.3, Op.FORWARD, False) == pytest.approx(0.3)  # no cost: (2 - 1) x own
 
 
 def test_emulation_off_attaches_nothing() -> None:
     tr = _FakeTrainer()
     detach = emulated_devices(Config(), tr.topo)(tr)
-    assert "step" not in vars(tr) and not tr.stages[0]._forward_hooks
+    assert "step" not in vars(tr) and tr.runtime.emulated_cost is None
     detach()
 
 

@@ -15,7 +15,7 @@ from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s
-from hybridpar.plan.cost import CostModel, grad_reduce_s, predict
+from hybridpar.plan.cost import CostModel, grad_reduce_s, placement, predict, stage_costs
 from hybridpar.plan.gpu_model import OVERLAPS, Rates, parse_gpu_calibration, peak_fraction
 from hybridpar.plan.hardware import load_hardware, parse_hardware
 from hybridpar.plan.main import calibration_note
@@ -201,3 +201,25 @@ def test_nccl_takes_the_tree_for_small_all_reduces_and_zero_reduce_scatters() ->
     assert grad_reduce_s(H100, big, 64, link, 1) == all_gather_s(big, 64, link, H100)
     assert grad_reduce_s(H100, big, 64, link, 0) == all_reduce_s(big, 64, link, H100)
     assert grad_reduce_s(cpu, big, 64, link, 1) == all_reduce_s(big, 64, link, cpu)
+
+
+def test_end_chunks_hold_the_embedding_and_the_head_alone() -> None:
+    """Llama 3's partition (bench EndChunks): the first chunk only the embedding, the last only the head, the
+    layers evenly between; more chunks than that can fill are refused, and the ends' chunks cost only their
+    ends (the first chunk's forward is the embedding's, far below a layer's)."""
+    cfg = Config.from_dict(
+        {
+            "model": {"family": "llama", "dim": 512, "n_layers": 6, "n_heads": 8, "ffn_dim": 1024, "vocab_size": 512},
+            "parallel": {"tp": 2, "pp": 2, "dp": 1, "schedule": "interleaved-1f1b", "virtual_stages": 4},
+            "train": {"global_batch": 4, "microbatches": 4, "seq_len": 256, "precision": "bf16"},
+        }
+    )
+    model = pc.EndChunks(cfg.model, H100)
+    pl = placement(cfg.parallel, H100)
+    parts = model.parts(cfg, pl)
+    assert [(r.start, r.stop) for r in parts] == [(0, 0)] + [(i, i + 1) for i in range(6)] + [(6, 6)]
+    costs = stage_costs(model, cfg, pl, parts, 256)
+    assert costs[0].f.total < costs[1].f.total / 4 and costs[-1].f.total > 0
+    cfg.parallel.virtual_stages = 5  # 10 chunks around 6 layers: two would hold nothing
+    with pytest.raises(ValueError, match="10 chunks cannot hold the embedding and the head apart around 6 layers"):
+        model.parts(cfg, pl)

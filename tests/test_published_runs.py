@@ -59,6 +59,7 @@ REPORTED: dict[str, type] = {
 OPTIONAL: dict[str, type] = {
     "n_kv_heads": int,
     "virtual_stages": int,
+    "chunks_as_run": int,  # chunks per rank the source ran with its embedding and head apart (bench EndChunks)
     "microbatch_size": int,
     "recompute": str,
     "zero": int,  # 1 where the source's run sharded the optimizer state over data parallelism (ZeRO-1 or more)

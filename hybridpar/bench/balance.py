@@ -6,12 +6,14 @@ one slow rank, two, a spike, a drift, a clean run, a slow link). For each (layou
 (`--balance.mode off`; slow_link: fixed microbatches) and the contender (`--balance.mode auto`; slow_link:
 the adaptive microbatch policy too) run `--repeats` times, alternating baseline and contender so that a
 change of the machine's load hits both alike; every figure is a median over the repeats, and each repeat's
-figures are kept beside it. Throughput is the median step over the last `--measure` steps (drift: the
-whole drift's time against the bound integrated over it). The load average is recorded before and after
-every pair.
+figures are kept beside it; each repeat also runs the capacity bound's clean run (the layout with no
+slowdown and no balancer) just before its pair. Throughput is the median step over the last `--measure`
+steps (drift: the whole drift's time against the bound integrated over it). The load average is recorded
+before and after every pair.
 
-Modes: `emulated` (`--emulate.layer_ms`, a named benchmark mode, off by default in training: every layer
-costs a fixed sleep per sample, so 4 ranks on 2 cores do not distort speeds — the acceptance figures) and
+Modes: `emulated` (`--emulate.layer_ms`, a named benchmark mode, off by default in training: every compute
+action lasts a fixed time per layer and sample, the real compute inside it, so 4 ranks sharing 2 loaded
+cores keep the emulated speeds — the acceptance figures) and
 `compute` (the real blocks, reported beside; on a shared machine it measures the neighbours too).
 """
 
@@ -27,7 +29,8 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.bench import runs_dir
-from hybridpar.bench.balance_cases import CASES, LAYOUTS, case_config, figures
+from hybridpar.bench.balance_alternate import alternate_figures, measure_worker
+from hybridpar.bench.balance_cases import CASES, LAYOUTS, ONSET, analytic_step, case_config, figures, slow_factors
 from hybridpar.config import Config
 
 
@@ -36,6 +39,9 @@ def _worker(cfg_dict: dict) -> int:
 
     train(Config.from_dict(cfg_dict), log=False)
     return 0
+
+
+ALTERNATING = ("one", "two", "spike")  # measured in one launch each (bench/balance_alternate.py)
 
 
 def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
@@ -47,6 +53,19 @@ def run(cfg: Config, run_dir: Path) -> list[dict[str, Any]]:
     return [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
+def run_alternating(cfg: Config, case: str, a: argparse.Namespace, run_dir: Path) -> dict[str, Any]:
+    """One launch of bench/balance_alternate.py: its figures against the bound the launch measured."""
+    from hybridpar.topology.spawn import run_ranks
+
+    cfg.run_dir = str(run_dir)
+    world = cfg.parallel.world_size
+    res = run_ranks(measure_worker, world, cfg.to_dict(), a.steps, a.rounds, a.block, timeout_s=1800)[0]
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "alternating.json").write_text(json.dumps(res, indent=1) + "\n")
+    speeds = world if case == "spike" else world - sum(1.0 - 1.0 / f for f in slow_factors(case, 0).values())
+    return alternate_figures(res, speeds, world, ONSET, analytic_step(cfg, world) if cfg.emulate.layer_ms > 0 else None)
+
+
 def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Path) -> dict[str, Any]:
     """Every repeat of (baseline, contender) of one layout and slowdown, alternating; medians over them."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
@@ -54,19 +73,28 @@ def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Pat
     for r in range(a.repeats):
         tag = f"{mode}-{layout}-{case}-{r}"
         cont_cfg = case_config(layout, case, mode, a, True)
+        if case in ALTERNATING:  # one launch: balancing, then balanced / static / clean blocks in turn
+            reps.append(run_alternating(cont_cfg, case, a, runs / f"{tag}-alternating"))
+            continue
         if case == "clean":  # one run: the balancer on a clean machine
             rows = run(cont_cfg, runs / f"{tag}-balanced")
             reps.append(figures(cont_cfg, case, rows, rows, a))
             continue
+        # The clean step of the bound, measured beside the pair (slow_link has no bound: ratio to static).
+        bound = (
+            None if case == "slow_link" else run(case_config(layout, "bound", mode, a, False), runs / f"{tag}-bound")
+        )
         base = run(case_config(layout, case, mode, a, False), runs / f"{tag}-static")
         cont = run(cont_cfg, runs / f"{tag}-balanced")
-        reps.append(figures(cont_cfg, case, base, cont, a))
-    numeric = [k for k, v in reps[0].items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+        reps.append(figures(cont_cfg, case, base, cont, a, bound))
+    numeric = [k for k, v in reps[0].items() if k != "direction_changes" and _number(v)]
     med = {
         k: statistics.median(x[k] for x in reps if x[k] is not None)
         for k in numeric
         if any(x[k] is not None for x in reps)
     }
+    if case == "drift":  # oscillation is judged on the worst repeat, not the median
+        med["direction_changes_max"] = max(x["direction_changes"] for x in reps)
     cfg = case_config(layout, case, mode, a, True)
     e = cfg.emulate
     return {
@@ -85,6 +113,10 @@ def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Pat
     }
 
 
+def _number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool)
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench balance", description=__doc__.split("\n")[0])
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {','.join(LAYOUTS)}")
@@ -94,12 +126,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument(
         "--layer-ms",
         type=float,
-        default=0.5,
-        help="emulated mode: forward ms per layer and sample (backward twice that)",
+        default=2.0,
+        help="emulated mode: forward ms per layer and sample (backward twice that); large enough that the real "
+        "compute of the tiny model stays under it on a loaded machine (at 1.0 and load 30 it did not)",
     )
     ap.add_argument("--link-ms", type=float, default=2.0, help="slow_link: a normal link's emulated ms per message")
     ap.add_argument("--steps", type=int, default=40, help="steps of the one, two, spike and slow_link runs")
     ap.add_argument("--drift-steps", type=int, default=300, help="drift: steps from 1x to 2.5x and back")
+    ap.add_argument("--rounds", type=int, default=3, help="one, two, spike: rounds of alternating blocks per launch")
+    ap.add_argument("--block", type=int, default=5, help="one, two, spike: measured steps per block")
     ap.add_argument("--measure", type=int, default=10, help="throughput: median over the last N steps")
     ap.add_argument("--clean-steps", type=int, default=200, help="steps of the clean (no slowdown) run")
     ap.add_argument("--json", default=None, help="also write the results to this file")
@@ -107,7 +142,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "--runs-dir",
         default=None,
         help="keep every run's directory here, as <mode>-<layout>-<case>-<repeat>-<static|balanced> (`hybridpar "
-        "report DIR/emulated-pp4-1f1b-one-0-balanced` reads one); default: runs/bench/balance-<time>",
+        "report DIR/emulated-pp4-1f1b-clean-0-balanced` reads one; one, two and spike keep "
+        "<...>-alternating/alternating.json); default: runs/bench/balance-<time>",
     )
     a = ap.parse_args(argv)
     for key, known in (("layouts", LAYOUTS), ("cases", CASES), ("modes", ("emulated", "compute"))):
@@ -116,6 +152,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                 ap.error(f"unknown {key[:-1]} {x!r}; known: {', '.join(known)}")
     if a.steps < 10 + 10 + a.measure:
         ap.error(f"--steps={a.steps} leaves no room: need >= onset 10 + 10 steps to rebalance + --measure={a.measure}")
+    if a.rounds < 1 or a.block < 1:
+        ap.error(f"--rounds={a.rounds} and --block={a.block} must be >= 1")
     if a.layer_ms <= 0 or a.link_ms <= 0 or a.repeats < 1 or a.clean_steps < 10 or a.drift_steps < 10:
         ap.error("--layer-ms and --link-ms must be > 0, --repeats >= 1, --clean-steps and --drift-steps >= 10")
     return a
@@ -147,6 +185,7 @@ def acceptance(results: list[dict[str, Any]]) -> dict[str, bool]:
         out["two_slow_balanced_ge_0.90_ideal"] = all(m["balanced_over_ideal"] >= 0.90 for m in by["two"])
     if by["drift"]:
         out["drift_balanced_ge_0.90_ideal"] = all(m["balanced_over_ideal"] >= 0.90 for m in by["drift"])
+        out["drift_no_oscillation"] = all(m["direction_changes_max"] <= 1 for m in by["drift"])
     if by["spike"]:
         out["spike_no_moves"] = all(m["moves"] == 0 for m in by["spike"])
     if by["clean"]:
@@ -158,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     runs = runs_dir("balance", a.runs_dir)
     print(f"hybridpar bench balance: run directories in {runs}", file=sys.stderr)
-    results = []
+    results: list[dict[str, Any]] = []
     for mode in a.modes.split(","):
         for layout in a.layouts.split(","):
             for case in a.cases.split(","):
@@ -166,6 +205,12 @@ def main(argv: list[str] | None = None) -> int:
                     continue  # boundary 1:2 needs pipeline ranks 1 and 2
                 results.append(run_pair(layout, case, mode, a, runs))
                 print(_line(results[-1]), file=sys.stderr, flush=True)
+                text = _write(a, runs, results)  # after every case: a long run interrupted keeps its figures
+    print(text)
+    return 0
+
+
+def _write(a: argparse.Namespace, runs: Path, results: list[dict[str, Any]]) -> str:
     report = {
         "bench": "balance",
         "cpu_count": os.cpu_count(),
@@ -175,11 +220,10 @@ def main(argv: list[str] | None = None) -> int:
         "acceptance_emulated": acceptance(results),
     }
     text = json.dumps(report, indent=2)
-    print(text)
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(text + "\n")
-    return 0
+    return text
 
 
 if __name__ == "__main__":

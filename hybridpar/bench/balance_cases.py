@@ -11,8 +11,10 @@ rank, zb-h1, zb-v), dp4 and dp2xpp2. Slowdowns, each from step `ONSET` (emulated
 - slow_link: the link between pipeline ranks 1 and 2 at a tenth of the others' speed
   (`--emulate.slow_link 1:10`, pipeline layouts only); the contender is the adaptive microbatch policy.
 
-The capacity bound of a step is the clean step (the median of the same run's steps before the onset: the
-same processes, so no drift of the machine's load between runs enters it) x N / the summed rank speeds.
+The capacity bound of a step is the clean step x N / the summed rank speeds. The clean step is measured by
+a run of its own in every repeat (`bound`: the same layout, no slowdown, no balancer), alternating with the
+static and the balanced run; the same run's steps before the onset are reported beside it
+(`pre_onset_step_s`), as is the emulated costs' own bound (`analytic_step`).
 """
 
 from __future__ import annotations
@@ -50,7 +52,9 @@ def case_config(layout: str, case: str, mode: str, a: Any, contender: bool) -> C
     m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim = 32, 24, 4, 2, 64
     p.tp, p.pp, p.dp, p.schedule, p.virtual_stages, p.partition = 1, s["pp"], s["dp"], s["schedule"], s["v"], "uniform"
     t.global_batch, t.microbatches, t.seq_len = 28, s["microbatches"], 16
-    t.steps = {"drift": ONSET + a.drift_steps + a.measure, "clean": a.clean_steps}.get(case, a.steps)
+    t.steps = {"drift": ONSET + a.drift_steps + a.measure, "clean": a.clean_steps, "bound": ONSET + a.measure}.get(
+        case, a.steps
+    )
     t.warmup_steps, t.val_every, t.monitor_every, t.sample_tokens = 2, 0, 0, 0
     cfg.data.max_tokens = 200_000
     e.layer_ms = a.layer_ms if mode == "emulated" else 0.0
@@ -67,6 +71,30 @@ def case_config(layout: str, case: str, mode: str, a: Any, contender: bool) -> C
         cfg.batching.policy = "adaptive" if contender else "fixed"
     cfg.balance.mode = "auto" if contender or case == "clean" else "off"
     return cfg
+
+
+def rank_work(layout: dict, cfg: Config, rank: int) -> float:
+    """Layers x batch share `rank` holds in a balancer layout record (`{"parts", "split"}`; tp 1): the
+    direction a move took for that rank."""
+    p = cfg.parallel
+    spec = schedule_spec(p.schedule)
+    ranks = spec.stage_ranks(p.pp, spec.resolve_virtual_stages(p.virtual_stages))
+    d, pp_rank = divmod(rank, p.pp)
+    return sum(b - a for s, (a, b) in enumerate(layout["parts"][d]) if ranks[s] == pp_rank) * layout["split"][d]
+
+
+def oscillation(cfg: Config, moves: list[dict], rank: int = 2) -> dict[str, Any]:
+    """Moves of a drift run (1x -> peak -> 1x): the shortest gap between two (at least `balance.interval`)
+    and how often the direction of the drifting `rank`'s work changed (no oscillation: at most once, at
+    the peak — each way monotone)."""
+    signs = [rank_work(m["new"], cfg, rank) - rank_work(m["old"], cfg, rank) for m in moves]
+    signs = [x for x in signs if x != 0]
+    gaps = [b["step"] - a["step"] for a, b in zip(moves, moves[1:])]
+    return {
+        "min_move_gap": min(gaps, default=None),
+        "direction_changes": sum(1 for x, y in zip(signs, signs[1:]) if x * y < 0),
+        "work_changes": signs,
+    }
 
 
 def step_times(rows: list[dict]) -> list[float]:
@@ -96,8 +124,11 @@ def analytic_step(cfg: Config, speeds: float) -> float:
     return work / speeds / (1.0 - bubble)
 
 
-def figures(cfg: Config, case: str, base: list[dict], cont: list[dict], a: Any) -> dict[str, Any]:
-    """One pair of runs (baseline, contender) as ratios to the capacity bound and to each other."""
+def figures(
+    cfg: Config, case: str, base: list[dict], cont: list[dict], a: Any, bound: list[dict] | None = None
+) -> dict[str, Any]:
+    """One pair of runs (baseline, contender) as ratios to the capacity bound and to each other; the clean
+    step from the `bound` run (None: the contender's steps before the onset)."""
     world, skip = cfg.parallel.world_size, cfg.balance.skip_steps
     tb, tc = step_times(base), step_times(cont)
     moves = decisions(cont)
@@ -114,8 +145,11 @@ def figures(cfg: Config, case: str, base: list[dict], cont: list[dict], a: Any) 
             "microbatches_static": split[0],
             "microbatches_adaptive": split[1],
         }
-    clean_step = statistics.median(tc[skip:ONSET])
-    out: dict[str, Any] = {"clean_step_s": clean_step, "moves": len(moves)}
+    pre_onset = statistics.median(tc[skip:ONSET])
+    clean_step = statistics.median(step_times(bound)[skip:]) if bound else pre_onset
+    out: dict[str, Any] = {"clean_step_s": clean_step, "pre_onset_step_s": pre_onset, "moves": len(moves)}
+    if cfg.emulate.layer_ms > 0:  # how far the clean step sits above the emulated costs alone
+        out["analytic_clean_step_s"] = analytic_step(cfg, world)
     if case == "drift":
         span = range(ONSET, len(tc))
         bound = drift_bound(clean_step, world, cfg.emulate.drift, span)
@@ -123,7 +157,7 @@ def figures(cfg: Config, case: str, base: list[dict], cont: list[dict], a: Any) 
             "balanced_over_ideal": bound / sum(tc[ONSET:]),
             "static_over_ideal": bound / sum(tb[ONSET:]),
             "move_steps": [d["step"] for d in moves],
-        }
+        } | oscillation(cfg, moves)
     else:
         speeds = world - sum(1.0 - 1.0 / f for f in slow_factors(case, a.drift_steps).values())
         if case == "spike":

@@ -8,7 +8,9 @@ per GPU. One cost model for every row; no constant is tuned per row.
 A row's published layout is scored as the source ran it: its tp x pp x dp, interleaved 1F1B where it names
 virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its optimizer sharding (`zero`,
 where the source's run sharded it), its sequence parallelism (`sequence_parallel`, where the source ran it),
-its precision (fp16 as bf16).
+its precision (fp16 as bf16). A row whose source ran chunks hybridpar's config cannot hold (`chunks_as_run`: Llama 3's
+embedding and head as chunks of their own, one layer in each other chunk) is costed with them (`EndChunks`); its
+`fits` and the planner's search stay on the row's expressible `virtual_stages`.
 `fits` says whether our memory model (plan/memory_model.py) puts it within the cluster file's device memory;
 where the planner finds no layout at all, `no_choice` says why (its one-line error).
 """
@@ -23,10 +25,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from hybridpar.pipeline.schedules import stages_per_rank
+from hybridpar.config import Config
+from hybridpar.pipeline.partition import partition_uniform
+from hybridpar.pipeline.schedules import stage_count, stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from hybridpar.plan.cost import CostModel, predict
-from hybridpar.plan.hardware import load_hardware
+from hybridpar.plan.cost import CostModel, Placement, Prediction, predict
+from hybridpar.plan.hardware import Hardware, load_hardware
 from hybridpar.plan.memory_model import rank_memory
 from hybridpar.plan.published import (
     PLANNER_DOCS,
@@ -58,6 +62,31 @@ def published_figure(row: dict[str, Any], basis: str) -> float:
     return row[key.get(basis, "reported_tokens_per_s")]
 
 
+class EndChunks(CostModel):
+    """The cost model over a partition whose first chunk holds only the embedding and whose last holds only the
+    head and loss, the model's layers spread evenly over the chunks between: Llama 3's pipeline (arXiv:2407.21783,
+    Sec. 3.3.2: "we reduce one Transformer layer each from the first and the last stages ... the first model
+    chunk on the first stage has only the embedding, and the last model chunk on the last stage has only output
+    projection and loss calculation"). hybridpar's config gives every stage a layer at least
+    (config_rules._check_layout), so such a layout is costed here, for the published comparison only."""
+
+    def parts(self, cfg: Config, pl: Placement) -> list[range]:
+        n, layers = stage_count(cfg.parallel), self.m.n_layers
+        if not 2 < n <= layers + 2:
+            raise ValueError(f"{n} chunks cannot hold the embedding and the head apart around {layers} layers")
+        return [range(0, 0), *partition_uniform(layers, n - 2), range(layers, layers)]
+
+
+def given_layout(row: dict[str, Any], hw: Hardware) -> tuple[Config, Prediction]:
+    """The published layout and its prediction: the row's config, or where the source ran chunks the config
+    cannot hold (`chunks_as_run`), that config with those chunks per rank on `EndChunks`."""
+    cfg = row_config(row)
+    if "chunks_as_run" not in row:
+        return cfg, predict(CostModel(cfg.model, hw), cfg)
+    cfg.parallel.virtual_stages = row["chunks_as_run"]
+    return cfg, predict(EndChunks(cfg.model, hw), cfg)
+
+
 def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, search: bool = True) -> dict[str, Any]:
     """One row: the published figure, the prediction for its layout, the planner's choice (`memory`: the
     memory model, plan/memory_model.py's unless a test passes a quicker one; `search=False` skips the planner's
@@ -67,12 +96,12 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     validate_config(cfg, row["gpus"])
     tokens = row["global_batch"] * row["seq_len"]
     rate, basis = tokens_per_s_per_gpu(row)
-    model = CostModel(cfg.model, hw)
-    given = predict(model, cfg)
     need = max(int(e.total) for e in memory(cfg))
+    run, given = given_layout(row, hw)
     given_rate = tokens / given.step_s / row["gpus"]
-    p = cfg.parallel
+    p = run.parallel
     layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else "")
+    layout += " (embedding, head apart)" if "chunks_as_run" in row else ""
     layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}" + (f" zero{p.zero}" if p.zero else "")
     layout += " sp" if p.sequence_parallel else ""
     out = {

@@ -403,8 +403,8 @@ class EmulateConfig:
     )
     layer_ms: float = _f(
         0.0,
-        "BENCHMARK MODE, off by default (0): every decoder layer's forward also sleeps this "
-        "many ms per sample and its backward twice that, so compute is a fixed duration",
+        "BENCHMARK MODE, off by default (0): every compute action lasts this many ms per decoder layer "
+        "and sample (backward twice that), the real compute inside it, so compute is a fixed duration",
     )
     memory_limit: int | None = _f(
         None,

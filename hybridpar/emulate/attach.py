@@ -30,19 +30,13 @@ from hybridpar.trainer.step import Attachment, Trainer
 def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
     """The trainer attachment of `emulate.slowdown` and `emulate.layer_ms` (ValueError naming the key for
     a bad slowdown spec)."""
-    world = topo.dims.world_size
-    plan = SlowdownPlan.from_config(cfg.emulate.slowdown, world)
-    shaped = tuple(e for shape in SHAPES for e in parse_shaped(shape, getattr(cfg.emulate, shape), world))
+    factor = rank_factor(cfg, topo.dims.world_size)
     layer_ms = cfg.emulate.layer_ms
-
-    def factor(rank: int, step: int) -> float:
-        return plan.factor(rank, step) * shaped_factor(shaped, rank, step)
-
     delays = _slow_link(cfg, topo) if cfg.emulate.slow_link.strip() else {}
 
     def attach(trainer: Trainer) -> Callable[[], None]:
-        undo = [attach_layer_cost(stage, layer_ms) for stage in trainer.stages.values()]
-        if plan or shaped:
+        undo = [attach_layer_cost(trainer.runtime, layer_ms)]
+        if factor is not None:
             undo.append(_stretch_steps(trainer, factor))
         if delays:
             trainer.p2p.link_delay_s = dict(delays)
@@ -55,6 +49,16 @@ def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
         return detach
 
     return attach
+
+
+def rank_factor(cfg: Config, world: int) -> Callable[[int, int], float] | None:
+    """factor(rank, step): how many times slower `emulate.slowdown`, `emulate.drift` and `emulate.spike`
+    together make a rank at a step (they multiply); None when all three are off."""
+    plan = SlowdownPlan.from_config(cfg.emulate.slowdown, world)
+    shaped = tuple(e for shape in SHAPES for e in parse_shaped(shape, getattr(cfg.emulate, shape), world))
+    if not (plan or shaped):
+        return None
+    return lambda rank, step: plan.factor(rank, step) * shaped_factor(shaped, rank, step)
 
 
 def _slow_link(cfg: Config, topo: Topology) -> dict[int, float]:

@@ -1,50 +1,34 @@
 """Emulated layer cost (`--emulate.layer_ms`): a named benchmark mode, off by default.
 
-Every decoder layer of a stage costs a fixed duration per sample: after the stage's real forward
-it sleeps `layers x samples x layer_ms`, and its backward sleeps twice that (the usual B = 2F).
-With a tiny model the real compute is then negligible, so 4 ranks sharing 2 cores measure the
-speeds the balancer is meant to see, not the CPU contention; `--emulate.slowdown` still stretches
-a rank on top (it scales the action's whole measured time, sleep included). The real tensors still
-flow and the math is untouched: the sleep sits in an identity autograd node. The duration is read
-from the stage's current layer count at each forward, so it follows layers that move. The run entry
-attaches it to the trainer's stages (attach.py), never the trainer itself.
+Every decoder layer of a stage costs a fixed duration per sample: a stage's forward of a microbatch
+lasts `layers x samples x layer_ms`, its backward twice that (the usual B = 2F; a split backward's B
+and W once each). The duration is a floor on the whole compute action, not an addition to it: the
+pipeline runtime sleeps until the action has lasted its emulated cost, so the real compute inside it
+(a tiny model's, kept well under the cost) and whatever a loaded machine makes it take do not change
+the action's length. A sleeping rank needs no core, so 4 ranks on 2 shared cores measure the speeds
+the balancer is meant to see, not the contention. `--emulate.slowdown` stretches the action on top
+(stretch x the emulated cost). The tensors and the math are untouched. The cost reads the stage's
+current layer count at each action, so it follows layers that move. The run entry attaches it to the
+trainer's runtime (attach.py), never the trainer itself.
 """
 
 from __future__ import annotations
 
-import time
 from typing import Any, Callable
 
-import torch
-from torch import nn
 
-
-class _Sleep(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, f_s: float, b_s: float) -> torch.Tensor:
-        time.sleep(f_s)
-        ctx.b_s = b_s
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-        time.sleep(ctx.b_s)
-        return g, None, None
-
-
-def attach_layer_cost(stage: nn.Module, layer_ms: float) -> Callable[[], None]:
-    """Make `stage` (a model Stage) cost `layer_ms` per layer and sample forward, twice that backward;
-    returns the function that takes the cost off again (nothing to take off at `layer_ms` 0)."""
+def attach_layer_cost(runtime: Any, layer_ms: float) -> Callable[[], None]:
+    """Make each compute action of `runtime` (a PipelineRuntime) last at least `layer_ms` per layer and
+    sample (backward twice that); returns the function that takes the cost off (nothing at 0)."""
     if layer_ms <= 0:
         return lambda: None
 
-    def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> torch.Tensor:
-        f_s = len(mod.layer_ids) * args[0].shape[0] * layer_ms / 1000.0
-        return _Sleep.apply(out, f_s, 2.0 * f_s) if torch.is_grad_enabled() else _sleep_eval(out, f_s)
+    def cost(stage: int, samples: int) -> float:  # one forward's seconds
+        return len(runtime.stages[stage].layer_ids) * samples * layer_ms / 1000.0
 
-    return stage.register_forward_hook(hook).remove
+    runtime.emulated_cost = cost
 
+    def detach() -> None:
+        runtime.emulated_cost = None
 
-def _sleep_eval(out: torch.Tensor, f_s: float) -> torch.Tensor:
-    time.sleep(f_s)
-    return out
+    return detach

@@ -87,9 +87,14 @@ class PipelineRuntime:
         self.stages, self.n_stages, self.loss_fn = stages, n_stages, loss_fn
         self.stage_peer, self.p2p, self.hidden = stage_peer, p2p, hidden
         self._deferral: dict[int, WeightGradDeferral] = {}
-        # Emulation only (emulate/slowdown.py): after each compute action, sleep (stretch - 1) x its own
-        # compute time, so this rank behaves like a device `stretch` times slower. 1.0 = off.
+        # Emulation only (emulate/): a compute action takes stretch x its own compute time, or with an
+        # emulated cost max(own, stretch x the cost), message waits excluded; the rank sleeps the rest.
+        # `stretch` (slowdown.py) makes this rank a device `stretch` times slower, 1.0 = off.
+        # `emulated_cost(stage, samples)` (layer_cost.py) is one forward's emulated seconds (backward
+        # twice that; a split backward's B and W once each): the real compute inside an action is absorbed
+        # up to that cost, so a loaded machine's contention does not change the emulated speeds.
         self.stretch = 1.0
+        self.emulated_cost: Callable[[int, int], float] | None = None
         self.meter: ActivationMeter | None = None  # counts the activations forward passes save
         # Mixed precision (train.precision=bf16): stages compute under autocast to this dtype; their
         # parameters, gradients and the residual stream inside a stage stay fp32. Messages between ranks
@@ -187,11 +192,21 @@ class PipelineRuntime:
                 self._compute(st, lambda: self._split(s).weight((s, m)))
             if self.after_compute is not None:
                 self.after_compute(s)
-            if self.stretch > 1.0:
-                waited = sum(w.end - w.start for w in st.waits[n_waits:])
-                time.sleep((self.stretch - 1.0) * max(0.0, time.perf_counter() - t0 - waited))
+            if self.stretch > 1.0 or self.emulated_cost is not None:
+                self._emulate(st, a, split, t0, n_waits)
         else:
             raise ValueError(f"runtime cannot execute {a}")
+
+    def _emulate(self, st: _Step, a: Action, split: bool, t0: float, n_waits: int) -> None:
+        """Sleep so that compute action `a` (begun at `t0`) lasts stretch x its own time, or with an emulated
+        cost at least stretch x that cost."""
+        own = time.perf_counter() - t0 - sum(w.end - w.start for w in st.waits[n_waits:])
+        if self.emulated_cost is None:
+            time.sleep((self.stretch - 1.0) * max(0.0, own))
+            return
+        units = 2.0 if a.op == Op.BACKWARD and not split else 1.0  # B = 2F; split: B = W = F
+        # The emulated device is `stretch` x slower: its cost stretches, the real compute stays noise.
+        time.sleep(max(0.0, self.stretch * units * self.emulated_cost(a.stage, st.shapes[a.microbatch][0]) - own))
 
     def _compute(self, st: _Step, work: Callable[[], None]) -> None:
         """Run `work`; on out-of-memory drop the step's graphs and go on without computing: peers
