@@ -227,6 +227,19 @@ class TrainConfig:
         "gradient reductions; pipeline messages in bfloat16",
         choices=("fp32", "bf16"),
     )
+    compile: bool = _f(
+        False,
+        "torch.compile each decoder layer's training forward and backward (one compiled callable per process, "
+        "shared by its layers: a handful of graphs whatever the depth; the run log counts them); the "
+        "tensor-parallel collectives and the zero-bubble split's linear layers stay eager between compiled "
+        "regions; validation, sampling and serving run eager (docs/performance.md)",
+    )
+    compile_backend: str = _f(
+        "inductor",
+        "with train.compile: inductor (generated kernels: C++ on CPU, Triton on CUDA), or aot_eager (the same "
+        "captured graphs and backward run with eager kernels, bit-identical to eager: a composition check)",
+        choices=("inductor", "aot_eager"),
+    )
     seq_len: int = _f(128, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of cosine decay")
@@ -235,6 +248,13 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
+    fused_adamw: str = _f(
+        "auto",
+        "AdamW's kernel: on = torch's fused AdamW (one kernel updates every parameter), off = torch's default "
+        "path (multi-tensor foreach on CUDA, a loop over parameters on CPU), auto = fused on CUDA, the default "
+        "elsewhere (docs/compile.md); the same update either way, to rounding",
+        choices=("auto", "on", "off"),
+    )
     grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
     recompute: str = _f(
         "none",

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.config import TrainConfig
-from hybridpar.model.optim import lr_at, param_groups
+from hybridpar.model.optim import adamw_options, lr_at, param_groups
 from hybridpar.topology.mesh import Topology
 
 
@@ -132,7 +132,8 @@ class ShardedAdamW(torch.optim.AdamW):
                 mine = part(p.detach(), s, self.r)
                 self.views.append(nn.Parameter(mine.clone() if own else mine))
         groups = param_groups([(f"{i}", q) for i, q in enumerate(self.views)], t.weight_decay)
-        super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
+        fast = adamw_options(t, self.views[0].device) if self.views else {}
+        super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps, **fast)
         if carry is not None:
             self.load_full_state(carry)
 

@@ -27,6 +27,7 @@ from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
 from hybridpar.dataparallel.tree import TreeGrads
 from hybridpar.dataparallel.zero import ShardedAdamW
 from hybridpar.dataparallel.zero3 import Zero3
+from hybridpar.model.compiled import CompiledLayers
 from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
@@ -62,6 +63,7 @@ class ModelParallel:
     stage_ranks: tuple[int, ...]  # pipeline rank of each stage: the schedule's placement
     p2p: P2P
     runtime: PipelineRuntime
+    compiled: CompiledLayers | None = None  # train.compile: the callable every stage's layers run through
 
     def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(stage-qualified name, parameter) of every parameter this rank holds, in a fixed order."""
@@ -93,7 +95,10 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     runtime.autocast = low
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
-    return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime)
+    compiled = CompiledLayers(t.compile_backend) if t.compile else None
+    for st in stages.values():
+        st.compiled = compiled  # kept by live re-partition, which moves layers between existing stages
+    return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime, compiled)
 
 
 @dataclass
