@@ -201,6 +201,11 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 in effect: each dp rank holds 1/dp of every parameter at rest (with dp = 1, nothing)."""
+        return self.zero == 3 and self.dp > 1
+
+    @property
     def layout(self) -> tuple[int, int, int]:
         """(dp, pp, tp): the mesh's axes in rank order (topology/mesh.py), cp aside (it is 1 wherever this
         is read: CPU binding refuses cp > 1)."""

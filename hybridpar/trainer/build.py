@@ -141,15 +141,17 @@ def build_optimizer(
     mp: ModelParallel,
     layout: Layout,
     carry: dict[torch.Tensor, dict] | None = None,
+    given: dict[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over `mp`'s parameters, its state sharded over dp under `parallel.zero` 1 or 2 while the replicas
     share one partition (with per-replica partitions a layer's replicas sit on different pipeline ranks,
     so each rank keeps whole state until the layout is shared again). `carry` (whole state by parameter,
     as `full_optimizer_state` gives) is kept for the parameters it has — layers that moved here arrive
-    with their state already in it."""
+    with their state already in it. Under ZeRO-3 after a move, `given` holds this rank's slice of every
+    parameter and `carry` the slices' state (the parameters themselves are empty)."""
     named, t = mp.parameters(), cfg.train
     if cfg.parallel.zero >= 1 and layout.shared_partition:
-        return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.zero == 3 and cfg.parallel.dp > 1)
+        return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.shards_parameters, given=given)
     opt = make_optimizer(named, t)
     if carry is not None:
         for _, q in named:
