@@ -51,6 +51,15 @@ def test_a_layout_that_does_not_apply_is_left(saved: dict | None, mesh: dict, wh
     assert r.layout is None and why in r.reason and r.to_record()["source"] == "configured"
 
 
+def test_zero3_leaves_a_layout_whose_replicas_differ() -> None:
+    """ZeRO-3 cuts each layer among the replicas' ranks of one stage: a per-replica layout recorded at
+    another zero level is left, a shared one taken."""
+    r = restored_layout(_saved(MOVED), UNIFORM, **MESH, shared_only=True)
+    assert r.layout is None and "parallel.zero=3 needs one partition" in r.reason
+    shared = Layout.uniform(R(6, 2), [8, 4])
+    assert restored_layout(_saved(shared), UNIFORM, **MESH, shared_only=True).layout == shared
+
+
 def test_another_layer_count_is_left() -> None:
     r = restored_layout(_saved(MOVED), Layout.uniform(R(5, 5), [6, 6]), **MESH)
     assert r.layout is None and "covers 8 layers, this model has 10" in r.reason

@@ -166,6 +166,11 @@ def test_split_follows_simulated_speed() -> None:
     assert sim.layout_step(new, EIGHT, speeds) < sim.layout_step(old, EIGHT, speeds)
     # The bound prefers the old layout: only the simulation sees the fill and drain.
     assert predicted_step(old, EIGHT, speeds, 1, "gpipe") < predicted_step(new, EIGHT, speeds, 1, "gpipe")
+    # One partition for both replicas (ZeRO-3): replica 1's 6/2 suits replica 0 as well (8 per sample
+    # either way), so the shared layout simulates as fast; the even one would take 12 x 8 = 96.
+    shared = plan_layout_simulated(cur, EIGHT, speeds, sim, margin=0.05, shared=True)
+    assert shared.parts == (R(6, 2), R(6, 2)) and shared.split == (11, 9)
+    assert sim.layout_step(shared, EIGHT, speeds) == sim.layout_step(new, EIGHT, speeds)
 
 
 def test_uniform_speeds_keep_the_even_partition() -> None:

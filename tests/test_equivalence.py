@@ -6,6 +6,7 @@ dp=3 with replicas of 4, 3 and 3 samples, a sequence of 33 tokens."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 
@@ -85,8 +86,15 @@ def grid_config(pp: int, schedule: str, v: int, **over: dict) -> Config:
 _REF: dict[str, tuple] = {}  # the reference depends on model, train and data settings only
 
 
+def _math(cfg: Config) -> tuple:
+    """What the single-device reference depends on: model, data, and train less the settings that change how
+    the parallel run computes, not what (compilation, recomputation)."""
+    t = dataclasses.replace(cfg.train, compile=False, compile_backend="inductor", recompute="none")
+    return (cfg.model, t, cfg.data)
+
+
 def ref_for(cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1, order: int | None = None) -> tuple:
-    key = repr((cfg.model, cfg.train, cfg.data, dtype, accumulate, order))
+    key = repr((*_math(cfg), dtype, accumulate, order))
     if key not in _REF:
         _REF[key] = reference(cfg, dtype, accumulate, order=order)
     return _REF[key]
@@ -97,7 +105,7 @@ _STICKS: dict[str, Yardstick] = {}
 
 def yardstick_for(cfg: Config) -> Yardstick:
     """The fp64 run of `cfg`'s training and the noise of single-process runs in other orders."""
-    key = repr((cfg.model, cfg.train, cfg.data))
+    key = repr(_math(cfg))
     if key not in _STICKS:
         _STICKS[key] = yardstick(cfg, runs=lambda c, dt, k, o: ref_for(c, dt, k, o))
     return _STICKS[key]
@@ -175,6 +183,17 @@ def unequal_configs() -> list[Config]:
     return [cfg]
 
 
+def compile_configs() -> list[Config]:
+    """train.compile (aot_eager: the capture, graph breaks and compiled backward without code generation) with
+    the zero-bubble B/W split and full recomputation over two stages, and with tensor parallelism's
+    collectives traced into the graph. Inductor's kernels: `hybridpar bench compile`."""
+    c = dict(compile=True, compile_backend="aot_eager")
+    return [
+        grid_config(2, "zb-h1", 1, parallel=dict(tp=1, pp=2, dp=1), train=dict(recompute="full", **c)),
+        grid_config(1, "1f1b", 1, parallel=dict(tp=2, pp=1, dp=1), train=c),
+    ]
+
+
 def tight_ring_configs() -> list[Config]:
     return [grid_config(4, s, v, parallel=dict(tp=1, pp=4, dp=1, p2p="shared_memory")) for s, v in schedules_for(4)]
 
@@ -194,6 +213,7 @@ SHARED = {
     "world2": {
         **{f"layout-{k}": (layout_configs, lay) for k, lay in zip(_ids(LAYOUTS), LAYOUTS) if math.prod(lay) == 2},
         "unequal": (unequal_configs, ()),
+        "compile": (compile_configs, ()),
     },
     "world4-llama": {
         **{f"layout-{k}": (layout_configs, lay) for k, lay in zip(_ids(LAYOUTS), LAYOUTS) if math.prod(lay) == 4},
@@ -253,6 +273,10 @@ def test_tied_embeddings_across_stages(shared) -> None:
 
 def test_explicit_unequal_microbatches(shared) -> None:
     shared("unequal")
+
+
+def test_compiled_layers_match_single_device(shared) -> None:
+    shared("compile")
 
 
 @pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=_ids(GPT2_LAYOUTS))

@@ -250,7 +250,11 @@ def test_bench_grid_skips_zero_without_data_parallelism_and_refuses_unknown_name
     runs, skipped = cases(["default", "larger"], ["tp2xpp2", "dp2xpp2"], 2)
     assert (len(runs["tp2xpp2"]), len(runs["dp2xpp2"]), len(skipped)) == (12, 24, 12)
     assert all("zero=1" in s and "tp2xpp2" in s for s in skipped)
-    for bad in (["--models", "huge"], ["--layouts", "tp3"], ["--steps", "0"]):
+    runs, skipped = cases(["default"], ["dp4", "tp2xpp2"], 2, zeros=(0, 3), precisions=("fp32",))
+    assert (len(runs["dp4"]), len(runs["tp2xpp2"]), len(skipped)) == (6, 3, 3)
+    assert all("ZeRO-3 shards over dp" in s for s in skipped)
+    bad_args = (["--models", "huge"], ["--layouts", "tp3"], ["--steps", "0"], ["--zero", "4"], ["--precisions", "fp16"])
+    for bad in bad_args:
         with pytest.raises(SystemExit) as e:
             parse_args(bad)
         assert e.value.code == 2

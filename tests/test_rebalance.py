@@ -1,6 +1,7 @@
 """Live rebalance keeps the training math: a run whose layers (with their AdamW state) move between
 running pipeline ranks, and whose batch is re-split among replicas, ends with the same per-step losses
-and parameters as the same run without the moves and as one device (<= 1e-5)."""
+and parameters as the same run without the moves and as one device (<= 1e-5). Under ZeRO-3 the layers'
+dp slices move (nothing gathered): the parameters stay empty at rest after the moves."""
 
 from __future__ import annotations
 
@@ -54,6 +55,10 @@ def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
             if str(step) in plan:
                 info = tr.apply_layout(Layout.from_record(plan[str(step)]))
                 moved.append(info.get("layers_sent", 0) + info.get("layers_received", 0))
+        # ZeRO-3: bytes in the parameters' own storages at rest (0: only slices held), then whole again.
+        rest = sum(q.untyped_storage().nbytes() for _, q in tr.mp.parameters())
+        if tr.zero3 is not None:
+            tr.zero3.close()
         state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
         if state is not None:
             torch.save(state, Path(out_dir) / f"{label}.pt")
@@ -62,6 +67,7 @@ def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
             "moved": moved,
             "parts": [[r.start, r.stop] for r in tr.parts],
             "split": [sum(s) for s in tr.plan.sizes],
+            "rest": rest,
         }
     return result
 
@@ -100,6 +106,20 @@ CASES = {
         dict(tp=1, pp=2, dp=2, schedule="zb-v", virtual_stages=2, zero=1),
         {},
         {1: Layout((R(1, 2, 4, 1), R(2, 2, 2, 2)), (7, 4)), 3: Layout((R(3, 1, 1, 3), R(3, 1, 1, 3)), (4, 7))},
+    ),
+    # ZeRO-2: replica 0 alone re-partitioned (whole state per rank meanwhile, as ZeRO-1), then one shared
+    # partition again: the kept gradient slices and the state are re-cut for the new stages.
+    "zero2-pp2-dp2": (
+        dict(tp=1, pp=2, dp=2, zero=2),
+        {},
+        {1: Layout((R(6, 2), R(4, 4)), (7, 4)), 3: Layout((R(3, 5), R(3, 5)), (4, 7))},
+    ),
+    # ZeRO-3 under ZB-V: each dp rank's parameter and state slices move (the balancer keeps one
+    # partition for all replicas), across ranks and between a rank's own two stages; the batch re-split.
+    "zero3-zb-v-pp2-dp2": (
+        dict(tp=1, pp=2, dp=2, schedule="zb-v", virtual_stages=2, zero=3),
+        {},
+        {1: Layout.uniform(R(1, 2, 4, 1), (7, 4)), 3: Layout.uniform(R(3, 1, 1, 3), (4, 7))},
     ),
     # bf16 with ZeRO-1: layers move with their fp32 masters and sharded AdamW state, replica 0 alone
     # re-partitioned and the batch re-split (check_rebalance holds it to bf16's criterion). Its model and
@@ -177,6 +197,8 @@ def check_rebalance(case: str, cfg: Config, moves: dict[int, Layout], res: dict,
         assert moved["parts"] != static["parts"]
     if cfg.parallel.dp > 1:
         assert tuple(moved["split"]) == list(moves.values())[-1].split != tuple(static["split"])
+    if cfg.parallel.shards_parameters:  # only the slices moved: no parameter is whole at rest
+        assert moved["rest"] == static["rest"] == 0, (moved["rest"], static["rest"])
     if cfg.train.precision == "bf16":
         check_bf16(case, cfg, res, ref_losses, tmp_path)
         return

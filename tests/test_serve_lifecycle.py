@@ -1,6 +1,6 @@
 """`hybridpar serve`'s workers never outlive it: a SIGTERM while the replicas start stops them (the
 handler is in place before the first worker starts), and a SIGKILLed server takes its workers with it
-(parent-death signal)."""
+(each worker watches it)."""
 
 from __future__ import annotations
 
@@ -33,7 +33,8 @@ def start_server(stderr: Path) -> subprocess.Popen:
 
 
 def workers(server: subprocess.Popen) -> list[psutil.Process]:
-    """The server's worker processes (multiprocessing spawn children, not its resource tracker)."""
+    """The server's worker processes: the children of its fork server (topology/spawn.py), itself a
+    child of the server."""
     out = []
     try:
         children = psutil.Process(server.pid).children()
@@ -41,8 +42,8 @@ def workers(server: subprocess.Popen) -> list[psutil.Process]:
         return []
     for c in children:
         try:
-            if any("spawn_main" in a for a in c.cmdline()):
-                out.append(c)
+            if any("multiprocessing.forkserver" in a for a in c.cmdline()):
+                out += c.children()
         except psutil.Error:
             pass
     return out

@@ -110,6 +110,7 @@ class Balancer:
         schedule: str = "1f1b",
         min_per_replica: int = 1,
         virtual_stages: int = 1,
+        shared_partition: bool = False,
     ) -> None:
         c = config
         if c.mode not in MODES:
@@ -125,6 +126,7 @@ class Balancer:
         self.microbatches, self.schedule, self.min_per_replica = microbatches, schedule, min_per_replica
         self.sim = ScheduleSim(schedule, microbatches, virtual_stages)
         self.virtual_stages = virtual_stages
+        self.shared = shared_partition  # every replica one partition (ZeRO-3: simulated.py)
         self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
         self.detector = StragglerDetector(c.threshold, c.window, c.patience)
         self._updates = 0
@@ -192,7 +194,7 @@ class Balancer:
         # only real beyond twice the measured noise; and never below the gain a move must bring anyway.
         margin = min(max(c.min_gain, 2.0 * self.detector.noise()), 0.99)
         new = plan_layout_simulated(
-            layout, self.cost, speeds, self.sim, margin=margin, min_per_replica=self.min_per_replica
+            layout, self.cost, speeds, self.sim, margin=margin, min_per_replica=self.min_per_replica, shared=self.shared
         )
         before = self.sim.layout_step(layout, self.cost, speeds)
         after = self.sim.layout_step(new, self.cost, speeds)

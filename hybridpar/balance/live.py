@@ -86,6 +86,7 @@ class LiveBalancer:
             cfg.parallel.schedule,
             min_per_replica=t.microbatches,
             virtual_stages=stages_per_rank(cfg.parallel),
+            shared_partition=cfg.parallel.shards_parameters,  # ZeRO-3: one partition
         )
         self.placed = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
         self.step_times: deque[float] = deque(maxlen=cfg.balance.window)

@@ -9,6 +9,13 @@ pair of ranks one flat buffer carries all moved tensors (layers in order, parame
 order, then their state), and a second carries the step counters in float64 (exact for any count).
 Only layers move: the embedding stays on stage 0 and the final norm and head on the last stage,
 which is why stage boundaries alone describe a move.
+
+Under ZeRO-3 (`shards` given) what a rank holds of a parameter at rest is its dp slice, and that is what
+moves: the slices are cut by the parameter's shape alone (dataparallel/zero.py's `slice_of`), so dp rank
+d's slice on the sending stage is dp rank d's slice on the receiving one, and each rank sends its slice
+and the AdamW state of that slice to the rank with its own (dp, tp) coordinates. Nothing is gathered and
+no rank ever holds a moved layer whole. Gradients are not carried: a move follows the optimizer step,
+after which there are none (ZeRO-2's kept slices included).
 """
 
 from __future__ import annotations
@@ -59,14 +66,20 @@ def _state_keys(state: dict[str, torch.Tensor], p: torch.Tensor) -> tuple[list[s
     )
 
 
-def _pack(layers: list[nn.Module], opt_state: dict) -> tuple[torch.Tensor, torch.Tensor]:
+def _held(p: nn.Parameter, shards: dict | None) -> torch.Tensor:
+    """What this rank holds of `p`: the parameter, or under ZeRO-3 its dp slice (`shards[p]`; `p` itself
+    where the parameter is not sliced)."""
+    return (p if shards is None else shards[p]).detach()
+
+
+def _pack(layers: list[nn.Module], opt_state: dict, shards: dict | None) -> tuple[torch.Tensor, torch.Tensor]:
     tensors: list[torch.Tensor] = []
     scalars: list[torch.Tensor] = []
     for layer in layers:
         for p in layer.parameters():
-            st = opt_state[p]
-            moments, counters = _state_keys(st, p)
-            tensors += [p.detach().reshape(-1)] + [st[k].reshape(-1) for k in moments]
+            st, v = opt_state[p], _held(p, shards)
+            moments, counters = _state_keys(st, v)
+            tensors += [v.reshape(-1)] + [st[k].reshape(-1) for k in moments]
             scalars += [st[k].reshape(1).to(device=p.device, dtype=torch.float64) for k in counters]
     return torch.cat(tensors), torch.cat(scalars)
 
@@ -102,6 +115,7 @@ def move_layers(
     new: Sequence[range],
     build_layer: Callable[[int], nn.Module],
     peer: Callable[[int], int],
+    shards: dict[nn.Parameter, torch.Tensor] | None = None,
 ) -> MoveStats:
     """Collective over this replica's pipeline ranks (call on all of them, with the same `old` and
     `new`): after it, each of this rank's `stages` (stage index -> stage: one per rank, or several with
@@ -109,7 +123,10 @@ def move_layers(
     (the optimizer's `state`, keyed by parameter) brought from the rank that held them; entries of layers
     that left the rank are deleted. `peer(s)` is the global rank of stage s. Messages between one pair of
     ranks are posted in (from stage, to stage) order on both ends, so they match whatever the placement.
-    The caller rebuilds whatever caches parameters (optimizer groups, gradient hooks, split backward)."""
+    The caller rebuilds whatever caches parameters (optimizer groups, gradient hooks, split backward).
+    `shards` (ZeRO-3: parameter -> this rank's dp slice, the state in `opt_state` being the slice's): the
+    slices move instead of the parameters, and arrive as new entries of `shards`; a received layer's own
+    parameters hold nothing yet (ZeRO-3's rebuild frees their storages, dataparallel/zero3.py)."""
     t0 = time.perf_counter()
     stats = MoveStats()
     out, inc = _transfers(layer_moves(old, new), set(stages))
@@ -117,11 +134,11 @@ def move_layers(
     template = next(iter(layers.values()))
     # Sizes of an incoming layer's buffers, from a layer we hold: every decoder layer has the same
     # parameter shapes on a given tp rank, and the same optimizer state.
-    n_flat, n_scalar = (t.numel() for t in _pack([template], opt_state))
+    n_flat, n_scalar = (t.numel() for t in _pack([template], opt_state, shards))
     ops: list[dist.P2POp] = []
     received: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for (src, dst), ids in sorted(out.items()):
-        flat, scalars = _pack([layers[str(i)] for i in ids], opt_state)
+        flat, scalars = _pack([layers[str(i)] for i in ids], opt_state, shards)
         ops += [dist.P2POp(dist.isend, flat, peer(dst)), dist.P2POp(dist.isend, scalars, peer(dst))]
         stats.layers_sent += len(ids)
         stats.bytes_sent += flat.numel() * flat.element_size() + scalars.numel() * 8
@@ -137,11 +154,13 @@ def move_layers(
         for w in dist.batch_isend_irecv(ops):
             w.wait(timeout)
     for pair, ids in sorted(inc.items()):
-        layers.update(_unpack(ids, *received[pair], template, opt_state, build_layer))
+        layers.update(_unpack(ids, *received[pair], template, opt_state, build_layer, shards))
     for ids in out.values():
         for i in ids:
             for p in layers.pop(str(i)).parameters():
                 opt_state.pop(p, None)
+                if shards is not None:
+                    shards.pop(p, None)
     for s, stage in stages.items():
         stage.set_layers({str(i): layers[str(i)] for i in new[s]})
     stats.seconds = time.perf_counter() - t0
@@ -155,25 +174,33 @@ def _unpack(
     template: nn.Module,
     opt_state: dict,
     build_layer: Callable[[int], nn.Module],
+    shards: dict | None,
 ) -> dict[str, nn.Module]:
     """The received layers `ids`, built empty and filled from one pair's buffers (packed by `_pack`), their
-    optimizer state entered in `opt_state` with the dtypes and shapes of `template`'s."""
-    tmpl_keys = {id(p): _state_keys(opt_state[p], p) for p in template.parameters()}
+    optimizer state entered in `opt_state` with the dtypes and shapes of `template`'s (under ZeRO-3 the
+    slices entered in `shards`, with the shapes of the template's slices)."""
     tmpl_params = list(template.parameters())
+    tmpl_keys = {id(p): _state_keys(opt_state[p], _held(p, shards)) for p in tmpl_params}
     fo = so = 0
     built: dict[str, nn.Module] = {}
     for i in ids:
         layer = build_layer(i)
         for p, tp_ in zip(layer.parameters(), tmpl_params):
             moments, counters = tmpl_keys[id(tp_)]
-            tmpl_state = opt_state[tp_]
+            tmpl_state, shape = opt_state[tp_], _held(tp_, shards).shape
+            value = flat[fo : fo + shape.numel()].view(shape)
             with torch.no_grad():
-                p.copy_(flat[fo : fo + p.numel()].view_as(p))
-            fo += p.numel()
+                if shards is not None and shards[tp_] is not tp_:  # a slice, kept apart (ZeRO-3 frees p)
+                    shards[p] = value.clone()
+                else:
+                    p.copy_(value)
+                    if shards is not None:
+                        shards[p] = p
+            fo += shape.numel()
             st: dict[str, torch.Tensor] = {}
             for k in moments:
-                st[k] = flat[fo : fo + p.numel()].view_as(p).clone()
-                fo += p.numel()
+                st[k] = flat[fo : fo + shape.numel()].view(shape).clone()
+                fo += shape.numel()
             for k in counters:
                 ref = tmpl_state[k]
                 st[k] = scalars[so].to(device=ref.device, dtype=ref.dtype).reshape(ref.shape).clone()

@@ -10,7 +10,9 @@ window (plus `balance.interval`) before the balancer moves the same layers again
 The recorded layout applies only to the mesh and batch it was made for: the same pipeline depth, stages
 per rank, replica count, layer count and global batch, every replica keeping at least its microbatch
 count. Otherwise (an elastic re-plan, a changed batch) the run starts from its configured partition and
-says why; the balancer then measures afresh.
+says why; the balancer then measures afresh. Under ZeRO-3 (`shared_only`) a layout whose replicas hold
+different partitions (recorded by a run at another zero level) does not apply either: ZeRO-3 cuts each
+layer among the replicas' ranks of one stage.
 """
 
 from __future__ import annotations
@@ -64,6 +66,7 @@ def restored_layout(
     virtual_stages: int,
     global_batch: int,
     microbatches: int,
+    shared_only: bool = False,
 ) -> Restored:
     """The layout to adopt after loading `saved` (a checkpoint's trainer state; None: not resumed), given
     the run's `configured` starting layout and mesh. Never raises for an unusable record: says why."""
@@ -82,6 +85,8 @@ def restored_layout(
             f"it covers {sum(len(r) for r in layout.parts[0])} layers, this model has "
             f"{sum(len(r) for r in configured.parts[0])}"
         )
+    if not why and shared_only and not layout.shared_partition:
+        why = "its replicas hold different partitions, and parallel.zero=3 needs one partition for all"
     if why:
         return Restored(None, f"the checkpoint's layout does not apply: {why}; starting from the configured one")
     if layout == configured:

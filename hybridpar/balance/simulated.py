@@ -112,13 +112,36 @@ def plan_layout_simulated(
     *,
     margin: float,
     min_per_replica: int = 1,
+    shared: bool = False,
 ) -> Layout:
     """The layout that fits `speeds[d][s]` (units per second of position (d, s)) by the rule in the
     module docstring: per replica its partition (`choose_partition`), then the global batch in
-    proportion to each replica's simulated samples per second (`split_by_speed`)."""
+    proportion to each replica's simulated samples per second (`split_by_speed`).
+
+    `shared`: every replica keeps one partition (ZeRO-3 cuts each layer's parameters among the replicas'
+    ranks of one pipeline stage, so a layer must sit at the same stage in every replica). The candidates
+    are each replica's own choice and the choice for the slowest speed at each stage; the one whose
+    layout (batch re-split to fit it) simulates fastest wins."""
     if not 0.0 <= margin < 1.0:
         raise ValueError(f"margin must be in [0, 1), got {margin}")
-    parts = tuple(choose_partition(sim, cost, speeds[d], current.pp, margin) for d in range(current.dp))
+    own = [choose_partition(sim, cost, speeds[d], current.pp, margin) for d in range(current.dp)]
+    if not shared:
+        return _resplit(current, tuple(own), cost, speeds, sim, min_per_replica)
+    slowest = [min(v[s] for v in speeds) for s in range(current.pp)]
+    candidates = dict.fromkeys([choose_partition(sim, cost, slowest, current.pp, margin), *own])
+    layouts = [_resplit(current, (p,) * current.dp, cost, speeds, sim, min_per_replica) for p in candidates]
+    return min(layouts, key=lambda lay: sim.layout_step(lay, cost, speeds))
+
+
+def _resplit(
+    current: Layout,
+    parts: tuple[tuple[range, ...], ...],
+    cost: CostModel,
+    speeds: Sequence[Sequence[float]],
+    sim: ScheduleSim,
+    min_per_replica: int,
+) -> Layout:
+    """`parts` with the global batch split in proportion to each replica's simulated samples per second."""
     split = current.split
     if current.dp > 1:
         rates = [1.0 / sim.per_sample(parts[d], cost, speeds[d]) for d in range(current.dp)]

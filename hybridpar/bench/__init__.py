@@ -24,6 +24,7 @@ BENCHES = (
     "nondivisible",
     "microbatch",
     "step_time",
+    "compile",
     "recompute",
     "context_parallel",
     "sequence_parallel",

@@ -1,14 +1,16 @@
 """`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
 For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
-parallelism, `--layouts tp2xpp2-sp`), over precision (fp32, bf16) x
-ZeRO (0, 1) x activation recomputation (none, full, selective), a short run counts per rank, from the
+parallelism, `--layouts tp2xpp2-sp`, or dp4 alone, `--layouts dp4`), over precision (fp32, bf16) x
+ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
+counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
 peak of what autograd saves) and communication buffers; and the step time (the last step's, past the
 first step's allocations). Beside each figure: `rank_memory` of plan/memory_model.py, computed from the
 configuration alone, and its relative error; `max_rel_error` is the largest over every component of
-every rank of every case (the acceptance: at most 0.10). ZeRO-1 needs dp > 1: at dp = 1 it would
-shard nothing and is not run (listed under `skipped`). One launch per layout runs all its cases.
+every rank of every case (the acceptance: at most 0.10). Under ZeRO-3 `params` is the step's peak: the
+rank's slices plus the most whole parameters it had gathered at once. ZeRO needs dp > 1: at dp = 1 it
+would shard nothing and is not run (listed under `skipped`). One launch per layout runs all its cases.
 """
 
 from __future__ import annotations
@@ -22,12 +24,14 @@ from typing import Any
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import schedule_names
+from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
 
 LAYOUTS = {
     "tp2xpp2": dict(tp=2, pp=2, dp=1),
     "dp2xpp2": dict(tp=1, pp=2, dp=2),
     "tp2xpp2-sp": dict(tp=2, pp=2, dp=1, sequence_parallel=True),  # sequence parallelism (model/tp.py)
+    "dp4": dict(tp=1, pp=1, dp=4),  # ZeRO's slices at a quarter
 }
 MODELS = {
     "default": dict(model={}, train={}),
@@ -46,24 +50,32 @@ def case_config(
         setattr(cfg.train, k, v)
     for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule}.items():
         setattr(cfg.parallel, k, v)
+    # At most a sample per microbatch: the larger model's 8 samples at dp4 are 2 per replica.
+    cfg.train.microbatches = min(cfg.train.microbatches, cfg.train.global_batch // cfg.parallel.dp)
     cfg.data.max_tokens = 2_000_000
+    validate_config(cfg)  # before any launch: a bad combination is named, not found by a rank
     return cfg
 
 
 def cases(
-    models: list[str], layouts: list[str], steps: int, schedule: str = "1f1b"
+    models: list[str],
+    layouts: list[str],
+    steps: int,
+    schedule: str = "1f1b",
+    zeros: tuple[int, ...] = (0, 1),
+    precisions: tuple[str, ...] = ("fp32", "bf16"),
 ) -> tuple[dict[str, list[dict]], list[str]]:
     """Config dicts per layout, and the combinations not run (with why)."""
     runs: dict[str, list[dict]] = {lay: [] for lay in layouts}
     skipped = []
     for lay in layouts:
         for model in models:
-            for precision in ("fp32", "bf16"):
-                for zero in (0, 1):
+            for precision in precisions:
+                for zero in zeros:
                     for recompute in ("none", "full", "selective"):
                         name = f"{model} {lay} {precision} zero={zero} recompute={recompute}"
                         if zero and LAYOUTS[lay]["dp"] == 1:
-                            skipped.append(f"{name}: ZeRO-1 shards over dp, and dp=1 here")
+                            skipped.append(f"{name}: ZeRO-{zero} shards over dp, and dp=1 here")
                             continue
                         cfg = case_config(model, lay, precision, zero, recompute, steps, schedule)
                         runs[lay].append({"name": name, "config": cfg.to_dict()})
@@ -119,6 +131,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--models", default="default,larger", help=f"comma-separated, of {', '.join(MODELS)}")
     ap.add_argument("--layouts", default="tp2xpp2,dp2xpp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule of every case")
+    ap.add_argument("--zero", default="0,1", help="ZeRO levels, comma-separated, of 0-3")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32, bf16")
     ap.add_argument("--steps", type=int, default=2, help="training steps per case (>= 1; the last is reported)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per layout's launch")
     ap.add_argument("--json", default=None, help="write the results to FILE ('-' or none: stdout)")
@@ -128,12 +142,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"unknown model or layout {', '.join(bad)}: models are {list(MODELS)}, layouts {list(LAYOUTS)}")
     if a.steps < 1:
         ap.error(f"--steps must be >= 1, got {a.steps}")
+    if not set(a.zero.split(",")) <= {"0", "1", "2", "3"}:
+        ap.error(f"--zero takes levels of 0, 1, 2, 3, comma-separated, got {a.zero!r}")
+    if not set(a.precisions.split(",")) <= {"fp32", "bf16"}:
+        ap.error(f"--precisions takes fp32 and/or bf16, comma-separated, got {a.precisions!r}")
     return a
 
 
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
-    runs, skipped = cases(a.models.split(","), a.layouts.split(","), a.steps, a.schedule)
+    zeros, precisions = tuple(int(z) for z in a.zero.split(",")), tuple(a.precisions.split(","))
+    runs, skipped = cases(a.models.split(","), a.layouts.split(","), a.steps, a.schedule, zeros, precisions)
     results, worst = [], 0.0
     load_before = os.getloadavg()
     for lay, todo in runs.items():

@@ -201,6 +201,11 @@ class ParallelConfig:
         return self.tp * self.pp * self.dp * self.cp
 
     @property
+    def shards_parameters(self) -> bool:
+        """ZeRO-3 in effect: each dp rank holds 1/dp of every parameter at rest (with dp = 1, nothing)."""
+        return self.zero == 3 and self.dp > 1
+
+    @property
     def layout(self) -> tuple[int, int, int]:
         """(dp, pp, tp): the mesh's axes in rank order (topology/mesh.py), cp aside (it is 1 wherever this
         is read: CPU binding refuses cp > 1)."""
@@ -222,6 +227,19 @@ class TrainConfig:
         "gradient reductions; pipeline messages in bfloat16",
         choices=("fp32", "bf16"),
     )
+    compile: bool = _f(
+        False,
+        "torch.compile each decoder layer's training forward and backward (one compiled callable per process, "
+        "shared by its layers: a handful of graphs whatever the depth; the run log counts them); the "
+        "tensor-parallel collectives and the zero-bubble split's linear layers stay eager between compiled "
+        "regions; validation, sampling and serving run eager (docs/performance.md)",
+    )
+    compile_backend: str = _f(
+        "inductor",
+        "with train.compile: inductor (generated kernels: C++ on CPU, Triton on CUDA), or aot_eager (the same "
+        "captured graphs and backward run with eager kernels, bit-identical to eager: a composition check)",
+        choices=("inductor", "aot_eager"),
+    )
     seq_len: int = _f(128, "tokens per sequence")
     lr: float = _f(3e-3, "peak learning rate")
     min_lr: float = _f(3e-4, "learning rate at the end of cosine decay")
@@ -230,6 +248,13 @@ class TrainConfig:
     beta1: float = _f(0.9, "AdamW beta1")
     beta2: float = _f(0.95, "AdamW beta2")
     eps: float = _f(1e-8, "AdamW epsilon")
+    fused_adamw: str = _f(
+        "auto",
+        "AdamW's kernel: on = torch's fused AdamW (one kernel updates every parameter), off = torch's default "
+        "path (multi-tensor foreach on CUDA, a loop over parameters on CPU), auto = fused on CUDA, the default "
+        "elsewhere (docs/compile.md); the same update either way, to rounding",
+        choices=("auto", "on", "off"),
+    )
     grad_clip: float = _f(1.0, "global gradient-norm clip (0 disables)")
     recompute: str = _f(
         "none",

@@ -38,7 +38,7 @@ import torch.distributed as dist
 from torch import nn
 
 from hybridpar.config import TrainConfig
-from hybridpar.model.optim import lr_at, param_groups
+from hybridpar.model.optim import adamw_options, lr_at, param_groups
 from hybridpar.topology.mesh import Topology
 
 
@@ -106,10 +106,13 @@ class ShardedAdamW(torch.optim.AdamW):
         topo: Topology,
         carry: dict[torch.Tensor, dict[str, torch.Tensor]] | None = None,
         own: bool = False,
+        given: dict[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         self.topo, self.dp, self.r = topo, topo.dims.dp, topo.dp_rank
         # ZeRO-3 (zero3.py): each slice is a tensor of its own, the parameters' storages are freed, and a
         # step leaves the parameters sharded (no all-gather: zero3.Zero3 gathers them where they are used).
+        # `given`: ZeRO-3's slices by parameter, when the parameters are empty (after a layer move,
+        # balance/migrate.py); `carry` then holds the slices' state, which `load_full_state` keeps as is.
         self.own = own
         self.group = topo.group("dp") if self.dp > 1 else None
         self.full: list[nn.Parameter] = []  # the model's parameters, in order
@@ -121,10 +124,16 @@ class ShardedAdamW(torch.optim.AdamW):
             self.full.append(p)
             self.slices.append(s)
             # Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group.
-            mine = part(p.detach(), s, self.r)
-            self.views.append(p if s.dim is None else nn.Parameter(mine.clone() if own else mine))
+            if s.dim is None:
+                self.views.append(p)
+            elif given is not None:
+                self.views.append(nn.Parameter(given[p].detach()))
+            else:
+                mine = part(p.detach(), s, self.r)
+                self.views.append(nn.Parameter(mine.clone() if own else mine))
         groups = param_groups([(f"{i}", q) for i, q in enumerate(self.views)], t.weight_decay)
-        super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps)
+        fast = adamw_options(t, self.views[0].device) if self.views else {}
+        super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps, **fast)
         if carry is not None:
             self.load_full_state(carry)
 

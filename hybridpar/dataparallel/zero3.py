@@ -47,8 +47,10 @@ REGATHER = ("microbatch", "step")
 
 
 def _compact(p: nn.Parameter) -> None:
-    """Give `p` a storage of its own, exactly its size, so that resizing it frees `p` and nothing else."""
-    if p.storage_offset() != 0 or p.untyped_storage().nbytes() != p.numel() * p.element_size():
+    """Give `p` a storage of its own, exactly its size, so that resizing it frees `p` and nothing else.
+    An empty storage is one a previous Zero3 freed (rebuilt after a layer move): its own already."""
+    nbytes = p.untyped_storage().nbytes()
+    if nbytes and (p.storage_offset() != 0 or nbytes != p.numel() * p.element_size()):
         p.data = p.data.clone()
 
 
@@ -83,7 +85,8 @@ class Zero3:
             _compact(p)
         for s, st in stages.items():
             self._install(s, st)
-        self.release()
+        for p, _, _ in self.shards.values():  # at rest from the start: the slices hold the values
+            p.data.untyped_storage().resize_(0)
 
     # -- units and hooks ---------------------------------------------------------------------------------
     def _install(self, s: int, st: Stage) -> None:
@@ -107,6 +110,11 @@ class Zero3:
     def close(self) -> None:
         """Gather every parameter (whole again) and remove the hooks."""
         self.gather_all()
+        self.unhook()
+
+    def unhook(self) -> None:
+        """Remove the hooks and forget the parameters, leaving them as they are (at rest: empty, their
+        slices in the optimizer; a layer move then carries the slices, balance/migrate.py)."""
         for h in self._hooks:
             h.remove()
         self._hooks.clear()

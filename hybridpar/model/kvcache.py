@@ -138,3 +138,14 @@ def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None
     """Causal attention of q (B, h, T, hd) over k, v (B, kv, T, hd) -> (B, h, T, hd); with `kv`, over each
     sequence's cached past as well (B = 1: the step's packed row)."""
     return sdpa(q, k, v, None) if kv is None else kv.attend(q, k, v)
+
+
+def attention_kernel(q_heads: int, seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> str:
+    """Which kernel `sdpa` dispatches a training forward of this shape to (torch's own choice among flash,
+    memory-efficient, cuDNN and math, asked with the very arguments `sdpa` passes: causal, no mask, the
+    kv heads already repeated): 'FLASH_ATTENTION' on CPU and on recent GPUs for fp32/bf16 inputs,
+    'MATH' where no fused kernel applies (the unfused reference: slower, more memory)."""
+    from torch.nn.attention import SDPBackend
+
+    q = torch.empty((1, q_heads, seq_len, head_dim), device=device, dtype=dtype, requires_grad=True)
+    return SDPBackend(torch._fused_sdp_choice(q, q, q, None, 0.0, True)).name

@@ -32,9 +32,28 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float)
     return [g for g in groups if g["params"]]
 
 
+# Device types where `train.fused_adamw auto` takes torch's fused AdamW kernel (torch documents it as the
+# fastest on CUDA). On CPU it measured faster too (docs/compile.md), but auto keeps torch's default there
+# until the whole equivalence suite has run with it: every exactness test's optimizer would change.
+FUSED_BY_DEFAULT = ("cuda",)
+
+
+def adamw_options(cfg: TrainConfig, device: torch.device) -> dict[str, bool]:
+    """AdamW's implementation keyword for `device` under train.fused_adamw: fused=True (one kernel for every
+    parameter's update) or nothing (torch's default, the multi-tensor foreach path)."""
+    on = cfg.fused_adamw == "on" or (cfg.fused_adamw == "auto" and device.type in FUSED_BY_DEFAULT)
+    return {"fused": True} if on else {}
+
+
 def make_optimizer(named: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:
+    named = list(named)
+    device = named[0][1].device if named else torch.device("cpu")
     return torch.optim.AdamW(
-        param_groups(named, cfg.weight_decay), lr=lr_at(0, cfg), betas=(cfg.beta1, cfg.beta2), eps=cfg.eps
+        param_groups(named, cfg.weight_decay),
+        lr=lr_at(0, cfg),
+        betas=(cfg.beta1, cfg.beta2),
+        eps=cfg.eps,
+        **adamw_options(cfg, device),
     )
 
 

@@ -108,10 +108,16 @@ def _selective_contexts(kept: list[torch.Tensor]) -> tuple[Any, Any]:
 
 
 def run_layer(stage: Any, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
-    """`layer(*args)` under `stage.recompute`, telling `stage.recompute_phase` which run it is; plain
-    when nothing will be differentiated (evaluation, serving)."""
+    """`layer(*args)` under `stage.recompute`, telling `stage.recompute_phase` which run it is, through
+    the stage's compiled callable under train.compile; plain and eager when nothing will be
+    differentiated (evaluation, serving)."""
     mode = stage.recompute
-    if mode == "none" or not torch.is_grad_enabled():
+    if not torch.is_grad_enabled():
+        return layer(*args)
+    compiled = getattr(stage, "compiled", None)  # train.compile (model/compiled.py)
+    if compiled is not None:
+        layer = functools.partial(compiled, layer)
+    if mode == "none":
         return layer(*args)
     calls = 0
 

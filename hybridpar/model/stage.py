@@ -18,7 +18,7 @@ runs each decoder layer through `run_layer`, which applies the stage's activatio
 from __future__ import annotations
 
 import zlib
-from typing import ClassVar, Sequence
+from typing import Callable, ClassVar, Sequence
 
 import torch
 from torch import nn
@@ -47,6 +47,8 @@ class Stage(nn.Module):
         self.layer_ids = list(layers)
         self.recompute = "none"  # train.recompute for this stage (model/recompute.py)
         self.recompute_phase: str | None = None  # "forward" / "recompute" while a layer is recomputed
+        # train.compile: compiled(layer, *args) runs a layer in training (model/compiled.py), None = eager.
+        self.compiled: Callable[..., torch.Tensor] | None = None
         # Sequence parallelism (model/tp.py): hidden states here are slice `seq_rank` of `seq_shards`
         # equal slices of the sequence, (B, T/seq_shards, d); set by apply_tp.
         self.seq_rank, self.seq_shards = 0, 1

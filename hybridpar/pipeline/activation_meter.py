@@ -67,6 +67,7 @@ class ActivationMeter:
         """`p`'s storage is about to be freed (ZeRO-3): its address may next hold an activation."""
         self._excluded.discard(p.untyped_storage().data_ptr())
 
+    @torch.compiler.disable  # runs eagerly beside compiled layers (train.compile): Python state per tensor
     def _pack(self, t: torch.Tensor) -> _Held:
         if t.device.type == "meta" or t.layout != torch.strided:
             return _Held(t, None, self)

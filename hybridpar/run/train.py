@@ -40,6 +40,7 @@ from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
 from hybridpar.trainer.duty import LossDuty, StepDuty, ValidationDuty
 from hybridpar.trainer.final import FinalModelDuty
+from hybridpar.trainer.paths import FastPathsDuty
 
 
 @dataclass
@@ -195,6 +196,7 @@ def _steps(
     # written before the checkpoint of its step.
     duties: list[StepDuty] = [
         ProfileDuty(trainer),
+        FastPathsDuty(trainer, logger, rank0),
         RecordsDuty(trainer, res.start_step, restart_count),
         MonitorDuty(trainer),
         TraceDuty(trainer),

@@ -11,15 +11,14 @@ without the dead one; left alone they would sit in their waits until that timeou
 `{"type": "replica_failed"}` is reported once, so the caller fails or re-places that replica's
 requests instead of waiting. `failures` names each dead worker (reported by /health).
 
-Workers never outlive this process (topology/lifetime.py). Create the pool from the main thread: the
-parent-death signal follows the thread that started a worker.
+Workers never outlive this process: they are forked from the fork server that topology/spawn.py keeps
+(no fresh interpreter importing torch per worker) and each watches this process (`spawn.enter`).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
-import multiprocessing as mp
 import os
 import threading
 import time
@@ -27,13 +26,13 @@ from multiprocessing.connection import Connection, wait
 from typing import Any, Callable
 
 from hybridpar.serve.worker import WorkerSpec
+from hybridpar.topology.spawn import fork_server, origin
 
 
-def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Connection | None, parent_pid: int) -> None:
-    from hybridpar.topology.lifetime import die_with_parent
+def _worker(spec_d: dict[str, Any], rank: int, world: int, port: int, conn: Connection | None, origin: dict) -> None:
+    from hybridpar.topology.spawn import enter
 
-    if not die_with_parent(parent_pid):  # before anything slow: the server may be killed while we start
-        os._exit(1)  # it already was: we were re-parented before asking for the signal
+    enter(origin)  # before anything slow: the server may be killed while we start
     from hybridpar.topology.rendezvous import set_loopback_rank_env
 
     set_loopback_rank_env(rank, world, port)
@@ -63,7 +62,7 @@ class ReplicaPool:
         self.per_replica = spec.pp * spec.tp  # global rank r is in replica r // per_replica, its driver first
         world = spec.dp * self.per_replica
         self._store = loopback_store(0)  # kept alive for the workers' rendezvous
-        ctx = mp.get_context("spawn")
+        ctx = fork_server()  # replicas start without importing torch again (topology/spawn.py)
         self.conns: list[Connection] = []
         self.procs: list[Any] = []
         self.alive = [True] * self.n
@@ -84,7 +83,7 @@ class ReplicaPool:
                 p = ctx.Process(
                     target=_worker,
                     daemon=True,
-                    args=(dataclasses.asdict(spec), rank, world, self._store.port, child_ends.get(rank), os.getpid()),
+                    args=(dataclasses.asdict(spec), rank, world, self._store.port, child_ends.get(rank), origin()),
                 )
                 self.procs.append(p)  # before start: interrupted inside start(), it is still stopped below
                 p.start()

@@ -13,8 +13,10 @@ from __future__ import annotations
 
 import ctypes
 import os
+import select
 import signal
 import sys
+import threading
 
 PR_SET_PDEATHSIG = 1  # <linux/prctl.h>
 
@@ -32,6 +34,25 @@ def die_with_parent(expected_parent: int | None) -> bool:
         err = ctypes.get_errno()
         raise OSError(err, f"prctl(PR_SET_PDEATHSIG) failed: {os.strerror(err)}")
     return expected_parent is None or os.getppid() == expected_parent
+
+
+def die_with(pid: int) -> bool:
+    """Linux: SIGKILL this process as soon as process `pid` (an ancestor other than the parent) exits,
+    watched through a pidfd by a daemon thread. Returns False if `pid` is already gone (the caller should
+    exit), True otherwise; a no-op returning True where pidfds do not exist."""
+    if not hasattr(os, "pidfd_open"):
+        return True
+    try:
+        fd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        return False
+
+    def watch() -> None:
+        select.select([fd], [], [])  # readable once the process has exited
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    threading.Thread(target=watch, daemon=True, name="hybridpar-die-with").start()
+    return True
 
 
 def release_groups() -> None:

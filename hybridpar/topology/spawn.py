@@ -1,6 +1,12 @@
 """The one spawn helper for multi-process tests (and benchmarks): start N ranks on loopback, bound the
 whole run by a deadline, and turn any rank's failure or a hang into an exception in the caller.
 
+Ranks are forked from a fork server, a process of its own that imported torch and the training code once
+(with one BLAS thread, so it runs no thread a fork would copy without running) and has done no torch work:
+a fresh interpreter per rank spent about 3 s of CPU importing them, which a suite of a few hundred
+launches on two cores paid for minutes. Each rank still starts from that clean state, in the caller's
+environment and working directory, as a spawned one would.
+
 A rank returns a JSON-serialisable value (tensors go through files that the caller names), so nothing
 is unpickled from a worker. Each rank runs with one intra-op thread: several ranks share few cores.
 """
@@ -9,6 +15,7 @@ from __future__ import annotations
 
 import json
 import multiprocessing as mp
+import multiprocessing.forkserver
 import os
 import tempfile
 import time
@@ -16,13 +23,42 @@ import traceback
 from pathlib import Path
 from typing import Any, Callable
 
+# What every rank imports, loaded once in the fork server (torch._dynamo: the first model built pulls it in).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybridpar.run.train", "hybridpar.topology.rendezvous"]
 
-def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, parent: int, args: tuple) -> None:
-    from hybridpar.topology.lifetime import die_with_parent
 
-    # A caller killed outright (a bench stopped with SIGTERM, a test run cut off) takes its ranks with it.
-    if not die_with_parent(parent):
+def origin() -> dict[str, Any]:
+    """What a process forked from the fork server needs from its caller (`enter`): the caller's pid, the
+    server's pid and the caller's environment now."""
+    return {
+        "caller": os.getpid(),
+        "server": getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
+        "env": dict(os.environ),
+    }
+
+
+def enter(origin: dict[str, Any]) -> None:
+    """First thing in a process forked from the fork server: die with the caller, take its environment.
+    Exits at once if the caller is already gone."""
+    from hybridpar.topology.lifetime import die_with, die_with_parent
+
+    # A caller killed outright (a bench stopped with SIGTERM, a test run cut off) takes its processes
+    # along: each watches it (the server, their parent, also exits then, but only once its interpreter has
+    # finished, tens of seconds on loaded cores). Each process the server forks is handed the caller's
+    # end of the pipe whose closing tells the server to exit (so that a child could ask it for processes
+    # in turn): ours never do, and holding it would keep the server alive after the caller.
+    if not (die_with_parent(origin["server"]) and die_with(origin["caller"])):
         os._exit(1)
+    alive = multiprocessing.forkserver._forkserver._forkserver_alive_fd
+    if alive is not None:
+        os.close(alive)
+        multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
+    os.environ.clear()  # the caller's environment now, not the server's from when it started
+    os.environ.update(origin["env"])
+
+
+def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, origin: dict, args: tuple) -> None:
+    enter(origin)
     from hybridpar.topology.rendezvous import set_loopback_rank_env
 
     set_loopback_rank_env(rank, world, port)  # the caller hosts the store, bound to loopback
@@ -46,18 +82,18 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, p
 
 
 def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float = 180.0) -> list[Any]:
-    """Run `fn(*args)` in `world` fresh processes (spawn) forming one torch.distributed world through
-    env:// on a store this process hosts on 127.0.0.1. Returns each rank's return value. Raises RuntimeError
-    with the failing rank's
-    traceback, or TimeoutError (after killing every rank) if the deadline passes."""
+    """Run `fn(*args)` in `world` fresh processes (forked from the fork server) forming one torch.distributed
+    world through env:// on a store this process hosts on 127.0.0.1. Returns each rank's return value. Raises
+    RuntimeError with the failing rank's traceback, or TimeoutError (after killing every rank) if the deadline
+    passes."""
     from hybridpar.topology.rendezvous import loopback_store
 
-    ctx = mp.get_context("spawn")
+    ctx = fork_server()
     store = loopback_store(0)
     port = store.port
     with tempfile.TemporaryDirectory(prefix="hybridpar-ranks-") as out:
         procs = [
-            ctx.Process(target=_entry, args=(fn, r, world, port, out, os.getpid(), args), daemon=True)
+            ctx.Process(target=_entry, args=(fn, r, world, port, out, origin(), args), daemon=True)
             for r in range(world)
         ]
         for p in procs:
@@ -90,3 +126,21 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         if bad:
             raise RuntimeError(f"ranks exited abnormally (rank, exit code): {bad}")
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def fork_server() -> Any:
+    """The multiprocessing context of this process's fork server, started (once) with PRELOAD loaded and one
+    BLAS thread. A process it starts calls `enter(origin())` first."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(PRELOAD)
+    saved = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
+    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+    return ctx

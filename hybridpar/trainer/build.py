@@ -27,6 +27,7 @@ from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
 from hybridpar.dataparallel.tree import TreeGrads
 from hybridpar.dataparallel.zero import ShardedAdamW
 from hybridpar.dataparallel.zero3 import Zero3
+from hybridpar.model.compiled import CompiledLayers
 from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
@@ -62,6 +63,7 @@ class ModelParallel:
     stage_ranks: tuple[int, ...]  # pipeline rank of each stage: the schedule's placement
     p2p: P2P
     runtime: PipelineRuntime
+    compiled: CompiledLayers | None = None  # train.compile: the callable every stage's layers run through
 
     def parameters(self) -> list[tuple[str, torch.nn.Parameter]]:
         """(stage-qualified name, parameter) of every parameter this rank holds, in a fixed order."""
@@ -93,7 +95,10 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     runtime.autocast = low
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
-    return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime)
+    compiled = CompiledLayers(t.compile_backend) if t.compile else None
+    for st in stages.values():
+        st.compiled = compiled  # kept by live re-partition, which moves layers between existing stages
+    return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime, compiled)
 
 
 @dataclass
@@ -136,15 +141,17 @@ def build_optimizer(
     mp: ModelParallel,
     layout: Layout,
     carry: dict[torch.Tensor, dict] | None = None,
+    given: dict[torch.Tensor, torch.Tensor] | None = None,
 ) -> torch.optim.Optimizer:
     """AdamW over `mp`'s parameters, its state sharded over dp under `parallel.zero` 1 or 2 while the replicas
     share one partition (with per-replica partitions a layer's replicas sit on different pipeline ranks,
     so each rank keeps whole state until the layout is shared again). `carry` (whole state by parameter,
     as `full_optimizer_state` gives) is kept for the parameters it has — layers that moved here arrive
-    with their state already in it."""
+    with their state already in it. Under ZeRO-3 after a move, `given` holds this rank's slice of every
+    parameter and `carry` the slices' state (the parameters themselves are empty)."""
     named, t = mp.parameters(), cfg.train
     if cfg.parallel.zero >= 1 and layout.shared_partition:
-        return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.zero == 3 and cfg.parallel.dp > 1)
+        return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.shards_parameters, given=given)
     opt = make_optimizer(named, t)
     if carry is not None:
         for _, q in named:

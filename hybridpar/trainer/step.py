@@ -30,7 +30,7 @@ from hybridpar.batching.split import BatchPlan, plan_batch
 from hybridpar.config import Config
 from hybridpar.data.mixture import open_data, val_sets
 from hybridpar.dataparallel.grads import clip_grad_norm, sync_sequence_parallel, sync_tied_embeddings
-from hybridpar.dataparallel.zero import full_optimizer_state
+from hybridpar.dataparallel.zero import ShardedAdamW, full_optimizer_state
 from hybridpar.model.documents import DocumentMask, document_masks
 from hybridpar.model.optim import lr_at, set_lr
 from hybridpar.model.ring_attention import Ring, RingContext, shard_sequence
@@ -287,26 +287,41 @@ class Trainer:
         info: dict = {}
         if layout.parts != old.parts:
             self.dp.grads.close()
-            whole = full_optimizer_state(self.opt)  # moves carry whole state (gathered under ZeRO-1)
+            shards, carry = self._held_for_move(layout)
             tp_group = topo.group("tp") if p.tp > 1 else None
             any_stage = next(iter(self.stages.values()))
             stats = move_layers(
                 topo,
                 self.stages,
-                whole,
+                carry,
                 old.parts[d],
                 layout.parts[d],
                 default_layer_builder(any_stage, tp_group, topo.device),
                 lambda st: topo.pp_peer(self.stage_ranks[st]),
+                shards,
             )
             self.runtime.layers_changed()  # split backward's hooks were on the old layers
             info = stats.to_dict()
-            self.opt = build_optimizer(self.cfg, topo, self.mp, layout, carry=whole)
+            self.opt = build_optimizer(self.cfg, topo, self.mp, layout, carry=carry, given=shards)
+            self.zero3 = build_zero3(self.cfg, topo, self.mp, self.opt)  # frees the arrived layers' parameters
             self.dp = build_data_parallel(self.cfg, topo, self.stages, layout, self.dp.plane)
             self._reattach()
         self.layout, self.parts = layout, list(layout.parts[d])
         self.plan = self._plan(len(self.plan.sizes[d]))
         return info
+
+    def _held_for_move(self, layout: Layout) -> tuple[dict | None, dict]:
+        """What a layer move carries, by parameter: (None, whole AdamW state) — gathered under ZeRO-1 and 2;
+        under ZeRO-3 (this rank's slices, their state): nothing is gathered, each dp rank's slices move
+        (balance/migrate.py), which needs every replica on one partition (the balancer plans only such)."""
+        if self.zero3 is None:
+            return None, full_optimizer_state(self.opt)
+        assert layout.shared_partition, f"ZeRO-3 moves layers of one shared partition, got {layout.parts}"
+        self.zero3.unhook()
+        opt = self.opt
+        assert isinstance(opt, ShardedAdamW)
+        shards = dict(zip(opt.full, opt.views))
+        return shards, {p: opt.state[q] for p, q in shards.items()}
 
     def restore_layout(self, saved: dict | None) -> Restored:
         """After resuming from `saved` (a checkpoint's trainer state), adopt the layout it recorded where it
@@ -321,6 +336,7 @@ class Trainer:
             virtual_stages=stages_per_rank(p),
             global_batch=t.global_batch,
             microbatches=len(self.plan.sizes[self.topo.dp_rank]),
+            shared_only=p.shards_parameters,
         )
         if restored.layout is not None:
             self.apply_layout(restored.layout)

@@ -52,12 +52,6 @@ def _check_balance(cfg: Config) -> None:
     if b.mode == "off":
         return
     live = " or ".join(s.name for s in SCHEDULES.values() if s.live_repartition)
-    # Moving layers carries whole parameters and state (balance/migrate.py); ZeRO-3 holds only slices.
-    _require(
-        p.zero < 3 or p.dp == 1,
-        f"balance.mode={b.mode} moves whole layers between ranks, which parallel.zero=3 (parameters sharded "
-        f"over parallel.dp={p.dp}) does not support: use parallel.zero 2 or balance.mode off",
-    )
     _require(
         p.pp == 1 or schedule_spec(p.schedule).live_repartition,
         f"balance.mode={b.mode} re-partitions pipeline stages for parallel.schedule {live}, got {p.schedule}",

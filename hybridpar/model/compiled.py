@@ -1,0 +1,75 @@
+"""`train.compile`: each decoder layer's training forward (and so its backward) through `torch.compile`.
+
+One compiled callable per process, `call(layer, *args)`, is shared by every stage and layer the process
+holds: the layer is an argument, not a closure, so dynamo traces the layer's code once and layers of the
+same shapes (every decoder layer of a stage, and layers that a live re-partition moves here later) reuse
+that graph without recompiling — guards check the module's structure and tensors' shapes, not which
+layer it is. The batch dimension is dynamic from the first compile, so unequal microbatches share the
+graph too (a microbatch of one sample gets its own: dynamo specialises size 1); a run compiles a handful
+of graphs whatever its length; `CompiledLayers.graphs` counts them and the run log reports the count.
+
+Tensor parallelism's collectives (autograd Functions around gloo/NCCL calls, model/tp.py) are traced into
+the graph: dynamo turns them into its functional collectives (one graph per rank at tp 2, measured).
+
+What stays eager, by design (graph breaks, `torch.compiler.disable`):
+- the zero-bubble split's capture hooks on linear layers (pipeline/split_backward.py): they keep Python
+  state per microbatch and register tensor hooks. The linear layers around them then run eagerly too, so
+  B still skips the weight-gradient matmuls that W computes (a compiled backward computes all of its
+  graph's gradients at once: a linear inside it would have its dW computed in B and again in W).
+- evaluation, sampling and serving (no gradient): eager, so the validation step adds no graph.
+
+Full activation recomputation checkpoints the compiled call (model/recompute.py): the rerun in backward calls
+the same graph on the same input. Only inductor generates code; `aot_eager` captures and differentiates
+the same graphs and runs them with eager kernels (bit-identical to eager where nothing breaks the graph:
+the composition check).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any, Callable
+
+import torch
+
+COMPILE_BACKENDS = ("inductor", "aot_eager")
+
+
+def _call(layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+    return layer(*args)
+
+
+class CompiledLayers:
+    """`self(layer, *args)` = `layer(*args)`, compiled with `backend`; counts the graphs it compiles and
+    the seconds its backend spent compiling forward graphs (backward graphs compile at their first use)."""
+
+    def __init__(self, backend: str) -> None:
+        if backend not in COMPILE_BACKENDS:
+            raise ValueError(f"train.compile_backend={backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.backend = backend
+        self._compile_graph = lookup_backend(backend)
+        self.graphs = 0  # graphs compiled: first compiles, graph-break fragments and recompiles
+        self.seconds = 0.0
+        self._fn = torch.compile(_call, backend=self._counted)
+
+    def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
+        t0 = time.perf_counter()
+        self.graphs += 1
+        try:
+            return self._compile_graph(gm, example_inputs)
+        finally:
+            self.seconds += time.perf_counter() - t0
+
+    def __call__(self, layer: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        # The batch size dynamic from the first compile: one graph serves every microbatch size (dynamo
+        # still specialises a size of 1). Otherwise the second size recompiles, and an activation
+        # recomputation of an earlier microbatch in backward would find the newer graph first and rerun
+        # other operations than its forward ran: selective recomputation refuses that.
+        if args and isinstance(args[0], torch.Tensor):
+            torch._dynamo.maybe_mark_dynamic(args[0], 0)
+        return self._fn(layer, *args)
+
+    def summary(self) -> dict[str, Any]:
+        """For the run log and the benchmarks: what was compiled, and how often."""
+        return {"backend": self.backend, "graphs": self.graphs, "compile_s": round(self.seconds, 3)}
