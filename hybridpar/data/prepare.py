@@ -16,7 +16,6 @@ and out to the files, so memory stays bounded whatever the corpus's size; nothin
 from __future__ import annotations
 
 import collections
-import contextlib
 import functools
 import itertools
 import multiprocessing as mp
@@ -30,6 +29,7 @@ import numpy as np
 from hybridpar.data.inputs import documents
 from hybridpar.data.tokenfile import TOKEN_DTYPES, TokenFileWriter, document_count
 from hybridpar.data.tokenizer import Tokenizer, train_bpe
+from hybridpar.topology.spawn import environ
 
 # A batch for the encoder: enough documents to keep its threads busy, few enough characters that its
 # output (ids, offsets and token strings of every token, ~100 bytes a token) stays small.
@@ -78,7 +78,7 @@ def _encoded(
     # spawn: fresh interpreters, never a fork of a process whose tokenizer threads already ran. Each
     # worker's tokenizer gets its share of the cores, not all of them (RAYON_NUM_THREADS, read at start).
     threads = str(max(1, (os.cpu_count() or 1) // workers))
-    with _environ(RAYON_NUM_THREADS=threads), mp.get_context("spawn").Pool(workers) as pool:
+    with environ(RAYON_NUM_THREADS=threads), mp.get_context("spawn").Pool(workers) as pool:
         pending: collections.deque = collections.deque()
         for b in batches:
             pending.append(pool.apply_async(_encode, (tokenizer, eos, dtype, b)))
@@ -86,21 +86,6 @@ def _encoded(
                 yield pending.popleft().get()
         while pending:
             yield pending.popleft().get()
-
-
-@contextlib.contextmanager
-def _environ(**values: str) -> Iterator[None]:
-    """Environment variables set for the processes started inside (and restored after)."""
-    old = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
-    try:
-        yield
-    finally:
-        for k, v in old.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def prepare(

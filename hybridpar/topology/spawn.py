@@ -13,6 +13,7 @@ is unpickled from a worker. Each rank runs with one intra-op thread: several ran
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import multiprocessing.forkserver
@@ -21,7 +22,7 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 # What every rank imports, loaded once in the fork server (torch._dynamo: the first model built pulls it in).
 PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybridpar.run.train", "hybridpar.topology.rendezvous"]
@@ -133,14 +134,21 @@ def fork_server() -> Any:
     BLAS thread. A process it starts calls `enter(origin())` first."""
     ctx = mp.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
-    saved = {k: os.environ.get(k) for k in ("OPENBLAS_NUM_THREADS", "OMP_NUM_THREADS")}
-    os.environ.update(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    try:
+    with environ(OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1"):
         multiprocessing.forkserver.ensure_running()
+    return ctx
+
+
+@contextlib.contextmanager
+def environ(**values: str) -> Iterator[None]:
+    """Environment variables set for the processes started inside (and restored after)."""
+    old = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
     finally:
-        for k, v in saved.items():
+        for k, v in old.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
-    return ctx
