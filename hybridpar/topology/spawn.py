@@ -30,12 +30,30 @@ PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybridpar.run.train",
 
 def origin() -> dict[str, Any]:
     """What a process forked from the fork server needs from its caller (`enter`): the caller's pid, the
-    server's pid and the caller's environment now."""
+    server's pid, the caller's environment and its standard output and error now."""
     return {
         "caller": os.getpid(),
         "server": getattr(multiprocessing.forkserver._forkserver, "_forkserver_pid", None),
         "env": dict(os.environ),
+        "stdio": _Stdio(),  # taken over as the child unpickles it: its fds 1 and 2 become the caller's
     }
+
+
+class _Stdio:
+    """The caller's file descriptors 1 and 2 as they are when a process is started (a test's capture file,
+    a log the caller redirected to), handed to the child as the same open files, as a spawned child would
+    inherit them: the fork server's own are those of whoever started it, earlier."""
+
+    def __reduce__(self) -> tuple:
+        from multiprocessing.reduction import DupFd
+
+        return (_take_stdio, (DupFd(1), DupFd(2)))
+
+
+def _take_stdio(out: Any, err: Any) -> None:
+    for fd, handed in ((1, out.detach()), (2, err.detach())):
+        os.dup2(handed, fd)
+        os.close(handed)
 
 
 def enter(origin: dict[str, Any]) -> None:
