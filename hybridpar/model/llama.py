@@ -58,6 +58,51 @@ def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device) -> tuple[t
     return emb.cos(), emb.sin()
 
 
+class _SharedCast(torch.autograd.Function):
+    """One consumer's handle on a low-precision copy made once: forward hands out the copy itself (a view,
+    no new storage), backward widens this consumer's gradient to the input's dtype, as autocast's own cast
+    would. Each consumer having its own node keeps the consumers' gradients summed in fp32 at the input, in
+    the order autocast's per-consumer casts sum them: bit-identical to casting once per consumer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g.to(ctx.dtype), None
+
+
+def shared_casts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`x` for `n` projections that read it (q, k, v; gate, up). Under autocast each projection would cast
+    the fp32 norm output to bf16 on its own, and save its own copy for backward (under sequence
+    parallelism, of the whole gathered sequence): here it is cast once and the projections save that
+    one tensor (Korthikanti et al. 2022 count the shared input once). Elsewhere: x itself."""
+    dev = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
+        return [x] * n
+    low = x.detach().to(torch.get_autocast_dtype(dev))
+    return [_SharedCast.apply(x, low) for _ in range(n)]
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, saving gate and up only: autograd would also keep silu(gate) for the product's
+    backward, a fourth (B, T, ffn) tensor it can recompute from gate (Megatron's fused SwiGLU keeps its
+    input alone). The backward runs autograd's own formulas on the same tensors (the product's, then
+    aten.silu_backward), so gradients are bit-identical."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(g * up, gate), g * F.silu(gate)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -76,9 +121,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp query and kv_heads/tp kv heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        xq, xk, xv = shared_casts(x, 3)
+        q = self.q_proj(xq).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        k = self.k_proj(xk).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        v = self.v_proj(xv).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         y = attend(q, k, v, kv)  # (B, h, T, hd)
@@ -93,7 +139,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        xg, xu = shared_casts(x, 2)
+        return self.down_proj(_SwiGLU.apply(self.gate_proj(xg), self.up_proj(xu)))
 
 
 class DecoderLayer(nn.Module):
