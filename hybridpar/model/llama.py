@@ -19,6 +19,39 @@ from hybridpar.model.kvcache import KVStep, LayerKV, attend
 from hybridpar.model.stage import Stage
 
 
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)), saving x and the rsqrt only: autograd would also keep the
+    normalised x (for the weight's gradient), a second (B, T, d) fp32 tensor that x and the rsqrt give
+    back with one multiply (fused norms such as Apex's keep input and inverse rms alone). The backward
+    is autograd's own chain of formulas (derivatives.yaml: mul, rsqrt, mean, pow), op for op, on the same
+    tensors. x comes in twice (`x`, `x2`: a view of it) so that its two gradient terms, the product's
+    and the square's, reach x's other uses (the residual add) one after the other, as autograd sums them:
+    floating-point addition is not associative, and this keeps the gradients bit-identical."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()  # normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, r, weight)  # the weight: a parameter, resident anyway
+        return weight * (h * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, r, weight = ctx.saved_tensors
+        h = x.float()
+        gw = (g * (h * r).to(x.dtype)).sum_to_size(weight.shape) if ctx.needs_input_grad[2] else None
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, gw, None
+        gn = (g * weight).to(h.dtype)  # through the cast to x's dtype
+        gr = (gn * h).sum_to_size(r.shape)  # mul's gradient for the broadcast rsqrt
+        gm = -0.5 * gr * r.pow(3)  # rsqrt's
+        gp = gm.expand(h.shape) / h.shape[-1]  # mean's
+        g_mul, g_pow = gn * r, gp * (2.0 * h.pow(1.0))  # the product's for x, the square's
+        if x.dtype != h.dtype:  # x.float() was a cast: autograd sums both terms before casting back
+            return (g_mul + g_pow).to(x.dtype), None, gw, None
+        return g_mul, g_pow, gw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -26,10 +59,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _RMSNorm.apply(x, x.view_as(x), self.weight, self.eps)  # two tensors: dynamo refuses one twice
 
 
 def inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:

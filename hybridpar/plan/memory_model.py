@@ -231,11 +231,11 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     attn = 4 * bt * hq * hd * c + b * hq * seq_len(cfg) * F32  # attention's q, k, v, output; log-sum-exp (fp32)
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
     if llama:
-        # RMSNorm keeps its input, 1/rms and the normalised input (fp32); the projections keep their
+        # RMSNorm keeps its input and 1/rms (fp32; llama._RMSNorm); the projections keep their
         # input: the norm's output itself in fp32, under autocast its bf16 cast, one shared by q, k, v and
         # one by gate, up (llama.shared_casts; the weights' casts: weight_casts). SwiGLU keeps gate and up
         # (llama._SwiGLU recomputes silu(gate)), the down projection the product.
-        norms = 2 * ((2 * bs * d + bs) * F32 + (0 if low else bt * d * F32))
+        norms = 2 * ((bs * d + bs) * F32 + (0 if low else bt * d * F32))
         casts = 2 * bt * d * 2 if low else 0
         return norms + casts + attn + 3 * bt * f * c
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
@@ -277,7 +277,7 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
         # The final norm as in the layers, the head's input (its cast under autocast; the weight's cast:
         # weight_casts), the fp32 log-softmax over the whole vocabulary, the loss's total weight.
         bs = bt // seq_shards(cfg)  # the final norm runs on the rank's slice of the sequence
-        norm = (2 * bs * d + bs) * F32 if m.family == "llama" else (bs * d + 2 * bs) * F32
+        norm = (bs * d + bs) * F32 if m.family == "llama" else (bs * d + 2 * bs) * F32
         head_in = bt * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
     return out
