@@ -73,6 +73,7 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"extra": 1}, "needs exactly the keys"),
         ({"overlap": ["dp"]}, "overlap must be a list of distinct names from tp_comm, grad_reduce, param_gather"),
         ({"overlap": ["tp_comm", "tp_comm"]}, "overlap must be a list of distinct names"),
+        ({"sp_backward": "gather"}, "sp_backward must be one of saved, regather"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -223,3 +224,25 @@ def test_end_chunks_hold_the_embedding_and_the_head_alone() -> None:
     cfg.parallel.virtual_stages = 5  # 10 chunks around 6 layers: two would hold nothing
     with pytest.raises(ValueError, match="10 chunks cannot hold the embedding and the head apart around 6 layers"):
         model.parts(cfg, pl)
+
+
+def test_a_regathering_backward_adds_two_all_gathers_under_sequence_parallelism_only() -> None:
+    """Megatron keeps a column-parallel layer's 1/tp input slice under sequence parallelism and gathers it
+    again for the weight gradient (gpu_model.SP_BACKWARDS): two all-gathers of the layer's input per
+    backward, in B, or in W where the schedule splits the backward; nothing without sequence parallelism, and
+    hybridpar's own runtime ("saved") keeps the gathered input."""
+    cfg = Config.from_dict({"train": {"precision": "bf16", "seq_len": 256}})
+    t, m = cfg.train, cfg.model
+    g = replace(A100.gpu_calibration, sp_backward="regather")
+    hw = replace(A100, gpu_calibration=g)
+    gathers = 2 * all_gather_s(1024 * m.dim * 2, 4, hw.intra_node, hw)
+    saved, again = CostModel(m, A100), CostModel(m, hw)
+    for split in (False, True):
+        a = saved.layer(t, 4, 1024, A100.intra_node, "none", split, sp=True)
+        b = again.layer(t, 4, 1024, hw.intra_node, "none", split, sp=True)
+        assert b.f == a.f
+        assert (b.w if split else b.b).comm_s == pytest.approx((a.w if split else a.b).comm_s + gathers)
+        assert (b.b if split else b.w) == (a.b if split else a.w)
+        no_sp = again.layer(t, 4, 1024, hw.intra_node, "none", split, sp=False)
+        assert no_sp == saved.layer(t, 4, 1024, A100.intra_node, "none", split, sp=False)
+    assert 'sp_backward = "regather"' in g.to_toml() and "sp_backward" not in A100.gpu_calibration.to_toml()
