@@ -16,7 +16,14 @@ from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s
 from hybridpar.plan.cost import CostModel, grad_reduce_s, placement, predict, stage_costs
-from hybridpar.plan.gpu_model import OVERLAPS, Rates, parse_gpu_calibration, peak_fraction
+from hybridpar.plan.gpu_model import (
+    OVERLAPS,
+    Rates,
+    exposed_tp_comm,
+    parse_gpu_calibration,
+    peak_fraction,
+    weight_gemms,
+)
 from hybridpar.plan.hardware import load_hardware, parse_hardware
 from hybridpar.plan.main import calibration_note
 from hybridpar.plan.published import PLANNER_DOCS, load_runs, row_config
@@ -246,3 +253,24 @@ def test_a_regathering_backward_adds_two_all_gathers_under_sequence_parallelism_
         no_sp = again.layer(t, 4, 1024, hw.intra_node, "none", split, sp=False)
         assert no_sp == saved.layer(t, 4, 1024, A100.intra_node, "none", split, sp=False)
     assert 'sp_backward = "regather"' in g.to_toml() and "sp_backward" not in A100.gpu_calibration.to_toml()
+
+
+def test_an_overlapped_collective_hides_only_behind_the_gemm_beside_it() -> None:
+    """`tp_comm` (Transformer Engine's pairing): each collective is exposed by what it outlasts its own GEMM,
+    not the pass's GEMMs together: at tp 8 and width 8192 the attention output's GEMM is shorter than a
+    gather, so the forward exposes the difference though the pass's GEMMs together are far longer."""
+    m = Config.from_dict({"model": {"dim": 8192, "n_heads": 64, "ffn_dim": 32768}}).model
+    rates, link = H100.gpu_rates("bf16"), H100.intra_node
+    tokens = 4096
+    gather = all_gather_s(tokens * m.dim * 2, 8, link, H100)
+    reduce = all_reduce_s(tokens * m.dim * 2, 8, link, H100)
+    qkv, proj, up, down = (rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, 8))
+    assert proj < gather < qkv + proj + up + down
+    left = lambda g, c=gather: max(0.0, c - g)  # noqa: E731
+    f, b, again = exposed_tp_comm(rates, m, 8, tokens, gather, reduce, sp=True, again=True)
+    assert f == pytest.approx(left(qkv) + left(proj) + left(up) + left(down)) and f > 0
+    assert b == pytest.approx(f) and again == pytest.approx(left(qkv) + left(up))
+    f, b, again = exposed_tp_comm(rates, m, 8, tokens, gather, reduce, sp=False, again=True)
+    assert f == pytest.approx(left(proj, reduce) + left(down, reduce)) and again == 0.0
+    assert b == pytest.approx(left(qkv, reduce) + left(up, reduce))
+    assert exposed_tp_comm(rates, m, 8, tokens, 1e-9, 2e-9, sp=True, again=True) == (0.0, 0.0, 0.0)

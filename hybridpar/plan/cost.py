@@ -51,7 +51,7 @@ from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from hybridpar.plan.gpu_model import layer_times, overlapped, regathers, weight_gemms
+from hybridpar.plan.gpu_model import exposed_tp_comm, layer_times, overlapped, regathers, weight_gemms
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -231,14 +231,16 @@ class CostModel:
             mm, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
             mem, mem_b = mem + att_f, mem_b + att_b
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
-        comm = 2 * self.tp_all_reduce_s(t, tp, tokens, link)  # after attention and after the MLP
-        again = 0.0  # sequence parallelism keeping only the 1/tp slice: q/k/v's and the MLP's inputs gathered again
-        if sp and regathers(self.hw.gpu_calibration):
-            again = 2 * all_gather_s(tokens * m.dim * act, tp, link, self.hw)
-        comm_b, comm_w = (comm, again) if split else (comm + again, 0.0)
-        if rates is not None and overlapped(self.hw.gpu_calibration, "tp_comm"):
-            # chunked against the pass's GEMMs (each pass's are as long as the forward's)
-            comm, comm_b, comm_w = (max(0.0, c - mm) for c in (comm, comm_b, comm_w))
+        reduce = self.tp_all_reduce_s(t, tp, tokens, link)
+        comm = 2 * reduce  # after attention and after the MLP
+        gather = all_gather_s(tokens * m.dim * act, tp, link, self.hw)
+        # Sequence parallelism keeping only the 1/tp slice: q/k/v's and the MLP's inputs gathered again.
+        again = 2 * gather if sp and regathers(self.hw.gpu_calibration) else 0.0
+        if rates is not None and overlapped(self.hw.gpu_calibration, "tp_comm"):  # each beside its GEMM
+            comm, back, again = exposed_tp_comm(rates, m, tp, tokens, gather, reduce, sp, again > 0)
+        else:
+            back = comm
+        comm_b, comm_w = (back, again) if split else (back + again, 0.0)
         f = Work(mm, mem, ops, comm)
         b = Work(mm, mem_b, 1.5 * ops, comm_b)  # input gradients; the copy-ins' all-reduces
         w = Work(mm, 0.0, 0.5 * ops, comm_w)

@@ -50,8 +50,8 @@ FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "intra_
 KERNELS = ("flash", "unfused")
 # Communication a GPU training stack can run behind compute (Megatron-Core's --tp-comm-overlap,
 # --overlap-grad-reduce, --overlap-param-gather; Llama 3's stack likewise, arXiv:2407.21783 Sec. 3.3.2):
-#   tp_comm       a layer's tensor-parallel collectives, chunked against its GEMMs: only what exceeds the GEMMs
-#                 of the same pass is exposed
+#   tp_comm       a layer's tensor-parallel collectives, each chunked against the one GEMM beside it: only what
+#                 exceeds that GEMM is exposed (exposed_tp_comm)
 #   grad_reduce   the data-parallel gradient reduction, bucket by bucket as the stage's last backward produces
 #                 its gradients: it may start when that backward starts instead of when it ends
 #   param_gather  the sharded optimizer's all-gather of the updated weights, in the compute precision (the
@@ -200,6 +200,28 @@ def regathers(g: GpuCalibration | None) -> bool:
     """Whether the calibrated software all-gathers a column-parallel layer's input again in its backward
     under sequence parallelism (SP_BACKWARDS)."""
     return g is not None and g.sp_backward == "regather"
+
+
+def exposed_tp_comm(
+    rates: Rates, m: ModelConfig, tp: int, tokens: int, gather_s: float, reduce_s: float, sp: bool, again: bool
+) -> tuple[float, float, float]:
+    """What a layer's tensor-parallel collectives leave exposed under `tp_comm` overlap: (forward, backward,
+    the backward's re-gathers). Megatron-Core's --tp-comm-overlap (Transformer Engine's userbuffers) runs each
+    collective beside the one GEMM that produces or consumes its tensor, so each is hidden only up to that
+    GEMM's time: with sequence parallelism the forward's all-gathers beside q/k/v's and the MLP's up
+    projection, its reduce-scatters beside the attention output's and the MLP's down projection; the
+    backward's gathers of the output gradients beside those two projections' input-gradient GEMMs, its
+    reduce-scatters of the input gradients beside q/k/v's and the up projection's weight-gradient GEMMs, and
+    (`again`: SP_BACKWARDS "regather") the inputs' re-gathers beside their input-gradient GEMMs. Without
+    sequence parallelism the all-reduces after the row-parallel GEMMs (forward) and of the column-parallel
+    input gradients (backward) pair the same way. `gather_s`: one all-gather of the layer's input;
+    `reduce_s`: one all-reduce of it. Each pass's GEMMs are as long as the forward's (the same shapes)."""
+    qkv, proj, up, down = (rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, tp))
+    one = gather_s if sp else reduce_s
+    left = lambda gemm: max(0.0, one - gemm)  # noqa: E731
+    forward = left(proj) + left(down) + (left(qkv) + left(up) if sp else 0.0)
+    backward = left(qkv) + left(up) + (left(proj) + left(down) if sp else 0.0)
+    return forward, backward, left(qkv) + left(up) if sp and again else 0.0
 
 
 def overlapped(g: GpuCalibration | None, name: str) -> bool:
