@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridpar.bench import runs_dir
+from hybridpar.bench import emit, runs_dir
 from hybridpar.bench.chaos_launches import Launch, foreign_run_refused, jsonl, run_id_of, run_launch, steps_checkpointed
 from hybridpar.config import Config
 
@@ -323,6 +323,20 @@ def passed(result: dict[str, Any]) -> bool:
     )
 
 
+def kernels() -> dict[str, Any]:
+    """The CPU kernels the workers (which inherit this environment) run: ATen's vector width and the limits
+    set on MKL and oneDNN, so that a run with kernels limited to another machine's says so."""
+    import torch
+
+    from hybridpar.model.reference import KERNELS
+
+    limits = sorted({k for env in KERNELS.values() for k in env})
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_limits": {k: os.environ[k] for k in limits if k in os.environ},
+    }
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=32, help="random faults in the soak (default 32)")
@@ -365,6 +379,7 @@ def main(argv: list[str]) -> int:
         "steps": a.steps,
         "layout": f"tp{a.tp} x pp2",
         "runs_dir": str(work),
+        **kernels(),
     }
     # Each part's figures are written as soon as it ends: a failure in a later part keeps them.
     for part, measure in (
@@ -376,16 +391,6 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - recorded in the result, which then fails
             result[f"{part}_error"] = f"{type(e).__name__}: {e}"
             print(f"hybridpar bench chaos: the {part} part failed: {result[f'{part}_error']}", file=sys.stderr)
-        emit(result, a.json)
+        emit(result, a.json, echo=False)  # the figures so far: a later part's failure keeps them
     print(json.dumps(result, indent=1))
     return 0 if passed(result) else 1
-
-
-def emit(result: dict[str, Any], path: str | None) -> None:
-    """Write the figures so far (atomically: a reader never sees half a file)."""
-    if path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, out)
