@@ -194,7 +194,7 @@ def test_bound_leads_back_to_min_bottleneck_after_recovery() -> None:
         sim.per_sample(R(2, 2, 2, 2), EIGHT, [1.0] * 4)
     )
     bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4)
-    (d,), layout = run(bal, Layout.uniform(R(3, 2, 1, 2), [4]), [[1.0] * 4 for _ in range(10)])
+    (d,), layout = run(bal, Layout.uniform(R(3, 2, 1, 2), [4]), [[1.0] * 4 for _ in range(16)])
     assert layout.parts == (R(2, 2, 2, 2),) and d.gain == pytest.approx(0.0, abs=1e-12)
     assert d.predicted_step_before_s == pytest.approx(7 * 3.0) and d.predicted_step_after_s == pytest.approx(7 * 2.0)
 
@@ -206,7 +206,7 @@ def test_slow_rank_sheds_layers_under_every_schedule(schedule: str, v: int, slow
     # pp=2, 8 layers, rank 1 twice as slow from the start (a position is a pipeline rank: its readings are
     # time per unit of its stages' work). Every stage the schedule places on rank 1 loses layers, and the
     # simulated step of the schedule that runs falls.
-    series = [[1.0, 2.0] for _ in range(10)]
+    series = [[1.0, 2.0] for _ in range(16)]
     bal = Balancer(BalanceConfig(mode="auto"), EIGHT, microbatches=4, schedule=schedule, virtual_stages=v)
     (d,), layout = run(bal, Layout.uniform(partition_uniform(8, 2 * v), [11]), series)
     sizes = [len(r) for r in layout.parts[0]]

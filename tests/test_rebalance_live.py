@@ -40,7 +40,7 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
         # Emulated fixed layer cost (benchmark mode) so that timing on shared cores is steady, and
         # rank 1 three times slower for steps onset..recovery-1.
         emulate=dict(layer_ms=2.0, slowdown=f"rank=1:3.0@step={onset},rank=1:1.0@step={recovery}"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
         # One checkpoint, after step 14: between the move away (by step 13) and the move back (after 16).
         checkpoint=dict(every=14),
     )
