@@ -1,7 +1,7 @@
 """Decisions robust to noise without blocking real moves (balance/control.py, pure): a move must pay off by
-more than the noise margin (twice the largest relative spread of a position's own readings) in
-`balance.persist` disjoint windows of medians. Synthetic timing streams with jitter and rare outliers, as a
-loaded machine gives them: a 3-step 5x spike and a 6-step load burst move nothing; a persistent 2x slowdown
+`balance.min_gain` in `balance.persist` disjoint windows of medians, each judged by its own speeds.
+Synthetic timing streams with jitter and rare outliers, as a loaded machine gives them: a 3-step 5x spike
+and a 6-step load burst move nothing; a persistent 2x slowdown
 is moved within 20 steps; a drift 1x -> 2.5x -> 1x never brings a move the opposite way within an interval."""
 
 from __future__ import annotations
