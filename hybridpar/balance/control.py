@@ -101,6 +101,26 @@ def _sizes(layout: Layout) -> list[list[int]]:
     return [[len(r) for r in p] for p in layout.parts]
 
 
+def _describe(
+    why: str, layout: Layout, new: Layout, steps: tuple[float, float, float, float], margin: float
+) -> tuple[Literal["pipeline", "data", "pipeline+data"], str]:
+    """A move's kind and its reason: why it was due, what moves, the simulated and bound steps."""
+    before, after, bound_before, bound_after = steps
+    moved, resplit = new.parts != layout.parts, new.split != layout.split
+    kind: Literal["pipeline", "data", "pipeline+data"] = (
+        "pipeline+data" if moved and resplit else "pipeline" if moved else "data"
+    )
+    if moved:
+        why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
+    if resplit:
+        why += f"; samples per replica {list(layout.split)} -> {list(new.split)}"
+    why += (
+        f"; simulated step {before:.4g} s -> {after:.4g} s ({after / before - 1:+.1%}; bound "
+        f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
+    )
+    return kind, why
+
+
 class Balancer:
     """Turns per-step measurements of every (replica, stage) position into decisions."""
 
@@ -227,6 +247,8 @@ class Balancer:
         self._pending = self._pending or self._drifted(smooth, n)
         if self._pending is None:
             return None
+        if any(len(self._readings.get(r, ())) < c.persist * c.window for r in range(n)):
+            return None  # stay pending: no move before `persist` windows of readings (`_confirmed`)
         fastest = min(smooth[r] for r in range(n))
         self._evaluated, self._drift_streak = {r: smooth[r] / fastest for r in range(n)}, 0
         speeds = self._speeds(smooth, layout)
@@ -248,18 +270,7 @@ class Balancer:
         if not self._confirmed(layout, new, n, c.min_gain):
             self._pending = why  # still due: judged again at the next update
             return None
-        moved, resplit = new.parts != layout.parts, new.split != layout.split
-        kind: Literal["pipeline", "data", "pipeline+data"] = (
-            "pipeline+data" if moved and resplit else "pipeline" if moved else "data"
-        )
-        if moved:
-            why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
-        if resplit:
-            why += f"; samples per replica {list(layout.split)} -> {list(new.split)}"
-        why += (
-            f"; simulated step {before:.4g} s -> {after:.4g} s ({after / before - 1:+.1%}; bound "
-            f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
-        )
+        kind, why = _describe(why, layout, new, (before, after, bound_before, bound_after), margin)
         self._last_decision = step
         if c.mode == "auto":  # the layout changes: measure the new one before judging drift
             self._evaluated, self._rebase_at = None, self._updates + c.window
