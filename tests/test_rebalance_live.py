@@ -40,7 +40,7 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
         # Emulated fixed layer cost (benchmark mode) so that timing on shared cores is steady, and
         # rank 1 three times slower for steps onset..recovery-1.
         emulate=dict(layer_ms=2.0, slowdown=f"rank=1:3.0@step={onset},rank=1:1.0@step={recovery}"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
         # One checkpoint, after step 14: between the move away (by step 13) and the move back (after 16).
         checkpoint=dict(every=14),
     )
@@ -52,7 +52,7 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
     assert len(decisions) == 2, decisions
     away, back = decisions
     assert away["applied"] and away["stragglers"] == [1] and "straggles" in away["reason"]
-    assert onset < away["step"] <= onset + 6  # window // 2 + patience observations, plus slack
+    assert onset < away["step"] <= onset + 6  # confirmed over balance.persist (2) windows of 3 readings
     sizes = [[b - a for a, b in p] for p in away["new"]["parts"]]
     assert sizes[0][1] < 4 and away["old"]["parts"] == [[[0, 4], [4, 8]]]
     assert away["predicted_step_after_s"] < away["predicted_step_before_s"]
