@@ -134,7 +134,7 @@ def _rebalance_config() -> Config:
         parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", zero=3),
         train=dict(steps=REBALANCE_STEPS, val_every=REBALANCE_STEPS, monitor_every=0),
         emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
     )
 
 
