@@ -9,10 +9,12 @@ bench/results/, which is all that folder holds."""
 from __future__ import annotations
 
 import importlib
+import json
+import os
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from hybridpar.config import Config
@@ -67,6 +69,21 @@ def runs_dir(bench: str, given: str | None) -> Path:
     runs of `hybridpar train` (runs/latest). A new folder by default: a run directory holding another
     run is refused, so two invocations never share one."""
     return Path(given) if given else Path("runs", "bench", f"{bench}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def emit(result: Any, path: str | None, *, echo: bool = True, indent: int = 1) -> None:
+    """Print `result` as JSON (with `echo`) and write it to `path` (None or "-": nowhere else). The file is
+    written beside its destination and renamed over it: a reader never finds half a file, and a bench that
+    writes its figures as each part completes keeps the last whole set if a later part fails."""
+    text = json.dumps(result, indent=indent)
+    if echo:
+        print(text, flush=True)
+    if path and path != "-":
+        out = Path(path)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        tmp = out.with_name(f".{out.name}.{os.getpid()}.tmp")
+        tmp.write_text(text + "\n", encoding="utf-8")
+        os.replace(tmp, out)
 
 
 def layout_config(layout: str) -> Config:

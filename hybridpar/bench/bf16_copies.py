@@ -18,16 +18,14 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
+from hybridpar.bench import emit
 from hybridpar.config.parse import parse_args
 from hybridpar.data.corpus import TokenData
 from hybridpar.model.optim import make_optimizer
@@ -122,8 +120,5 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
     }
-    text = json.dumps(out, indent=1) + "\n"
-    sys.stdout.write(text)
-    if a.json:
-        Path(a.json).write_text(text)
+    emit(out, a.json)
     return 0

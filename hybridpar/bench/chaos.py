@@ -49,7 +49,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from hybridpar.bench import runs_dir
+from hybridpar.bench import emit, runs_dir
 from hybridpar.bench.chaos_launches import Launch, foreign_run_refused, jsonl, run_id_of, run_launch, steps_checkpointed
 from hybridpar.config import Config
 
@@ -376,16 +376,6 @@ def main(argv: list[str]) -> int:
         except Exception as e:  # noqa: BLE001 - recorded in the result, which then fails
             result[f"{part}_error"] = f"{type(e).__name__}: {e}"
             print(f"hybridpar bench chaos: the {part} part failed: {result[f'{part}_error']}", file=sys.stderr)
-        emit(result, a.json)
+        emit(result, a.json, echo=False)  # the figures so far: a later part's failure keeps them
     print(json.dumps(result, indent=1))
     return 0 if passed(result) else 1
-
-
-def emit(result: dict[str, Any], path: str | None) -> None:
-    """Write the figures so far (atomically: a reader never sees half a file)."""
-    if path:
-        out = Path(path)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_name(out.name + ".tmp")
-        tmp.write_text(json.dumps(result, indent=1) + "\n")
-        os.replace(tmp, out)

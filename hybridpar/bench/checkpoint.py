@@ -18,13 +18,13 @@ wrote, and both ratios (sharded / gather), with the load average (1 min) at the 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -134,8 +134,5 @@ def main(argv: list[str] | None = None) -> int:
                 "load_avg_1m": load,
             }
         )
-    out = json.dumps(records, indent=1)
-    print(out)
-    if a.json:
-        Path(a.json).write_text(out + "\n")
+    emit(records, a.json)
     return 0

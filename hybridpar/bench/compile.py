@@ -26,7 +26,7 @@ import statistics
 import tempfile
 from pathlib import Path
 
-from hybridpar.bench import layout_config
+from hybridpar.bench import emit, layout_config
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -141,10 +141,7 @@ def main(argv: list[str] | None = None) -> int:
             | {f"{k}_step_s": v for k, v in t.items()}
             | {"fused_speedup_vs_foreach": t["foreach"] / t["fused"]}
         )
-    out = json.dumps(records, indent=1)
-    print(out)
-    if a.json:
-        Path(a.json).write_text(out + "\n")
+    emit(records, a.json)
     return 0
 
 

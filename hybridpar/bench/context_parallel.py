@@ -27,6 +27,7 @@ import statistics
 import sys
 import time
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
@@ -142,9 +143,5 @@ def main(argv: list[str] | None = None) -> int:
     if a.time_cp > 1:
         result["time"] = time_record(a.time_cp, a.time_seq_len, a.steps, a.rounds)
     result["load_average_after"] = os.getloadavg()
-    out = json.dumps(result, indent=1)
-    print(out)
-    if a.json:
-        with open(a.json, "w") as fh:
-            fh.write(out + "\n")
+    emit(result, a.json)
     return 0

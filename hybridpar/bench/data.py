@@ -26,6 +26,7 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from hybridpar.bench import emit
 from hybridpar.config.parse import to_toml
 from hybridpar.model.reference import tiny_config
 
@@ -129,8 +130,5 @@ def main(argv: list[str] | None = None) -> int:
         ),
         "load_avg_1m": os.getloadavg()[0],
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
+    emit(out, a.json)
     return 0 if len(done) == len(rows) else 1

@@ -19,10 +19,10 @@ import math
 import os
 import subprocess
 import sys
-from pathlib import Path
 
 import torch
 
+from hybridpar.bench import emit
 from hybridpar.model import reference as ref
 
 
@@ -120,8 +120,5 @@ def main(argv: list[str] | None = None) -> int:
         "false_alarm": ref.FALSE_ALARM,
         "load_average": os.getloadavg(),
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
+    emit(out, a.json)
     return 0

@@ -23,6 +23,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from hybridpar.bench import emit
+
 TORCH_PIN = "2.13.0"
 TORCH_FLOOR = (2, 6)  # pyproject.toml's torch>=2.6
 CHECKS = ("env", "equivalence", "pipeline", "mfu")
@@ -265,7 +267,7 @@ def main(argv: list[str] | None = None) -> int:
     result = {"env": check_env, "equivalence": check_equivalence, "pipeline": check_pipeline, "mfu": check_mfu}[
         a.check
     ](a)
-    Path(a.out).write_text(json.dumps(result, indent=1) + "\n", encoding="utf-8")
+    emit(result, a.out, echo=False)
     return 0 if result["passed"] else 1
 
 

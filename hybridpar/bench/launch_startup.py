@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from hybridpar.bench import emit
 from hybridpar.config.parse import to_toml
 from hybridpar.model.reference import tiny_config
 from hybridpar.run.launcher import launch
@@ -33,6 +34,7 @@ FRESH = """
 import sys
 from hybridpar.config import Config
 from hybridpar.run.launcher import launch
+from hybridpar.bench import emit
 launch(Config.from_dict(__import__("json").loads(sys.argv[1])), start_method="fork")
 """
 
@@ -83,8 +85,5 @@ def main(argv: list[str] | None = None) -> int:
         "launch_s": {n: [round(x, 2) for x in v] for n, v in walls.items()},
         "load_avg_1m": [load0, os.getloadavg()[0]],
     }
-    text = json.dumps(out, indent=1)
-    print(text)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
+    emit(out, a.json)
     return 0

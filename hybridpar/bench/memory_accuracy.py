@@ -17,12 +17,12 @@ would shard nothing and is not run (listed under `skipped`). One launch per layo
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
 from typing import Any
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import schedule_names
 from hybridpar.pipeline.schedules.config_rules import validate_config
@@ -179,10 +179,5 @@ def main(argv: list[str] | None = None) -> int:
         "skipped": skipped,
         "cases": results,
     }
-    text = json.dumps(out, indent=1)
-    if a.json in (None, "-"):
-        print(text)
-    else:
-        with open(a.json, "w") as fh:
-            fh.write(text + "\n")
+    emit(out, a.json, echo=a.json in (None, "-"))
     return 0 if worst <= 0.10 else 1

@@ -34,6 +34,7 @@ import sys
 import time
 from typing import Any, Iterator
 
+from hybridpar.bench import emit
 from hybridpar.pipeline.schedules import schedule_names
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
@@ -368,10 +369,5 @@ def main(argv: list[str] | None = None) -> int:
         )
         records.append(rec)
         print(json.dumps({k: v for k, v in rec.items() if k not in ("fixed", "adaptive_history")}), file=sys.stderr)
-    text = json.dumps(records, indent=1)
-    if a.json == "-" or a.json is None:
-        print(text)
-    else:
-        with open(a.json, "w") as fh:
-            fh.write(text + "\n")
+    emit(records, a.json, echo=a.json in (None, "-"))
     return 0

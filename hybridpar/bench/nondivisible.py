@@ -16,8 +16,8 @@ import argparse
 import json
 import statistics
 import sys
-from pathlib import Path
 
+from hybridpar.bench import emit
 from hybridpar.bench.pipeline import make_cases
 from hybridpar.bench.pipeline import parse_args as pipeline_args
 from hybridpar.bench.pipeline_case import run_case
@@ -77,9 +77,5 @@ def main(argv: list[str] | None = None) -> int:
         "command": "hybridpar bench nondivisible " + " ".join(sys.argv[1:] if argv is None else argv),
     }
     print(json.dumps(summary, indent=1))
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(
-            json.dumps({"summary": summary, "runs": [rec for recs in runs.values() for rec in recs]}, indent=1) + "\n"
-        )
+    emit({"summary": summary, "runs": [rec for recs in runs.values() for rec in recs]}, a.json, echo=False)
     return 0

@@ -43,10 +43,9 @@ group): `auto` is shared memory between the CPU ranks of this host (pipeline/shm
 from __future__ import annotations
 
 import argparse
-import json
 import sys
-from pathlib import Path
 
+from hybridpar.bench import emit
 from hybridpar.bench.emulated import TAILS
 from hybridpar.bench.pipeline_case import Case, run_case
 from hybridpar.config import ModelConfig
@@ -318,11 +317,7 @@ def main(argv: list[str] | None = None) -> int:
     if crit := format_critical(records):
         print()
         print(crit)
-    if a.json == "-":
-        print(json.dumps(records, indent=1))
-    elif a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(records, indent=1) + "\n")
+    emit(records, a.json, echo=a.json == "-")
     return 0
 
 

@@ -21,13 +21,13 @@ all the cores, a stage's ranks on different cores (topology/cpus.py), else left 
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 import time
 from typing import Any
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.config.sections import CPU_BINDINGS
 from hybridpar.pipeline.schedules.config_rules import validate_config
@@ -223,12 +223,7 @@ def summarize(everything: list[tuple], measured: dict, predicted: dict) -> dict[
 
 
 def write(out: dict[str, Any], path: str | None) -> None:
-    text = json.dumps(out, indent=1)
-    if path in (None, "-"):
-        print(text)
-    else:
-        with open(path, "w", encoding="utf-8") as fh:
-            fh.write(text + "\n")
+    emit(out, path, echo=path in (None, "-"))
     print(
         f"after {out['rounds']} round(s): median_abs_error {out['median_abs_error']:.3f}, "
         f"top_pick_over_best {out['top_pick_over_best']:.3f}",

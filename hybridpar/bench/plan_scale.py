@@ -15,11 +15,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 import time
 from pathlib import Path
+
+from hybridpar.bench import emit
 
 ROOT = Path(__file__).resolve().parents[2]  # the source tree: docs/hardware/ lives there
 
@@ -78,11 +79,7 @@ def main(argv: list[str] | None = None) -> int:
         "load_average": os.getloadavg(),
         "cpus": os.cpu_count(),
     }
-    text = json.dumps(out, indent=1)
-    if a.json:
-        Path(a.json).write_text(text + "\n")
-    else:
-        print(text)
+    emit(out, a.json, echo=not a.json)
     print(
         f"planned {hw.devices} devices in {out['plan_s']:.1f} s, {out['plan_cpu_s']:.1f} s CPU "
         f"({result.simulated} simulated)",

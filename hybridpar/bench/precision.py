@@ -14,11 +14,11 @@ busy); the backend and device follow the machine (NCCL on CUDA).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.config.parse import parse_args
 from hybridpar.topology.spawn import run_ranks
@@ -80,8 +80,5 @@ def main(argv: list[str] | None = None) -> int:
         "load_avg_after": os.getloadavg(),
         "command": "hybridpar bench precision " + " ".join(sys.argv[1:] if argv is None else argv),
     }
-    print(json.dumps(out, indent=1))
-    if a.json:
-        with open(a.json, "w", encoding="utf-8") as fh:
-            json.dump(out, fh, indent=1)
+    emit(out, a.json)
     return 0

@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from hybridpar.bench import emit
+
 
 def final_records(run_dir: Path) -> dict:
     """The last step's loss, the last val_loss and the number of steps recorded in a run's metrics.jsonl."""
@@ -73,7 +75,5 @@ def main(argv: list[str] | None = None) -> int:
         load_avg_after=os.getloadavg(),
         command="hybridpar bench precision_quality " + " ".join(sys.argv[1:] if argv is None else argv),
     )
-    print(json.dumps(out, indent=1))
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=1) + "\n", encoding="utf-8")
+    emit(out, a.json)
     return 0

@@ -10,13 +10,13 @@ reported with the load average before and after. JSON on stdout, and to --out if
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import tempfile
 import time
 from pathlib import Path
 
+from hybridpar.bench import emit
 from hybridpar.data.prepare import BATCH_DOCS, documents, prepare
 from hybridpar.data.tokenizer import Tokenizer, train_bpe
 
@@ -73,8 +73,5 @@ def main(argv: list[str]) -> int:
         "load_average_after": [round(x, 2) for x in load_after],
         "cpus": os.cpu_count(),
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n", encoding="utf-8")
+    emit(result, a.out)
     return 0

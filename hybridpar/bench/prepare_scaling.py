@@ -30,6 +30,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from hybridpar.bench import emit
 from hybridpar.bench.prepare import corpus_options
 
 KINDS = ("encoder-1-thread", "encoder-threads", "prepare-1-worker", "prepare-2-workers", "prepare-threads")
@@ -107,10 +108,7 @@ def main(argv: list[str]) -> int:
         "load_average_before": [round(x, 2) for x in load_before],
         "load_average_after": [round(x, 2) for x in load_after],
     }
-    text = json.dumps(result, indent=1)
-    print(text)
-    if a.out:
-        Path(a.out).write_text(text + "\n", encoding="utf-8")
+    emit(result, a.out)
     return 0
 
 

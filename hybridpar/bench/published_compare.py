@@ -22,9 +22,9 @@ import json
 import os
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.pipeline.partition import partition_uniform
 from hybridpar.pipeline.schedules import stage_count, stages_per_rank
@@ -225,7 +225,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         print(f"{row['id']}: done in {rows[-1]['cpu_s']:.1f} s CPU", file=sys.stderr)
         out = {"rows": rows, "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - cpu0}
-        if a.json:  # after every row: a long run keeps what it has
-            Path(a.json).write_text(json.dumps(out, indent=1) + "\n")
+        emit(out, a.json, echo=False)  # after every row: a long run keeps what it has
     print(accuracy(rows) if a.accuracy else markdown(rows) if a.markdown else json.dumps(out, indent=1))
     return 0

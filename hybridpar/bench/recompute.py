@@ -22,7 +22,7 @@ import statistics
 import sys
 import time
 
-from hybridpar.bench import layout_config
+from hybridpar.bench import emit, layout_config
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
@@ -107,9 +107,5 @@ def main(argv: list[str] | None = None) -> int:
         }
         records.append(rec)
         print(json.dumps(rec), file=sys.stderr)
-    out = json.dumps(records, indent=1)
-    print(out)
-    if a.json:
-        with open(a.json, "w") as fh:
-            fh.write(out + "\n")
+    emit(records, a.json)
     return 0

@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -223,7 +224,5 @@ def main(argv: list[str] | None = None) -> int:
         for key in ("median_step_time_s", "wall_per_step_s"):
             out[key] = {"on": med("on", key), "off": med("off", key)}
             out[f"cost_{key}"] = out[key]["on"] / out[key]["off"] - 1
-    print(json.dumps(out, indent=2))
-    if a.json:
-        Path(a.json).write_text(json.dumps(out, indent=2) + "\n")
+    emit(out, a.json, indent=2)
     return 0

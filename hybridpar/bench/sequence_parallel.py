@@ -23,14 +23,13 @@ a shared machine's drift hits both alike.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import time
 
 from torch import nn
 
-from hybridpar.bench import layout_config
+from hybridpar.bench import emit, layout_config
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
@@ -164,9 +163,5 @@ def main(argv: list[str] | None = None) -> int:
         "load_average_after": os.getloadavg(),
         **summarize(ranks),
     }
-    out = json.dumps(rec, indent=1)
-    print(out)
-    if a.json:
-        with open(a.json, "w") as fh:
-            fh.write(out + "\n")
+    emit(rec, a.json)
     return 0

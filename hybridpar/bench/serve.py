@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import random
 import statistics
@@ -30,6 +29,7 @@ import time
 from collections import Counter
 from typing import Any
 
+from hybridpar.bench import emit
 from hybridpar.config import ModelConfig
 from hybridpar.serve.config import ServeConfig
 from hybridpar.serve.router import STRATEGIES, Overloaded, Router, percentile
@@ -228,7 +228,8 @@ def main(argv: list[str]) -> int:
             return 2
         from hybridpar.bench.serve_throughput import measure
 
-        return _emit({**measure(a), "command": "hybridpar bench serve " + " ".join(argv)}, a.json)
+        emit({**measure(a), "command": "hybridpar bench serve " + " ".join(argv)}, a.json)
+        return 0
     from hybridpar.serve.service import Service
 
     model = ModelConfig(dim=64, n_layers=4, n_heads=4, ffn_dim=176)
@@ -249,7 +250,8 @@ def main(argv: list[str]) -> int:
         head = {"bench": "serve", "mode": "dtypes", "model": dataclasses.asdict(model), "replicas": a.replicas}
         out = {**head, "requests": a.requests, "repeats": a.repeats, **compare_dtypes(cfg, model, a)}
         out["command"] = "hybridpar bench serve " + " ".join(argv)
-        return _emit(out, a.json)
+        emit(out, a.json)
+        return 0
     svc = Service(cfg, model, cfg.source)
     try:
         burst = make_trace(48, 0.0, a.seed + 1)  # all at t=0: the replicas stay saturated until done
@@ -282,7 +284,8 @@ def main(argv: list[str]) -> int:
         "results": results,
         "hybrid_p99_over_round_robin_p99": ratio,
     }
-    return _emit(out, a.json)
+    emit(out, a.json)
+    return 0
 
 
 def _scenario(a: argparse.Namespace, argv: list[str]) -> int:
@@ -294,14 +297,7 @@ def _scenario(a: argparse.Namespace, argv: list[str]) -> int:
         return 2
     from hybridpar.bench.serve_scenarios import run
 
-    return _emit({**run(a), "command": "hybridpar bench serve " + " ".join(argv)}, a.json)
-
-
-def _emit(out: dict[str, Any], path: str | None) -> int:
-    print(json.dumps(out, indent=1))
-    if path:
-        with open(path, "w", encoding="utf-8") as fh:
-            json.dump(out, fh, indent=1)
+    emit({**run(a), "command": "hybridpar bench serve " + " ".join(argv)}, a.json)
     return 0
 
 

@@ -16,11 +16,10 @@ with the first one (ratio_vs_first: the first one's time over this one's; step_t
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 
-from hybridpar.bench import layout_config
+from hybridpar.bench import emit, layout_config
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
 
@@ -86,8 +85,5 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         r["ratio_vs_first"] = records[0]["step_time_s"] / r["step_time_s"]
         r["step_time_vs_first"] = r["step_time_s"] / records[0]["step_time_s"]
-    out = json.dumps(records, indent=1)
-    print(out)
-    if a.json:
-        open(a.json, "w").write(out + "\n")
+    emit(records, a.json)
     return 0
