@@ -115,3 +115,7 @@ def test_an_elastic_replan_keeps_cp_where_it_divides_the_world() -> None:
     cfg.train.seq_len = 12  # 2 cp = 8 does not divide 12: cp 4 falls back to 2
     cfg.parallel.cp = 4
     assert replan(cfg, 8).parallel.cp == 2
+    # With sequence parallelism tp must cut each cp rank's chunks: at seq_len 24 and cp 2 (chunks of 6),
+    # 2 cp tp = 16 does not divide 24 and 8 does, so 8 ranks take cp 2 x tp 2, not tp 4.
+    sp = tiny_config(parallel=dict(tp=4, pp=1, dp=1, cp=2, sequence_parallel=True), train=dict(seq_len=24))
+    assert (lambda q: (q.cp, q.tp))(replan(sp, 8).parallel) == (2, 2)
