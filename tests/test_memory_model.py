@@ -200,6 +200,9 @@ def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> 
     shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]  # the tp-sharded bias is not sliced
     assert bucket_bytes([shapes], 1, 0) == 0  # no data parallelism, nothing to reduce
     assert bucket_bytes([shapes], 2, 0) == (20 + 7 + 6) * 4  # one flat copy of every gradient
+    # context-parallel peers sum their gradients too (over dp x cp): at dp 1 a flat copy all the same, and
+    # ZeRO (cut over dp) slices nothing there
+    assert bucket_bytes([shapes], 1, 0, cp=2) == bucket_bytes([shapes], 1, 1, cp=2) == (20 + 7 + 6) * 4
     # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
     # once out; the bias whole.
     assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4

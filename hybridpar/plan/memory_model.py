@@ -156,13 +156,15 @@ def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None 
     return state, ((1 + dp) * max(seg) * F32 if dp > 1 else 0)
 
 
-def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None) -> int:
+def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None, cp: int = 1) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (dataparallel/grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
     each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
-    where the slices allow, else through dp padded segments in and one out."""
-    if dp == 1:
+    where the slices allow, else through dp padded segments in and one out. Context-parallel peers sum
+    their gradients too (over dp x cp): at dp = 1 and cp > 1 the flat copies are there all the same."""
+    if dp * cp == 1:
         return 0
+    zero = zero if dp > 1 else 0  # ZeRO's slices are cut over dp
     total = 0
     for shapes in stages:
         buckets: list[list[Shape]] = [[]]
@@ -501,7 +503,7 @@ class MemoryModel:
         for r in range(p.pp):
             mine = [s for s in range(n) if ranks[s] == r]
             # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
-            key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather)
+            key = (mk, p.tp, p.pp, p.dp, p.cp, p.zero, p.zero3_regather)
             key += tuple((len(parts[s]), s == 0, s == n - 1) for s in mine)
             out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
@@ -520,7 +522,7 @@ class MemoryModel:
         if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)
             at_rest, gather = rest, 0  # no all-gather after the step: the parameters stay sharded
             params = rest + self._gathered(cfg, parts, mine, per_stage)
-        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)
+        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie, gather)
         return params, grads, opt, buffers, rest, at_rest
 
     def _gathered(self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]]) -> int:
