@@ -37,7 +37,7 @@ def test_fork_is_refused_while_another_thread_runs(tmp_path: Path) -> None:
 
 def test_start_methods_are_named() -> None:
     assert fork_refusal("spawn") is None
-    assert "is not one of spawn, fork" in fork_refusal("vfork")
+    assert "is not one of forkserver, spawn, fork" in fork_refusal("vfork")
 
 
 TWO_LAUNCHES = """

@@ -1,6 +1,8 @@
 """What each way of starting workers costs (issue 42): the wall time of a whole launch of the tiny test
 model (tp1 x pp2, one step), from a process that has already done torch work, as a benchmark does:
 
+- forkserver: `launch()` from this process, its default (each worker forked from the fork server, which
+  imported torch and the trainer once: its first start is in the first repeat's figure);
 - spawn: `launch(start_method="spawn")` from this process (each worker a fresh interpreter);
 - fork-fresh: a fresh interpreter per launch, single-threaded, that forks its workers
   (`launch(start_method="fork")`: forking this process itself is refused, it runs threads);
@@ -34,7 +36,6 @@ FRESH = """
 import sys
 from hybridpar.config import Config
 from hybridpar.run.launcher import launch
-from hybridpar.bench import emit
 launch(Config.from_dict(__import__("json").loads(sys.argv[1])), start_method="fork")
 """
 
@@ -50,8 +51,8 @@ def timed(name: str, run_dir: Path) -> float:
     quiet = {"stdout": subprocess.DEVNULL, "stderr": subprocess.DEVNULL, "check": True}
     env = {**os.environ, "OPENBLAS_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     t = time.monotonic()
-    if name == "spawn":
-        launch(cfg, start_method="spawn")
+    if name in ("spawn", "forkserver"):
+        launch(cfg, start_method=name)
     elif name == "fork-fresh":
         subprocess.run([sys.executable, "-c", FRESH, json.dumps(cfg.to_dict())], env=env, **quiet)
     else:
@@ -69,7 +70,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     torch.set_num_threads(1)
     (torch.randn(256, 256) @ torch.randn(256, 256)).sum()  # torch work done, as in a benchmark
-    names = ("spawn", "fork-fresh", "cli")
+    names = ("forkserver", "spawn", "fork-fresh", "cli")
     walls: dict[str, list[float]] = {n: [] for n in names}
     load0 = os.getloadavg()[0]
     with tempfile.TemporaryDirectory() as tmp:

@@ -454,6 +454,12 @@ class BalanceConfig:
     patience: int = _f(
         3, "consecutive measurements beyond the threshold before a straggler (or its " "recovery) counts"
     )
+    persist: int = _f(
+        2,
+        "disjoint windows of balance.window measurements a move must pay off in (the latest and the ones "
+        "before it, each by its own medians): an imbalance shorter than that (a spike, a burst of the "
+        "machine's load) never moves layers; 1 = the latest window only",
+    )
     weight_memory: float = _f(0.4, "load-score weight of memory pressure")
     weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")
     weight_network: float = _f(0.2, "load-score weight of communication wait")

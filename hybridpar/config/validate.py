@@ -191,7 +191,7 @@ def _check_balance(cfg: Config) -> None:
         _is_num(cfg.emulate.link_ms) and cfg.emulate.link_ms >= 0,
         f"emulate.link_ms must be >= 0 ms per message, got {cfg.emulate.link_ms!r}",
     )
-    for key in ("interval", "window", "patience"):
+    for key in ("interval", "window", "patience", "persist"):
         _require(_is_int(v := getattr(b, key)) and v >= 1, f"balance.{key} must be a positive integer, got {v!r}")
     _require(
         _is_int(b.skip_steps) and b.skip_steps >= 0,

@@ -108,7 +108,11 @@ def report_plan(planned: AutoPlan, run_dir: str, world: int) -> None:
     print(f"{summary(planned)}\nhybridpar: the ranked layouts are in {path}", flush=True)
 
 
-def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
+def _worker(cfg_dict: dict[str, Any], origin: dict[str, Any] | None = None) -> dict[str, Any] | None:
+    if origin is not None:  # forked from the fork server: the launcher's environment, die with it
+        from hybridpar.topology.spawn import enter
+
+        enter(origin)
     from hybridpar.run.train import enter_worker, train
     from hybridpar.topology.cpus import bind_local_rank
     from hybridpar.topology.lifetime import release_groups
@@ -134,7 +138,7 @@ def _worker(cfg_dict: dict[str, Any]) -> dict[str, Any] | None:
     }
 
 
-START_METHODS = ("spawn", "fork")
+START_METHODS = ("forkserver", "spawn", "fork")
 
 
 def threads_forked() -> int:
@@ -159,7 +163,7 @@ def fork_refusal(start_method: str) -> str | None:
     return (
         f"start_method='fork' would fork this process, which runs {n} thread(s) besides this one (a BLAS or "
         "OpenMP pool, a store, a past launch's leftovers): a forked worker inherits their locks without them; "
-        "use start_method='spawn', or fork only from a process that has started no threads (a fresh "
+        "use start_method='forkserver' or 'spawn', or fork only from a process that has started no threads (a fresh "
         "interpreter with OPENBLAS_NUM_THREADS=1 set before numpy or torch is imported, no torch operation "
         "run, no launch before)"
     )
@@ -170,7 +174,7 @@ def launch(
     *,
     max_restarts: int | None = None,
     nproc: int | None = None,
-    start_method: str = "spawn",
+    start_method: str = "forkserver",
     overwrite: bool = False,
 ) -> dict[str, Any] | None:
     """Validate `cfg`, run it on `nproc` (default tp*pp*dp) local processes (rendezvous on loopback), and
@@ -182,9 +186,10 @@ def launch(
     set to other than their defaults, and plan.json written (plan/launch.py). The run directory
     is held for the launch: a run_dir holding another run is refused unless `overwrite` (which deletes that
     run's files). Bad config or data raises ValueError before any worker starts, and so does a failure a
-    worker found that a restart would repeat. `start_method`: 'spawn' (a fresh interpreter per worker) or
-    'fork' (faster; CPU only: CUDA cannot be forked once initialised), refused as a ValueError where the
-    caller runs other threads (`fork_refusal`)."""
+    worker found that a restart would repeat. `start_method`: 'forkserver' (forked from a process that
+    imported torch and the trainer once and has run nothing: topology/spawn.py), 'spawn' (a fresh
+    interpreter per worker, importing them again) or 'fork' (this process itself; CPU only: CUDA cannot be
+    forked once initialised), refused as a ValueError where the caller runs other threads (`fork_refusal`)."""
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
     from hybridpar.resilience.rundir import EXIT_USAGE, exit_code
@@ -206,6 +211,12 @@ def launch(
         if planned is not None:
             report_plan(planned, cfg.run_dir, world)
         register_loopback_rendezvous()
+        extra: tuple[Any, ...] = ()
+        if start_method == "forkserver":  # ours, with torch and the trainer preloaded
+            from hybridpar.topology.spawn import fork_server, origin
+
+            fork_server()
+            extra = (origin(),)
         lc = LaunchConfig(
             min_nodes=1,
             max_nodes=1,
@@ -219,7 +230,7 @@ def launch(
             start_method=start_method,
         )
         try:
-            results = elastic_launch(lc, _worker)(cfg.to_dict())
+            results = elastic_launch(lc, _worker)(cfg.to_dict(), *extra)
         except Exception as e:
             code, why = exit_code(Path(cfg.run_dir), claim.token)
             if code == EXIT_USAGE:

@@ -35,7 +35,7 @@ from hybridpar.resilience.session import Session
 from hybridpar.run.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
-from hybridpar.topology.lifetime import die_with_parent, release_groups
+from hybridpar.topology.lifetime import die_with_launcher, release_groups
 from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer import Trainer
 from hybridpar.trainer.duty import LossDuty, StepDuty, ValidationDuty
@@ -227,7 +227,7 @@ def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
     run_dir = Path(cfg.run_dir)
     if token:  # started by our launcher, which holds the run directory
         launcher = os.environ.get(rundir.LAUNCHER_ENV) or rundir.lock_info(run_dir).get("pid")
-        if not die_with_parent(int(launcher) if launcher else None):
+        if not die_with_launcher(int(launcher) if launcher else None):
             raise SystemExit("hybridpar: worker exits: its launcher is gone")
         rec = rundir.read_run(run_dir)
         if rec and rec.get("launch") == token and rec.get("state") == "failed" and rec.get("permanent"):

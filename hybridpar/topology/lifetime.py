@@ -55,6 +55,16 @@ def die_with(pid: int) -> bool:
     return True
 
 
+def die_with_launcher(launcher: int | None) -> bool:
+    """A worker's tie to the process that launched it: its parent (torchrun's agent, a spawned or forked
+    worker) through `die_with_parent`, or an ancestor (a worker the fork server forked) through `die_with`.
+    False if the launcher is already gone (a worker whose launcher died before this check was re-parented,
+    so its parent is no longer the launcher and its pid names no process)."""
+    if launcher is None or os.getppid() == launcher:
+        return die_with_parent(launcher)
+    return die_with(launcher)
+
+
 def release_groups() -> None:
     """Destroy every process group and join their backends' threads while the interpreter is whole.
 

@@ -25,7 +25,14 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 # What every rank imports, loaded once in the fork server (torch._dynamo: the first model built pulls it in).
-PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "hybridpar.run.train", "hybridpar.topology.rendezvous"]
+PRELOAD = [
+    "torch",
+    "torch.distributed",
+    "torch._dynamo",
+    "hybridpar.run.train",
+    "hybridpar.run.launcher",
+    "hybridpar.topology.rendezvous",
+]
 
 
 def origin() -> dict[str, Any]:
@@ -72,8 +79,24 @@ def enter(origin: dict[str, Any]) -> None:
     if alive is not None:
         os.close(alive)
         multiprocessing.forkserver._forkserver._forkserver_alive_fd = None
-    os.environ.clear()  # the caller's environment now, not the server's from when it started
+    # The caller's environment now, not the server's from when it started; over it, what this process set
+    # since its fork (torch's elastic agent sets each worker's RANK, WORLD_SIZE, ... before calling it).
+    since = set_since_fork()
+    os.environ.clear()
     os.environ.update(origin["env"])
+    os.environ.update(since)
+
+
+def set_since_fork() -> dict[str, str]:
+    """The environment variables this process (forked from the fork server) holds other than the server was
+    started with: Linux keeps a process's initial environment in /proc/self/environ, which a forked child
+    shares with its parent. Where there is no procfs, every variable counts as set here."""
+    try:
+        raw = Path("/proc/self/environ").read_bytes()
+    except OSError:
+        return dict(os.environ)
+    started = dict(kv.split("=", 1) for kv in os.fsdecode(raw).split("\0") if "=" in kv)
+    return {k: v for k, v in os.environ.items() if started.get(k) != v}
 
 
 def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, origin: dict, args: tuple) -> None:
