@@ -134,14 +134,18 @@ def _rebalance_config() -> Config:
         parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", zero=3),
         train=dict(steps=REBALANCE_STEPS, val_every=REBALANCE_STEPS, monitor_every=0),
         emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
     )
 
 
 def _bf16_configs() -> list[Config]:
-    """bf16 with selective recomputation at pp2 x dp2, tied: ZeRO-2, then ZeRO-3 (per-microbatch regather)."""
+    """bf16 with selective recomputation at pp2 x dp2, tied: ZeRO-2, then ZeRO-3 (per-microbatch regather);
+    then ZeRO-3 without recomputation, where the step keeps autocast's weight copies (runtime.step_casts)
+    across microbatches and regathers."""
     over = dict(model=dict(tie_embeddings=True), train=dict(precision="bf16", recompute="selective"))
-    return [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=z), **over) for z in (2, 3)]
+    cfgs = [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=z), **over) for z in (2, 3)]
+    over["train"] = dict(precision="bf16", recompute="none")
+    return cfgs + [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=3), **over)]
 
 
 def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], out: str) -> dict:
@@ -259,12 +263,13 @@ def test_zero3_holds_a_dp_th_of_parameters_gradients_and_state_at_rest(world4: t
 def test_zero3_under_bf16_is_zero2_bit_for_bit(world4: tuple[Path, list[dict]]) -> None:
     """bf16 autocast (its cache of low-precision weight copies) with selective recomputation: ZeRO-3's
     gathered parameters are the ones ZeRO-2 holds, so every loss and every final parameter is identical
-    (ZeRO-2 itself is held to one device by the layout tests)."""
+    (ZeRO-2 itself is held to one device by the layout tests). Without recomputation the copies made from
+    the first gather serve the step's every microbatch: identical too (recomputation changes no bit)."""
     out, ranks = world4
-    zero2, zero3 = ranks[0]["bf16"]
-    assert zero2 == zero3
-    a, b = (torch.load(out / "bf16" / f"state{i}.pt", weights_only=True) for i in (0, 1))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    zero2, zero3, kept = ranks[0]["bf16"]
+    assert zero2 == zero3 == kept
+    a, b, c = (torch.load(out / "bf16" / f"state{i}.pt", weights_only=True) for i in (0, 1, 2))
+    assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
