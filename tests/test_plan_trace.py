@@ -8,8 +8,23 @@ import itertools
 import pytest
 
 from hybridpar.config import Config
-from hybridpar.pipeline.schedules import SCHEDULES, Op, add_communication, compute_schedule
-from hybridpar.plan.memory_model import F32, activation_peaks, ends_saved, layer_saved, step_saved, weight_held
+from hybridpar.pipeline.schedules import (
+    SCHEDULES,
+    Op,
+    add_communication,
+    compute_schedule,
+    schedule_spec,
+    stages_per_rank,
+)
+from hybridpar.plan.memory_model import (
+    F32,
+    activation_peaks,
+    ends_saved,
+    layer_saved,
+    step_saved,
+    weight_casts,
+    weight_held,
+)
 from hybridpar.plan.trace import activation_trace
 
 
@@ -75,6 +90,7 @@ def test_trace_peaks_match_the_walk(name: str) -> None:
         for recompute, precision in itertools.product(("none", "selective", "full"), ("fp32", "bf16")):
             cfg = _cfg(pp, recompute)  # the memory model's own terms, walked action by action
             cfg.train.precision = precision
+            cfg.parallel.schedule, cfg.parallel.virtual_stages = name, v  # which stages share a rank
             want = _walk(_model_terms(cfg, parts, sizes, split), full, sizes, split)
             assert activation_peaks(cfg, parts, sizes, compute) == want
             assert activation_peaks(cfg, parts, sizes, [], trace) == want
@@ -108,14 +124,21 @@ def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool)
     n, replica, out = len(parts), sum(sizes), {}
     modes = cfg.train.recompute_modes(n)
     c = 2 if cfg.train.precision == "bf16" else F32
+    ranks = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
     for s in range(n):
         first, last = s == 0, s == n - 1
+        # autocast's weight copies: once per step on a rank without recomputation (runtime.step_casts)
+        spans = all(modes[o] == "none" for o in range(n) if ranks[o] == ranks[s])
+        casts = weight_casts(cfg, len(parts[s]) if modes[s] == "none" else 0, last)
         for b in set(sizes):
             one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
             kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
-            norms = 2 * len(parts[s]) * (modes[s] == "none") + last
+            llama = cfg.model.family == "llama"  # its projections read the saved shared cast
+            norms = 2 * len(parts[s]) * (modes[s] == "none") * (not llama) + last
             one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
             bt_d = b * cfg.train.seq_len * cfg.model.dim
+            const = step_saved(cfg, first, last, replica) + (casts if spans else 0)
+            one += 0 if spans else casts
             inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
-            out[s, b] = (one, step_saved(cfg, first, last, replica), kept, inside)
+            out[s, b] = (one, const, kept, inside)
     return out
