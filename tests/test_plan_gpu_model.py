@@ -16,7 +16,14 @@ from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s
 from hybridpar.plan.cost import CostModel, grad_reduce_s, placement, predict, stage_costs
-from hybridpar.plan.gpu_model import OVERLAPS, Rates, parse_gpu_calibration, peak_fraction
+from hybridpar.plan.gpu_model import (
+    OVERLAPS,
+    Rates,
+    exposed_tp_comm,
+    parse_gpu_calibration,
+    peak_fraction,
+    weight_gemms,
+)
 from hybridpar.plan.hardware import load_hardware, parse_hardware
 from hybridpar.plan.main import calibration_note
 from hybridpar.plan.published import PLANNER_DOCS, load_runs, row_config
@@ -73,6 +80,7 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"extra": 1}, "needs exactly the keys"),
         ({"overlap": ["dp"]}, "overlap must be a list of distinct names from tp_comm, grad_reduce, param_gather"),
         ({"overlap": ["tp_comm", "tp_comm"]}, "overlap must be a list of distinct names"),
+        ({"sp_backward": "gather"}, "sp_backward must be one of saved, regather"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -223,3 +231,46 @@ def test_end_chunks_hold_the_embedding_and_the_head_alone() -> None:
     cfg.parallel.virtual_stages = 5  # 10 chunks around 6 layers: two would hold nothing
     with pytest.raises(ValueError, match="10 chunks cannot hold the embedding and the head apart around 6 layers"):
         model.parts(cfg, pl)
+
+
+def test_a_regathering_backward_adds_two_all_gathers_under_sequence_parallelism_only() -> None:
+    """Megatron keeps a column-parallel layer's 1/tp input slice under sequence parallelism and gathers it
+    again for the weight gradient (gpu_model.SP_BACKWARDS): two all-gathers of the layer's input per
+    backward, in B, or in W where the schedule splits the backward; nothing without sequence parallelism, and
+    hybridpar's own runtime ("saved") keeps the gathered input."""
+    cfg = Config.from_dict({"train": {"precision": "bf16", "seq_len": 256}})
+    t, m = cfg.train, cfg.model
+    g = replace(A100.gpu_calibration, sp_backward="regather")
+    hw = replace(A100, gpu_calibration=g)
+    gathers = 2 * all_gather_s(1024 * m.dim * 2, 4, hw.intra_node, hw)
+    saved, again = CostModel(m, A100), CostModel(m, hw)
+    for split in (False, True):
+        a = saved.layer(t, 4, 1024, A100.intra_node, "none", split, sp=True)
+        b = again.layer(t, 4, 1024, hw.intra_node, "none", split, sp=True)
+        assert b.f == a.f
+        assert (b.w if split else b.b).comm_s == pytest.approx((a.w if split else a.b).comm_s + gathers)
+        assert (b.b if split else b.w) == (a.b if split else a.w)
+        no_sp = again.layer(t, 4, 1024, hw.intra_node, "none", split, sp=False)
+        assert no_sp == saved.layer(t, 4, 1024, A100.intra_node, "none", split, sp=False)
+    assert 'sp_backward = "regather"' in g.to_toml() and "sp_backward" not in A100.gpu_calibration.to_toml()
+
+
+def test_an_overlapped_collective_hides_only_behind_the_gemm_beside_it() -> None:
+    """`tp_comm` (Transformer Engine's pairing): each collective is exposed by what it outlasts its own GEMM,
+    not the pass's GEMMs together: at tp 8 and width 8192 the attention output's GEMM is shorter than a
+    gather, so the forward exposes the difference though the pass's GEMMs together are far longer."""
+    m = Config.from_dict({"model": {"dim": 8192, "n_heads": 64, "ffn_dim": 32768}}).model
+    rates, link = H100.gpu_rates("bf16"), H100.intra_node
+    tokens = 4096
+    gather = all_gather_s(tokens * m.dim * 2, 8, link, H100)
+    reduce = all_reduce_s(tokens * m.dim * 2, 8, link, H100)
+    qkv, proj, up, down = (rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, 8))
+    assert proj < gather < qkv + proj + up + down
+    left = lambda g, c=gather: max(0.0, c - g)  # noqa: E731
+    f, b, again = exposed_tp_comm(rates, m, 8, tokens, gather, reduce, sp=True, again=True)
+    assert f == pytest.approx(left(qkv) + left(proj) + left(up) + left(down)) and f > 0
+    assert b == pytest.approx(f) and again == pytest.approx(left(qkv) + left(up))
+    f, b, again = exposed_tp_comm(rates, m, 8, tokens, gather, reduce, sp=False, again=True)
+    assert f == pytest.approx(left(proj, reduce) + left(down, reduce)) and again == 0.0
+    assert b == pytest.approx(left(qkv, reduce) + left(up, reduce))
+    assert exposed_tp_comm(rates, m, 8, tokens, 1e-9, 2e-9, sp=True, again=True) == (0.0, 0.0, 0.0)

@@ -323,6 +323,20 @@ def passed(result: dict[str, Any]) -> bool:
     )
 
 
+def kernels() -> dict[str, Any]:
+    """The CPU kernels the workers (which inherit this environment) run: ATen's vector width and the limits
+    set on MKL and oneDNN, so that a run with kernels limited to another machine's says so."""
+    import torch
+
+    from hybridpar.model.reference import KERNELS
+
+    limits = sorted({k for env in KERNELS.values() for k in env})
+    return {
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "kernel_limits": {k: os.environ[k] for k in limits if k in os.environ},
+    }
+
+
 def main(argv: list[str]) -> int:
     ap = argparse.ArgumentParser(prog="hybridpar bench chaos", description=__doc__.split("\n\n")[0])
     ap.add_argument("--faults", type=int, default=32, help="random faults in the soak (default 32)")
@@ -365,6 +379,7 @@ def main(argv: list[str]) -> int:
         "steps": a.steps,
         "layout": f"tp{a.tp} x pp2",
         "runs_dir": str(work),
+        **kernels(),
     }
     # Each part's figures are written as soon as it ends: a failure in a later part keeps them.
     for part, measure in (

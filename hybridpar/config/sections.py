@@ -186,7 +186,8 @@ class ParallelConfig:
         False,
         "sequence parallelism (needs tp > 1): the norms, residual stream, embedding output and pipeline "
         "messages hold 1/tp of the sequence on each tp rank; the tp all-reduces become an all-gather before "
-        "and a reduce-scatter after the sharded matmuls (the same bytes); train.seq_len must split over tp",
+        "and a reduce-scatter after the sharded matmuls (the same bytes); train.seq_len must split over tp "
+        "(with parallel.cp > 1: into 2 cp tp slices, each cp rank's chunks cut over tp)",
     )
     cpu_bind: str = _f(
         "none",

@@ -51,7 +51,7 @@ from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from hybridpar.plan.gpu_model import layer_times, overlapped, weight_gemms
+from hybridpar.plan.gpu_model import exposed_tp_comm, layer_times, overlapped, regathers, weight_gemms
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -213,7 +213,9 @@ class CostModel:
         """One decoder layer for a microbatch of `tokens` tokens on one tp rank (`split`: the schedule
         runs B and W apart; otherwise W may be 0 with the whole backward in B). `sp` (sequence
         parallelism): the norms and residuals run on 1/tp of the tokens; its all-gather and reduce-scatter
-        move the bytes of the all-reduces they replace, so the collectives are costed as those. `ring`:
+        move the bytes of the all-reduces they replace, so the collectives are costed as those, and where the
+        GPU software re-gathers a column-parallel layer's input for its weight gradient (gpu_model.SP_BACKWARDS)
+        the backward adds those two all-gathers (in W where the schedule splits it, else in B). `ring`:
         (cp, the ring's link) under context parallelism, `tokens` then being this rank's share of the
         sequences (each still attends over the whole sequence: `ring_s`)."""
         m = self.m
@@ -229,12 +231,19 @@ class CostModel:
             mm, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
             mem, mem_b = mem + att_f, mem_b + att_b
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
-        comm = 2 * self.tp_all_reduce_s(t, tp, tokens, link)  # after attention and after the MLP
-        if rates is not None and overlapped(self.hw.gpu_calibration, "tp_comm"):
-            comm = max(0.0, comm - mm)  # chunked against the pass's GEMMs (forward's; B's are as long)
+        reduce = self.tp_all_reduce_s(t, tp, tokens, link)
+        comm = 2 * reduce  # after attention and after the MLP
+        gather = all_gather_s(tokens * m.dim * act, tp, link, self.hw)
+        # Sequence parallelism keeping only the 1/tp slice: q/k/v's and the MLP's inputs gathered again.
+        again = 2 * gather if sp and regathers(self.hw.gpu_calibration) else 0.0
+        if rates is not None and overlapped(self.hw.gpu_calibration, "tp_comm"):  # each beside its GEMM
+            comm, back, again = exposed_tp_comm(rates, m, tp, tokens, gather, reduce, sp, again > 0)
+        else:
+            back = comm
+        comm_b, comm_w = (back, again) if split else (back + again, 0.0)
         f = Work(mm, mem, ops, comm)
-        b = Work(mm, mem_b, 1.5 * ops, comm)  # input gradients; the copy-ins' all-reduces
-        w = Work(mm, 0.0, 0.5 * ops)
+        b = Work(mm, mem_b, 1.5 * ops, comm_b)  # input gradients; the copy-ins' all-reduces
+        w = Work(mm, 0.0, 0.5 * ops, comm_w)
         cal = self.calibrated(t)
         timed = cal.layer(tp, tokens) if cal is not None else None
         if timed is not None:  # measured compute (in matmul_s: the whole layer), the same collectives

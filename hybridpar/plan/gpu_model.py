@@ -14,6 +14,10 @@ each with its source and date, and the attention kernel of the software that ran
                           ran before flash attention, 2021-2022)
     overlap               (optional, default none) which communication the cluster's training software
                           runs behind compute, a fact of that software like the attention kernel (OVERLAPS)
+    sp_backward           (optional, default "saved") what a column-parallel layer's backward does for its
+                          weight gradient under sequence parallelism (SP_BACKWARDS): "saved", the gathered
+                          input was kept (hybridpar's runtime), or "regather", only this rank's 1/tp slice was
+                          kept and the whole input is all-gathered again (Megatron-LM, Megatron-Core)
     source, date          where each number comes from, and when
 
 From them, with no further constant:
@@ -46,14 +50,20 @@ FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "intra_
 KERNELS = ("flash", "unfused")
 # Communication a GPU training stack can run behind compute (Megatron-Core's --tp-comm-overlap,
 # --overlap-grad-reduce, --overlap-param-gather; Llama 3's stack likewise, arXiv:2407.21783 Sec. 3.3.2):
-#   tp_comm       a layer's tensor-parallel collectives, chunked against its GEMMs: only what exceeds the GEMMs
-#                 of the same pass is exposed
+#   tp_comm       a layer's tensor-parallel collectives, each chunked against the one GEMM beside it: only what
+#                 exceeds that GEMM is exposed (exposed_tp_comm)
 #   grad_reduce   the data-parallel gradient reduction, bucket by bucket as the stage's last backward produces
 #                 its gradients: it may start when that backward starts instead of when it ends
 #   param_gather  the sharded optimizer's all-gather of the updated weights, in the compute precision (the
 #                 bf16 model copy; fp32 masters stay sharded), dispatched at the next step's start: hidden
 #                 behind what the rank does before its first forward ends (its pipeline fill and that forward)
 OVERLAPS = ("tp_comm", "grad_reduce", "param_gather")
+# What a column-parallel layer's weight gradient reads under sequence parallelism (Korthikanti et al. 2022,
+# arXiv:2205.05198 Sec. 4.2.2): "saved", the all-gathered input its forward kept (hybridpar's model/tp.py), or
+# "regather", the rank's 1/tp slice, all-gathered again in the backward (Megatron's
+# LinearWithGradAccumulationAndAsyncCommunication.backward, megatron/core/tensor_parallel/layers.py): the
+# backward then moves 1.5x the forward's tensor-parallel bytes.
+SP_BACKWARDS = ("saved", "regather")
 # Unfused attention's memory traffic per score element (2-byte elements), counted on Megatron-LM's kernels:
 # forward, the fused scale-mask-softmax reads the scores and writes the probabilities (2), dropout reads them
 # and writes its output and a one-byte mask (2.5); backward, dropout's reads the gradient and the mask and writes
@@ -73,11 +83,13 @@ class GpuCalibration:
     source: str
     date: str
     overlap: tuple[str, ...] = ()
+    sp_backward: str = "saved"
 
     def to_toml(self) -> str:
         nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
         text = lambda s: '"""' + s.replace("\\", "\\\\").replace('"""', '\\"""') + '"""'  # noqa: E731
         over = f"overlap = {list(self.overlap)!r}\n".replace("'", '"') if self.overlap else ""
+        over += f'sp_backward = "{self.sp_backward}"\n' if self.sp_backward != "saved" else ""
         return (
             f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n{over}'
             f"source = {text(self.source)}\ndate = {text(self.date)}"
@@ -87,11 +99,16 @@ class GpuCalibration:
 def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     """The `[gpu_calibration]` table; ValueError naming the key and its form."""
     known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
-    if not isinstance(d, dict) or not known <= set(d) <= known | {"overlap"}:
+    if not isinstance(d, dict) or not known <= set(d) <= known | {"overlap", "sp_backward"}:
         got = sorted(d) if isinstance(d, dict) else repr(d)
         raise ValueError(
             f"{where} [gpu_calibration]: needs exactly the keys {', '.join(sorted(known))} (and optionally "
-            f"overlap), got {got}"
+            f"overlap, sp_backward), got {got}"
+        )
+    if d.get("sp_backward", "saved") not in SP_BACKWARDS:
+        raise ValueError(
+            f"{where} [gpu_calibration]: sp_backward must be one of {', '.join(SP_BACKWARDS)}, "
+            f"got {d['sp_backward']!r}"
         )
     over = d.get("overlap", [])
     if not isinstance(over, list) or not set(over) <= set(OVERLAPS) or len(set(over)) != len(over):
@@ -115,6 +132,7 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
         **{k: float(d[k]) for k in FRACTIONS},
         **{k: d[k] for k in ("attention_kernel", "source", "date")},
         overlap=tuple(over),
+        sp_backward=d.get("sp_backward", "saved"),
     )
 
 
@@ -176,6 +194,34 @@ def layer_times(
         SOFTMAX_FORWARD_ACCESSES * scores / rates.memory_bps,
         SOFTMAX_BACKWARD_ACCESSES * scores / rates.memory_bps,
     )
+
+
+def regathers(g: GpuCalibration | None) -> bool:
+    """Whether the calibrated software all-gathers a column-parallel layer's input again in its backward
+    under sequence parallelism (SP_BACKWARDS)."""
+    return g is not None and g.sp_backward == "regather"
+
+
+def exposed_tp_comm(
+    rates: Rates, m: ModelConfig, tp: int, tokens: int, gather_s: float, reduce_s: float, sp: bool, again: bool
+) -> tuple[float, float, float]:
+    """What a layer's tensor-parallel collectives leave exposed under `tp_comm` overlap: (forward, backward,
+    the backward's re-gathers). Megatron-Core's --tp-comm-overlap (Transformer Engine's userbuffers) runs each
+    collective beside the one GEMM that produces or consumes its tensor, so each is hidden only up to that
+    GEMM's time: with sequence parallelism the forward's all-gathers beside q/k/v's and the MLP's up
+    projection, its reduce-scatters beside the attention output's and the MLP's down projection; the
+    backward's gathers of the output gradients beside those two projections' input-gradient GEMMs, its
+    reduce-scatters of the input gradients beside q/k/v's and the up projection's weight-gradient GEMMs, and
+    (`again`: SP_BACKWARDS "regather") the inputs' re-gathers beside their input-gradient GEMMs. Without
+    sequence parallelism the all-reduces after the row-parallel GEMMs (forward) and of the column-parallel
+    input gradients (backward) pair the same way. `gather_s`: one all-gather of the layer's input;
+    `reduce_s`: one all-reduce of it. Each pass's GEMMs are as long as the forward's (the same shapes)."""
+    qkv, proj, up, down = (rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, tp))
+    one = gather_s if sp else reduce_s
+    left = lambda gemm: max(0.0, one - gemm)  # noqa: E731
+    forward = left(proj) + left(down) + (left(qkv) + left(up) if sp else 0.0)
+    backward = left(qkv) + left(up) + (left(proj) + left(down) if sp else 0.0)
+    return forward, backward, left(qkv) + left(up) if sp and again else 0.0
 
 
 def overlapped(g: GpuCalibration | None, name: str) -> bool:
