@@ -1,7 +1,8 @@
 """`hybridpar` command line. `hybridpar train` validates the config in this process (no worker is
 started for a bad one), then runs torch's own elastic launcher (`torch.distributed.run`, i.e.
-torchrun) on `python -m hybridpar.run.train`. torchrun's flags (--nproc-per-node, --nnodes, --node-rank,
---rdzv-endpoint, --max-restarts, …) pass through unchanged; everything else is ours."""
+torchrun) on `python -m hybridpar.run.worker` (the trainer, tied to this launcher first). torchrun's
+flags (--nproc-per-node, --nnodes, --node-rank, --rdzv-endpoint, --max-restarts, …) pass through
+unchanged; everything else is ours."""
 
 from __future__ import annotations
 
@@ -284,7 +285,7 @@ def _run_agent(
             "--local-addr",
             "127.0.0.1",
         ] + theirs
-    args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.run.train"] + ours)
+    args = get_args_parser().parse_args(theirs + ["-m", "hybridpar.run.worker"] + ours)
     agent = "finished"
     try:
         run(args)

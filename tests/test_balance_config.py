@@ -24,6 +24,7 @@ def test_defaults_and_cli() -> None:
         (dict(mode="on"), "balance.mode='on' is not one of off, detect, auto"),
         (dict(interval=0), "balance.interval must be a positive integer, got 0"),
         (dict(window=0), "balance.window must be a positive integer"),
+        (dict(persist=0), "balance.persist must be a positive integer, got 0"),
         (dict(skip_steps=-1), "balance.skip_steps must be a non-negative integer"),
         (dict(min_gain=1.0), "balance.min_gain must be in [0, 1), got 1.0"),
         (dict(threshold=1.0), "balance.threshold must be > 1"),

@@ -407,11 +407,12 @@ def test_interval_respected() -> None:
 
 def test_steady_after_rebalance_and_initial_heterogeneity() -> None:
     rng = random.Random(6)
-    # Replica 1 is 20% slower from the start: below the straggler threshold, but the first full
-    # window still rebalances it once, and jitter afterwards never triggers another move.
+    # Replica 1 is 20% slower from the start: below the straggler threshold, but once the first
+    # balance.persist full windows agree it is rebalanced, once, and jitter afterwards never moves it again.
     series = [[rng.uniform(0.97, 1.03), 1.2 * rng.uniform(0.97, 1.03)] for _ in range(300)]
     decisions = drive(data_balancer(cfg()), series, [10, 10])
-    assert len(decisions) == 1 and decisions[0].step == cfg().window - 1 and decisions[0].stragglers == ()
+    c = cfg()
+    assert len(decisions) == 1 and decisions[0].step == c.persist * c.window - 1 and decisions[0].stragglers == ()
     assert decisions[0].new.split == (11, 9)
 
 
@@ -420,7 +421,11 @@ def test_waits_for_every_replica_to_report() -> None:
     layout = Layout.uniform([range(0, 1)], [4, 4, 4])
     for step in range(10):  # replica 2 silent: the due evaluation waits
         assert bal.update(step, group(step, [1.0, 2.0]), layout) is None
-    d = bal.update(10, group(10, [1.0, 2.0, 1.0]), layout)
+    # ... until replica 2 has reported balance.persist windows of its own.
+    c = cfg()
+    for step in range(10, 10 + c.persist * c.window - 1):
+        assert bal.update(step, group(step, [1.0, 2.0, 1.0]), layout) is None
+    d = bal.update(step + 1, group(step + 1, [1.0, 2.0, 1.0]), layout)
     assert d is not None and d.new.split == (5, 2, 5)
 
 

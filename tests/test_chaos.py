@@ -307,7 +307,7 @@ def test_faults_after_a_live_rebalance_fire_and_the_run_recovers(tmp_path: Path)
         # Emulated fixed layer cost (benchmark mode) and rank 1 three times slower from the start: the
         # balancer moves layers off it after its warm-up and patience, well before the faults.
         emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0", fault=",".join(faults)),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
         resilience=dict(hang_timeout_s=HANG_S, heartbeat_s=0.25, slow_phase_timeout_s=30.0, max_restarts=3),
         checkpoint=dict(every=1, keep=steps + 1),
     )

@@ -50,7 +50,16 @@ def _configs() -> list[Config]:
     first.checkpoint.every, first.checkpoint.keep = 1, 3  # the start of the resumed runs
     gpt2 = _long("gpt2", dp=2, cp=2)
     gpt2.parallel.zero = 2  # ZeRO's slices are cut over dp: the gradients are summed over cp first
-    return [first, _long("llama", cp=2, pp=2), gpt2, _long("llama", cp=4), _long("gpt2", cp=4)]
+    return [first, _long("llama", cp=2, pp=2), gpt2, _long("llama", cp=4), _long("gpt2", cp=4), *_with_sp(tp=2)]
+
+
+def _with_sp(**axes: int) -> list[Config]:
+    """cp2 with sequence parallelism over tp, both families (the tiny model: seq_len 16, so each cp rank's
+    8 tokens are 4 per tp rank in the norm and residual regions; GPT-2 looks up those 4 tokens' positions)."""
+    cfgs = [_layout(tiny_config(), cp=2, **axes), _layout(gpt2_config(), cp=2, **axes)]
+    for cfg in cfgs:
+        cfg.parallel.sequence_parallel = True
+    return cfgs
 
 
 def _configs8() -> list[Config]:

@@ -98,7 +98,7 @@ def test_workers_die_with_their_launcher_and_a_new_launch_resumes(tmp_path: Path
         workers = [
             p
             for p in psutil.Process(proc.pid).children(recursive=True)
-            if "hybridpar.run.train" in " ".join(p.cmdline())
+            if "hybridpar.run.worker" in " ".join(p.cmdline())
         ]
         assert len(workers) == 2
         os.killpg(proc.pid, signal.SIGKILL)  # the launcher's process group: the workers have their own

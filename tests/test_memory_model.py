@@ -15,7 +15,7 @@ from hybridpar.config import Config
 from hybridpar.dataparallel.zero import in_place, slice_of
 from hybridpar.model.registry import build_stage, full_shapes, param_stages
 from hybridpar.pipeline.activation_meter import ActivationMeter
-from hybridpar.pipeline.runtime import token_cross_entropy
+from hybridpar.pipeline.runtime import step_casts, token_cross_entropy
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 from hybridpar.plan.memory_model import (
     bucket_bytes,
@@ -25,6 +25,7 @@ from hybridpar.plan.memory_model import (
     rank_memory,
     stage_shapes,
     step_saved,
+    weight_casts,
     weight_held,
 )
 from hybridpar.topology.spawn import run_ranks
@@ -66,7 +67,8 @@ def test_layer_formula_is_what_autograd_saves(family: str, precision: str, mode:
     """Two layers, 3 samples: exactly the meter's count (the layer formula, plus the rotary tables)."""
     cfg = small(family, precision)
     got = metered(cfg, [0, 1], False, False, 3, mode)
-    assert got == 2 * layer_saved(cfg, 3, mode) + step_saved(cfg, False, False, 3)
+    casts = weight_casts(cfg, 2 if mode == "none" else 0, False)  # one forward: once, either way
+    assert got == 2 * layer_saved(cfg, 3, mode) + step_saved(cfg, False, False, 3) + casts
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -75,6 +77,7 @@ def test_embedding_head_and_loss_are_what_autograd_saves(family: str, precision:
     cfg = small(family, precision)
     got = metered(cfg, [0], True, True, 2, "full")
     want = layer_saved(cfg, 2, "full") + ends_saved(cfg, 2, True, True) + step_saved(cfg, True, True, 2)
+    want += weight_casts(cfg, 0, True)  # the head's
     assert got == want
 
 
@@ -98,15 +101,52 @@ def test_zero_bubble_b_keeps_what_w_reads_until_w(family: str, precision: str, m
     with meter.measuring(), low:
         y = token_cross_entropy(stage(x), torch.randint(0, 256, (b, t)), 1.0)
     split.key = None
-    # Under autocast W's fp32 inputs (two norm outputs per layer, the head's) are held from F on.
-    early = (5 if mode == "none" else 1) * b * t * cfg.model.dim * 4 if precision == "bf16" else 0
+    # Under autocast W's fp32 inputs (GPT-2's two norm outputs per layer, the head's) are held from F on;
+    # llama's projections read the norms' shared bf16 casts, which autograd saves anyway.
+    layers = 4 if mode == "none" and family == "gpt2" else 0
+    early = (layers + 1) * b * t * cfg.model.dim * 4 if precision == "bf16" else 0
     saved = 2 * layer_saved(cfg, b, mode) + ends_saved(cfg, b, False, True) + step_saved(cfg, False, True, b)
+    saved += weight_casts(cfg, 2 if mode == "none" else 0, True)
     assert meter.live == saved + early
     split.backward_input(y, None, x, 0)
     del y
     assert meter.live == weight_held(cfg, b, 2, True)
     split.weight(0)
     assert meter.live == 0
+
+
+def _microbatches(cfg: Config, span: bool, n: int = 3) -> tuple[list[int], list[torch.Tensor]]:
+    """n forwards of a whole two-layer bf16 model under the runtime's per-action autocast, then n backwards,
+    inside one step (`span`: runtime.step_casts, as a training step) or not: the meter after each
+    forward, and the gradients."""
+    stage = build_stage(cfg.model, [0, 1], True, True, 0, torch.device("cpu"))
+    meter = ActivationMeter()
+    meter.reset(stage.parameters())
+    g = torch.Generator().manual_seed(0)
+    xs = [torch.randint(0, 256, (2, cfg.train.seq_len), generator=g) for _ in range(n)]
+    losses, live = [], []
+    with step_casts("cpu", torch.bfloat16, [stage], span):
+        for x in xs:
+            with meter.measuring(), torch.autocast("cpu", dtype=torch.bfloat16):
+                losses.append(token_cross_entropy(stage(x), x, 1.0))
+            live.append(meter.live)
+        for loss in losses:
+            loss.backward()
+    return live, [p.grad for p in stage.parameters()]
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_a_training_step_saves_one_bf16_copy_of_each_weight(family: str) -> None:
+    """Per action autocast recasts every weight for each microbatch; inside step_casts the copies are made
+    once and shared by every microbatch (bit-identical gradients), as weight_casts counts them."""
+    cfg = small(family, "bf16")
+    casts = weight_casts(cfg, 2, True)
+    per_action, grads = _microbatches(cfg, span=False)
+    spanned, spanned_grads = _microbatches(cfg, span=True)
+    assert all(torch.equal(a, b) for a, b in zip(grads, spanned_grads))
+    one = per_action[1] - per_action[0]  # a microbatch's own saved tensors, its casts included
+    assert per_action == [per_action[0] + k * one for k in range(3)]
+    assert spanned == [per_action[0] + k * (one - casts) for k in range(3)]
 
 
 def test_recomputation_keeps_less() -> None:
@@ -160,6 +200,9 @@ def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> 
     shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]  # the tp-sharded bias is not sliced
     assert bucket_bytes([shapes], 1, 0) == 0  # no data parallelism, nothing to reduce
     assert bucket_bytes([shapes], 2, 0) == (20 + 7 + 6) * 4  # one flat copy of every gradient
+    # context-parallel peers sum their gradients too (over dp x cp): at dp 1 a flat copy all the same, and
+    # ZeRO (cut over dp) slices nothing there
+    assert bucket_bytes([shapes], 1, 0, cp=2) == bucket_bytes([shapes], 1, 1, cp=2) == (20 + 7 + 6) * 4
     # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
     # once out; the bias whole.
     assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4

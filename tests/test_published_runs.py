@@ -64,6 +64,7 @@ OPTIONAL: dict[str, type] = {
     "recompute": str,
     "zero": int,  # 1 where the source's run sharded the optimizer state over data parallelism (ZeRO-1 or more)
     "sequence_parallel": bool,  # true where the source's run split the norm regions' sequence over tp
+    "cp": int,  # context-parallel ranks: the sequence split over them (docs/context-parallel.md)
     **REPORTED,
 }
 PRECISIONS = ("fp32", "bf16", "fp16")  # fp16 runs are planned as bf16: same tensor-core peak
@@ -180,7 +181,7 @@ def test_every_cluster_file_is_used() -> None:
 
 @by_id
 def test_layout_covers_the_gpus_and_the_batch(row: dict[str, Any]) -> None:
-    assert row["tp"] * row["pp"] * row["dp"] == row["gpus"]
+    assert row["tp"] * row["pp"] * row["dp"] * row.get("cp", 1) == row["gpus"]
     mbs = row.get("microbatch_size", 1)
     assert row["global_batch"] % (row["dp"] * mbs) == 0, "replicas would get unequal microbatch counts"
 

@@ -52,7 +52,7 @@ def test_slow_rank_loses_layers_and_gets_them_back(tmp_path: Path) -> None:
     assert len(decisions) == 2, decisions
     away, back = decisions
     assert away["applied"] and away["stragglers"] == [1] and "straggles" in away["reason"]
-    assert onset < away["step"] <= onset + 6  # window // 2 + patience observations, plus slack
+    assert onset < away["step"] <= onset + 6  # confirmed over balance.persist (2) windows of 3 readings
     sizes = [[b - a for a, b in p] for p in away["new"]["parts"]]
     assert sizes[0][1] < 4 and away["old"]["parts"] == [[[0, 4], [4, 8]]]
     assert away["predicted_step_after_s"] < away["predicted_step_before_s"]

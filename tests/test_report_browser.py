@@ -66,7 +66,7 @@ def test_report_of_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
         train=dict(steps=steps, val_every=5, monitor_every=3),
         # Rank 1 emulated 3x slow from the start: the balancer moves layers off it well before the fault.
         emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0", fault=f"rank=1:kill@step={fault_step}:phase=forward"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
         resilience=dict(hang_timeout_s=HANG_S, heartbeat_s=0.25, slow_phase_timeout_s=30.0, max_restarts=2),
         checkpoint=dict(every=4, keep=2),  # the kill in step 10 loses steps 8 and 9: trained again
     )

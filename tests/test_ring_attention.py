@@ -89,12 +89,17 @@ def test_what_cp_does_not_support_is_refused_before_launch(tmp_path: Path, capsy
         (["--balance.mode", "auto"], "balance.mode=auto"),
         (["--parallel.cpu_bind", "cores"], "parallel.cpu_bind=cores"),
         (["--parallel.grad_sum", "tree"], "parallel.grad_sum=tree"),
-        (["--parallel.tp", "2", "--parallel.sequence_parallel", "true"], "parallel.sequence_parallel=true"),
         (["--parallel.dp", "2", "--parallel.zero", "3"], "parallel.zero=3"),
         (["--parallel.auto", "true", "--nproc-per-node", "2"], "parallel.auto=true"),
     ):
         err = _refused(["--parallel.cp", "2", "--train.seq_len", "64", *flags], tmp_path / "r", capsys)
         assert f"parallel.cp=2 does not support {what} yet" in err, err
+    # Sequence parallelism cuts each of a rank's two chunks over tp: 36 splits into 4 chunks, not into 8 slices.
+    sp = ["--parallel.cp", "2", "--parallel.tp", "2", "--parallel.sequence_parallel", "true"]
+    err = _refused([*sp, "--train.seq_len", "36"], tmp_path / "r", capsys)
+    assert "train.seq_len=36 does not split into 2 × parallel.cp × parallel.tp = 8 equal slices" in err, err
+    assert "use a multiple of 8 (e.g. 40)" in err, err
+    validate_config(parse_args(["--parallel.pp", "1", *sp, "--train.seq_len", "32"]), world_size=4)
     cfg = parse_args(["--parallel.tp", "1", "--parallel.pp", "1", "--parallel.cp", "2", "--train.seq_len", "64"])
     with pytest.raises(ValueError, match=r"parallel.dp × parallel.cp = 1 × 1 × 1 × 2 = 2, but 3 processes"):
         validate_config(cfg, world_size=3)  # the world the launcher starts must be tp x pp x dp x cp
@@ -110,3 +115,7 @@ def test_an_elastic_replan_keeps_cp_where_it_divides_the_world() -> None:
     cfg.train.seq_len = 12  # 2 cp = 8 does not divide 12: cp 4 falls back to 2
     cfg.parallel.cp = 4
     assert replan(cfg, 8).parallel.cp == 2
+    # With sequence parallelism tp must cut each cp rank's chunks: at seq_len 24 and cp 2 (chunks of 6),
+    # 2 cp tp = 16 does not divide 24 and 8 does, so 8 ranks take cp 2 x tp 2, not tp 4.
+    sp = tiny_config(parallel=dict(tp=4, pp=1, dp=1, cp=2, sequence_parallel=True), train=dict(seq_len=24))
+    assert (lambda q: (q.cp, q.tp))(replan(sp, 8).parallel) == (2, 2)

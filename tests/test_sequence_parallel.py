@@ -57,6 +57,30 @@ def test_the_planner_searches_sequence_parallelism() -> None:
         plan(odd, hw(), fits_with_sp_only, world=4)
 
 
+def test_the_planner_searches_context_parallelism_with_sequence_parallelism() -> None:
+    """At seq_len 1024 on 8 devices the search offers cp with sequence parallelism (each of a cp rank's two
+    chunks split over tp), every such layout valid; where 2 cp tp does not divide the sequence, it does not."""
+    from hybridpar.pipeline.schedules.config_rules import validate_config
+    from tests.test_plan_search import Est, hw
+
+    def fits_with_cp_and_sp_only(cfg: Config) -> list[Est]:
+        p = cfg.parallel
+        return [Est(0 if p.sequence_parallel and p.cp > 1 else 1 << 50)] * p.pp
+
+    base = Config()
+    base.model.n_layers, base.train.global_batch, base.train.seq_len = 2, 4, 1024
+    fixed = {"parallel.schedule": "1f1b", "train.recompute": "none", "train.precision": "fp32"}  # a quicker search
+    got = plan(base, hw(per_node=8), fits_with_cp_and_sp_only, world=8, top=50, fixed=fixed).candidates
+    assert got and {(c.cfg.parallel.tp, c.cfg.parallel.cp) for c in got} >= {(2, 2), (2, 4), (4, 2)}
+    for c in got:
+        validate_config(c.cfg, 8)
+        assert " sp " in c.label and f"cp{c.cfg.parallel.cp}" in c.label, c.label
+    odd = Config.from_dict(base.to_dict())
+    odd.train.seq_len = 1028  # 2 cp = 4 splits it (chunks of 257), 2 cp tp = 8 does not: no cp with sp
+    with pytest.raises(ValueError, match="no layout fits"):
+        plan(odd, hw(per_node=8), fits_with_cp_and_sp_only, world=8, top=5, fixed=fixed)
+
+
 def sp_configs() -> list:
     """The layouts of the shared launch (world 4): both families, 1F1B and the zero-bubble B/W split, and
     ZeRO-2 over dp (the norm gradients summed over tp from kept slices). Model and train settings are

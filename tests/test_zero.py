@@ -134,14 +134,18 @@ def _rebalance_config() -> Config:
         parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", zero=3),
         train=dict(steps=REBALANCE_STEPS, val_every=REBALANCE_STEPS, monitor_every=0),
         emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
-        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6),
+        balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
     )
 
 
 def _bf16_configs() -> list[Config]:
-    """bf16 with selective recomputation at pp2 x dp2, tied: ZeRO-2, then ZeRO-3 (per-microbatch regather)."""
+    """bf16 with selective recomputation at pp2 x dp2, tied: ZeRO-2, then ZeRO-3 (per-microbatch regather);
+    then ZeRO-3 without recomputation, where the step keeps autocast's weight copies (runtime.step_casts)
+    across microbatches and regathers."""
     over = dict(model=dict(tie_embeddings=True), train=dict(precision="bf16", recompute="selective"))
-    return [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=z), **over) for z in (2, 3)]
+    cfgs = [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=z), **over) for z in (2, 3)]
+    over["train"] = dict(precision="bf16", recompute="none")
+    return cfgs + [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=3), **over)]
 
 
 def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], out: str) -> dict:
@@ -259,12 +263,13 @@ def test_zero3_holds_a_dp_th_of_parameters_gradients_and_state_at_rest(world4: t
 def test_zero3_under_bf16_is_zero2_bit_for_bit(world4: tuple[Path, list[dict]]) -> None:
     """bf16 autocast (its cache of low-precision weight copies) with selective recomputation: ZeRO-3's
     gathered parameters are the ones ZeRO-2 holds, so every loss and every final parameter is identical
-    (ZeRO-2 itself is held to one device by the layout tests)."""
+    (ZeRO-2 itself is held to one device by the layout tests). Without recomputation the copies made from
+    the first gather serve the step's every microbatch: identical too (recomputation changes no bit)."""
     out, ranks = world4
-    zero2, zero3 = ranks[0]["bf16"]
-    assert zero2 == zero3
-    a, b = (torch.load(out / "bf16" / f"state{i}.pt", weights_only=True) for i in (0, 1))
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    zero2, zero3, kept = ranks[0]["bf16"]
+    assert zero2 == zero3 == kept
+    a, b, c = (torch.load(out / "bf16" / f"state{i}.pt", weights_only=True) for i in (0, 1, 2))
+    assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], b[k]) and torch.equal(a[k], c[k]) for k in a)
 
 
 def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -282,8 +287,8 @@ def _stage_worker(cfg_d: dict, run_dir: str) -> dict:
 def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None:
     """dp=2 (ZeRO-1) is preempted after step 2, resumes at dp=4 (ZeRO-3) to step 3, at dp=1 to step 4,
     at dp=2 (ZeRO-2) to step 5 and at dp=3 (ZeRO-3: uneven chunks) to the end: the one-device model.
-    Each ZeRO rank writes only its slice of the optimizer state, and under ZeRO-3 of the parameters too
-    (one chunk per dp rank in DCP's metadata); DCP re-cuts the slices on resume."""
+    Each ZeRO rank writes only its slice of the optimizer state, and under ZeRO-3 of the parameters too,
+    packed in one flat tensor (a piece per dp rank in the index, resilience/packed.py), re-cut on resume."""
     steps = 6
     run = str(tmp_path / "run")
     legs = [(2, 1, "rank=0:term@step=1:phase=forward"), (4, 3, "rank=3:term@step=2:phase=forward")]
@@ -306,15 +311,28 @@ def test_zero_checkpoint_resumes_at_another_dp_and_level(tmp_path: Path) -> None
     for name, t in ref_state.items():
         assert (state[name] - t).abs().max().item() <= TOL, name
     check_fp64("dp 2 -> 4 -> 1 -> 2 -> 3 under ZeRO 1, 3, 0, 2, 3", state, ref)
+    from hybridpar.resilience.packed import read_index
     from hybridpar.resilience.safe_dcp import load_metadata
 
-    for step, chunks in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-3), 1, 2 (ZeRO-2), 3 (ZeRO-3)
-        md = load_metadata(tmp_path / "run" / "checkpoints" / f"step-{step:06d}" / ".metadata").state_dict_metadata
+    for step, dp in ((3, 4), (4, 1), (5, 2), (6, 3)):  # written at dp 4 (ZeRO-3), 1, 2 (ZeRO-2), 3 (ZeRO-3)
+        ckpt = tmp_path / "run" / "checkpoints" / f"step-{step:06d}"
+        md = load_metadata(ckpt / ".metadata").state_dict_metadata
+        pieces: dict[str, int] = {}  # ZeRO's slices: one packed flat tensor per rank, a piece per slice in it
+        for name, flat in read_index(ckpt).items():
+            assert name in md and md[name].size == (flat["numel"],), (step, name)
+            for p in flat["pieces"]:
+                pieces[p["key"]] = pieces.get(p["key"], 0) + 1
         moments = [k for k in md if k.startswith("optim/") and k.endswith("/exp_avg")]
-        assert moments and all(len(md[k].chunks) == chunks for k in moments), (step, {k: md[k].chunks for k in moments})
         params = [k for k in md if k.startswith("model.") and k.endswith("proj.weight")]
-        zero3 = step in (3, 6)  # the parameters are written as slices, one per dp rank, none gathered
-        assert params and all(len(md[k].chunks) == (chunks if zero3 else 1) for k in params), step
+        if dp == 1:  # no ZeRO: every tensor whole, in DCP's entries
+            assert not pieces and moments and params, step
+            continue
+        zero3 = step in (3, 6)  # the parameters are written as slices too, one per dp rank, none gathered
+        sliced = [k for k in pieces if k.startswith("optim/") and k.endswith("/exp_avg")]
+        assert sliced and not moments and all(pieces[k] == dp for k in sliced), (step, pieces)
+        param_pieces = [k for k in pieces if k.startswith("model.") and k.endswith("proj.weight")]
+        assert (len(param_pieces) > 0 and not params) if zero3 else (not param_pieces and params), step
+        assert all(pieces[k] == dp for k in param_pieces), (step, pieces)
 
 
 def _rebalance_worker(cfg_d: dict, out: str) -> list[float]:

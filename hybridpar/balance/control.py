@@ -16,13 +16,15 @@ changes, a drift of the relative speeds beyond the margin since the last evaluat
 
 from __future__ import annotations
 
+import statistics
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.balance.detect import StragglerDetector
 from hybridpar.balance.repartition import CostModel, Layout, check_modelled, predicted_step
-from hybridpar.balance.scores import RankSample, load_scores
+from hybridpar.balance.scores import RankSample, by_rank, load_scores
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig
 from hybridpar.pipeline.schedules import schedule_spec
@@ -99,6 +101,26 @@ def _sizes(layout: Layout) -> list[list[int]]:
     return [[len(r) for r in p] for p in layout.parts]
 
 
+def _describe(
+    why: str, layout: Layout, new: Layout, steps: tuple[float, float, float, float], margin: float
+) -> tuple[Literal["pipeline", "data", "pipeline+data"], str]:
+    """A move's kind and its reason: why it was due, what moves, the simulated and bound steps."""
+    before, after, bound_before, bound_after = steps
+    moved, resplit = new.parts != layout.parts, new.split != layout.split
+    kind: Literal["pipeline", "data", "pipeline+data"] = (
+        "pipeline+data" if moved and resplit else "pipeline" if moved else "data"
+    )
+    if moved:
+        why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
+    if resplit:
+        why += f"; samples per replica {list(layout.split)} -> {list(new.split)}"
+    why += (
+        f"; simulated step {before:.4g} s -> {after:.4g} s ({after / before - 1:+.1%}; bound "
+        f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
+    )
+    return kind, why
+
+
 class Balancer:
     """Turns per-step measurements of every (replica, stage) position into decisions."""
 
@@ -115,9 +137,10 @@ class Balancer:
         c = config
         if c.mode not in MODES:
             raise ValueError(f"balance.mode={c.mode!r} is not one of {', '.join(MODES)}")
-        if c.interval < 1 or not 0.0 <= c.min_gain < 1.0:
+        if c.interval < 1 or c.persist < 1 or not 0.0 <= c.min_gain < 1.0:
             raise ValueError(
-                f"balance.interval={c.interval} must be >= 1 and balance.min_gain=" f"{c.min_gain} in [0, 1)"
+                f"balance.interval={c.interval} and balance.persist={c.persist} must be >= 1 and "
+                f"balance.min_gain={c.min_gain} in [0, 1)"
             )
         check_modelled(schedule)
         if microbatches < 1 or min_per_replica < 1:
@@ -129,6 +152,9 @@ class Balancer:
         self.shared = shared_partition  # every replica one partition (ZeRO-3: simulated.py)
         self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
         self.detector = StragglerDetector(c.threshold, c.window, c.patience)
+        # Each position's last `persist` windows of readings (time per unit), for `_confirmed`; cleared by a
+        # move (readings on the old layout judge no move from the new one).
+        self._readings: dict[int, deque[float]] = {}
         self._updates = 0
         self._last_step: int | None = None
         self._last_decision: int | None = None
@@ -160,6 +186,42 @@ class Balancer:
             return None
         return f"speeds drifted: position {r}'s relative time per unit {moved[r]:+.1%} since the last evaluation"
 
+    def _speeds(self, times: dict[int, float], layout: Layout) -> list[list[float]]:
+        """Absolute speeds (units of work per second, so that predicted steps come out in seconds) of each
+        (replica, stage) from each position's time per unit: a stage runs at the speed of the rank the
+        schedule places it on."""
+        ranks = layout.pp // self.virtual_stages
+        placed = schedule_spec(self.schedule).stage_ranks(ranks, self.virtual_stages)
+        return [[1.0 / times[d * ranks + placed[s]] for s in range(layout.pp)] for d in range(layout.dp)]
+
+    def _steps(self, layout: Layout, new: Layout, speeds: list[list[float]]) -> tuple[float, float, float, float]:
+        """Simulated step before and after the move, then the bottleneck bound's before and after."""
+        v = self.virtual_stages
+        return (
+            self.sim.layout_step(layout, self.cost, speeds),
+            self.sim.layout_step(new, self.cost, speeds),
+            predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule, v),
+            predicted_step(new, self.cost, speeds, self.microbatches, self.schedule, v),
+        )
+
+    def _confirmed(self, layout: Layout, new: Layout, n: int, need: float) -> bool:
+        """Whether the move pays off (gain >= `need`) under each earlier disjoint window's medians too,
+        `balance.persist` - 1 of them before the latest (which proposed it): an imbalance must persist.
+
+        A spike of fewer than half a window's steps is never a window's median (it only slides the median
+        to the largest of the other readings), and a burst of the machine's load that moves one window's
+        median rarely moves the one before it the same way; a real slowdown moves both from half a window
+        after its onset (2x from step t: moved by t + 1.5 windows + 1, `tests/test_balance_persist.py`)."""
+        w, k = self.config.window, self.config.persist
+        if any(len(self._readings.get(r, ())) < k * w for r in range(n)):
+            return False
+        for j in range(1, k):
+            times = {r: statistics.median(list(self._readings[r])[-(j + 1) * w : -j * w]) for r in range(n)}
+            before, after, bound_before, bound_after = self._steps(layout, new, self._speeds(times, layout))
+            if max(1.0 - after / before, 1.0 - bound_after / bound_before) < need:
+                return False
+        return True
+
     def update(self, step: int, samples: Sequence[RankSample], layout: Layout) -> Decision | None:
         c = self.config
         if c.mode == "off":
@@ -168,6 +230,8 @@ class Balancer:
             raise ValueError(f"step {step} does not follow step {self._last_step}")
         self._last_step = step
         state = self.detector.update(samples)
+        for r, x in by_rank(samples).items():
+            self._readings.setdefault(r, deque(maxlen=c.persist * c.window)).append(x.compute_s)
         self._updates += 1
         if state.changed:
             self._pending = state.reason
@@ -183,12 +247,11 @@ class Balancer:
         self._pending = self._pending or self._drifted(smooth, n)
         if self._pending is None:
             return None
+        if any(len(self._readings.get(r, ())) < c.persist * c.window for r in range(n)):
+            return None  # stay pending: no move before `persist` windows of readings (`_confirmed`)
         fastest = min(smooth[r] for r in range(n))
         self._evaluated, self._drift_streak = {r: smooth[r] / fastest for r in range(n)}, 0
-        # Absolute speeds (units of work per second) so that predicted steps come out in seconds; each
-        # stage runs at the speed of the rank the schedule places it on.
-        placed = schedule_spec(self.schedule).stage_ranks(ranks, self.virtual_stages)
-        speeds = [[1.0 / smooth[d * ranks + placed[s]] for s in range(layout.pp)] for d in range(layout.dp)]
+        speeds = self._speeds(smooth, layout)
         why, self._pending = self._pending, None
         # Speeds off by a relative e move a simulated step by up to e, so two candidates' difference is
         # only real beyond twice the measured noise; and never below the gain a move must bring anyway.
@@ -196,31 +259,22 @@ class Balancer:
         new = plan_layout_simulated(
             layout, self.cost, speeds, self.sim, margin=margin, min_per_replica=self.min_per_replica, shared=self.shared
         )
-        before = self.sim.layout_step(layout, self.cost, speeds)
-        after = self.sim.layout_step(new, self.cost, speeds)
-        v = self.virtual_stages
-        bound_before = predicted_step(layout, self.cost, speeds, self.microbatches, self.schedule, v)
-        bound_after = predicted_step(new, self.cost, speeds, self.microbatches, self.schedule, v)
+        before, after, bound_before, bound_after = self._steps(layout, new, speeds)
         # The simulation alone leads away from the min-bottleneck partition (beyond the margin); the bound
         # leads back to it once the simulated advantage is within the margin (e.g. a straggler recovered
-        # and a partition one layer off simulates no faster than the even one, but no slower either).
+        # and a partition one layer off simulates no faster than the even one, but no slower either). The
+        # gain is gated by min_gain, not the noise margin: at load 10-24 a margin of 2 x the readings' spread
+        # stopped real moves too; what a burst of load cannot pass is `_confirmed`.
         if new == layout or max(1.0 - after / before, 1.0 - bound_after / bound_before) < c.min_gain:
             return None
-        moved, resplit = new.parts != layout.parts, new.split != layout.split
-        kind: Literal["pipeline", "data", "pipeline+data"] = (
-            "pipeline+data" if moved and resplit else "pipeline" if moved else "data"
-        )
-        if moved:
-            why += f"; layers per stage {_sizes(layout)} -> {_sizes(new)}"
-        if resplit:
-            why += f"; samples per replica {list(layout.split)} -> {list(new.split)}"
-        why += (
-            f"; simulated step {before:.4g} s -> {after:.4g} s ({after / before - 1:+.1%}; bound "
-            f"{bound_before:.4g} s -> {bound_after:.4g} s; margin {margin:.1%})"
-        )
+        if not self._confirmed(layout, new, n, c.min_gain):
+            self._pending = why  # still due: judged again at the next update
+            return None
+        kind, why = _describe(why, layout, new, (before, after, bound_before, bound_after), margin)
         self._last_decision = step
         if c.mode == "auto":  # the layout changes: measure the new one before judging drift
             self._evaluated, self._rebase_at = None, self._updates + c.window
+            self._readings.clear()
         scores = load_scores(samples, self.weights)
         return Decision(
             kind,

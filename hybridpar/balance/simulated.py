@@ -67,6 +67,12 @@ class ScheduleSim:
         times = [c / v for c, v in zip(cost.stage_costs(parts), speeds)]
         return self.pipeline_step(times) / self.microbatches
 
+    def busiest_rank(self, parts: Sequence[range], cost: CostModel, speeds: Sequence[float]) -> float:
+        """The busiest pipeline rank's time per sample: the sum of its stages' (the steady state's bound)."""
+        _, ranks = self._program(len(parts))
+        times = [c / v for c, v in zip(cost.stage_costs(parts), speeds)]
+        return max(sum(t for t, r in zip(times, ranks) if r == k) for k in set(ranks))
+
     def layout_step(self, layout: Layout, cost: CostModel, speeds: Sequence[Sequence[float]]) -> float:
         """Simulated step of `layout`: its slowest replica (the data-parallel all-reduce is the same for
         every layout and is left out, as in `repartition.predicted_step`)."""
@@ -86,11 +92,73 @@ def neighbours(parts: Sequence[range]) -> list[tuple[range, ...]]:
     return out
 
 
+def rank_balanced(cost: CostModel, ranks: Sequence[int], speeds: Sequence[float]) -> tuple[range, ...]:
+    """With several stages per rank (interleaved, ZB-V): the partition whose busiest rank is least busy.
+
+    What a rank costs a step is the sum of its chunks, so the min-max *stage* partition can be far off:
+    24 layers in 8 chunks with rank 2 at half speed, a stage holds at most 4 layers either way, and its
+    tie-break handed rank 3 two chunks of 4 (8 layers where 7 do: 0.86 of the bound). Here the layers go
+    one at a time to the rank that then finishes first (greedy min-max of identical units, exact for equal
+    layer costs; the mean layer cost stands for each, the embedding and head go to the ranks holding the
+    first and last stage), each rank's chunks taking its layers evenly (the earlier chunks one more).
+    `ranks[s]` is stage s's rank, `speeds[s]` that rank's speed."""
+    n, pp = len(cost.layer_costs), max(ranks) + 1
+    if n < len(ranks):
+        raise ValueError(f"{n} layers cannot fill {len(ranks)} stages")
+    rank_speed = {r: v for r, v in zip(ranks, speeds)}
+    chunks = [ranks.count(r) for r in range(pp)]
+    extra = [0.0] * pp
+    extra[ranks[0]] += cost.first_extra
+    extra[ranks[-1]] += cost.last_extra
+    mean = sum(cost.layer_costs) / n
+    count = chunks.copy()  # every chunk at least one layer
+    for _ in range(n - len(ranks)):
+        r = min(range(pp), key=lambda q: ((count[q] + 1) * mean + extra[q]) / rank_speed[q])
+        count[r] += 1
+    sizes, seen = [], [0] * pp
+    for r in ranks:
+        q, rem = divmod(count[r], chunks[r])
+        sizes.append(q + (seen[r] < rem))
+        seen[r] += 1
+    return _ranges(sizes)
+
+
+def _ranges(sizes: Sequence[int]) -> tuple[range, ...]:
+    starts = [sum(sizes[:s]) for s in range(len(sizes) + 1)]
+    return tuple(range(a, b) for a, b in zip(starts, starts[1:]))
+
+
+def descend(sim: ScheduleSim, cost: CostModel, speeds: Sequence[float], start: Sequence[range]) -> tuple[range, ...]:
+    """Steepest descent on the simulated step from `start`, a step being one layer handed from any stage
+    to any other (the stages between keep their sizes and shift by one layer).
+
+    One-layer boundary moves (`neighbours`) are too short a reach with several stages per rank: on the
+    interleaved schedule, 24 layers and rank 2 at half speed, no boundary move improves on the min-max
+    stage partition (9.5 per sample) nor on the busiest-rank one (10.0), while transfers reach 8.92,
+    the best of all partitions of 1..6 layers per chunk (enumerated). A step is taken only when strictly
+    shorter, so the descent ends; each takes n_stages x (n_stages - 1) simulations at most."""
+    sizes = [len(r) for r in start]
+    best = sim.per_sample(start, cost, speeds)
+    while True:
+        moves = []
+        for i, j in ((i, j) for i in range(len(sizes)) for j in range(len(sizes)) if i != j and sizes[i] > 1):
+            t = sizes.copy()
+            t[i], t[j] = t[i] - 1, t[j] + 1
+            moves.append((sim.per_sample(_ranges(t), cost, speeds), t))
+        step_s, to = min(moves, key=lambda x: x[0], default=(best, sizes))
+        if step_s >= best * (1.0 - 1e-9):
+            return _ranges(sizes)
+        best, sizes = step_s, to
+
+
 def choose_partition(
     sim: ScheduleSim, cost: CostModel, speeds: Sequence[float], pp: int, margin: float
 ) -> tuple[range, ...]:
-    """The min-bottleneck partition for `speeds`, or its best simulated one-layer neighbour when that one
-    is more than `margin` (a fraction) faster in simulation."""
+    """The min-bottleneck partition for `speeds`, or a faster simulated one when that one is more than
+    `margin` (a fraction) faster in simulation: its best one-layer neighbour with one stage per rank; with
+    several (interleaved, ZB-V), where a rank's time is the sum of its chunks, the base is the min-max stage
+    partition or `rank_balanced`, whichever leaves the busiest rank less busy, and the contender the best
+    `descend` reaches from either."""
     base = tuple(
         partition_by_cost(
             cost.layer_costs, pp, first_extra=cost.first_extra, last_extra=cost.last_extra, speeds=list(speeds)
@@ -98,8 +166,14 @@ def choose_partition(
     )
     if pp == 1:
         return base
+    if sim.virtual_stages > 1:
+        ranks = schedule_spec(sim.schedule).stage_ranks(pp // sim.virtual_stages, sim.virtual_stages)
+        starts = dict.fromkeys([base, rank_balanced(cost, ranks, speeds)])
+        base = min(starts, key=lambda p: (sim.busiest_rank(p, cost, speeds), sim.per_sample(p, cost, speeds)))
+        scored = [(sim.per_sample(q, cost, speeds), q) for q in (descend(sim, cost, speeds, p) for p in starts)]
+    else:
+        scored = [(sim.per_sample(p, cost, speeds), p) for p in neighbours(base)]
     base_s = sim.per_sample(base, cost, speeds)
-    scored = [(sim.per_sample(p, cost, speeds), p) for p in neighbours(base)]
     best_s, best = min(scored, key=lambda x: x[0], default=(base_s, base))
     return best if best_s < (1.0 - margin) * base_s else base
 

@@ -1,5 +1,7 @@
-"""bf16 compute two ways on this machine: autocast over the fp32 weights (what `train.precision bf16`
-runs) against bf16 working copies (a bf16 copy of every weight made once per step, before the step's
+"""bf16 compute three ways on this machine: autocast over the fp32 weights with one autocast region per
+microbatch (autocast's weight casts made again for each; what `train.precision bf16` ran before), the
+same inside the runtime's step_casts (one cached bf16 copy of each weight for the whole step: what it
+runs now), and bf16 working copies (a bf16 copy of every weight made once per step, before the step's
 forwards; forward and backward in bf16 on the copies; each microbatch's weight gradients widened and
 summed into the fp32 masters' gradients; AdamW on the masters). Step time of each, alternating.
 
@@ -7,11 +9,12 @@ summed into the fp32 masters' gradients; AdamW on the masters). Step time of eac
 
 One process (one thread on a CPU; the GPU where there is one), the default model (full, on one device)
 and its global batch cut into `--microbatches`; `--section.key VALUE` flags of `hybridpar train` change
-the model and the batch. One round runs one step of each contender, their order alternating round by round;
-the first round warms both up and is not counted. Reported: each contender's median step time, the
-median of the per-round ratios copies / autocast with its spread, the loss of each at the last step
-(the two differ: working copies compute the residual stream and the norms in bf16 too, autocast only
-the matmuls), and the load average before and after.
+the model and the batch. One round runs one step of each contender, their order rotating round by round;
+the first round warms them up and is not counted. Reported: each contender's median step time, the
+medians of the per-round ratios copies / autocast and autocast_step / autocast with their spreads, the
+loss of each at the last step (autocast_step's equals autocast's bit for bit; working copies differ:
+they compute the residual stream and the norms in bf16 too, autocast only the matmuls), and the load
+average before and after.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from hybridpar.config.parse import parse_args
 from hybridpar.data.corpus import TokenData
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_full_model
+from hybridpar.pipeline.runtime import step_casts
 
 
 def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> torch.Tensor:
@@ -37,13 +41,16 @@ def _loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, n: int) -> t
     return F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum") / n
 
 
-def autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer, mbs: list, n: int) -> float:
+def autocast_step(model: torch.nn.Module, opt: torch.optim.Optimizer, mbs: list, n: int, span: bool = False) -> float:
+    """One autocast region per microbatch, as the runtime's actions; `span`: inside the runtime's step_casts,
+    so every microbatch uses one cached bf16 copy of each weight (what `train.precision bf16` runs now)."""
     total = 0.0
-    for x, y in mbs:
-        with torch.autocast(x.device.type, dtype=torch.bfloat16):
-            loss = _loss(model, x, y, n)
-        loss.backward()
-        total += loss.item()
+    with step_casts(mbs[0][0].device.type, torch.bfloat16, [model], span):
+        for x, y in mbs:
+            with torch.autocast(x.device.type, dtype=torch.bfloat16):
+                loss = _loss(model, x, y, n)
+            loss.backward()
+            total += loss.item()
     opt.step()
     opt.zero_grad()
     return total
@@ -82,7 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     sync = torch.cuda.synchronize if dev.type == "cuda" else (lambda: None)
     t = cfg.train
     data = TokenData.open(cfg.data.path, 2_000_000, t.seq_len, t.seed, cfg.data.val_fraction)
-    models = {k: build_full_model(cfg.model, t.seed).to(dev) for k in ("autocast", "copies")}
+    names = ("autocast", "autocast_step", "copies")
+    models = {k: build_full_model(cfg.model, t.seed).to(dev) for k in names}
     work = copy.deepcopy(models["copies"]).to(torch.bfloat16)
     opts = {k: make_optimizer(m.named_parameters(), t) for k, m in models.items()}
     times: dict[str, list[float]] = {k: [] for k in models}
@@ -92,17 +100,18 @@ def main(argv: list[str] | None = None) -> int:
         x, y = (v.to(dev) for v in data.step_samples(r, t.global_batch, 0, t.global_batch))
         mbs = list(zip(x.tensor_split(a.microbatches), y.tensor_split(a.microbatches)))
         n = y.numel()
-        for k in ("autocast", "copies") if r % 2 == 0 else ("copies", "autocast"):
+        for k in names[r % 3 :] + names[: r % 3]:  # each contender in each place of the order in turn
             sync()
             t0 = time.perf_counter()
-            if k == "autocast":
-                losses[k] = autocast_step(models[k], opts[k], mbs, n)
-            else:
+            if k == "copies":
                 losses[k] = copies_step(models[k], work, opts[k], mbs, n)
+            else:
+                losses[k] = autocast_step(models[k], opts[k], mbs, n, span=k == "autocast_step")
             sync()
             if r > 0:
                 times[k].append(time.perf_counter() - t0)
     ratios = [c / s for c, s in zip(times["copies"], times["autocast"])]
+    spans = [c / s for c, s in zip(times["autocast_step"], times["autocast"])]
     out = {
         "bench": "bf16_copies",
         "device": str(dev),
@@ -116,6 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         "step_times_s": times,
         "copies_over_autocast": statistics.median(ratios),
         "copies_over_autocast_spread": [min(ratios), max(ratios)],
+        "autocast_step_over_autocast": statistics.median(spans),
+        "autocast_step_over_autocast_spread": [min(spans), max(spans)],
         "last_loss": losses,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),

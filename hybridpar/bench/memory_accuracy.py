@@ -1,7 +1,8 @@
 """`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
 For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
-parallelism, `--layouts tp2xpp2-sp`, or dp4 alone, `--layouts dp4`), over precision (fp32, bf16) x
+parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
+`cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16) x
 ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
 counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
@@ -32,6 +33,9 @@ LAYOUTS = {
     "dp2xpp2": dict(tp=1, pp=2, dp=2),
     "tp2xpp2-sp": dict(tp=2, pp=2, dp=1, sequence_parallel=True),  # sequence parallelism (model/tp.py)
     "dp4": dict(tp=1, pp=1, dp=4),  # ZeRO's slices at a quarter
+    # context parallelism with sequence parallelism: each cp rank's chunks cut again over tp (ring attention)
+    "cp2xtp2-sp": dict(tp=2, pp=1, dp=1, cp=2, sequence_parallel=True),
+    "cp2xtp2xpp2-sp": dict(tp=2, pp=2, dp=1, cp=2, sequence_parallel=True),
 }
 MODELS = {
     "default": dict(model={}, train={}),
@@ -90,7 +94,7 @@ def _worker(runs: list[dict], steps: int) -> list[dict[str, Any]]:
 
     torch.set_num_threads(1)
     first = Config.from_dict(runs[0]["config"]).parallel
-    topo = build_topology(first.dp, first.pp, first.tp, "gloo", first.timeout_s)
+    topo = build_topology(first.dp, first.pp, first.tp, "gloo", first.timeout_s, first.cp)
     out = []
     for run in runs:
         tr = Trainer(Config.from_dict(run["config"]), topo)
@@ -100,7 +104,7 @@ def _worker(runs: list[dict], steps: int) -> list[dict[str, Any]]:
             tr.step(s)
             times.append(time.perf_counter() - t0)
         tr.p2p.close()
-        coords = dict(rank=topo.rank, pp=topo.pp_rank, tp=topo.tp_rank, dp=topo.dp_rank)
+        coords = dict(rank=topo.rank, pp=topo.pp_rank, tp=topo.tp_rank, dp=topo.dp_rank, cp=topo.cp_rank)
         out.append({**coords, "step_time_s": times[-1], "measured": dict(tr.memory)})
     return out
 
@@ -156,7 +160,7 @@ def main(argv: list[str] | None = None) -> int:
     results, worst = [], 0.0
     load_before = os.getloadavg()
     for lay, todo in runs.items():
-        world = LAYOUTS[lay]["tp"] * LAYOUTS[lay]["pp"] * LAYOUTS[lay]["dp"]
+        world = LAYOUTS[lay]["tp"] * LAYOUTS[lay]["pp"] * LAYOUTS[lay]["dp"] * LAYOUTS[lay].get("cp", 1)
         per_rank = run_ranks(_worker, world, todo, a.steps, timeout_s=a.timeout)
         for i, run in enumerate(todo):
             rows, err = compare(Config.from_dict(run["config"]), [r[i] for r in per_rank])

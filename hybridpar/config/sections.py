@@ -186,7 +186,8 @@ class ParallelConfig:
         False,
         "sequence parallelism (needs tp > 1): the norms, residual stream, embedding output and pipeline "
         "messages hold 1/tp of the sequence on each tp rank; the tp all-reduces become an all-gather before "
-        "and a reduce-scatter after the sharded matmuls (the same bytes); train.seq_len must split over tp",
+        "and a reduce-scatter after the sharded matmuls (the same bytes); train.seq_len must split over tp "
+        "(with parallel.cp > 1: into 2 cp tp slices, each cp rank's chunks cut over tp)",
     )
     cpu_bind: str = _f(
         "none",
@@ -452,6 +453,12 @@ class BalanceConfig:
     )
     patience: int = _f(
         3, "consecutive measurements beyond the threshold before a straggler (or its " "recovery) counts"
+    )
+    persist: int = _f(
+        2,
+        "disjoint windows of balance.window measurements a move must pay off in (the latest and the ones "
+        "before it, each by its own medians): an imbalance shorter than that (a spike, a burst of the "
+        "machine's load) never moves layers; 1 = the latest window only",
     )
     weight_memory: float = _f(0.4, "load-score weight of memory pressure")
     weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")

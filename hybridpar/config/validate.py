@@ -191,7 +191,7 @@ def _check_balance(cfg: Config) -> None:
         _is_num(cfg.emulate.link_ms) and cfg.emulate.link_ms >= 0,
         f"emulate.link_ms must be >= 0 ms per message, got {cfg.emulate.link_ms!r}",
     )
-    for key in ("interval", "window", "patience"):
+    for key in ("interval", "window", "patience", "persist"):
         _require(_is_int(v := getattr(b, key)) and v >= 1, f"balance.{key} must be a positive integer, got {v!r}")
     _require(
         _is_int(b.skip_steps) and b.skip_steps >= 0,
@@ -275,13 +275,20 @@ def _check_context(cfg: Config) -> None:
         f"train.seq_len={t.seq_len} does not split into 2 × parallel.cp = {2 * p.cp} equal chunks: use a "
         f"multiple of {2 * p.cp} (e.g. {(t.seq_len // (2 * p.cp) + 1) * 2 * p.cp})",
     )
+    # With sequence parallelism each cp rank's tokens are cut again over tp for the norm and residual
+    # regions; Megatron-Core asks that every one of the 2 cp chunks split over tp (seq_len % 2 cp tp).
+    n = 2 * p.cp * p.tp
+    _require(
+        not p.sequence_parallel or t.seq_len % n == 0,
+        f"train.seq_len={t.seq_len} does not split into 2 × parallel.cp × parallel.tp = {n} equal slices "
+        f"(parallel.sequence_parallel=true): use a multiple of {n} (e.g. {(t.seq_len // n + 1) * n})",
+    )
     unsupported = [
         (cfg.data.document_mask, "data.document_mask=true", "data.document_mask=false"),
         (cfg.balance.mode != "off", f"balance.mode={cfg.balance.mode}", "balance.mode=off"),
         (p.auto, "parallel.auto=true", "an explicit layout (hybridpar plan ranks cp layouts)"),
         (p.cpu_bind != "none", f"parallel.cpu_bind={p.cpu_bind}", "parallel.cpu_bind=none"),
         (p.grad_sum == "tree", "parallel.grad_sum=tree", "parallel.grad_sum=overlapped"),
-        (p.sequence_parallel, "parallel.sequence_parallel=true", "parallel.sequence_parallel=false"),
         (p.zero == 3 and p.dp > 1, "parallel.zero=3", "parallel.zero=2"),
     ]
     for bad, what, fix in unsupported:

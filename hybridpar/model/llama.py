@@ -19,6 +19,39 @@ from hybridpar.model.kvcache import KVStep, LayerKV, attend
 from hybridpar.model.stage import Stage
 
 
+class _RMSNorm(torch.autograd.Function):
+    """weight * (x * rsqrt(mean(x^2) + eps)), saving x and the rsqrt only: autograd would also keep the
+    normalised x (for the weight's gradient), a second (B, T, d) fp32 tensor that x and the rsqrt give
+    back with one multiply (fused norms such as Apex's keep input and inverse rms alone). The backward
+    is autograd's own chain of formulas (derivatives.yaml: mul, rsqrt, mean, pow), op for op, on the same
+    tensors. x comes in twice (`x`, `x2`: a view of it) so that its two gradient terms, the product's
+    and the square's, reach x's other uses (the residual add) one after the other, as autograd sums them:
+    floating-point addition is not associative, and this keeps the gradients bit-identical."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        h = x.float()  # normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics
+        r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
+        ctx.save_for_backward(x, r, weight)  # the weight: a parameter, resident anyway
+        return weight * (h * r).to(x.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        x, r, weight = ctx.saved_tensors
+        h = x.float()
+        gw = (g * (h * r).to(x.dtype)).sum_to_size(weight.shape) if ctx.needs_input_grad[2] else None
+        if not (ctx.needs_input_grad[0] or ctx.needs_input_grad[1]):
+            return None, None, gw, None
+        gn = (g * weight).to(h.dtype)  # through the cast to x's dtype
+        gr = (gn * h).sum_to_size(r.shape)  # mul's gradient for the broadcast rsqrt
+        gm = -0.5 * gr * r.pow(3)  # rsqrt's
+        gp = gm.expand(h.shape) / h.shape[-1]  # mean's
+        g_mul, g_pow = gn * r, gp * (2.0 * h.pow(1.0))  # the product's for x, the square's
+        if x.dtype != h.dtype:  # x.float() was a cast: autograd sums both terms before casting back
+            return (g_mul + g_pow).to(x.dtype), None, gw, None
+        return g_mul, g_pow, gw, None
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float) -> None:
         super().__init__()
@@ -26,10 +59,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # Normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics.
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)
+        return _RMSNorm.apply(x, x.view_as(x), self.weight, self.eps)  # two tensors: dynamo refuses one twice
 
 
 def inv_freq(cfg: ModelConfig, device: torch.device) -> torch.Tensor:
@@ -58,6 +88,51 @@ def rope_tables(seq_len: int, cfg: ModelConfig, device: torch.device) -> tuple[t
     return emb.cos(), emb.sin()
 
 
+class _SharedCast(torch.autograd.Function):
+    """One consumer's handle on a low-precision copy made once: forward hands out the copy itself (a view,
+    no new storage), backward widens this consumer's gradient to the input's dtype, as autocast's own cast
+    would. Each consumer having its own node keeps the consumers' gradients summed in fp32 at the input, in
+    the order autocast's per-consumer casts sum them: bit-identical to casting once per consumer."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+        ctx.dtype = x.dtype
+        return low.view_as(low)
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return g.to(ctx.dtype), None
+
+
+def shared_casts(x: torch.Tensor, n: int) -> list[torch.Tensor]:
+    """`x` for `n` projections that read it (q, k, v; gate, up). Under autocast each projection would cast
+    the fp32 norm output to bf16 on its own, and save its own copy for backward (under sequence
+    parallelism, of the whole gathered sequence): here it is cast once and the projections save that
+    one tensor (Korthikanti et al. 2022 count the shared input once). Elsewhere: x itself."""
+    dev = x.device.type
+    if x.dtype != torch.float32 or not torch.is_autocast_enabled(dev):
+        return [x] * n
+    low = x.detach().to(torch.get_autocast_dtype(dev))
+    return [_SharedCast.apply(x, low) for _ in range(n)]
+
+
+class _SwiGLU(torch.autograd.Function):
+    """silu(gate) * up, saving gate and up only: autograd would also keep silu(gate) for the product's
+    backward, a fourth (B, T, ffn) tensor it can recompute from gate (Megatron's fused SwiGLU keeps its
+    input alone). The backward runs autograd's own formulas on the same tensors (the product's, then
+    aten.silu_backward), so gradients are bit-identical."""
+
+    @staticmethod
+    def forward(ctx: Any, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(gate, up)
+        return F.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate, up = ctx.saved_tensors
+        return torch.ops.aten.silu_backward(g * up, gate), g * F.silu(gate)
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat([-x[..., half:], x[..., :half]], dim=-1)
@@ -76,9 +151,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
         B, T, _ = x.shape
         # -1 heads: under tensor parallelism each rank holds n_heads/tp query and kv_heads/tp kv heads.
-        q = self.q_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
-        k = self.k_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
-        v = self.v_proj(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        xq, xk, xv = shared_casts(x, 3)
+        q = self.q_proj(xq).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
+        k = self.k_proj(xk).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
+        v = self.v_proj(xv).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
         y = attend(q, k, v, kv)  # (B, h, T, hd)
@@ -93,7 +169,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # SwiGLU
+        xg, xu = shared_casts(x, 2)
+        return self.down_proj(_SwiGLU.apply(self.gate_proj(xg), self.up_proj(xu)))
 
 
 class DecoderLayer(nn.Module):

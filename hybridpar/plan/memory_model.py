@@ -156,13 +156,15 @@ def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None 
     return state, ((1 + dp) * max(seg) * F32 if dp > 1 else 0)
 
 
-def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None) -> int:
+def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None, cp: int = 1) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (dataparallel/grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
     each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
-    where the slices allow, else through dp padded segments in and one out."""
-    if dp == 1:
+    where the slices allow, else through dp padded segments in and one out. Context-parallel peers sum
+    their gradients too (over dp x cp): at dp = 1 and cp > 1 the flat copies are there all the same."""
+    if dp * cp == 1:
         return 0
+    zero = zero if dp > 1 else 0  # ZeRO's slices are cut over dp
     total = 0
     for shapes in stages:
         buckets: list[list[Shape]] = [[]]
@@ -231,19 +233,34 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     attn = 4 * bt * hq * hd * c + b * hq * seq_len(cfg) * F32  # attention's q, k, v, output; log-sum-exp (fp32)
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
     if llama:
-        # RMSNorm keeps its input, 1/rms and the normalised input (fp32); the projections keep their
-        # input: the norm's output itself in fp32, bf16 casts (one per projection) under autocast, and
-        # the casts of their weights. SwiGLU keeps gate, up, silu(gate) and the product.
-        norms = 2 * ((2 * bs * d + bs) * F32 + (0 if low else bt * d * F32))
-        casts = 5 * bt * d * 2 + (2 * (hq + 2 * hk) * hd * d + 2 * hq * hd * d + 6 * d * f) if low else 0
-        return norms + casts + attn + 4 * bt * f * c
+        # RMSNorm keeps its input and 1/rms (fp32; llama._RMSNorm); the projections keep their
+        # input: the norm's output itself in fp32, under autocast its bf16 cast, one shared by q, k, v and
+        # one by gate, up (llama.shared_casts; the weights' casts: weight_casts). SwiGLU keeps gate and up
+        # (llama._SwiGLU recomputes silu(gate)), the down projection the product.
+        norms = 2 * ((bs * d + bs) * F32 + (0 if low else bt * d * F32))
+        casts = 2 * bt * d * 2 if low else 0
+        return norms + casts + attn + 3 * bt * f * c
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
     norms = 2 * (bs * d + 2 * bs) * F32
     ins = 2 * bt * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
     attn = bt * 3 * hq * hd * c + b * hq * seq_len(cfg) * F32 + bt * hq * hd * c
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
-    weights = 2 * (3 * hq * hd * d + hq * hd * d + 2 * d * f) if low else 0
-    return norms + ins + attn + weights + 2 * bt * f * c
+    return norms + ins + attn + 2 * bt * f * c
+
+
+def weight_casts(cfg: Config, layers: int, last: bool) -> int:
+    """autocast's bf16 copies of the linear weights a stage's matmuls save (`layers` decoder layers, the head
+    on the last stage; tp rank's shards): made once per step where the rank's step spans autocast's cache
+    (pipeline/runtime.py's step_casts: no stage of the rank recomputes), else once per microbatch."""
+    m, tp = cfg.model, cfg.parallel.tp
+    if cfg.train.precision != "bf16":
+        return 0
+    d, hd, hq, hk, f = m.dim, m.head_dim, m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
+    if m.family == "llama":  # q, k, v; o; gate, up, down
+        per_layer = (hq + 2 * hk) * hd * d + hq * hd * d + 3 * d * f
+    else:  # the fused qkv; the output projection; the MLP's two
+        per_layer = 3 * hq * hd * d + hq * hd * d + 2 * d * f
+    return 2 * (layers * per_layer + ((m.vocab_size // tp) * d if last else 0))
 
 
 def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
@@ -259,11 +276,11 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
     if cfg.parallel.cp > 1 and m.family == "llama":  # each microbatch's rows of the rotary tables (cos, sin)
         out += 2 * bt * m.head_dim * F32
     if last:
-        # The final norm as in the layers, the head's input (cast and weight cast under autocast), the
-        # fp32 log-softmax over the whole vocabulary, the loss's total weight.
+        # The final norm as in the layers, the head's input (its cast under autocast; the weight's cast:
+        # weight_casts), the fp32 log-softmax over the whole vocabulary, the loss's total weight.
         bs = bt // seq_shards(cfg)  # the final norm runs on the rank's slice of the sequence
-        norm = (2 * bs * d + bs) * F32 if m.family == "llama" else (bs * d + 2 * bs) * F32
-        head_in = bt * d * 2 + (m.vocab_size // tp) * d * 2 if low else bt * d * F32
+        norm = (bs * d + bs) * F32 if m.family == "llama" else (bs * d + 2 * bs) * F32
+        head_in = bt * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
     return out
 
@@ -287,7 +304,8 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     bt, d, hd, f = b * seq_len(cfg), m.dim, m.head_dim, m.ffn_dim // tp
     hq, hk = m.n_heads // tp, m.kv_heads // tp
     c = 2 if t.precision == "bf16" else F32
-    inputs = 2 * bt * d * F32 + bt * hq * hd * c + bt * f * c
+    shared = c if m.family == "llama" else F32  # llama's projections read the norms' shared bf16 cast
+    inputs = 2 * bt * d * shared + bt * hq * hd * c + bt * f * c
     grads = bt * (hq + 2 * hk) * hd * c + 2 * bt * d * c + (2 if m.family == "llama" else 1) * bt * f * c
     head = bt * d * F32 + bt * (m.vocab_size // tp) * c if last else 0
     return layers * (inputs + grads) + head
@@ -306,6 +324,8 @@ def activation_peaks(
     n, replica = len(parts), sum(sizes)
     modes = cfg.train.recompute_modes(n)
     split = trace.split
+    ranks = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
+    spans = [all(modes[o] == "none" for o in range(n) if ranks[o] == ranks[s]) for s in range(n)]
     c = 2 if cfg.train.precision == "bf16" else F32
     terms: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
@@ -315,11 +335,16 @@ def activation_peaks(
         first, last = s == 0, s == n - 1
         one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
         const = step_saved(cfg, first, last, replica)
+        # A recomputed layer saves no weight casts (its rerun makes them); the head is never recomputed.
+        casts = weight_casts(cfg, len(parts[s]) if modes[s] == "none" else 0, last)  # per step or microbatch
+        one, const = (one, const + casts) if spans[s] else (one + casts, const)
         kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
-        # W's inputs are held from F on (a recomputed layer's from B); under autocast the linear
+        # W's inputs are held from F on (a recomputed layer's from B); under autocast GPT-2's linear
         # layers' fp32 inputs (the norms' outputs) are not what autograd saves (their bf16 casts), so
-        # they come on top: two per layer, and the head's (never recomputed).
-        norms = 2 * len(parts[s]) * (modes[s] == "none") + last
+        # they come on top: two per layer, and the head's (never recomputed); llama's layers read the
+        # saved shared cast (llama.shared_casts), so only its head's.
+        per_layer = 2 * (modes[s] == "none") * (cfg.model.family != "llama")
+        norms = per_layer * len(parts[s]) + last
         one += norms * b * seq_len(cfg) * cfg.model.dim * F32 if split and c == 2 else 0
         bt_d = b * seq_len(cfg) * cfg.model.dim // seq_shards(cfg)  # a stage's input and output
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
@@ -478,7 +503,7 @@ class MemoryModel:
         for r in range(p.pp):
             mine = [s for s in range(n) if ranks[s] == r]
             # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
-            key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather)
+            key = (mk, p.tp, p.pp, p.dp, p.cp, p.zero, p.zero3_regather)
             key += tuple((len(parts[s]), s == 0, s == n - 1) for s in mine)
             out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
@@ -497,7 +522,7 @@ class MemoryModel:
         if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)
             at_rest, gather = rest, 0  # no all-gather after the step: the parameters stay sharded
             params = rest + self._gathered(cfg, parts, mine, per_stage)
-        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts), tie, gather)
+        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie, gather)
         return params, grads, opt, buffers, rest, at_rest
 
     def _gathered(self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]]) -> int:

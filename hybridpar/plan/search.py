@@ -143,6 +143,8 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
             if pp > m.n_layers or base.train.global_batch % dp:
                 continue
             per_replica = base.train.global_batch // dp
+            # With cp, each of a rank's 2 chunks is cut over tp too (config/validate.py `_check_context`).
+            sp_splits = tp > 1 and base.train.seq_len % (tp if cp == 1 else 2 * cp * tp) == 0
             for spec in SCHEDULES.values():
                 if pp == 1 and (spec.splits_backward or spec.min_microbatches_rule != (1, 0)):
                     continue  # one rank: the schedules differ only in how many microbatches wait; keep 1F1B's one
@@ -153,8 +155,8 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                     for zero, sp, rec, prec, part in itertools.product(
                         # ZeRO-2 keeps ZeRO-1's peak: never preferred; ZeRO-3 does not compose with cp yet
                         ((0, 1, 3) if cp == 1 else (0, 1)) if dp > 1 else (0,),
-                        # sequence parallelism: with tp > 1, where the sequence splits over tp (not with cp yet)
-                        (False, True) if tp > 1 and cp == 1 and base.train.seq_len % tp == 0 else (False,),
+                        # sequence parallelism: with tp > 1, where each cp rank's chunks split over tp
+                        (False, True) if sp_splits else (False,),
                         RECOMPUTE,
                         precisions,
                         ("params", "cost") if pp > 1 else ("params",),

@@ -54,9 +54,10 @@ class AsyncCheckpointer:
         def write() -> None:
             t1 = time.perf_counter()
             try:
+                state, index = as_dcp_state(self.topo, snap)
                 write_committed(
                     self.topo,
-                    as_dcp_state(self.topo, snap),
+                    state,
                     root,
                     step,
                     trainer_state,
@@ -64,6 +65,7 @@ class AsyncCheckpointer:
                     on_phase,
                     self.group,
                     owner_check,
+                    index,
                 )
             except BaseException as e:  # re-raised on the main thread by wait()
                 self._error = e

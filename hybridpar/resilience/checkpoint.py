@@ -5,10 +5,12 @@ Layout-independent: tensors are stored under full-model names (`model.layers.3.m
 where each shard sits in the full tensor and any (tp, pp, dp) can read it back. Stages hold disjoint names;
 replicas (dp, and tp for norm gains) present identical tensors under one (key, offset), and DCP's
 DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A head tied across stages
-(`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys. Under ZeRO-1 each
-dp rank writes only its slice of the optimizer state, a DTensor over the (dp, tp) sub-mesh (`Where`): no
-rank gathers the whole, and a resume at another dp, or without ZeRO, reads the slices it needs. Under
-ZeRO-3 the parameters are written the same way, from each rank's slice (dataparallel/zero3.py).
+(`Stage.holds_tied_copy`) is the embedding: not saved, loaded from the embedding's keys. Under ZeRO each
+dp rank writes only its slices of the optimizer state (and under ZeRO-3 of the parameters, dataparallel/
+zero3.py), packed into one flat tensor per dtype with an index of where each slice sits (packed.py): no
+rank gathers the whole, and a resume at another dp or tp, or without ZeRO, reads the slices it needs.
+Checkpoints written before packing hold each slice as a DTensor over the (dp, tp) sub-mesh (`_for_dcp`),
+which is also how a ZeRO rank reads a tensor saved whole.
 
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
@@ -28,7 +30,6 @@ import os
 import re
 import secrets
 import shutil
-import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Iterable, Iterator, Mapping
@@ -44,8 +45,9 @@ from hybridpar.config import ModelConfig
 from hybridpar.dataparallel.zero import ShardedAdamW, Slice
 from hybridpar.model.registry import full_shapes
 from hybridpar.model.stage import Stage
-from hybridpar.resilience import safe_dcp
+from hybridpar.resilience import packed, safe_dcp
 from hybridpar.resilience.rundir import checkpoint_run_id
+from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
 
 MANIFEST, STATE, DCP_METADATA = "manifest.json", "trainer_state.json", ".metadata"
@@ -199,9 +201,9 @@ def _commit(tmp: Path, final: Path, run_id: str | None) -> None:
 
 @dataclass(frozen=True)
 class Where:
-    """Where a rank's tensor sits in the saved whole: its tensor-parallel shard dimension and, for
-    optimizer state under ZeRO-1, its dp slice (zero.Slice) — DCP then writes and reads each rank's slice
-    in place, so a ZeRO-1 checkpoint is saved without gathering and loaded at any dp (or none)."""
+    """Where a rank's tensor sits in the saved whole: its tensor-parallel shard dimension and, under ZeRO
+    (optimizer state; ZeRO-3's parameters too), its dp slice (zero.Slice) — saved packed (`_region`), so a
+    ZeRO checkpoint is written without gathering and loaded at any dp (or none)."""
 
     tp_dim: int | None
     zero: Slice | None = None
@@ -264,10 +266,35 @@ def _submeshes(topo: Topology) -> Callable[..., DeviceMesh]:
     return mesh
 
 
-def _dcp_state(topo: Topology, items: Iterable[tuple[str, torch.Tensor, Where]]) -> dict[str, torch.Tensor]:
-    """DCP's state dict of `items` (key, local tensor, where it sits), the sub-meshes sliced once."""
+def _dcp_state(
+    topo: Topology, items: Iterable[tuple[str, torch.Tensor, Where]]
+) -> tuple[dict[str, torch.Tensor], dict]:
+    """DCP's state dict of `items` (key, local tensor, where it sits), the sub-meshes sliced once, and the
+    index of the dp slices packed into it (packed.py: one flat tensor per dtype, written by context-parallel
+    rank 0 alone — its peers hold the same slices)."""
     mesh = _submeshes(topo)
-    return {k: _for_dcp(t, where, topo, mesh) for k, t, where in items}
+    state: dict[str, torch.Tensor] = {}
+    sliced = []
+    for k, t, where in items:
+        if where.zero is None:
+            state[k] = _for_dcp(t, where, topo, mesh)
+        elif topo.cp_rank == 0:
+            sliced.append((k, t, _region(t, where, topo)))
+    flats, index = packed.pack(sliced, f"rank{topo.rank}")
+    return state | flats, index
+
+
+def _region(t: torch.Tensor, where: Where, topo: Topology) -> packed.Region:
+    """Where this rank's `t` sits in the whole tensor: its dp slice (zero.Slice) and tp shard (even, as
+    DTensor's Shard(tp_dim) over the tp sub-mesh)."""
+    shape, offsets = list(t.shape), [0] * t.dim()
+    if where.zero is not None:
+        shape[where.zero.dim] = sum(where.zero.sizes)
+        offsets[where.zero.dim] = where.zero.offsets[topo.dp_rank]
+    if where.tp_dim is not None:
+        shape[where.tp_dim] *= topo.dims.tp
+        offsets[where.tp_dim] = topo.tp_rank * t.shape[where.tp_dim]
+    return packed.Region(tuple(shape), tuple(offsets))
 
 
 def _for_dcp(t: torch.Tensor, where: Where, topo: Topology, mesh: Callable[..., DeviceMesh]) -> torch.Tensor:
@@ -356,8 +383,8 @@ def save_checkpoint(
     ckpt-done) for the watchdog and fault injection. `owner_check()` (rank 0, before the commit) returns
     why this run no longer owns its directory, or None: a refusal leaves the commit undone."""
     tensors = _tensors(stages, _opt_state(opt), False, _param_shards(opt))
-    state = _dcp_state(topo, tensors)
-    return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check)
+    state, index = _dcp_state(topo, tensors)
+    return write_committed(topo, state, root, step, trainer_state, keep, on_phase, owner_check=owner_check, index=index)
 
 
 def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple[str, torch.Tensor, Where]]:
@@ -367,7 +394,7 @@ def snapshot(stages: dict[int, Stage], opt: torch.optim.Optimizer) -> list[tuple
     return [(k, t.detach().clone(), where) for k, t, where in tensors]
 
 
-def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, Where]]) -> dict[str, torch.Tensor]:
+def as_dcp_state(topo: Topology, snap: list[tuple[str, torch.Tensor, Where]]) -> tuple[dict[str, torch.Tensor], dict]:
     return _dcp_state(topo, snap)
 
 
@@ -381,8 +408,10 @@ def write_committed(
     on_phase: Callable[[str], None],
     group: dist.ProcessGroup | None = None,
     owner_check: Callable[[], str | None] = lambda: None,
+    index: dict | None = None,
 ) -> Path:
-    """Collective over `group`: write `state` (DCP) to a fresh directory and commit it as `root/step-NNNNNN`."""
+    """Collective over `group`: write `state` (DCP) to a fresh directory and commit it as `root/step-NNNNNN`.
+    `index`: this rank's entries of the index of the slices packed into `state` (packed.py)."""
     root, final = Path(root), Path(root) / f"step-{step:06d}"
     run_id = trainer_state.get("run_id")
 
@@ -398,11 +427,14 @@ def write_committed(
         return str(tmp)
 
     known: dict[str, dict[str, Any]] = {}
+    slices: dict[str, Any] = {}  # the packed slices' index, every rank's entries (rank 0 writes it if any)
 
     def commit() -> None:
         if (why := owner_check()) is not None:
             raise RuntimeError(f"not committed: {why}")
         _write_json(tmp / STATE, trainer_state)
+        if slices:
+            _write_json(tmp / packed.INDEX, slices)
         on_phase("ckpt-manifest")
         write_manifest(tmp, step, run_id, known)
         on_phase("ckpt-rename")
@@ -416,8 +448,12 @@ def write_committed(
     on_phase("ckpt-barrier")
     dist.barrier(group=group)  # every rank's files are written and synced
     # The manifest's hashes, shared out: each rank hashes a share of the files (its own shard file first), so
-    # rank 0 does not read every byte alone; gathered as JSON bytes (nothing pickled).
-    known.update(_gather_json(topo, _hash_share(tmp, group), group))
+    # rank 0 does not read every byte alone; gathered with the packed slices' index as JSON (nothing pickled).
+    # A `group` of our own (the async writer's gloo group) carries CPU tensors.
+    device = topo.device if group is None else torch.device("cpu")
+    for got in all_gather_json({"hashes": _hash_share(tmp, group), "slices": index or {}}, device, group):
+        known.update(got["hashes"])
+        slices.update(got["slices"])
     _on_rank0(topo, commit, fail, group)
     return final
 
@@ -428,25 +464,6 @@ def _hash_share(tmp: Path, group: dist.ProcessGroup | None) -> dict[str, dict[st
     rank, world = dist.get_rank(group), dist.get_world_size(group)
     files = sorted(f for f in tmp.rglob("*") if f.is_file())
     return {f.relative_to(tmp).as_posix(): {"size": f.stat().st_size, "sha256": _sha256(f)} for f in files[rank::world]}
-
-
-def _gather_json(topo: Topology, obj: Any, group: dist.ProcessGroup | None = None) -> dict[str, Any]:
-    """Every rank's JSON object merged (a dict), as bytes in tensors (nothing pickled on the wire). A
-    `group` of our own (the async writer's gloo group) carries CPU tensors."""
-    device = topo.device if group is None else torch.device("cpu")
-    world = dist.get_world_size(group)
-    data = torch.tensor(list(json.dumps(obj).encode()), dtype=torch.uint8, device=device)
-    sizes = [torch.zeros(1, dtype=torch.int64, device=device) for _ in range(world)]
-    dist.all_gather(sizes, torch.tensor([data.numel()], dtype=torch.int64, device=device), group=group)
-    width = max(int(n) for n in sizes)
-    padded = torch.zeros(width, dtype=torch.uint8, device=device)
-    padded[: data.numel()] = data
-    outs = [torch.empty_like(padded) for _ in range(world)]
-    dist.all_gather(outs, padded, group=group)
-    merged: dict[str, Any] = {}
-    for n, buf in zip(sizes, outs):
-        merged.update(json.loads(bytes(buf[: int(n)].cpu().tolist()).decode()))
-    return merged
 
 
 def choose_checkpoint(
@@ -483,10 +500,16 @@ def load_checkpoint(
     # with a default spelled out, still holds the same model.
     if diff := ModelConfig(**model_cfg).differences(state.get("config", {}).get("model", {})):
         raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
+    index = packed.read_index(Path(path))
+    in_flats = packed.packed_keys(index)
     targets: dict[str, list[torch.Tensor]] = {}
     bufs: dict[str, torch.Tensor] = {}
+    cut: dict[str, list[tuple[torch.Tensor, packed.Region]]] = {}  # filled from the packed slices
     mesh = _submeshes(topo)
     for key, t, where in _tensors(stages, _state_to_load(opt), True, _param_shards(opt)):
+        if key in in_flats:
+            cut.setdefault(key, []).append((t, _region(t, where, topo)))
+            continue
         if key not in bufs:
             bufs[key] = _for_dcp(torch.empty_like(t), where, topo, mesh)
         targets.setdefault(key, []).append(t)
@@ -496,6 +519,7 @@ def load_checkpoint(
             src = bufs[key].to_local() if isinstance(bufs[key], DTensor) else bufs[key]
             for t in dests:
                 t.copy_(src)
+    packed.unpack(index, cut, packed.reader(Path(path)))  # each rank alone: no collective
     return state
 
 
@@ -516,9 +540,7 @@ def read_full_model(path: Path, cfg: ModelConfig) -> dict[str, torch.Tensor]:
     if (why := verify_checkpoint(Path(path))) is not None:
         raise ValueError(f"checkpoint {path} cannot be used: {why}")
     state = {n: torch.empty(shape, dtype=torch.float32) for n, shape in full_shapes(cfg).items()}
-    with warnings.catch_warnings():  # DCP warns that no_dist means one process: that is the point here
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        safe_dcp.load(state, path, no_dist=True)
+    packed.load_whole(state, Path(path))
     return state
 
 

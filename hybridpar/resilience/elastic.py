@@ -58,7 +58,13 @@ def replan(cfg: Config, world: int) -> Config:
     q.cp = next(d for d in _divisors_desc(world, p.cp) if d == 1 or t.seq_len % (2 * d) == 0)
     cp, world = q.cp, world // q.cp
     shards = tuple(tp_split_sizes(m).values())
-    tps = [d for d in _divisors_desc(world, p.tp) if all(s % d == 0 for s in shards)]
+    # Sequence parallelism cuts each cp rank's tokens over tp: tp must split them (2 cp chunks each, with cp).
+    seq_cut = 2 * cp if cp > 1 else 1
+    tps = [
+        d
+        for d in _divisors_desc(world, p.tp)
+        if all(s % d == 0 for s in shards) and (not p.sequence_parallel or t.seq_len % (seq_cut * d) == 0)
+    ]
     if not tps:
         raise ValueError(f"no tensor-parallel degree divides world={world} and the model")
     q.tp = tps[0]

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -87,7 +86,7 @@ def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:
     p = Path(source)
     if (p / "config.json").is_file():
         return SafetensorsDir(p), True
-    from hybridpar.resilience import safe_dcp
+    from hybridpar.resilience import packed
     from hybridpar.resilience.checkpoint import verify_checkpoint
 
     if (why := verify_checkpoint(p)) is not None:
@@ -95,9 +94,7 @@ def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:
     # Only this stage's tensors, at full size (DCP reshards on load); TP slicing happens when loading.
     names = {stage.stored_name(n) for n, _ in stage.named_parameters()}
     state = {n: torch.empty(shape, dtype=torch.float32) for n, shape in full_shapes(stage.cfg).items() if n in names}
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
-        safe_dcp.load(state, p, no_dist=True)  # metadata through an allowlisting unpickler, not pickle.load
+    packed.load_whole(state, p)  # DCP's metadata through an allowlisting unpickler, not pickle.load
     return StateSource(state, str(p)), False
 
 

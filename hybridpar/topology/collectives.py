@@ -21,4 +21,4 @@ def all_gather_json(obj: Any, device: torch.device, group: dist.ProcessGroup | N
     padded[: data.numel()] = data
     parts = [torch.empty(longest, dtype=torch.uint8, device=device) for _ in range(n)]
     dist.all_gather(parts, padded, group=group)
-    return [json.loads(bytes(p[: int(s)].cpu().tolist()).decode()) for p, s in zip(parts, sizes)]
+    return [json.loads(p[: int(s)].cpu().numpy().tobytes().decode()) for p, s in zip(parts, sizes)]

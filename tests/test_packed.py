@@ -1,0 +1,106 @@
+"""ZeRO's packed checkpoint slices (resilience/packed.py), without processes: every rank's slices of a
+tensor packed as training saves them, then cut out for other (dp, tp) layouts, ZeRO or none, and whole —
+through DCP files in one process as export and serving read them. The multi-rank resume chain is in
+tests/test_zero.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+
+from hybridpar.dataparallel.zero import slice_of
+from hybridpar.resilience import packed
+from hybridpar.resilience.checkpoint import Where, _region
+
+FULL = torch.arange(6 * 10 * 3, dtype=torch.float32).reshape(6, 10, 3)  # (rows, cols, 3), tp shards cols
+
+
+def _topo(dp: int, tp: int, dp_rank: int, tp_rank: int) -> SimpleNamespace:
+    return SimpleNamespace(dp_rank=dp_rank, tp_rank=tp_rank, dims=SimpleNamespace(tp=tp, dp=dp))
+
+
+def _local(dp: int, tp: int, r: int, t: int, zero: bool) -> tuple[torch.Tensor, Where, SimpleNamespace]:
+    """Rank (dp r, tp t)'s piece of FULL as training holds it: the tp shard (dim 1), cut by ZeRO's rule."""
+    shard = FULL.chunk(tp, dim=1)[t]
+    s = slice_of(shard.shape, 1, dp)
+    where = Where(1, s if zero else None)
+    piece = shard.narrow(s.dim, s.offsets[r], s.sizes[r]) if zero else shard
+    return piece, where, _topo(dp, tp, r, t)
+
+
+def _saved(dp: int, tp: int) -> tuple[dict[str, torch.Tensor], dict]:
+    flats, index = {}, {}
+    for r in range(dp):
+        for t in range(tp):
+            piece, where, topo = _local(dp, tp, r, t, zero=True)
+            f, i = packed.pack([("w", piece, _region(piece, where, topo))], f"rank{r * tp + t}")
+            flats.update(f)
+            index.update(i)
+    return flats, index
+
+
+@pytest.mark.parametrize("saved", [(4, 1), (2, 2), (3, 1)])  # dp 4 leaves an empty slice (6 rows)
+@pytest.mark.parametrize("read_as", [(1, 1, False), (3, 1, True), (2, 2, True), (1, 2, False), (4, 2, True)])
+def test_slices_are_cut_for_any_other_layout(saved: tuple[int, int], read_as: tuple[int, int, bool]) -> None:
+    flats, index = _saved(*saved)
+    asked: list[str] = []
+
+    def read(name: str, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        asked.append(name)
+        assert flats[name].numel() == numel and flats[name].dtype == dtype
+        return flats[name]
+
+    dp, tp, zero = read_as
+    for r in range(dp):
+        for t in range(tp):
+            want, where, topo = _local(dp, tp, r, t, zero)
+            got = torch.full_like(want, float("nan"))
+            asked.clear()
+            packed.unpack(index, {"w": [(got, _region(got, where, topo))]}, read)
+            assert torch.equal(got, want), (saved, read_as, r, t)
+            assert len(asked) == len(set(asked)) <= saved[0] * saved[1]  # each flat tensor read at most once
+
+
+def test_a_missing_piece_is_named() -> None:
+    flats, index = _saved(2, 1)
+    index.pop("zero/rank1/float32")
+    got = torch.empty_like(FULL)
+    with pytest.raises(ValueError, match=r"^w: the checkpoint's packed slices cover 90 of 180 elements"):
+        packed.unpack(index, {"w": [(got, packed.whole(got))]}, lambda n, k, d: flats[n])
+    with pytest.raises(ValueError, match=r"w: the checkpoint holds shape \[6, 10, 3\], this model \[6, 10\]"):
+        packed.unpack(index, {"w": [(got[:, :, 0], packed.whole(got[:, :, 0]))]}, lambda n, k, d: flats[n])
+
+
+def test_whole_tensors_through_dcp_files(tmp_path: Path) -> None:
+    """The flat tensors and an ordinary entry in one DCP checkpoint, read whole (export, serving)."""
+    flats, index = _saved(2, 2)
+    dcp.save({**flats, "norm": torch.ones(3)}, checkpoint_id=str(tmp_path), no_dist=True)
+    (tmp_path / packed.INDEX).write_text(json.dumps(index))
+    state = {"w": torch.empty_like(FULL), "norm": torch.zeros(3)}
+    packed.load_whole(state, tmp_path)
+    assert torch.equal(state["w"], FULL) and torch.equal(state["norm"], torch.ones(3))
+    assert packed.read_index(tmp_path / "none") == {}  # a checkpoint without ZeRO slices
+
+
+@pytest.mark.parametrize(
+    "text, expect",
+    [
+        ("{", "is not valid JSON"),
+        ("[]", "expected an object of flat tensors, got list"),
+        (
+            '{"f": {"dtype": "torch.float32", "numel": 4, "pieces": [{"key": "w", "shape": [8], '
+            '"offsets": [0], "sizes": [8], "at": 0}]}}',
+            "entry 'f' is not a flat tensor's index",
+        ),
+        ('{"f": {"dtype": "os.system", "numel": 4, "pieces": []}}', "entry 'f' is not a flat tensor's index"),
+    ],
+)
+def test_a_bad_index_is_refused_naming_the_file(tmp_path: Path, text: str, expect: str) -> None:
+    (tmp_path / packed.INDEX).write_text(text)
+    with pytest.raises(ValueError, match=rf"{packed.INDEX}.*{expect}"):
+        packed.read_index(tmp_path)
