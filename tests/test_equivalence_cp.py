@@ -1,7 +1,8 @@
 """Context parallelism (parallel.cp) trains the same model as one device: every axis it composes with
-once — cp2 × tp2, cp2 × pp2 (1F1B), cp2 × dp2 ZeRO-2 with GPT-2 (learned positions) — whole runs at cp4
-with both families, and a run that resumes across cp sizes, cp2 × tp2 → cp1 (dp2 × tp2) → cp4, all in
-one launch of 4 ranks; and cp2 × pp2 × dp2 with both families in one launch of 8. The layouts at cp ≥ 2
+once — cp2 × tp2, cp2 × pp2 (1F1B), cp2 × dp2 ZeRO-2 with GPT-2 (learned positions), cp2 × tp2 with
+sequence parallelism with both families — whole runs at cp4 with both families, and a run that resumes
+across cp sizes, cp2 × tp2 → cp1 (dp2 × tp2) → cp4, all in one launch of 4 ranks; and cp2 × pp2 × dp2 with
+both families and cp2 × tp2 × pp2 with sequence parallelism (Llama) in one launch of 8. The layouts at cp ≥ 2
 without tp train a 2-layer model at seq_len 256 (chunks of 32 to 64 tokens: the ring's blocks are real
 matrices, not a token or two); the others the equivalence tests' tiny model (whose single-device and
 fp64 references those tests share; the file sorts after theirs so that a suite run computes them once)."""
@@ -54,7 +55,7 @@ def _configs() -> list[Config]:
 
 
 def _with_sp(**axes: int) -> list[Config]:
-    """cp2 with sequence parallelism over tp, both families (the tiny model: seq_len 16, so each cp rank's
+    """cp2 with sequence parallelism over tp, Llama and GPT-2 (the tiny model: seq_len 16, so each cp rank's
     8 tokens are 4 per tp rank in the norm and residual regions; GPT-2 looks up those 4 tokens' positions)."""
     cfgs = [_layout(tiny_config(), cp=2, **axes), _layout(gpt2_config(), cp=2, **axes)]
     for cfg in cfgs:
@@ -63,7 +64,8 @@ def _with_sp(**axes: int) -> list[Config]:
 
 
 def _configs8() -> list[Config]:
-    return [_long(family, cp=2, pp=2, dp=2) for family in ("llama", "gpt2")]
+    # cp2 x tp2 x pp2 with sequence parallelism: the pipeline's messages carry the (cp, tp)-local slice
+    return [_long(family, cp=2, pp=2, dp=2) for family in ("llama", "gpt2")] + _with_sp(tp=2, pp=2)[:1]
 
 
 def _resumed_configs(out: str) -> list[Config]:

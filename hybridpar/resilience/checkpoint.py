@@ -71,9 +71,9 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _write_json(path: Path, obj: Any) -> None:
+def _write_json(path: Path, obj: Any, indent: int | None = 1) -> None:
     with path.open("w", encoding="utf-8") as fh:
-        json.dump(obj, fh, indent=1)
+        json.dump(obj, fh, indent=indent)
         fh.flush()
         os.fsync(fh.fileno())
 
@@ -434,7 +434,8 @@ def write_committed(
             raise RuntimeError(f"not committed: {why}")
         _write_json(tmp / STATE, trainer_state)
         if slices:
-            _write_json(tmp / packed.INDEX, slices)
+            # Compact: indented, json encodes it call by call in Python (0.7 M calls in three saves, profiled)
+            _write_json(tmp / packed.INDEX, slices, indent=None)
         on_phase("ckpt-manifest")
         write_manifest(tmp, step, run_id, known)
         on_phase("ckpt-rename")
