@@ -8,14 +8,7 @@ import itertools
 import pytest
 
 from hybridpar.config import Config
-from hybridpar.pipeline.schedules import (
-    SCHEDULES,
-    Op,
-    add_communication,
-    compute_schedule,
-    schedule_spec,
-    stages_per_rank,
-)
+from hybridpar.pipeline.schedules import SCHEDULES, Op, add_communication, compute_schedule
 from hybridpar.plan.memory_model import (
     F32,
     activation_peaks,
@@ -52,11 +45,12 @@ def _walk(terms: dict, actions: list[list], sizes: list[int], split: bool) -> li
     return peaks
 
 
-def _cfg(pp: int, recompute: str) -> Config:
+def _cfg(pp: int, recompute: str, schedule: str = "1f1b", v: int = 1) -> Config:
     cfg = Config()
     m = cfg.model
     m.dim, m.n_layers, m.n_heads, m.n_kv_heads, m.ffn_dim, m.vocab_size = 64, 8, 4, 2, 96, 101
     cfg.parallel.pp, cfg.train.recompute, cfg.train.seq_len = pp, recompute, 16
+    cfg.parallel.schedule, cfg.parallel.virtual_stages = schedule, v  # which stages share a rank
     return cfg
 
 
@@ -88,9 +82,8 @@ def test_trace_peaks_match_the_walk(name: str) -> None:
         got = _priced(trace, terms)
         assert got == want
         for recompute, precision in itertools.product(("none", "selective", "full"), ("fp32", "bf16")):
-            cfg = _cfg(pp, recompute)  # the memory model's own terms, walked action by action
+            cfg = _cfg(pp, recompute, name, v)  # the memory model's own terms, walked action by action
             cfg.train.precision = precision
-            cfg.parallel.schedule, cfg.parallel.virtual_stages = name, v  # which stages share a rank
             want = _walk(_model_terms(cfg, parts, sizes, split), full, sizes, split)
             assert activation_peaks(cfg, parts, sizes, compute) == want
             assert activation_peaks(cfg, parts, sizes, [], trace) == want
@@ -124,21 +117,24 @@ def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool)
     n, replica, out = len(parts), sum(sizes), {}
     modes = cfg.train.recompute_modes(n)
     c = 2 if cfg.train.precision == "bf16" else F32
-    ranks = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
+    ranks = SCHEDULES[cfg.parallel.schedule].stage_ranks(cfg.parallel.pp, n // cfg.parallel.pp)
     for s in range(n):
         first, last = s == 0, s == n - 1
-        # autocast's weight copies: once per step on a rank without recomputation (runtime.step_casts)
-        spans = all(modes[o] == "none" for o in range(n) if ranks[o] == ranks[s])
+        # autocast's weight casts: once per step where no stage of the rank recomputes, else per microbatch
+        # (a recomputed layer's rerun makes its own).
+        per_step = all(modes[o] == "none" for o in range(n) if ranks[o] == ranks[s])
         casts = weight_casts(cfg, len(parts[s]) if modes[s] == "none" else 0, last)
+        const = step_saved(cfg, first, last, replica) + (casts if per_step else 0)
         for b in set(sizes):
             one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
+            one += 0 if per_step else casts
             kept = weight_held(cfg, b, len(parts[s]), last) if split else 0
-            llama = cfg.model.family == "llama"  # its projections read the saved shared cast
-            norms = 2 * len(parts[s]) * (modes[s] == "none") * (not llama) + last
+            # Under bf16 the fp32 inputs held for W beside their casts: the head's, and GPT-2's two per layer
+            # (llama's layers read the norms' shared bf16 cast).
+            per_layer = 2 * (modes[s] == "none") * (cfg.model.family != "llama")
+            norms = per_layer * len(parts[s]) + last
             one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
             bt_d = b * cfg.train.seq_len * cfg.model.dim
-            const = step_saved(cfg, first, last, replica) + (casts if spans else 0)
-            one += 0 if spans else casts
             inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
             out[s, b] = (one, const, kept, inside)
     return out
