@@ -204,6 +204,11 @@ class Balancer:
             predicted_step(new, self.cost, speeds, self.microbatches, self.schedule, v),
         )
 
+    def _windows_full(self, n: int) -> bool:
+        """Whether every position has `balance.persist` windows of readings (what `_confirmed` judges)."""
+        need = self.config.persist * self.config.window
+        return all(len(self._readings.get(r, ())) >= need for r in range(n))
+
     def _confirmed(self, layout: Layout, new: Layout, n: int, need: float) -> bool:
         """Whether the move pays off (gain >= `need`) under each earlier disjoint window's medians too,
         `balance.persist` - 1 of them before the latest (which proposed it): an imbalance must persist.
@@ -213,7 +218,7 @@ class Balancer:
         median rarely moves the one before it the same way; a real slowdown moves both from half a window
         after its onset (2x from step t: moved by t + 1.5 windows + 1, `tests/test_balance_persist.py`)."""
         w, k = self.config.window, self.config.persist
-        if any(len(self._readings.get(r, ())) < k * w for r in range(n)):
+        if not self._windows_full(n):
             return False
         for j in range(1, k):
             times = {r: statistics.median(list(self._readings[r])[-(j + 1) * w : -j * w]) for r in range(n)}
@@ -247,7 +252,7 @@ class Balancer:
         self._pending = self._pending or self._drifted(smooth, n)
         if self._pending is None:
             return None
-        if any(len(self._readings.get(r, ())) < c.persist * c.window for r in range(n)):
+        if not self._windows_full(n):
             return None  # stay pending: no move before `persist` windows of readings (`_confirmed`)
         fastest = min(smooth[r] for r in range(n))
         self._evaluated, self._drift_streak = {r: smooth[r] / fastest for r in range(n)}, 0
