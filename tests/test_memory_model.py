@@ -257,10 +257,9 @@ def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
             topos[p.layout] = build_topology(p.dp, p.pp, p.tp, "gloo", 60.0)
         topo = topos[p.layout]
         tr = Trainer(Config.from_dict(d), topo)
-        for s in range(2):
-            tr.step(s)
+        losses = [tr.step(s)["loss"] for s in range(2)]
         tr.p2p.close()
-        out.append({"pp": topo.pp_rank, "dp": topo.dp_rank, **tr.memory})
+        out.append({"pp": topo.pp_rank, "dp": topo.dp_rank, "losses": losses, **tr.memory})
     return out
 
 
@@ -268,15 +267,29 @@ def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
 def test_model_matches_what_ranks_hold() -> None:
     """dp2 x pp2 on 11 samples (replicas of 6 and 5, unequal microbatches), GQA: 1F1B with ZeRO-1, bf16,
     selective recomputation on one stage and full on the other; and ZB-V (two stages per rank, B and W
-    split), bf16 without recomputation; tp2 x pp2 with sequence parallelism under ZB-H1. Every component of
+    split), bf16 without recomputation; tp2 x pp2 with sequence parallelism under ZB-H1 and (re-gathering the
+    projections' inputs in the backward) 1F1B in bf16. Every component of
     dp rank 0 (the larger share, which the model describes) within 10% of the model."""
     cfgs = [
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", recompute="selective,full")),
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="zb-v"), train=dict(microbatches=4, precision="bf16")),
         # sequence parallelism at tp2 x pp2 under the B/W split: the norm regions and messages at 1/tp
         tiny_config(parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1", sequence_parallel=True)),
+        # and under 1F1B in bf16, where the projections keep the 1/tp slice of their gathered input (sp_backward),
+        # beside the same run keeping the gathered input itself
+        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True), train=dict(precision="bf16")),
+        tiny_config(
+            parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, sp_backward="saved"), train=dict(precision="bf16")
+        ),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
+    # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
+    # from the first's gradients), and the activations lower by the model's difference (the projections' inputs).
+    for ranks in got:
+        regather, saved = ranks[3], ranks[4]
+        assert regather["losses"] == saved["losses"] and regather["losses"][0] is not None
+        less = rank_memory(cfgs[4])[regather["pp"]].activations - rank_memory(cfgs[3])[regather["pp"]].activations
+        assert less > 0 and saved["activations"] - regather["activations"] == less, (regather, saved, less)
     for i, cfg in enumerate(cfgs):
         est = rank_memory(cfg)
         for r in (ranks[i] for ranks in got):

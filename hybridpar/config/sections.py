@@ -189,6 +189,14 @@ class ParallelConfig:
         "and a reduce-scatter after the sharded matmuls (the same bytes); train.seq_len must split over tp "
         "(with parallel.cp > 1: into 2 cp tp slices, each cp rank's chunks cut over tp)",
     )
+    sp_backward: str = _f(
+        "regather",
+        "with sequence parallelism, what a column-parallel layer keeps for its weight gradient: regather = "
+        "this rank's 1/tp slice of its gathered input, all-gathered again in the backward (Megatron-LM's way: "
+        "the layer's largest activation / tp, one more all-gather per block and microbatch); saved = the "
+        "gathered input itself (no zero-bubble schedule re-gathers: their W keeps the input anyway)",
+        choices=("saved", "regather"),
+    )
     cpu_bind: str = _f(
         "none",
         "CPU cores of each local rank: none = the OS schedules; cores = each rank on its "

@@ -46,6 +46,7 @@ def empty_stage(
     device: torch.device,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    sp_backward: str = "saved",
 ) -> Stage:
     """A stage with uninitialised tensors on `device`, sharded over `tp_group` (and its activations over
     the sequence: model/tp.py): values are to be loaded. Built on the meta device first, so nothing is
@@ -54,7 +55,7 @@ def empty_stage(
         stage = family(cfg).stage(cfg, layers, first, last)
     stage.to_empty(device=device)
     stage.tie_()  # to_empty keeps the tie, but be explicit about it
-    return apply_tp(stage, tp_group, sequence_parallel)
+    return apply_tp(stage, tp_group, sequence_parallel, sp_backward)
 
 
 def build_stage(
@@ -66,11 +67,12 @@ def build_stage(
     device: torch.device,
     tp_group: dist.ProcessGroup | None = None,
     sequence_parallel: bool = False,
+    sp_backward: str = "saved",
 ) -> Stage:
     """A stage initialised deterministically from `seed` (the same values in every layout), then sharded."""
     stage = empty_stage(cfg, layers, first, last, device)
     stage.init_(seed)
-    return apply_tp(stage, tp_group, sequence_parallel)
+    return apply_tp(stage, tp_group, sequence_parallel, sp_backward)
 
 
 def build_full_model(cfg: ModelConfig, seed: int, device: torch.device | str = "cpu") -> Stage:

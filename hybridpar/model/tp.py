@@ -40,6 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from hybridpar.model.regather import Regather
 from hybridpar.model.stage import Stage
 
 
@@ -188,9 +189,12 @@ def _replace(root: nn.Module, name: str, new: nn.Module) -> None:
     setattr(root.get_submodule(parent), attr, new)
 
 
-def apply_tp(stage: Stage, group: dist.ProcessGroup | None, sequence_parallel: bool = False) -> Stage:
+def apply_tp(
+    stage: Stage, group: dist.ProcessGroup | None, sequence_parallel: bool = False, sp_backward: str = "saved"
+) -> Stage:
     """Shard `stage` in place over the tp `group` following its family's TP_PLAN. A no-op without tp.
-    `sequence_parallel`: the regions between the sharded matmuls hold 1/tp of the sequence (module doc)."""
+    `sequence_parallel`: the regions between the sharded matmuls hold 1/tp of the sequence (module doc);
+    `sp_backward`: "regather" keeps only the 1/tp slice of their gathered inputs (model/regather.py)."""
     if group is None or dist.get_world_size(group) == 1:
         return stage
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -212,8 +216,24 @@ def apply_tp(stage: Stage, group: dist.ProcessGroup | None, sequence_parallel: b
         elif style == "vocab":
             w = _shard(mod.weight, 0, rank, n)
             _replace(stage, name, VocabParallelEmbedding(w, rank * w.shape[0], group, g))
+    if sequence_parallel and sp_backward == "regather":
+        _regather(stage, group)
     stage.tie_()  # embedding and head are the same row shard: re-tie
     return stage
+
+
+def _regather(stage: Stage, group: dist.ProcessGroup) -> None:
+    """Each block whose input f gathers keeps its column-parallel layers' 1/tp slice (model/regather.py);
+    `stage.sp_regather` switches it (the runtime turns it off where a zero-bubble W keeps the input)."""
+    styles = {
+        name: next((s for p, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, p)), None)
+        for name, _ in stage.named_modules()
+    }
+    for name, mod in stage.named_modules():
+        if styles[name] == "copy_in":
+            cols = [m for n, m in mod.named_modules(prefix=name) if styles.get(n) == "colwise"]
+            Regather(stage, mod, cols, group)
+    stage.sp_regather = True
 
 
 def is_sharded(p: torch.Tensor) -> bool:

@@ -130,6 +130,8 @@ class PipelineRuntime:
         if s not in self._deferral:
             self._deferral[s] = WeightGradDeferral(self.stages[s])
             self._deferral[s].meter = self.meter
+            # W keeps each linear layer's input from F on: a sequence-parallel re-gather would save nothing.
+            self.stages[s].sp_regather = False
         return self._deferral[s]
 
     def run(

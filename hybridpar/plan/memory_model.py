@@ -214,12 +214,24 @@ def seq_shards(cfg: Config) -> int:
     return p.tp if p.sequence_parallel and p.tp > 1 else 1
 
 
+def regathers(cfg: Config, mode: str) -> bool:
+    """Whether a layer's column-parallel projections keep only the 1/tp slice of their gathered input
+    (parallel.sp_backward = "regather", model/regather.py): under sequence parallelism, where the layer is not
+    recomputed or compiled and no zero-bubble W keeps the input anyway."""
+    p = cfg.parallel
+    split = schedule_spec(p.schedule).splits_backward
+    return (
+        seq_shards(cfg) > 1 and p.sp_backward == "regather" and mode == "none" and not split and not cfg.train.compile
+    )
+
+
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
     """Bytes autograd saves for one decoder layer's backward, microbatch of b samples (tp rank's share).
     Counted per op from what each backward reads; checked against the meter by tests/test_memory_model.py."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     bt, d, hd = b * seq_len(cfg), m.dim, m.head_dim
     bs = bt // seq_shards(cfg)  # tokens of the sequence-sharded regions (all of them without SP)
+    bg = bs if regathers(cfg, mode) else bt  # tokens of the projections' gathered inputs as kept
     hq, hk, f = m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
     low = t.precision == "bf16"
     c = 2 if low else F32  # bytes of what the matmuls produce (autocast's dtype)
@@ -237,12 +249,12 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         # input: the norm's output itself in fp32, under autocast its bf16 cast, one shared by q, k, v and
         # one by gate, up (llama.shared_casts; the weights' casts: weight_casts). SwiGLU keeps gate and up
         # (llama._SwiGLU recomputes silu(gate)), the down projection the product.
-        norms = 2 * ((bs * d + bs) * F32 + (0 if low else bt * d * F32))
-        casts = 2 * bt * d * 2 if low else 0
+        norms = 2 * ((bs * d + bs) * F32 + (0 if low else bg * d * F32))
+        casts = 2 * bg * d * 2 if low else 0
         return norms + casts + attn + 3 * bt * f * c
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
     norms = 2 * (bs * d + 2 * bs) * F32
-    ins = 2 * bt * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
+    ins = 2 * bg * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
     attn = bt * 3 * hq * hd * c + b * hq * seq_len(cfg) * F32 + bt * hq * hd * c
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
     return norms + ins + attn + 2 * bt * f * c

@@ -83,9 +83,9 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     for s in (s for s, r in enumerate(stage_ranks) if r == topo.pp_rank):
         first, last = s == 0, s == n_stages - 1
         if hf is None:
-            stages[s] = build_stage(cfg.model, parts[s], first, last, t.seed, topo.device, tp_group, sp)
+            stages[s] = build_stage(cfg.model, parts[s], first, last, t.seed, topo.device, tp_group, sp, p.sp_backward)
         else:
-            stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group, sp)
+            stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group, sp, p.sp_backward)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         stages[s].recompute = recompute[s]
     low = torch.bfloat16 if t.precision == "bf16" else None
