@@ -270,6 +270,7 @@ def test_model_matches_what_ranks_hold() -> None:
     split), bf16 without recomputation; tp2 x pp2 with sequence parallelism under ZB-H1 and (re-gathering the
     projections' inputs in the backward) 1F1B in bf16. Every component of
     dp rank 0 (the larger share, which the model describes) within 10% of the model."""
+    one_sample = dict(precision="bf16", global_batch=4, microbatches=4)
     cfgs = [
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", recompute="selective,full")),
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="zb-v"), train=dict(microbatches=4, precision="bf16")),
@@ -277,10 +278,9 @@ def test_model_matches_what_ranks_hold() -> None:
         tiny_config(parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1", sequence_parallel=True)),
         # and under 1F1B in bf16, where the projections keep the 1/tp slice of their gathered input (sp_backward),
         # beside the same run keeping the gathered input itself
-        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True), train=dict(precision="bf16")),
-        tiny_config(
-            parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, sp_backward="saved"), train=dict(precision="bf16")
-        ),
+        # (microbatches of one sample: the slice kept must be a copy, not a view that holds the whole)
+        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True), train=one_sample),
+        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, sp_backward="saved"), train=one_sample),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update

@@ -2,12 +2,14 @@
 step's activation peak, step time and pipeline message bytes, with and without it, side by side (JSON).
 
     .venv/bin/hybridpar bench sequence_parallel [--family llama|gpt2] [--layout 2x2x1] [--seq-len 1024]
-        [--rounds 4] [--steps 2] [--json FILE]
+        [--rounds 4] [--steps 2] [--compare sp|sp_backward] [--json FILE]
 
 The layout is TPxPPxDP (tp >= 2), the model the default one of the family. Each rank builds two trainers,
 one without and one with sequence parallelism (same seed, same data), and runs rounds of blocks of steps,
 one block per trainer, the order alternating every round (round 0 warms both up and is not counted), so
-a shared machine's drift hits both alike.
+a shared machine's drift hits both alike. `--compare sp_backward`: both trainers run sequence parallelism,
+"off" keeping the column-parallel layers' gathered inputs (`parallel.sp_backward saved`), "on" their 1/tp
+slices, all-gathered again in the backward (`regather`, model/regather.py).
 
 - Sharded regions: bytes that the modules between the tp-sharded matmuls — leaf modules whose parameters
   are all replicated over tp: the norms, GPT-2's position table — save for backward per step, read from
@@ -74,12 +76,15 @@ def _block(trainer: object, tally: RegionTally, first: int, steps: int) -> dict:
     }
 
 
-def _worker(cfg_dict: dict, rounds: int, steps: int) -> dict:
+def _worker(cfg_dict: dict, rounds: int, steps: int, compare: str = "sp") -> dict:
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
     cfgs = {m: Config.from_dict(cfg_dict) for m in MODES}
     cfgs["on"].parallel.sequence_parallel = True
+    if compare == "sp_backward":  # both with sequence parallelism, the backward's two ways against each other
+        cfgs["off"].parallel.sequence_parallel = True
+        cfgs["off"].parallel.sp_backward, cfgs["on"].parallel.sp_backward = "saved", "regather"
     p = cfgs["off"].parallel
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
     trainers = {m: Trainer(cfgs[m], topo) for m in MODES}
@@ -130,6 +135,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4, help="measured rounds (one block per trainer each)")
     ap.add_argument("--steps", type=int, default=2, help="steps per block")
+    ap.add_argument("--compare", default="sp", choices=("sp", "sp_backward"), help="off/on: SP, or its backward")
     ap.add_argument("--json", default=None, help="also write the record to FILE")
     a = ap.parse_args(argv)
     cfg = layout_config(a.layout)
@@ -148,8 +154,9 @@ def main(argv: list[str] | None = None) -> int:
     validate_config(cfg, p.world_size)
     cfg.parallel.sequence_parallel = False
     load_before = os.getloadavg()
-    ranks = run_ranks(_worker, p.world_size, cfg.to_dict(), a.rounds, a.steps, timeout_s=3000)
+    ranks = run_ranks(_worker, p.world_size, cfg.to_dict(), a.rounds, a.steps, a.compare, timeout_s=3000)
     rec = {
+        "compare": {"sp": "off: no SP; on: SP", "sp_backward": "SP; off: sp_backward saved, on: regather"}[a.compare],
         "family": a.family,
         "layout": f"tp{p.tp}-pp{p.pp}-dp{p.dp}",
         "schedule": p.schedule,

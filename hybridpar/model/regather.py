@@ -110,7 +110,9 @@ class Regather:
         shape, sl = got
         if sl is None:
             T = shape[1] // self.n
-            part = t.detach().view(shape)[:, self.rank * T : (self.rank + 1) * T].contiguous()
+            # A copy of its own: with one sample the slice is already contiguous, and a view would keep the whole.
+            part = t.detach().view(shape)[:, self.rank * T : (self.rank + 1) * T]
+            part = part.clone(memory_format=torch.contiguous_format)
             sl = _Slice(outer[0](part) if outer else part, outer, shape, self.group)
             self._inputs[t.untyped_storage().data_ptr()] = (shape, sl)
         sl.left += 1
