@@ -10,8 +10,9 @@ virtual stages (else 1F1B), its microbatch size (else 1), its recomputation, its
 where the source's run sharded it), its sequence parallelism (`sequence_parallel`, where the source ran it),
 its precision (fp16 as bf16). A row whose source ran chunks hybridpar's config cannot hold (`chunks_as_run`: Llama 3's
 embedding and head as chunks of their own, one layer in each other chunk) is costed with them (`EndChunks`); its
-`fits` and the planner's search stay on the row's expressible `virtual_stages`.
-`fits` says whether our memory model (plan/memory_model.py) puts it within the cluster file's device memory;
+memory counted with them too (`rank_memory`'s explicit stages); the planner's search stays on the row's
+expressible `virtual_stages`. `fits` says whether our memory model (plan/memory_model.py) puts the layout as run
+within the cluster file's device memory, messages through the process group as on GPUs;
 where the planner finds no layout at all, `no_choice` says why (its one-line error).
 """
 
@@ -71,10 +72,15 @@ class EndChunks(CostModel):
     (config_rules._check_layout), so such a layout is costed here, for the published comparison only."""
 
     def parts(self, cfg: Config, pl: Placement) -> list[range]:
-        n, layers = stage_count(cfg.parallel), self.m.n_layers
-        if not 2 < n <= layers + 2:
-            raise ValueError(f"{n} chunks cannot hold the embedding and the head apart around {layers} layers")
-        return [range(0, 0), *partition_uniform(layers, n - 2), range(layers, layers)]
+        return end_chunks(cfg)
+
+
+def end_chunks(cfg: Config) -> list[range]:
+    """EndChunks' partition: the embedding and the head alone in the first and last chunk."""
+    n, layers = stage_count(cfg.parallel), cfg.model.n_layers
+    if not 2 < n <= layers + 2:
+        raise ValueError(f"{n} chunks cannot hold the embedding and the head apart around {layers} layers")
+    return [range(0, 0), *partition_uniform(layers, n - 2), range(layers, layers)]
 
 
 def given_layout(row: dict[str, Any], hw: Hardware) -> tuple[Config, Prediction]:
@@ -89,15 +95,17 @@ def given_layout(row: dict[str, Any], hw: Hardware) -> tuple[Config, Prediction]
 
 def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, search: bool = True) -> dict[str, Any]:
     """One row: the published figure, the prediction for its layout, the planner's choice (`memory`: the
-    memory model, plan/memory_model.py's unless a test passes a quicker one; `search=False` skips the planner's
+    memory model, plan/memory_model.py's unless a test passes a quicker one; called with the stages' layers
+    as a second argument for a layout as run that the config cannot hold; `search=False` skips the planner's
     search, the slow part at cluster scale, and leaves the choice fields None)."""
     hw = load_hardware(PLANNER_DOCS / row["cluster"])
     cfg = row_config(row)
     validate_config(cfg, row["gpus"])
     tokens = row["global_batch"] * row["seq_len"]
     rate, basis = tokens_per_s_per_gpu(row)
-    need = max(int(e.total) for e in memory(cfg))
     run, given = given_layout(row, hw)
+    # Memory of the layout as run: with the chunks the source ran, where the config cannot hold them.
+    need = max(int(e.total) for e in (memory(run, end_chunks(run)) if "chunks_as_run" in row else memory(cfg)))
     given_rate = tokens / given.step_s / row["gpus"]
     p = run.parallel
     layout = f"tp{p.tp} pp{p.pp} dp{p.dp}" + (f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else "")

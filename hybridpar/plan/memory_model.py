@@ -411,10 +411,17 @@ class MemoryModel:
         self._ranks: dict[tuple, tuple[int, ...]] = {}
         self._traces: dict[tuple, Trace] = {}
 
-    def __call__(self, cfg: Config) -> list[MemoryEstimate]:
-        validate_config(cfg)  # a bad configuration is named before anything is computed
+    def __call__(self, cfg: Config, parts: list[range] | None = None) -> list[MemoryEstimate]:
+        """`parts`: the stages' layers where the config cannot say them (a stage without layers: Llama 3's
+        embedding and head as chunks of their own, bench/published_compare.py), taken as given."""
         p, t = cfg.parallel, cfg.train
-        mk, parts, ranks = self._layout(cfg)
+        if parts is None:
+            validate_config(cfg)  # a bad configuration is named before anything is computed
+            mk, parts, ranks = self._layout(cfg)
+        else:
+            mk, ranks = _model_key(cfg.model), tuple(schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p)))
+            if len(parts) != len(ranks):
+                raise ValueError(f"{len(parts)} stages given for a layout of {len(ranks)}")
         sizes, sched = self._sizes(cfg)
         actions = self._get(self._actions, sched, lambda: self._lists(*sched))
         acts = self._activations_of(cfg, mk, parts, sizes, sched)
@@ -549,9 +556,10 @@ class MemoryModel:
         return max(w - (len(parts[s]) - min(2, len(parts[s]))) * layer for w, s in zip(whole, mine))
 
 
-def rank_memory(cfg: Config) -> list[MemoryEstimate]:
+def rank_memory(cfg: Config, parts: list[range] | None = None) -> list[MemoryEstimate]:
     """One estimate per pipeline rank (index = pp rank) for the run `cfg` describes as given: model,
     tp/pp/dp, schedule, virtual stages, partition, microbatches/sizes, seq_len, precision, zero,
     recompute. Ranks that differ only in tp/dp coordinate hold the same (up to shard rounding): this is
-    tp rank 0 and dp rank 0, the largest shards. One call, nothing kept: a search asks a `MemoryModel`."""
-    return MemoryModel()(cfg)
+    tp rank 0 and dp rank 0, the largest shards. One call, nothing kept: a search asks a `MemoryModel`.
+    `parts`: as `MemoryModel.__call__`'s."""
+    return MemoryModel()(cfg, parts)

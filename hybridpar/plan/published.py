@@ -39,6 +39,9 @@ def row_config(row: dict[str, Any]) -> Config:
     parallel = {k: row[k] for k in ("tp", "pp", "dp")} | {"zero": row.get("zero", 0)}
     parallel["sequence_parallel"] = row.get("sequence_parallel", False)
     parallel["cp"] = row.get("cp", 1)
+    # Every row ran on GPUs: messages between stages go through the process group (NCCL), which the memory
+    # model counts as such (plan/messages.transport), whatever machine computes the comparison.
+    parallel["backend"] = "nccl"
     if chunks > 1:
         parallel.update(schedule="interleaved-1f1b", virtual_stages=chunks)
     train = {
