@@ -281,6 +281,9 @@ def test_model_matches_what_ranks_hold() -> None:
         # (microbatches of one sample: the slice kept must be a copy, not a view that holds the whole)
         tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True), train=one_sample),
         tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, sp_backward="saved"), train=one_sample),
+        # messages through the process group, as on GPUs: a bf16 activation's receive buffer goes back after the
+        # forward that widened it (no gradient buckets here: the buffers are the messages alone, counted exactly)
+        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, p2p="process_group"), train=one_sample),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
@@ -290,6 +293,7 @@ def test_model_matches_what_ranks_hold() -> None:
         assert regather["losses"] == saved["losses"] and regather["losses"][0] is not None
         less = rank_memory(cfgs[4])[regather["pp"]].activations - rank_memory(cfgs[3])[regather["pp"]].activations
         assert less > 0 and saved["activations"] - regather["activations"] == less, (regather, saved, less)
+        assert ranks[5]["buffers"] == rank_memory(cfgs[5])[ranks[5]["pp"]].buffers, ranks[5]
     for i, cfg in enumerate(cfgs):
         est = rank_memory(cfg)
         for r in (ranks[i] for ranks in got):

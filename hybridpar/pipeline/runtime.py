@@ -255,7 +255,9 @@ class PipelineRuntime:
         out: list[torch.Tensor] = []
         if st.failed is None:
             self._compute(st, lambda: out.append(self._forward_compute(st, s, m, x, buf)))
-        if buf is not None and (s, m) not in st.saved:  # evaluation, or a failed step: nothing will read it
+        if buf is not None and st.saved.get((s, m), (None,) * 3)[2] is not buf:
+            # Nothing will read it: evaluation, a failed step, or a bf16 message, which the stage read through
+            # its fp32 copy (x) — so it goes back now rather than after the backward.
             self.p2p.release(buf)
         if s == self.n_stages - 1:
             return
@@ -283,8 +285,8 @@ class PipelineRuntime:
             finally:
                 if st.split and st.train:
                     self._split(s).key = None
-        if st.train:
-            st.saved[(s, m)] = (x if s > 0 else None, y, buf)
+        if st.train:  # an fp32 message is x itself, read by the backward; a bf16 one was copied into x
+            st.saved[(s, m)] = (x if s > 0 else None, y, buf if buf is not None and buf.dtype == x.dtype else None)
         return y.detach()
 
     def _backward(self, st: _Step, s: int, m: int) -> None:

@@ -76,6 +76,8 @@ def message_buffers(
         reader = at[(Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, to, a.microbatch)]
         # Its last reader: the backward that saved it; with a split backward W keeps the gradient.
         done = at[(release if a.op == Op.SEND_B else Op.BACKWARD, to, a.microbatch)]
+        if a.op == Op.SEND_F and t.precision == "bf16":  # read through its fp32 copy: back after the forward
+            done = reader
         freed = done.end if lent else reader.start
         sends.setdefault((e.rank, ranks[to]), []).append((e.end, freed, msg[a.microbatch]))
         if not lent:
