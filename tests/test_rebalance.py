@@ -78,6 +78,9 @@ CASES = {
     # tp=2 x pp=2: every tp rank moves its own shards to the same tp rank of the other stage.
     # (3 steps: tp's per-layer all-reduces make this the slowest case on shared cores)
     "tp2-pp2": (dict(tp=2, pp=2, dp=1), dict(steps=3), {1: Layout.uniform(R(2, 6), [11])}),
+    # ... and with sequence parallelism: the moved layers are built with their re-gathers (sp_backward), which
+    # then follow their new stage (tp.rebind_regather)
+    "sp-tp2-pp2": (dict(tp=2, pp=2, dp=1, sequence_parallel=True), dict(steps=3), {1: Layout.uniform(R(2, 6), [11])}),
     # pp=2 x dp=2: replica 0 alone re-partitions (reduced over the dp x pp plane) and the batch is
     # re-split 7/4; later both replicas share a new partition again (back to the dp group).
     "pp2-dp2": (

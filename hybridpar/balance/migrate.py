@@ -89,7 +89,8 @@ def default_layer_builder(
 ) -> Callable[[int], nn.Module]:
     """Empty decoder layer `i` with this rank's tensor-parallel shard shapes and hooks (its values
     are overwritten by the received ones; sequence-parallel hooks if the stage's are)."""
-    return lambda i: empty_layer(stage.cfg, i, device, tp_group, stage.seq_shards > 1)
+    sp, back = stage.seq_shards > 1, getattr(stage, "sp_backward", "saved")
+    return lambda i: empty_layer(stage.cfg, i, device, tp_group, sp, back)
 
 
 def _transfers(

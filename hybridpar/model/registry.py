@@ -81,10 +81,15 @@ def build_full_model(cfg: ModelConfig, seed: int, device: torch.device | str = "
 
 
 def empty_layer(
-    cfg: ModelConfig, i: int, device: torch.device, tp_group: dist.ProcessGroup | None, sequence_parallel: bool = False
+    cfg: ModelConfig,
+    i: int,
+    device: torch.device,
+    tp_group: dist.ProcessGroup | None,
+    sequence_parallel: bool = False,
+    sp_backward: str = "saved",
 ) -> nn.Module:
     """Decoder layer `i` alone, uninitialised, with this rank's tensor-parallel shard shapes and hooks."""
-    return empty_stage(cfg, [i], False, False, device, tp_group, sequence_parallel).layers[str(i)]
+    return empty_stage(cfg, [i], False, False, device, tp_group, sequence_parallel, sp_backward).layers[str(i)]
 
 
 # -- names, shapes, counts ---------------------------------------------------------------------------------

@@ -232,8 +232,17 @@ def _regather(stage: Stage, group: dist.ProcessGroup) -> None:
     for name, mod in stage.named_modules():
         if styles[name] == "copy_in":
             cols = [m for n, m in mod.named_modules(prefix=name) if styles.get(n) == "colwise"]
-            Regather(stage, mod, cols, group)
-    stage.sp_regather = True
+            mod.sp_regather = Regather(stage, mod, cols, group)
+    stage.sp_regather, stage.sp_backward = True, "regather"
+
+
+def rebind_regather(stage: Stage) -> None:
+    """Point the re-gathers of `stage`'s blocks at it: a layer moved here by a live re-partition (built apart,
+    or from another of this rank's stages) then follows this stage's recomputation and split backward."""
+    for mod in stage.modules():
+        r = getattr(mod, "sp_regather", None)
+        if isinstance(r, Regather):
+            r.stage = stage
 
 
 def is_sharded(p: torch.Tensor) -> bool:

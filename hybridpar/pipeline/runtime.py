@@ -21,6 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from hybridpar.model.tp import rebind_regather
 from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.schedules import Action, Op
@@ -125,6 +126,9 @@ class PipelineRuntime:
         for d in self._deferral.values():
             d.detach()
         self._deferral.clear()
+        for st in self.stages.values():  # moved layers' sequence-parallel re-gathers follow their new stage
+            rebind_regather(st)
+            st.sp_regather = getattr(st, "sp_backward", "saved") == "regather"
 
     def _split(self, s: int) -> WeightGradDeferral:
         if s not in self._deferral:
