@@ -271,19 +271,19 @@ def test_model_matches_what_ranks_hold() -> None:
     projections' inputs in the backward) 1F1B in bf16. Every component of
     dp rank 0 (the larger share, which the model describes) within 10% of the model."""
     one_sample = dict(precision="bf16", global_batch=4, microbatches=4)
+    sp = dict(tp=2, pp=2, dp=1, sequence_parallel=True)
     cfgs = [
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", recompute="selective,full")),
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="zb-v"), train=dict(microbatches=4, precision="bf16")),
         # sequence parallelism at tp2 x pp2 under the B/W split: the norm regions and messages at 1/tp
         tiny_config(parallel=dict(tp=2, pp=2, dp=1, schedule="zb-h1", sequence_parallel=True)),
         # and under 1F1B in bf16, where the projections keep the 1/tp slice of their gathered input (sp_backward),
-        # beside the same run keeping the gathered input itself
-        # (microbatches of one sample: the slice kept must be a copy, not a view that holds the whole)
-        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True), train=one_sample),
-        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, sp_backward="saved"), train=one_sample),
-        # messages through the process group, as on GPUs: a bf16 activation's receive buffer goes back after the
-        # forward that widened it (no gradient buckets here: the buffers are the messages alone, counted exactly)
-        tiny_config(parallel=dict(tp=2, pp=2, dp=1, sequence_parallel=True, p2p="process_group"), train=one_sample),
+        # beside the same run keeping the gathered input itself (microbatches of one sample: the slice kept must be
+        # a copy, not a view that holds the whole); messages through the process group, as on GPUs: a bf16
+        # activation's receive buffer goes back after the forward that widened it (no gradient buckets here:
+        # the buffers are the messages alone, counted exactly)
+        tiny_config(parallel=dict(sp, p2p="process_group"), train=one_sample),
+        tiny_config(parallel=dict(sp, p2p="process_group", sp_backward="saved"), train=one_sample),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
@@ -293,7 +293,8 @@ def test_model_matches_what_ranks_hold() -> None:
         assert regather["losses"] == saved["losses"] and regather["losses"][0] is not None
         less = rank_memory(cfgs[4])[regather["pp"]].activations - rank_memory(cfgs[3])[regather["pp"]].activations
         assert less > 0 and saved["activations"] - regather["activations"] == less, (regather, saved, less)
-        assert ranks[5]["buffers"] == rank_memory(cfgs[5])[ranks[5]["pp"]].buffers, ranks[5]
+        for r, cfg in ((regather, cfgs[3]), (saved, cfgs[4])):
+            assert r["buffers"] == rank_memory(cfg)[r["pp"]].buffers, r
     for i, cfg in enumerate(cfgs):
         est = rank_memory(cfg)
         for r in (ranks[i] for ranks in got):
