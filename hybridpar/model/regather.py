@@ -30,10 +30,10 @@ Hooks = tuple[Callable[[torch.Tensor], Any], Callable[[Any], torch.Tensor]] | No
 class _Slice:
     """This rank's slice of one gathered input, shared by every saved view of it."""
 
-    __slots__ = ("packed", "outer", "shape", "group", "left", "whole")
+    __slots__ = ("packed", "outer", "group", "left", "whole")
 
-    def __init__(self, packed: Any, outer: Hooks, shape: torch.Size, group: dist.ProcessGroup) -> None:
-        self.packed, self.outer, self.shape, self.group = packed, outer, shape, group
+    def __init__(self, packed: Any, outer: Hooks, group: dist.ProcessGroup) -> None:
+        self.packed, self.outer, self.group = packed, outer, group
         self.left = 0  # saves not yet unpacked: the re-gathered tensor is dropped after the last
         self.whole: torch.Tensor | None = None
 
@@ -75,7 +75,9 @@ class Regather:
     def _enter(self, mod: nn.Module, args: tuple) -> None:
         if not self._active():
             return
-        # The hooks active outside (the meter's): torch applies only the innermost pair, so ours hand on to them.
+        # The hooks active outside (the meter's): torch applies only the innermost pair, so ours hand on to them
+        # (torch has no public call that returns the pair in force; this private one is what torch's own
+        # functorch reads).
         outer = torch._C._autograd._top_saved_tensors_default_hooks(False)
         self._ctx = torch.autograd.graph.saved_tensors_hooks(
             lambda t: self._pack(outer, t), lambda p: self._unpack(outer, p)
@@ -113,7 +115,7 @@ class Regather:
             # A copy of its own: with one sample the slice is already contiguous, and a view would keep the whole.
             part = t.detach().view(shape)[:, self.rank * T : (self.rank + 1) * T]
             part = part.clone(memory_format=torch.contiguous_format)
-            sl = _Slice(outer[0](part) if outer else part, outer, shape, self.group)
+            sl = _Slice(outer[0](part) if outer else part, outer, self.group)
             self._inputs[t.untyped_storage().data_ptr()] = (shape, sl)
         sl.left += 1
         return sl, t.shape
