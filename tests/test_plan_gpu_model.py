@@ -14,10 +14,12 @@ import pytest
 from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
-from hybridpar.plan.collectives import all_gather_s, all_reduce_s
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
 from hybridpar.plan.cost import CostModel, grad_reduce_s, placement, predict, stage_costs
 from hybridpar.plan.gpu_model import (
+    FLASH_BACKWARD_RECOMPUTE,
     OVERLAPS,
+    SEPARATE_ACCUMULATION_BYTES,
     Rates,
     exposed_tp_comm,
     parse_gpu_calibration,
@@ -81,6 +83,8 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"overlap": ["dp"]}, "overlap must be a list of distinct names from tp_comm, grad_reduce, param_gather"),
         ({"overlap": ["tp_comm", "tp_comm"]}, "overlap must be a list of distinct names"),
         ({"sp_backward": "gather"}, "sp_backward must be one of saved, regather"),
+        ({"cp_comm": "all-to-all"}, "cp_comm must be one of ring, allgather"),
+        ({"grad_accumulation": "fp32"}, "grad_accumulation must be one of fused, separate"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -274,3 +278,53 @@ def test_an_overlapped_collective_hides_only_behind_the_gemm_beside_it() -> None
     assert f == pytest.approx(left(proj, reduce) + left(down, reduce)) and again == 0.0
     assert b == pytest.approx(left(qkv, reduce) + left(up, reduce))
     assert exposed_tp_comm(rates, m, 8, tokens, 1e-9, 2e-9, sp=True, again=True) == (0.0, 0.0, 0.0)
+
+
+def test_a_flash_backward_recomputes_its_scores_and_an_unfused_one_does_not() -> None:
+    """FlashAttention's backward is 2.5 forwards of attention FLOPs (its benchmark's count, in which
+    attention_fraction is a forward + backward rate): B takes half the attention's forward beyond twice the
+    forward's matmuls; an unfused kernel's backward is twice its forward's GEMMs."""
+    cfg = Config.from_dict({"train": {"precision": "bf16", "seq_len": 2048}})
+    t, m = cfg.train, cfg.model
+    rates = H100.gpu_rates("bf16")
+    projections = sum(rates.gemm_s(4096, n, k) for k, n in weight_gemms(m, 2))
+    for kernel, extra in (("flash", FLASH_BACKWARD_RECOMPUTE), ("unfused", 0.0)):
+        hw = replace(H100, gpu_calibration=replace(H100.gpu_calibration, attention_kernel=kernel))
+        lay = CostModel(m, hw).layer(t, 2, 4096, hw.intra_node, "none", split=True)
+        assert lay.b.matmul_s == pytest.approx(lay.f.matmul_s + extra * (lay.f.matmul_s - projections)), kernel
+        assert lay.w.matmul_s == lay.f.matmul_s
+    assert FLASH_BACKWARD_RECOMPUTE == 0.5
+
+
+def test_gathered_context_parallelism_and_separate_accumulation_cost_what_they_move() -> None:
+    """`cp_comm = "allgather"` (Llama 3): the whole sequence's keys and values gathered in the forward and
+    their gradients reduce-scattered in the backward, nothing hidden; `grad_accumulation = "separate"`: a pass
+    of 10 bytes per parameter over the rank's weight gradients per microbatch, in W (or B where the backward
+    is not split), the embedding's and the head's too. Neither moves anything where not named."""
+    cfg = Config.from_dict(
+        {"model": {"family": "llama", "n_kv_heads": 2}, "train": {"precision": "bf16", "seq_len": 4096}}
+    )
+    t, m, link = cfg.train, cfg.model, H100.inter_node
+    g = H100.gpu_calibration
+    assert (g.cp_comm, g.grad_accumulation) == ("ring", "fused")
+    hw = replace(H100, gpu_calibration=replace(g, cp_comm="allgather", grad_accumulation="separate"))
+    tokens, cp, tp = 1024, 4, 2
+    whole = 2 * tokens * cp * m.kv_heads * m.head_dim / tp * 2
+    assert CostModel(m, hw).ring_s(t, tp, tokens, (cp, link), 1.0) == (
+        all_gather_s(whole, cp, link, hw),
+        reduce_scatter_s(whole, cp, link, hw),
+    )
+    assert CostModel(m, H100).ring_s(t, tp, tokens, (cp, link), 1.0)[0] == 0.0  # the ring hides its hops
+    base, sep = CostModel(m, H100), CostModel(m, hw)
+    acc = SEPARATE_ACCUMULATION_BYTES * base.counts.layer / tp / hw.memory_bps()
+    for split in (True, False):
+        a = base.layer(t, tp, tokens, link, "none", split)
+        b = sep.layer(t, tp, tokens, link, "none", split)
+        assert b.f == a.f
+        assert (b.w if split else b.b).memory_s == pytest.approx((a.w if split else a.b).memory_s + acc)
+    (e0, h0), (e1, h1) = base.ends(t, tp, tokens, link), sep.ends(t, tp, tokens, link)
+    assert e1.memory_s == pytest.approx(e0.memory_s + acc * base.counts.embed / base.counts.layer)
+    assert h1.memory_s > h0.memory_s
+    toml = hw.gpu_calibration.to_toml()
+    assert 'cp_comm = "allgather"' in toml and 'grad_accumulation = "separate"' in toml
+    assert "cp_comm" not in g.to_toml()

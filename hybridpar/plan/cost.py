@@ -51,7 +51,15 @@ from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from hybridpar.plan.gpu_model import exposed_tp_comm, layer_times, overlapped, regathers, weight_gemms
+from hybridpar.plan.gpu_model import (
+    accumulation_bytes,
+    exposed_tp_comm,
+    gathers_cp,
+    layer_times,
+    overlapped,
+    regathers,
+    weight_gemms,
+)
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -185,6 +193,12 @@ class CostModel:
         bw = self.hw.memory_bps()
         return 0.0 if bw is None else elements * act_bytes / bw
 
+    def _accumulate_s(self, params: float) -> float:
+        """Summing one microbatch's gradients of `params` parameters into the fp32 buffer, where the GPU
+        software does it in a pass of its own (gpu_model.GRAD_ACCUMULATIONS); 0 where fused or measured."""
+        nbytes = accumulation_bytes(self.hw.gpu_calibration) * params
+        return 0.0 if nbytes == 0 else nbytes / self.hw.memory_bps()
+
     def comm_stretch(self, t: TrainConfig) -> float | None:
         """On a calibrated host whose ranks share cores, the stretch its collectives were measured in place
         under (every rank of the node computing: devices over cores); None elsewhere (`busy_comm`)."""
@@ -226,9 +240,9 @@ class CostModel:
         sharded = ATTENTION_ELEMENTS * (m.dim + m.kv_heads * m.head_dim) + 2 * m.dim + FFN_ELEMENTS * m.ffn_dim
         replicated = REPLICATED_ELEMENTS * m.dim / (tp if sp else 1)
         mem = self._memory_s(tokens * (replicated + sharded / tp), act)
-        rates, mem_b = self.hw.gpu_rates(t.precision), 2 * mem
+        rates, mem_b, mm_b = self.hw.gpu_rates(t.precision), 2 * mem, 0.0
         if rates is not None:  # GEMMs by shape, attention by its kernel (plan/gpu_model.py)
-            mm, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
+            mm, mm_b, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
             mem, mem_b = mem + att_f, mem_b + att_b
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
         reduce = self.tp_all_reduce_s(t, tp, tokens, link)
@@ -242,8 +256,10 @@ class CostModel:
             back = comm
         comm_b, comm_w = (back, again) if split else (back + again, 0.0)
         f = Work(mm, mem, ops, comm)
-        b = Work(mm, mem_b, 1.5 * ops, comm_b)  # input gradients; the copy-ins' all-reduces
-        w = Work(mm, 0.0, 0.5 * ops, comm_w)
+        b = Work(mm + mm_b, mem_b, 1.5 * ops, comm_b)  # input gradients, attention's all; the copy-ins' reduces
+        acc = self._accumulate_s(self.counts.layer / tp)  # the weight gradients into the fp32 sum
+        w = Work(mm, acc if split else 0.0, 0.5 * ops, comm_w)
+        b = b if split else b + Work(memory_s=acc)
         cal = self.calibrated(t)
         timed = cal.layer(tp, tokens) if cal is not None else None
         if timed is not None:  # measured compute (in matmul_s: the whole layer), the same collectives
@@ -275,10 +291,15 @@ class CostModel:
         the rank's keys and values (its tp share of the kv heads, in the activations' precision).
         Backward: the same cp - 1 hops, each with the travelling dK/dV accumulator (fp32) beside it,
         against a block's backward (twice its forward's FLOPs), then one last hop of the accumulator
-        home, which nothing overlaps."""
+        home, which nothing overlaps. Where the GPU software all-gathers instead (gpu_model.CP_COMMS): the
+        whole sequence's keys and values gathered in the forward, their gradients (in the activations'
+        precision) reduce-scattered in the backward, each in the critical path."""
         cp, link = ring
         kv = 2 * tokens * self.m.kv_heads * self.m.head_dim / tp  # keys and values, elements
         act = 2 if t.precision == "bf16" else 4
+        if gathers_cp(self.hw.gpu_calibration):  # gathered whole before attention, nothing hidden (CP_COMMS)
+            whole = kv * cp * act
+            return all_gather_s(whole, cp, link, self.hw), reduce_scatter_s(whole, cp, link, self.hw)
         block = attention_s / cp
         forward = (cp - 1) * max(0.0, p2p_s(kv * act, link, self.hw) - block)
         backward = (cp - 1) * max(0.0, p2p_s(kv * (act + F32_BYTES), link, self.hw) - 2 * block)
@@ -298,13 +319,14 @@ class CostModel:
         m = self.m
         act = 2 if t.precision == "bf16" else 4
         ovh = self.hw.op_overhead_us * 1e-6
-        embed = Work(0.0, self._memory_s(tokens * m.dim * 4, act), 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
+        embed_mem = self._memory_s(tokens * m.dim * 4, act) + self._accumulate_s(self.counts.embed / tp)
+        embed = Work(0.0, embed_mem, 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
         mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
         rates = self.hw.gpu_rates(t.precision)  # the logits' GEMM by its shape where calibrated
         mm = mm if rates is None else 3 * rates.gemm_s(tokens, m.vocab_size / tp, m.dim)
         head = Work(
             mm,
-            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act),
+            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act) + self._accumulate_s(self.counts.head / tp),
             20 * ovh,
             sum(self.head_comm(t, tp, tokens, link)),
         )
