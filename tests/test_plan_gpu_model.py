@@ -14,8 +14,8 @@ import pytest
 from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
-from hybridpar.plan.collectives import all_gather_s, all_reduce_s, reduce_scatter_s
-from hybridpar.plan.cost import CostModel, grad_reduce_s, placement, predict, stage_costs
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from hybridpar.plan.cost import CostModel, grad_reduce_s, handoff, placement, predict, stage_costs
 from hybridpar.plan.gpu_model import (
     FLASH_BACKWARD_RECOMPUTE,
     OVERLAPS,
@@ -85,6 +85,7 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"sp_backward": "gather"}, "sp_backward must be one of saved, regather"),
         ({"cp_comm": "all-to-all"}, "cp_comm must be one of ring, allgather"),
         ({"grad_accumulation": "fp32"}, "grad_accumulation must be one of fused, separate"),
+        ({"p2p": "nonblocking"}, "p2p must be one of async, blocking"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -328,3 +329,21 @@ def test_gathered_context_parallelism_and_separate_accumulation_cost_what_they_m
     toml = hw.gpu_calibration.to_toml()
     assert 'cp_comm = "allgather"' in toml and 'grad_accumulation = "separate"' in toml
     assert "cp_comm" not in g.to_toml()
+
+
+def test_a_blocking_pipeline_sends_its_tp_slice_and_waits_for_it() -> None:
+    """`p2p = "blocking"` (Megatron-LM's and DeepSpeed's pipelines of 2021-2022): each tp rank puts its 1/tp
+    slice on the pipeline's link, the receiving stage all-gathers it, and the sender waits for its transfer;
+    under sequence parallelism the message is a slice already and is sent whole. "async" (the default) keeps
+    the whole message, posted and left to complete."""
+    cfg = Config.from_dict({"parallel": {"tp": 8, "pp": 4, "dp": 1}})
+    p, msg = cfg.parallel, 8 * 2**20
+    hw = replace(A100, gpu_calibration=replace(A100.gpu_calibration, p2p="blocking"))
+    pl = placement(p, hw)
+    assert A100.gpu_calibration.p2p == "async" and handoff(A100, p, pl, msg) == (msg, 0.0, 0.0)
+    assert handoff(hw, p, pl, msg) == (msg // 8, all_gather_s(msg, 8, pl.tp, hw), p2p_s(msg // 8, pl.pp, hw))
+    p.sequence_parallel = True
+    assert handoff(hw, p, pl, msg) == (msg, 0.0, p2p_s(msg, pl.pp, hw))
+    p.pp, p.dp = 1, 4
+    assert handoff(hw, p, placement(p, hw), msg) == (msg, 0.0, 0.0)  # no pipeline, no hand-off
+    assert 'p2p = "blocking"' in hw.gpu_calibration.to_toml()

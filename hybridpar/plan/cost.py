@@ -53,6 +53,7 @@ from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
 from hybridpar.plan.gpu_model import (
     accumulation_bytes,
+    blocks_p2p,
     exposed_tp_comm,
     gathers_cp,
     layer_times,
@@ -508,6 +509,19 @@ def closing_s(hw: Hardware, tp: int, pp: int, dp: int, zero: int, link: Link) ->
     return calls * all_reduce_s(8, tp * pp * dp, link, hw)
 
 
+def handoff(hw: Hardware, p: ParallelConfig, pl: Placement, msg: int) -> tuple[int, float, float]:
+    """A pipeline hand-off of `msg` bytes per tp rank: (bytes on the pipeline's link, the receiver's all-gather
+    after arrival, what the sender waits). Where the GPU software blocks (gpu_model.P2PS) the sender waits for its
+    transfer, and without sequence parallelism each tp rank sends its 1/tp slice, all-gathered by the receiving
+    stage's tp ranks; elsewhere the whole message, posted and left to complete."""
+    if not blocks_p2p(hw.gpu_calibration) or p.pp == 1:
+        return msg, 0.0, 0.0
+    sliced = p.tp > 1 and not p.sequence_parallel
+    wire = msg // p.tp if sliced else msg
+    gather = all_gather_s(msg, p.tp, pl.tp, hw) if sliced else 0.0
+    return wire, gather, p2p_s(wire, pl.pp, hw)
+
+
 def setup(model: CostModel, cfg: Config) -> Setup:
     """The simulator's inputs for the layout `cfg` (equal microbatches: the per-replica batch over
     train.microbatches, rounded up; under context parallelism a rank's 1/cp of their tokens)."""
@@ -520,6 +534,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
     split = spec.splits_backward
     msg = tokens * model.m.dim * (2 if t.precision == "bf16" else 4)
     msg //= p.tp if p.sequence_parallel else 1  # sequence parallelism: a tp rank's slice of the sequence
+    wire, gather, send = handoff(hw, p, pl, msg)
     st = model.comm_stretch(t)
     sim = [c.busy(st) for c in costs]
     sim_costs = Costs(
@@ -529,9 +544,10 @@ def setup(model: CostModel, cfg: Config) -> Setup:
         forward_comm_s=tuple(c.f.comm_s for c in sim),
         backward_comm_s=tuple(c.b.comm_s if split else c.b.comm_s + c.w.comm_s for c in sim),
         weight_comm_s=tuple(c.w.comm_s for c in sim) if split else 0.0,
-        latency_s=pl.pp.latency_us * 1e-6,
+        latency_s=pl.pp.latency_us * 1e-6 + gather,
         bandwidth_Bps=hw.link_bps(pl.pp),
-        message_bytes=msg,
+        message_bytes=wire,
+        send_overhead_s=send,
     )
     ranks = spec.stage_ranks(p.pp, stages_per_rank(p))
     return Setup(pl, parts, costs, sim_costs, sharing(p, hw, pl), ranks, model.stage_params(parts), msg)

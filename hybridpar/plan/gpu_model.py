@@ -27,6 +27,11 @@ each with its source and date, and the attention kernel of the software that ran
                           accumulation buffer (GRAD_ACCUMULATIONS): "fused", inside the weight-gradient GEMM
                           (Megatron's gradient_accumulation_fusion: no extra pass), or "separate", an elementwise
                           add of the bf16 gradient into the fp32 buffer after it (PyTorch's autograd and FSDP)
+    p2p                   (optional, default "async") how the pipeline's hand-offs run (P2PS): "async", posted
+                          and left to complete while the sender computes (hybridpar's runtime, Megatron-Core,
+                          Llama 3), or "blocking", the sender waits for each transfer to complete and, without
+                          sequence parallelism, each tp rank sends its 1/tp slice that the receiving stage
+                          all-gathers (Megatron-LM's and DeepSpeed's pipelines of 2021-2022)
     source, date          where each number comes from, and when
 
 From them, with no further constant:
@@ -84,8 +89,20 @@ CP_COMMS = ("ring", "allgather")
 # (4 + 4) per parameter (SEPARATE_ACCUMULATION_BYTES).
 GRAD_ACCUMULATIONS = ("fused", "separate")
 SEPARATE_ACCUMULATION_BYTES = 10
+# The pipeline's hand-offs: "async" (the simulator's default: a send is posted and the sender computes on) or
+# "blocking": Megatron-LM's _communicate (megatron/p2p_communication.py, 2021-2022) waits on every request of
+# torch.distributed.batch_isend_irecv and then synchronizes the device; DeepSpeed's pipeline engine
+# (deepspeed/runtime/pipe/p2p.py) refuses async_op and sends with dist.send. Both split the activation over the
+# tensor-parallel ranks and all-gather it at the receiver (Megatron's --scatter-gather-tensors-in-pipeline,
+# on by default; DeepSpeed's is_pipe_partitioned), unless sequence parallelism has split it already.
+P2PS = ("async", "blocking")
 # The optional keys naming a fact of the software: their choices, the default first.
-OPTIONAL_CHOICES = {"sp_backward": SP_BACKWARDS, "cp_comm": CP_COMMS, "grad_accumulation": GRAD_ACCUMULATIONS}
+OPTIONAL_CHOICES = {
+    "sp_backward": SP_BACKWARDS,
+    "cp_comm": CP_COMMS,
+    "grad_accumulation": GRAD_ACCUMULATIONS,
+    "p2p": P2PS,
+}
 # Unfused attention's memory traffic per score element (2-byte elements), counted on Megatron-LM's kernels:
 # forward, the fused scale-mask-softmax reads the scores and writes the probabilities (2), dropout reads them
 # and writes its output and a one-byte mask (2.5); backward, dropout's reads the gradient and the mask and writes
@@ -113,6 +130,7 @@ class GpuCalibration:
     sp_backward: str = "saved"
     cp_comm: str = "ring"
     grad_accumulation: str = "fused"
+    p2p: str = "async"
 
     def to_toml(self) -> str:
         nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
@@ -264,6 +282,11 @@ def accumulation_bytes(g: GpuCalibration | None) -> int:
     """Bytes per parameter that summing one microbatch's weight gradients moves beyond the GEMM that computes
     them (GRAD_ACCUMULATIONS): none where fused or without a calibration (the CPU path: measured)."""
     return SEPARATE_ACCUMULATION_BYTES if g is not None and g.grad_accumulation == "separate" else 0
+
+
+def blocks_p2p(g: GpuCalibration | None) -> bool:
+    """Whether the calibrated software's pipeline sender waits for each hand-off to complete (P2PS)."""
+    return g is not None and g.p2p == "blocking"
 
 
 def overlapped(g: GpuCalibration | None, name: str) -> bool:
