@@ -19,9 +19,10 @@ from hybridpar.plan.cost import CostModel, grad_reduce_s, handoff, placement, pr
 from hybridpar.plan.gpu_model import (
     FLASH_BACKWARD_RECOMPUTE,
     OVERLAPS,
-    SEPARATE_ACCUMULATION_BYTES,
     Rates,
+    accumulation_bytes,
     exposed_tp_comm,
+    grad_bytes,
     parse_gpu_calibration,
     peak_fraction,
     weight_gemms,
@@ -84,7 +85,7 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"overlap": ["tp_comm", "tp_comm"]}, "overlap must be a list of distinct names"),
         ({"sp_backward": "gather"}, "sp_backward must be one of saved, regather"),
         ({"cp_comm": "all-to-all"}, "cp_comm must be one of ring, allgather"),
-        ({"grad_accumulation": "fp32"}, "grad_accumulation must be one of fused, separate"),
+        ({"grad_accumulation": "fp32"}, "grad_accumulation must be one of fused, separate, separate-half"),
         ({"p2p": "nonblocking"}, "p2p must be one of async, blocking"),
     ],
 )
@@ -301,7 +302,8 @@ def test_gathered_context_parallelism_and_separate_accumulation_cost_what_they_m
     """`cp_comm = "allgather"` (Llama 3): the whole sequence's keys and values gathered in the forward and
     their gradients reduce-scattered in the backward, nothing hidden; `grad_accumulation = "separate"`: a pass
     of 10 bytes per parameter over the rank's weight gradients per microbatch, in W (or B where the backward
-    is not split), the embedding's and the head's too. Neither moves anything where not named."""
+    is not split), the embedding's and the head's too; "separate-half" (an fp16 buffer): 6 bytes, and the
+    data-parallel reduction moves 2 bytes a parameter instead of 4. Nothing moves where not named."""
     cfg = Config.from_dict(
         {"model": {"family": "llama", "n_kv_heads": 2}, "train": {"precision": "bf16", "seq_len": 4096}}
     )
@@ -317,7 +319,7 @@ def test_gathered_context_parallelism_and_separate_accumulation_cost_what_they_m
     )
     assert CostModel(m, H100).ring_s(t, tp, tokens, (cp, link), 1.0)[0] == 0.0  # the ring hides its hops
     base, sep = CostModel(m, H100), CostModel(m, hw)
-    acc = SEPARATE_ACCUMULATION_BYTES * base.counts.layer / tp / hw.memory_bps()
+    acc = (2 + 4 + 4) * base.counts.layer / tp / hw.memory_bps()  # the bf16 gradient, the fp32 sum
     for split in (True, False):
         a = base.layer(t, tp, tokens, link, "none", split)
         b = sep.layer(t, tp, tokens, link, "none", split)
@@ -329,6 +331,15 @@ def test_gathered_context_parallelism_and_separate_accumulation_cost_what_they_m
     toml = hw.gpu_calibration.to_toml()
     assert 'cp_comm = "allgather"' in toml and 'grad_accumulation = "separate"' in toml
     assert "cp_comm" not in g.to_toml()
+    half = replace(g, grad_accumulation="separate-half")  # summed and reduced in the compute precision
+    assert accumulation_bytes(half, 2) == 6 and grad_bytes(half, 2) == 2
+    assert accumulation_bytes(hw.gpu_calibration, 2) == 10 and grad_bytes(hw.gpu_calibration, 2) == 4
+    assert accumulation_bytes(g, 2) == 0 and grad_bytes(g, 2) == grad_bytes(None, 2) == 4
+    model = {"dim": 2048, "ffn_dim": 8192}
+    dp = Config.from_dict({"model": model, "parallel": {"dp": 8}, "train": {"precision": "bf16", "global_batch": 8}})
+    after = lambda c: replace(H100, gpu_calibration=replace(c, overlap=()))  # noqa: E731  (reduced after the pipeline)
+    reduce = lambda c: predict(CostModel(dp.model, after(c)), dp).dp_reduce_s  # noqa: E731
+    assert 0 < reduce(half) < 0.6 * reduce(g)
 
 
 def test_a_blocking_pipeline_sends_its_tp_slice_and_waits_for_it() -> None:

@@ -56,6 +56,7 @@ from hybridpar.plan.gpu_model import (
     blocks_p2p,
     exposed_tp_comm,
     gathers_cp,
+    grad_bytes,
     layer_times,
     overlapped,
     regathers,
@@ -194,10 +195,10 @@ class CostModel:
         bw = self.hw.memory_bps()
         return 0.0 if bw is None else elements * act_bytes / bw
 
-    def _accumulate_s(self, params: float) -> float:
-        """Summing one microbatch's gradients of `params` parameters into the fp32 buffer, where the GPU
+    def _accumulate_s(self, params: float, act: int) -> float:
+        """Summing one microbatch's gradients of `params` parameters into the accumulation buffer, where the GPU
         software does it in a pass of its own (gpu_model.GRAD_ACCUMULATIONS); 0 where fused or measured."""
-        nbytes = accumulation_bytes(self.hw.gpu_calibration) * params
+        nbytes = accumulation_bytes(self.hw.gpu_calibration, act) * params
         return 0.0 if nbytes == 0 else nbytes / self.hw.memory_bps()
 
     def comm_stretch(self, t: TrainConfig) -> float | None:
@@ -258,7 +259,7 @@ class CostModel:
         comm_b, comm_w = (back, again) if split else (back + again, 0.0)
         f = Work(mm, mem, ops, comm)
         b = Work(mm + mm_b, mem_b, 1.5 * ops, comm_b)  # input gradients, attention's all; the copy-ins' reduces
-        acc = self._accumulate_s(self.counts.layer / tp)  # the weight gradients into the fp32 sum
+        acc = self._accumulate_s(self.counts.layer / tp, act)  # the weight gradients into their sum
         w = Work(mm, acc if split else 0.0, 0.5 * ops, comm_w)
         b = b if split else b + Work(memory_s=acc)
         cal = self.calibrated(t)
@@ -320,14 +321,15 @@ class CostModel:
         m = self.m
         act = 2 if t.precision == "bf16" else 4
         ovh = self.hw.op_overhead_us * 1e-6
-        embed_mem = self._memory_s(tokens * m.dim * 4, act) + self._accumulate_s(self.counts.embed / tp)
+        embed_mem = self._memory_s(tokens * m.dim * 4, act) + self._accumulate_s(self.counts.embed / tp, act)
         embed = Work(0.0, embed_mem, 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
         mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
         rates = self.hw.gpu_rates(t.precision)  # the logits' GEMM by its shape where calibrated
         mm = mm if rates is None else 3 * rates.gemm_s(tokens, m.vocab_size / tp, m.dim)
         head = Work(
             mm,
-            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act) + self._accumulate_s(self.counts.head / tp),
+            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act)
+            + self._accumulate_s(self.counts.head / tp, act),
             20 * ovh,
             sum(self.head_comm(t, tp, tokens, link)),
         )
@@ -666,6 +668,7 @@ def _dp_reductions(
     if p.dp * p.cp == 1:
         return sim.step_time_s, 0.0
     early = overlapped(hw.gpu_calibration, "grad_reduce")
+    gb = grad_bytes(hw.gpu_calibration, 2 if cfg.train.precision == "bf16" else 4)  # fp32 sums unless said
     free = [0.0] * p.pp
     waited: set[int] = set()
     for s in sorted(marks.last_end, key=marks.last_end.get):
@@ -673,8 +676,8 @@ def _dp_reductions(
         wait = 0.0 if r in waited else hw.sync_wait_s(p.dp * p.cp, work[r])
         waited.add(r)
         start = marks.last_start[s] if early else marks.last_end[s]
-        reduce = grad_sum_s(hw, 4 * stage_params[s] / p.tp, p, pl, p.zero)
-        last = grad_sum_s(hw, 4 * tail_params[s] / p.tp, p, pl, p.zero) if early else 0.0
+        reduce = grad_sum_s(hw, gb * stage_params[s] / p.tp, p, pl, p.zero)
+        last = grad_sum_s(hw, gb * tail_params[s] / p.tp, p, pl, p.zero) if early else 0.0
         free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s] + last)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s

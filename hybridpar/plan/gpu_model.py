@@ -23,10 +23,13 @@ each with its source and date, and the attention kernel of the software that ran
                           model/ring_attention.py), or "allgather", the whole sequence's keys and values gathered
                           before attention and their gradients reduce-scattered after it, in the critical path
                           (Llama 3, arXiv:2407.21783 Sec. 3.3.2)
-    grad_accumulation     (optional, default "fused") how each microbatch's weight gradients reach the fp32
-                          accumulation buffer (GRAD_ACCUMULATIONS): "fused", inside the weight-gradient GEMM
-                          (Megatron's gradient_accumulation_fusion: no extra pass), or "separate", an elementwise
-                          add of the bf16 gradient into the fp32 buffer after it (PyTorch's autograd and FSDP)
+    grad_accumulation     (optional, default "fused") how each microbatch's weight gradients reach the
+                          accumulation buffer (GRAD_ACCUMULATIONS): "fused", into an fp32 buffer inside the
+                          weight-gradient GEMM (Megatron's gradient_accumulation_fusion: no extra pass);
+                          "separate", an elementwise add of the bf16 gradient into the fp32 buffer after it
+                          (PyTorch's autograd and FSDP); "separate-half", the same into a buffer in the compute
+                          precision, which the data-parallel reduction then moves (Megatron-LM's fp16 runs before
+                          2022-09 without --accumulate-allreduce-grads-in-fp32, DeepSpeed's fp16 engine)
     p2p                   (optional, default "async") how the pipeline's hand-offs run (P2PS): "async", posted
                           and left to complete while the sender computes (hybridpar's runtime, Megatron-Core,
                           Llama 3), or "blocking", the sender waits for each transfer to complete and, without
@@ -83,12 +86,15 @@ SP_BACKWARDS = ("saved", "regather")
 # tensors, and then compute attention output for the local query (Q) tensor chunk ... the all-gather
 # communication latency is exposed in the critical path"; the backward reduce-scatters their gradients).
 CP_COMMS = ("ring", "allgather")
-# Where each microbatch's weight gradients are summed in fp32: "fused" into the weight-gradient GEMM (its
-# epilogue reads and writes the fp32 buffer: Megatron's --gradient-accumulation-fusion, on by default) or
+# Where each microbatch's weight gradients are summed: "fused" into the weight-gradient GEMM (its epilogue reads
+# and writes the fp32 buffer: Megatron's --gradient-accumulation-fusion, on by default where gradients are fp32);
 # "separate", a pass over the buffer per microbatch: read the bf16 gradient (2 bytes), read and write the fp32 sum
-# (4 + 4) per parameter (SEPARATE_ACCUMULATION_BYTES).
-GRAD_ACCUMULATIONS = ("fused", "separate")
-SEPARATE_ACCUMULATION_BYTES = 10
+# (4 + 4) per parameter; "separate-half", that pass over a buffer in the compute precision (2 + 2 + 2 bytes in
+# fp16), the buffer the data-parallel reduction moves (2 bytes a parameter where fp32 buffers move 4). Megatron-LM
+# until 2022-09 fused only into fp32 buffers (megatron/arguments.py: "Gradient accumulation fusion ... is supported
+# only with fp32 gradient accumulation"), and its fp16 runs accumulate in fp16 unless given
+# --accumulate-allreduce-grads-in-fp32 (forced only for bf16): DDP's hook `param.main_grad.add_(param.grad.data)`.
+GRAD_ACCUMULATIONS = ("fused", "separate", "separate-half")
 # The pipeline's hand-offs: "async" (the simulator's default: a send is posted and the sender computes on) or
 # "blocking": Megatron-LM's _communicate (megatron/p2p_communication.py, 2021-2022) waits on every request of
 # torch.distributed.batch_isend_irecv and then synchronizes the device; DeepSpeed's pipeline engine
@@ -278,10 +284,19 @@ def gathers_cp(g: GpuCalibration | None) -> bool:
     return g is not None and g.cp_comm == "allgather"
 
 
-def accumulation_bytes(g: GpuCalibration | None) -> int:
-    """Bytes per parameter that summing one microbatch's weight gradients moves beyond the GEMM that computes
-    them (GRAD_ACCUMULATIONS): none where fused or without a calibration (the CPU path: measured)."""
-    return SEPARATE_ACCUMULATION_BYTES if g is not None and g.grad_accumulation == "separate" else 0
+def accumulation_bytes(g: GpuCalibration | None, act: int) -> int:
+    """Bytes per parameter that summing one microbatch's weight gradients (`act` bytes an element, the compute
+    precision) moves beyond the GEMM that computes them (GRAD_ACCUMULATIONS): none where fused or without a
+    calibration (the CPU path: measured); else the gradient read, the sum read and written."""
+    if g is None or g.grad_accumulation == "fused":
+        return 0
+    return act + 2 * grad_bytes(g, act)
+
+
+def grad_bytes(g: GpuCalibration | None, act: int) -> int:
+    """Bytes an element of the accumulated gradients, which the data-parallel reduction moves: fp32 unless the
+    software sums them in the compute precision (GRAD_ACCUMULATIONS "separate-half")."""
+    return act if g is not None and g.grad_accumulation == "separate-half" else 4
 
 
 def blocks_p2p(g: GpuCalibration | None) -> bool:
