@@ -296,8 +296,9 @@ def _check_context(cfg: Config) -> None:
 
 
 def _check_compile(cfg: Config) -> None:
-    """train.compile composes with every schedule, recomputation, tensor and sequence parallelism, ZeRO 1-2
-    and live re-partition (model/compiled.py); what it has not been verified with is refused by name."""
+    """train.compile composes with every schedule, full and selective recomputation, tensor and sequence
+    parallelism, ZeRO 1-2 and live re-partition (model/compiled.py); what it has not been verified with is
+    refused by name."""
     p = cfg.parallel
     if not cfg.train.compile:
         return
@@ -307,9 +308,6 @@ def _check_compile(cfg: Config) -> None:
         (p.zero == 3 and p.dp > 1, "parallel.zero=3", "parallel.zero=2"),
         # Ring attention's collectives sit inside the attention the layer graph would hold.
         (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
-        # Selective checkpointing replays its forward's exact operator sequence in backward; a pipeline stage's
-        # compiled layer dispatched one more aliasing check there (aten._has_same_storage_numel) and failed.
-        ("selective" in cfg.train.recompute, "train.recompute=selective", "train.recompute=full"),
     ]
     for bad, what, fix in unsupported:
         _require(not bad, f"train.compile=true does not support {what} yet: use {fix} or train.compile=false")

@@ -42,7 +42,7 @@ class CompiledLayers:
     """`self(layer, *args)` = `layer(*args)`, compiled with `backend`; counts the graphs it compiles and
     the seconds its backend spent compiling forward graphs (backward graphs compile at their first use)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, dynamic: bool = False) -> None:
         if backend not in COMPILE_BACKENDS:
             raise ValueError(f"train.compile_backend={backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
         from torch._dynamo.backends.registry import lookup_backend
@@ -51,7 +51,16 @@ class CompiledLayers:
         self._compile_graph = lookup_backend(backend)
         self.graphs = 0  # graphs compiled: first compiles, graph-break fragments and recompiles
         self.seconds = 0.0
-        self._fn = torch.compile(_call, backend=self._counted)
+        # Under the B/W split the eager linear layers break each layer into several graphs, and dynamo passes
+        # the batch size into the graphs after a break as a Python int, which it specialises on first sight
+        # (the batch dimension marked dynamic below reaches the first graph only). A second microbatch size
+        # then compiles a dynamic graph beside the static one, and dynamo tries the newest first: a layer
+        # recomputed in backward ran another graph than its forward (the static one's outputs that alias
+        # its inputs are rebuilt by replaying views; the dynamic one's call one more
+        # aten._has_same_storage_numel), which selective recomputation refuses and full recomputation
+        # would rerun in other kernels. `dynamic` treats every size as symbolic from the first compile,
+        # so each microbatch size finds one graph (sizes 0 and 1 still get their own: disjoint guards).
+        self._fn = torch.compile(_call, backend=self._counted, dynamic=True if dynamic else None)
 
     def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         t0 = time.perf_counter()

@@ -95,7 +95,9 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     runtime.autocast = low
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
-    compiled = CompiledLayers(t.compile_backend) if t.compile else None
+    # The B/W split breaks each layer's graph (model/compiled.py): all sizes symbolic from the first compile.
+    split = schedule_spec(p.schedule).splits_backward
+    compiled = CompiledLayers(t.compile_backend, dynamic=split) if t.compile else None
     for st in stages.values():
         st.compiled = compiled  # kept by live re-partition, which moves layers between existing stages
     return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime, compiled)
