@@ -111,7 +111,6 @@ def test_zero_bubble_split_when_compiled() -> None:
 @pytest.mark.parametrize(
     "over,message",
     [
-        (dict(parallel=dict(dp=2, zero=3)), "does not support parallel.zero=3 yet: use parallel.zero=2"),
         (dict(parallel=dict(cp=2)), "train.compile=true does not support parallel.cp=2 yet: use parallel.cp=1"),
     ],
 )

@@ -303,9 +303,6 @@ def _check_compile(cfg: Config) -> None:
     if not cfg.train.compile:
         return
     unsupported = [
-        # ZeRO-3 frees each parameter's storage after use and gathers it again around each layer: a
-        # compiled graph must not see storages that come and go.
-        (p.zero == 3 and p.dp > 1, "parallel.zero=3", "parallel.zero=2"),
         # Ring attention's collectives sit inside the attention the layer graph would hold.
         (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
     ]
