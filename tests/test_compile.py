@@ -1,7 +1,7 @@
 """train.compile and train.fused_adamw without processes: a compiled model's gradients against eager ones
 (aot_eager: dynamo's capture and AOT autograd's differentiation, run with eager kernels, so equal bit for
 bit), how many graphs a model compiles (one for all its layers and batch sizes; a moved layer adds none),
-the refusals, and fused AdamW against foreach. The inductor-generated kernels' figures and
+the backend's check, and fused AdamW against foreach. The inductor-generated kernels' figures and
 their distance from eager are measured by `hybridpar bench compile` (docs/performance.md); the compiled
 pipeline and zero-bubble split against one device: tests/test_equivalence.py."""
 
@@ -108,16 +108,12 @@ def test_zero_bubble_split_when_compiled() -> None:
         torch.testing.assert_close(a, b)
 
 
-@pytest.mark.parametrize(
-    "over,message",
-    [
-        (dict(parallel=dict(cp=2)), "train.compile=true does not support parallel.cp=2 yet: use parallel.cp=1"),
-    ],
-)
-def test_compile_refuses_what_it_does_not_compose_with(over: dict, message: str) -> None:
-    cfg = tiny_config(**over)
-    cfg.train.compile = True
-    with pytest.raises(ValueError, match=message):
+def test_compile_composes_with_what_it_once_refused_and_checks_its_backend() -> None:
+    """Selective recomputation, ZeRO-3 over dp > 1 and context parallelism were refused before launch until
+    each was made to compose (docs/compile.md); their runs: tests/test_equivalence.py."""
+    for over in (dict(train=dict(recompute="selective")), dict(parallel=dict(dp=2, zero=3)), dict(parallel=dict(cp=2))):
+        cfg = tiny_config(**over)
+        cfg.train.compile = True
         validate(cfg)
     bad = Config.from_dict({**cfg.to_dict(), "train": {**cfg.to_dict()["train"], "compile_backend": "eager"}})
     with pytest.raises(ValueError, match="train.compile_backend"):

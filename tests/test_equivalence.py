@@ -187,14 +187,16 @@ def unequal_configs() -> list[Config]:
 def compile_configs() -> list[Config]:
     """train.compile (aot_eager: the capture, graph breaks and compiled backward without code generation) with
     the zero-bubble B/W split and selective recomputation over two stages (microbatches of 3 and 2 samples in
-    flight together), with tensor parallelism's collectives traced into the graph, and with ZeRO-3's
-    parameters gathered around each layer and freed after it (its hooks eager beside the graph). Inductor's
-    kernels: `hybridpar bench compile`."""
+    flight together), with tensor parallelism's collectives traced into the graph, with ZeRO-3's parameters
+    gathered around each layer and freed after it (its hooks eager beside the graph), and with context
+    parallelism (ring attention eager between the layer's graphs). Inductor's kernels: `hybridpar bench
+    compile`."""
     c = dict(compile=True, compile_backend="aot_eager")
     return [
         grid_config(2, "zb-h1", 1, parallel=dict(tp=1, pp=2, dp=1), train=dict(recompute="selective", **c)),
         grid_config(1, "1f1b", 1, parallel=dict(tp=2, pp=1, dp=1), train=c),
         grid_config(1, "1f1b", 1, parallel=dict(tp=1, pp=1, dp=2, zero=3), train=dict(recompute="selective", **c)),
+        grid_config(1, "1f1b", 1, parallel=dict(tp=1, pp=1, dp=1, cp=2), train=dict(recompute="selective", **c)),
     ]
 
 

@@ -16,10 +16,17 @@ What stays eager, by design (graph breaks, `torch.compiler.disable`):
   state per microbatch and register tensor hooks. The linear layers around them then run eagerly too, so
   B still skips the weight-gradient matmuls that W computes (a compiled backward computes all of its
   graph's gradients at once: a linear inside it would have its dW computed in B and again in W).
+- ZeRO-3's gathers and frees around each layer (dataparallel/zero3.py): collectives into storages that are
+  resized. Dynamo stops before the layer's pre-hook and compiles its forward as a frame of its own, whose
+  graph takes the gathered parameters as inputs (the same tensors every step: no recompile).
+- ring attention (model/ring_attention.py, parallel.cp > 1): point-to-point transfers around the ring.
 - evaluation, sampling and serving (no gradient): eager, so the validation step adds no graph.
 
-Full activation recomputation checkpoints the compiled call (model/recompute.py): the rerun in backward calls
-the same graph on the same input. Only inductor generates code; `aot_eager` captures and differentiates
+Where something eager breaks a layer's graph inside (the split's linears, ring attention), the process's
+callable is built with `dynamic=True` (see __init__): every recomputation then runs the graphs its forward ran.
+
+Full and selective activation recomputation checkpoint the compiled call (model/recompute.py): the rerun in
+backward calls the same graphs on the same input. Only inductor generates code; `aot_eager` captures and differentiates
 the same graphs and runs them with eager kernels (bit-identical to eager where nothing breaks the graph:
 the composition check).
 """
