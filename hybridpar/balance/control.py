@@ -6,11 +6,13 @@ inside the interval waits for it to end. Each position (replica d, stage s) of t
 one "rank" of the detector (`RankSample.rank = d * pp + s`, s the pipeline rank; tensor-parallel peers
 move together, so the caller reports their slowest). With virtual stages (interleaved, ZB-V) a rank holds
 several stages, each of which runs at the rank's speed. The planner (`simulated.plan_layout_simulated`) then
-re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
+re-partitions each replica's stages and re-splits the batch for the speeds of the latest window's quietest
+steps (`scores.quiet_times`: the machine's load only adds time), scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
 time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers
-costs a weight and optimizer-state transfer). Besides straggler
+costs a weight and optimizer-state transfer), and made only if it does so in `persist` windows, each read
+by its quietest steps and step by step against the other positions (`_confirmed`). Besides straggler
 changes, a drift of the relative speeds beyond the margin since the last evaluation makes one due.
 """
 
@@ -43,7 +45,7 @@ class Decision:
     new: Layout
     predicted_step_before_s: float  # bubble-formula bound: m x slowest stage / (1 - bubble), per replica
     predicted_step_after_s: float
-    speeds: tuple[float, ...]  # smoothed relative speed per position d * pp + s, fastest = 1
+    speeds: tuple[float, ...]  # relative speed per position d * pp + s (the window's quietest steps), fastest = 1
     scores: tuple[float, ...]  # load score per position (memory, compute, network weighted)
     stragglers: tuple[int, ...]
     simulated_step_before_s: float  # the run's schedule simulated (simulated.ScheduleSim): what is gated
