@@ -177,3 +177,20 @@ def test_drift_oscillation_counts_direction_changes() -> None:
     expected = {"min_move_gap": 40, "direction_changes": 1, "work_changes": [-28, -28, 28, 28]}
     assert oscillation(cfg, monotone) == expected
     assert oscillation(cfg, monotone[:2] + [move(100, least, less), move(120, less, least)])["direction_changes"] == 2
+
+
+def test_summary_over_launches_counts_a_launch_that_never_moved() -> None:
+    from hybridpar.bench.balance import acceptance, summarise
+
+    reps = [
+        {"balanced_over_ideal": 0.9, "steps_to_rebalance": None, "moves": 0},
+        {"balanced_over_ideal": 1.0, "steps_to_rebalance": 12, "moves": 1},
+        {"balanced_over_ideal": 1.1, "steps_to_rebalance": 11, "moves": 1},
+    ]
+    med = summarise("one", reps)  # launch 0 first: its None no longer hides the others' figure
+    assert med == {"balanced_over_ideal": 1.0, "moves": 1, "steps_to_rebalance": 12, "launches_rebalanced": 2}
+    reps[1]["steps_to_rebalance"] = None  # two of three never moved: the median is never
+    med = summarise("one", reps)
+    assert med["steps_to_rebalance"] is None and med["launches_rebalanced"] == 1
+    results = [{"mode": "emulated", "case": "one", "median": med}]
+    assert acceptance(results)["one_slow_rebalanced_within_20_steps"] is False
