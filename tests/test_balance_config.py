@@ -123,6 +123,7 @@ def test_bench_figures_against_the_bound() -> None:
     f = figures(drift, "drift", None, rows([1.0] * 30), a, rows([1.0] * 20))
     assert f["static_over_ideal"] is None and f["moves"] == 0
     assert f["balanced_over_ideal"] == pytest.approx(drift_bound(1.0, 4, drift.emulate.drift, range(10, 30)) / 20)
+    assert f["balanced_over_own_pre_onset_ideal"] == pytest.approx(f["balanced_over_ideal"])  # pre-onset 1.0 too
 
 
 def test_alternating_blocks_against_each_rounds_bound() -> None:
