@@ -80,13 +80,13 @@ def test_bench_scenarios_are_valid_configs() -> None:
     link = case_config("pp4-1f1b", "slow_link", "emulated", a, True)
     assert link.emulate.slow_link == "1:10" and link.batching.policy == "adaptive"
     # The acceptance set: its own sizes (each overridable), every pair a valid config, every compute action
-    # at least --min-action-ms long (zb-v: 3 layers x 3.5 samples -> 10 / 10.5 ms per layer and sample).
+    # at least --min-action-ms long (zb-v: 3 layers x 3.5 samples -> 8 / 10.5 ms per layer and sample).
     acc = parse_args(["--acceptance", "--repeats", "2"])
-    assert (acc.layer_ms, acc.steps, acc.clean_repeats, acc.drift_static, acc.repeats) == (0.25, 30, 1, False, 2)
+    assert (acc.layer_ms, acc.steps, acc.clean_repeats, acc.drift_static, acc.repeats) == (0.2, 30, 1, False, 2)
     for mode, layout, case in ACCEPTANCE:
         validate_config(case_config(layout, case, mode, acc, True), world_size=4)
-    assert case_config("pp4-zb-v", "one", "emulated", acc, True).emulate.layer_ms == pytest.approx(10 / 10.5)
-    assert case_config("pp4-1f1b", "one", "emulated", acc, True).emulate.layer_ms == 0.25
+    assert case_config("pp4-zb-v", "one", "emulated", acc, True).emulate.layer_ms == pytest.approx(8 / 10.5)
+    assert case_config("pp4-1f1b", "one", "emulated", acc, True).emulate.layer_ms == 0.2
     assert {c for _, _, c in ACCEPTANCE} == set(CASES) and {x for _, x, c in ACCEPTANCE if c == "clean"} == set(LAYOUTS)
     bad_args = (["--layouts", "pp8"], ["--cases", "three"], ["--modes", "fast"], ["--steps", "15"], ["--repeats", "0"])
     for bad in (*bad_args, ["--min-action-ms", "-1"], ["--clean-repeats", "-1"]):
