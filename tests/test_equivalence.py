@@ -7,6 +7,7 @@ dp=3 with replicas of 4, 3 and 3 samples, a sequence of 33 tokens."""
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from pathlib import Path
 
@@ -185,12 +186,17 @@ def unequal_configs() -> list[Config]:
 
 def compile_configs() -> list[Config]:
     """train.compile (aot_eager: the capture, graph breaks and compiled backward without code generation) with
-    the zero-bubble B/W split and full recomputation over two stages, and with tensor parallelism's
-    collectives traced into the graph. Inductor's kernels: `hybridpar bench compile`."""
+    the zero-bubble B/W split and selective recomputation over two stages (microbatches of 3 and 2 samples in
+    flight together), with tensor parallelism's collectives traced into the graph, with ZeRO-3's parameters
+    gathered around each layer and freed after it (its hooks eager beside the graph), and with context
+    parallelism (ring attention eager between the layer's graphs). Inductor's kernels: `hybridpar bench
+    compile`."""
     c = dict(compile=True, compile_backend="aot_eager")
     return [
-        grid_config(2, "zb-h1", 1, parallel=dict(tp=1, pp=2, dp=1), train=dict(recompute="full", **c)),
+        grid_config(2, "zb-h1", 1, parallel=dict(tp=1, pp=2, dp=1), train=dict(recompute="selective", **c)),
         grid_config(1, "1f1b", 1, parallel=dict(tp=2, pp=1, dp=1), train=c),
+        grid_config(1, "1f1b", 1, parallel=dict(tp=1, pp=1, dp=2, zero=3), train=dict(recompute="selective", **c)),
+        grid_config(1, "1f1b", 1, parallel=dict(tp=1, pp=1, dp=1, cp=2), train=dict(recompute="selective", **c)),
     ]
 
 
@@ -229,7 +235,8 @@ SHARED = {
 @pytest.fixture(scope="module")
 def shared(tmp_path_factory: pytest.TempPathFactory):
     """check(key): the runs of SHARED's `key` against the single-device reference, out of its group's one
-    launch (started by the first test that asks; a failed launch fails each test of its group)."""
+    launch (started by the first test that asks; a failed launch fails each test of its group). Returns the
+    launch's directory and the index of `key`'s first run there (out/run{first + i})."""
     launched: dict[str, tuple[Path, list] | BaseException] = {}
 
     def check(key: str) -> None:
@@ -251,6 +258,7 @@ def shared(tmp_path_factory: pytest.TempPathFactory):
         keys = list(cases)
         first = sum(len(cases[k]) for k in keys[: keys.index(key)])  # its runs' place in the launch
         check_results(cases[key], results[first : first + len(cases[key])], out, first)
+        return out, first
 
     return check
 
@@ -276,7 +284,12 @@ def test_explicit_unequal_microbatches(shared) -> None:
 
 
 def test_compiled_layers_match_single_device(shared) -> None:
-    shared("compile")
+    out, first = shared("compile")
+    # Recompiles bounded: every graph compiled in step 0 (rank 0's count in each step's record), none after.
+    for i in range(len(compile_configs())):
+        lines = (out / f"run{first + i}" / "metrics.jsonl").read_text().splitlines()
+        graphs = [r["compiled_graphs"] for r in map(json.loads, lines) if "compiled_graphs" in r]
+        assert len(graphs) == 3 and len(set(graphs)) == 1, f"run{first + i}: graphs per step {graphs}"
 
 
 @pytest.mark.parametrize("tp,pp,dp", GPT2_LAYOUTS, ids=_ids(GPT2_LAYOUTS))

@@ -14,12 +14,15 @@ import pytest
 from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
-from hybridpar.plan.collectives import all_gather_s, all_reduce_s
-from hybridpar.plan.cost import CostModel, grad_reduce_s, placement, predict, stage_costs
+from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
+from hybridpar.plan.cost import CostModel, grad_reduce_s, handoff, placement, predict, stage_costs
 from hybridpar.plan.gpu_model import (
+    FLASH_BACKWARD_RECOMPUTE,
     OVERLAPS,
     Rates,
+    accumulation_bytes,
     exposed_tp_comm,
+    grad_bytes,
     parse_gpu_calibration,
     peak_fraction,
     weight_gemms,
@@ -81,6 +84,9 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"overlap": ["dp"]}, "overlap must be a list of distinct names from tp_comm, grad_reduce, param_gather"),
         ({"overlap": ["tp_comm", "tp_comm"]}, "overlap must be a list of distinct names"),
         ({"sp_backward": "gather"}, "sp_backward must be one of saved, regather"),
+        ({"cp_comm": "all-to-all"}, "cp_comm must be one of ring, allgather"),
+        ({"grad_accumulation": "fp32"}, "grad_accumulation must be one of fused, separate, separate-half"),
+        ({"p2p": "nonblocking"}, "p2p must be one of async, blocking"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -274,3 +280,81 @@ def test_an_overlapped_collective_hides_only_behind_the_gemm_beside_it() -> None
     assert f == pytest.approx(left(proj, reduce) + left(down, reduce)) and again == 0.0
     assert b == pytest.approx(left(qkv, reduce) + left(up, reduce))
     assert exposed_tp_comm(rates, m, 8, tokens, 1e-9, 2e-9, sp=True, again=True) == (0.0, 0.0, 0.0)
+
+
+def test_a_flash_backward_recomputes_its_scores_and_an_unfused_one_does_not() -> None:
+    """FlashAttention's backward is 2.5 forwards of attention FLOPs (its benchmark's count, in which
+    attention_fraction is a forward + backward rate): B takes half the attention's forward beyond twice the
+    forward's matmuls; an unfused kernel's backward is twice its forward's GEMMs."""
+    cfg = Config.from_dict({"train": {"precision": "bf16", "seq_len": 2048}})
+    t, m = cfg.train, cfg.model
+    rates = H100.gpu_rates("bf16")
+    projections = sum(rates.gemm_s(4096, n, k) for k, n in weight_gemms(m, 2))
+    for kernel, extra in (("flash", FLASH_BACKWARD_RECOMPUTE), ("unfused", 0.0)):
+        hw = replace(H100, gpu_calibration=replace(H100.gpu_calibration, attention_kernel=kernel))
+        lay = CostModel(m, hw).layer(t, 2, 4096, hw.intra_node, "none", split=True)
+        assert lay.b.matmul_s == pytest.approx(lay.f.matmul_s + extra * (lay.f.matmul_s - projections)), kernel
+        assert lay.w.matmul_s == lay.f.matmul_s
+    assert FLASH_BACKWARD_RECOMPUTE == 0.5
+
+
+def test_gathered_context_parallelism_and_separate_accumulation_cost_what_they_move() -> None:
+    """`cp_comm = "allgather"` (Llama 3): the whole sequence's keys and values gathered in the forward and
+    their gradients reduce-scattered in the backward, nothing hidden; `grad_accumulation = "separate"`: a pass
+    of 10 bytes per parameter over the rank's weight gradients per microbatch, in W (or B where the backward
+    is not split), the embedding's and the head's too; "separate-half" (an fp16 buffer): 6 bytes, and the
+    data-parallel reduction moves 2 bytes a parameter instead of 4. Nothing moves where not named."""
+    cfg = Config.from_dict(
+        {"model": {"family": "llama", "n_kv_heads": 2}, "train": {"precision": "bf16", "seq_len": 4096}}
+    )
+    t, m, link = cfg.train, cfg.model, H100.inter_node
+    g = H100.gpu_calibration
+    assert (g.cp_comm, g.grad_accumulation) == ("ring", "fused")
+    hw = replace(H100, gpu_calibration=replace(g, cp_comm="allgather", grad_accumulation="separate"))
+    tokens, cp, tp = 1024, 4, 2
+    whole = 2 * tokens * cp * m.kv_heads * m.head_dim / tp * 2
+    assert CostModel(m, hw).ring_s(t, tp, tokens, (cp, link), 1.0) == (
+        all_gather_s(whole, cp, link, hw),
+        reduce_scatter_s(whole, cp, link, hw),
+    )
+    assert CostModel(m, H100).ring_s(t, tp, tokens, (cp, link), 1.0)[0] == 0.0  # the ring hides its hops
+    base, sep = CostModel(m, H100), CostModel(m, hw)
+    acc = (2 + 4 + 4) * base.counts.layer / tp / hw.memory_bps()  # the bf16 gradient, the fp32 sum
+    for split in (True, False):
+        a = base.layer(t, tp, tokens, link, "none", split)
+        b = sep.layer(t, tp, tokens, link, "none", split)
+        assert b.f == a.f
+        assert (b.w if split else b.b).memory_s == pytest.approx((a.w if split else a.b).memory_s + acc)
+    (e0, h0), (e1, h1) = base.ends(t, tp, tokens, link), sep.ends(t, tp, tokens, link)
+    assert e1.memory_s == pytest.approx(e0.memory_s + acc * base.counts.embed / base.counts.layer)
+    assert h1.memory_s > h0.memory_s
+    toml = hw.gpu_calibration.to_toml()
+    assert 'cp_comm = "allgather"' in toml and 'grad_accumulation = "separate"' in toml
+    assert "cp_comm" not in g.to_toml()
+    half = replace(g, grad_accumulation="separate-half")  # summed and reduced in the compute precision
+    assert accumulation_bytes(half, 2) == 6 and grad_bytes(half, 2) == 2
+    assert accumulation_bytes(hw.gpu_calibration, 2) == 10 and grad_bytes(hw.gpu_calibration, 2) == 4
+    assert accumulation_bytes(g, 2) == 0 and grad_bytes(g, 2) == grad_bytes(None, 2) == 4
+    model = {"dim": 2048, "ffn_dim": 8192}
+    dp = Config.from_dict({"model": model, "parallel": {"dp": 8}, "train": {"precision": "bf16", "global_batch": 8}})
+    after = lambda c: replace(H100, gpu_calibration=replace(c, overlap=()))  # noqa: E731  (reduced after the pipeline)
+    reduce = lambda c: predict(CostModel(dp.model, after(c)), dp).dp_reduce_s  # noqa: E731
+    assert 0 < reduce(half) < 0.6 * reduce(g)
+
+
+def test_a_blocking_pipeline_sends_its_tp_slice_and_waits_for_it() -> None:
+    """`p2p = "blocking"` (Megatron-LM's and DeepSpeed's pipelines of 2021-2022): each tp rank puts its 1/tp
+    slice on the pipeline's link, the receiving stage all-gathers it, and the sender waits for its transfer;
+    under sequence parallelism the message is a slice already and is sent whole. "async" (the default) keeps
+    the whole message, posted and left to complete."""
+    cfg = Config.from_dict({"parallel": {"tp": 8, "pp": 4, "dp": 1}})
+    p, msg = cfg.parallel, 8 * 2**20
+    hw = replace(A100, gpu_calibration=replace(A100.gpu_calibration, p2p="blocking"))
+    pl = placement(p, hw)
+    assert A100.gpu_calibration.p2p == "async" and handoff(A100, p, pl, msg) == (msg, 0.0, 0.0)
+    assert handoff(hw, p, pl, msg) == (msg // 8, all_gather_s(msg, 8, pl.tp, hw), p2p_s(msg // 8, pl.pp, hw))
+    p.sequence_parallel = True
+    assert handoff(hw, p, pl, msg) == (msg, 0.0, p2p_s(msg, pl.pp, hw))
+    p.pp, p.dp = 1, 4
+    assert handoff(hw, p, placement(p, hw), msg) == (msg, 0.0, 0.0)  # no pipeline, no hand-off
+    assert 'p2p = "blocking"' in hw.gpu_calibration.to_toml()

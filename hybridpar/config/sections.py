@@ -231,9 +231,10 @@ class TrainConfig:
     compile: bool = _f(
         False,
         "torch.compile each decoder layer's training forward and backward (one compiled callable per process, "
-        "shared by its layers: a handful of graphs whatever the depth; the run log counts them); the "
-        "tensor-parallel collectives and the zero-bubble split's linear layers stay eager between compiled "
-        "regions; validation, sampling and serving run eager (docs/performance.md)",
+        "shared by its layers: a handful of graphs whatever the depth; the run log counts them), with every "
+        "schedule, recomputation mode and layout; the zero-bubble split's linear layers, ZeRO-3's gathers and "
+        "ring attention stay eager between compiled regions; validation, sampling and serving run eager "
+        "(docs/compile.md)",
     )
     compile_backend: str = _f(
         "inductor",

@@ -46,7 +46,6 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_recompute(cfg.train)
     _check_batch_split(cfg.train, cfg.parallel)
     _check_context(cfg)
-    _check_compile(cfg)
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
     _check_grad_sum(cfg)
@@ -293,26 +292,6 @@ def _check_context(cfg: Config) -> None:
     ]
     for bad, what, fix in unsupported:
         _require(not bad, f"parallel.cp={p.cp} does not support {what} yet: use {fix} or parallel.cp=1")
-
-
-def _check_compile(cfg: Config) -> None:
-    """train.compile composes with every schedule, recomputation, tensor and sequence parallelism, ZeRO 1-2
-    and live re-partition (model/compiled.py); what it has not been verified with is refused by name."""
-    p = cfg.parallel
-    if not cfg.train.compile:
-        return
-    unsupported = [
-        # ZeRO-3 frees each parameter's storage after use and gathers it again around each layer: a
-        # compiled graph must not see storages that come and go.
-        (p.zero == 3 and p.dp > 1, "parallel.zero=3", "parallel.zero=2"),
-        # Ring attention's collectives sit inside the attention the layer graph would hold.
-        (p.cp > 1, f"parallel.cp={p.cp}", "parallel.cp=1"),
-        # Selective checkpointing replays its forward's exact operator sequence in backward; a pipeline stage's
-        # compiled layer dispatched one more aliasing check there (aten._has_same_storage_numel) and failed.
-        ("selective" in cfg.train.recompute, "train.recompute=selective", "train.recompute=full"),
-    ]
-    for bad, what, fix in unsupported:
-        _require(not bad, f"train.compile=true does not support {what} yet: use {fix} or train.compile=false")
 
 
 def check_model(m: ModelConfig) -> None:

@@ -137,6 +137,9 @@ class Zero3:
         self.prefetch(s, len(self.units[s]) - 1)
 
     def _layer_pre(self, s: int, st: Stage, u: int) -> Any:
+        # Eager beside a compiled layer (train.compile): dynamo stops before the hook and compiles the
+        # layer's forward on its own, whose graph takes the gathered parameters as inputs like any others.
+        @torch.compiler.disable
         def hook(mod: nn.Module, args: tuple) -> None:
             self.gather(s, u)
             if st.recompute_phase != "recompute":  # a rerun inside the backward runs in reverse order
@@ -145,6 +148,7 @@ class Zero3:
         return hook
 
     def _layer_post(self, s: int, st: Stage, u: int) -> Any:
+        @torch.compiler.disable  # eager beside a compiled layer, as _layer_pre's
         def hook(mod: nn.Module, args: tuple, out: torch.Tensor) -> None:
             if self.regather != "microbatch" or st.recompute_phase == "recompute":
                 return

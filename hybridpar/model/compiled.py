@@ -16,10 +16,18 @@ What stays eager, by design (graph breaks, `torch.compiler.disable`):
   state per microbatch and register tensor hooks. The linear layers around them then run eagerly too, so
   B still skips the weight-gradient matmuls that W computes (a compiled backward computes all of its
   graph's gradients at once: a linear inside it would have its dW computed in B and again in W).
+- ZeRO-3's gathers and frees around each layer (dataparallel/zero3.py): collectives into storages that are
+  resized. Dynamo stops before the layer's pre-hook and compiles its forward as a frame of its own, whose
+  graph takes the gathered parameters as inputs (the same tensors every step: no recompile).
+- ring attention (model/ring_attention.py, parallel.cp > 1): point-to-point transfers around the ring.
 - evaluation, sampling and serving (no gradient): eager, so the validation step adds no graph.
 
-Full activation recomputation checkpoints the compiled call (model/recompute.py): the rerun in backward calls
-the same graph on the same input. Only inductor generates code; `aot_eager` captures and differentiates
+Where something eager breaks a layer's graph inside (the split's linears, ring attention), the process's
+callable compiles one static graph per microbatch size (`per_size`, see __init__): every recomputation then
+runs the graphs its forward ran.
+
+Full and selective activation recomputation checkpoint the compiled call (model/recompute.py): the rerun in
+backward calls the same graphs on the same input. Only inductor generates code; `aot_eager` captures and differentiates
 the same graphs and runs them with eager kernels (bit-identical to eager where nothing breaks the graph:
 the composition check).
 """
@@ -42,7 +50,7 @@ class CompiledLayers:
     """`self(layer, *args)` = `layer(*args)`, compiled with `backend`; counts the graphs it compiles and
     the seconds its backend spent compiling forward graphs (backward graphs compile at their first use)."""
 
-    def __init__(self, backend: str) -> None:
+    def __init__(self, backend: str, per_size: bool = False) -> None:
         if backend not in COMPILE_BACKENDS:
             raise ValueError(f"train.compile_backend={backend!r}: expected one of {', '.join(COMPILE_BACKENDS)}")
         from torch._dynamo.backends.registry import lookup_backend
@@ -51,7 +59,20 @@ class CompiledLayers:
         self._compile_graph = lookup_backend(backend)
         self.graphs = 0  # graphs compiled: first compiles, graph-break fragments and recompiles
         self.seconds = 0.0
-        self._fn = torch.compile(_call, backend=self._counted)
+        self.per_size = per_size
+        # Where something eager breaks a layer into several graphs (the split's linear layers, ring
+        # attention), dynamo hands the batch size to the graph after a break as a Python int and as tensors
+        # that the batch dimension marked dynamic in __call__ does not reach: it specialises them on first
+        # sight. A second microbatch size then compiled a dynamic graph beside the static one, and dynamo
+        # tries the newest first: a layer recomputed in backward ran another graph than its forward (the
+        # static one rebuilds an output that aliases an input by replaying views, the dynamic one calls
+        # aten._has_same_storage_numel first), which selective recomputation refuses and full
+        # recomputation would rerun in other kernels. `per_size`: one static graph per microbatch size
+        # (dynamic=False), whose guards (batch == n) never overlap, so every recomputation runs the graph
+        # its forward ran. Measured: all sizes symbolic from the start (dynamic=True) compiled 3x slower
+        # (8 graphs in 12 s against one size's 7 in 3.8 s, aot_eager on this CPU); a run has few
+        # sizes (a balanced split two), and the count is reported (`compiled_graphs`).
+        self._fn = torch.compile(_call, backend=self._counted, dynamic=False if per_size else None)
 
     def _counted(self, gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> Callable:
         t0 = time.perf_counter()
@@ -66,7 +87,7 @@ class CompiledLayers:
         # still specialises a size of 1). Otherwise the second size recompiles, and an activation
         # recomputation of an earlier microbatch in backward would find the newer graph first and rerun
         # other operations than its forward ran: selective recomputation refuses that.
-        if args and isinstance(args[0], torch.Tensor):
+        if args and isinstance(args[0], torch.Tensor) and not self.per_size:
             torch._dynamo.maybe_mark_dynamic(args[0], 0)
         return self._fn(layer, *args)
 

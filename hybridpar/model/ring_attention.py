@@ -231,6 +231,9 @@ class RingContext:
     def layer(self, lid: str) -> RingContext:
         return self
 
+    # Eager between compiled regions (train.compile, model/compiled.py): the ring's point-to-point transfers
+    # (batch_isend_irecv) have no functional form that dynamo could put into the layer's graph.
+    @torch.compiler.disable
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal attention of this rank's queries (B, h, 2C, hd) over the whole sequence's keys/values,
         of which this rank holds (B, kv, 2C, hd)."""

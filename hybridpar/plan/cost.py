@@ -51,7 +51,17 @@ from hybridpar.pipeline.sim_program import Program
 from hybridpar.pipeline.simulate import CoreSharing, Costs, SimResult, simulate
 from hybridpar.plan.calibrate import Calibration
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from hybridpar.plan.gpu_model import exposed_tp_comm, layer_times, overlapped, regathers, weight_gemms
+from hybridpar.plan.gpu_model import (
+    accumulation_bytes,
+    blocks_p2p,
+    exposed_tp_comm,
+    gathers_cp,
+    grad_bytes,
+    layer_times,
+    overlapped,
+    regathers,
+    weight_gemms,
+)
 from hybridpar.plan.hardware import Hardware, Link
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
@@ -185,6 +195,12 @@ class CostModel:
         bw = self.hw.memory_bps()
         return 0.0 if bw is None else elements * act_bytes / bw
 
+    def _accumulate_s(self, params: float, act: int) -> float:
+        """Summing one microbatch's gradients of `params` parameters into the accumulation buffer, where the GPU
+        software does it in a pass of its own (gpu_model.GRAD_ACCUMULATIONS); 0 where fused or measured."""
+        nbytes = accumulation_bytes(self.hw.gpu_calibration, act) * params
+        return 0.0 if nbytes == 0 else nbytes / self.hw.memory_bps()
+
     def comm_stretch(self, t: TrainConfig) -> float | None:
         """On a calibrated host whose ranks share cores, the stretch its collectives were measured in place
         under (every rank of the node computing: devices over cores); None elsewhere (`busy_comm`)."""
@@ -226,9 +242,9 @@ class CostModel:
         sharded = ATTENTION_ELEMENTS * (m.dim + m.kv_heads * m.head_dim) + 2 * m.dim + FFN_ELEMENTS * m.ffn_dim
         replicated = REPLICATED_ELEMENTS * m.dim / (tp if sp else 1)
         mem = self._memory_s(tokens * (replicated + sharded / tp), act)
-        rates, mem_b = self.hw.gpu_rates(t.precision), 2 * mem
+        rates, mem_b, mm_b = self.hw.gpu_rates(t.precision), 2 * mem, 0.0
         if rates is not None:  # GEMMs by shape, attention by its kernel (plan/gpu_model.py)
-            mm, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
+            mm, mm_b, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
             mem, mem_b = mem + att_f, mem_b + att_b
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
         reduce = self.tp_all_reduce_s(t, tp, tokens, link)
@@ -242,8 +258,10 @@ class CostModel:
             back = comm
         comm_b, comm_w = (back, again) if split else (back + again, 0.0)
         f = Work(mm, mem, ops, comm)
-        b = Work(mm, mem_b, 1.5 * ops, comm_b)  # input gradients; the copy-ins' all-reduces
-        w = Work(mm, 0.0, 0.5 * ops, comm_w)
+        b = Work(mm + mm_b, mem_b, 1.5 * ops, comm_b)  # input gradients, attention's all; the copy-ins' reduces
+        acc = self._accumulate_s(self.counts.layer / tp, act)  # the weight gradients into their sum
+        w = Work(mm, acc if split else 0.0, 0.5 * ops, comm_w)
+        b = b if split else b + Work(memory_s=acc)
         cal = self.calibrated(t)
         timed = cal.layer(tp, tokens) if cal is not None else None
         if timed is not None:  # measured compute (in matmul_s: the whole layer), the same collectives
@@ -275,10 +293,15 @@ class CostModel:
         the rank's keys and values (its tp share of the kv heads, in the activations' precision).
         Backward: the same cp - 1 hops, each with the travelling dK/dV accumulator (fp32) beside it,
         against a block's backward (twice its forward's FLOPs), then one last hop of the accumulator
-        home, which nothing overlaps."""
+        home, which nothing overlaps. Where the GPU software all-gathers instead (gpu_model.CP_COMMS): the
+        whole sequence's keys and values gathered in the forward, their gradients (in the activations'
+        precision) reduce-scattered in the backward, each in the critical path."""
         cp, link = ring
         kv = 2 * tokens * self.m.kv_heads * self.m.head_dim / tp  # keys and values, elements
         act = 2 if t.precision == "bf16" else 4
+        if gathers_cp(self.hw.gpu_calibration):  # gathered whole before attention, nothing hidden (CP_COMMS)
+            whole = kv * cp * act
+            return all_gather_s(whole, cp, link, self.hw), reduce_scatter_s(whole, cp, link, self.hw)
         block = attention_s / cp
         forward = (cp - 1) * max(0.0, p2p_s(kv * act, link, self.hw) - block)
         backward = (cp - 1) * max(0.0, p2p_s(kv * (act + F32_BYTES), link, self.hw) - 2 * block)
@@ -298,13 +321,15 @@ class CostModel:
         m = self.m
         act = 2 if t.precision == "bf16" else 4
         ovh = self.hw.op_overhead_us * 1e-6
-        embed = Work(0.0, self._memory_s(tokens * m.dim * 4, act), 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
+        embed_mem = self._memory_s(tokens * m.dim * 4, act) + self._accumulate_s(self.counts.embed / tp, act)
+        embed = Work(0.0, embed_mem, 6 * ovh, self.tp_all_reduce_s(t, tp, tokens, link))
         mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
         rates = self.hw.gpu_rates(t.precision)  # the logits' GEMM by its shape where calibrated
         mm = mm if rates is None else 3 * rates.gemm_s(tokens, m.vocab_size / tp, m.dim)
         head = Work(
             mm,
-            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act),
+            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act)
+            + self._accumulate_s(self.counts.head / tp, act),
             20 * ovh,
             sum(self.head_comm(t, tp, tokens, link)),
         )
@@ -486,6 +511,19 @@ def closing_s(hw: Hardware, tp: int, pp: int, dp: int, zero: int, link: Link) ->
     return calls * all_reduce_s(8, tp * pp * dp, link, hw)
 
 
+def handoff(hw: Hardware, p: ParallelConfig, pl: Placement, msg: int) -> tuple[int, float, float]:
+    """A pipeline hand-off of `msg` bytes per tp rank: (bytes on the pipeline's link, the receiver's all-gather
+    after arrival, what the sender waits). Where the GPU software blocks (gpu_model.P2PS) the sender waits for its
+    transfer, and without sequence parallelism each tp rank sends its 1/tp slice, all-gathered by the receiving
+    stage's tp ranks; elsewhere the whole message, posted and left to complete."""
+    if not blocks_p2p(hw.gpu_calibration) or p.pp == 1:
+        return msg, 0.0, 0.0
+    sliced = p.tp > 1 and not p.sequence_parallel
+    wire = msg // p.tp if sliced else msg
+    gather = all_gather_s(msg, p.tp, pl.tp, hw) if sliced else 0.0
+    return wire, gather, p2p_s(wire, pl.pp, hw)
+
+
 def setup(model: CostModel, cfg: Config) -> Setup:
     """The simulator's inputs for the layout `cfg` (equal microbatches: the per-replica batch over
     train.microbatches, rounded up; under context parallelism a rank's 1/cp of their tokens)."""
@@ -498,6 +536,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
     split = spec.splits_backward
     msg = tokens * model.m.dim * (2 if t.precision == "bf16" else 4)
     msg //= p.tp if p.sequence_parallel else 1  # sequence parallelism: a tp rank's slice of the sequence
+    wire, gather, send = handoff(hw, p, pl, msg)
     st = model.comm_stretch(t)
     sim = [c.busy(st) for c in costs]
     sim_costs = Costs(
@@ -507,9 +546,10 @@ def setup(model: CostModel, cfg: Config) -> Setup:
         forward_comm_s=tuple(c.f.comm_s for c in sim),
         backward_comm_s=tuple(c.b.comm_s if split else c.b.comm_s + c.w.comm_s for c in sim),
         weight_comm_s=tuple(c.w.comm_s for c in sim) if split else 0.0,
-        latency_s=pl.pp.latency_us * 1e-6,
+        latency_s=pl.pp.latency_us * 1e-6 + gather,
         bandwidth_Bps=hw.link_bps(pl.pp),
-        message_bytes=msg,
+        message_bytes=wire,
+        send_overhead_s=send,
     )
     ranks = spec.stage_ranks(p.pp, stages_per_rank(p))
     return Setup(pl, parts, costs, sim_costs, sharing(p, hw, pl), ranks, model.stage_params(parts), msg)
@@ -628,6 +668,7 @@ def _dp_reductions(
     if p.dp * p.cp == 1:
         return sim.step_time_s, 0.0
     early = overlapped(hw.gpu_calibration, "grad_reduce")
+    gb = grad_bytes(hw.gpu_calibration, 2 if cfg.train.precision == "bf16" else 4)  # fp32 sums unless said
     free = [0.0] * p.pp
     waited: set[int] = set()
     for s in sorted(marks.last_end, key=marks.last_end.get):
@@ -635,8 +676,8 @@ def _dp_reductions(
         wait = 0.0 if r in waited else hw.sync_wait_s(p.dp * p.cp, work[r])
         waited.add(r)
         start = marks.last_start[s] if early else marks.last_end[s]
-        reduce = grad_sum_s(hw, 4 * stage_params[s] / p.tp, p, pl, p.zero)
-        last = grad_sum_s(hw, 4 * tail_params[s] / p.tp, p, pl, p.zero) if early else 0.0
+        reduce = grad_sum_s(hw, gb * stage_params[s] / p.tp, p, pl, p.zero)
+        last = grad_sum_s(hw, gb * tail_params[s] / p.tp, p, pl, p.zero) if early else 0.0
         free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s] + last)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s

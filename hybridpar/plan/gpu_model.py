@@ -18,6 +18,23 @@ each with its source and date, and the attention kernel of the software that ran
                           weight gradient under sequence parallelism (SP_BACKWARDS): "saved", the gathered
                           input was kept (hybridpar's runtime), or "regather", only this rank's 1/tp slice was
                           kept and the whole input is all-gathered again (Megatron-LM, Megatron-Core)
+    cp_comm               (optional, default "ring") how context parallelism moves keys and values (CP_COMMS):
+                          "ring", each block's hop behind the previous block's attention (hybridpar's
+                          model/ring_attention.py), or "allgather", the whole sequence's keys and values gathered
+                          before attention and their gradients reduce-scattered after it, in the critical path
+                          (Llama 3, arXiv:2407.21783 Sec. 3.3.2)
+    grad_accumulation     (optional, default "fused") how each microbatch's weight gradients reach the
+                          accumulation buffer (GRAD_ACCUMULATIONS): "fused", into an fp32 buffer inside the
+                          weight-gradient GEMM (Megatron's gradient_accumulation_fusion: no extra pass);
+                          "separate", an elementwise add of the bf16 gradient into the fp32 buffer after it
+                          (PyTorch's autograd and FSDP); "separate-half", the same into a buffer in the compute
+                          precision, which the data-parallel reduction then moves (Megatron-LM's fp16 runs before
+                          2022-09 without --accumulate-allreduce-grads-in-fp32, DeepSpeed's fp16 engine)
+    p2p                   (optional, default "async") how the pipeline's hand-offs run (P2PS): "async", posted
+                          and left to complete while the sender computes (hybridpar's runtime, Megatron-Core,
+                          Llama 3), or "blocking", the sender waits for each transfer to complete and, without
+                          sequence parallelism, each tp rank sends its 1/tp slice that the receiving stage
+                          all-gathers (Megatron-LM's and DeepSpeed's pipelines of 2021-2022)
     source, date          where each number comes from, and when
 
 From them, with no further constant:
@@ -64,12 +81,45 @@ OVERLAPS = ("tp_comm", "grad_reduce", "param_gather")
 # LinearWithGradAccumulationAndAsyncCommunication.backward, megatron/core/tensor_parallel/layers.py): the
 # backward then moves 1.5x the forward's tensor-parallel bytes.
 SP_BACKWARDS = ("saved", "regather")
+# Context parallelism's key/value traffic: "ring" (hybridpar: each hop hidden behind a block's attention, only
+# what outlasts it exposed) or "allgather" (Llama 3 Sec. 3.3.2: "we first all-gather the key (K) and value (V)
+# tensors, and then compute attention output for the local query (Q) tensor chunk ... the all-gather
+# communication latency is exposed in the critical path"; the backward reduce-scatters their gradients).
+CP_COMMS = ("ring", "allgather")
+# Where each microbatch's weight gradients are summed: "fused" into the weight-gradient GEMM (its epilogue reads
+# and writes the fp32 buffer: Megatron's --gradient-accumulation-fusion, on by default where gradients are fp32);
+# "separate", a pass over the buffer per microbatch: read the bf16 gradient (2 bytes), read and write the fp32 sum
+# (4 + 4) per parameter; "separate-half", that pass over a buffer in the compute precision (2 + 2 + 2 bytes in
+# fp16), the buffer the data-parallel reduction moves (2 bytes a parameter where fp32 buffers move 4). Megatron-LM
+# until 2022-09 fused only into fp32 buffers (megatron/arguments.py: "Gradient accumulation fusion ... is supported
+# only with fp32 gradient accumulation"), and its fp16 runs accumulate in fp16 unless given
+# --accumulate-allreduce-grads-in-fp32 (forced only for bf16): DDP's hook `param.main_grad.add_(param.grad.data)`.
+GRAD_ACCUMULATIONS = ("fused", "separate", "separate-half")
+# The pipeline's hand-offs: "async" (the simulator's default: a send is posted and the sender computes on) or
+# "blocking": Megatron-LM's _communicate (megatron/p2p_communication.py, 2021-2022) waits on every request of
+# torch.distributed.batch_isend_irecv and then synchronizes the device; DeepSpeed's pipeline engine
+# (deepspeed/runtime/pipe/p2p.py) refuses async_op and sends with dist.send. Both split the activation over the
+# tensor-parallel ranks and all-gather it at the receiver (Megatron's --scatter-gather-tensors-in-pipeline,
+# on by default; DeepSpeed's is_pipe_partitioned), unless sequence parallelism has split it already.
+P2PS = ("async", "blocking")
+# The optional keys naming a fact of the software: their choices, the default first.
+OPTIONAL_CHOICES = {
+    "sp_backward": SP_BACKWARDS,
+    "cp_comm": CP_COMMS,
+    "grad_accumulation": GRAD_ACCUMULATIONS,
+    "p2p": P2PS,
+}
 # Unfused attention's memory traffic per score element (2-byte elements), counted on Megatron-LM's kernels:
 # forward, the fused scale-mask-softmax reads the scores and writes the probabilities (2), dropout reads them
 # and writes its output and a one-byte mask (2.5); backward, dropout's reads the gradient and the mask and writes
 # (2.5), softmax's reads the probabilities and the gradient and writes (3).
 SOFTMAX_FORWARD_ACCESSES = 4.5
 SOFTMAX_BACKWARD_ACCESSES = 5.5
+# A flash kernel's backward recomputes the scores (QK^T) before its four gradient products: 2.5 forwards of
+# FLOPs where an unfused backward has 2. attention_fraction is a forward + backward rate in that count (the
+# FlashAttention benchmark's, benchmarks/benchmark_flash_attention.py: 3.5 forwards' FLOPs), so the cost model's
+# backward, twice the forward's matmul time, takes this half forward more.
+FLASH_BACKWARD_RECOMPUTE = 0.5
 
 
 @dataclass(frozen=True)
@@ -84,12 +134,16 @@ class GpuCalibration:
     date: str
     overlap: tuple[str, ...] = ()
     sp_backward: str = "saved"
+    cp_comm: str = "ring"
+    grad_accumulation: str = "fused"
+    p2p: str = "async"
 
     def to_toml(self) -> str:
         nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
         text = lambda s: '"""' + s.replace("\\", "\\\\").replace('"""', '\\"""') + '"""'  # noqa: E731
         over = f"overlap = {list(self.overlap)!r}\n".replace("'", '"') if self.overlap else ""
-        over += f'sp_backward = "{self.sp_backward}"\n' if self.sp_backward != "saved" else ""
+        for key, default in OPTIONAL_CHOICES.items():
+            over += f'{key} = "{getattr(self, key)}"\n' if getattr(self, key) != default[0] else ""
         return (
             f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n{over}'
             f"source = {text(self.source)}\ndate = {text(self.date)}"
@@ -99,17 +153,16 @@ class GpuCalibration:
 def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     """The `[gpu_calibration]` table; ValueError naming the key and its form."""
     known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
-    if not isinstance(d, dict) or not known <= set(d) <= known | {"overlap", "sp_backward"}:
+    optional = ["overlap", *OPTIONAL_CHOICES]
+    if not isinstance(d, dict) or not known <= set(d) <= known | set(optional):
         got = sorted(d) if isinstance(d, dict) else repr(d)
         raise ValueError(
             f"{where} [gpu_calibration]: needs exactly the keys {', '.join(sorted(known))} (and optionally "
-            f"overlap, sp_backward), got {got}"
+            f"{', '.join(optional)}), got {got}"
         )
-    if d.get("sp_backward", "saved") not in SP_BACKWARDS:
-        raise ValueError(
-            f"{where} [gpu_calibration]: sp_backward must be one of {', '.join(SP_BACKWARDS)}, "
-            f"got {d['sp_backward']!r}"
-        )
+    for key, choices in OPTIONAL_CHOICES.items():
+        if d.get(key, choices[0]) not in choices:
+            raise ValueError(f"{where} [gpu_calibration]: {key} must be one of {', '.join(choices)}, got {d[key]!r}")
     over = d.get("overlap", [])
     if not isinstance(over, list) or not set(over) <= set(OVERLAPS) or len(set(over)) != len(over):
         raise ValueError(
@@ -132,7 +185,7 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
         **{k: float(d[k]) for k in FRACTIONS},
         **{k: d[k] for k in ("attention_kernel", "source", "date")},
         overlap=tuple(over),
-        sp_backward=d.get("sp_backward", "saved"),
+        **{key: d.get(key, choices[0]) for key, choices in OPTIONAL_CHOICES.items()},
     )
 
 
@@ -172,25 +225,27 @@ def weight_gemms(m: ModelConfig, tp: int) -> list[tuple[float, float]]:
 
 def layer_times(
     g: GpuCalibration, rates: Rates, m: ModelConfig, tp: int, tokens: int, seq_len: int
-) -> tuple[float, float, float]:
+) -> tuple[float, float, float, float]:
     """One decoder layer's forward on one of `tp` ranks for `tokens` tokens (sequences of `seq_len`):
-    (matmul seconds: the projections at their GEMM shapes and attention's two products, attention's
-    forward memory-bound seconds, its backward's). The backward's matmuls are twice the forward's (the
-    same shapes, transposed). Flash attention: its FLOPs (the causal half, as its authors count) at
-    attention_fraction of the peak, no score matrix in memory; unfused: per head, scores (s x s x
-    head_dim) and values (s x head_dim x s) as batched GEMMs, the softmax and dropout over the score
-    matrix in memory."""
+    (matmul seconds: the projections at their GEMM shapes and attention's two products; the backward's
+    matmul seconds beyond twice those; attention's forward memory-bound seconds; its backward's). The
+    backward's matmuls are twice the forward's (the same shapes, transposed). Flash attention: its FLOPs
+    (the causal half, as its authors count) at attention_fraction of the peak, no score matrix in memory,
+    and its backward's recomputed scores (FLASH_BACKWARD_RECOMPUTE); unfused: per head, scores (s x s x
+    head_dim) and values (s x head_dim x s) as batched GEMMs, the softmax and dropout over the score matrix
+    in memory."""
     proj = sum(rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, tp))
     heads, seqs = m.n_heads / tp, tokens / seq_len
     if g.attention_kernel == "flash":
         flops = 4.0 * tokens * seq_len * m.head_dim * heads / 2  # QK^T and PV, causal half
-        peak = rates.flops / g.matmul_fraction
-        return proj + flops / (g.attention_fraction * peak), 0.0, 0.0
+        attention = flops / (g.attention_fraction * rates.flops / g.matmul_fraction)
+        return proj + attention, FLASH_BACKWARD_RECOMPUTE * attention, 0.0, 0.0
     batch = seqs * heads
     attn = rates.gemm_s(seq_len, seq_len, m.head_dim, batch) + rates.gemm_s(seq_len, m.head_dim, seq_len, batch)
     scores = batch * seq_len * seq_len * rates.elem_bytes  # bytes of one pass over the score matrix
     return (
         proj + attn,
+        0.0,
         SOFTMAX_FORWARD_ACCESSES * scores / rates.memory_bps,
         SOFTMAX_BACKWARD_ACCESSES * scores / rates.memory_bps,
     )
@@ -222,6 +277,31 @@ def exposed_tp_comm(
     forward = left(proj) + left(down) + (left(qkv) + left(up) if sp else 0.0)
     backward = left(qkv) + left(up) + (left(proj) + left(down) if sp else 0.0)
     return forward, backward, left(qkv) + left(up) if sp and again else 0.0
+
+
+def gathers_cp(g: GpuCalibration | None) -> bool:
+    """Whether the calibrated software all-gathers context parallelism's keys and values (CP_COMMS)."""
+    return g is not None and g.cp_comm == "allgather"
+
+
+def accumulation_bytes(g: GpuCalibration | None, act: int) -> int:
+    """Bytes per parameter that summing one microbatch's weight gradients (`act` bytes an element, the compute
+    precision) moves beyond the GEMM that computes them (GRAD_ACCUMULATIONS): none where fused or without a
+    calibration (the CPU path: measured); else the gradient read, the sum read and written."""
+    if g is None or g.grad_accumulation == "fused":
+        return 0
+    return act + 2 * grad_bytes(g, act)
+
+
+def grad_bytes(g: GpuCalibration | None, act: int) -> int:
+    """Bytes an element of the accumulated gradients, which the data-parallel reduction moves: fp32 unless the
+    software sums them in the compute precision (GRAD_ACCUMULATIONS "separate-half")."""
+    return act if g is not None and g.grad_accumulation == "separate-half" else 4
+
+
+def blocks_p2p(g: GpuCalibration | None) -> bool:
+    """Whether the calibrated software's pipeline sender waits for each hand-off to complete (P2PS)."""
+    return g is not None and g.p2p == "blocking"
 
 
 def overlapped(g: GpuCalibration | None, name: str) -> bool:

@@ -95,7 +95,10 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     runtime.autocast = low
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
-    compiled = CompiledLayers(t.compile_backend) if t.compile else None
+    # The B/W split's eager linears and ring attention break each layer's graph (model/compiled.py): then one
+    # static graph per microbatch size.
+    breaks = schedule_spec(p.schedule).splits_backward or p.cp > 1
+    compiled = CompiledLayers(t.compile_backend, per_size=breaks) if t.compile else None
     for st in stages.values():
         st.compiled = compiled  # kept by live re-partition, which moves layers between existing stages
     return ModelParallel(stages, n_stages, tuple(stage_ranks), p2p, runtime, compiled)
