@@ -61,7 +61,7 @@ def test_layouts_refused_before_launch() -> None:
 
 def test_bench_scenarios_are_valid_configs() -> None:
     from hybridpar.bench.balance import parse_args
-    from hybridpar.bench.balance_cases import CASES, LAYOUTS, case_config
+    from hybridpar.bench.balance_cases import ACCEPTANCE, CASES, LAYOUTS, case_config
 
     a = parse_args(["--layer-ms", "1.0"])
     assert (a.clean_steps, a.repeats, a.drift_steps) == (200, 3, 300)
@@ -79,7 +79,17 @@ def test_bench_scenarios_are_valid_configs() -> None:
     assert case_config("pp4-zb-v", "drift", "emulated", a, True).emulate.drift == "rank=2:2.5@step=10+300"
     link = case_config("pp4-1f1b", "slow_link", "emulated", a, True)
     assert link.emulate.slow_link == "1:10" and link.batching.policy == "adaptive"
-    for bad in (["--layouts", "pp8"], ["--cases", "three"], ["--modes", "fast"], ["--steps", "15"], ["--repeats", "0"]):
+    # The acceptance set: its own sizes (each overridable), every pair a valid config, every compute action
+    # at least --min-action-ms long (zb-v: 3 layers x 3.5 samples -> 8 / 10.5 ms per layer and sample).
+    acc = parse_args(["--acceptance", "--repeats", "2"])
+    assert (acc.layer_ms, acc.steps, acc.clean_repeats, acc.drift_static, acc.repeats) == (0.2, 30, 1, False, 2)
+    for mode, layout, case in ACCEPTANCE:
+        validate_config(case_config(layout, case, mode, acc, True), world_size=4)
+    assert case_config("pp4-zb-v", "one", "emulated", acc, True).emulate.layer_ms == pytest.approx(8 / 10.5)
+    assert case_config("pp4-1f1b", "one", "emulated", acc, True).emulate.layer_ms == 0.2
+    assert {c for _, _, c in ACCEPTANCE} == set(CASES) and {x for _, x, c in ACCEPTANCE if c == "clean"} == set(LAYOUTS)
+    bad_args = (["--layouts", "pp8"], ["--cases", "three"], ["--modes", "fast"], ["--steps", "15"], ["--repeats", "0"])
+    for bad in (*bad_args, ["--min-action-ms", "-1"], ["--clean-repeats", "-1"]):
         with pytest.raises(SystemExit):
             parse_args(bad)
 
@@ -108,6 +118,12 @@ def test_bench_figures_against_the_bound() -> None:
     # Drift: the bound integrates each step's summed speeds (all 4 at full speed outside the drift).
     assert drift_bound(1.0, 4, "rank=2:2.5@step=100+10", range(0, 10)) == pytest.approx(10.0)
     assert drift_bound(1.0, 4, "rank=2:2.0@step=0+2", range(1, 2)) == pytest.approx(4 / 3.5)
+    # A drift run without its static run (--no-drift-static): balanced against the bound only.
+    drift = case_config("pp4-1f1b", "drift", "emulated", Namespace(**{**vars(a), "drift_steps": 10}), True)
+    f = figures(drift, "drift", None, rows([1.0] * 30), a, rows([1.0] * 20))
+    assert f["static_over_ideal"] is None and f["moves"] == 0
+    assert f["balanced_over_ideal"] == pytest.approx(drift_bound(1.0, 4, drift.emulate.drift, range(10, 30)) / 20)
+    assert f["balanced_over_own_pre_onset_ideal"] == pytest.approx(f["balanced_over_ideal"])  # pre-onset 1.0 too
 
 
 def test_alternating_blocks_against_each_rounds_bound() -> None:
@@ -162,3 +178,20 @@ def test_drift_oscillation_counts_direction_changes() -> None:
     expected = {"min_move_gap": 40, "direction_changes": 1, "work_changes": [-28, -28, 28, 28]}
     assert oscillation(cfg, monotone) == expected
     assert oscillation(cfg, monotone[:2] + [move(100, least, less), move(120, less, least)])["direction_changes"] == 2
+
+
+def test_summary_over_launches_counts_a_launch_that_never_moved() -> None:
+    from hybridpar.bench.balance import acceptance, summarise
+
+    reps = [
+        {"balanced_over_ideal": 0.9, "steps_to_rebalance": None, "moves": 0},
+        {"balanced_over_ideal": 1.0, "steps_to_rebalance": 12, "moves": 1},
+        {"balanced_over_ideal": 1.1, "steps_to_rebalance": 11, "moves": 1},
+    ]
+    med = summarise("one", reps)  # launch 0 first: its None no longer hides the others' figure
+    assert med == {"balanced_over_ideal": 1.0, "moves": 1, "steps_to_rebalance": 12, "launches_rebalanced": 2}
+    reps[1]["steps_to_rebalance"] = None  # two of three never moved: the median is never
+    med = summarise("one", reps)
+    assert med["steps_to_rebalance"] is None and med["launches_rebalanced"] == 1
+    results = [{"mode": "emulated", "case": "one", "median": med}]
+    assert acceptance(results)["one_slow_rebalanced_within_20_steps"] is False

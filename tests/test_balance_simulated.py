@@ -134,9 +134,10 @@ def test_balancer_holds_still_on_jitter_at_pp2() -> None:
 def test_margin_grows_with_measured_noise(spread: float, margin: float, sizes: list[int]) -> None:
     # The gpipe case above through the Balancer: stage 1 at 0.55 speed from the start, decided on the
     # first full window (threshold 3: no straggler). Steady readings: margin = min_gain, the simulated
-    # 6/2 is taken. Readings spread by a median absolute deviation of 5% (the window's median is the
-    # same): margin = 2 x 5% = 10% > 7.8%, the min-bottleneck 5/3 is kept.
-    series = [[1.0, (1 + spread * ((s % 5) - 2)) / 0.55] for s in range(30)]
+    # 6/2 is taken. Readings spread by a median absolute deviation of 5% (the window's median and its
+    # second-quietest reading, which the plan reads, are the same): margin = 2 x 5% = 10% > 7.8%, the
+    # min-bottleneck 5/3 is kept.
+    series = [[1.0, (1 + spread * (-1, 0, 0, 1, 2)[s % 5]) / 0.55] for s in range(30)]
     bal = Balancer(BalanceConfig(mode="auto", threshold=3.0, window=5), EIGHT, microbatches=1, schedule="gpipe")
     (d,), _ = run(bal, Layout.uniform(R(4, 4), [1]), series)
     assert [len(r) for r in d.new.parts[0]] == sizes and d.margin == pytest.approx(margin)

@@ -392,15 +392,16 @@ def test_data_rebalance_detect_vs_auto_and_give_back() -> None:
 
 
 def test_interval_respected() -> None:
-    # Rank 0 slows down and recovers every 12 steps: faster than the interval allows.
-    series = [[2.0 if (s // 12) % 2 else 1.0, 1.0, 1.0] for s in range(400)]
+    # Rank 0 slows down and recovers every 20 steps (long enough for balance.persist windows of its
+    # quietest steps to agree): faster than an interval of 50 allows.
+    series = [[2.0 if (s // 20) % 2 else 1.0, 1.0, 1.0] for s in range(400)]
     for interval in (1, 20, 50):
         decisions = drive(data_balancer(cfg(interval=interval)), series, [5, 5, 5])
         steps = [d.step for d in decisions]
         assert len(steps) >= 2
         assert all(b - a >= interval for a, b in zip(steps, steps[1:]))
     # The recovery that arrives inside the interval is acted on as soon as it ends.
-    series = [[1.0, 2.0 if 5 <= s < 15 else 1.0] for s in range(100)]
+    series = [[1.0, 2.0 if 5 <= s < 25 else 1.0] for s in range(100)]
     steps = [d.step for d in drive(data_balancer(cfg()), series, [6, 6])]
     assert len(steps) == 2 and steps[1] == steps[0] + 20
 

@@ -6,25 +6,26 @@ inside the interval waits for it to end. Each position (replica d, stage s) of t
 one "rank" of the detector (`RankSample.rank = d * pp + s`, s the pipeline rank; tensor-parallel peers
 move together, so the caller reports their slowest). With virtual stages (interleaved, ZB-V) a rank holds
 several stages, each of which runs at the rank's speed. The planner (`simulated.plan_layout_simulated`) then
-re-partitions each replica's stages and re-splits the batch, scoring layouts by simulating the run's
+re-partitions each replica's stages and re-splits the batch for the speeds of the latest window's quietest
+steps (`scores.quiet_times`: the machine's load only adds time), scoring layouts by simulating the run's
 schedule; it leaves the min-bottleneck partition only for a layout simulated faster by more than
 max(`min_gain`, 2 x the detector's measured noise). The move is proposed only if the simulated step
 time or its bottleneck bound (`repartition.predicted_step`) falls by at least `min_gain` (moving layers
-costs a weight and optimizer-state transfer). Besides straggler
+costs a weight and optimizer-state transfer), and made only if it does so in `persist` windows, each read
+by its quietest steps and step by step against the other positions (`_confirmed`). Besides straggler
 changes, a drift of the relative speeds beyond the margin since the last evaluation makes one due.
 """
 
 from __future__ import annotations
 
-import statistics
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
 from hybridpar.balance.detect import StragglerDetector
 from hybridpar.balance.repartition import CostModel, Layout, check_modelled, predicted_step
-from hybridpar.balance.scores import RankSample, by_rank, load_scores
+from hybridpar.balance.scores import RankSample, by_rank, concurrent_times, load_scores, quiet_times
 from hybridpar.balance.simulated import ScheduleSim, plan_layout_simulated
 from hybridpar.config import BalanceConfig
 from hybridpar.pipeline.schedules import schedule_spec
@@ -44,7 +45,7 @@ class Decision:
     new: Layout
     predicted_step_before_s: float  # bubble-formula bound: m x slowest stage / (1 - bubble), per replica
     predicted_step_after_s: float
-    speeds: tuple[float, ...]  # smoothed relative speed per position d * pp + s, fastest = 1
+    speeds: tuple[float, ...]  # relative speed per position d * pp + s (the window's quietest steps), fastest = 1
     scores: tuple[float, ...]  # load score per position (memory, compute, network weighted)
     stragglers: tuple[int, ...]
     simulated_step_before_s: float  # the run's schedule simulated (simulated.ScheduleSim): what is gated
@@ -152,9 +153,10 @@ class Balancer:
         self.shared = shared_partition  # every replica one partition (ZeRO-3: simulated.py)
         self.weights = (c.weight_memory, c.weight_compute, c.weight_network)
         self.detector = StragglerDetector(c.threshold, c.window, c.patience)
-        # Each position's last `persist` windows of readings (time per unit), for `_confirmed`; cleared by a
-        # move (readings on the old layout judge no move from the new one).
-        self._readings: dict[int, deque[float]] = {}
+        # The last `persist` windows of steps, each step every position's reading (time per unit), for the
+        # plan and `_confirmed` (scores.quiet_times); cleared by a move (readings on the old layout
+        # judge no move from the new one).
+        self._rows: deque[dict[int, float]] = deque(maxlen=c.persist * c.window)
         self._updates = 0
         self._last_step: int | None = None
         self._last_decision: int | None = None
@@ -205,26 +207,34 @@ class Balancer:
         )
 
     def _windows_full(self, n: int) -> bool:
-        """Whether every position has `balance.persist` windows of readings (what `_confirmed` judges)."""
+        """Whether `balance.persist` windows of steps have every position's reading (what `_confirmed` judges)."""
         need = self.config.persist * self.config.window
-        return all(len(self._readings.get(r, ())) >= need for r in range(n))
+        return len(self._rows) >= need and all(r in row for row in self._rows for r in range(n))
+
+    def _window(self, j: int, n: int, judge: Callable[..., dict[int, float]] = quiet_times) -> dict[int, float]:
+        """Each position's time per unit over the j-th latest window of steps (0 = the latest), as `judge`
+        (scores.quiet_times or scores.concurrent_times) reads it."""
+        w, rows = self.config.window, list(self._rows)
+        return judge(rows[len(rows) - (j + 1) * w : len(rows) - j * w], n)
 
     def _confirmed(self, layout: Layout, new: Layout, n: int, need: float) -> bool:
-        """Whether the move pays off (gain >= `need`) under each earlier disjoint window's medians too,
-        `balance.persist` - 1 of them before the latest (which proposed it): an imbalance must persist.
+        """Whether the move pays off (gain >= `need`) in each of the last `balance.persist` disjoint windows,
+        each read two ways: by its quietest steps (the latest window's proposed the move) and step by step
+        against the other positions (scores.quiet_times, scores.concurrent_times): an imbalance must persist,
+        and the machine's load is no straggler.
 
-        A spike of fewer than half a window's steps is never a window's median (it only slides the median
-        to the largest of the other readings), and a burst of the machine's load that moves one window's
-        median rarely moves the one before it the same way; a real slowdown moves both from half a window
-        after its onset (2x from step t: moved by t + 1.5 windows + 1, `tests/test_balance_persist.py`)."""
-        w, k = self.config.window, self.config.persist
+        A spike of fewer than a window's steps - 1 never reaches a window's second-quietest step; a burst
+        of load on every rank leaves each rank some quiet steps, and one that keeps on some ranks cancels
+        step by step; a slow device is slow either way (2x from step t: moved by about t + 1.5 windows + 1,
+        `tests/test_balance_persist.py`)."""
         if not self._windows_full(n):
             return False
-        for j in range(1, k):
-            times = {r: statistics.median(list(self._readings[r])[-(j + 1) * w : -j * w]) for r in range(n)}
-            before, after, bound_before, bound_after = self._steps(layout, new, self._speeds(times, layout))
-            if max(1.0 - after / before, 1.0 - bound_after / bound_before) < need:
-                return False
+        for j in range(self.config.persist):
+            for judge in (quiet_times, concurrent_times)[1 if j == 0 else 0 :]:
+                speeds = self._speeds(self._window(j, n, judge), layout)
+                before, after, bound_before, bound_after = self._steps(layout, new, speeds)
+                if max(1.0 - after / before, 1.0 - bound_after / bound_before) < need:
+                    return False
         return True
 
     def update(self, step: int, samples: Sequence[RankSample], layout: Layout) -> Decision | None:
@@ -235,8 +245,7 @@ class Balancer:
             raise ValueError(f"step {step} does not follow step {self._last_step}")
         self._last_step = step
         state = self.detector.update(samples)
-        for r, x in by_rank(samples).items():
-            self._readings.setdefault(r, deque(maxlen=c.persist * c.window)).append(x.compute_s)
+        self._rows.append({r: x.compute_s for r, x in by_rank(samples).items()})
         self._updates += 1
         if state.changed:
             self._pending = state.reason
@@ -256,7 +265,8 @@ class Balancer:
             return None  # stay pending: no move before `persist` windows of readings (`_confirmed`)
         fastest = min(smooth[r] for r in range(n))
         self._evaluated, self._drift_streak = {r: smooth[r] / fastest for r in range(n)}, 0
-        speeds = self._speeds(smooth, layout)
+        times = self._window(0, n)  # the latest window's quietest steps: what the plan and the gate judge
+        speeds = self._speeds(times, layout)
         why, self._pending = self._pending, None
         # Speeds off by a relative e move a simulated step by up to e, so two candidates' difference is
         # only real beyond twice the measured noise; and never below the gain a move must bring anyway.
@@ -279,7 +289,7 @@ class Balancer:
         self._last_decision = step
         if c.mode == "auto":  # the layout changes: measure the new one before judging drift
             self._evaluated, self._rebase_at = None, self._updates + c.window
-            self._readings.clear()
+            self._rows.clear()
         scores = load_scores(samples, self.weights)
         return Decision(
             kind,
@@ -290,7 +300,7 @@ class Balancer:
             new,
             bound_before,
             bound_after,
-            tuple(fastest / smooth[r] for r in range(n)),
+            tuple(min(times.values()) / times[r] for r in range(n)),
             tuple(scores.get(r, 0.0) for r in range(n)),
             tuple(sorted(state.stragglers)),
             before,

@@ -8,7 +8,8 @@ every input is a measurement the trainer feeds in. Pure Python.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+import statistics
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 DEFAULT_WEIGHTS: tuple[float, float, float] = (0.4, 0.4, 0.2)  # memory, compute, network
@@ -92,3 +93,35 @@ def relative_speeds(samples: Sequence[RankSample]) -> dict[int, float]:
     by = by_rank(samples)
     fastest = min(s.compute_s for s in by.values())
     return {r: fastest / s.compute_s for r, s in sorted(by.items())}
+
+
+def quiet_times(rows: Sequence[Mapping[int, float]], n: int) -> dict[int, float]:
+    """Time per unit of positions 0..n-1 over `rows` (one {position: time per unit} per step): each
+    position's quietest reading but one (the second smallest; one reading too fast, a timer's glitch,
+    decides nothing).
+
+    The machine's load only ever adds time to a step, and a burst of it stretches whichever positions run
+    during it, by amounts that differ from step to step and from position to position: a window's
+    medians then differ by chance and for as long as the burst lasts (a clean dp2xpp2 run at load 28-52:
+    one position's window median 1.28x the others', two windows running, and a move), while each
+    position's quietest steps are the ones the load left alone. A slow device is slow at every step, its
+    quietest included: 2x slower from step t shows from t + window - 1 on."""
+    if len(rows) < 2 or n < 1:
+        raise ValueError(f"need at least two steps of readings and one position, got {len(rows)} steps, n={n}")
+    return {r: sorted(row[r] for row in rows)[1] for r in range(n)}
+
+
+def concurrent_times(rows: Sequence[Mapping[int, float]], n: int) -> dict[int, float]:
+    """Time per unit of positions 0..n-1 over `rows`, each step's reading judged against the same step's
+    others: the median over the steps of (own reading / that step's median of all positions), scaled by
+    the median of those step medians to stay in seconds per unit.
+
+    A load that stretches most positions at a step cancels in that step's ratio, however long it lasts;
+    a position's quietest steps (`quiet_times`) do not show it when the load keeps on the same positions
+    for a window (a clean dp2xpp2 run at load 28-52: one position's second-quietest step 1.27x the
+    others', step by step 1.03x). A slow device is slow at every step, and both see it alike."""
+    if not rows or n < 1:
+        raise ValueError(f"need at least one step of readings and one position, got {len(rows)} steps, n={n}")
+    level = [statistics.median(row[r] for r in range(n)) for row in rows]
+    scale = statistics.median(level)
+    return {r: scale * statistics.median(row[r] / m for row, m in zip(rows, level)) for r in range(n)}

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import sys
@@ -30,8 +31,18 @@ from typing import Any
 
 from hybridpar.bench import runs_dir
 from hybridpar.bench.balance_alternate import alternate_figures, measure_worker
-from hybridpar.bench.balance_cases import CASES, LAYOUTS, ONSET, analytic_step, case_config, figures, slow_factors
-from hybridpar.config import Config
+from hybridpar.bench.balance_cases import (
+    ACCEPTANCE,
+    ACCEPTANCE_DEFAULTS,
+    CASES,
+    LAYOUTS,
+    ONSET,
+    analytic_step,
+    case_config,
+    figures,
+    slow_factors,
+)
+from hybridpar.config import BalanceConfig, Config
 
 
 def _worker(cfg_dict: dict) -> int:
@@ -70,7 +81,8 @@ def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Pat
     """Every repeat of (baseline, contender) of one layout and slowdown, alternating; medians over them."""
     load_before, t0 = os.getloadavg(), time.perf_counter()
     reps: list[dict[str, Any]] = []
-    for r in range(a.repeats):
+    repeats = a.clean_repeats if case == "clean" and a.clean_repeats else a.repeats
+    for r in range(repeats):
         tag = f"{mode}-{layout}-{case}-{r}"
         cont_cfg = case_config(layout, case, mode, a, True)
         if case in ALTERNATING:  # one launch: balancing, then balanced / static / clean blocks in turn
@@ -84,17 +96,11 @@ def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Pat
         bound = (
             None if case == "slow_link" else run(case_config(layout, "bound", mode, a, False), runs / f"{tag}-bound")
         )
-        base = run(case_config(layout, case, mode, a, False), runs / f"{tag}-static")
+        skip_static = case == "drift" and not a.drift_static  # its figure is against the bound
+        base = None if skip_static else run(case_config(layout, case, mode, a, False), runs / f"{tag}-static")
         cont = run(cont_cfg, runs / f"{tag}-balanced")
         reps.append(figures(cont_cfg, case, base, cont, a, bound))
-    numeric = [k for k, v in reps[0].items() if k != "direction_changes" and _number(v)]
-    med = {
-        k: statistics.median(x[k] for x in reps if x[k] is not None)
-        for k in numeric
-        if any(x[k] is not None for x in reps)
-    }
-    if case == "drift":  # oscillation is judged on the worst repeat, not the median
-        med["direction_changes_max"] = max(x["direction_changes"] for x in reps)
+    med = summarise(case, reps)
     cfg = case_config(layout, case, mode, a, True)
     e = cfg.emulate
     return {
@@ -113,12 +119,39 @@ def run_pair(layout: str, case: str, mode: str, a: argparse.Namespace, runs: Pat
     }
 
 
+def summarise(case: str, reps: list[dict[str, Any]]) -> dict[str, Any]:
+    """The medians over the repeats of every figure numeric in any of them; a launch that never moved
+    counts as never for steps_to_rebalance (None when that is the median), and launches_rebalanced says
+    how many did. Drift: the worst repeat's direction changes and the shortest gap between two moves."""
+    numeric = {k for x in reps for k, v in x.items() if k != "direction_changes" and _number(v)}
+    med = {k: statistics.median(x[k] for x in reps if x.get(k) is not None) for k in sorted(numeric)}
+    if "steps_to_rebalance" in reps[0]:
+        steps = [x["steps_to_rebalance"] for x in reps]
+        never = statistics.median(math.inf if x is None else x for x in steps)
+        med["steps_to_rebalance"] = None if math.isinf(never) else never
+        med["launches_rebalanced"] = sum(x is not None for x in steps)
+    if case == "drift":  # oscillation is judged on the worst repeat, not the median
+        med["direction_changes_max"] = max(x["direction_changes"] for x in reps)
+        gaps = [x["min_move_gap"] for x in reps if x["min_move_gap"] is not None]
+        med["min_move_gap_min"] = min(gaps, default=None)
+    return med
+
+
 def _number(v: Any) -> bool:
     return isinstance(v, (int, float)) and not isinstance(v, bool)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="hybridpar bench balance", description=__doc__.split("\n")[0])
+    ap.add_argument(
+        "--acceptance",
+        action="store_true",
+        help="the issue's whole acceptance set in one invocation (bench/balance_cases.py ACCEPTANCE: emulated, "
+        "one slow under every layout, two slow, spike, drift, clean under every layout, slow link; compute "
+        "mode, one slow at pp4-1f1b), sized for about 20 "
+        f"minutes on a quiet 2-core machine: defaults {ACCEPTANCE_DEFAULTS} (each still overridable); "
+        "--modes, --layouts and --cases are ignored",
+    )
     ap.add_argument("--layouts", default=",".join(LAYOUTS), help=f"comma-separated: {','.join(LAYOUTS)}")
     ap.add_argument("--cases", default="one,two,spike,clean", help=f"comma-separated: {','.join(CASES)}")
     ap.add_argument("--modes", default="emulated", help="comma-separated: emulated,compute")
@@ -137,6 +170,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--block", type=int, default=5, help="one, two, spike: measured steps per block")
     ap.add_argument("--measure", type=int, default=10, help="throughput: median over the last N steps")
     ap.add_argument("--clean-steps", type=int, default=200, help="steps of the clean (no slowdown) run")
+    ap.add_argument(
+        "--min-action-ms",
+        type=float,
+        default=0.0,
+        help="emulated mode: raise a layout's --layer-ms so that its smallest compute action (one chunk x one "
+        "microbatch) lasts at least this long (0: off)",
+    )
+    ap.add_argument("--clean-repeats", type=int, default=0, help="launches of each clean run (0: --repeats)")
+    ap.add_argument(
+        "--drift-static",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="drift: also run the static layout (its figure, balanced / bound, needs none)",
+    )
     ap.add_argument("--json", default=None, help="also write the results to this file")
     ap.add_argument(
         "--runs-dir",
@@ -145,6 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         "report DIR/emulated-pp4-1f1b-clean-0-balanced` reads one; one, two and spike keep "
         "<...>-alternating/alternating.json); default: runs/bench/balance-<time>",
     )
+    if "--acceptance" in (sys.argv[1:] if argv is None else argv):
+        ap.set_defaults(**ACCEPTANCE_DEFAULTS)
     a = ap.parse_args(argv)
     for key, known in (("layouts", LAYOUTS), ("cases", CASES), ("modes", ("emulated", "compute"))):
         for x in getattr(a, key).split(","):
@@ -156,6 +205,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--rounds={a.rounds} and --block={a.block} must be >= 1")
     if a.layer_ms <= 0 or a.link_ms <= 0 or a.repeats < 1 or a.clean_steps < 10 or a.drift_steps < 10:
         ap.error("--layer-ms and --link-ms must be > 0, --repeats >= 1, --clean-steps and --drift-steps >= 10")
+    if a.min_action_ms < 0 or a.clean_repeats < 0:
+        ap.error(f"--min-action-ms={a.min_action_ms} and --clean-repeats={a.clean_repeats} must be >= 0")
     return a
 
 
@@ -180,12 +231,16 @@ def acceptance(results: list[dict[str, Any]]) -> dict[str, bool]:
     out = {}
     if by["one"]:
         out["one_slow_balanced_ge_0.95_ideal"] = all(m["balanced_over_ideal"] >= 0.95 for m in by["one"])
-        out["one_slow_rebalanced_within_20_steps"] = all(m.get("steps_to_rebalance", 99) <= 20 for m in by["one"])
+        out["one_slow_rebalanced_within_20_steps"] = all((m.get("steps_to_rebalance") or 99) <= 20 for m in by["one"])
     if by["two"]:
         out["two_slow_balanced_ge_0.90_ideal"] = all(m["balanced_over_ideal"] >= 0.90 for m in by["two"])
     if by["drift"]:
         out["drift_balanced_ge_0.90_ideal"] = all(m["balanced_over_ideal"] >= 0.90 for m in by["drift"])
         out["drift_no_oscillation"] = all(m["direction_changes_max"] <= 1 for m in by["drift"])
+        interval = BalanceConfig().interval  # the bench runs the default balance settings
+        out["drift_at_most_one_move_per_interval"] = all(
+            m["min_move_gap_min"] is None or m["min_move_gap_min"] >= interval for m in by["drift"]
+        )
     if by["spike"]:
         out["spike_no_moves"] = all(m["moves"] == 0 for m in by["spike"])
     if by["clean"]:
@@ -198,24 +253,35 @@ def main(argv: list[str] | None = None) -> int:
     runs = runs_dir("balance", a.runs_dir)
     print(f"hybridpar bench balance: run directories in {runs}", file=sys.stderr)
     results: list[dict[str, Any]] = []
-    for mode in a.modes.split(","):
-        for layout in a.layouts.split(","):
-            for case in a.cases.split(","):
-                if case == "slow_link" and LAYOUTS[layout]["pp"] < 4:
-                    continue  # boundary 1:2 needs pipeline ranks 1 and 2
-                results.append(run_pair(layout, case, mode, a, runs))
-                print(_line(results[-1]), file=sys.stderr, flush=True)
-                text = _write(a, runs, results)  # after every case: a long run interrupted keeps its figures
+    start = {"load_average": os.getloadavg(), "time": time.time(), "perf": time.perf_counter()}
+    for mode, layout, case in _pairs(a):
+        results.append(run_pair(layout, case, mode, a, runs))
+        print(_line(results[-1]), file=sys.stderr, flush=True)
+        text = _write(a, runs, results, start)  # after every case: a long run interrupted keeps its figures
     print(text)
     return 0
 
 
-def _write(a: argparse.Namespace, runs: Path, results: list[dict[str, Any]]) -> str:
+def _pairs(a: argparse.Namespace) -> list[tuple[str, str, str]]:
+    """(mode, layout, case) in the order they run: `--acceptance`'s set, else every layout x case."""
+    if a.acceptance:
+        return list(ACCEPTANCE)
+    modes = a.modes.split(",")
+    # slow_link's boundary 1:2 needs pipeline ranks 1 and 2
+    pairs = [(layout, c) for layout in a.layouts.split(",") for c in a.cases.split(",")]
+    return [(m, lay, c) for m in modes for lay, c in pairs if not (c == "slow_link" and LAYOUTS[lay]["pp"] < 4)]
+
+
+def _write(a: argparse.Namespace, runs: Path, results: list[dict[str, Any]], start: dict[str, Any]) -> str:
     report = {
         "bench": "balance",
         "cpu_count": os.cpu_count(),
         "runs_dir": str(runs),
         "args": vars(a),
+        "started_unix_s": start["time"],
+        "load_average_start": start["load_average"],
+        "load_average_now": os.getloadavg(),
+        "wall_s": time.perf_counter() - start["perf"],
         "results": results,
         "acceptance_emulated": acceptance(results),
     }

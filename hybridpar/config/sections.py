@@ -457,8 +457,8 @@ class BalanceConfig:
     skip_steps: int = _f(2, "first steps of a run not measured (allocation and lazy-init warm-up)")
     window: int = _f(
         7,
-        "measurements in each rank's smoothing median (a slowdown of fewer than half as many steps, a spike, "
-        "never moves layers)",
+        "measurements in each rank's smoothing median and in each window a move is judged by (a slowdown "
+        "of fewer than window - 1 steps, a spike, never moves layers)",
     )
     patience: int = _f(
         3, "consecutive measurements beyond the threshold before a straggler (or its " "recovery) counts"
@@ -466,8 +466,9 @@ class BalanceConfig:
     persist: int = _f(
         2,
         "disjoint windows of balance.window measurements a move must pay off in (the latest and the ones "
-        "before it, each by its own medians): an imbalance shorter than that (a spike, a burst of the "
-        "machine's load) never moves layers; 1 = the latest window only",
+        "before it, each read by its quietest steps and step by step against the other positions): an "
+        "imbalance shorter than that (a spike, a burst of the machine's load) never moves layers; 1 = the "
+        "latest window only",
     )
     weight_memory: float = _f(0.4, "load-score weight of memory pressure")
     weight_compute: float = _f(0.4, "load-score weight of compute time per unit of work")
