@@ -25,14 +25,28 @@ from tests.test_equivalence import _worker, check_fp64, grid_config, ref_for
 BF16 = dict(precision="bf16")
 
 
+COPIES = dict(precision="bf16", bf16_weights="copies")
+# (tp, pp, dp, schedule, virtual stages, train settings, ZeRO level); bf16 working copies (train.bf16_weights
+# copies) are held to one-device training with working copies, by the same tolerances.
 LAYOUTS = {
-    "world4": [(2, 2, 1, "1f1b", 1), (1, 2, 2, "zb-h1", 1)],
-    "world2": [(1, 2, 1, "zb-v", 2), (1, 2, 1, "interleaved-1f1b", 2)],
+    "world4": [
+        (2, 2, 1, "1f1b", 1, BF16, 0),
+        (1, 2, 2, "zb-h1", 1, BF16, 0),
+        (2, 2, 1, "zb-h1", 1, COPIES, 0),
+    ],
+    "world2": [
+        (1, 2, 1, "zb-v", 2, BF16, 0),
+        (1, 2, 1, "interleaved-1f1b", 2, BF16, 0),
+        (1, 1, 2, "1f1b", 1, COPIES, 1),
+    ],
 }
 
 
 def _layout_configs(key: str) -> list[Config]:
-    return [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp), train=BF16) for tp, pp, dp, s, v in LAYOUTS[key]]
+    return [
+        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, zero=z), train=t)
+        for tp, pp, dp, s, v, t, z in LAYOUTS[key]
+    ]
 
 
 @pytest.mark.multiprocess
@@ -44,8 +58,8 @@ def test_bf16_layouts_match_one_device_bf16(key: str, tmp_path: Path, request: p
         tmp_path, results = out / "layouts", ranks[0]["layouts"]
     else:
         results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
-    ref_losses = ref_for(cfgs[0])[0]  # one-device bf16: autocast over fp32 parameters
     for i, (cfg, (losses, _)) in enumerate(zip(cfgs, results)):
+        ref_losses = ref_for(cfg)[0]  # one-device bf16: autocast over fp32 parameters, or working copies
         label = f"{layouts[i]}"
         for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= U_BF16 * abs(b), f"{label}: step {s} loss {a} vs one-device bf16 {b}"
@@ -68,8 +82,8 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:
 
 @pytest.mark.multiprocess
 def test_bf16_halves_the_pipeline_bytes(world2: tuple[Path, list[dict]]) -> None:
-    for fp32, bf16 in (r["bytes"] for r in world2[1]):
-        assert fp32 > 0 and bf16 * 2 == fp32, (fp32, bf16)
+    for fp32, bf16, copies in (r["bytes"] for r in world2[1]):  # working copies' messages are bf16 too
+        assert fp32 > 0 and bf16 * 2 == fp32 and copies == bf16, (fp32, bf16, copies)
 
 
 def _resume_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -97,6 +111,28 @@ def _resume_config(fault: str, resume: str) -> dict:
     return c.to_dict()
 
 
+def _across_runs(out: Path) -> list[tuple[dict, str]]:
+    """A working-copies run of 3 steps at pp 2 checkpointed after step 2; then from that checkpoint the same
+    run again, and an autocast run at dp 2 under ZeRO-1 (another mode and layout)."""
+    ck = str(out / "copies" / "checkpoints" / "step-000002")
+    runs = [
+        (dict(pp=2), COPIES, "off", "copies"),
+        (dict(pp=2), COPIES, ck, "again"),
+        (dict(dp=2, zero=1), BF16, ck, "auto"),
+    ]
+    return [
+        (
+            tiny_config(
+                parallel=dict(tp=1, pp=1, dp=1, schedule="1f1b") | par,
+                train=dict(steps=3, **train),
+                checkpoint=dict(every=2 if resume == "off" else 0, resume=resume),
+            ).to_dict(),
+            str(out / name),
+        )
+        for par, train, resume, name in runs
+    ]
+
+
 def _world2_worker(layouts: list[dict], bytes_cfgs: list[dict], resume_runs: list[tuple[dict, str]], out: str) -> dict:
     """The 2-rank tests' work in turn, each from scratch: the bf16 layouts, the pipeline bytes, then the
     uninterrupted and the preempted bf16 runs (the preempted one last: its SIGTERM ends the training)."""
@@ -111,8 +147,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     importing torch before their first step); each test reads only its own part."""
     out = tmp_path_factory.mktemp("world2")
     (out / "layouts").mkdir()
-    bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16)]
+    bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16, COPIES)]
     resume = [(_resume_config("", "off"), str(out / "whole")), (_resume_config(TERM, "off"), str(out / "cut"))]
+    resume = _across_runs(out) + resume  # the preempted run stays last
     layouts = [c.to_dict() for c in _layout_configs("world2")]
     return out, run_ranks(_world2_worker, 2, layouts, bytes_cfgs, resume, str(out), timeout_s=400)
 
@@ -122,10 +159,25 @@ def test_bf16_resumes_exactly_from_its_fp32_masters(world2: tuple[Path, list[dic
     """Checkpoints hold the fp32 masters and AdamW state: a bf16 run preempted after step 2 and resumed
     ends bit for bit where the uninterrupted bf16 run does."""
     tmp_path, ranks = world2
-    whole, first = ranks[0]["resume"]
+    whole, first = ranks[0]["resume"][-2:]
     # The resume needs a launch of its own, as after a real preemption.
     second = run_ranks(_resume_worker, 2, _resume_config("", "auto"), str(tmp_path / "cut"), timeout_s=240)[0]
     assert second["start"] == 2 and first["losses"] + second["losses"] == whole["losses"]
     a = torch.load(tmp_path / "whole.pt", weights_only=True)
     b = torch.load(tmp_path / "cut.pt", weights_only=True)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.multiprocess
+def test_copies_checkpoint_the_masters_and_resume_across_modes(world2: tuple[Path, list[dict]]) -> None:
+    """A working-copies checkpoint holds the fp32 masters and their AdamW state (the bf16 copies are made from
+    them): resumed as it was it ends bit for bit where the uninterrupted run does; resumed by autocast at
+    another layout, its steps stay within bf16's unit roundoff of the working-copies run's."""
+    tmp_path, ranks = world2
+    whole, again, auto = ranks[0]["resume"][:3]
+    assert again["start"] == auto["start"] == 2 and again["losses"] == whole["losses"][2:]
+    a = torch.load(tmp_path / "copies.pt", weights_only=True)
+    b = torch.load(tmp_path / "again.pt", weights_only=True)
+    assert all(a[n].dtype == torch.float32 and torch.equal(a[n], b[n]) for n in a)
+    for x, y in zip(auto["losses"], whole["losses"][2:], strict=True):
+        assert abs(x - y) <= U_BF16 * abs(y), (auto["losses"], whole["losses"])
