@@ -26,26 +26,26 @@ BF16 = dict(precision="bf16")
 
 
 COPIES = dict(precision="bf16", bf16_weights="copies")
-# (tp, pp, dp, schedule, virtual stages, train settings, ZeRO level); bf16 working copies (train.bf16_weights
-# copies) are held to one-device training with working copies, by the same tolerances.
+# (tp, pp, dp, schedule, virtual stages, train settings, other parallel settings); bf16 working copies
+# (train.bf16_weights copies) are held to one-device training with working copies, by the same tolerances.
 LAYOUTS = {
     "world4": [
-        (2, 2, 1, "1f1b", 1, BF16, 0),
-        (1, 2, 2, "zb-h1", 1, BF16, 0),
-        (2, 2, 1, "zb-h1", 1, COPIES, 0),
+        (2, 2, 1, "1f1b", 1, BF16, {}),
+        (1, 2, 2, "zb-h1", 1, BF16, {}),
+        (2, 2, 1, "zb-h1", 1, COPIES, dict(sequence_parallel=True)),
     ],
     "world2": [
-        (1, 2, 1, "zb-v", 2, BF16, 0),
-        (1, 2, 1, "interleaved-1f1b", 2, BF16, 0),
-        (1, 1, 2, "1f1b", 1, COPIES, 1),
+        (1, 2, 1, "zb-v", 2, BF16, {}),
+        (1, 2, 1, "interleaved-1f1b", 2, BF16, {}),
+        (1, 1, 2, "1f1b", 1, COPIES, dict(zero=1)),
     ],
 }
 
 
 def _layout_configs(key: str) -> list[Config]:
     return [
-        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, zero=z), train=t)
-        for tp, pp, dp, s, v, t, z in LAYOUTS[key]
+        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t)
+        for tp, pp, dp, s, v, t, more in LAYOUTS[key]
     ]
 
 

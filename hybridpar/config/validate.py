@@ -269,15 +269,14 @@ def _check_copies(cfg: Config) -> None:
         "parallel.grad_sum=tree": p.grad_sum == "tree",
         "train.compile": t.compile,
         f"train.recompute={t.recompute}": t.recompute != "none" or cfg.batching.try_recompute,
-        "parallel.sequence_parallel": p.sequence_parallel and p.tp > 1,
         f"parallel.cp={p.cp}": p.cp > 1,
         f"model.family={cfg.model.family}": cfg.model.family != "llama",
     }
     bad = [k for k, on in others.items() if on]
     _require(
         not bad,
-        f"{key} runs the llama family with ZeRO 0 or 1, no layer moves, no compile, recomputation, sequence or "
-        f"context parallelism yet; it cannot run with {', '.join(bad)}: use train.bf16_weights=autocast",
+        f"{key} runs the llama family with ZeRO 0 or 1, no layer moves, no compile, recomputation or context "
+        f"parallelism yet; it cannot run with {', '.join(bad)}: use train.bf16_weights=autocast",
     )
 
 
