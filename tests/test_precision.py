@@ -26,6 +26,8 @@ BF16 = dict(precision="bf16")
 
 
 COPIES = dict(precision="bf16", bf16_weights="copies")
+# Working copies' runs train 4 of the tiny model's 8 layers: their yardstick is 12 one-device runs of its own.
+HALF = dict(n_layers=4)
 # (tp, pp, dp, schedule, virtual stages, train settings, other parallel settings); bf16 working copies
 # (train.bf16_weights copies) are held to one-device training with working copies, by the same tolerances.
 LAYOUTS = {
@@ -44,7 +46,7 @@ LAYOUTS = {
 
 def _layout_configs(key: str) -> list[Config]:
     return [
-        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t)
+        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t, model=HALF if t is COPIES else {})
         for tp, pp, dp, s, v, t, more in LAYOUTS[key]
     ]
 
@@ -123,6 +125,7 @@ def _across_runs(out: Path) -> list[tuple[dict, str]]:
     return [
         (
             tiny_config(
+                model=HALF,
                 parallel=dict(tp=1, pp=1, dp=1, schedule="1f1b") | par,
                 train=dict(steps=3, **train),
                 checkpoint=dict(every=2 if resume == "off" else 0, resume=resume),

@@ -250,5 +250,5 @@ def yardstick(cfg: Config, device: str | torch.device = "cpu", runs: Any = None)
     stand in)."""
     runs = runs or (lambda c, dt, k, o: reference(c, dt, k, device, o))
     fp64 = Config.from_dict(cfg.to_dict())
-    fp64.train.precision = "fp32"
+    fp64.train.precision, fp64.train.bf16_weights = "fp32", "autocast"  # one fp64 run for both bf16 modes
     return Yardstick.of(runs(fp64, torch.float64, 1, None)[2], [runs(cfg, torch.float32, k, o)[2] for k, o in ORDERS])
