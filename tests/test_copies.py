@@ -65,7 +65,7 @@ def test_a_rank_holds_bf16_weights_fp32_grads_and_fp32_masters() -> None:
         (dict(train=COPIES, parallel=dict(zero=2, dp=2)), "it cannot run with parallel.zero=2"),
         (dict(train=COPIES | dict(compile=True)), "it cannot run with train.compile"),
         (dict(train=COPIES, balance=dict(mode="auto")), "it cannot run with balance.mode=auto"),
-        (dict(train=COPIES, parallel=dict(cp=2, dp=1, pp=1)), "it cannot run with parallel.cp=2"),
+        (dict(train=COPIES, model=dict(family="gpt2")), "it cannot run with model.family=gpt2"),
     ],
 )
 def test_copies_refuse_what_they_do_not_run_before_launch(over: dict, message: str) -> None:

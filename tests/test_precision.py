@@ -37,18 +37,22 @@ LAYOUTS = {
         (2, 2, 1, "1f1b", 1, BF16, {}),
         (1, 2, 2, "zb-h1", 1, BF16, {}),
         (2, 2, 1, "zb-h1", 1, COPIES, dict(sequence_parallel=True)),
+        (1, 2, 1, "1f1b", 1, COPIES | dict(recompute="selective"), dict(cp=2)),
     ],
     "world2": [
         (1, 2, 1, "zb-v", 2, BF16, {}),
         (1, 2, 1, "interleaved-1f1b", 2, BF16, {}),
         (1, 1, 2, "1f1b", 1, COPIES, dict(zero=1)),
+        (1, 1, 1, "1f1b", 1, COPIES | dict(recompute="full"), dict(cp=2)),
     ],
 }
 
 
 def _layout_configs(key: str) -> list[Config]:
     return [
-        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t, model=HALF if t is COPIES else {})
+        grid_config(
+            pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t, model=HALF if "bf16_weights" in t else {}
+        )
         for tp, pp, dp, s, v, t, more in LAYOUTS[key]
     ]
 

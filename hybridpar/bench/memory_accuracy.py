@@ -3,7 +3,7 @@
 For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
 parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
 `cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16; `copies`: bf16 working
-copies, train.bf16_weights, which do not recompute yet: those cases are skipped) x
+copies, train.bf16_weights, which do not run ZeRO-2/3 yet: those cases are skipped) x
 ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
 counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
@@ -85,8 +85,8 @@ def cases(
                         if zero and LAYOUTS[lay]["dp"] == 1:
                             skipped.append(f"{name}: ZeRO-{zero} shards over dp, and dp=1 here")
                             continue
-                        if precision == "copies" and (recompute != "none" or zero >= 2 or "cp" in LAYOUTS[lay]):
-                            skipped.append(f"{name}: working copies run without recomputation, ZeRO-2/3 and cp")
+                        if precision == "copies" and zero >= 2:
+                            skipped.append(f"{name}: working copies run without ZeRO-2/3")
                             continue
                         cfg = case_config(model, lay, precision, zero, recompute, steps, schedule)
                         runs[lay].append({"name": name, "config": cfg.to_dict()})

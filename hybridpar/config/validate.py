@@ -256,8 +256,8 @@ def _check_grad_sum(cfg: Config) -> None:
 
 def _check_copies(cfg: Config) -> None:
     """train.bf16_weights=copies (trainer/build.py, dataparallel/copies.py): what it runs with so far. Each
-    refusal is a path whose parameters live elsewhere than the masters (ZeRO-2/3, layer moves) or that
-    no equivalence test has run with the bf16 parameters yet."""
+    refusal is a path whose parameters live elsewhere than the masters (ZeRO-2/3) or that no equivalence
+    test has run with the bf16 parameters yet."""
     p, t = cfg.parallel, cfg.train
     if t.bf16_weights != "copies":
         return
@@ -268,15 +268,13 @@ def _check_copies(cfg: Config) -> None:
         f"balance.mode={cfg.balance.mode}": cfg.balance.mode != "off",
         "parallel.grad_sum=tree": p.grad_sum == "tree",
         "train.compile": t.compile,
-        f"train.recompute={t.recompute}": t.recompute != "none" or cfg.batching.try_recompute,
-        f"parallel.cp={p.cp}": p.cp > 1,
         f"model.family={cfg.model.family}": cfg.model.family != "llama",
     }
     bad = [k for k, on in others.items() if on]
     _require(
         not bad,
-        f"{key} runs the llama family with ZeRO 0 or 1, no layer moves, no compile, recomputation or context "
-        f"parallelism yet; it cannot run with {', '.join(bad)}: use train.bf16_weights=autocast",
+        f"{key} runs the llama family with ZeRO 0 or 1, no layer moves and no compile yet; it cannot run "
+        f"with {', '.join(bad)}: use train.bf16_weights=autocast",
     )
 
 

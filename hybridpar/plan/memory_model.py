@@ -219,12 +219,13 @@ def ring_attention_saved(cfg: Config, bt: int, b: int) -> int:
     """What ring attention (parallel.cp > 1, model/ring_attention.py) saves instead of the fused kernel's:
     its q, and k, v of the kv heads only (the rank's own block), its fp32 output and log-sum-exp, and the
     output projection's input: the output itself in fp32 (laid out tokens-major, so the projection's
-    input is a view of it), its bf16 cast under autocast. Llama's q and k come out of the rotary product
-    with fp32 tables, so they are fp32 under autocast too (the ring computes in fp32)."""
+    input is a view of it), its bf16 cast under bf16. Llama's q and k come out of the rotary product
+    with fp32 tables, so they are fp32 under autocast too (the ring computes in fp32); under working copies
+    the tables' rows are cast to bf16 first, and q and k stay bf16."""
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     hq, hk, hd = m.n_heads // tp, m.kv_heads // tp, m.head_dim
     c = 2 if t.precision == "bf16" else F32
-    qk = F32 if m.family == "llama" else c
+    qk = F32 if m.family == "llama" and not working_copies(cfg) else c
     out = bt * hq * hd * F32 + b * hq * seq_len(cfg) * F32
     return bt * (hq + hk) * hd * qk + bt * hk * hd * c + out + (bt * hq * hd * c if c != F32 else 0)
 
@@ -311,7 +312,7 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
         out += bt * (I64 + 1) if tp > 1 else 0
         out += seq_len(cfg) * I64 if m.family == "gpt2" else 0  # the positions looked up
     if cfg.parallel.cp > 1 and m.family == "llama":  # each microbatch's rows of the rotary tables (cos, sin)
-        out += 2 * bt * m.head_dim * F32
+        out += 2 * bt * m.head_dim * (2 if working_copies(cfg) else F32)  # working copies: their bf16 cast
     if last:
         # The final norm as in the layers, the head's input (its cast under autocast; the weight's cast:
         # weight_casts), the fp32 log-softmax over the whole vocabulary, the loss's total weight.
