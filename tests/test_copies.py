@@ -58,13 +58,30 @@ def test_a_rank_holds_bf16_weights_fp32_grads_and_fp32_masters() -> None:
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), opt.views))
 
 
+def test_a_rebuilt_optimizer_takes_the_carried_masters_not_the_bf16_copies() -> None:
+    """What a layer move carries (gather_state: the AdamW state and the whole fp32 master of each parameter)
+    rebuilds the optimizer with the very masters and moments: the bf16 parameters alone would round them."""
+    cfg = tiny_config(train=COPIES)
+    model = build_full_model(cfg.model, 0)
+    opt = MasterAdamW(list(model.named_parameters()), cfg.train, _one_rank())
+    x = torch.randint(0, cfg.model.vocab_size, (2, 9), generator=torch.Generator().manual_seed(1))
+    _loss(model, x).backward()
+    opt.step()
+    masters = [q.detach().clone() for q in opt.views]
+    assert any(not torch.equal(q, q.to(torch.bfloat16).float()) for q in masters)  # finer than bf16
+    carry = opt.gather_state()
+    again = MasterAdamW(list(model.named_parameters()), cfg.train, _one_rank(), carry=carry)
+    for p, q, m in zip(model.parameters(), again.views, masters):
+        assert torch.equal(q, m) and torch.equal(p, m.to(torch.bfloat16))
+        assert set(again.state[q]) == {"step", "exp_avg", "exp_avg_sq"}  # the master is no AdamW state
+
+
 @pytest.mark.parametrize(
     "over, message",
     [
         (dict(train=dict(bf16_weights="copies")), "train.bf16_weights=copies needs train.precision=bf16, got fp32"),
         (dict(train=COPIES, parallel=dict(zero=2, dp=2)), "it cannot run with parallel.zero=2"),
         (dict(train=COPIES | dict(compile=True)), "it cannot run with train.compile"),
-        (dict(train=COPIES, balance=dict(mode="auto")), "it cannot run with balance.mode=auto"),
         (dict(train=COPIES, model=dict(family="gpt2")), "it cannot run with model.family=gpt2"),
     ],
 )

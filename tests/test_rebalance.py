@@ -16,6 +16,7 @@ from hybridpar.config import Config
 from hybridpar.model.reference import U_BF16
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, check_fp64, ref_for, tiny_config
+from tests.test_precision import _one_thread
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -39,6 +40,7 @@ def test_layer_moves() -> None:
 def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
     """Train twice in one world: without moves, then applying `moves[step]` (a Layout record) after
     those steps. Rank 0 returns both loss series; both full states are saved."""
+    from hybridpar.dataparallel.copies import MasterAdamW
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
     from hybridpar.trainer.export import gather_full_state
@@ -59,6 +61,8 @@ def _worker(cfg_dict: dict, moves: dict[int, dict], out_dir: str) -> dict:
         rest = sum(q.untyped_storage().nbytes() for _, q in tr.mp.parameters())
         if tr.zero3 is not None:
             tr.zero3.close()
+        if isinstance(tr.opt, MasterAdamW):  # working copies: the trained model is the fp32 masters
+            tr.opt.widen()
         state = gather_full_state(topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
         if state is not None:
             torch.save(state, Path(out_dir) / f"{label}.pt")
@@ -132,6 +136,14 @@ CASES = {
         dict(steps=3, precision="bf16"),
         {1: Layout((R(6, 2), R(4, 4)), (7, 4))},
     ),
+    # bf16 working copies with ZeRO-1: layers move with their fp32 masters (whole, gathered over dp) and
+    # AdamW state, the replicas on one new partition (each steps its dp slice of the same masters) and the
+    # batch re-split. The 4-layer model of test_precision.py's working-copies layouts, whose yardstick it shares.
+    "pp2-dp2-zero1-copies": (
+        dict(tp=1, pp=2, dp=2, zero=1),
+        dict(steps=3, precision="bf16", bf16_weights="copies"),
+        {1: Layout.uniform(R(3, 1), (7, 4))},
+    ),
 }
 
 
@@ -144,7 +156,8 @@ def _case(case: str) -> tuple[Config, dict[int, Layout]]:
         )
         return cfg, {1: Layout.uniform(R(2, 6), [11])}
     par, train, moves = CASES[case]
-    return tiny_config(parallel={"schedule": "1f1b", **par}, train={"steps": 5, **train}), moves
+    model = dict(n_layers=4) if "bf16_weights" in train else {}
+    return tiny_config(parallel={"schedule": "1f1b", **par}, train={"steps": 5, **train}, model=model), moves
 
 
 def _cases_worker(cases: list[tuple[dict, dict, str]]) -> list[dict]:
@@ -222,4 +235,5 @@ def check_bf16(case: str, cfg: Config, res: dict, ref_losses: list[float], tmp_p
     for s, (a, b, r) in enumerate(zip(res["moved"]["losses"], res["static"]["losses"], ref_losses, strict=True)):
         assert abs(a - b) <= U_BF16 * abs(b) and abs(a - r) <= U_BF16 * abs(r), f"{case} step {s}: {a}, {b}, {r}"
     for label in ("moved", "static"):
-        check_fp64(f"{case} {label}", torch.load(tmp_path / f"{label}.pt", weights_only=True), cfg)
+        with _one_thread():  # working copies' yardstick, computed here if test_precision.py's did not
+            check_fp64(f"{case} {label}", torch.load(tmp_path / f"{label}.pt", weights_only=True), cfg)

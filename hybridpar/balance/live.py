@@ -73,6 +73,14 @@ class BalanceStep:
     new_layout: Layout | None = None
 
 
+def one_partition(cfg: Config) -> bool:
+    """Whether every replica must hold the same partition: under ZeRO-3 a layer is cut among the replicas'
+    ranks of one stage, and under bf16 working copies at dp > 1 each replica's rank steps its dp slice of
+    the masters of the same layers (dataparallel/copies.py)."""
+    p = cfg.parallel
+    return p.shards_parameters or (cfg.train.bf16_weights == "copies" and p.dp > 1)
+
+
 class LiveBalancer:
     def __init__(self, cfg: Config, topo: Topology) -> None:
         self.cfg, self.topo = cfg, topo
@@ -86,7 +94,7 @@ class LiveBalancer:
             cfg.parallel.schedule,
             min_per_replica=t.microbatches,
             virtual_stages=stages_per_rank(cfg.parallel),
-            shared_partition=cfg.parallel.shards_parameters,  # ZeRO-3: one partition
+            shared_partition=one_partition(cfg),
         )
         self.placed = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
         self.step_times: deque[float] = deque(maxlen=cfg.balance.window)

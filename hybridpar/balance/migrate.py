@@ -15,7 +15,9 @@ moves: the slices are cut by the parameter's shape alone (dataparallel/zero.py's
 d's slice on the sending stage is dp rank d's slice on the receiving one, and each rank sends its slice
 and the AdamW state of that slice to the rank with its own (dp, tp) coordinates. Nothing is gathered and
 no rank ever holds a moved layer whole. Gradients are not carried: a move follows the optimizer step,
-after which there are none (ZeRO-2's kept slices included).
+after which there are none (ZeRO-2's kept slices included). Under bf16 working copies (dataparallel/copies.py)
+the carried state holds each parameter's whole fp32 master beside its moments: the masters move with their
+layers, never rounded.
 """
 
 from __future__ import annotations
@@ -135,7 +137,10 @@ def move_layers(
     template = next(iter(layers.values()))
     # Sizes of an incoming layer's buffers, from a layer we hold: every decoder layer has the same
     # parameter shapes on a given tp rank, and the same optimizer state.
-    n_flat, n_scalar = (t.numel() for t in _pack([template], opt_state, shards))
+    # Its dtype too: the parameter's, or fp32 where the state widens it (bf16 working copies carry their
+    # fp32 masters and moments beside the bf16 parameter: torch.cat promotes, exactly).
+    flat_t, scalar_t = _pack([template], opt_state, shards)
+    n_flat, n_scalar, flat_dtype = flat_t.numel(), scalar_t.numel(), flat_t.dtype
     ops: list[dist.P2POp] = []
     received: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     for (src, dst), ids in sorted(out.items()):
@@ -144,7 +149,7 @@ def move_layers(
         stats.layers_sent += len(ids)
         stats.bytes_sent += flat.numel() * flat.element_size() + scalars.numel() * 8
     for (src, dst), ids in sorted(inc.items()):
-        flat = torch.empty(n_flat * len(ids), dtype=template_dtype(template), device=topo.device)
+        flat = torch.empty(n_flat * len(ids), dtype=flat_dtype, device=topo.device)
         scalars = torch.empty(n_scalar * len(ids), dtype=torch.float64, device=topo.device)
         ops += [dist.P2POp(dist.irecv, flat, peer(src)), dist.P2POp(dist.irecv, scalars, peer(src))]
         received[(src, dst)] = (flat, scalars)
@@ -209,7 +214,3 @@ def _unpack(
             opt_state[p] = st
         built[str(i)] = layer
     return built
-
-
-def template_dtype(layer: nn.Module) -> torch.dtype:
-    return next(layer.parameters()).dtype

@@ -12,7 +12,7 @@ per rank, replica count, layer count and global batch, every replica keeping at 
 count. Otherwise (an elastic re-plan, a changed batch) the run starts from its configured partition and
 says why; the balancer then measures afresh. Under ZeRO-3 (`shared_only`) a layout whose replicas hold
 different partitions (recorded by a run at another zero level) does not apply either: ZeRO-3 cuts each
-layer among the replicas' ranks of one stage.
+layer among the replicas' ranks of one stage (and bf16 working copies at dp > 1 its masters: live.one_partition).
 """
 
 from __future__ import annotations
@@ -86,7 +86,8 @@ def restored_layout(
             f"{sum(len(r) for r in configured.parts[0])}"
         )
     if not why and shared_only and not layout.shared_partition:
-        why = "its replicas hold different partitions, and parallel.zero=3 needs one partition for all"
+        why = "its replicas hold different partitions, and this run (ZeRO-3, or bf16 working copies at dp > 1) "
+        why += "needs one partition for all"
     if why:
         return Restored(None, f"the checkpoint's layout does not apply: {why}; starting from the configured one")
     if layout == configured:

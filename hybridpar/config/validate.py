@@ -265,7 +265,6 @@ def _check_copies(cfg: Config) -> None:
     _require(t.precision == "bf16", f"{key} needs train.precision=bf16, got {t.precision}: add --train.precision bf16")
     others = {
         f"parallel.zero={p.zero}": p.zero >= 2,
-        f"balance.mode={cfg.balance.mode}": cfg.balance.mode != "off",
         "parallel.grad_sum=tree": p.grad_sum == "tree",
         "train.compile": t.compile,
         f"model.family={cfg.model.family}": cfg.model.family != "llama",
@@ -273,7 +272,7 @@ def _check_copies(cfg: Config) -> None:
     bad = [k for k, on in others.items() if on]
     _require(
         not bad,
-        f"{key} runs the llama family with ZeRO 0 or 1, no layer moves and no compile yet; it cannot run "
+        f"{key} runs the llama family with ZeRO 0 or 1 and no compile yet; it cannot run "
         f"with {', '.join(bad)}: use train.bf16_weights=autocast",
     )
 

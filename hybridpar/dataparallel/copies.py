@@ -18,6 +18,9 @@ moments, where autocast holds 4 + 4 + 2 (the step's cached bf16 cast) + 8/dp.
 - Checkpoints write the masters in place of the parameters (resilience/checkpoint.py, as ZeRO-3 writes its
   slices): the same fp32 tensors under the same names as an autocast run's, so a run resumes across the
   two modes and across layouts; a resume loads the masters and then `refresh`es the bf16 parameters.
+- Live layer moves (balance/migrate.py) carry what `gather_state` gives: each parameter's whole AdamW state
+  and its whole fp32 master (MASTER_KEY); the optimizer rebuilt after the move takes its masters from that,
+  never from the bf16 copies. At dp > 1 the replicas keep one partition (balance/live.py's one_partition).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from hybridpar.dataparallel.zero import ShardedAdamW, Slice, part, summed_grad
 from hybridpar.topology.mesh import Topology
 
 MASTER = torch.float32
+MASTER_KEY = "master"  # a layer move's carried state: the whole fp32 master beside the moments
 
 
 class MasterAdamW(ShardedAdamW):
@@ -46,14 +50,34 @@ class MasterAdamW(ShardedAdamW):
         carry: dict[torch.Tensor, dict[str, torch.Tensor]] | None = None,
         working: torch.dtype = torch.bfloat16,
     ) -> None:
-        super().__init__(named, t, topo, carry)  # the masters are taken from the parameters as built (fp32)
+        # The masters are taken from the parameters as built (fp32), or after a layer move from `carry`'s
+        # whole masters (gather_state's MASTER_KEY): the parameters are bf16 by then.
+        self._masters = {p: st.pop(MASTER_KEY) for p, st in (carry or {}).items() if MASTER_KEY in st}
+        super().__init__(named, t, topo, carry)
         for p in self.full:
             p.data = p.data.to(working)
             p.grad_dtype = MASTER  # AccumulateGrad widens each bf16 gradient into the fp32 .grad
+        if self._masters:  # layers that arrived hold their bf16 bits; the others are refreshed alike
+            self.refresh()
+        self._masters = {}
 
     def _view(self, p: nn.Parameter, s: Slice, given: dict[torch.Tensor, torch.Tensor] | None) -> nn.Parameter:
-        assert given is None, "working copies do not move layers (config/validate.py refuses balance.mode)"
-        return nn.Parameter(part(p.detach(), s, self.r).to(MASTER, copy=True))
+        assert given is None, "working copies keep ZeRO 0 or 1 (config/validate.py): no slices are given"
+        whole = self._masters.get(p, p.detach())
+        return nn.Parameter(part(whole, s, self.r).to(MASTER, copy=True))
+
+    def gather_state(self) -> dict[torch.Tensor, dict[str, torch.Tensor]]:
+        """Collective over dp: ShardedAdamW's whole AdamW state of every parameter, with its whole fp32
+        master under MASTER_KEY — what a layer move carries (balance/migrate.py sends it as one more
+        tensor of the parameter's shape), so the masters travel with their layers, never rounded."""
+        out = super().gather_state()
+        for p, s, q in zip(self.full, self.slices, self.views):
+            whole = q.detach().clone()
+            if s.dim is not None and self.dp > 1:
+                whole = torch.empty(p.shape, dtype=MASTER, device=q.device)
+                self._gather_one(whole, q.detach(), s)
+            out[p][MASTER_KEY] = whole
+        return out
 
     def step(self, closure: Any = None) -> Any:
         for p, s, q in zip(self.full, self.slices, self.views):

@@ -18,7 +18,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed as dist
 
-from hybridpar.balance.live import LiveBalancer, cost_model
+from hybridpar.balance.live import LiveBalancer, cost_model, one_partition
 from hybridpar.balance.migrate import default_layer_builder, move_layers
 from hybridpar.balance.monitor import DeviceMonitor
 from hybridpar.balance.repartition import Layout
@@ -336,7 +336,7 @@ class Trainer:
             virtual_stages=stages_per_rank(p),
             global_batch=t.global_batch,
             microbatches=len(self.plan.sizes[self.topo.dp_rank]),
-            shared_only=p.shards_parameters,
+            shared_only=one_partition(self.cfg),
         )
         if restored.layout is not None:
             self.apply_layout(restored.layout)
