@@ -82,7 +82,6 @@ def test_a_rebuilt_optimizer_takes_the_carried_masters_not_the_bf16_copies() -> 
         (dict(train=dict(bf16_weights="copies")), "train.bf16_weights=copies needs train.precision=bf16, got fp32"),
         (dict(train=COPIES, parallel=dict(zero=2, dp=2)), "it cannot run with parallel.zero=2"),
         (dict(train=COPIES | dict(compile=True)), "it cannot run with train.compile"),
-        (dict(train=COPIES, model=dict(family="gpt2")), "it cannot run with model.family=gpt2"),
     ],
 )
 def test_copies_refuse_what_they_do_not_run_before_launch(over: dict, message: str) -> None:

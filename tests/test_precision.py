@@ -30,8 +30,11 @@ BF16 = dict(precision="bf16")
 COPIES = dict(precision="bf16", bf16_weights="copies")
 # Working copies' runs train 4 of the tiny model's 8 layers: their yardstick is 12 one-device runs of its own.
 HALF = dict(n_layers=4)
-# (tp, pp, dp, schedule, virtual stages, train settings, other parallel settings); bf16 working copies
-# (train.bf16_weights copies) are held to one-device training with working copies, by the same tolerances.
+GPT2_HALF = HALF | dict(family="gpt2", n_kv_heads=None, n_positions=24)  # model/reference.py's gpt2_config
+# (tp, pp, dp, schedule, virtual stages, train settings, other parallel settings[, model settings]); bf16
+# working copies (train.bf16_weights copies) are held to one-device training with working copies, by the same
+# tolerances. GPT-2 with working copies at pp2: its tied embedding's two copies, one per end stage, each step
+# a master of their own with the same summed gradient.
 LAYOUTS = {
     "world4": [
         (2, 2, 1, "1f1b", 1, BF16, {}),
@@ -44,16 +47,19 @@ LAYOUTS = {
         (1, 2, 1, "interleaved-1f1b", 2, BF16, {}),
         (1, 1, 2, "1f1b", 1, COPIES, dict(zero=1)),
         (1, 1, 1, "1f1b", 1, COPIES | dict(recompute="full"), dict(cp=2)),
+        (1, 2, 1, "1f1b", 1, COPIES, {}, GPT2_HALF),
     ],
 }
 
 
+def _model(train: dict, given: list[dict]) -> dict:
+    return given[0] if given else HALF if "bf16_weights" in train else {}
+
+
 def _layout_configs(key: str) -> list[Config]:
     return [
-        grid_config(
-            pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t, model=HALF if "bf16_weights" in t else {}
-        )
-        for tp, pp, dp, s, v, t, more in LAYOUTS[key]
+        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t, model=_model(t, m))
+        for tp, pp, dp, s, v, t, more, *m in LAYOUTS[key]
     ]
 
 

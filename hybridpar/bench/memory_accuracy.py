@@ -1,7 +1,7 @@
 """`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
-For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
-parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
+For the default model and a larger one (and the default one as GPT-2, `--models gpt2`), at tp2 x pp2 and
+dp2 x pp2 (and tp2 x pp2 with sequence parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
 `cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16; `copies`: bf16 working
 copies, train.bf16_weights, which do not run ZeRO-2/3 yet: those cases are skipped) x
 ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
@@ -41,6 +41,8 @@ LAYOUTS = {
 MODELS = {
     "default": dict(model={}, train={}),
     "larger": dict(model=dict(dim=256, n_layers=8, n_heads=8, ffn_dim=704), train=dict(seq_len=256, global_batch=8)),
+    # The default model's shapes as GPT-2 (LayerNorm with biases, learned positions, tied embeddings)
+    "gpt2": dict(model=dict(family="gpt2", n_kv_heads=None), train={}),
 }
 COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
 

@@ -267,12 +267,11 @@ def _check_copies(cfg: Config) -> None:
         f"parallel.zero={p.zero}": p.zero >= 2,
         "parallel.grad_sum=tree": p.grad_sum == "tree",
         "train.compile": t.compile,
-        f"model.family={cfg.model.family}": cfg.model.family != "llama",
     }
     bad = [k for k, on in others.items() if on]
     _require(
         not bad,
-        f"{key} runs the llama family with ZeRO 0 or 1 and no compile yet; it cannot run "
+        f"{key} runs with ZeRO 0 or 1 and no compile yet; it cannot run "
         f"with {', '.join(bad)}: use train.bf16_weights=autocast",
     )
 

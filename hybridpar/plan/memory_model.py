@@ -278,8 +278,10 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         norms = 2 * (bs * d * r + bs * F32 + (0 if low else bg * d * F32))
         casts = 2 * bg * d * 2 if low else 0
         return norms + casts + attn + 3 * bt * f * c
-    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
-    norms = 2 * (bs * d + 2 * bs) * F32
+    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output. Under
+    # working copies all three are bf16 (the residual stream's dtype: torch's CPU LayerNorm keeps its
+    # statistics in the input's dtype where the weights share it; CUDA's keep them fp32, 4 bytes more a token).
+    norms = 2 * (bs * d + 2 * bs) * r
     ins = 2 * bg * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
     attn = bt * 3 * hq * hd * c + b * hq * seq_len(cfg) * F32 + bt * hq * hd * c
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
@@ -317,7 +319,8 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
         # The final norm as in the layers, the head's input (its cast under autocast; the weight's cast:
         # weight_casts), the fp32 log-softmax over the whole vocabulary, the loss's total weight.
         bs = bt // seq_shards(cfg)  # the final norm runs on the rank's slice of the sequence
-        norm = bs * d * (2 if working_copies(cfg) else F32) + (bs * F32 if m.family == "llama" else 2 * bs * F32)
+        r = 2 if working_copies(cfg) else F32  # the residual stream's bytes
+        norm = bs * d * r + (bs * F32 if m.family == "llama" else 2 * bs * r)
         head_in = bt * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
     return out
@@ -343,7 +346,9 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     bt, d, hd, f = b * seq_len(cfg), m.dim, m.head_dim, m.ffn_dim // tp
     hq, hk = m.n_heads // tp, m.kv_heads // tp
     c = 2 if t.precision == "bf16" else F32
-    shared = c if m.family == "llama" else F32  # llama's projections read the norms' shared bf16 cast
+    # llama's projections read the norms' shared bf16 cast; GPT-2's the norm's output, fp32 under autocast
+    # and bf16 under working copies
+    shared = c if m.family == "llama" or working_copies(cfg) else F32
     inputs = 2 * bt * d * shared + bt * hq * hd * c + bt * f * c
     grads = bt * (hq + 2 * hk) * hd * c + 2 * bt * d * c + (2 if m.family == "llama" else 1) * bt * f * c
     head = bt * d * (2 if working_copies(cfg) else F32) + bt * (m.vocab_size // tp) * c if last else 0

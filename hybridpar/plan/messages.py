@@ -65,9 +65,12 @@ def message_buffers(
     # parallelism: of the rank's 1/cp of it.
     tokens = t.seq_len // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
     msg = [b * tokens * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
-    # A gradient received in fp32 is the one its W keeps (the last layer's output gradient); a bf16 one
-    # is widened to fp32 first, and goes with its B.
-    release = Op.WEIGHT if split and t.precision == "fp32" else Op.BACKWARD
+    # A message in the stage's own dtype is read in place (pipeline/runtime.py): an fp32 one, or a bf16 one
+    # under working copies, whose stages compute in bf16. A gradient read in place is the one its W keeps
+    # (the last layer's output gradient); a bf16 one under autocast is widened to fp32 first, and goes with
+    # its B; likewise an activation under autocast is read through its fp32 copy, back after the forward.
+    widened = t.precision == "bf16" and t.bf16_weights != "copies"
+    release = Op.WEIGHT if split and not widened else Op.BACKWARD
     sends: dict[tuple[int, int], list[tuple[float, float, int]]] = {}  # link -> (sent, freed, bytes)
     live: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # receive buffers: (time, +-bytes)
     for e in rep.sends:
@@ -76,7 +79,7 @@ def message_buffers(
         reader = at[(Op.FORWARD if a.op == Op.SEND_F else Op.BACKWARD, to, a.microbatch)]
         # Its last reader: the backward that saved it; with a split backward W keeps the gradient.
         done = at[(release if a.op == Op.SEND_B else Op.BACKWARD, to, a.microbatch)]
-        if a.op == Op.SEND_F and t.precision == "bf16":  # read through its fp32 copy: back after the forward
+        if a.op == Op.SEND_F and widened:
             done = reader
         freed = done.end if lent else reader.start
         sends.setdefault((e.rank, ranks[to]), []).append((e.end, freed, msg[a.microbatch]))
