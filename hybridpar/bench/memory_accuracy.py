@@ -1,9 +1,9 @@
 """`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
 For the default model and a larger one (and the default one as GPT-2, `--models gpt2`), at tp2 x pp2 and
-dp2 x pp2 (and tp2 x pp2 with sequence parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
-`cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16; `copies`: bf16 working
-copies, train.bf16_weights, which do not run ZeRO-2/3 yet: those cases are skipped) x
+dp2 x pp2 (and tp2 x pp2 with sequence parallelism, `--layouts tp2xpp2-sp`; with context parallelism too,
+`--layouts cp2xtp2-sp` or `cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16;
+`copies`: bf16 working copies, train.bf16_weights, which do not run ZeRO-2/3 yet: those cases are skipped) x
 ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
 counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
