@@ -80,7 +80,7 @@ def test_a_rebuilt_optimizer_takes_the_carried_masters_not_the_bf16_copies() -> 
     "over, message",
     [
         (dict(train=dict(bf16_weights="copies")), "train.bf16_weights=copies needs train.precision=bf16, got fp32"),
-        (dict(train=COPIES, parallel=dict(zero=2, dp=2)), "it cannot run with parallel.zero=2"),
+        (dict(train=COPIES, parallel=dict(zero=3, dp=2)), "it cannot run with parallel.zero=3"),
         (dict(train=COPIES | dict(compile=True)), "it cannot run with train.compile"),
     ],
 )

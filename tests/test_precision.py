@@ -45,7 +45,7 @@ LAYOUTS = {
     "world2": [
         (1, 2, 1, "zb-v", 2, BF16, {}),
         (1, 2, 1, "interleaved-1f1b", 2, BF16, {}),
-        (1, 1, 2, "1f1b", 1, COPIES, dict(zero=1)),
+        (1, 1, 2, "1f1b", 1, COPIES, dict(zero=2)),
         (1, 1, 1, "1f1b", 1, COPIES | dict(recompute="full"), dict(cp=2)),
         (1, 2, 1, "1f1b", 1, COPIES, {}, GPT2_HALF),
     ],

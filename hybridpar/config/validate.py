@@ -256,7 +256,7 @@ def _check_grad_sum(cfg: Config) -> None:
 
 def _check_copies(cfg: Config) -> None:
     """train.bf16_weights=copies (trainer/build.py, dataparallel/copies.py): what it runs with so far. Each
-    refusal is a path whose parameters live elsewhere than the masters (ZeRO-2/3) or that no equivalence
+    refusal is a path whose parameters live elsewhere than the masters (ZeRO-3) or that no equivalence
     test has run with the bf16 parameters yet."""
     p, t = cfg.parallel, cfg.train
     if t.bf16_weights != "copies":
@@ -264,7 +264,7 @@ def _check_copies(cfg: Config) -> None:
     key = "train.bf16_weights=copies"
     _require(t.precision == "bf16", f"{key} needs train.precision=bf16, got {t.precision}: add --train.precision bf16")
     others = {
-        f"parallel.zero={p.zero}": p.zero >= 2,
+        f"parallel.zero={p.zero}": p.zero == 3,
         "parallel.grad_sum=tree": p.grad_sum == "tree",
         "train.compile": t.compile,
     }

@@ -62,7 +62,7 @@ class MasterAdamW(ShardedAdamW):
         self._masters = {}
 
     def _view(self, p: nn.Parameter, s: Slice, given: dict[torch.Tensor, torch.Tensor] | None) -> nn.Parameter:
-        assert given is None, "working copies keep ZeRO 0 or 1 (config/validate.py): no slices are given"
+        assert given is None, "working copies run without ZeRO-3 (config/validate.py): no slices are given"
         whole = self._masters.get(p, p.detach())
         return nn.Parameter(part(whole, s, self.r).to(MASTER, copy=True))
 

@@ -569,8 +569,10 @@ class MemoryModel:
         params = sum(_numel(s) for s, _ in shapes) * F32
         copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO (0 or 1)
         opt, gather = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
-        embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
-        tie = embed if cfg.model.tied and p.pp > 1 else 0
+        embed = (cfg.model.vocab_size // p.tp, cfg.model.dim)  # (a shard of) the tied embedding
+        if p.zero >= 2 and p.dp > 1:  # the kept gradient slices are summed, slice by slice (grads.sync_tied_embeddings)
+            embed = (_cut(embed, 0 if p.tp > 1 else None, p.dp, self._cuts)[1],)
+        tie = _numel(embed) * F32 if cfg.model.tied and p.pp > 1 else 0
         grads, rest = params, params
         params = at_rest = params // 2 if copies else params
         if p.zero >= 2 and p.dp > 1:  # ZeRO-2 and 3 keep dp rank 0's slice of each gradient (zero.keep_slice)
