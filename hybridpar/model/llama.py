@@ -26,14 +26,23 @@ class _RMSNorm(torch.autograd.Function):
     is autograd's own chain of formulas (derivatives.yaml: mul, rsqrt, mean, pow), op for op, on the same
     tensors. x comes in twice (`x`, `x2`: a view of it) so that its two gradient terms, the product's
     and the square's, reach x's other uses (the residual add) one after the other, as autograd sums them:
-    floating-point addition is not associative, and this keeps the gradients bit-identical."""
+    floating-point addition is not associative, and this keeps the gradients bit-identical. The output
+    can be remade from what is saved (`remake`: the same ops on the same tensors), so the layers that read
+    it need not keep it (model/regather.py)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()  # normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, r, weight)  # the weight: a parameter, resident anyway
+        ctx.remake = _RMSNorm.remake
         return weight * (h * r).to(x.dtype)
+
+    @staticmethod
+    def remake(ctx: Any) -> torch.Tensor:
+        """The forward's output again, bit for bit, from the saved input and 1/rms (before this node's backward)."""
+        x, r, weight = ctx.saved_tensors
+        return weight.detach() * (x.detach().float() * r).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -139,6 +148,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Its saved-tensor hooks (model/regather.py, `saves`, installed by tp.install_saves) rebuild the projections'
+    # input from the norm and keep one head of each group of the repeated k, v.
+    rebuilds_saved = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hd = cfg.head_dim
@@ -157,11 +170,14 @@ class Attention(nn.Module):
         v = self.v_proj(xv).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        y = attend(q, k, v, kv)  # (B, h, T, hd)
+        y = attend(q, k, v, kv, getattr(self, "saves", None))  # (B, h, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    # Its saved-tensor hooks (as Attention's) rebuild the projections' input and the down projection's.
+    rebuilds_saved = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -170,7 +186,13 @@ class MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xg, xu = shared_casts(x, 2)
-        return self.down_proj(_SwiGLU.apply(self.gate_proj(xg), self.up_proj(xu)))
+        gate, up = self.gate_proj(xg), self.up_proj(xu)
+        h = _SwiGLU.apply(gate, up)  # (B, T, ffn)
+        saves = getattr(self, "saves", None)
+        if saves is not None:  # the down projection's input, remade from gate and up (which SwiGLU keeps)
+            g, u = gate.detach(), up.detach()
+            saves.rebuilt(h, lambda: F.silu(g) * u)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

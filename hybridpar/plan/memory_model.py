@@ -225,6 +225,15 @@ def regathers(cfg: Config, mode: str) -> bool:
     )
 
 
+def rebuilds(cfg: Config, mode: str) -> bool:
+    """Whether a layer's blocks rebuild cheap saved tensors in the backward (train.rebuild_saved,
+    model/regather.py): Llama's, where the layer is not recomputed or compiled and no zero-bubble W keeps the
+    inputs anyway (as `regathers`)."""
+    split = schedule_spec(cfg.parallel.schedule).splits_backward
+    t = cfg.train
+    return t.rebuild_saved and cfg.model.family == "llama" and mode == "none" and not split and not t.compile
+
+
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
     """Bytes autograd saves for one decoder layer's backward, microbatch of b samples (tp rank's share).
     Counted per op from what each backward reads; checked against the meter by tests/test_memory_model.py."""
@@ -248,10 +257,16 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         # RMSNorm keeps its input and 1/rms (fp32; llama._RMSNorm); the projections keep their
         # input: the norm's output itself in fp32, under autocast its bf16 cast, one shared by q, k, v and
         # one by gate, up (llama.shared_casts; the weights' casts: weight_casts). SwiGLU keeps gate and up
-        # (llama._SwiGLU recomputes silu(gate)), the down projection the product.
-        norms = 2 * ((bs * d + bs) * F32 + (0 if low else bg * d * F32))
-        casts = 2 * bg * d * 2 if low else 0
-        return norms + casts + attn + 3 * bt * f * c
+        # (llama._SwiGLU recomputes silu(gate)), the down projection the product. Rebuilt instead
+        # (model/regather.py): the projections' inputs (not a gathered whole kept as it is: SP, sp_backward
+        # saved), the product, and of k, v repeated to the query heads all but one head of each group.
+        rb = rebuilds(cfg, mode)
+        ins = 0 if rb and bg == bs else bg
+        norms = 2 * ((bs * d + bs) * F32 + (0 if low else ins * d * F32))
+        casts = 2 * ins * d * 2 if low else 0
+        if rb and cfg.parallel.cp == 1:
+            attn -= 2 * bt * (hq - hk) * hd * c
+        return norms + casts + attn + (2 if rb else 3) * bt * f * c
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
     norms = 2 * (bs * d + 2 * bs) * F32
     ins = 2 * bg * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
