@@ -71,6 +71,48 @@ def test_layer_formula_is_what_autograd_saves(family: str, precision: str, mode:
     assert got == 2 * layer_saved(cfg, 3, mode) + step_saved(cfg, False, False, 3) + casts
 
 
+def rebuild_check(tp_group: object = None, sp: bool = False) -> list[tuple]:
+    """Two llama layers with grouped-query attention (norm weights not 1: a recipe that left them out would
+    show), on this rank's `tp_group` (sequence-parallel with `sp`, re-gathering), each precision without and
+    with train.rebuild_saved: (precision, gradients torch.equal, meter bytes (off, on), model bytes (off, on))."""
+    n = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    out = []
+    for precision in ("fp32", "bf16"):
+        cfg = small("llama", precision, tp=n, sequence_parallel=sp)
+        grads, live, model = [], [], []
+        for on in (False, True):
+            cfg.train.rebuild_saved = on
+            stage = build_stage(cfg.model, [0, 1], False, False, 0, torch.device("cpu"), tp_group, sp, "regather")
+            stage.rebuild_now = on
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in stage.parameters():
+                    p.add_(torch.randn(p.shape, generator=g), alpha=0.1)
+            x = torch.randn(3, cfg.train.seq_len // (n if sp else 1), cfg.model.dim, generator=g, requires_grad=True)
+            meter = ActivationMeter()
+            meter.reset(stage.parameters())
+            low = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+            with meter.measuring(), low:
+                y = stage(x)
+            live.append(meter.live)
+            model.append(
+                2 * layer_saved(cfg, 3, "none") + step_saved(cfg, False, False, 3) + weight_casts(cfg, 2, False)
+            )
+            y.backward(torch.randn(y.shape, generator=g))
+            grads.append([x.grad] + [p.grad for p in stage.parameters()])
+        same = all(torch.equal(a, b) for a, b in zip(*grads))
+        out.append((precision, same, tuple(live), tuple(model)))
+    return out
+
+
+def test_rebuilt_saves_give_the_same_gradients_and_the_model_follows() -> None:
+    """train.rebuild_saved (model/regather.py): bit for bit the gradients of keeping the tensors, and the meter's
+    count exactly the layer formula's, with and without. tp2 with and without sequence parallelism:
+    test_model_matches_what_ranks_hold's launch."""
+    for precision, same, live, model in rebuild_check():
+        assert same and live == model and live[1] < live[0], (precision, live, model)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_embedding_head_and_loss_are_what_autograd_saves(family: str, precision: str) -> None:
@@ -260,6 +302,8 @@ def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
         losses = [tr.step(s)["loss"] for s in range(2)]
         tr.p2p.close()
         out.append({"pp": topo.pp_rank, "dp": topo.dp_rank, "losses": losses, **tr.memory})
+    tp2 = next(t for t in topos.values() if t.dims.tp == 2)  # rebuilding at tp2, without and with SP
+    out.append({"rebuild": [rebuild_check(tp2.group("tp"), sp) for sp in (False, True)]})
     return out
 
 
@@ -286,6 +330,10 @@ def test_model_matches_what_ranks_hold() -> None:
         tiny_config(parallel=dict(sp, p2p="process_group", sp_backward="saved"), train=one_sample),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
+    for ranks in got:  # train.rebuild_saved at tp2: bit for bit the same gradients, the meter the model exactly
+        for sp, checks in zip((False, True), ranks[-1]["rebuild"]):
+            for precision, same, live, model in checks:
+                assert same and live == model and live[1] < live[0], (sp, precision, live, model)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
     # from the first's gradients), and the activations lower by the model's difference (the projections' inputs).
     for ranks in got:
