@@ -109,9 +109,10 @@ class LayerKV:
     def __init__(self, step: KVStep, lid: str) -> None:
         self.step, self.lid = step, lid
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saves: Any = None) -> torch.Tensor:
         """Write this step's keys/values (1, kv, N, hd) into their blocks; return the attention of the
-        queries (1, h, N, hd) over their own sequences' keys, gathered from the blocks, part by part."""
+        queries (1, h, N, hd) over their own sequences' keys, gathered from the blocks, part by part.
+        (`saves`: serving saves nothing for a backward.)"""
         s, c = self.step, self.step.cache
         pk, pv = c.k[self.lid], c.v[self.lid]
         pk.index_copy_(0, s.write, k[0].transpose(0, 1))
@@ -145,7 +146,7 @@ def sdpa(
 def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None, saves: Any = None) -> torch.Tensor:
     """Causal attention of q (B, h, T, hd) over k, v (B, kv, T, hd) -> (B, h, T, hd); with `kv`, over each
     sequence's cached past as well (B = 1: the step's packed row). `saves`: as sdpa's."""
-    return sdpa(q, k, v, None, saves) if kv is None else kv.attend(q, k, v)
+    return sdpa(q, k, v, None, saves) if kv is None else kv.attend(q, k, v, saves)
 
 
 def attention_kernel(q_heads: int, seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> str:

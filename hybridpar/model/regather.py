@@ -114,9 +114,10 @@ class BlockSaves:
         self._ctx.__enter__()
 
     def _exit(self, mod: nn.Module, args: tuple, out: Any) -> None:
-        if self._ctx is not None:
-            ctx, self._ctx = self._ctx, None
-            ctx.__exit__(None, None, None)
+        if self._ctx is None:  # nothing was in force (and a compiled layer traces no more than this)
+            return
+        ctx, self._ctx = self._ctx, None
+        ctx.__exit__(None, None, None)
         self._known.clear()
         self._kept.clear()
         self._source, self._outer = None, None
