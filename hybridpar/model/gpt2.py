@@ -26,6 +26,7 @@ from hybridpar.config import ModelConfig
 from hybridpar.model.family import Family, check_hf_fields
 from hybridpar.model.hf import TensorSource, read_local, shard_rows
 from hybridpar.model.kvcache import KVStep, LayerKV, attend
+from hybridpar.model.regather import block_saves, saving
 from hybridpar.model.stage import Stage
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -40,7 +41,13 @@ class GPT2Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        with saving(self, x):  # the sequence-parallel re-gather of c_attn's input (model/regather.py)
+            return self._forward(x, kv)
+
+    def _forward(self, x: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         B, T, _ = x.shape
+        saves = block_saves(self)
+        x = x if saves is None else saves.note(x)
         # -1 heads: under tensor parallelism each rank holds n_heads/tp of them.
         qkv = self.c_attn(x).view(B, T, -1, 3, self.head_dim)  # (B, T, h, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, h, T, hd)
@@ -55,7 +62,10 @@ class GPT2MLP(nn.Module):
         self.c_proj = nn.Linear(cfg.ffn_dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        with saving(self, x):  # as GPT2Attention's, for c_fc
+            saves = block_saves(self)
+            x = x if saves is None else saves.note(x)
+            return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
 
 
 class GPT2Block(nn.Module):

@@ -16,6 +16,7 @@ from torch import nn
 from hybridpar.config import ModelConfig
 from hybridpar.model.family import Family, check_hf_fields
 from hybridpar.model.kvcache import KVStep, LayerKV, attend
+from hybridpar.model.regather import block_saves, saving
 from hybridpar.model.stage import Stage
 
 
@@ -162,15 +163,22 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        with saving(self, x):
+            return self._forward(x, cos, sin, kv)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         B, T, _ = x.shape
+        saves = block_saves(self)
         # -1 heads: under tensor parallelism each rank holds n_heads/tp query and kv_heads/tp kv heads.
         xq, xk, xv = shared_casts(x, 3)
+        if saves is not None:  # what q, k, v read: re-gathered or remade from the norm in the backward
+            saves.note(xq)
         q = self.q_proj(xq).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
         k = self.k_proj(xk).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         v = self.v_proj(xv).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        y = attend(q, k, v, kv, getattr(self, "saves", None))  # (B, h, T, hd)
+        y = attend(q, k, v, kv, saves)  # (B, h, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
@@ -185,10 +193,16 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with saving(self, x):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        saves = block_saves(self)
         xg, xu = shared_casts(x, 2)
+        if saves is not None:  # what gate and up read, as Attention's q, k, v
+            saves.note(xg)
         gate, up = self.gate_proj(xg), self.up_proj(xu)
         h = _SwiGLU.apply(gate, up)  # (B, T, ffn)
-        saves = getattr(self, "saves", None)
         if saves is not None:  # the down projection's input, remade from gate and up (which SwiGLU keeps)
             g, u = gate.detach(), up.detach()
             saves.rebuilt(h, lambda: F.silu(g) * u)

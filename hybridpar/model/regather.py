@@ -19,8 +19,10 @@ Two kinds of rewrite, each bit for bit the forward's tensor, so the gradients ar
 Every save of one tensor shares one rebuilt tensor: the first of the backwards to read it remakes it, the
 others read the same, the last one lets it go.
 
-How: saved-tensor hooks around the block's forward. Pack sees every tensor autograd saves there; those it
-knows become their recipe, the others are handed to the hooks that were active outside (the activation
+How: saved-tensor hooks around the block's forward (`saving`, entered by the block's own forward: no module
+hooks, which would make a compiled layer's guards differ from layer to layer). The block tells them which
+tensors its projections read (`note`); pack sees every tensor autograd saves there; those it knows become
+their recipe, the others are handed to the hooks that were active outside (the activation
 meter, pipeline/activation_meter.py), so the meter counts what is kept (a slice, a head of each group) and
 everything else as before; a recipe's inputs are held (and counted) by the ops that saved them. Not where a
 layer is recomputed (torch.utils.checkpoint's own hooks must see its saves), compiled (train.compile: the
@@ -30,7 +32,8 @@ without gradients (serving).
 
 from __future__ import annotations
 
-from typing import Any, Callable
+import contextlib
+from typing import Any, Callable, Iterator
 
 import torch
 import torch.distributed as dist
@@ -69,42 +72,54 @@ def _low(x: torch.Tensor) -> torch.Tensor:
 
 
 class BlockSaves:
-    """The saved-tensor hooks of one block of `stage`; `linears`: its column-parallel layers, which read its
-    input. `group`: the tp group for the re-gather (None: no tensor parallelism, nothing to re-gather)."""
+    """The saved-tensor hooks of one block of `stage` (installed by tp.install_saves). `group`: the tp group
+    for the re-gather (None: no tensor parallelism, nothing to re-gather)."""
 
-    def __init__(self, stage: nn.Module, block: nn.Module, linears: list[nn.Module]) -> None:
+    def __init__(self, stage: nn.Module) -> None:
         self.stage, self.group = stage, None
         self.rank, self.n = 0, 1
         self._ctx: torch.autograd.graph.saved_tensors_hooks | None = None
         self._outer: Hooks = None
         self._regather = self._rebuild = False  # what is in force during this forward
-        self._source: Callable[[], torch.Tensor] | None = None  # remakes the block's input (this rank's slice)
-        self._source_shape: torch.Size | None = None
+        self._source: Callable[[], torch.Tensor] | None = None  # remakes the norm's output (this rank's slice)
         # storage address -> (the (B, T, ...) shape the recipe makes, recipe: a _Kept's make, None to re-gather)
         self._known: dict[int, tuple[torch.Size, Callable[[], torch.Tensor] | None]] = {}
         self._kept: dict[int, _Kept] = {}
-        # before f's hook (model/tp.py), which gathers or copies the input: the block's input as the norm made it
-        block.register_forward_pre_hook(self._enter, prepend=True)
-        block.register_forward_hook(self._exit, always_call=True)
-        for m in linears:
-            m.register_forward_pre_hook(self._note)
 
     def set_group(self, group: dist.ProcessGroup) -> None:
         self.group, self.rank, self.n = group, dist.get_rank(group), dist.get_world_size(group)
 
-    def _enter(self, mod: nn.Module, args: tuple) -> None:
+    @contextlib.contextmanager
+    def saving(self, block: nn.Module, x: torch.Tensor) -> Iterator[None]:
+        """Around the forward of `block`, whose input (as its forward reads it: after tp's f) is `x`."""
+        if not self._enter(block, x):
+            yield
+            return
+        try:
+            yield
+        finally:
+            ctx, self._ctx = self._ctx, None
+            assert ctx is not None
+            ctx.__exit__(None, None, None)
+            self._known.clear()
+            self._kept.clear()
+            self._source, self._outer = None, None
+
+    def _enter(self, block: nn.Module, x: torch.Tensor) -> bool:
         s = self.stage
         if not torch.is_grad_enabled() or s.recompute_phase is not None or s.compiled is not None:
-            return
+            return False
         self._regather = self.group is not None and getattr(s, "sp_regather", False)
-        self._rebuild = getattr(s, "rebuild_now", False) and getattr(mod, "rebuilds_saved", False)
+        self._rebuild = getattr(s, "rebuild_now", False) and getattr(block, "rebuilds_saved", False)
         if not (self._regather or self._rebuild):
-            return
-        x = args[0]
+            return False
         node = x.grad_fn
-        remake = getattr(node, "remake", None) if self._rebuild else None
-        self._source = (lambda: remake(node)) if remake is not None else None
-        self._source_shape = x.shape
+        if getattr(node, "tp_f", False):  # tp's f (a copy, or the sequence's all-gather): the norm is behind it
+            node = node.next_functions[0][0]
+        remake = getattr(node, "remake", None)
+        # the norm's output itself, or under SP re-gathered from its slices (not a gathered whole kept as it is)
+        usable = self._rebuild and remake is not None and (self._regather or s.seq_shards == 1)
+        self._source = (lambda: remake(node)) if usable else None
         # The hooks active outside (the meter's): torch applies only the innermost pair, so ours hand on to them
         # (torch has no public call that returns the pair in force; this private one is what torch's own
         # functorch reads).
@@ -112,27 +127,22 @@ class BlockSaves:
         self._outer = outer
         self._ctx = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda p: self._unpack(outer, p))
         self._ctx.__enter__()
+        return True
 
-    def _exit(self, mod: nn.Module, args: tuple, out: Any) -> None:
-        if self._ctx is None:  # nothing was in force (and a compiled layer traces no more than this)
-            return
-        ctx, self._ctx = self._ctx, None
-        ctx.__exit__(None, None, None)
-        self._known.clear()
-        self._kept.clear()
-        self._source, self._outer = None, None
-
-    def _note(self, mod: nn.Module, args: tuple) -> tuple | None:
+    def note(self, x: torch.Tensor) -> torch.Tensor:
+        """`x`, the block's input as its column-parallel projections read it (tp's f applied, the block's cast
+        if any): re-gathered or remade from the norm in the backward. Returned as the projections must read it
+        (autocast's cast done here: the same op, so that the saved tensor is one we know)."""
         if self._ctx is None:
-            return None
-        x = _low(args[0])
+            return x
+        x = _low(x)
         key = x.untyped_storage().data_ptr()
         if self._regather:
             self._known.setdefault(key, (x.shape, None))
-        elif self._source is not None and x.shape == self._source_shape:  # not a gathered whole (SP, saved)
+        elif self._source is not None:
             src, dtype = self._source, x.dtype
             self._known.setdefault(key, (x.shape, lambda: src().to(dtype)))  # (B, T, d): the norm's output, cast
-        return (x, *args[1:])
+        return x
 
     def rebuilt(self, t: torch.Tensor, make: Callable[[], torch.Tensor]) -> None:
         """`t` (just made in this block's forward) is what `make()` returns, bit for bit, from tensors the
@@ -191,3 +201,16 @@ class BlockSaves:
         if view is None:
             return outer[1](held) if outer else held
         return held.get(view)
+
+
+def block_saves(block: nn.Module) -> BlockSaves | None:
+    """The saved-tensor hooks of `block` (installed by tp.install_saves), where they may act: not inside a
+    compiled layer, whose graph saves its own set (and where reading a per-layer object would make dynamo
+    compile a graph per layer)."""
+    return None if torch.compiler.is_compiling() else getattr(block, "saves", None)
+
+
+def saving(block: nn.Module, x: torch.Tensor) -> contextlib.AbstractContextManager:
+    """`with saving(self, x):` around a block's forward (x: its input): its saved-tensor hooks, where in force."""
+    saves = block_saves(block)
+    return contextlib.nullcontext() if saves is None else saves.saving(block, x)

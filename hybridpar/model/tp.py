@@ -49,7 +49,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.tp_f = group, True  # tp_f: the block's saved-tensor hooks look behind it (model/regather.py)
         return x.view_as(x)
 
     @staticmethod
@@ -102,7 +102,7 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.tp_f = group, True  # as _CopyToTP's
         return gather_seq(x, group)
 
     @staticmethod
@@ -224,30 +224,26 @@ def apply_tp(
     return stage
 
 
-def _blocks(stage: Stage) -> list[tuple[nn.Module, list[nn.Module]]]:
-    """Each block whose input f gathers or copies (TP_PLAN's copy_in), with its column-parallel layers."""
-    styles = {
-        name: next((s for p, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, p)), None)
-        for name, _ in stage.named_modules()
-    }
+def _blocks(stage: Stage) -> list[nn.Module]:
+    """Each block whose input f gathers or copies (TP_PLAN's copy_in): its column-parallel layers read it."""
     return [
-        (mod, [m for n, m in mod.named_modules(prefix=name) if styles.get(n) == "colwise"])
+        mod
         for name, mod in stage.named_modules()
-        if styles[name] == "copy_in"
+        if next((s for p, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, p)), None) == "copy_in"
     ]
 
 
 def install_saves(stage: Stage) -> None:
     """Each block's saved-tensor hooks (model/regather.py: the re-gather, the rebuilds), once per block."""
-    for block, cols in _blocks(stage):
+    for block in _blocks(stage):
         if not isinstance(getattr(block, "saves", None), BlockSaves):
-            block.saves = BlockSaves(stage, block, cols)
+            block.saves = BlockSaves(stage)
 
 
 def _regather(stage: Stage, group: dist.ProcessGroup) -> None:
     """Each block whose input f gathers keeps its column-parallel layers' 1/tp slice (model/regather.py);
     `stage.sp_regather` switches it (the runtime turns it off where a zero-bubble W keeps the input)."""
-    for block, _ in _blocks(stage):
+    for block in _blocks(stage):
         block.saves.set_group(group)
     stage.sp_regather, stage.sp_backward = True, "regather"
 
