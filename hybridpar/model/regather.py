@@ -11,7 +11,8 @@ Two kinds of rewrite, each bit for bit the forward's tensor, so the gradients ar
   the whole is all-gathered again in the backward, once per block and microbatch (an all-gather copies).
 - **Rebuild** (`train.rebuild_saved`): tensors the backward can remake exactly and cheaply from tensors kept
   anyway, by the very ops that made them. The projections' input, when the block's input is a norm's output
-  whose autograd node says how to remake it (`remake`: llama.RMSNorm from its fp32 input and 1/rms), cast as
+  (behind tp's f, which marks its node `tp_f`) whose autograd node says how to remake it (`remake`:
+  llama.RMSNorm from its fp32 input and 1/rms), cast as
   the block cast it (llama.shared_casts), under re-gather the rank's slice (the norm's own output); a tensor
   the model hands to `rebuilt` with its recipe (llama's silu(gate) * up from gate and up, which SwiGLU keeps);
   and k, v repeated to the query heads (`repeated`: only one head of each group is kept).
