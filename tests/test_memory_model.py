@@ -72,13 +72,14 @@ def test_layer_formula_is_what_autograd_saves(family: str, precision: str, mode:
 
 
 def rebuild_check(tp_group: object = None, sp: bool = False) -> list[tuple]:
-    """Two llama layers with grouped-query attention (norm weights not 1: a recipe that left them out would
-    show), on this rank's `tp_group` (sequence-parallel with `sp`, re-gathering), each precision without and
-    with train.rebuild_saved: (precision, gradients torch.equal, meter bytes (off, on), model bytes (off, on))."""
+    """Two layers of each family (llama with grouped-query attention; norm weights not 1: a recipe that left them
+    out would show), on this rank's `tp_group` (sequence-parallel with `sp`, re-gathering), each precision
+    without and with train.rebuild_saved: (family, precision, gradients torch.equal, meter bytes (off, on),
+    model bytes (off, on))."""
     n = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
     out = []
-    for precision in ("fp32", "bf16"):
-        cfg = small("llama", precision, tp=n, sequence_parallel=sp)
+    for family, precision in [(f, p) for f in ("llama", "gpt2") for p in ("fp32", "bf16")]:
+        cfg = small(family, precision, tp=n, sequence_parallel=sp)
         grads, live, model = [], [], []
         for on in (False, True):
             cfg.train.rebuild_saved = on
@@ -101,7 +102,7 @@ def rebuild_check(tp_group: object = None, sp: bool = False) -> list[tuple]:
             y.backward(torch.randn(y.shape, generator=g))
             grads.append([x.grad] + [p.grad for p in stage.parameters()])
         same = all(torch.equal(a, b) for a, b in zip(*grads))
-        out.append((precision, same, tuple(live), tuple(model)))
+        out.append((family, precision, same, tuple(live), tuple(model)))
     return out
 
 
@@ -109,8 +110,8 @@ def test_rebuilt_saves_give_the_same_gradients_and_the_model_follows() -> None:
     """train.rebuild_saved (model/regather.py): bit for bit the gradients of keeping the tensors, and the meter's
     count exactly the layer formula's, with and without. tp2 with and without sequence parallelism:
     test_model_matches_what_ranks_hold's launch."""
-    for precision, same, live, model in rebuild_check():
-        assert same and live == model and live[1] < live[0], (precision, live, model)
+    for family, precision, same, live, model in rebuild_check():
+        assert same and live == model and live[1] < live[0], (family, precision, live, model)
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
@@ -332,8 +333,8 @@ def test_model_matches_what_ranks_hold() -> None:
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     for ranks in got:  # train.rebuild_saved at tp2: bit for bit the same gradients, the meter the model exactly
         for sp, checks in zip((False, True), ranks[-1]["rebuild"]):
-            for precision, same, live, model in checks:
-                assert same and live == model and live[1] < live[0], (sp, precision, live, model)
+            for family, precision, same, live, model in checks:
+                assert same and live == model and live[1] < live[0], (sp, family, precision, live, model)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
     # from the first's gradients), and the activations lower by the model's difference (the projections' inputs).
     for ranks in got:

@@ -276,7 +276,9 @@ class TrainConfig:
         True,
         "rebuild cheap saved tensors in the backward instead of keeping them, bit for bit the same gradients "
         "(llama: the projections' inputs from the norm's input and 1/rms, the down projection's from gate and "
-        "up, k and v repeated to the query heads from one head of each group; docs/memory.md); off where a "
+        "up, k and v repeated to the query heads from one head of each group; gpt2: the projections' inputs "
+        "from the LayerNorm's input, the second MLP projection's from the first's output; docs/memory.md); "
+        "off where a "
         "layer is recomputed or compiled and under zero-bubble schedules (their W keeps the inputs anyway)",
     )
     seed: int = _f(0, "random seed")

@@ -36,7 +36,7 @@ class _RMSNorm(torch.autograd.Function):
         h = x.float()  # normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, r, weight)  # the weight: a parameter, resident anyway
-        ctx.remake = _RMSNorm.remake
+        ctx.metadata["remake"] = _RMSNorm.remake  # for the blocks that read the output (model/regather.py)
         return weight * (h * r).to(x.dtype)
 
     @staticmethod

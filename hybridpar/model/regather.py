@@ -11,10 +11,12 @@ Two kinds of rewrite, each bit for bit the forward's tensor, so the gradients ar
   the whole is all-gathered again in the backward, once per block and microbatch (an all-gather copies).
 - **Rebuild** (`train.rebuild_saved`): tensors the backward can remake exactly and cheaply from tensors kept
   anyway, by the very ops that made them. The projections' input, when the block's input is a norm's output
-  (behind tp's f, which marks its node `tp_f`) whose autograd node says how to remake it (`remake`:
-  llama.RMSNorm from its fp32 input and 1/rms), cast as
+  (behind tp's f, which marks its node `tp_f`) whose autograd node says how to remake it (`remake` in the
+  node's metadata, called with the node: llama.RMSNorm from its fp32 input and 1/rms, gpt2.LayerNorm from
+  its input), cast as
   the block cast it (llama.shared_casts), under re-gather the rank's slice (the norm's own output); a tensor
-  the model hands to `rebuilt` with its recipe (llama's silu(gate) * up from gate and up, which SwiGLU keeps);
+  the model hands to `rebuilt` with its recipe (llama's silu(gate) * up from gate and up, which SwiGLU keeps;
+  GPT-2's gelu(fc) from fc, which gelu keeps);
   and k, v repeated to the query heads (`repeated`: only one head of each group is kept).
 
 Every save of one tensor shares one rebuilt tensor: the first of the backwards to read it remakes it, the
@@ -117,7 +119,7 @@ class BlockSaves:
         node = x.grad_fn
         if getattr(node, "tp_f", False):  # tp's f (a copy, or the sequence's all-gather): the norm is behind it
             node = node.next_functions[0][0]
-        remake = getattr(node, "remake", None)
+        remake = node.metadata.get("remake") if node is not None else None
         # the norm's output itself, or under SP re-gathered from its slices (not a gathered whole kept as it is)
         usable = self._rebuild and remake is not None and (self._regather or s.seq_shards == 1)
         self._source = (lambda: remake(node)) if usable else None

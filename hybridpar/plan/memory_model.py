@@ -227,11 +227,11 @@ def regathers(cfg: Config, mode: str) -> bool:
 
 def rebuilds(cfg: Config, mode: str) -> bool:
     """Whether a layer's blocks rebuild cheap saved tensors in the backward (train.rebuild_saved,
-    model/regather.py): Llama's, where the layer is not recomputed or compiled and no zero-bubble W keeps the
-    inputs anyway (as `regathers`)."""
+    model/regather.py): where the layer is not recomputed or compiled and no zero-bubble W keeps the inputs
+    anyway (as `regathers`)."""
     split = schedule_spec(cfg.parallel.schedule).splits_backward
     t = cfg.train
-    return t.rebuild_saved and cfg.model.family == "llama" and mode == "none" and not split and not t.compile
+    return t.rebuild_saved and mode == "none" and not split and not t.compile
 
 
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
@@ -248,6 +248,8 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     if mode == "full":
         return x
     llama = m.family == "llama"
+    rb = rebuilds(cfg, mode)
+    ins = 0 if rb and bg == bs else bg  # tokens of the projections' inputs kept (not rebuilt from the norm)
     if mode == "selective":  # the input and every matmul output
         outs = (hq + 2 * hk) * hd + 2 * d + (2 * f if llama else f)
         return x + bt * outs * c
@@ -260,19 +262,18 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         # (llama._SwiGLU recomputes silu(gate)), the down projection the product. Rebuilt instead
         # (model/regather.py): the projections' inputs (not a gathered whole kept as it is: SP, sp_backward
         # saved), the product, and of k, v repeated to the query heads all but one head of each group.
-        rb = rebuilds(cfg, mode)
-        ins = 0 if rb and bg == bs else bg
         norms = 2 * ((bs * d + bs) * F32 + (0 if low else ins * d * F32))
         casts = 2 * ins * d * 2 if low else 0
         if rb and cfg.parallel.cp == 1:
             attn -= 2 * bt * (hq - hk) * hd * c
         return norms + casts + attn + (2 if rb else 3) * bt * f * c
-    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
+    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output. The inputs of
+    # the fused qkv and the first MLP projection (the norms' outputs, gathered) and the second's (gelu's output)
+    # are kept, or rebuilt from the norms' inputs and the first's output (model/regather.py).
     norms = 2 * (bs * d + 2 * bs) * F32
-    ins = 2 * bg * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
     attn = bt * 3 * hq * hd * c + b * hq * seq_len(cfg) * F32 + bt * hq * hd * c
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
-    return norms + ins + attn + 2 * bt * f * c
+    return norms + 2 * ins * d * c + attn + (1 if rb else 2) * bt * f * c
 
 
 def weight_casts(cfg: Config, layers: int, last: bool) -> int:
