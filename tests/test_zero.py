@@ -58,16 +58,31 @@ def test_zero_levels_are_checked_before_launch() -> None:
         validate_config(tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=zero), balance=balance))
 
 
-def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
+def test_slices_are_rows_of_the_local_tensor_with_the_left_over_on_rank_0() -> None:
+    """Every slice is one block of the local tensor's storage (its first dimension, whatever tp shards):
+    n // dp rows each, dp rank 0 first with the n % dp rows left over; the equal shares lie one after the
+    other, so the collectives work in place."""
+    from hybridpar.dataparallel.zero import equal_rows, left_over, share
+
     s = slice_of(torch.Size([10, 6]), None, 3)
-    assert (s.dim, s.offsets, s.sizes) == (0, (0, 4, 8), (4, 4, 2))  # torch.chunk: 4, 4, 2
-    assert [len(c) for c in torch.arange(10).chunk(3)] == list(s.sizes)
-    s = slice_of(torch.Size([8, 6]), 0, 2)  # rows are the tp shard: cut the columns
-    assert (s.dim, s.sizes) == (1, (3, 3))
-    s = slice_of(torch.Size([3]), None, 4)  # fewer rows than ranks: the last is empty
-    assert s.sizes == (1, 1, 1, 0)
-    assert slice_of(torch.Size([8]), 0, 2).dim is None  # a column-parallel bias keeps its whole state
+    assert (s.dim, s.offsets, s.sizes, left_over(s)) == (0, (0, 4, 7), (4, 3, 3), 1)
+    assert slice_of(torch.Size([8, 6]), 0, 2) == slice_of(torch.Size([8, 6]), 1, 2)  # tp's dim: the same cut
+    assert slice_of(torch.Size([8, 6]), 0, 2).sizes == (4, 4)
+    s = slice_of(torch.Size([3]), None, 4)  # fewer rows than ranks: all on rank 0
+    assert (s.offsets, s.sizes) == ((0, 3, 3, 3), (3, 0, 0, 0))
+    assert slice_of(torch.Size([8]), 0, 2).sizes == (4, 4)  # a column-parallel bias is sliced too
     assert slice_of(torch.Size([8, 8]), None, 1).dim is None
+    for n, dp in ((10, 3), (3, 4), (12, 4), (7, 2)):
+        x = torch.arange(n * 5.0).reshape(n, 5)
+        s = slice_of(x.shape, 0, dp)
+        assert torch.equal(torch.cat([part(x, s, r) for r in range(dp)]), x)  # blocks in rank order, covering x
+        flat = equal_rows(x, s)
+        assert flat.numel() == dp * s.sizes[-1] * 5
+        assert not flat.numel() or flat.data_ptr() == x[left_over(s)].data_ptr()
+        for r in range(dp):  # rank r's share is the r-th equal piece of the rows after the left-over ones
+            mine = share(part(x, s, r), s, r)
+            assert mine.numel() == s.sizes[-1] * 5
+            assert mine.numel() == 0 or mine.data_ptr() == flat[r * mine.numel() :].data_ptr()
 
 
 def test_memory_model_knows_zero3() -> None:
