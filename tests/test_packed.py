@@ -79,6 +79,22 @@ def test_slices_are_cut_for_any_other_layout(saved: tuple, read_as: tuple) -> No
             assert len(asked) == len(set(asked)) <= saved[0] * saved[1]  # each flat tensor read at most once
 
 
+def test_a_piece_saved_by_tp_replicas_is_read_once() -> None:
+    """Checkpoints written before tp replicas wrote a replicated tensor's slices once hold each slice twice
+    (tp ranks 0 and 1): they load all the same, each element once."""
+    flats, index = {}, {}
+    for r in range(2):
+        for t in range(2):  # FULL replicated over tp 2 (no tp_dim), cut over dp 2
+            where = Where(None, slice_of(FULL.shape, None, 2))
+            piece = FULL.narrow(0, where.zero.offsets[r], where.zero.sizes[r])
+            f, i = packed.pack([("w", piece, _region(piece, where, _topo(2, 2, r, t)))], f"rank{r * 2 + t}")
+            flats.update(f)
+            index.update(i)
+    got = torch.full_like(FULL, float("nan"))
+    packed.unpack(index, {"w": [(got, packed.whole(got))]}, lambda n, k, d: flats[n])
+    assert torch.equal(got, FULL)
+
+
 def test_a_missing_piece_is_named() -> None:
     flats, index = _saved(2, 1)
     index.pop("zero/rank1/float32")

@@ -270,14 +270,14 @@ def _dcp_state(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """DCP's state dict of `items` (key, local tensor, where it sits), the sub-meshes sliced once, and the
     index of the dp slices packed into it (packed.py: one flat tensor per dtype, written by context-parallel
-    rank 0 alone — its peers hold the same slices)."""
+    rank 0 alone — its peers hold the same slices —, a tp-replicated tensor's slices by tp rank 0 alone)."""
     mesh = _submeshes(topo)
     state: dict[str, torch.Tensor] = {}
     sliced = []
     for k, t, where in items:
         if where.zero is None:
             state[k] = _for_dcp(t, where, topo, mesh)
-        elif topo.cp_rank == 0:
+        elif topo.cp_rank == 0 and (where.tp_dim is not None or topo.tp_rank == 0):  # tp replicas: one writes
             sliced.append((k, t, _region(t, where, topo)))
     flats, index = packed.pack(sliced, f"rank{topo.rank}")
     return state | flats, index
