@@ -163,7 +163,24 @@ def _bf16_configs() -> list[Config]:
     return cfgs + [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=3), **over)]
 
 
-def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], out: str) -> dict:
+def _tp_resume_configs() -> list[Config]:
+    """tp2 x dp2 with tied embeddings (column-parallel weights cut along their tp shard's rows), ZeRO-1
+    preempted after step 1, resumed under ZeRO-3 to the end."""
+    legs = ((1, "rank=0:term@step=0:phase=forward", "off"), (3, "", "auto"))
+    return [
+        tiny_config(
+            model=dict(tie_embeddings=True),
+            parallel=dict(tp=2, pp=1, dp=2, zero=zero),
+            checkpoint=dict(every=3, keep=2, resume=resume),
+            emulate=dict(fault=fault),
+        )
+        for zero, fault, resume in legs
+    ]
+
+
+def _world4_worker(
+    layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], tp_resume: list[dict], out: str
+) -> dict:
     """The 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance first:
     its timing sees nothing else run before it)."""
     return {
@@ -171,6 +188,7 @@ def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16
         "layouts": _worker(layouts, str(Path(out, "layouts"))),
         "holds": _bytes_worker(holds),
         "bf16": _worker(bf16, str(Path(out, "bf16"))),
+        "tp_resume": [_stage_worker(d, str(Path(out, "tp_resume", "run"))) for d in tp_resume],
     }
 
 
@@ -179,11 +197,12 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """One launch for the 4-rank tests below: a launch costs ~5 s of four interpreters importing torch
     before their first step. Each test reads only its own part (rank 0's, or every rank's)."""
     out = tmp_path_factory.mktemp("world4")
-    for d in ("rebalance", "layouts", "bf16"):
+    for d in ("rebalance", "layouts", "bf16", "tp_resume"):
         (out / d).mkdir()
     layouts, holds = [c.to_dict() for c in _layout_configs()], [c.to_dict() for c in _holds_configs()]
     bf16, rebalance = [c.to_dict() for c in _bf16_configs()], _rebalance_config().to_dict()
-    return out, run_ranks(_world4_worker, 4, layouts, holds, rebalance, bf16, str(out), timeout_s=400)
+    resume = [c.to_dict() for c in _tp_resume_configs()]
+    return out, run_ranks(_world4_worker, 4, layouts, holds, rebalance, bf16, resume, str(out), timeout_s=400)
 
 
 @pytest.mark.multiprocess
@@ -192,6 +211,22 @@ def test_zero1_layouts_match_single_device(world4: tuple[Path, list[dict]]) -> N
     replicas hold 6 and 5 samples."""
     out, ranks = world4
     check_results([_as_reference(c) for c in _layout_configs()], ranks[0]["layouts"], out / "layouts")
+
+
+@pytest.mark.multiprocess
+def test_zero_checkpoint_at_tp2_resumes_under_another_level(world4: tuple[Path, list[dict]]) -> None:
+    """World 4: tp2 x dp2 ZeRO-1 preempted after step 1 resumes under ZeRO-3 (slices of column-parallel
+    weights are rows of their tp shard; a tp-replicated norm's slices written once): the one-device model."""
+    out, ranks = world4
+    first, second = ranks[0]["tp_resume"]
+    assert (first["start"], first["preempted"], second["start"], second["preempted"]) == (0, 1, 1, None)
+    ref = _as_reference(_tp_resume_configs()[1])
+    ref_losses, _, ref_state = ref_for(ref)
+    losses = first["losses"] + second["losses"]
+    assert len(losses) == len(ref_losses) and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    state = torch.load(out / "tp_resume" / "state.pt", weights_only=True)
+    assert max((state[n] - t).abs().max().item() for n, t in ref_state.items()) <= TOL
+    check_fp64("tp2 x dp2, ZeRO-1 -> ZeRO-3 across a checkpoint", state, ref)
 
 
 def _as_reference(cfg: Config) -> Config:
