@@ -2,8 +2,7 @@
 
 For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
 parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
-`cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`; or dp3, whose ZeRO slices leave rows over to dp rank 0,
-`--layouts dp3`), over precision (fp32, bf16) x
+`cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16) x
 ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
 counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
@@ -34,7 +33,6 @@ LAYOUTS = {
     "dp2xpp2": dict(tp=1, pp=2, dp=2),
     "tp2xpp2-sp": dict(tp=2, pp=2, dp=1, sequence_parallel=True),  # sequence parallelism (model/tp.py)
     "dp4": dict(tp=1, pp=1, dp=4),  # ZeRO's slices at a quarter
-    "dp3": dict(tp=1, pp=1, dp=3),  # ZeRO's slices with rows left over (dp rank 0 holds them)
     # context parallelism with sequence parallelism: each cp rank's chunks cut again over tp (ring attention)
     "cp2xtp2-sp": dict(tp=2, pp=1, dp=1, cp=2, sequence_parallel=True),
     "cp2xtp2xpp2-sp": dict(tp=2, pp=2, dp=1, cp=2, sequence_parallel=True),
