@@ -227,6 +227,15 @@ def test_zero_checkpoint_at_tp2_resumes_under_another_level(world4: tuple[Path, 
     state = torch.load(out / "tp_resume" / "state.pt", weights_only=True)
     assert max((state[n] - t).abs().max().item() for n, t in ref_state.items()) <= TOL
     check_fp64("tp2 x dp2, ZeRO-1 -> ZeRO-3 across a checkpoint", state, ref)
+    from hybridpar.resilience.packed import read_index
+
+    pieces: dict[str, int] = {}
+    for flat in read_index(out / "tp_resume" / "run" / "checkpoints" / "step-000001").values():
+        for p in flat["pieces"]:
+            pieces[p["key"]] = pieces.get(p["key"], 0) + 1
+    # A tp-sharded tensor: a slice per (dp, tp) rank; a tp-replicated norm: one per dp rank (tp rank 0's).
+    assert pieces["optim/model.layers.0.self_attn.q_proj.weight/exp_avg"] == 4
+    assert pieces["optim/model.layers.0.input_layernorm.weight/exp_avg"] == 2, pieces
 
 
 def _as_reference(cfg: Config) -> Config:
