@@ -25,6 +25,7 @@ from hybridpar.plan.memory_model import (
     rank_memory,
     stage_shapes,
     step_saved,
+    table_casts,
     weight_casts,
     weight_held,
 )
@@ -35,7 +36,9 @@ MODES = ("none", "full", "selective")
 
 
 def small(family: str, precision: str = "fp32", **parallel: object) -> Config:
-    cfg = tiny_config(parallel={"tp": 1, "pp": 1, "dp": 1, **parallel}, train=dict(precision=precision))
+    """`precision` "copies": bf16 working copies (train.bf16_weights copies)."""
+    train = dict(precision="bf16", bf16_weights="copies") if precision == "copies" else dict(precision=precision)
+    cfg = tiny_config(parallel={"tp": 1, "pp": 1, "dp": 1, **parallel}, train=train)
     if family == "gpt2":
         cfg.model.family, cfg.model.n_kv_heads, cfg.model.n_positions = "gpt2", None, 64
     return cfg
@@ -44,13 +47,17 @@ def small(family: str, precision: str = "fp32", **parallel: object) -> Config:
 def metered(cfg: Config, layers: list[int], first: bool, last: bool, b: int, mode: str) -> int:
     """Bytes the meter counts after one forward (and loss, on a last stage) of a real stage."""
     stage = build_stage(cfg.model, layers, first, last, 0, torch.device("cpu"))
+    copies = cfg.train.bf16_weights == "copies"  # the stage's parameters and residual stream in bf16
+    stage = stage.to(torch.bfloat16) if copies else stage
     stage.recompute = mode
     t, d = cfg.train.seq_len, cfg.model.dim
     g = torch.Generator().manual_seed(0)
     x = torch.randint(0, 256, (b, t), generator=g) if first else torch.randn(b, t, d, generator=g, requires_grad=True)
+    x = x.to(torch.bfloat16).requires_grad_() if copies and not first else x
     meter = ActivationMeter()
     meter.reset(stage.parameters())
-    low = torch.autocast("cpu", dtype=torch.bfloat16) if cfg.train.precision == "bf16" else contextlib.nullcontext()
+    bf16 = cfg.train.precision == "bf16" and not copies
+    low = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
     with meter.measuring(), low:
         y = stage(x)
         if last:
@@ -113,6 +120,32 @@ def test_zero_bubble_b_keeps_what_w_reads_until_w(family: str, precision: str, m
     assert meter.live == weight_held(cfg, b, 2, True)
     split.weight(0)
     assert meter.live == 0
+
+
+def test_working_copies_save_what_the_formulas_say() -> None:
+    """bf16 working copies (no autocast, bf16 parameters and residual stream): two layers, an embedding with
+    head and loss, and a zero-bubble split's B-to-W hold, each exactly the meter's count."""
+    cfg = small("llama", "copies")
+    rope = table_casts(cfg, True)  # once per microbatch and stage, shared by its layers
+    assert metered(cfg, [0, 1], False, False, 3, "none") == 2 * layer_saved(cfg, 3, "none") + rope
+    ends = ends_saved(cfg, 2, True, True) + step_saved(cfg, True, True, 2)
+    assert metered(cfg, [0], True, True, 2, "none") == layer_saved(cfg, 2, "none") + ends + rope
+    assert weight_casts(cfg, 2, True) == 0 and step_saved(cfg, False, False, 3) == 0
+    stage = build_stage(cfg.model, [0, 1], False, True, 0, torch.device("cpu")).to(torch.bfloat16)
+    meter = ActivationMeter()
+    meter.reset(stage.parameters())
+    split = WeightGradDeferral(stage)
+    split.meter, split.key = meter, 0
+    b, t = 3, cfg.train.seq_len
+    x = torch.randn(b, t, cfg.model.dim, dtype=torch.bfloat16, requires_grad=True)
+    with meter.measuring():
+        y = token_cross_entropy(stage(x), torch.randint(0, 256, (b, t)), 1.0)
+    split.key = None
+    saved = 2 * layer_saved(cfg, b, "none") + ends_saved(cfg, b, False, True) + step_saved(cfg, False, True, b)
+    assert meter.live == saved + rope
+    split.backward_input(y, None, x, 0)
+    del y
+    assert meter.live == weight_held(cfg, b, 2, True)
 
 
 def _microbatches(cfg: Config, span: bool, n: int = 3) -> tuple[list[int], list[torch.Tensor]]:
@@ -277,6 +310,9 @@ def test_model_matches_what_ranks_hold() -> None:
         # the buffers are the messages alone, counted exactly)
         tiny_config(parallel=dict(sp, p2p="process_group"), train=one_sample),
         tiny_config(parallel=dict(sp, p2p="process_group", sp_backward="saved"), train=one_sample),
+        # bf16 working copies under ZeRO-1: bf16 parameters, fp32 gradients, fp32 masters and moments of the
+        # slice, bf16 activations and messages; counted exactly
+        tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", bf16_weights="copies")),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
@@ -296,6 +332,7 @@ def test_model_matches_what_ranks_hold() -> None:
             e = est[r["pp"]]
             for k in ("params", "grads", "optimizer", "activations", "buffers"):
                 assert abs(getattr(e, k) - r[k]) <= 0.10 * r[k], (i, r["pp"], k, getattr(e, k), r[k])
+                assert i != 5 or getattr(e, k) == r[k], (r["pp"], k, getattr(e, k), r[k])
 
 
 def test_bench_grid_skips_zero_without_data_parallelism_and_refuses_unknown_names() -> None:

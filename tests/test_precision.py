@@ -12,7 +12,9 @@ within 1.5x — DESIGN.md's criterion for fp32, with bf16's own noise as the yar
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
+from typing import Iterator
 
 import pytest
 import torch
@@ -20,19 +22,49 @@ import torch
 from hybridpar.config import Config
 from hybridpar.model.reference import U_BF16, tiny_config
 from hybridpar.topology.spawn import run_ranks
-from tests.test_equivalence import _worker, check_fp64, grid_config, ref_for
+from tests.test_equivalence import _worker, check_fp64, grid_config, ref_for, yardstick_for
 
 BF16 = dict(precision="bf16")
 
 
+COPIES = dict(precision="bf16", bf16_weights="copies")
+# Working copies' runs train 4 of the tiny model's 8 layers: their yardstick is 12 one-device runs of its own.
+HALF = dict(n_layers=4)
+# (tp, pp, dp, schedule, virtual stages, train settings, other parallel settings); bf16 working copies
+# (train.bf16_weights copies) are held to one-device training with working copies, by the same tolerances.
 LAYOUTS = {
-    "world4": [(2, 2, 1, "1f1b", 1), (1, 2, 2, "zb-h1", 1)],
-    "world2": [(1, 2, 1, "zb-v", 2), (1, 2, 1, "interleaved-1f1b", 2)],
+    "world4": [
+        (2, 2, 1, "1f1b", 1, BF16, {}),
+        (1, 2, 2, "zb-h1", 1, BF16, {}),
+        (2, 2, 1, "zb-h1", 1, COPIES, dict(sequence_parallel=True)),
+    ],
+    "world2": [
+        (1, 2, 1, "zb-v", 2, BF16, {}),
+        (1, 2, 1, "interleaved-1f1b", 2, BF16, {}),
+        (1, 1, 2, "1f1b", 1, COPIES, dict(zero=1)),
+    ],
 }
 
 
 def _layout_configs(key: str) -> list[Config]:
-    return [grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp), train=BF16) for tp, pp, dp, s, v in LAYOUTS[key]]
+    return [
+        grid_config(pp, s, v, parallel=dict(tp=tp, pp=pp, dp=dp, **more), train=t, model=HALF if t is COPIES else {})
+        for tp, pp, dp, s, v, t, more in LAYOUTS[key]
+    ]
+
+
+@contextlib.contextmanager
+def _one_thread() -> Iterator[None]:
+    """One intra-op thread for the in-process reference runs of working copies: on the 2 shared cores their
+    tiny ops spend most of two threads' time waiting for each other (the 12 runs measured 35 s with two
+    threads and 2.7 s with one, at a load average of 6-7). Their results are as valid either way: another
+    summation order, of the kind the yardstick measures."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 @pytest.mark.multiprocess
@@ -44,8 +76,11 @@ def test_bf16_layouts_match_one_device_bf16(key: str, tmp_path: Path, request: p
         tmp_path, results = out / "layouts", ranks[0]["layouts"]
     else:
         results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
-    ref_losses = ref_for(cfgs[0])[0]  # one-device bf16: autocast over fp32 parameters
     for i, (cfg, (losses, _)) in enumerate(zip(cfgs, results)):
+        if cfg.train.bf16_weights == "copies":
+            with _one_thread():
+                yardstick_for(cfg)  # its 12 one-device runs, ref_for(cfg)'s among them
+        ref_losses = ref_for(cfg)[0]  # one-device bf16: autocast over fp32 parameters, or working copies
         label = f"{layouts[i]}"
         for s, (a, b) in enumerate(zip(losses, ref_losses, strict=True)):
             assert abs(a - b) <= U_BF16 * abs(b), f"{label}: step {s} loss {a} vs one-device bf16 {b}"
@@ -68,8 +103,8 @@ def _bytes_worker(cfg_dicts: list[dict]) -> list[int]:
 
 @pytest.mark.multiprocess
 def test_bf16_halves_the_pipeline_bytes(world2: tuple[Path, list[dict]]) -> None:
-    for fp32, bf16 in (r["bytes"] for r in world2[1]):
-        assert fp32 > 0 and bf16 * 2 == fp32, (fp32, bf16)
+    for fp32, bf16, copies in (r["bytes"] for r in world2[1]):  # working copies' messages are bf16 too
+        assert fp32 > 0 and bf16 * 2 == fp32 and copies == bf16, (fp32, bf16, copies)
 
 
 def _resume_worker(cfg_d: dict, run_dir: str) -> dict:
@@ -97,6 +132,29 @@ def _resume_config(fault: str, resume: str) -> dict:
     return c.to_dict()
 
 
+def _across_runs(out: Path) -> list[tuple[dict, str]]:
+    """A working-copies run of 3 steps at pp 2 checkpointed after step 2; then from that checkpoint the same
+    run again, and an autocast run at dp 2 under ZeRO-1 (another mode and layout)."""
+    ck = str(out / "copies" / "checkpoints" / "step-000002")
+    runs = [
+        (dict(pp=2), COPIES, "off", "copies"),
+        (dict(pp=2), COPIES, ck, "again"),
+        (dict(dp=2, zero=1), BF16, ck, "auto"),
+    ]
+    return [
+        (
+            tiny_config(
+                model=HALF,
+                parallel=dict(tp=1, pp=1, dp=1, schedule="1f1b") | par,
+                train=dict(steps=3, **train),
+                checkpoint=dict(every=2 if resume == "off" else 0, resume=resume),
+            ).to_dict(),
+            str(out / name),
+        )
+        for par, train, resume, name in runs
+    ]
+
+
 def _world2_worker(layouts: list[dict], bytes_cfgs: list[dict], resume_runs: list[tuple[dict, str]], out: str) -> dict:
     """The 2-rank tests' work in turn, each from scratch: the bf16 layouts, the pipeline bytes, then the
     uninterrupted and the preempted bf16 runs (the preempted one last: its SIGTERM ends the training)."""
@@ -111,8 +169,9 @@ def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     importing torch before their first step); each test reads only its own part."""
     out = tmp_path_factory.mktemp("world2")
     (out / "layouts").mkdir()
-    bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16)]
+    bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16, COPIES)]
     resume = [(_resume_config("", "off"), str(out / "whole")), (_resume_config(TERM, "off"), str(out / "cut"))]
+    resume = _across_runs(out) + resume  # the preempted run stays last
     layouts = [c.to_dict() for c in _layout_configs("world2")]
     return out, run_ranks(_world2_worker, 2, layouts, bytes_cfgs, resume, str(out), timeout_s=400)
 
@@ -122,10 +181,25 @@ def test_bf16_resumes_exactly_from_its_fp32_masters(world2: tuple[Path, list[dic
     """Checkpoints hold the fp32 masters and AdamW state: a bf16 run preempted after step 2 and resumed
     ends bit for bit where the uninterrupted bf16 run does."""
     tmp_path, ranks = world2
-    whole, first = ranks[0]["resume"]
+    whole, first = ranks[0]["resume"][-2:]
     # The resume needs a launch of its own, as after a real preemption.
     second = run_ranks(_resume_worker, 2, _resume_config("", "auto"), str(tmp_path / "cut"), timeout_s=240)[0]
     assert second["start"] == 2 and first["losses"] + second["losses"] == whole["losses"]
     a = torch.load(tmp_path / "whole.pt", weights_only=True)
     b = torch.load(tmp_path / "cut.pt", weights_only=True)
     assert all(torch.equal(a[n], b[n]) for n in a)
+
+
+@pytest.mark.multiprocess
+def test_copies_checkpoint_the_masters_and_resume_across_modes(world2: tuple[Path, list[dict]]) -> None:
+    """A working-copies checkpoint holds the fp32 masters and their AdamW state (the bf16 copies are made from
+    them): resumed as it was it ends bit for bit where the uninterrupted run does; resumed by autocast at
+    another layout, its steps stay within bf16's unit roundoff of the working-copies run's."""
+    tmp_path, ranks = world2
+    whole, again, auto = ranks[0]["resume"][:3]
+    assert again["start"] == auto["start"] == 2 and again["losses"] == whole["losses"][2:]
+    a = torch.load(tmp_path / "copies.pt", weights_only=True)
+    b = torch.load(tmp_path / "again.pt", weights_only=True)
+    assert all(a[n].dtype == torch.float32 and torch.equal(a[n], b[n]) for n in a)
+    for x, y in zip(auto["losses"], whole["losses"][2:], strict=True):
+        assert abs(x - y) <= U_BF16 * abs(y), (auto["losses"], whole["losses"])

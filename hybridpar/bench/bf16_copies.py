@@ -3,7 +3,9 @@ microbatch (autocast's weight casts made again for each; what `train.precision b
 same inside the runtime's step_casts (one cached bf16 copy of each weight for the whole step: what it
 runs now), and bf16 working copies (a bf16 copy of every weight made once per step, before the step's
 forwards; forward and backward in bf16 on the copies; each microbatch's weight gradients widened and
-summed into the fp32 masters' gradients; AdamW on the masters). Step time of each, alternating.
+summed into the fp32 masters' gradients; AdamW on the masters). Step time of each, alternating. This is the
+one-process prototype; the runtime trains working copies with `--train.bf16_weights copies`, which
+`hybridpar bench step_time --precisions bf16,copies` times against autocast.
 
     .venv/bin/hybridpar bench bf16_copies [--repeats 5] [--microbatches 2] [--json FILE] [--model.dim N ...]
 

@@ -2,7 +2,8 @@
 
 For the default model and a larger one, at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence
 parallelism, `--layouts tp2xpp2-sp`; with context parallelism too, `--layouts cp2xtp2-sp` or
-`cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16) x
+`cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over precision (fp32, bf16; `copies`: bf16 working
+copies, train.bf16_weights, which do not recompute yet: those cases are skipped) x
 ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
 counts per rank, from the
 tensors it holds (trainer/held.py): parameters, gradients, optimizer state, activations (the meter's
@@ -50,7 +51,10 @@ def case_config(
     cfg = Config()
     for k, v in {**MODELS[model]["model"]}.items():
         setattr(cfg.model, k, v)
-    for k, v in {**MODELS[model]["train"], "precision": precision, "recompute": recompute, "steps": steps}.items():
+    weights = "copies" if precision == "copies" else "autocast"
+    precision = "bf16" if precision == "copies" else precision
+    run = {"precision": precision, "bf16_weights": weights, "recompute": recompute, "steps": steps}
+    for k, v in {**MODELS[model]["train"], **run}.items():
         setattr(cfg.train, k, v)
     for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule}.items():
         setattr(cfg.parallel, k, v)
@@ -80,6 +84,9 @@ def cases(
                         name = f"{model} {lay} {precision} zero={zero} recompute={recompute}"
                         if zero and LAYOUTS[lay]["dp"] == 1:
                             skipped.append(f"{name}: ZeRO-{zero} shards over dp, and dp=1 here")
+                            continue
+                        if precision == "copies" and (recompute != "none" or zero >= 2 or "cp" in LAYOUTS[lay]):
+                            skipped.append(f"{name}: working copies run without recomputation, ZeRO-2/3 and cp")
                             continue
                         cfg = case_config(model, lay, precision, zero, recompute, steps, schedule)
                         runs[lay].append({"name": name, "config": cfg.to_dict()})
@@ -136,7 +143,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--layouts", default="tp2xpp2,dp2xpp2", help=f"comma-separated, of {', '.join(LAYOUTS)}")
     ap.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule of every case")
     ap.add_argument("--zero", default="0,1", help="ZeRO levels, comma-separated, of 0-3")
-    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32, bf16")
+    ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32, bf16, copies")
     ap.add_argument("--steps", type=int, default=2, help="training steps per case (>= 1; the last is reported)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per layout's launch")
     ap.add_argument("--json", default=None, help="write the results to FILE ('-' or none: stdout)")
@@ -148,8 +155,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--steps must be >= 1, got {a.steps}")
     if not set(a.zero.split(",")) <= {"0", "1", "2", "3"}:
         ap.error(f"--zero takes levels of 0, 1, 2, 3, comma-separated, got {a.zero!r}")
-    if not set(a.precisions.split(",")) <= {"fp32", "bf16"}:
-        ap.error(f"--precisions takes fp32 and/or bf16, comma-separated, got {a.precisions!r}")
+    if not set(a.precisions.split(",")) <= {"fp32", "bf16", "copies"}:
+        ap.error(f"--precisions takes fp32, bf16 and/or copies, comma-separated, got {a.precisions!r}")
     return a
 
 

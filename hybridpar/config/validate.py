@@ -49,6 +49,7 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
     _check_batching(cfg)
     _check_layer_costs(cfg.parallel, cfg.model)
     _check_grad_sum(cfg)
+    _check_copies(cfg)
     _check_planned(cfg)
     for key in ("profile.steps", "profile.trace_steps"):
         step_range(getattr(cfg.profile, key.split(".")[1]), key)
@@ -250,6 +251,32 @@ def _check_grad_sum(cfg: Config) -> None:
         not bad,
         f"{key} keeps every microbatch whole on its replica and sums whole gradients; it cannot run with "
         f"{', '.join(bad)}: leave them at their defaults or use parallel.grad_sum=overlapped",
+    )
+
+
+def _check_copies(cfg: Config) -> None:
+    """train.bf16_weights=copies (trainer/build.py, dataparallel/copies.py): what it runs with so far. Each
+    refusal is a path whose parameters live elsewhere than the masters (ZeRO-2/3, layer moves) or that
+    no equivalence test has run with the bf16 parameters yet."""
+    p, t = cfg.parallel, cfg.train
+    if t.bf16_weights != "copies":
+        return
+    key = "train.bf16_weights=copies"
+    _require(t.precision == "bf16", f"{key} needs train.precision=bf16, got {t.precision}: add --train.precision bf16")
+    others = {
+        f"parallel.zero={p.zero}": p.zero >= 2,
+        f"balance.mode={cfg.balance.mode}": cfg.balance.mode != "off",
+        "parallel.grad_sum=tree": p.grad_sum == "tree",
+        "train.compile": t.compile,
+        f"train.recompute={t.recompute}": t.recompute != "none" or cfg.batching.try_recompute,
+        f"parallel.cp={p.cp}": p.cp > 1,
+        f"model.family={cfg.model.family}": cfg.model.family != "llama",
+    }
+    bad = [k for k, on in others.items() if on]
+    _require(
+        not bad,
+        f"{key} runs the llama family with ZeRO 0 or 1, no layer moves, no compile, recomputation or context "
+        f"parallelism yet; it cannot run with {', '.join(bad)}: use train.bf16_weights=autocast",
     )
 
 

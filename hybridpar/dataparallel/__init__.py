@@ -1,2 +1,2 @@
-"""Data parallelism: gradient reductions across the mesh (grads.py) and the ZeRO-1 sharded optimizer
-(zero.py)."""
+"""Data parallelism: gradient reductions across the mesh (grads.py), the ZeRO-1 sharded optimizer
+(zero.py) and its fp32 masters of bf16 working copies (copies.py)."""

@@ -149,19 +149,22 @@ class ShardedAdamW(torch.optim.AdamW):
             s = slice_of(p.shape, getattr(p, "tp_dim", None), self.dp)
             self.full.append(p)
             self.slices.append(s)
-            # Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group.
-            if s.dim is None:
-                self.views.append(p)
-            elif given is not None:
-                self.views.append(nn.Parameter(given[p].detach()))
-            else:
-                mine = part(p.detach(), s, self.r)
-                self.views.append(nn.Parameter(mine.clone() if own else mine))
+            self.views.append(self._view(p, s, given))
         groups = param_groups([(f"{i}", q) for i, q in enumerate(self.views)], t.weight_decay)
         fast = adamw_options(t, self.views[0].device) if self.views else {}
         super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps, **fast)
         if carry is not None:
             self.load_full_state(carry)
+
+    def _view(self, p: nn.Parameter, s: Slice, given: dict[torch.Tensor, torch.Tensor] | None) -> nn.Parameter:
+        """The tensor AdamW steps for p: this rank's slice of it (a view, or under ZeRO-3 a tensor of its own).
+        Keeps `ndim` (narrow does), so param_groups puts the slice in its parameter's decay group."""
+        if s.dim is None:
+            return p
+        if given is not None:
+            return nn.Parameter(given[p].detach())
+        mine = part(p.detach(), s, self.r)
+        return nn.Parameter(mine.clone() if self.own else mine)
 
     def step(self, closure: Any = None) -> Any:
         for p, s, q in zip(self.full, self.slices, self.views):

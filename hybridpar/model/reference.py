@@ -5,6 +5,7 @@ step by step, no pipeline, no sharding) and DESIGN.md's parameter criterion agai
 from __future__ import annotations
 
 import contextlib
+import copy
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -110,6 +111,34 @@ def odd_config(**parallel: Any) -> Config:
     return cfg
 
 
+def working_copy(model: torch.nn.Module, cfg: Config) -> torch.nn.Module:
+    """The module the forward runs: `model` itself, or under train.bf16_weights=copies a bf16 copy of it (its
+    gradients fp32: torch widens and sums each backward's bf16 gradient into them), refreshed by
+    `step_masters` after each step — what the trainer's MasterAdamW keeps (dataparallel/copies.py)."""
+    if cfg.train.precision != "bf16" or cfg.train.bf16_weights != "copies":
+        return model
+    work = copy.deepcopy(model).to(torch.bfloat16)
+    for w, p in zip(work.parameters(), model.parameters()):
+        w.grad_dtype = p.dtype
+    return work
+
+
+def step_masters(model: torch.nn.Module, work: torch.nn.Module, opt: torch.optim.Optimizer, clip: float) -> None:
+    """Clip and step `model`'s parameters by the gradients `work` accumulated, then round them into `work`."""
+    with torch.no_grad():
+        for w, p in zip(work.parameters(), model.parameters()):
+            if w is not p:
+                p.grad, w.grad = w.grad, None
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    opt.step()
+    opt.zero_grad()
+    with torch.no_grad():
+        for w, p in zip(work.parameters(), model.parameters()):
+            if w is not p:
+                w.copy_(p)
+
+
 def reference(
     cfg: Config,
     dtype: torch.dtype = torch.float32,
@@ -119,7 +148,8 @@ def reference(
 ) -> Result:
     """Plain single-process training: (step losses, (step, val_loss) pairs, final parameters on the CPU).
     `dtype` is the parameters' (fp64: the same initial values, widened); with train.precision bf16 the
-    forward runs under bfloat16 autocast over fp32 parameters, as the trainer does. With `accumulate` > 1
+    forward runs under bfloat16 autocast over fp32 parameters, as the trainer does (with train.bf16_weights
+    copies on a bf16 working copy instead: `working_copy`, `step_masters`). With `accumulate` > 1
     each step's gradient is summed over that many balanced microbatches (another order of the same sums:
     an equally valid run). With `order` each step's samples are shuffled by that seed first: the same
     mean, summed in another order (again an equally valid run)."""
@@ -127,16 +157,17 @@ def reference(
     data = open_data(cfg.data.path, cfg.data.max_tokens, t.seq_len, t.seed, cfg.data.val_fraction)
     model = build_full_model(cfg.model, t.seed).to(dtype).to(dev)
     opt = make_optimizer(model.named_parameters(), t)
+    work = working_copy(model, cfg)
 
     def mixed() -> contextlib.AbstractContextManager:
-        bf16 = t.precision == "bf16"
+        bf16 = t.precision == "bf16" and work is model
         return torch.autocast(dev.type, dtype=torch.bfloat16) if bf16 else contextlib.nullcontext()
 
     def loss_of(
         x: torch.Tensor, y: torch.Tensor, reduction: str = "mean", d: torch.Tensor | None = None
     ) -> torch.Tensor:
         with mixed():  # d: each position's document (data.document_mask)
-            logits = model(x.to(dev)) if d is None else model(x.to(dev), DocumentMask(d.to(dev)))  # (B, T, vocab)
+            logits = work(x.to(dev)) if d is None else work(x.to(dev), DocumentMask(d.to(dev)))  # (B, T, vocab)
         return F.cross_entropy(logits.flatten(0, 1).to(dtype), y.to(dev).flatten(), reduction=reduction)
 
     losses, val_losses = [], []
@@ -160,10 +191,7 @@ def reference(
                 part = loss_of(xs, ys, "sum", dm) / y.numel()
                 part.backward()
                 loss += part.detach()
-        if t.grad_clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), t.grad_clip)
-        opt.step()
-        opt.zero_grad()
+        step_masters(model, work, opt, t.grad_clip)
         losses.append(loss.item())
         if t.val_every and (step == 0 or (step + 1) % t.val_every == 0 or step == t.steps - 1):
             with torch.no_grad():
@@ -222,5 +250,5 @@ def yardstick(cfg: Config, device: str | torch.device = "cpu", runs: Any = None)
     stand in)."""
     runs = runs or (lambda c, dt, k, o: reference(c, dt, k, device, o))
     fp64 = Config.from_dict(cfg.to_dict())
-    fp64.train.precision = "fp32"
+    fp64.train.precision, fp64.train.bf16_weights = "fp32", "autocast"  # one fp64 run for both bf16 modes
     return Yardstick.of(runs(fp64, torch.float64, 1, None)[2], [runs(cfg, torch.float32, k, o)[2] for k, o in ORDERS])

@@ -102,6 +102,9 @@ class PipelineRuntime:
         # travel in the P2P's dtype and are widened back to fp32 on arrival, so the only rounding the
         # pipeline adds to the one-device bf16 model is one per stage boundary and direction.
         self.autocast: torch.dtype | None = None
+        # The residual stream's dtype inside a stage, which a received message is widened (or not) to: bf16
+        # under bf16 working copies (train.bf16_weights=copies: the parameters themselves are bf16, no autocast).
+        self.compute_dtype = torch.float32
         self.profiling = False  # name each action as a torch.profiler range (set for profiled steps only)
         # Called with the stage after each of its compute actions (ZeRO-3 frees gathered parameters there).
         self.after_compute: Callable[[int], None] | None = None
@@ -252,7 +255,7 @@ class PipelineRuntime:
         else:
             if self._remote(s - 1, s):
                 buf = self._recv(st, "F", s, m)
-                x = buf.detach().float() if buf.dtype != torch.float32 else buf.detach()
+                x = buf.detach().to(self.compute_dtype)  # the buffer itself where the dtypes agree
             else:
                 x = st.local_act.pop((s, m))
             x.requires_grad_(st.train)

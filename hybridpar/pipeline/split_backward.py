@@ -33,10 +33,13 @@ from hybridpar.pipeline.activation_meter import ActivationMeter
 
 
 def _accumulate(p: torch.Tensor, g: torch.Tensor) -> None:
-    if p.grad is None:
-        p.grad = g.clone()
-    else:
-        p.grad.add_(g)
+    """Add g into p.grad as autograd's AccumulateGrad would: widened to the gradient's dtype where that is
+    not the parameter's (bf16 working copies keep fp32 gradients: dataparallel/copies.py)."""
+    if p.grad is not None:
+        p.grad.add_(g)  # a bf16 g into an fp32 gradient: widened elementwise, then added in fp32
+        return
+    wide = getattr(p, "grad_dtype", None) or g.dtype
+    p.grad = g.to(wide) if wide != g.dtype else g.clone()
 
 
 class WeightGradDeferral:

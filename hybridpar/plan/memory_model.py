@@ -5,6 +5,11 @@ against what the trainer counts from its tensors (trainer/held.py), component by
 Components, each at its own high point in the step (their sum bounds the step's peak from above):
 - params: the rank's stages, tensor-parallel shards by the family's plan; a head tied to the embedding
   is a second copy on the last stage when the two sit on different stages, one tensor otherwise.
+- bf16 working copies (train.bf16_weights copies, dataparallel/copies.py): the parameters are bf16 (2 bytes
+  each), the gradients fp32, and the optimizer holds fp32 masters beside the moments (12 bytes per
+  parameter of the rank's dp slice, sliced at ZeRO 0 too), all-gathered as bf16; no weight casts; the
+  residual stream and the norms' inputs and outputs are bf16, and each microbatch's forward casts the
+  rotary tables to bf16 once per stage (`working_copies`).
 - grads: one fp32 gradient per parameter (bf16 keeps fp32 masters and accumulates in fp32), whole while
   the step's microbatches accumulate, ZeRO-2 included (it reduces once per step). `grads_at_rest` (not
   part of the total): what the rank holds from the reduction through the optimizer step — under ZeRO-2
@@ -142,11 +147,14 @@ def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> 
     return out
 
 
-def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None = None) -> int:
-    """AdamW's state of dp rank 0: the moments of its slices and a step count per tensor."""
+def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None = None, masters: bool = False) -> int:
+    """AdamW's state of dp rank 0: the moments of its slices and a step count per tensor. `masters`: bf16
+    working copies' MasterAdamW, an fp32 master beside the moments of every slice."""
+    per = 3 if masters else 2
     if not zero:
-        return sum(2 * F32 * _numel(s) + F32 for s, _ in shapes)
-    return sum(count * (2 * F32 * _cut(shape, d, dp, cache)[1] + F32) for (shape, d), count in Counter(shapes).items())
+        return sum(per * F32 * _numel(s) + F32 for s, _ in shapes)
+    counts = Counter(shapes)  # equal shapes add equal terms: once each, times count
+    return sum(n * (per * F32 * _cut(shape, d, dp, cache)[1] + F32) for (shape, d), n in counts.items())
 
 
 def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None, cp: int = 1) -> int:
@@ -173,6 +181,20 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
                 sliced = _cut(shape, d, dp, cache)[0] if zero else False
                 total += 0 if sliced else count * _numel(shape) * F32
     return total
+
+
+def working_copies(cfg: Config) -> bool:
+    """Whether the run trains bf16 working copies (train.bf16_weights copies) rather than under autocast."""
+    return cfg.train.precision == "bf16" and cfg.train.bf16_weights == "copies"
+
+
+def table_casts(cfg: Config, has_layers: bool) -> int:
+    """Under working copies, a stage's forward casts the rotary tables to the residual stream's bf16 once per
+    microbatch (llama.py's forward), and its layers' rotations save that cast (autocast saves the fp32 tables
+    themselves, once per step: step_saved)."""
+    m = cfg.model
+    on = working_copies(cfg) and has_layers and m.family == "llama" and cfg.parallel.cp == 1
+    return 2 * seq_len(cfg) * m.head_dim * 2 if on else 0
 
 
 def seq_len(cfg: Config) -> int:
@@ -222,9 +244,10 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     bs = bt // seq_shards(cfg)  # tokens of the sequence-sharded regions (all of them without SP)
     bg = bs if regathers(cfg, mode) else bt  # tokens of the projections' gathered inputs as kept
     hq, hk, f = m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
-    low = t.precision == "bf16"
+    low, copies = t.precision == "bf16", working_copies(cfg)
     c = 2 if low else F32  # bytes of what the matmuls produce (autocast's dtype)
-    x = bs * d * F32  # the layer's input: all that full recomputation keeps
+    r = 2 if copies else F32  # the residual stream's (bf16 under working copies)
+    x = bs * d * r  # the layer's input: all that full recomputation keeps
     if mode == "full":
         return x
     llama = m.family == "llama"
@@ -237,8 +260,9 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         # RMSNorm keeps its input and 1/rms (fp32; llama._RMSNorm); the projections keep their
         # input: the norm's output itself in fp32, under autocast its bf16 cast, one shared by q, k, v and
         # one by gate, up (llama.shared_casts; the weights' casts: weight_casts). SwiGLU keeps gate and up
-        # (llama._SwiGLU recomputes silu(gate)), the down projection the product.
-        norms = 2 * ((bs * d + bs) * F32 + (0 if low else bg * d * F32))
+        # (llama._SwiGLU recomputes silu(gate)), the down projection the product. Under working copies the
+        # norm's input is bf16 and its output, bf16 too, is what the projections keep (the casts' bytes).
+        norms = 2 * (bs * d * r + bs * F32 + (0 if low else bg * d * F32))
         casts = 2 * bg * d * 2 if low else 0
         return norms + casts + attn + 3 * bt * f * c
     # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output.
@@ -254,7 +278,7 @@ def weight_casts(cfg: Config, layers: int, last: bool) -> int:
     on the last stage; tp rank's shards): made once per step where the rank's step spans autocast's cache
     (pipeline/runtime.py's step_casts: no stage of the rank recomputes), else once per microbatch."""
     m, tp = cfg.model, cfg.parallel.tp
-    if cfg.train.precision != "bf16":
+    if cfg.train.precision != "bf16" or working_copies(cfg):  # working copies: the weights are bf16, no casts
         return 0
     d, hd, hq, hk, f = m.dim, m.head_dim, m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
     if m.family == "llama":  # q, k, v; o; gate, up, down
@@ -280,7 +304,7 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
         # The final norm as in the layers, the head's input (its cast under autocast; the weight's cast:
         # weight_casts), the fp32 log-softmax over the whole vocabulary, the loss's total weight.
         bs = bt // seq_shards(cfg)  # the final norm runs on the rank's slice of the sequence
-        norm = (bs * d + bs) * F32 if m.family == "llama" else (bs * d + 2 * bs) * F32
+        norm = bs * d * (2 if working_copies(cfg) else F32) + (bs * F32 if m.family == "llama" else 2 * bs * F32)
         head_in = bt * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
     return out
@@ -291,6 +315,7 @@ def step_saved(cfg: Config, first: bool, last: bool, replica: int) -> int:
     stage), the replica's token ids (first stage, one rank) and targets (last stage)."""
     m = cfg.model
     rope = 2 * seq_len(cfg) * m.head_dim * F32 if m.family == "llama" and cfg.parallel.cp == 1 else 0
+    rope = 0 if working_copies(cfg) else rope  # their bf16 casts, per microbatch: table_casts
     ids = replica * seq_len(cfg) * I64
     return rope + (ids if first and cfg.parallel.tp == 1 else 0) + (ids if last else 0)
 
@@ -308,7 +333,7 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     shared = c if m.family == "llama" else F32  # llama's projections read the norms' shared bf16 cast
     inputs = 2 * bt * d * shared + bt * hq * hd * c + bt * f * c
     grads = bt * (hq + 2 * hk) * hd * c + 2 * bt * d * c + (2 if m.family == "llama" else 1) * bt * f * c
-    head = bt * d * F32 + bt * (m.vocab_size // tp) * c if last else 0
+    head = bt * d * (2 if working_copies(cfg) else F32) + bt * (m.vocab_size // tp) * c if last else 0
     return layers * (inputs + grads) + head
 
 
@@ -335,6 +360,7 @@ def activation_peaks(
         of stage s, microbatch of b samples: the same for every action of the pair, so counted once."""
         first, last = s == 0, s == n - 1
         one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
+        one += table_casts(cfg, bool(parts[s]))
         const = step_saved(cfg, first, last, replica)
         # A recomputed layer saves no weight casts (its rerun makes them); the head is never recomputed.
         casts = weight_casts(cfg, len(parts[s]) if modes[s] == "none" else 0, last)  # per step or microbatch
@@ -346,7 +372,8 @@ def activation_peaks(
         # saved shared cast (llama.shared_casts), so only its head's.
         per_layer = 2 * (modes[s] == "none") * (cfg.model.family != "llama")
         norms = per_layer * len(parts[s]) + last
-        one += norms * b * seq_len(cfg) * cfg.model.dim * F32 if split and c == 2 else 0
+        widened = split and c == 2 and not working_copies(cfg)  # working copies: W holds what autograd saves
+        one += norms * b * seq_len(cfg) * cfg.model.dim * F32 if widened else 0
         bt_d = b * seq_len(cfg) * cfg.model.dim // seq_shards(cfg)  # a stage's input and output
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
         return one, const, kept, inside
@@ -456,6 +483,7 @@ class MemoryModel:
             p.sequence_parallel,
             p.cp,
             t.precision,
+            t.bf16_weights,
             t.seq_len,
             tuple(t.recompute_modes(len(parts))),
             tuple(parts),
@@ -467,7 +495,7 @@ class MemoryModel:
 
     def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, ...]]:
         p = cfg.parallel
-        key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather, tuple(parts), ranks)
+        key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather, working_copies(cfg), tuple(parts), ranks)
         return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
 
     def program(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> Program:
@@ -511,7 +539,7 @@ class MemoryModel:
         for r in range(p.pp):
             mine = [s for s in range(n) if ranks[s] == r]
             # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
-            key = (mk, p.tp, p.pp, p.dp, p.cp, p.zero, p.zero3_regather)
+            key = (mk, p.tp, p.pp, p.dp, p.cp, p.zero, p.zero3_regather, working_copies(cfg))
             key += tuple((len(parts[s]), s == 0, s == n - 1) for s in mine)
             out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
@@ -521,10 +549,12 @@ class MemoryModel:
         per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
         shapes = [x for st in per_stage for x in st]
         params = sum(_numel(s) for s, _ in shapes) * F32
-        opt = optimizer_bytes(shapes, p.dp, p.zero, self._cuts)
+        copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO (0 or 1)
+        opt = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
         embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
         tie = embed if cfg.model.tied and p.pp > 1 else 0
-        grads, rest, at_rest = params, params, params
+        grads, rest = params, params
+        params = at_rest = params // 2 if copies else params
         if p.zero >= 2 and p.dp > 1:  # ZeRO-2 and 3 keep dp rank 0's slice of each gradient (zero.keep_slice)
             rest = sum(n * _cut(shape, d, p.dp, self._cuts)[1] for (shape, d), n in Counter(shapes).items()) * F32
         if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)

@@ -41,6 +41,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.config import ModelConfig
+from hybridpar.dataparallel.copies import MasterAdamW
 from hybridpar.dataparallel.zero import ShardedAdamW, Slice, part
 from hybridpar.model.registry import full_shapes
 from hybridpar.model.stage import Stage
@@ -216,7 +217,10 @@ def _opt_state(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[dict[str,
 
 
 def _param_shards(opt: torch.optim.Optimizer) -> dict[torch.Tensor, tuple[torch.Tensor, Slice]]:
-    """Under ZeRO-3, this rank's slice of each sliced parameter (the parameter itself is empty at rest)."""
+    """Under ZeRO-3, this rank's slice of each sliced parameter (the parameter itself is empty at rest); with
+    bf16 working copies its fp32 master of each (dataparallel/copies.py), sliced or whole."""
+    if isinstance(opt, MasterAdamW):
+        return dict(zip(opt.full, zip(opt.views, opt.slices)))
     if not isinstance(opt, ShardedAdamW) or not opt.own:
         return {}
     return {p: (q, s) for p, s, q in zip(opt.full, opt.slices, opt.views) if s.dim is not None}
@@ -238,7 +242,8 @@ def _tensors(
                 name = stage.stored_name(name)  # the same weight and optimizer state as the first stage's embedding
             dim = getattr(p, "tp_dim", None)
             if shards and p in shards:  # ZeRO-3: this rank's slice, written and read in place as the state's
-                yield name, shards[p][0].detach(), Where(dim, shards[p][1])
+                cut = shards[p][1]
+                yield name, shards[p][0].detach(), Where(dim, cut if cut.dim is not None else None)
             else:
                 yield name, p.detach(), Where(dim)
             state, cut = opt_state.get(p, ({}, None))
@@ -515,6 +520,8 @@ def load_checkpoint(
             for t, s in dests:
                 t.copy_(src if s is None else part(src, s, topo.dp_rank))
     packed.unpack(index, cut, packed.reader(Path(path)))  # each rank alone: no collective
+    if isinstance(opt, MasterAdamW):
+        opt.refresh()  # the bf16 working copies of the masters just loaded (collective over dp)
     return state
 
 

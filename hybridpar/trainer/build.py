@@ -23,6 +23,7 @@ import torch.distributed as dist
 from hybridpar.balance.live import plane_groups
 from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
+from hybridpar.dataparallel.copies import MasterAdamW
 from hybridpar.dataparallel.grads import DataParallelGrads, PlaneGrads
 from hybridpar.dataparallel.tree import TreeGrads
 from hybridpar.dataparallel.zero import ShardedAdamW
@@ -92,7 +93,9 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)
     runtime.seq_shards = p.tp if sp else 1  # messages carry this rank's 1/tp of the sequence
-    runtime.autocast = low
+    copies = t.bf16_weights == "copies"  # bf16 parameters (made by build_optimizer's MasterAdamW): no autocast
+    runtime.autocast = None if copies else low
+    runtime.compute_dtype = low if copies and low else torch.float32
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
     # The B/W split's eager linears and ring attention break each layer's graph (model/compiled.py): then one
@@ -153,6 +156,8 @@ def build_optimizer(
     with their state already in it. Under ZeRO-3 after a move, `given` holds this rank's slice of every
     parameter and `carry` the slices' state (the parameters themselves are empty)."""
     named, t = mp.parameters(), cfg.train
+    if t.bf16_weights == "copies":  # fp32 masters, this dp rank's slices only (validate.py: ZeRO 0 or 1, no moves)
+        return MasterAdamW(named, t, topo, carry)
     if cfg.parallel.zero >= 1 and layout.shared_partition:
         return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.shards_parameters, given=given)
     opt = make_optimizer(named, t)

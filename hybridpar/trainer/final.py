@@ -14,6 +14,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.data.corpus import decode, encode
 from hybridpar.data.tokenizer import Tokenizer
+from hybridpar.dataparallel.copies import MasterAdamW
 from hybridpar.model.hf import StateSource
 from hybridpar.model.registry import empty_stage, load_stage_
 from hybridpar.model.stage import generate
@@ -100,6 +101,8 @@ class FinalModelDuty:
         if tr.zero3 is not None:  # the export gathers once, at the end (collective over dp)
             tr.zero3.close()
             tr.zero3 = None
+        if isinstance(tr.opt, MasterAdamW):  # bf16 working copies: the model is the fp32 masters (collective)
+            tr.opt.widen()
         state = gather_full_state(tr.topo, tr.stages, tr.parts, cfg.model, tr.stage_ranks)
         if tr.topo.rank != 0:
             return

@@ -1,0 +1,79 @@
+"""bf16 working copies (`--train.bf16_weights copies`, Megatron-LM's mixed-precision recipe): the stages'
+parameters are bf16, AdamW steps fp32 masters of them, and under ZeRO-1 each dp rank keeps only its slice
+of the masters beside its slice of the moments.
+
+Per parameter a rank then holds 2 bytes of bf16 weight, 4 of fp32 gradient and 12/dp of masters and
+moments, where autocast holds 4 + 4 + 2 (the step's cached bf16 cast) + 8/dp.
+
+- The gradient stays fp32 without a second buffer: each parameter's `grad_dtype` is fp32, so autograd's
+  AccumulateGrad widens every microbatch's bf16 weight gradient and adds it into the fp32 `.grad` (the
+  role of Megatron's `main_grad` and its post-accumulate hook, done by torch itself). Everything that reads
+  gradients — the data-parallel reduction and its overlap hooks, the tied-embedding sum, clipping — sees
+  fp32 gradients as under autocast; the zero-bubble W pass widens its product the same way
+  (pipeline/split_backward.py).
+- `MasterAdamW` is ZeRO-1's ShardedAdamW (zero.py) whose stepped tensors are fp32 tensors of their own
+  (also where a parameter is not sliced, and at dp 1, where the slice is the whole): it steps them, rounds
+  them into its slice of the bf16 parameter and all-gathers the bf16 slices over dp (half the bytes of
+  autocast's fp32 all-gather).
+- Checkpoints write the masters in place of the parameters (resilience/checkpoint.py, as ZeRO-3 writes its
+  slices): the same fp32 tensors under the same names as an autocast run's, so a run resumes across the
+  two modes and across layouts; a resume loads the masters and then `refresh`es the bf16 parameters.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from hybridpar.config import TrainConfig
+from hybridpar.dataparallel.zero import ShardedAdamW, Slice, part, summed_grad
+from hybridpar.topology.mesh import Topology
+
+MASTER = torch.float32
+
+
+class MasterAdamW(ShardedAdamW):
+    """AdamW over fp32 masters of this dp rank's slices of `named` (stage-qualified name, parameter); the
+    parameters become bf16 working copies (`working`) whose gradients accumulate in fp32."""
+
+    def __init__(
+        self,
+        named: Iterable[tuple[str, nn.Parameter]],
+        t: TrainConfig,
+        topo: Topology,
+        carry: dict[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+        working: torch.dtype = torch.bfloat16,
+    ) -> None:
+        super().__init__(named, t, topo, carry)  # the masters are taken from the parameters as built (fp32)
+        for p in self.full:
+            p.data = p.data.to(working)
+            p.grad_dtype = MASTER  # AccumulateGrad widens each bf16 gradient into the fp32 .grad
+
+    def _view(self, p: nn.Parameter, s: Slice, given: dict[torch.Tensor, torch.Tensor] | None) -> nn.Parameter:
+        assert given is None, "working copies do not move layers (config/validate.py refuses balance.mode)"
+        return nn.Parameter(part(p.detach(), s, self.r).to(MASTER, copy=True))
+
+    def step(self, closure: Any = None) -> Any:
+        for p, s, q in zip(self.full, self.slices, self.views):
+            q.grad = summed_grad(p, s, self.r)  # fp32: this rank's summed slice
+        out = torch.optim.AdamW.step(self, closure)
+        self.refresh()
+        return out
+
+    @torch.no_grad()
+    def refresh(self) -> None:
+        """Round the masters into this rank's slices of the parameters and all-gather them over dp
+        (collective): after each step, and after a checkpoint loaded the masters."""
+        for p, s, q in zip(self.full, self.slices, self.views):
+            part(p.detach(), s, self.r).copy_(q)
+        self._gather()
+
+    @torch.no_grad()
+    def widen(self) -> None:
+        """Make the parameters fp32 and equal to the masters (collective over dp): the end of a run, whose
+        exported model is the masters, as an autocast run's is its fp32 parameters."""
+        for p in self.full:
+            p.data = torch.empty(p.shape, dtype=MASTER, device=p.device)
+        self.refresh()
