@@ -12,7 +12,7 @@ import torch
 from test_equivalence import tiny_config
 
 from hybridpar.config import Config
-from hybridpar.dataparallel.zero import in_place, slice_of
+from hybridpar.dataparallel.zero import slice_of
 from hybridpar.model.registry import build_stage, full_shapes, param_stages
 from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.runtime import step_casts, token_cross_entropy
@@ -259,32 +259,25 @@ def test_tied_embedding_is_one_tensor_on_one_stage_and_a_summed_copy_across_two(
     assert [y.buffers - x.buffers for x, y in zip(a, b)] == [v_d, v_d]  # the gradients' sum over pp
 
 
-def test_zero1_holds_its_slices_moments_and_pads_only_what_cannot_gather_in_place() -> None:
+def test_zero1_holds_its_slices_moments() -> None:
     shapes = [((256, 32), None), ((32, 64), 0), ((64,), 0), ((5,), None), ((6, 2), None)]
-    state, gather = optimizer_bytes(shapes, 3, 1)
-    # rank 0 of dp 3 by torch.chunk: 86 rows; 32 x 22 columns (rows are tp's); the bias whole; 2 of 5; 2 of 6.
-    parts = [86 * 32, 32 * 22, 64, 2, 2 * 2]
-    assert state == sum(2 * 4 * n + 4 for n in parts)  # the moments and the step count, no copy of the slice
-    # Uneven rows (86, 86, 84), columns and uneven 2, 2, 1 go through the padded buffer; 6 rows by 3 do not.
-    seg = [sum(x) for x in zip(*[slice_sizes(s, d, 3) for s, d in shapes[:4]])]
-    assert gather == 4 * max(seg) * 4
-    assert [in_place(torch.Size(s), slice_of(torch.Size(s), d, 3)) for s, d in shapes] == [False] * 4 + [True]
-    assert optimizer_bytes([((6, 2), None), ((8, 4), None)], 2, 1)[1] == 0  # every slice in place
-    assert optimizer_bytes(shapes, 1, 0)[0] == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
+    # rank 0 of dp 3: 85 rows and the 1 left over; 10 + 2 of the tp shard's rows; 21 + 1; 1 + 2; 2.
+    parts = [86 * 32, 12 * 64, 22, 3, 2 * 2]
+    assert optimizer_bytes(shapes, 3, 1) == sum(2 * 4 * n + 4 for n in parts)  # moments and step count
+    assert [sum(slice_sizes(s, d, 3)) for s, d in shapes] == [torch.Size(s).numel() for s, _ in shapes]
+    assert optimizer_bytes(shapes, 1, 0) == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
 
 
-def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> None:
-    shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]  # the tp-sharded bias is not sliced
+def test_gradient_buckets_all_reduce_a_flat_copy_and_reduce_scatter_in_place() -> None:
+    shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]
     assert bucket_bytes([shapes], 1, 0) == 0  # no data parallelism, nothing to reduce
     assert bucket_bytes([shapes], 2, 0) == (20 + 7 + 6) * 4  # one flat copy of every gradient
     # context-parallel peers sum their gradients too (over dp x cp): at dp 1 a flat copy all the same, and
     # ZeRO (cut over dp) slices nothing there
     assert bucket_bytes([shapes], 1, 0, cp=2) == bucket_bytes([shapes], 1, 1, cp=2) == (20 + 7 + 6) * 4
-    # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
-    # once out; the bias whole.
-    assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4
-    big = [((1024, 1024), None), ((1023, 1024), None)]  # 4 MiB each: two buckets
-    assert bucket_bytes([big], 2, 1) == 3 * 512 * 1024 * 4  # even rows reduce-scatter in place, odd padded
+    # ZeRO, dp 2 and 3: every tensor is sliced and reduce-scattered inside itself (odd rows included)
+    big = [((1024, 1024), None), ((1023, 1024), 0)]  # 4 MiB each: two buckets
+    assert bucket_bytes([shapes], 2, 1) == bucket_bytes([shapes, big], 3, 2) == 0
 
 
 def slice_sizes(shape: tuple[int, ...], tp_dim: int | None, dp: int) -> list[int]:

@@ -24,9 +24,9 @@ Components, each at its own high point in the step (their sum bounds the step's 
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
 - buffers: message memory (receive buffers; the rings of shared-memory send links, replayed from the
-  simulated schedule) plus the largest transient: the data-parallel gradient buckets, the
-  tied-embedding sum, ZeRO-1's all-gather (both ZeRO-1 collectives work inside the tensors where the
-  slices allow, zero.in_place: only the other tensors' slices go through buffers).
+  simulated schedule) plus the largest transient: the data-parallel gradient buckets (the flat copies
+  of the all-reduce; none under ZeRO, whose reduce-scatter and all-gather work inside the tensors,
+  dataparallel/zero.py) and the tied-embedding sum.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
 from hybridpar.config import Config, ModelConfig
 from hybridpar.dataparallel.grads import BUCKET_BYTES
-from hybridpar.dataparallel.zero import in_place, slice_of
+from hybridpar.dataparallel.zero import slice_of
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline.schedules import (
@@ -133,44 +133,36 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> tuple[bool, int, tuple | None]:
-    """ZeRO-1's cut of one tensor among dp ranks (zero.slice_of): (sliced, elements of dp rank 0's slice,
-    elements per rank that go through buffers — None where in place or not sliced). `cache`: kept across
-    calls, since the layers repeat the same few shapes."""
-    key = (shape, d, dp)
+def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> tuple[bool, int]:
+    """ZeRO's cut of one tensor among dp ranks (zero.slice_of): (sliced, elements of dp rank 0's slice: the
+    largest). `d` (the tp-sharded dimension) does not change the cut. `cache`: kept across calls, since the
+    layers repeat the same few shapes."""
+    key = (shape, dp)
     if cache is not None and key in cache:
         return cache[key]
-    sl, n = slice_of(torch.Size(shape), d, dp), _numel(shape)
-    sizes = tuple(n if sl.dim is None else n // shape[sl.dim] * k for k in sl.sizes)
-    out = (sl.dim is not None, sizes[0], sizes if sl.dim is not None and not in_place(shape, sl) else None)
+    sl = slice_of(torch.Size(shape), d, dp)
+    out = (sl.dim is not None, _numel(shape) if sl.dim is None else _numel(shape) // shape[0] * sl.sizes[0])
     if cache is not None:
         cache[key] = out
     return out
 
 
-def optimizer_bytes(
-    shapes: list[Shape], dp: int, zero: int, cache: dict | None = None, masters: bool = False
-) -> tuple[int, int]:
-    """(AdamW state, bytes of ZeRO's padded all-gather buffers) of dp rank 0. `masters`: bf16 working
-    copies' MasterAdamW, an fp32 master beside the moments of every slice and bf16 parameters gathered."""
-    per, gathered = (3, 2) if masters else (2, F32)
+def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None = None, masters: bool = False) -> int:
+    """AdamW's state of dp rank 0: the moments of its slices and a step count per tensor. `masters`: bf16
+    working copies' MasterAdamW, an fp32 master beside the moments of every slice."""
+    per = 3 if masters else 2
     if not zero:
-        return sum(per * F32 * _numel(s) + F32 for s, _ in shapes), 0
-    state, seg = 0, [0] * dp
-    for (shape, d), count in Counter(shapes).items():  # equal shapes add equal terms: once each, times count
-        _, own, through = _cut(shape, d, dp, cache)
-        state += count * (per * F32 * own + F32)  # the moments (and master) of the slice, the step count
-        if through is not None:
-            seg = [a + count * b for a, b in zip(seg, through)]
-    return state, ((1 + dp) * max(seg) * gathered if dp > 1 else 0)
+        return sum(per * F32 * _numel(s) + F32 for s, _ in shapes)
+    counts = Counter(shapes)  # equal shapes add equal terms: once each, times count
+    return sum(n * (per * F32 * _cut(shape, d, dp, cache)[1] + F32) for (shape, d), n in counts.items())
 
 
 def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None, cp: int = 1) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (dataparallel/grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
-    each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
-    where the slices allow, else through dp padded segments in and one out. Context-parallel peers sum
-    their gradients too (over dp x cp): at dp = 1 and cp > 1 the flat copies are there all the same."""
+    each bucket for the all-reduce. Under ZeRO the sliced gradients (every tensor at dp > 1) are
+    reduce-scattered in place: no copy. Context-parallel peers sum their gradients too (over dp x cp): at
+    dp = 1 and cp > 1 the flat copies are there all the same."""
     if dp * cp == 1:
         return 0
     zero = zero if dp > 1 else 0  # ZeRO's slices are cut over dp
@@ -185,13 +177,9 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
             buckets[-1].append((shape, d))
             size += _numel(shape) * F32
         for bucket in buckets:
-            whole, seg = 0, [0] * dp
             for (shape, d), count in Counter(bucket).items():
-                sliced, _, through = _cut(shape, d, dp, cache) if zero else (False, 0, None)
-                whole += 0 if sliced else count * _numel(shape)
-                if through is not None:
-                    seg = [a + count * b for a, b in zip(seg, through)]
-            total += ((dp + 1) * max(seg) + whole) * F32
+                sliced = _cut(shape, d, dp, cache)[0] if zero else False
+                total += 0 if sliced else count * _numel(shape) * F32
     return total
 
 
@@ -578,7 +566,7 @@ class MemoryModel:
         shapes = [x for st in per_stage for x in st]
         params = sum(_numel(s) for s, _ in shapes) * F32
         copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO (0 or 1)
-        opt, gather = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
+        opt = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
         embed = (cfg.model.vocab_size // p.tp) * cfg.model.dim * F32  # (a shard of) the tied embedding
         tie = embed if cfg.model.tied and p.pp > 1 else 0
         grads, rest = params, params
@@ -586,9 +574,9 @@ class MemoryModel:
         if p.zero >= 2 and p.dp > 1:  # ZeRO-2 and 3 keep dp rank 0's slice of each gradient (zero.keep_slice)
             rest = sum(n * _cut(shape, d, p.dp, self._cuts)[1] for (shape, d), n in Counter(shapes).items()) * F32
         if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)
-            at_rest, gather = rest, 0  # no all-gather after the step: the parameters stay sharded
+            at_rest = rest
             params = rest + self._gathered(cfg, parts, mine, per_stage)
-        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie, gather)
+        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie)
         return params, grads, opt, buffers, rest, at_rest
 
     def _gathered(self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]]) -> int:
