@@ -12,7 +12,7 @@ import torch
 from test_equivalence import tiny_config
 
 from hybridpar.config import Config
-from hybridpar.dataparallel.zero import in_place, slice_of
+from hybridpar.dataparallel.zero import slice_of
 from hybridpar.model.registry import build_stage, full_shapes, param_stages
 from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.runtime import step_casts, token_cross_entropy
@@ -78,6 +78,49 @@ def test_layer_formula_is_what_autograd_saves(family: str, precision: str, mode:
     assert got == 2 * layer_saved(cfg, 3, mode) + step_saved(cfg, False, False, 3) + casts
 
 
+def rebuild_check(tp_group: object = None, sp: bool = False) -> list[tuple]:
+    """Two layers of each family (llama with grouped-query attention; norm weights not 1: a recipe that left them
+    out would show), on this rank's `tp_group` (sequence-parallel with `sp`, re-gathering), each precision
+    without and with train.rebuild_saved: (family, precision, gradients torch.equal, meter bytes (off, on),
+    model bytes (off, on))."""
+    n = 1 if tp_group is None else torch.distributed.get_world_size(tp_group)
+    out = []
+    for family, precision in [(f, p) for f in ("llama", "gpt2") for p in ("fp32", "bf16")]:
+        cfg = small(family, precision, tp=n, sequence_parallel=sp)
+        grads, live, model = [], [], []
+        for on in (False, True):
+            cfg.train.rebuild_saved = on
+            stage = build_stage(cfg.model, [0, 1], False, False, 0, torch.device("cpu"), tp_group, sp, "regather")
+            stage.rebuild_now = on
+            g = torch.Generator().manual_seed(1)
+            with torch.no_grad():
+                for p in stage.parameters():
+                    p.add_(torch.randn(p.shape, generator=g), alpha=0.1)
+            x = torch.randn(3, cfg.train.seq_len // (n if sp else 1), cfg.model.dim, generator=g, requires_grad=True)
+            meter = ActivationMeter()
+            meter.reset(stage.parameters())
+            low = torch.autocast("cpu", dtype=torch.bfloat16) if precision == "bf16" else contextlib.nullcontext()
+            with meter.measuring(), low:
+                y = stage(x)
+            live.append(meter.live)
+            model.append(
+                2 * layer_saved(cfg, 3, "none") + step_saved(cfg, False, False, 3) + weight_casts(cfg, 2, False)
+            )
+            y.backward(torch.randn(y.shape, generator=g))
+            grads.append([x.grad] + [p.grad for p in stage.parameters()])
+        same = all(torch.equal(a, b) for a, b in zip(*grads))
+        out.append((family, precision, same, tuple(live), tuple(model)))
+    return out
+
+
+def test_rebuilt_saves_give_the_same_gradients_and_the_model_follows() -> None:
+    """train.rebuild_saved (model/regather.py): bit for bit the gradients of keeping the tensors, and the meter's
+    count exactly the layer formula's, with and without. tp2 with and without sequence parallelism:
+    test_model_matches_what_ranks_hold's launch."""
+    for family, precision, same, live, model in rebuild_check():
+        assert same and live == model and live[1] < live[0], (family, precision, live, model)
+
+
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_embedding_head_and_loss_are_what_autograd_saves(family: str, precision: str) -> None:
@@ -94,9 +137,9 @@ def test_embedding_head_and_loss_are_what_autograd_saves(family: str, precision:
 def test_zero_bubble_b_keeps_what_w_reads_until_w(family: str, precision: str, mode: str) -> None:
     """A split backward (B, then W later): after B the meter holds exactly what W reads, whatever the
     recomputation; after W nothing."""
-    cfg = small(family, precision)
+    cfg = small(family, precision, schedule="zb-h1")
     stage = build_stage(cfg.model, [0, 1], False, True, 0, torch.device("cpu"))
-    stage.recompute = mode
+    stage.recompute, stage.rebuild_now = mode, False  # as the runtime's split backward: W keeps the inputs anyway
     meter = ActivationMeter()
     meter.reset(stage.parameters())
     split = WeightGradDeferral(stage)
@@ -132,6 +175,7 @@ def test_working_copies_save_what_the_formulas_say() -> None:
     assert metered(cfg, [0], True, True, 2, "none") == layer_saved(cfg, 2, "none") + ends + rope
     assert weight_casts(cfg, 2, True) == 0 and step_saved(cfg, False, False, 3) == 0
     stage = build_stage(cfg.model, [0, 1], False, True, 0, torch.device("cpu")).to(torch.bfloat16)
+    stage.rebuild_now, cfg.parallel.schedule = False, "zb-h1"  # as the runtime's split backward: nothing rebuilt
     meter = ActivationMeter()
     meter.reset(stage.parameters())
     split = WeightGradDeferral(stage)
@@ -215,32 +259,25 @@ def test_tied_embedding_is_one_tensor_on_one_stage_and_a_summed_copy_across_two(
     assert [y.buffers - x.buffers for x, y in zip(a, b)] == [v_d, v_d]  # the gradients' sum over pp
 
 
-def test_zero1_holds_its_slices_moments_and_pads_only_what_cannot_gather_in_place() -> None:
+def test_zero1_holds_its_slices_moments() -> None:
     shapes = [((256, 32), None), ((32, 64), 0), ((64,), 0), ((5,), None), ((6, 2), None)]
-    state, gather = optimizer_bytes(shapes, 3, 1)
-    # rank 0 of dp 3 by torch.chunk: 86 rows; 32 x 22 columns (rows are tp's); the bias whole; 2 of 5; 2 of 6.
-    parts = [86 * 32, 32 * 22, 64, 2, 2 * 2]
-    assert state == sum(2 * 4 * n + 4 for n in parts)  # the moments and the step count, no copy of the slice
-    # Uneven rows (86, 86, 84), columns and uneven 2, 2, 1 go through the padded buffer; 6 rows by 3 do not.
-    seg = [sum(x) for x in zip(*[slice_sizes(s, d, 3) for s, d in shapes[:4]])]
-    assert gather == 4 * max(seg) * 4
-    assert [in_place(torch.Size(s), slice_of(torch.Size(s), d, 3)) for s, d in shapes] == [False] * 4 + [True]
-    assert optimizer_bytes([((6, 2), None), ((8, 4), None)], 2, 1)[1] == 0  # every slice in place
-    assert optimizer_bytes(shapes, 1, 0)[0] == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
+    # rank 0 of dp 3: 85 rows and the 1 left over; 10 + 2 of the tp shard's rows; 21 + 1; 1 + 2; 2.
+    parts = [86 * 32, 12 * 64, 22, 3, 2 * 2]
+    assert optimizer_bytes(shapes, 3, 1) == sum(2 * 4 * n + 4 for n in parts)  # moments and step count
+    assert [sum(slice_sizes(s, d, 3)) for s, d in shapes] == [torch.Size(s).numel() for s, _ in shapes]
+    assert optimizer_bytes(shapes, 1, 0) == sum(2 * 4 * torch.Size(s).numel() + 4 for s, _ in shapes)
 
 
-def test_gradient_buckets_all_reduce_whole_or_reduce_scatter_padded_slices() -> None:
-    shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]  # the tp-sharded bias is not sliced
+def test_gradient_buckets_all_reduce_a_flat_copy_and_reduce_scatter_in_place() -> None:
+    shapes = [((5, 4), None), ((7,), 0), ((3, 2), None)]
     assert bucket_bytes([shapes], 1, 0) == 0  # no data parallelism, nothing to reduce
     assert bucket_bytes([shapes], 2, 0) == (20 + 7 + 6) * 4  # one flat copy of every gradient
     # context-parallel peers sum their gradients too (over dp x cp): at dp 1 a flat copy all the same, and
     # ZeRO (cut over dp) slices nothing there
     assert bucket_bytes([shapes], 1, 0, cp=2) == bucket_bytes([shapes], 1, 1, cp=2) == (20 + 7 + 6) * 4
-    # ZeRO-1, dp 2: rows 3 + 2 and 2 + 1, segments of 12 + 4 and 8 + 2 elements, padded to 16, twice in and
-    # once out; the bias whole.
-    assert bucket_bytes([shapes], 2, 1) == (3 * 16 + 7) * 4
-    big = [((1024, 1024), None), ((1023, 1024), None)]  # 4 MiB each: two buckets
-    assert bucket_bytes([big], 2, 1) == 3 * 512 * 1024 * 4  # even rows reduce-scatter in place, odd padded
+    # ZeRO, dp 2 and 3: every tensor is sliced and reduce-scattered inside itself (odd rows included)
+    big = [((1024, 1024), None), ((1023, 1024), 0)]  # 4 MiB each: two buckets
+    assert bucket_bytes([shapes], 2, 1) == bucket_bytes([shapes, big], 3, 2) == 0
 
 
 def slice_sizes(shape: tuple[int, ...], tp_dim: int | None, dp: int) -> list[int]:
@@ -293,6 +330,8 @@ def _held_worker(cfg_dicts: list[dict]) -> list[dict]:
         losses = [tr.step(s)["loss"] for s in range(2)]
         tr.p2p.close()
         out.append({"pp": topo.pp_rank, "dp": topo.dp_rank, "losses": losses, **tr.memory})
+    tp2 = next(t for t in topos.values() if t.dims.tp == 2)  # rebuilding at tp2, without and with SP
+    out.append({"rebuild": [rebuild_check(tp2.group("tp"), sp) for sp in (False, True)]})
     return out
 
 
@@ -322,6 +361,10 @@ def test_model_matches_what_ranks_hold() -> None:
         tiny_config(parallel=dict(tp=1, pp=2, dp=2, zero=1), train=dict(precision="bf16", bf16_weights="copies")),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
+    for ranks in got:  # train.rebuild_saved at tp2: bit for bit the same gradients, the meter the model exactly
+        for sp, checks in zip((False, True), ranks[-1]["rebuild"]):
+            for family, precision, same, live, model in checks:
+                assert same and live == model and live[1] < live[0], (sp, family, precision, live, model)
     # The re-gather copies the forward's values: the same losses bit for bit (the second step's after an update
     # from the first's gradients), and the activations lower by the model's difference (the projections' inputs).
     for ranks in got:

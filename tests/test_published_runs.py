@@ -62,6 +62,7 @@ OPTIONAL: dict[str, type] = {
     "chunks_as_run": int,  # chunks per rank the source ran with its embedding and head apart (bench EndChunks)
     "microbatch_size": int,
     "recompute": str,
+    "bf16_weights": str,
     "zero": int,  # 1 where the source's run sharded the optimizer state over data parallelism (ZeRO-1 or more)
     "sequence_parallel": bool,  # true where the source's run split the norm regions' sequence over tp
     "cp": int,  # context-parallel ranks: the sequence split over them (docs/context-parallel.md)

@@ -58,16 +58,31 @@ def test_zero_levels_are_checked_before_launch() -> None:
         validate_config(tiny_config(parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", zero=zero), balance=balance))
 
 
-def test_slices_follow_torch_chunk_and_avoid_the_tp_dimension() -> None:
+def test_slices_are_rows_of_the_local_tensor_with_the_left_over_on_rank_0() -> None:
+    """Every slice is one block of the local tensor's storage (its first dimension, whatever tp shards):
+    n // dp rows each, dp rank 0 first with the n % dp rows left over; the equal shares lie one after the
+    other, so the collectives work in place."""
+    from hybridpar.dataparallel.zero import equal_rows, left_over, share
+
     s = slice_of(torch.Size([10, 6]), None, 3)
-    assert (s.dim, s.offsets, s.sizes) == (0, (0, 4, 8), (4, 4, 2))  # torch.chunk: 4, 4, 2
-    assert [len(c) for c in torch.arange(10).chunk(3)] == list(s.sizes)
-    s = slice_of(torch.Size([8, 6]), 0, 2)  # rows are the tp shard: cut the columns
-    assert (s.dim, s.sizes) == (1, (3, 3))
-    s = slice_of(torch.Size([3]), None, 4)  # fewer rows than ranks: the last is empty
-    assert s.sizes == (1, 1, 1, 0)
-    assert slice_of(torch.Size([8]), 0, 2).dim is None  # a column-parallel bias keeps its whole state
+    assert (s.dim, s.offsets, s.sizes, left_over(s)) == (0, (0, 4, 7), (4, 3, 3), 1)
+    assert slice_of(torch.Size([8, 6]), 0, 2) == slice_of(torch.Size([8, 6]), 1, 2)  # tp's dim: the same cut
+    assert slice_of(torch.Size([8, 6]), 0, 2).sizes == (4, 4)
+    s = slice_of(torch.Size([3]), None, 4)  # fewer rows than ranks: all on rank 0
+    assert (s.offsets, s.sizes) == ((0, 3, 3, 3), (3, 0, 0, 0))
+    assert slice_of(torch.Size([8]), 0, 2).sizes == (4, 4)  # a column-parallel bias is sliced too
     assert slice_of(torch.Size([8, 8]), None, 1).dim is None
+    for n, dp in ((10, 3), (3, 4), (12, 4), (7, 2)):
+        x = torch.arange(n * 5.0).reshape(n, 5)
+        s = slice_of(x.shape, 0, dp)
+        assert torch.equal(torch.cat([part(x, s, r) for r in range(dp)]), x)  # blocks in rank order, covering x
+        flat = equal_rows(x, s)
+        assert flat.numel() == dp * s.sizes[-1] * 5
+        assert not flat.numel() or flat.data_ptr() == x[left_over(s)].data_ptr()
+        for r in range(dp):  # rank r's share is the r-th equal piece of the rows after the left-over ones
+            mine = share(part(x, s, r), s, r)
+            assert mine.numel() == s.sizes[-1] * 5
+            assert mine.numel() == 0 or mine.data_ptr() == flat[r * mine.numel() :].data_ptr()
 
 
 def test_memory_model_knows_zero3() -> None:
@@ -148,7 +163,24 @@ def _bf16_configs() -> list[Config]:
     return cfgs + [grid_config(2, "1f1b", 1, parallel=dict(tp=1, pp=2, dp=2, zero=3), **over)]
 
 
-def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], out: str) -> dict:
+def _tp_resume_configs() -> list[Config]:
+    """tp2 x dp2 with tied embeddings (column-parallel weights cut along their tp shard's rows), ZeRO-1
+    preempted after step 1, resumed under ZeRO-3 to the end."""
+    legs = ((1, "rank=0:term@step=0:phase=forward", "off"), (3, "", "auto"))
+    return [
+        tiny_config(
+            model=dict(tie_embeddings=True),
+            parallel=dict(tp=2, pp=1, dp=2, zero=zero),
+            checkpoint=dict(every=3, keep=2, resume=resume),
+            emulate=dict(fault=fault),
+        )
+        for zero, fault, resume in legs
+    ]
+
+
+def _world4_worker(
+    layouts: list[dict], holds: list[dict], rebalance: dict, bf16: list[dict], tp_resume: list[dict], out: str
+) -> dict:
     """The 4-rank tests' work in turn, each from scratch in its own directory (the live rebalance first:
     its timing sees nothing else run before it)."""
     return {
@@ -156,6 +188,7 @@ def _world4_worker(layouts: list[dict], holds: list[dict], rebalance: dict, bf16
         "layouts": _worker(layouts, str(Path(out, "layouts"))),
         "holds": _bytes_worker(holds),
         "bf16": _worker(bf16, str(Path(out, "bf16"))),
+        "tp_resume": [_stage_worker(d, str(Path(out, "tp_resume", "run"))) for d in tp_resume],
     }
 
 
@@ -164,11 +197,12 @@ def world4(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
     """One launch for the 4-rank tests below: a launch costs ~5 s of four interpreters importing torch
     before their first step. Each test reads only its own part (rank 0's, or every rank's)."""
     out = tmp_path_factory.mktemp("world4")
-    for d in ("rebalance", "layouts", "bf16"):
+    for d in ("rebalance", "layouts", "bf16", "tp_resume"):
         (out / d).mkdir()
     layouts, holds = [c.to_dict() for c in _layout_configs()], [c.to_dict() for c in _holds_configs()]
     bf16, rebalance = [c.to_dict() for c in _bf16_configs()], _rebalance_config().to_dict()
-    return out, run_ranks(_world4_worker, 4, layouts, holds, rebalance, bf16, str(out), timeout_s=400)
+    resume = [c.to_dict() for c in _tp_resume_configs()]
+    return out, run_ranks(_world4_worker, 4, layouts, holds, rebalance, bf16, resume, str(out), timeout_s=400)
 
 
 @pytest.mark.multiprocess
@@ -177,6 +211,31 @@ def test_zero1_layouts_match_single_device(world4: tuple[Path, list[dict]]) -> N
     replicas hold 6 and 5 samples."""
     out, ranks = world4
     check_results([_as_reference(c) for c in _layout_configs()], ranks[0]["layouts"], out / "layouts")
+
+
+@pytest.mark.multiprocess
+def test_zero_checkpoint_at_tp2_resumes_under_another_level(world4: tuple[Path, list[dict]]) -> None:
+    """World 4: tp2 x dp2 ZeRO-1 preempted after step 1 resumes under ZeRO-3 (slices of column-parallel
+    weights are rows of their tp shard; a tp-replicated norm's slices written once): the one-device model."""
+    out, ranks = world4
+    first, second = ranks[0]["tp_resume"]
+    assert (first["start"], first["preempted"], second["start"], second["preempted"]) == (0, 1, 1, None)
+    ref = _as_reference(_tp_resume_configs()[1])
+    ref_losses, _, ref_state = ref_for(ref)
+    losses = first["losses"] + second["losses"]
+    assert len(losses) == len(ref_losses) and max(abs(a - b) for a, b in zip(losses, ref_losses)) <= TOL
+    state = torch.load(out / "tp_resume" / "state.pt", weights_only=True)
+    assert max((state[n] - t).abs().max().item() for n, t in ref_state.items()) <= TOL
+    check_fp64("tp2 x dp2, ZeRO-1 -> ZeRO-3 across a checkpoint", state, ref)
+    from hybridpar.resilience.packed import read_index
+
+    pieces: dict[str, int] = {}
+    for flat in read_index(out / "tp_resume" / "run" / "checkpoints" / "step-000001").values():
+        for p in flat["pieces"]:
+            pieces[p["key"]] = pieces.get(p["key"], 0) + 1
+    # A tp-sharded tensor: a slice per (dp, tp) rank; a tp-replicated norm: one per dp rank (tp rank 0's).
+    assert pieces["optim/model.layers.0.self_attn.q_proj.weight/exp_avg"] == 4
+    assert pieces["optim/model.layers.0.input_layernorm.weight/exp_avg"] == 2, pieces
 
 
 def _as_reference(cfg: Config) -> Config:

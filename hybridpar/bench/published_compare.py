@@ -113,6 +113,7 @@ def compare(row: dict[str, Any], top: int = 1, memory: Memory = rank_memory, sea
     layout += f" m{cfg.train.microbatches} recompute={cfg.train.recompute}" + (f" zero{p.zero}" if p.zero else "")
     layout += " sp" if p.sequence_parallel else ""
     layout += f" cp{p.cp}" if p.cp > 1 else ""
+    layout += " bf16-copies" if cfg.train.bf16_weights == "copies" else ""
     out = {
         "id": row["id"],
         "cluster": hw.name,

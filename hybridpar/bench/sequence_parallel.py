@@ -2,14 +2,17 @@
 step's activation peak, step time and pipeline message bytes, with and without it, side by side (JSON).
 
     .venv/bin/hybridpar bench sequence_parallel [--family llama|gpt2] [--layout 2x2x1] [--seq-len 1024]
-        [--rounds 4] [--steps 2] [--compare sp|sp_backward] [--json FILE]
+        [--rounds 4] [--steps 2] [--compare sp|sp_backward|rebuild] [--kv-heads N] [--precision fp32|bf16]
+        [--json FILE]
 
 The layout is TPxPPxDP (tp >= 2), the model the default one of the family. Each rank builds two trainers,
 one without and one with sequence parallelism (same seed, same data), and runs rounds of blocks of steps,
 one block per trainer, the order alternating every round (round 0 warms both up and is not counted), so
 a shared machine's drift hits both alike. `--compare sp_backward`: both trainers run sequence parallelism,
 "off" keeping the column-parallel layers' gathered inputs (`parallel.sp_backward saved`), "on" their 1/tp
-slices, all-gathered again in the backward (`regather`, model/regather.py).
+slices, all-gathered again in the backward (`regather`, model/regather.py). `--compare rebuild`: both with
+sequence parallelism (re-gathering), "off" keeping every saved tensor (`train.rebuild_saved false`), "on"
+rebuilding the cheap ones in the backward (model/regather.py; llama only: GPT-2 has nothing to rebuild).
 
 - Sharded regions: bytes that the modules between the tp-sharded matmuls — leaf modules whose parameters
   are all replicated over tp: the norms, GPT-2's position table — save for backward per step, read from
@@ -37,6 +40,11 @@ from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.topology.spawn import run_ranks
 
 MODES = ("off", "on")
+COMPARE = {
+    "sp": "off: no SP; on: SP",
+    "sp_backward": "SP; off: sp_backward saved, on: regather",
+    "rebuild": "SP; off: train.rebuild_saved false, on: true",
+}
 
 
 class RegionTally:
@@ -85,6 +93,9 @@ def _worker(cfg_dict: dict, rounds: int, steps: int, compare: str = "sp") -> dic
     if compare == "sp_backward":  # both with sequence parallelism, the backward's two ways against each other
         cfgs["off"].parallel.sequence_parallel = True
         cfgs["off"].parallel.sp_backward, cfgs["on"].parallel.sp_backward = "saved", "regather"
+    if compare == "rebuild":  # both with sequence parallelism, without and with rebuilding saved tensors
+        cfgs["off"].parallel.sequence_parallel = True
+        cfgs["off"].train.rebuild_saved, cfgs["on"].train.rebuild_saved = False, True
     p = cfgs["off"].parallel
     topo = build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s)
     trainers = {m: Trainer(cfgs[m], topo) for m in MODES}
@@ -135,12 +146,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--global-batch", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=4, help="measured rounds (one block per trainer each)")
     ap.add_argument("--steps", type=int, default=2, help="steps per block")
-    ap.add_argument("--compare", default="sp", choices=("sp", "sp_backward"), help="off/on: SP, or its backward")
+    ap.add_argument(
+        "--compare", default="sp", choices=COMPARE, help="off/on: SP, its backward, or rebuilding saved tensors"
+    )
+    ap.add_argument("--kv-heads", type=int, default=None, help="llama: key/value heads (fewer: grouped-query)")
+    ap.add_argument("--precision", default="fp32", choices=("fp32", "bf16"))
     ap.add_argument("--json", default=None, help="also write the record to FILE")
     a = ap.parse_args(argv)
     cfg = layout_config(a.layout)
     p = cfg.parallel
-    cfg.model.family = a.family
+    cfg.model.family, cfg.model.n_kv_heads, cfg.train.precision = a.family, a.kv_heads, a.precision
     if a.family == "gpt2":
         cfg.model.n_kv_heads, cfg.model.n_positions = None, max(a.seq_len, 1024)
     cfg.train.seq_len, cfg.train.global_batch, cfg.train.val_every, cfg.train.monitor_every = (
@@ -156,11 +171,12 @@ def main(argv: list[str] | None = None) -> int:
     load_before = os.getloadavg()
     ranks = run_ranks(_worker, p.world_size, cfg.to_dict(), a.rounds, a.steps, a.compare, timeout_s=3000)
     rec = {
-        "compare": {"sp": "off: no SP; on: SP", "sp_backward": "SP; off: sp_backward saved, on: regather"}[a.compare],
+        "compare": COMPARE[a.compare],
         "family": a.family,
         "layout": f"tp{p.tp}-pp{p.pp}-dp{p.dp}",
         "schedule": p.schedule,
-        "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L-ffn{cfg.model.ffn_dim}",
+        "model": f"{cfg.model.dim}d-{cfg.model.n_layers}L-ffn{cfg.model.ffn_dim}-{cfg.model.kv_heads}kv",
+        "precision": a.precision,
         "seq_len": a.seq_len,
         "global_batch": a.global_batch,
         "microbatches": cfg.train.microbatches,

@@ -281,6 +281,15 @@ class TrainConfig:
         "rerun its forward); selective (keep the matmul outputs, rerun norms, rotary, attention core, "
         "activations); one mode for every stage, or one per pipeline stage, comma-separated",
     )
+    rebuild_saved: bool = _f(
+        True,
+        "rebuild cheap saved tensors in the backward instead of keeping them, bit for bit the same gradients "
+        "(llama: the projections' inputs from the norm's input and 1/rms, the down projection's from gate and "
+        "up, k and v repeated to the query heads from one head of each group; gpt2: the projections' inputs "
+        "from the LayerNorm's input, the second MLP projection's from the first's output; docs/memory.md); "
+        "off where a "
+        "layer is recomputed or compiled and under zero-bubble schedules (their W keeps the inputs anyway)",
+    )
     seed: int = _f(0, "random seed")
     val_every: int = _f(50, "validate every N steps (0 disables)")
     monitor_every: int = _f(

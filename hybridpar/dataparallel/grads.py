@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.dataparallel.zero import Slice, in_place, keep_slice, part, slice_of, summed_grad
+from hybridpar.dataparallel.zero import Slice, equal_rows, keep_slice, left_over, part, share, slice_of, summed_grad
 from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
 from hybridpar.topology.mesh import Topology
@@ -41,8 +41,8 @@ class DataParallelGrads:
     reduced when the runtime reports the stage done. `finish()` waits and writes the sums back.
 
     `sharded` (ZeRO-1): reduce-scatter each bucket so that this rank receives the sum of its own slices
-    (`slices`, zero.slice_of's cut): in place in each gradient where its slices allow (zero.in_place),
-    through a padded flat buffer for the others; parameters that are not sliced are all-reduced whole.
+    (`slices`, zero.slice_of's cut), in place in each gradient (no flat copy: a sliced bucket holds no
+    buffer of ours); parameters that are not sliced (none, at dp > 1) are all-reduced whole.
     `keep_slices` (ZeRO-2): `finish()` then keeps each summed slice and frees the whole gradient."""
 
     def __init__(
@@ -69,7 +69,6 @@ class DataParallelGrads:
             ps = [p for st in stages.values() for p in st.parameters()]
             self.slices = {id(p): slice_of(p.shape, getattr(p, "tp_dim", None), dp) for p in ps}
         self._pending: list[tuple[list[torch.Tensor], torch.Tensor, dist.Work]] = []
-        self._scattered: list[tuple[list[tuple[torch.Tensor, Slice]], torch.Tensor, dist.Work]] = []
         self._in_place: list[dist.Work] = []
         self._buckets: dict[int, list[list[nn.Parameter]]] = {}
         self._bucket_of: dict[int, tuple[int, int]] = {}
@@ -118,11 +117,8 @@ class DataParallelGrads:
         if self.slices is not None:
             cut = [(p.grad, self.slices[id(p)]) for p in params if self.slices[id(p)].dim is not None]
             params = [p for p in params if self.slices[id(p)].dim is None]
-            if any(in_place(g.shape, s) for g, s in cut):
-                self._scatter_in_place([(g, s) for g, s in cut if in_place(g.shape, s)])
-            cut = [(g, s) for g, s in cut if not in_place(g.shape, s)]
             if cut:
-                self._scatter(cut)
+                self._scatter_in_place(cut)
         if params:
             grads = [p.grad for p in params]
             flat = torch.cat([g.reshape(-1) for g in grads])
@@ -131,35 +127,24 @@ class DataParallelGrads:
             self._count(flat)
 
     def _scatter_in_place(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
-        """Each gradient reduce-scattered into its own slice r (no buffer of ours), coalesced into one
-        collective."""
-        with dist._coalescing_manager(self.group, async_ops=True) as cm:
-            for g, s in cut:
-                dist.reduce_scatter_single(part(g, s, self.topo.dp_rank), g, group=self.group)
+        """Each gradient's equal rows reduce-scattered into this rank's share of them (one coalesced
+        collective), its left-over rows reduced to dp rank 0 (zero.slice_of): in place, no buffer of ours."""
+        r = self.topo.dp_rank
+        even = [(g, s) for g, s in cut if s.sizes[-1]]
+        if even:
+            with dist._coalescing_manager(self.group, async_ops=True) as cm:
+                for g, s in even:
+                    dist.reduce_scatter_single(share(part(g, s, r), s, r), equal_rows(g, s), group=self.group)
+            self._in_place += cm.works
+        for g, s in cut:
+            if left_over(s):
+                rows = g.narrow(0, 0, left_over(s))
+                self._in_place.append(dist.reduce(rows, group=self.group, async_op=True, group_dst=0))
         self.handed["reduce_scatter"] += sum(g.numel() for g, _ in cut)
-        self._in_place += cm.works
 
-    def _scatter(self, cut: list[tuple[torch.Tensor, Slice]]) -> None:
-        """One reduce-scatter: dp rank r's segment of the input is every gradient's slice r, in bucket
-        order, zero-padded to the longest segment (chunks are uneven where a dimension does not divide)."""
-        dp = self.topo.dims.dp
-        seg = [sum(part(g, s, r).numel() for g, s in cut) for r in range(dp)]
-        width = max(seg)
-        flat = torch.zeros(dp * width, dtype=cut[0][0].dtype, device=cut[0][0].device)
-        for r in range(dp):
-            at = r * width
-            for g, s in cut:
-                piece = part(g, s, r)
-                flat[at : at + piece.numel()].view(piece.shape).copy_(piece)
-                at += piece.numel()
-        out = flat.new_empty(width)
-        self.handed["reduce_scatter"] += sum(seg)
-        self._scattered.append((cut, out, dist.reduce_scatter_single(out, flat, group=self.group, async_op=True)))
-        self._count(flat, out)
-
-    def _count(self, *buffers: torch.Tensor) -> None:
+    def _count(self, flat: torch.Tensor) -> None:
         """Memory accounting: bucket buffers live from their launch until finish()."""
-        self._in_flight += sum(b.numel() * b.element_size() for b in buffers)
+        self._in_flight += flat.numel() * flat.element_size()
         self.peak_bytes = max(self.peak_bytes, self._in_flight)
 
     def stage_done(self, s: int) -> None:
@@ -176,16 +161,12 @@ class DataParallelGrads:
         for grads, flat, work in self._pending:
             work.wait(timeout)
             _unflatten(flat, grads)
-        for cut, out, work in self._scattered:
-            work.wait(timeout)
-            _unflatten(out, [part(g, s, self.topo.dp_rank) for g, s in cut])
         if self.keep_slices and self.group is not None:
             ps = [p for st in self.stages.values() for p in st.parameters() if p.grad is not None]
             self.whole_bytes = sum({p.grad.data_ptr(): p.grad.untyped_storage().nbytes() for p in ps}.values())
             for p in ps:  # one parameter at a time: at most one slice more than the whole gradients
                 keep_slice(p, self.slices[id(p)], self.topo.dp_rank)
         self._pending.clear()
-        self._scattered.clear()
         self._in_place.clear()
         self._in_flight = 0
         self._fired.clear()

@@ -5,11 +5,12 @@ finish() calls `keep_slice` parameter by parameter): the whole gradients still e
 of the step accumulate into them (reduced once per step), and from the reduction to the next step's
 backward each rank holds its 1/dp slices — through clipping and the optimizer step.
 
-Slicing: a parameter is cut along one dimension into dp chunks with torch.chunk's rule (ceil-sized
-chunks, the last ones smaller or empty), along its first dimension that tensor parallelism does not
-shard — so a slice of a tp shard is a block of rows or columns, and its optimizer state is the same
-block of the full AdamW state. A parameter whose only dimension is tp-sharded (a column-parallel bias)
-keeps its whole state on every dp rank: it is a few hundred numbers.
+Slicing: a parameter (its tp shard, under tensor parallelism) is cut along its first dimension, which
+is contiguous in its storage whatever tensor parallelism shards: each dp rank holds n // dp rows, and dp
+rank 0 also the n % dp rows left over, ahead of its share (Megatron's distributed optimizer cuts the flat
+buffer likewise). So every slice is one block of the storage and of the whole tensor, and its optimizer
+state is the same block of the full AdamW state. A parameter with fewer rows than dp ranks lives on rank
+0 alone (the others' slices are empty).
 
 Each slice is stepped in place by plain `torch.optim.AdamW`: the tensor it steps is a view of the
 parameter's own storage (no shadow copy), with the decay group of the parameter it comes from. AdamW is
@@ -19,12 +20,13 @@ slice of each gradient holds the sum over dp, the rest does not, and only the sl
 here. Reduce-scatter plus the all-gather of parameters move the bytes of the one all-reduce that plain
 data parallelism does.
 
-Where a parameter's dp slices are equal and contiguous in its storage (`in_place`: cut along its first
-dimension, which every parameter is unless tensor parallelism shards that dimension), both collectives
-work inside the tensors themselves: the reduce-scatter reads the whole gradient and writes this rank's
-slice of it, the all-gather reads this rank's slice of the parameter and writes the whole parameter
-(NCCL's in-place forms; gloo stages through its own buffers). Only the others (column slices of
-tp-sharded rows, uneven chunks) go through padded flat buffers of ours.
+Both collectives work inside the tensors themselves, with no buffer of ours: the reduce-scatter reads
+the gradient's equal rows and writes this rank's share of them, the all-gather reads this rank's share
+of the parameter and writes the equal rows (NCCL's in-place forms; gloo stages through its own
+buffers); the left-over rows are reduced to and broadcast from dp rank 0. (Cutting a column-parallel
+weight along its columns, as this module once did, put each slice in dp strided pieces that went
+through padded flat buffers: at dp 64 about the whole tensors again, for the step's all-gather and the
+gradients' reduce-scatter.)
 """
 
 from __future__ import annotations
@@ -45,27 +47,39 @@ from hybridpar.topology.mesh import Topology
 @dataclass(frozen=True)
 class Slice:
     dim: int | None  # None: not sliced (every dp rank holds the whole state)
-    offsets: tuple[int, ...]  # start of each dp rank's chunk along `dim`
-    sizes: tuple[int, ...]  # length of each dp rank's chunk (0: empty)
+    offsets: tuple[int, ...]  # start of each dp rank's rows along `dim` (0: the first dimension)
+    sizes: tuple[int, ...]  # rows each dp rank holds (0: empty)
 
 
 def slice_of(shape: torch.Size, tp_dim: int | None, dp: int) -> Slice:
-    """How one parameter (its tp-local shape) is cut among dp ranks: torch.chunk's rule along the first
-    dimension that tensor parallelism does not shard."""
-    free = [d for d in range(len(shape)) if d != tp_dim]
-    if dp == 1 or not free:
+    """How one parameter (its tp-local shape) is cut among dp ranks: along the local tensor's first
+    dimension, whichever dimension tensor parallelism shards (`tp_dim` does not change the cut: a tp shard
+    is a tensor of its own, contiguous). Every rank gets n // dp rows and rank 0 also the n % dp rows left
+    over, first, so that each slice is one block of the storage and the other rows split equally."""
+    if dp == 1 or len(shape) == 0:
         return Slice(None, (0,) * dp, (0,) * dp)
-    dim = free[0]
-    n = shape[dim]
-    chunk = -(-n // dp)
-    offsets = tuple(min(n, r * chunk) for r in range(dp))
-    sizes = tuple(min(n, o + chunk) - o for o in offsets)
-    return Slice(dim, offsets, sizes)
+    share, left = divmod(shape[0], dp)
+    return Slice(0, (0,) + tuple(left + r * share for r in range(1, dp)), (share + left,) + (share,) * (dp - 1))
 
 
 def part(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
     """dp rank r's slice of `p` (a view)."""
     return p if s.dim is None else p.narrow(s.dim, s.offsets[r], s.sizes[r])
+
+
+def left_over(s: Slice) -> int:
+    """Rows dp rank 0 holds beyond the equal share (the first rows of the tensor)."""
+    return 0 if s.dim is None else s.sizes[0] - s.sizes[-1]
+
+
+def equal_rows(p: torch.Tensor, s: Slice) -> torch.Tensor:
+    """The flat view of the rows after the left-over ones: every dp rank's equal share, in rank order."""
+    return p.narrow(0, left_over(s), p.shape[0] - left_over(s)).view(-1)
+
+
+def share(mine: torch.Tensor, s: Slice, r: int) -> torch.Tensor:
+    """The flat equal share inside dp rank r's slice `mine` (rank 0's follows its left-over rows)."""
+    return mine.narrow(0, left_over(s) if r == 0 else 0, s.sizes[-1]).view(-1)
 
 
 def summed_grad(p: torch.Tensor, s: Slice, r: int) -> torch.Tensor | None:
@@ -86,13 +100,26 @@ def keep_slice(p: torch.Tensor, s: Slice, r: int) -> None:
         p.grad = None
 
 
-def in_place(shape: torch.Size | tuple[int, ...], s: Slice) -> bool:
-    """Whether the dp slices of a tensor of `shape` lie one after another in its storage, equally long:
-    then the flat tensor is the all-gather of its slices and the reduce-scatter's input, in place."""
-    lead = 1
-    for x in shape[: s.dim or 0]:
-        lead *= x
-    return s.dim is not None and lead == 1 and len(set(s.sizes)) == 1
+def start_gather(pieces: list[tuple[torch.Tensor, torch.Tensor, Slice]], r: int, group: Any) -> list[dist.Work]:
+    """Start gathering every dp rank's slices into whole tensors, in place (no buffer of ours): `pieces` are
+    (whole tensor, this rank's slice of it — a view of it, or a tensor of its own —, the cut). The equal
+    shares go in one coalesced all-gather whose output is the tensor's rows after the left-over ones (each
+    rank's share already sits where it belongs: NCCL's in-place form); the left-over rows are broadcast
+    from dp rank 0. Returns the works to wait for."""
+    works: list[dist.Work] = []
+    even = [x for x in pieces if x[2].sizes[-1]]
+    if even:
+        with dist._coalescing_manager(group, async_ops=True) as cm:
+            for whole, mine, s in even:
+                dist.all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group)
+        works += cm.works
+    for whole, mine, s in pieces:
+        if left_over(s):
+            rows = whole.narrow(0, 0, left_over(s))
+            if r == 0 and mine.data_ptr() != whole.data_ptr():
+                rows.copy_(mine.narrow(0, 0, left_over(s)))
+            works.append(dist.broadcast(rows, group=group, async_op=True, group_src=0))
+    return works
 
 
 class ShardedAdamW(torch.optim.AdamW):
@@ -118,7 +145,6 @@ class ShardedAdamW(torch.optim.AdamW):
         self.full: list[nn.Parameter] = []  # the model's parameters, in order
         self.slices: list[Slice] = []
         self.views: list[nn.Parameter] = []  # this rank's slice of each (a view of its storage), stepped by AdamW
-        self.gather_bytes = 0  # bytes of the last step's padded all-gather buffers (memory accounting)
         for name, p in named:
             s = slice_of(p.shape, getattr(p, "tp_dim", None), self.dp)
             self.full.append(p)
@@ -157,34 +183,13 @@ class ShardedAdamW(torch.optim.AdamW):
 
     @torch.no_grad()
     def _gather(self) -> None:
-        """Every rank's updated slices into every rank's parameters: one coalesced in-place all-gather
-        per parameter whose slices allow it, one flat padded all-gather for the others."""
-        self.gather_bytes = 0
+        """Every rank's updated slices into every rank's parameters, in place (`start_gather`)."""
         if self.group is None:
             return
-        timeout = timedelta(seconds=self.topo.timeout_s)
-        flat = [(p.detach(), s) for p, s in zip(self.full, self.slices) if in_place(p.shape, s)]
-        if flat:
-            with dist._coalescing_manager(self.group, async_ops=True) as cm:
-                for p, s in flat:
-                    dist.all_gather_single(p.view(-1), part(p, s, self.r).reshape(-1), group=self.group)
-            for work in cm.works:
-                work.wait(timeout)
-        rest = [(p, s) for p, s in zip(self.full, self.slices) if s.dim is not None and not in_place(p.shape, s)]
-        if not rest:
-            return
-        seg = [sum(part(p, s, r).numel() for p, s in rest) for r in range(self.dp)]
-        mine = torch.zeros(max(seg), dtype=rest[0][0].dtype, device=rest[0][0].device)
-        torch.cat([part(p, s, self.r).reshape(-1) for p, s in rest], out=mine[: seg[self.r]])
-        outs = [torch.empty_like(mine) for _ in range(self.dp)]
-        self.gather_bytes = (1 + self.dp) * mine.numel() * mine.element_size()
-        dist.all_gather(outs, mine, group=self.group, async_op=True).wait(timeout)
-        for r, buf in enumerate(outs):
-            at = 0
-            for p, s in rest:
-                piece = part(p, s, r)
-                piece.copy_(buf[at : at + piece.numel()].view(piece.shape))
-                at += piece.numel()
+        cut = [(p.detach(), s) for p, s in zip(self.full, self.slices) if s.dim is not None]
+        pieces = [(p, part(p, s, self.r), s) for p, s in cut]
+        for work in start_gather(pieces, self.r, self.group):
+            work.wait(timedelta(seconds=self.topo.timeout_s))
 
     def state_bytes(self) -> int:
         """Bytes of optimizer state this rank holds, counted from its tensors."""
@@ -204,26 +209,19 @@ class ShardedAdamW(torch.optim.AdamW):
         for p, s, q in zip(self.full, self.slices, self.views):
             st = self.state[q]
             full: dict[str, torch.Tensor] = {}
+            pieces = []
             for k in sorted(st):
                 v = st[k]
                 if s.dim is None or v.shape != q.shape:
                     full[k] = v.clone()  # whole already (or the step counter, the same on every rank)
                     continue
-                whole = torch.empty(p.shape, dtype=v.dtype, device=v.device)
-                self._gather_one(whole, v, s)
-                full[k] = whole
+                full[k] = torch.empty(p.shape, dtype=v.dtype, device=v.device)
+                pieces.append((full[k], v, s))
+            if pieces:
+                for work in start_gather(pieces, self.r, self.group):
+                    work.wait(timedelta(seconds=self.topo.timeout_s))
             out[p] = full
         return out
-
-    def _gather_one(self, whole: torch.Tensor, mine: torch.Tensor, s: Slice) -> None:
-        width = max(s.sizes) * (whole.numel() // whole.shape[s.dim])
-        pad = torch.zeros(width, dtype=mine.dtype, device=mine.device)
-        pad[: mine.numel()] = mine.reshape(-1)
-        outs = [torch.empty_like(pad) for _ in range(self.dp)]
-        dist.all_gather(outs, pad, group=self.group, async_op=True).wait(timedelta(seconds=self.topo.timeout_s))
-        for r, buf in enumerate(outs):
-            piece = part(whole, s, r)
-            piece.copy_(buf[: piece.numel()].view(piece.shape))
 
     @torch.no_grad()
     def load_full_state(self, full: dict[torch.Tensor, dict[str, torch.Tensor]]) -> None:

@@ -26,7 +26,8 @@ final norm, head):
 - `regather="step"`: parameters stay gathered from their first use in the step until the trainer calls
   `release()` after the backward: one gather per layer per step, a stage's whole parameters held meanwhile.
 
-A parameter whose only dimension is tensor-parallel (zero.slice_of gives no slice) is kept whole.
+Every parameter is sliced (zero.slice_of cuts any tensor along its first dimension, rank 0 holding the
+rows left over) and gathered in place into its own storage: the gathers hold no buffer of ours.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from hybridpar.dataparallel.zero import ShardedAdamW, Slice, in_place, part
+from hybridpar.dataparallel.zero import ShardedAdamW, Slice, start_gather
 from hybridpar.model.stage import Stage
 from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.topology.mesh import Topology
@@ -76,7 +77,7 @@ class Zero3:
         }
         self.units: dict[int, list[list[nn.Parameter]]] = {}  # stage -> [others, layer 0, layer 1, ...]
         self.gathered: set[int] = set()
-        self._pending: dict[int, list[Any]] = {}  # id(param) -> [works, padded (buffer, outs) or None]
+        self._pending: dict[int, list[dist.Work]] = {}  # id(param) -> the works of its gather under way
         self.gathers = 0  # parameter all-gathers started (per parameter), over the run
         self.held = 0  # bytes of whole parameters gathered now
         self.peak = 0  # most of them at once since the last `reset_peak()`
@@ -189,34 +190,16 @@ class Zero3:
             p.data.untyped_storage().resize_(p.numel() * p.element_size())
             self.held += p.numel() * p.element_size()
         self.peak = max(self.peak, self.held)
-        flat = [p for p in ps if in_place(p.shape, self.shards[id(p)][1])]
-        works: list[Any] = []
-        if flat:
-            with dist._coalescing_manager(self.group, async_ops=True) as cm:
-                for p in flat:
-                    dist.all_gather_single(p.data.view(-1), self.shards[id(p)][2].reshape(-1), group=self.group)
-            works = list(cm.works)
-        for p in flat:
-            self._pending[id(p)] = [works, None]
-        for p in (p for p in ps if id(p) not in self._pending):  # uneven or strided slices: padded buffers
-            _, s, q = self.shards[id(p)]
-            width = max(s.sizes) * (p.numel() // p.shape[s.dim])
-            pad = torch.zeros(width, dtype=q.dtype, device=q.device)
-            pad[: q.numel()] = q.reshape(-1)
-            outs = [torch.empty_like(pad) for _ in range(self.dp)]
-            self._pending[id(p)] = [[dist.all_gather(outs, pad, group=self.group, async_op=True)], outs]
+        # In place into the parameters' storages (zero.start_gather): no buffer of ours.
+        works = start_gather([(p.data, self.shards[id(p)][2], self.shards[id(p)][1]) for p in ps], self.r, self.group)
+        for p in ps:
+            self._pending[id(p)] = works
         self.gathers += len(ps)
 
     @torch.no_grad()
     def _finish(self, p: nn.Parameter) -> None:
-        works, outs = self._pending.pop(id(p))
-        for w in works:
+        for w in self._pending.pop(id(p)):
             w.wait(self.timeout)
-        if outs is not None:
-            _, s, _ = self.shards[id(p)]
-            for r, buf in enumerate(outs):
-                piece = part(p.data, s, r)
-                piece.copy_(buf[: piece.numel()].view(piece.shape))
         self.gathered.add(id(p))
         if self.meter is not None:
             self.meter.exclude(p)

@@ -12,6 +12,8 @@ the model's code has one path for both, and the pipeline carries only the (B, T)
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 
 from hybridpar.model.kvcache import sdpa
@@ -36,9 +38,10 @@ class DocumentMask:
     def layer(self, lid: str) -> DocumentMask:
         return self
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """Attention of q (B, h, T, hd) over this step's keys and values (nothing cached), within documents."""
-        return sdpa(q, k, v, self.mask)
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saves: Any = None) -> torch.Tensor:
+        """Attention of q (B, h, T, hd) over this step's keys and values (nothing cached), within documents.
+        `saves`: the block's saved-tensor hooks, as kvcache.sdpa's (training keeps one head of each kv group)."""
+        return sdpa(q, k, v, self.mask, saves)
 
     def last_tokens(self, h: torch.Tensor) -> torch.Tensor:
         return h  # training and evaluation need every position's logits

@@ -26,13 +26,29 @@ from hybridpar.config import ModelConfig
 from hybridpar.model.family import Family, check_hf_fields
 from hybridpar.model.hf import TensorSource, read_local, shard_rows
 from hybridpar.model.kvcache import KVStep, LayerKV, attend
+from hybridpar.model.regather import block_saves, saving
 from hybridpar.model.stage import Stage
 
 CONV1D = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
 QKV = ("attn.c_attn.weight", "attn.c_attn.bias")
 
 
+class LayerNorm(nn.LayerNorm):
+    """torch's LayerNorm, whose output the blocks that read it may remake in the backward (model/regather.py):
+    the same kernel on the same input (which layer_norm keeps anyway), so the same bits."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = super().forward(x)
+        if y.grad_fn is not None:
+            xd, w, b, eps = x.detach(), self.weight, self.bias, self.eps
+            y.grad_fn.metadata["remake"] = lambda node: F.layer_norm(xd, xd.shape[-1:], w.detach(), b.detach(), eps)
+        return y
+
+
 class GPT2Attention(nn.Module):
+    # Its saved-tensor hooks (model/regather.py, installed by tp.install_saves) rebuild c_attn's input from ln_1.
+    rebuilds_saved = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -40,7 +56,13 @@ class GPT2Attention(nn.Module):
         self.c_proj = nn.Linear(cfg.dim, cfg.dim)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        with saving(self, x):  # the sequence-parallel re-gather of c_attn's input (model/regather.py)
+            return self._forward(x, kv)
+
+    def _forward(self, x: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         B, T, _ = x.shape
+        saves = block_saves(self)
+        x = x if saves is None else saves.note(x)
         # -1 heads: under tensor parallelism each rank holds n_heads/tp of them.
         qkv = self.c_attn(x).view(B, T, -1, 3, self.head_dim)  # (B, T, h, 3, hd)
         q, k, v = qkv.permute(3, 0, 2, 1, 4).unbind(0)  # each (B, h, T, hd)
@@ -49,21 +71,32 @@ class GPT2Attention(nn.Module):
 
 
 class GPT2MLP(nn.Module):
+    # Its saved-tensor hooks rebuild c_fc's input from ln_2 and c_proj's from c_fc's output.
+    rebuilds_saved = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(cfg.dim, cfg.ffn_dim)
         self.c_proj = nn.Linear(cfg.ffn_dim, cfg.dim)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.c_proj(F.gelu(self.c_fc(x), approximate="tanh"))
+        with saving(self, x):  # as GPT2Attention's, for c_fc
+            saves = block_saves(self)
+            x = x if saves is None else saves.note(x)
+            fc = self.c_fc(x)
+            h = F.gelu(fc, approximate="tanh")  # (B, T, ffn)
+            if saves is not None:  # c_proj's input, remade from c_fc's output (which gelu keeps)
+                fcd = fc.detach()
+                saves.rebuilt(h, lambda: F.gelu(fcd, approximate="tanh"))
+            return self.c_proj(h)
 
 
 class GPT2Block(nn.Module):
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        self.ln_1 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_1 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.attn = GPT2Attention(cfg)
-        self.ln_2 = nn.LayerNorm(cfg.dim, eps=cfg.norm_eps)
+        self.ln_2 = LayerNorm(cfg.dim, eps=cfg.norm_eps)
         self.mlp = GPT2MLP(cfg)
 
     def forward(self, x: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:

@@ -25,6 +25,7 @@ Block tables are padded with the extra last block (the scratch block, owned by n
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -108,9 +109,10 @@ class LayerKV:
     def __init__(self, step: KVStep, lid: str) -> None:
         self.step, self.lid = step, lid
 
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saves: Any = None) -> torch.Tensor:
         """Write this step's keys/values (1, kv, N, hd) into their blocks; return the attention of the
-        queries (1, h, N, hd) over their own sequences' keys, gathered from the blocks, part by part."""
+        queries (1, h, N, hd) over their own sequences' keys, gathered from the blocks, part by part.
+        (`saves`: serving saves nothing for a backward.)"""
         s, c = self.step, self.step.cache
         pk, pv = c.k[self.lid], c.v[self.lid]
         pk.index_copy_(0, s.write, k[0].transpose(0, 1))
@@ -126,18 +128,25 @@ class LayerKV:
         return out
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None) -> torch.Tensor:
-    """kv < h heads: grouped-query attention, each kv head shared by a group of query heads."""
+def sdpa(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, saves: Any = None
+) -> torch.Tensor:
+    """kv < h heads: grouped-query attention, each kv head shared by a group of query heads. `saves`: the
+    block's saved-tensor hooks (model/regather.py), told which tensors are k, v repeated, to keep one head of
+    each group for the backward. (torch's enable_gqa=True would keep none, but sums dk, dv in another order:
+    measured, a bf16 error 14% larger.)"""
     if k.shape[1] != q.shape[1]:
         rep = q.shape[1] // k.shape[1]
         k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        if saves is not None:
+            k, v = saves.repeated(k, rep), saves.repeated(v, rep)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None)
 
 
-def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv: LayerKV | None, saves: Any = None) -> torch.Tensor:
     """Causal attention of q (B, h, T, hd) over k, v (B, kv, T, hd) -> (B, h, T, hd); with `kv`, over each
-    sequence's cached past as well (B = 1: the step's packed row)."""
-    return sdpa(q, k, v, None) if kv is None else kv.attend(q, k, v)
+    sequence's cached past as well (B = 1: the step's packed row). `saves`: as sdpa's."""
+    return sdpa(q, k, v, None, saves) if kv is None else kv.attend(q, k, v, saves)
 
 
 def attention_kernel(q_heads: int, seq_len: int, head_dim: int, device: torch.device, dtype: torch.dtype) -> str:

@@ -16,6 +16,7 @@ from torch import nn
 from hybridpar.config import ModelConfig
 from hybridpar.model.family import Family, check_hf_fields
 from hybridpar.model.kvcache import KVStep, LayerKV, attend
+from hybridpar.model.regather import block_saves, saving
 from hybridpar.model.stage import Stage
 
 
@@ -26,14 +27,23 @@ class _RMSNorm(torch.autograd.Function):
     is autograd's own chain of formulas (derivatives.yaml: mul, rsqrt, mean, pow), op for op, on the same
     tensors. x comes in twice (`x`, `x2`: a view of it) so that its two gradient terms, the product's
     and the square's, reach x's other uses (the residual add) one after the other, as autograd sums them:
-    floating-point addition is not associative, and this keeps the gradients bit-identical."""
+    floating-point addition is not associative, and this keeps the gradients bit-identical. The output
+    can be remade from what is saved (`remake`: the same ops on the same tensors), so the layers that read
+    it need not keep it (model/regather.py)."""
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         h = x.float()  # normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, r, weight)  # the weight: a parameter, resident anyway
+        ctx.metadata["remake"] = _RMSNorm.remake  # for the blocks that read the output (model/regather.py)
         return weight * (h * r).to(x.dtype)
+
+    @staticmethod
+    def remake(ctx: Any) -> torch.Tensor:
+        """The forward's output again, bit for bit, from the saved input and 1/rms (before this node's backward)."""
+        x, r, weight = ctx.saved_tensors
+        return weight.detach() * (x.detach().float() * r).to(x.dtype)
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
@@ -139,6 +149,10 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 
 
 class Attention(nn.Module):
+    # Its saved-tensor hooks (model/regather.py, `saves`, installed by tp.install_saves) rebuild the projections'
+    # input from the norm and keep one head of each group of the repeated k, v.
+    rebuilds_saved = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         hd = cfg.head_dim
@@ -149,19 +163,29 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(cfg.n_heads * hd, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None = None) -> torch.Tensor:
+        with saving(self, x):
+            return self._forward(x, cos, sin, kv)
+
+    def _forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kv: LayerKV | None) -> torch.Tensor:
         B, T, _ = x.shape
+        saves = block_saves(self)
         # -1 heads: under tensor parallelism each rank holds n_heads/tp query and kv_heads/tp kv heads.
         xq, xk, xv = shared_casts(x, 3)
+        if saves is not None:  # what q, k, v read: re-gathered or remade from the norm in the backward
+            saves.note(xq)
         q = self.q_proj(xq).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, h, T, hd)
         k = self.k_proj(xk).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, kv, T, hd)
         v = self.v_proj(xv).view(B, T, -1, self.head_dim).transpose(1, 2)
         q = q * cos + _rotate_half(q) * sin
         k = k * cos + _rotate_half(k) * sin
-        y = attend(q, k, v, kv)  # (B, h, T, hd)
+        y = attend(q, k, v, kv, saves)  # (B, h, T, hd)
         return self.o_proj(y.transpose(1, 2).reshape(B, T, -1))
 
 
 class MLP(nn.Module):
+    # Its saved-tensor hooks (as Attention's) rebuild the projections' input and the down projection's.
+    rebuilds_saved = True
+
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
         self.gate_proj = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
@@ -169,8 +193,20 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        with saving(self, x):
+            return self._forward(x)
+
+    def _forward(self, x: torch.Tensor) -> torch.Tensor:
+        saves = block_saves(self)
         xg, xu = shared_casts(x, 2)
-        return self.down_proj(_SwiGLU.apply(self.gate_proj(xg), self.up_proj(xu)))
+        if saves is not None:  # what gate and up read, as Attention's q, k, v
+            saves.note(xg)
+        gate, up = self.gate_proj(xg), self.up_proj(xu)
+        h = _SwiGLU.apply(gate, up)  # (B, T, ffn)
+        if saves is not None:  # the down projection's input, remade from gate and up (which SwiGLU keeps)
+            g, u = gate.detach(), up.detach()
+            saves.rebuilt(h, lambda: F.silu(g) * u)
+        return self.down_proj(h)
 
 
 class DecoderLayer(nn.Module):

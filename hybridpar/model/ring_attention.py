@@ -28,6 +28,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -234,9 +235,9 @@ class RingContext:
     # Eager between compiled regions (train.compile, model/compiled.py): the ring's point-to-point transfers
     # (batch_isend_irecv) have no functional form that dynamo could put into the layer's graph.
     @torch.compiler.disable
-    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, saves: Any = None) -> torch.Tensor:
         """Causal attention of this rank's queries (B, h, 2C, hd) over the whole sequence's keys/values,
-        of which this rank holds (B, kv, 2C, hd)."""
+        of which this rank holds (B, kv, 2C, hd) (`saves`: nothing repeated to keep, the ring keeps the kv heads)."""
         with torch.autocast(q.device.type, enabled=False):  # blocks and their merge in fp32
             return _RingAttention.apply(q, k, v, self.ring)
 

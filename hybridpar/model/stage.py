@@ -52,6 +52,9 @@ class Stage(nn.Module):
         # Sequence parallelism (model/tp.py): hidden states here are slice `seq_rank` of `seq_shards`
         # equal slices of the sequence, (B, T/seq_shards, d); set by apply_tp.
         self.seq_rank, self.seq_shards = 0, 1
+        # train.rebuild_saved: blocks rebuild cheap saved tensors in the backward (model/regather.py);
+        # `rebuild_now`: in force (the runtime turns it off where a zero-bubble W keeps the inputs anyway).
+        self.rebuild_saved = self.rebuild_now = True
 
     def seq_slice(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """This rank's slice of `t` along its sequence dimension `dim` (all of it without sequence parallelism)."""

@@ -40,7 +40,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from hybridpar.model.regather import Regather
+from hybridpar.model.regather import BlockSaves
 from hybridpar.model.stage import Stage
 
 
@@ -49,7 +49,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.tp_f = group, True  # tp_f: the block's saved-tensor hooks look behind it (model/regather.py)
         return x.view_as(x)
 
     @staticmethod
@@ -102,7 +102,7 @@ class _GatherSeq(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
+        ctx.group, ctx.tp_f = group, True  # as _CopyToTP's
         return gather_seq(x, group)
 
     @staticmethod
@@ -194,7 +194,9 @@ def apply_tp(
 ) -> Stage:
     """Shard `stage` in place over the tp `group` following its family's TP_PLAN. A no-op without tp.
     `sequence_parallel`: the regions between the sharded matmuls hold 1/tp of the sequence (module doc);
-    `sp_backward`: "regather" keeps only the 1/tp slice of their gathered inputs (model/regather.py)."""
+    `sp_backward`: "regather" keeps only the 1/tp slice of their gathered inputs (model/regather.py).
+    Without tp too: each block gets its saved-tensor hooks (model/regather.py), which rebuild what they can."""
+    install_saves(stage)
     if group is None or dist.get_world_size(group) == 1:
         return stage
     rank, n = dist.get_rank(group), dist.get_world_size(group)
@@ -222,17 +224,27 @@ def apply_tp(
     return stage
 
 
+def _blocks(stage: Stage) -> list[nn.Module]:
+    """Each block whose input f gathers or copies (TP_PLAN's copy_in): its column-parallel layers read it."""
+    return [
+        mod
+        for name, mod in stage.named_modules()
+        if next((s for p, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, p)), None) == "copy_in"
+    ]
+
+
+def install_saves(stage: Stage) -> None:
+    """Each block's saved-tensor hooks (model/regather.py: the re-gather, the rebuilds), once per block."""
+    for block in _blocks(stage):
+        if not isinstance(getattr(block, "saves", None), BlockSaves):
+            block.saves = BlockSaves(stage)
+
+
 def _regather(stage: Stage, group: dist.ProcessGroup) -> None:
     """Each block whose input f gathers keeps its column-parallel layers' 1/tp slice (model/regather.py);
     `stage.sp_regather` switches it (the runtime turns it off where a zero-bubble W keeps the input)."""
-    styles = {
-        name: next((s for p, s in stage.TP_PLAN.items() if fnmatch.fnmatchcase(name, p)), None)
-        for name, _ in stage.named_modules()
-    }
-    for name, mod in stage.named_modules():
-        if styles[name] == "copy_in":
-            cols = [m for n, m in mod.named_modules(prefix=name) if styles.get(n) == "colwise"]
-            mod.sp_regather = Regather(stage, mod, cols, group)
+    for block in _blocks(stage):
+        block.saves.set_group(group)
     stage.sp_regather, stage.sp_backward = True, "regather"
 
 
@@ -240,8 +252,8 @@ def rebind_regather(stage: Stage) -> None:
     """Point the re-gathers of `stage`'s blocks at it: a layer moved here by a live re-partition (built apart,
     or from another of this rank's stages) then follows this stage's recomputation and split backward."""
     for mod in stage.modules():
-        r = getattr(mod, "sp_regather", None)
-        if isinstance(r, Regather):
+        r = getattr(mod, "saves", None)
+        if isinstance(r, BlockSaves):
             r.stage = stage
 
 

@@ -132,13 +132,14 @@ class PipelineRuntime:
         for st in self.stages.values():  # moved layers' sequence-parallel re-gathers follow their new stage
             rebind_regather(st)
             st.sp_regather = getattr(st, "sp_backward", "saved") == "regather"
+            st.rebuild_now = st.rebuild_saved
 
     def _split(self, s: int) -> WeightGradDeferral:
         if s not in self._deferral:
             self._deferral[s] = WeightGradDeferral(self.stages[s])
             self._deferral[s].meter = self.meter
             # W keeps each linear layer's input from F on: a sequence-parallel re-gather would save nothing.
-            self.stages[s].sp_regather = False
+            self.stages[s].sp_regather = self.stages[s].rebuild_now = False  # nor would a rebuild
         return self._deferral[s]
 
     def run(

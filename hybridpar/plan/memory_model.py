@@ -24,9 +24,9 @@ Components, each at its own high point in the step (their sum bounds the step's 
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
 - buffers: message memory (receive buffers; the rings of shared-memory send links, replayed from the
-  simulated schedule) plus the largest transient: the data-parallel gradient buckets, the
-  tied-embedding sum, ZeRO-1's all-gather (both ZeRO-1 collectives work inside the tensors where the
-  slices allow, zero.in_place: only the other tensors' slices go through buffers).
+  simulated schedule) plus the largest transient: the data-parallel gradient buckets (the flat copies
+  of the all-reduce; none under ZeRO, whose reduce-scatter and all-gather work inside the tensors,
+  dataparallel/zero.py) and the tied-embedding sum.
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
 from hybridpar.config import Config, ModelConfig
 from hybridpar.dataparallel.grads import BUCKET_BYTES
-from hybridpar.dataparallel.zero import in_place, slice_of
+from hybridpar.dataparallel.zero import slice_of
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
 from hybridpar.pipeline.schedules import (
@@ -133,44 +133,36 @@ def _numel(shape: tuple[int, ...]) -> int:
     return n
 
 
-def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> tuple[bool, int, tuple | None]:
-    """ZeRO-1's cut of one tensor among dp ranks (zero.slice_of): (sliced, elements of dp rank 0's slice,
-    elements per rank that go through buffers — None where in place or not sliced). `cache`: kept across
-    calls, since the layers repeat the same few shapes."""
-    key = (shape, d, dp)
+def _cut(shape: tuple[int, ...], d: int | None, dp: int, cache: dict | None) -> tuple[bool, int]:
+    """ZeRO's cut of one tensor among dp ranks (zero.slice_of): (sliced, elements of dp rank 0's slice: the
+    largest). `d` (the tp-sharded dimension) does not change the cut. `cache`: kept across calls, since the
+    layers repeat the same few shapes."""
+    key = (shape, dp)
     if cache is not None and key in cache:
         return cache[key]
-    sl, n = slice_of(torch.Size(shape), d, dp), _numel(shape)
-    sizes = tuple(n if sl.dim is None else n // shape[sl.dim] * k for k in sl.sizes)
-    out = (sl.dim is not None, sizes[0], sizes if sl.dim is not None and not in_place(shape, sl) else None)
+    sl = slice_of(torch.Size(shape), d, dp)
+    out = (sl.dim is not None, _numel(shape) if sl.dim is None else _numel(shape) // shape[0] * sl.sizes[0])
     if cache is not None:
         cache[key] = out
     return out
 
 
-def optimizer_bytes(
-    shapes: list[Shape], dp: int, zero: int, cache: dict | None = None, masters: bool = False
-) -> tuple[int, int]:
-    """(AdamW state, bytes of ZeRO's padded all-gather buffers) of dp rank 0. `masters`: bf16 working
-    copies' MasterAdamW, an fp32 master beside the moments of every slice and bf16 parameters gathered."""
-    per, gathered = (3, 2) if masters else (2, F32)
+def optimizer_bytes(shapes: list[Shape], dp: int, zero: int, cache: dict | None = None, masters: bool = False) -> int:
+    """AdamW's state of dp rank 0: the moments of its slices and a step count per tensor. `masters`: bf16
+    working copies' MasterAdamW, an fp32 master beside the moments of every slice."""
+    per = 3 if masters else 2
     if not zero:
-        return sum(per * F32 * _numel(s) + F32 for s, _ in shapes), 0
-    state, seg = 0, [0] * dp
-    for (shape, d), count in Counter(shapes).items():  # equal shapes add equal terms: once each, times count
-        _, own, through = _cut(shape, d, dp, cache)
-        state += count * (per * F32 * own + F32)  # the moments (and master) of the slice, the step count
-        if through is not None:
-            seg = [a + count * b for a, b in zip(seg, through)]
-    return state, ((1 + dp) * max(seg) * gathered if dp > 1 else 0)
+        return sum(per * F32 * _numel(s) + F32 for s, _ in shapes)
+    counts = Counter(shapes)  # equal shapes add equal terms: once each, times count
+    return sum(n * (per * F32 * _cut(shape, d, dp, cache)[1] + F32) for (shape, d), n in counts.items())
 
 
 def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | None = None, cp: int = 1) -> int:
     """Bytes of the data-parallel gradient buckets, all in flight by the end of the backward (dataparallel/grads.py's
     grouping: each stage's parameters in reverse order, a new bucket past BUCKET_BYTES): a flat copy of
-    each bucket for the all-reduce; under ZeRO-1 the sliced gradients reduce-scattered instead, in place
-    where the slices allow, else through dp padded segments in and one out. Context-parallel peers sum
-    their gradients too (over dp x cp): at dp = 1 and cp > 1 the flat copies are there all the same."""
+    each bucket for the all-reduce. Under ZeRO the sliced gradients (every tensor at dp > 1) are
+    reduce-scattered in place: no copy. Context-parallel peers sum their gradients too (over dp x cp): at
+    dp = 1 and cp > 1 the flat copies are there all the same."""
     if dp * cp == 1:
         return 0
     zero = zero if dp > 1 else 0  # ZeRO's slices are cut over dp
@@ -185,13 +177,9 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
             buckets[-1].append((shape, d))
             size += _numel(shape) * F32
         for bucket in buckets:
-            whole, seg = 0, [0] * dp
             for (shape, d), count in Counter(bucket).items():
-                sliced, _, through = _cut(shape, d, dp, cache) if zero else (False, 0, None)
-                whole += 0 if sliced else count * _numel(shape)
-                if through is not None:
-                    seg = [a + count * b for a, b in zip(seg, through)]
-            total += ((dp + 1) * max(seg) + whole) * F32
+                sliced = _cut(shape, d, dp, cache)[0] if zero else False
+                total += 0 if sliced else count * _numel(shape) * F32
     return total
 
 
@@ -249,6 +237,15 @@ def regathers(cfg: Config, mode: str) -> bool:
     )
 
 
+def rebuilds(cfg: Config, mode: str) -> bool:
+    """Whether a layer's blocks rebuild cheap saved tensors in the backward (train.rebuild_saved,
+    model/regather.py): where the layer is not recomputed or compiled and no zero-bubble W keeps the inputs
+    anyway (as `regathers`)."""
+    split = schedule_spec(cfg.parallel.schedule).splits_backward
+    t = cfg.train
+    return t.rebuild_saved and mode == "none" and not split and not t.compile
+
+
 def layer_saved(cfg: Config, b: int, mode: str) -> int:
     """Bytes autograd saves for one decoder layer's backward, microbatch of b samples (tp rank's share).
     Counted per op from what each backward reads; checked against the meter by tests/test_memory_model.py."""
@@ -264,6 +261,8 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     if mode == "full":
         return x
     llama = m.family == "llama"
+    rb = rebuilds(cfg, mode)
+    ins = 0 if rb and bg == bs else bg  # tokens of the projections' inputs kept (not rebuilt from the norm)
     if mode == "selective":  # the input and every matmul output
         outs = (hq + 2 * hk) * hd + 2 * d + (2 * f if llama else f)
         return x + bt * outs * c
@@ -275,17 +274,22 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
         # one by gate, up (llama.shared_casts; the weights' casts: weight_casts). SwiGLU keeps gate and up
         # (llama._SwiGLU recomputes silu(gate)), the down projection the product. Under working copies the
         # norm's input is bf16 and its output, bf16 too, is what the projections keep (the casts' bytes).
-        norms = 2 * (bs * d * r + bs * F32 + (0 if low else bg * d * F32))
-        casts = 2 * bg * d * 2 if low else 0
-        return norms + casts + attn + 3 * bt * f * c
-    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output. Under
-    # working copies all three are bf16 (the residual stream's dtype: torch's CPU LayerNorm keeps its
-    # statistics in the input's dtype where the weights share it; CUDA's keep them fp32, 4 bytes more a token).
+        # Rebuilt instead (model/regather.py): the projections' inputs (not a gathered whole kept as it is: SP,
+        # sp_backward saved), the product, and of k, v repeated to the query heads all but one head of each group.
+        norms = 2 * (bs * d * r + bs * F32 + (0 if low else ins * d * F32))
+        casts = 2 * ins * d * 2 if low else 0
+        if rb and cfg.parallel.cp == 1:
+            attn -= 2 * bt * (hq - hk) * hd * c
+        return norms + casts + attn + (2 if rb else 3) * bt * f * c
+    # GPT-2: LayerNorm keeps input, mean and 1/std; q, k, v share the fused projection's output. The inputs of
+    # the fused qkv and the first MLP projection (the norms' outputs, gathered) and the second's (gelu's output)
+    # are kept, or rebuilt from the norms' inputs and the first's output (model/regather.py). Under working
+    # copies the norms' input, mean and 1/std are bf16 (the residual stream's dtype: torch's CPU LayerNorm keeps
+    # its statistics in the input's dtype where the weights share it; CUDA's keep them fp32, 4 bytes more a token).
     norms = 2 * (bs * d + 2 * bs) * r
-    ins = 2 * bg * d * c  # inputs of the fused qkv and the first MLP projection (the norms' outputs, gathered)
     attn = bt * 3 * hq * hd * c + b * hq * seq_len(cfg) * F32 + bt * hq * hd * c
     attn = ring_attention_saved(cfg, bt, b) if cfg.parallel.cp > 1 else attn
-    return norms + ins + attn + 2 * bt * f * c
+    return norms + 2 * ins * d * c + attn + (1 if rb else 2) * bt * f * c
 
 
 def weight_casts(cfg: Config, layers: int, last: bool) -> int:
@@ -567,10 +571,10 @@ class MemoryModel:
         per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
         shapes = [x for st in per_stage for x in st]
         params = sum(_numel(s) for s, _ in shapes) * F32
-        copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO (0 or 1)
-        opt, gather = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
+        copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO (0 to 2)
+        opt = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
         embed = (cfg.model.vocab_size // p.tp, cfg.model.dim)  # (a shard of) the tied embedding
-        if p.zero >= 2 and p.dp > 1:  # the kept gradient slices are summed, slice by slice (grads.sync_tied_embeddings)
+        if p.zero >= 2 and p.dp > 1:  # the kept gradient slices are summed, slice by slice (sync_tied_embeddings)
             embed = (_cut(embed, 0 if p.tp > 1 else None, p.dp, self._cuts)[1],)
         tie = _numel(embed) * F32 if cfg.model.tied and p.pp > 1 else 0
         grads, rest = params, params
@@ -578,9 +582,9 @@ class MemoryModel:
         if p.zero >= 2 and p.dp > 1:  # ZeRO-2 and 3 keep dp rank 0's slice of each gradient (zero.keep_slice)
             rest = sum(n * _cut(shape, d, p.dp, self._cuts)[1] for (shape, d), n in Counter(shapes).items()) * F32
         if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)
-            at_rest, gather = rest, 0  # no all-gather after the step: the parameters stay sharded
+            at_rest = rest
             params = rest + self._gathered(cfg, parts, mine, per_stage)
-        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie, gather)
+        buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie)
         return params, grads, opt, buffers, rest, at_rest
 
     def _gathered(self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]]) -> int:

@@ -50,6 +50,7 @@ def row_config(row: dict[str, Any]) -> Config:
         "seq_len": row["seq_len"],
         "precision": "fp32" if row["precision"] == "fp32" else "bf16",
         "recompute": row.get("recompute", "none"),
+        "bf16_weights": row.get("bf16_weights", "autocast"),
     }
     return Config.from_dict({"model": model, "parallel": parallel, "train": train})
 

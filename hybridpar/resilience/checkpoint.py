@@ -9,8 +9,8 @@ DefaultSavePlanner keeps one writer per (key, offset) (`dedup_save_plans`). A he
 dp rank writes only its slices of the optimizer state (and under ZeRO-3 of the parameters, dataparallel/
 zero3.py), packed into one flat tensor per dtype with an index of where each slice sits (packed.py): no
 rank gathers the whole, and a resume at another dp or tp, or without ZeRO, reads the slices it needs.
-Checkpoints written before packing hold each slice as a DTensor over the (dp, tp) sub-mesh (`_for_dcp`),
-which is also how a ZeRO rank reads a tensor saved whole.
+Checkpoints written before packing hold each slice as a DTensor over the (dp, tp) sub-mesh: a ZeRO rank
+reads those, and tensors saved whole, as its tp shard (DCP reshards) and keeps its dp slice of it.
 
 Commit (`step-000123` = 123 steps done): every rank writes into a fresh `.tmp-step-000123-<nonce>` (DCP
 fsyncs); barrier; rank 0 writes trainer_state.json, then manifest.json (size and sha256 of every other
@@ -38,12 +38,11 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard
-from torch.distributed.tensor.placement_types import Placement
+from torch.distributed.tensor import DTensor, Shard
 
 from hybridpar.config import ModelConfig
 from hybridpar.dataparallel.copies import MasterAdamW
-from hybridpar.dataparallel.zero import ShardedAdamW, Slice
+from hybridpar.dataparallel.zero import ShardedAdamW, Slice, part
 from hybridpar.model.registry import full_shapes
 from hybridpar.model.stage import Stage
 from hybridpar.resilience import packed, safe_dcp
@@ -276,50 +275,44 @@ def _dcp_state(
 ) -> tuple[dict[str, torch.Tensor], dict]:
     """DCP's state dict of `items` (key, local tensor, where it sits), the sub-meshes sliced once, and the
     index of the dp slices packed into it (packed.py: one flat tensor per dtype, written by context-parallel
-    rank 0 alone — its peers hold the same slices)."""
+    rank 0 alone — its peers hold the same slices —, a tp-replicated tensor's slices by tp rank 0 alone)."""
     mesh = _submeshes(topo)
     state: dict[str, torch.Tensor] = {}
     sliced = []
     for k, t, where in items:
         if where.zero is None:
             state[k] = _for_dcp(t, where, topo, mesh)
-        elif topo.cp_rank == 0:
+        elif topo.cp_rank == 0 and (where.tp_dim is not None or topo.tp_rank == 0):  # tp replicas: one writes
             sliced.append((k, t, _region(t, where, topo)))
     flats, index = packed.pack(sliced, f"rank{topo.rank}")
     return state | flats, index
 
 
 def _region(t: torch.Tensor, where: Where, topo: Topology) -> packed.Region:
-    """Where this rank's `t` sits in the whole tensor: its dp slice (zero.Slice) and tp shard (even, as
-    DTensor's Shard(tp_dim) over the tp sub-mesh)."""
+    """Where this rank's `t` sits in the whole tensor: its dp slice (zero.Slice: rows of the tp shard, which
+    may be the dimension tp shards too) within its tp shard (even, as DTensor's Shard(tp_dim) over the tp
+    sub-mesh)."""
     shape, offsets = list(t.shape), [0] * t.dim()
     if where.zero is not None:
-        shape[where.zero.dim] = sum(where.zero.sizes)
+        shape[where.zero.dim] = sum(where.zero.sizes)  # the tp shard's
         offsets[where.zero.dim] = where.zero.offsets[topo.dp_rank]
     if where.tp_dim is not None:
+        offsets[where.tp_dim] += topo.tp_rank * shape[where.tp_dim]
         shape[where.tp_dim] *= topo.dims.tp
-        offsets[where.tp_dim] = topo.tp_rank * t.shape[where.tp_dim]
     return packed.Region(tuple(shape), tuple(offsets))
 
 
 def _for_dcp(t: torch.Tensor, where: Where, topo: Topology, mesh: Callable[..., DeviceMesh]) -> torch.Tensor:
-    if where.zero is None:
-        if where.tp_dim is None:
-            return t  # replicated: every holder presents the same tensor under one key; DCP writes it once
-        return DTensor.from_local(t, mesh("tp"), [Shard(where.tp_dim)], run_check=False)
-    # A dp slice of a (possibly tp-sharded) tensor: DTensor's uneven Shard follows torch.chunk, the rule
-    # zero.slice_of cuts by, so the global shape and this rank's offset are those of the slice.
-    shape = list(t.shape)
-    shape[where.zero.dim] = sum(where.zero.sizes)
-    tp: Placement = Replicate()
-    if where.tp_dim is not None:
-        shape[where.tp_dim] *= topo.dims.tp
-        tp = Shard(where.tp_dim)
-    size = torch.Size(shape)
-    stride = torch.empty(size, device="meta").stride()
-    return DTensor.from_local(
-        t, mesh("dp", "tp"), [Shard(where.zero.dim), tp], run_check=False, shape=size, stride=stride
-    )
+    """`t` as DCP saves and loads it: replicated, or its tp shard as a DTensor over the tp sub-mesh."""
+    assert where.zero is None, "dp slices are packed (_region), or read through their tp shard"
+    if where.tp_dim is None:
+        return t  # replicated: every holder presents the same tensor under one key; DCP writes it once
+    return DTensor.from_local(t, mesh("tp"), [Shard(where.tp_dim)], run_check=False)
+
+
+def _shard_shape(t: torch.Tensor, s: Slice) -> tuple[int, ...]:
+    """The tp shard a dp slice `t` is cut from (zero.slice_of)."""
+    return tuple(sum(s.sizes) if d == s.dim else n for d, n in enumerate(t.shape))
 
 
 def _fresh_adam_state(group: dict[str, Any], p: torch.Tensor) -> dict[str, torch.Tensor]:
@@ -508,7 +501,7 @@ def load_checkpoint(
         raise ValueError(f"checkpoint {path} holds another model: {', '.join(diff)}")
     index = packed.read_index(Path(path))
     in_flats = packed.packed_keys(index)
-    targets: dict[str, list[torch.Tensor]] = {}
+    targets: dict[str, list[tuple[torch.Tensor, Slice | None]]] = {}
     bufs: dict[str, torch.Tensor] = {}
     cut: dict[str, list[tuple[torch.Tensor, packed.Region]]] = {}  # filled from the packed slices
     mesh = _submeshes(topo)
@@ -516,15 +509,16 @@ def load_checkpoint(
         if key in in_flats:
             cut.setdefault(key, []).append((t, _region(t, where, topo)))
             continue
-        if key not in bufs:
-            bufs[key] = _for_dcp(torch.empty_like(t), where, topo, mesh)
-        targets.setdefault(key, []).append(t)
+        if key not in bufs:  # a dp slice saved otherwise (whole, or by the format before packing): its tp shard
+            shard = t if where.zero is None else t.new_empty(_shard_shape(t, where.zero))
+            bufs[key] = _for_dcp(shard, Where(where.tp_dim), topo, mesh)
+        targets.setdefault(key, []).append((t, where.zero))
     safe_dcp.load(bufs, path)  # DCP's FileSystemReader would unpickle `.metadata` with pickle.load
     with torch.no_grad():
         for key, dests in targets.items():
             src = bufs[key].to_local() if isinstance(bufs[key], DTensor) else bufs[key]
-            for t in dests:
-                t.copy_(src)
+            for t, s in dests:
+                t.copy_(src if s is None else part(src, s, topo.dp_rank))
     packed.unpack(index, cut, packed.reader(Path(path)))  # each rank alone: no collective
     if isinstance(opt, MasterAdamW):
         opt.refresh()  # the bf16 working copies of the masters just loaded (collective over dp)

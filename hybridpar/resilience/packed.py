@@ -129,9 +129,13 @@ def unpack(
     """Fill each target (key: [(tensor, its region)]) from the saved pieces overlapping it; `read(name,
     numel, dtype)` gives a flat tensor, asked once per flat tensor that holds something wanted."""
     filled = {id(t): 0 for ts in targets.values() for t, _ in ts}
+    seen: set[tuple] = set()  # a piece saved twice (by tp replicas, before they wrote it once) is read once
     for name, flat in index.items():
         work = []
         for p in flat["pieces"]:
+            if (same := (p["key"], tuple(p["offsets"]), tuple(p["sizes"]))) in seen:
+                continue
+            seen.add(same)
             for t, want in targets.get(p["key"], []):
                 if list(want.shape) != p["shape"]:
                     raise ValueError(

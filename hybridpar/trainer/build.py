@@ -89,6 +89,7 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
             stages[s] = empty_stage(cfg.model, parts[s], first, last, topo.device, tp_group, sp, p.sp_backward)
             load_stage_(stages[s], hf, True, topo.tp_rank, p.tp)
         stages[s].recompute = recompute[s]
+        stages[s].rebuild_saved = stages[s].rebuild_now = t.rebuild_saved  # model/regather.py
     low = torch.bfloat16 if t.precision == "bf16" else None
     p2p = P2P(topo.device, low or torch.float32, p.timeout_s, transport=p.p2p)
     runtime = PipelineRuntime(stages, n_stages, lambda s: topo.pp_peer(stage_ranks[s]), p2p, cfg.model.dim)

@@ -239,7 +239,7 @@ class Trainer:
         grad_norm = clip_grad_norm(topo, self.stages, t.grad_clip, self.dp.grads.slices)
         self.opt.step()
         # Counted before the gradients go: what this rank held at the step's peak (plan/memory_model.py models it).
-        transient = (self.dp.grads.peak_bytes, tie_bytes, getattr(self.opt, "gather_bytes", 0))
+        transient = (self.dp.grads.peak_bytes, tie_bytes)
         z3 = self.zero3
         self.memory = held_bytes(
             [q for _, q in self.mp.parameters()] if z3 is None else list(self.opt.views),
