@@ -25,13 +25,14 @@ moments, where autocast holds 4 + 4 + 2 (the step's cached bf16 cast) + 8/dp.
 
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Any, Iterable
 
 import torch
 from torch import nn
 
 from hybridpar.config import TrainConfig
-from hybridpar.dataparallel.zero import ShardedAdamW, Slice, part, summed_grad
+from hybridpar.dataparallel.zero import ShardedAdamW, Slice, part, start_gather, summed_grad
 from hybridpar.topology.mesh import Topology
 
 MASTER = torch.float32
@@ -71,12 +72,15 @@ class MasterAdamW(ShardedAdamW):
         master under MASTER_KEY — what a layer move carries (balance/migrate.py sends it as one more
         tensor of the parameter's shape), so the masters travel with their layers, never rounded."""
         out = super().gather_state()
+        pieces = []
         for p, s, q in zip(self.full, self.slices, self.views):
-            whole = q.detach().clone()
+            out[p][MASTER_KEY] = q.detach().clone()
             if s.dim is not None and self.dp > 1:
-                whole = torch.empty(p.shape, dtype=MASTER, device=q.device)
-                self._gather_one(whole, q.detach(), s)
-            out[p][MASTER_KEY] = whole
+                out[p][MASTER_KEY] = torch.empty(p.shape, dtype=MASTER, device=q.device)
+                pieces.append((out[p][MASTER_KEY], q.detach(), s))
+        if pieces:
+            for work in start_gather(pieces, self.r, self.group):
+                work.wait(timedelta(seconds=self.topo.timeout_s))
         return out
 
     def step(self, closure: Any = None) -> Any:
