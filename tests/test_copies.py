@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from hybridpar.config import Config
 from hybridpar.dataparallel.copies import MasterAdamW
+from hybridpar.dataparallel.tree import TreeGrads
 from hybridpar.model.reference import tiny_config
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.schedules.config_rules import validate_config
@@ -76,15 +77,40 @@ def test_a_rebuilt_optimizer_takes_the_carried_masters_not_the_bf16_copies() -> 
         assert set(again.state[q]) == {"step", "exp_avg", "exp_avg_sq"}  # the master is no AdamW state
 
 
-@pytest.mark.parametrize(
-    "over, message",
-    [
-        (dict(train=dict(bf16_weights="copies")), "train.bf16_weights=copies needs train.precision=bf16, got fp32"),
-        (dict(train=COPIES, parallel=dict(zero=3, dp=2)), "it cannot run with parallel.zero=3"),
-        (dict(train=COPIES | dict(compile=True)), "it cannot run with train.compile"),
-    ],
-)
-def test_copies_refuse_what_they_do_not_run_before_launch(over: dict, message: str) -> None:
-    cfg = Config.from_dict({k: v for k, v in over.items()})
-    with pytest.raises(ValueError, match=re.escape(message)):
+def test_copies_need_bf16_and_run_with_zero3_the_tree_sum_and_compile() -> None:
+    """What working copies once refused (ZeRO-3, the tree gradient sum, compile) validates; their runs against
+    one-device working copies: tests/test_precision.py's layouts."""
+    cfg = Config.from_dict(dict(train=dict(bf16_weights="copies")))
+    with pytest.raises(ValueError, match=re.escape("train.bf16_weights=copies needs train.precision=bf16, got fp32")):
         validate_config(cfg, cfg.parallel.world_size)
+    for over in (
+        dict(parallel=dict(zero=3, dp=2)),
+        dict(parallel=dict(grad_sum="tree", dp=2), train=dict(global_batch=8, microbatches=2)),
+        dict(train=dict(compile=True)),
+    ):
+        cfg = Config.from_dict({**over, "train": COPIES | over.get("train", {})})
+        validate_config(cfg, cfg.parallel.world_size)
+
+
+def test_the_tree_sums_the_widened_microbatch_gradients() -> None:
+    """parallel.grad_sum tree over bf16 working copies: each microbatch's bf16 weight gradient arrives widened
+    to fp32 (grad_dtype), and the tree adds those fp32 gradients in its fixed order — the sum the tree gives
+    fp32 parameters, from the same microbatch gradients."""
+    torch.manual_seed(0)
+    layer = torch.nn.Linear(32, 32).to(torch.bfloat16)
+    layer.weight.grad_dtype = layer.bias.grad_dtype = torch.float32
+    xs = (torch.randn(4, 8, 32) * torch.logspace(-2, 2, 32)).to(torch.bfloat16)
+    own = []
+    for x in xs:
+        layer(x).float().pow(2).sum().backward()
+        own.append(layer.weight.grad.clone())
+        layer.zero_grad(set_to_none=True)
+    topo = SimpleNamespace(dims=SimpleNamespace(dp=1), dp_rank=0, rank=0, timeout_s=10.0)
+    tree = TreeGrads(topo, {0: layer})
+    for x in xs:
+        layer(x).float().pow(2).sum().backward()
+    tree.finish()
+    assert all(g.dtype == torch.float32 for g in own)
+    assert layer.weight.grad.dtype == torch.float32
+    assert torch.equal(layer.weight.grad, (own[0] + own[1]) + (own[2] + own[3]))
+    tree.close()

@@ -15,6 +15,7 @@ from hybridpar.config import Config
 from hybridpar.dataparallel.zero import keep_slice, part, slice_of, summed_grad
 from hybridpar.plan.memory_model import rank_memory, stage_shapes
 from hybridpar.topology.spawn import run_ranks
+from tests.test_copies import COPIES
 from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
 
 
@@ -103,6 +104,13 @@ def test_memory_model_knows_zero3() -> None:
     assert z3s.params == z3.params_at_rest + whole.params
     assert z3.grads == whole.grads and abs(z3.grads_at_rest - whole.grads / 4) <= 0.02 * whole.grads / 4
     assert z3.optimizer == z1.optimizer and z3.total <= whole.total and z3s.total <= whole.total
+    # bf16 working copies: bf16 slices at rest and bf16 gathers (half the bytes), the fp32 master slices
+    # beside the moments, gradients fp32 as before.
+    copies = tiny_config(parallel=dict(tp=1, pp=1, dp=4, zero=3), train=dict(global_batch=16, **COPIES))
+    c3 = rank_memory(copies)[0]
+    assert 2 * c3.params_at_rest == z3.params_at_rest and 2 * c3.params == z3.params
+    assert c3.grads == z3.grads and c3.grads_at_rest == z3.grads_at_rest
+    assert c3.optimizer - z3.optimizer == z3.params_at_rest  # an fp32 master per element of the slices
 
 
 def test_planner_offers_zero3_and_picks_it_where_memory_requires() -> None:

@@ -1,18 +1,17 @@
 """`hybridpar bench memory_accuracy`: what each rank holds, measured, beside the analytic memory model.
 
-For the default model, a larger one, the default with grouped-query attention (`gqa`) and the default as
-GPT-2 (`gpt2`), at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence parallelism, `--layouts tp2xpp2-sp`;
-with context parallelism too, `--layouts cp2xtp2-sp` or `cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`),
-over precision (fp32, bf16; `copies`: bf16 working copies, train.bf16_weights, which do not run ZeRO-3 yet:
-those cases are skipped) x
-ZeRO (0, 1; `--zero` picks any of 0-3) x activation recomputation (none, full, selective), a short run
-counts per rank, from the tensors it holds (trainer/held.py): parameters, gradients, optimizer state,
-activations (the meter's peak of what autograd saves) and communication buffers; and the step time (the
-last step's, past the first step's allocations). Beside each figure: `rank_memory` of plan/memory_model.py,
-computed from the configuration alone, and its relative error; `max_rel_error` is the largest over every
-component of every rank of every case (the acceptance: at most 0.10). Under ZeRO-3 `params` is the step's peak: the
-rank's slices plus the most whole parameters it had gathered at once. ZeRO needs dp > 1: at dp = 1 it
-would shard nothing and is not run (listed under `skipped`). One launch per layout runs all its cases.
+For the default model, a larger one, the default with grouped-query attention (`gqa`) and the default as GPT-2
+(`gpt2`), at tp2 x pp2 and dp2 x pp2 (and tp2 x pp2 with sequence parallelism, `--layouts tp2xpp2-sp`; with
+context parallelism too, `--layouts cp2xtp2-sp` or `cp2xtp2xpp2-sp`; or dp4 alone, `--layouts dp4`), over
+precision (fp32, bf16; `copies`: bf16 working copies, train.bf16_weights) x ZeRO (0, 1; `--zero` picks any of
+0-3) x activation recomputation (none, full, selective), a short run counts per rank, from the tensors it holds
+(trainer/held.py): parameters, gradients, optimizer state, activations (the meter's peak of what autograd saves)
+and communication buffers; and the step time (the last step's, past the first step's allocations). Beside each
+figure: `rank_memory` of plan/memory_model.py, computed from the configuration alone, and its relative error;
+`max_rel_error` is the largest over every component of every rank of every case (the acceptance: at most 0.10).
+Under ZeRO-3 `params` is the step's peak: the rank's slices plus the most whole parameters it had gathered at
+once. ZeRO needs dp > 1: at dp = 1 it would shard nothing and is not run (listed under `skipped`). One launch
+per layout runs all its cases.
 """
 
 from __future__ import annotations
@@ -87,9 +86,6 @@ def cases(
                         name = f"{model} {lay} {precision} zero={zero} recompute={recompute}"
                         if zero and LAYOUTS[lay]["dp"] == 1:
                             skipped.append(f"{name}: ZeRO-{zero} shards over dp, and dp=1 here")
-                            continue
-                        if precision == "copies" and zero == 3:
-                            skipped.append(f"{name}: working copies run without ZeRO-3")
                             continue
                         cfg = case_config(model, lay, precision, zero, recompute, steps, schedule)
                         runs[lay].append({"name": name, "config": cfg.to_dict()})

@@ -49,21 +49,32 @@ class MasterAdamW(ShardedAdamW):
         t: TrainConfig,
         topo: Topology,
         carry: dict[torch.Tensor, dict[str, torch.Tensor]] | None = None,
+        own: bool = False,
+        given: dict[torch.Tensor, torch.Tensor] | None = None,
         working: torch.dtype = torch.bfloat16,
     ) -> None:
-        # The masters are taken from the parameters as built (fp32), or after a layer move from `carry`'s
-        # whole masters (gather_state's MASTER_KEY): the parameters are bf16 by then.
+        # The masters are taken from the parameters as built (fp32), after a layer move from `carry`'s
+        # whole masters (gather_state's MASTER_KEY; the parameters are bf16 by then), or under ZeRO-3 from
+        # `given`, the master slices that moved (the parameters are empty).
         self._masters = {p: st.pop(MASTER_KEY) for p, st in (carry or {}).items() if MASTER_KEY in st}
-        super().__init__(named, t, topo, carry)
+        super().__init__(named, t, topo, carry, own, given)
+        # ZeRO-3 (`own`): what a rank keeps of a parameter at rest is the bf16 slice its gathers read
+        # (zero3.Zero3: half autocast's bytes), rounded from the master slice; the parameter's own storage
+        # is then only the gathers' destination, emptied by Zero3.
+        self.kept = [q.detach().to(working) if own and s.dim is not None else p for p, s, q in self._triples()]
         for p in self.full:
-            p.data = p.data.to(working)
+            p.data = torch.empty(p.shape, dtype=working, device=p.device) if own else p.data.to(working)
             p.grad_dtype = MASTER  # AccumulateGrad widens each bf16 gradient into the fp32 .grad
-        if self._masters:  # layers that arrived hold their bf16 bits; the others are refreshed alike
+        if self._masters or own:  # layers that arrived hold their bf16 bits; the others are refreshed alike
             self.refresh()
         self._masters = {}
 
+    def _triples(self) -> Iterable[tuple[nn.Parameter, Slice, nn.Parameter]]:
+        return zip(self.full, self.slices, self.views)
+
     def _view(self, p: nn.Parameter, s: Slice, given: dict[torch.Tensor, torch.Tensor] | None) -> nn.Parameter:
-        assert given is None, "working copies run without ZeRO-3 (config/validate.py): no slices are given"
+        if given is not None:  # ZeRO-3 after a layer move: the master slices it carried (fp32 already)
+            return nn.Parameter(given[p].detach())
         whole = self._masters.get(p, p.detach())
         return nn.Parameter(part(whole, s, self.r).to(MASTER, copy=True))
 
@@ -93,15 +104,19 @@ class MasterAdamW(ShardedAdamW):
     @torch.no_grad()
     def refresh(self) -> None:
         """Round the masters into this rank's slices of the parameters and all-gather them over dp
-        (collective): after each step, and after a checkpoint loaded the masters."""
-        for p, s, q in zip(self.full, self.slices, self.views):
-            part(p.detach(), s, self.r).copy_(q)
-        self._gather()
+        (collective): after each step, and after a checkpoint loaded the masters. Under ZeRO-3 into the
+        kept bf16 slices, with no gather: Zero3 gathers each layer where it is used."""
+        for k, (p, s, q) in zip(self.kept, self._triples()):
+            (k if self.own and s.dim is not None else part(p.detach(), s, self.r)).copy_(q)
+        if not self.own:
+            self._gather()
 
     @torch.no_grad()
     def widen(self) -> None:
         """Make the parameters fp32 and equal to the masters (collective over dp): the end of a run, whose
-        exported model is the masters, as an autocast run's is its fp32 parameters."""
-        for p in self.full:
+        exported model is the masters, as an autocast run's is its fp32 parameters (under ZeRO-3 after
+        Zero3.close, which leaves the parameters whole)."""
+        for p, s, q in self._triples():
             p.data = torch.empty(p.shape, dtype=MASTER, device=p.device)
-        self.refresh()
+            part(p.detach(), s, self.r).copy_(q)
+        self._gather()

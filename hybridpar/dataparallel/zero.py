@@ -150,6 +150,9 @@ class ShardedAdamW(torch.optim.AdamW):
             self.full.append(p)
             self.slices.append(s)
             self.views.append(self._view(p, s, given))
+        # ZeRO-3: what the gathers of each parameter read at rest (zero3.Zero3): the slice AdamW steps, or
+        # under bf16 working copies (copies.py) a bf16 slice rounded from it
+        self.kept: list[torch.Tensor] = list(self.views)
         groups = param_groups([(f"{i}", q) for i, q in enumerate(self.views)], t.weight_decay)
         fast = adamw_options(t, self.views[0].device) if self.views else {}
         super().__init__(groups, lr=lr_at(0, t), betas=(t.beta1, t.beta2), eps=t.eps, **fast)

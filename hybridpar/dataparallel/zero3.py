@@ -71,9 +71,10 @@ class Zero3:
         self.topo, self.group, self.dp, self.r = topo, opt.group, opt.dp, opt.r
         self.regather, self.meter = regather, meter
         self.timeout = timedelta(seconds=topo.timeout_s)
-        # id(parameter) -> (parameter, its slice rule, this rank's slice): only parameters that are sliced.
+        # id(parameter) -> (parameter, its slice rule, this rank's slice at rest: opt.kept, bf16 under working
+        # copies): only parameters that are sliced.
         self.shards: dict[int, tuple[nn.Parameter, Slice, torch.Tensor]] = {
-            id(p): (p, s, q) for p, s, q in zip(opt.full, opt.slices, opt.views) if s.dim is not None
+            id(p): (p, s, q) for p, s, q in zip(opt.full, opt.slices, opt.kept) if s.dim is not None
         }
         self.units: dict[int, list[list[nn.Parameter]]] = {}  # stage -> [others, layer 0, layer 1, ...]
         self.gathered: set[int] = set()

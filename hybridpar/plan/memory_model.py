@@ -571,7 +571,7 @@ class MemoryModel:
         per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
         shapes = [x for st in per_stage for x in st]
         params = sum(_numel(s) for s, _ in shapes) * F32
-        copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO (0 to 2)
+        copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO
         opt = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
         embed = (cfg.model.vocab_size // p.tp, cfg.model.dim)  # (a shard of) the tied embedding
         if p.zero >= 2 and p.dp > 1:  # the kept gradient slices are summed, slice by slice (sync_tied_embeddings)
@@ -582,20 +582,23 @@ class MemoryModel:
         if p.zero >= 2 and p.dp > 1:  # ZeRO-2 and 3 keep dp rank 0's slice of each gradient (zero.keep_slice)
             rest = sum(n * _cut(shape, d, p.dp, self._cuts)[1] for (shape, d), n in Counter(shapes).items()) * F32
         if p.zero == 3 and p.dp > 1:  # the slices at rest, plus what the step gathers at once (zero3.py)
-            at_rest = rest
-            params = rest + self._gathered(cfg, parts, mine, per_stage)
+            at_rest = rest // 2 if copies else rest  # working copies keep bf16 slices (their masters: opt)
+            params = at_rest + self._gathered(cfg, parts, mine, per_stage, 2 if copies else F32)
         buffers = max(bucket_bytes(per_stage, p.dp, p.zero, self._cuts, p.cp), tie)
         return params, grads, opt, buffers, rest, at_rest
 
-    def _gathered(self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]]) -> int:
-        """ZeRO-3's most whole parameters at once (zero3.Zero3.peak): under regather=step every stage of the
-        rank; per microbatch, one stage at a time (the runtime frees after each action) with its parameters
-        outside layers and two layers (the one running and the next one's prefetch)."""
-        whole = [sum(_numel(s) for s, _ in st) * F32 for st in per_stage]
+    def _gathered(
+        self, cfg: Config, parts: list[range], mine: list[int], per_stage: list[list[Shape]], width: int
+    ) -> int:
+        """ZeRO-3's most whole parameters at once (zero3.Zero3.peak), of `width` bytes each: under
+        regather=step every stage of the rank; per microbatch, one stage at a time (the runtime frees after
+        each action) with its parameters outside layers and two layers (the one running and the next one's
+        prefetch)."""
+        whole = [sum(_numel(s) for s, _ in st) * width for st in per_stage]
         if cfg.parallel.zero3_regather == "step":
             return sum(whole)
         one = [x for _, x in _built_shapes(cfg, range(1), False, False)]  # a middle stage of one layer: a layer
-        layer = sum(_numel(s) for s, _ in one) * F32
+        layer = sum(_numel(s) for s, _ in one) * width
         return max(w - (len(parts[s]) - min(2, len(parts[s]))) * layer for w, s in zip(whole, mine))
 
 

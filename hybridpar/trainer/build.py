@@ -157,8 +157,8 @@ def build_optimizer(
     with their state already in it. Under ZeRO-3 after a move, `given` holds this rank's slice of every
     parameter and `carry` the slices' state (the parameters themselves are empty)."""
     named, t = mp.parameters(), cfg.train
-    if t.bf16_weights == "copies":  # fp32 masters, this dp rank's slices only (validate.py: ZeRO 0 to 2)
-        return MasterAdamW(named, t, topo, carry)
+    if t.bf16_weights == "copies":  # fp32 masters, this dp rank's slices only (ZeRO-3: bf16 slices at rest too)
+        return MasterAdamW(named, t, topo, carry, own=cfg.parallel.shards_parameters, given=given)
     if cfg.parallel.zero >= 1 and layout.shared_partition:
         return ShardedAdamW(named, t, topo, carry, own=cfg.parallel.shards_parameters, given=given)
     opt = make_optimizer(named, t)

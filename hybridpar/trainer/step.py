@@ -241,8 +241,10 @@ class Trainer:
         # Counted before the gradients go: what this rank held at the step's peak (plan/memory_model.py models it).
         transient = (self.dp.grads.peak_bytes, tie_bytes)
         z3 = self.zero3
+        held = [q for _, q in self.mp.parameters()]  # under ZeRO-3 empty here (released), with their slices:
+        held += list(self.opt.kept) if z3 is not None else []  # opt.kept, bf16 under working copies
         self.memory = held_bytes(
-            [q for _, q in self.mp.parameters()] if z3 is None else list(self.opt.views),
+            held,
             self.opt,
             self.runtime.meter.peak,
             self.p2p.buffer_bytes(),
