@@ -18,21 +18,25 @@ from hybridpar.config import Config
 from hybridpar.config.validate import validate
 from hybridpar.model.compiled import CompiledLayers
 from hybridpar.model.optim import make_optimizer
-from hybridpar.model.reference import TOL, reference, tiny_config
+from hybridpar.model.reference import TOL, reference, tiny_config, working_copy
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.split_backward import WeightGradDeferral
 
 
 def _grads(model: torch.nn.Module, x: torch.Tensor) -> list[torch.Tensor]:
     model.zero_grad()
-    model(x).pow(2).mean().backward()
+    model(x).float().pow(2).mean().backward()
     return [p.grad.clone() for p in model.parameters()]
 
 
-def test_compiled_layers_equal_eager_with_few_graphs() -> None:
+@pytest.mark.parametrize("weights", ["fp32", "copies"])
+def test_compiled_layers_equal_eager_with_few_graphs(weights: str) -> None:
+    """copies: bf16 working copies (the graph takes bf16 weights and a bf16 residual stream; its bf16 weight
+    gradients are widened into the fp32 .grad outside it, by AccumulateGrad): bit-identical too."""
     torch._dynamo.reset()  # dynamo's per-function state (sizes seen so far) from other tests in this process
-    cfg = tiny_config(model=dict(n_layers=3))
-    eager, compiled = build_full_model(cfg.model, 0), build_full_model(cfg.model, 0)
+    copies = dict(precision="bf16", bf16_weights="copies") if weights == "copies" else {}
+    cfg = tiny_config(model=dict(n_layers=3), train=copies)
+    eager, compiled = (working_copy(build_full_model(cfg.model, 0), cfg) for _ in range(2))
     # Full recomputation: the checkpoint reruns the compiled layer in backward.
     eager.recompute = compiled.recompute = "full"
     compiled.compiled = layers = CompiledLayers("aot_eager")
@@ -40,7 +44,7 @@ def test_compiled_layers_equal_eager_with_few_graphs() -> None:
     for batch in (3, 2):  # the batch size is dynamic from the start: one graph for both
         x = torch.randint(0, cfg.model.vocab_size, (batch, 16), generator=g)
         for a, b in zip(_grads(eager, x), _grads(compiled, x)):
-            assert torch.equal(a, b)
+            assert a.dtype == torch.float32 and torch.equal(a, b)
     assert layers.graphs == 1, layers.summary()
     # A layer that arrives from elsewhere (live re-partition builds it anew) runs the same graphs.
     moved = copy.deepcopy(compiled.layers["0"])

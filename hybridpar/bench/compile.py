@@ -1,7 +1,8 @@
 """Compiled against eager training steps, and fused against foreach AdamW, in one run (JSON).
 
     .venv/bin/hybridpar bench compile [--steps 8] [--repeats 2] [--layouts 1x1x1,2x2x1]
-                                      [--models default,4x] [--backend inductor] [--json FILE]
+                                      [--models default,4x] [--backend inductor] [--precision fp32]
+                                      [--json FILE]
 
 Each case trains a model (`default`: the default config's; `4x`: twice its width and FFN width and twice
 its heads, four times the decoder layer's parameters) under a layout (TPxPPxDP) for `--steps` steps, eager
@@ -14,7 +15,9 @@ launch of a process tree compiles from scratch, later ones reuse torch's on-disk
 compiled per rank, the load average (1 min) at each launch's start, and exactness against eager: the
 largest difference of a step's loss, and (1x1x1) of any parameter after the last step. Last, per model,
 AdamW's step alone, fused against foreach, alternating step by step in one process (`--adamw-rounds`):
-a figure the machine's load disturbs far less than whole launches.
+a figure the machine's load disturbs far less than whole launches. `--precision bf16` runs every case under
+autocast, `copies` with bf16 working copies (train.bf16_weights): the parameters compared at 1x1x1 are then
+the fp32 masters.
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ VARIANTS = {  # name -> train settings
 def _worker(cfg_dict: dict, steps: int, state_file: str) -> dict:
     import torch
 
+    from hybridpar.dataparallel.copies import MasterAdamW
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
 
@@ -47,8 +51,10 @@ def _worker(cfg_dict: dict, steps: int, state_file: str) -> dict:
     p = cfg.parallel
     trainer = Trainer(cfg, build_topology(p.dp, p.pp, p.tp, p.backend, p.timeout_s))
     recs = [trainer.step(s) for s in range(steps)]
-    if state_file and p.world_size == 1:
-        torch.save({n: q.detach() for n, q in trainer.mp.parameters()}, state_file)
+    if state_file and p.world_size == 1:  # the fp32 masters under working copies (whole at dp 1)
+        masters = trainer.opt.views if isinstance(trainer.opt, MasterAdamW) else None
+        named = [(n, q if masters is None else masters[i]) for i, (n, q) in enumerate(trainer.mp.parameters())]
+        torch.save({n: q.detach() for n, q in named}, state_file)
     c = trainer.mp.compiled
     return {
         "times": [r["step_time_s"] for r in recs],
@@ -57,8 +63,12 @@ def _worker(cfg_dict: dict, steps: int, state_file: str) -> dict:
     }
 
 
-def case_config(model: str, layout: str, variant: str, backend: str) -> Config:
+PRECISIONS = {"fp32": ("fp32", "autocast"), "bf16": ("bf16", "autocast"), "copies": ("bf16", "copies")}
+
+
+def case_config(model: str, layout: str, variant: str, backend: str, precision: str = "fp32") -> Config:
     cfg = layout_config(layout)
+    cfg.train.precision, cfg.train.bf16_weights = PRECISIONS[precision]
     if model == "4x":
         m = cfg.model
         m.dim, m.ffn_dim, m.n_heads = 2 * m.dim, 2 * m.ffn_dim, 2 * m.n_heads
@@ -110,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--layouts", default="1x1x1,2x2x1")
     ap.add_argument("--models", default="default,4x")
     ap.add_argument("--backend", default="inductor", choices=("inductor", "aot_eager"))
+    ap.add_argument("--precision", default="fp32", choices=tuple(PRECISIONS), help="copies: bf16 working copies")
     ap.add_argument("--adamw-rounds", type=int, default=200, help="optimizer steps timed per kind (alternating)")
     ap.add_argument("--json", default=None)
     a = ap.parse_args(argv)
@@ -126,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     runs: dict[tuple, list[tuple[dict, float]]] = {c: [] for c in cases}
     for r in range(a.repeats):
         for c in cases:
-            cfg = case_config(*c, a.backend)
+            cfg = case_config(*c, a.backend, a.precision)
             load = os.getloadavg()[0]
             state = str(Path(tmp, f"{'-'.join(c)}-{r}.pt"))
             out = run_ranks(_worker, cfg.parallel.world_size, cfg.to_dict(), a.steps, state, timeout_s=600)
@@ -147,7 +158,7 @@ def main(argv: list[str] | None = None) -> int:
 
 def _record(a: argparse.Namespace, c: tuple, got: list, runs: dict, tmp: str) -> dict:
     model, layout, variant = c
-    cfg = case_config(*c, a.backend)
+    cfg = case_config(*c, a.backend, a.precision)
     steady = [statistics.median(x["times"][2:]) for x, _ in got]
     t = statistics.median(steady)
     eager_runs = runs[(model, layout, "eager")]
@@ -159,6 +170,7 @@ def _record(a: argparse.Namespace, c: tuple, got: list, runs: dict, tmp: str) ->
         "layout": layout,
         "variant": variant,
         "backend": a.backend if variant == "compile" else None,
+        "precision": a.precision,
         "steps": a.steps,
         "step_time_s": t,
         "launches_s": steady,

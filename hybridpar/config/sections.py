@@ -241,8 +241,8 @@ class TrainConfig:
         "with train.precision bf16: autocast (fp32 parameters, matmuls cast to bf16, the residual stream and norms "
         "fp32) or copies (Megatron's recipe: the stages' parameters are bf16 working copies, so the residual "
         "stream, norms and messages are bf16; each microbatch's weight gradient is summed into an fp32 gradient; "
-        "AdamW steps fp32 masters, each dp rank its 1/dp slice as under ZeRO-1 (at parallel.zero 0 too); "
-        "docs/precision.md)",
+        "AdamW steps fp32 masters, each dp rank its 1/dp slice as under ZeRO-1 (at parallel.zero 0 too; under "
+        "ZeRO-3 the rank keeps its slice of the parameter in bf16 at rest); docs/precision.md)",
         choices=("autocast", "copies"),
     )
     compile: bool = _f(
