@@ -28,13 +28,17 @@ BF16 = dict(precision="bf16")
 
 
 COPIES = dict(precision="bf16", bf16_weights="copies")
+COMPILED = dict(compile=True, compile_backend="aot_eager", recompute="selective")  # tests/test_equivalence.py's
+TREE = dict(global_batch=8, microbatches=2)  # parallel.grad_sum tree at dp 2: equal microbatches, powers of two
 # Working copies' runs train 4 of the tiny model's 8 layers: their yardstick is 12 one-device runs of its own.
 HALF = dict(n_layers=4)
 GPT2_HALF = HALF | dict(family="gpt2", n_kv_heads=None, n_positions=24)  # model/reference.py's gpt2_config
 # (tp, pp, dp, schedule, virtual stages, train settings, other parallel settings[, model settings]); bf16
 # working copies (train.bf16_weights copies) are held to one-device training with working copies, by the same
 # tolerances. GPT-2 with working copies at pp2: its tied embedding's two copies, one per end stage, each step
-# a master of their own with the same summed gradient.
+# a master of their own with the same summed gradient. Working copies compiled (aot_eager, selective
+# recomputation) with the zero-bubble B/W split at pp2, and under ZeRO-3 (bf16 slices gathered around each
+# compiled layer); and the tree gradient sum of their fp32 gradients.
 LAYOUTS = {
     "world4": [
         (2, 2, 1, "1f1b", 1, BF16, {}),
@@ -48,6 +52,9 @@ LAYOUTS = {
         (1, 1, 2, "1f1b", 1, COPIES, dict(zero=2)),
         (1, 1, 1, "1f1b", 1, COPIES | dict(recompute="full"), dict(cp=2)),
         (1, 2, 1, "1f1b", 1, COPIES, {}, GPT2_HALF),
+        (1, 2, 1, "zb-h1", 1, COPIES | COMPILED, {}),
+        (1, 1, 2, "1f1b", 1, COPIES | COMPILED, dict(zero=3)),
+        (1, 1, 2, "1f1b", 1, COPIES | TREE, dict(grad_sum="tree")),
     ],
 }
 
@@ -144,12 +151,14 @@ def _resume_config(fault: str, resume: str) -> dict:
 
 def _across_runs(out: Path) -> list[tuple[dict, str]]:
     """A working-copies run of 3 steps at pp 2 checkpointed after step 2; then from that checkpoint the same
-    run again, and an autocast run at dp 2 under ZeRO-1 (another mode and layout)."""
+    run again, an autocast run at dp 2 under ZeRO-1 (another mode and layout), and a working-copies run at
+    dp 2 under ZeRO-3 (the masters loaded into its fp32 slices, its bf16 slices rounded from them)."""
     ck = str(out / "copies" / "checkpoints" / "step-000002")
     runs = [
         (dict(pp=2), COPIES, "off", "copies"),
         (dict(pp=2), COPIES, ck, "again"),
         (dict(dp=2, zero=1), BF16, ck, "auto"),
+        (dict(dp=2, zero=3), COPIES, ck, "zero3"),
     ]
     return [
         (
@@ -204,12 +213,14 @@ def test_bf16_resumes_exactly_from_its_fp32_masters(world2: tuple[Path, list[dic
 def test_copies_checkpoint_the_masters_and_resume_across_modes(world2: tuple[Path, list[dict]]) -> None:
     """A working-copies checkpoint holds the fp32 masters and their AdamW state (the bf16 copies are made from
     them): resumed as it was it ends bit for bit where the uninterrupted run does; resumed by autocast at
-    another layout, its steps stay within bf16's unit roundoff of the working-copies run's."""
+    another layout, or by working copies under ZeRO-3, its steps stay within bf16's unit roundoff of the
+    working-copies run's."""
     tmp_path, ranks = world2
-    whole, again, auto = ranks[0]["resume"][:3]
-    assert again["start"] == auto["start"] == 2 and again["losses"] == whole["losses"][2:]
+    whole, again, auto, zero3 = ranks[0]["resume"][:4]
+    assert again["start"] == auto["start"] == zero3["start"] == 2 and again["losses"] == whole["losses"][2:]
     a = torch.load(tmp_path / "copies.pt", weights_only=True)
     b = torch.load(tmp_path / "again.pt", weights_only=True)
     assert all(a[n].dtype == torch.float32 and torch.equal(a[n], b[n]) for n in a)
-    for x, y in zip(auto["losses"], whole["losses"][2:], strict=True):
-        assert abs(x - y) <= U_BF16 * abs(y), (auto["losses"], whole["losses"])
+    for other in (auto, zero3):
+        for x, y in zip(other["losses"], whole["losses"][2:], strict=True):
+            assert abs(x - y) <= U_BF16 * abs(y), (other["losses"], whole["losses"])
