@@ -15,6 +15,10 @@ moments, where autocast holds 4 + 4 + 2 (the step's cached bf16 cast) + 8/dp.
   (also where a parameter is not sliced, and at dp 1, where the slice is the whole): it steps them, rounds
   them into its slice of the bf16 parameter and all-gathers the bf16 slices over dp (half the bytes of
   autocast's fp32 all-gather).
+- Under ZeRO-3 (`own`, zero3.py) a rank keeps its slice of each parameter in bf16 (`kept`: what Zero3's
+  gathers read, half autocast's bytes), rounded from the master slice by `refresh` with no all-gather; the
+  parameters themselves are empty at rest and gathered in bf16 where they are used. After a layer move the
+  master slices arrive as `given` (balance/migrate.py moves each rank's slices, never whole masters).
 - Checkpoints write the masters in place of the parameters (resilience/checkpoint.py, as ZeRO-3 writes its
   slices): the same fp32 tensors under the same names as an autocast run's, so a run resumes across the
   two modes and across layouts; a resume loads the masters and then `refresh`es the bf16 parameters.
@@ -65,7 +69,9 @@ class MasterAdamW(ShardedAdamW):
         for p in self.full:
             p.data = torch.empty(p.shape, dtype=working, device=p.device) if own else p.data.to(working)
             p.grad_dtype = MASTER  # AccumulateGrad widens each bf16 gradient into the fp32 .grad
-        if self._masters or own:  # layers that arrived hold their bf16 bits; the others are refreshed alike
+        # Layers that arrived hold their bf16 bits; the others are refreshed alike. Under ZeRO-3 the parameters
+        # were emptied above: the kept slices (and any 0-dimensional parameter, never sliced) take the masters' values.
+        if self._masters or own:
             self.refresh()
         self._masters = {}
 
