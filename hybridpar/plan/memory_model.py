@@ -19,7 +19,8 @@ Components, each at its own high point in the step (their sum bounds the step's 
   ZeRO-3 a tensor of its own counted with the parameters).
 - ZeRO-3 (dataparallel/zero3.py): params at the peak are the rank's slices plus the most it gathers at
   once (per microbatch: a stage's parameters outside its layers and two layers; per step: its stages
-  whole); `params_at_rest` (not in the total) the slices alone.
+  whole); `params_at_rest` (not in the total) the slices alone. Under working copies both are bf16 (2 bytes),
+  the fp32 master slices counted with the optimizer state.
 - activations: what autograd saves for backward (the meter's quantity, pipeline/activation_meter.py), per
   decoder layer, embedding and head+loss, derived from the ops each family runs (below), times the
   microbatches whose forward is done and backward is not at each point of the rank's action list.
