@@ -474,7 +474,17 @@ class MemoryModel:
         rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks, self.program(*sched)))
         messages = self._get(
             self._messages,
-            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len // seq_shards(cfg), p.cp, tuple(sizes)),
+            (
+                mk,
+                sched,
+                ranks,
+                transport(cfg),
+                in_place(cfg),
+                t.precision,
+                t.seq_len // seq_shards(cfg),
+                p.cp,
+                tuple(sizes),
+            ),
             lambda: message_buffers(cfg, sizes, actions, ranks, rep),
         )
         static = self._static_of(cfg, mk, parts, ranks)

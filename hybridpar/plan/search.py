@@ -611,6 +611,7 @@ def _config_label(cfg: Config) -> str:
     p, t = cfg.parallel, cfg.train
     return (
         f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule} m{t.microbatches} recompute={t.recompute} zero{p.zero} {t.precision}"
+        + (" copies" if t.bf16_weights == "copies" else "")
     )
 
 
