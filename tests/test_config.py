@@ -116,7 +116,16 @@ def test_non_negative_ints(key: str) -> None:
 
 
 @pytest.mark.parametrize(
-    "key", ["train__lr", "train__eps", "parallel__timeout_s", "model__norm_eps", "model__init_std", "model__rope_theta"]
+    "key",
+    [
+        "train__lr",
+        "train__eps",
+        "parallel__timeout_s",
+        "model__norm_eps",
+        "model__init_std",
+        "model__rope_theta",
+        "sinks__peak_probe_s",
+    ],
 )
 @pytest.mark.parametrize("bad", [0.0, -1.0])
 def test_strictly_positive_floats(key: str, bad: float) -> None:

@@ -86,6 +86,33 @@ def test_memory_prunes_and_the_smallest_layout_is_named() -> None:
     assert f"the hardware has {hopeless.device_memory_gib:g}" in msg
 
 
+def test_working_copies_are_chosen_only_where_autocast_does_not_fit() -> None:
+    """bf16 working copies cost what autocast costs and hold less: the search tries them where a bf16 layout
+    does not fit under autocast (here: no model split, dp4), nowhere else, and not where the weights are held."""
+
+    def memory(cfg: Config) -> list[Est]:
+        return params_memory(10.0 if cfg.train.bf16_weights == "copies" else 16.0)(cfg)
+
+    one = Config()
+    one.model.n_layers, one.parallel.tp, one.parallel.pp = 2, 1, 1
+    whole = params_memory()(one)[0].total  # autocast, the whole model on one device: 16 bytes a parameter
+    h = hw(memory_gib=whole / 1.5 / GIB, peak_tflops={"fp32": 1.0, "bf16": 2.0})
+    base = Config()
+    base.model.n_layers, base.train.global_batch = 2, 4
+    fixed = {"train.precision": "bf16", "parallel.schedule": "1f1b", "train.recompute": "none"}
+    got = plan(base, h, memory, world=4, top=100, fixed=fixed).candidates
+    copies = [c.cfg.train.bf16_weights == "copies" for c in got]
+    assert any(copies) and not all(copies)
+    for c, on in zip(got, copies):
+        assert on == (c.cfg.parallel.tp * c.cfg.parallel.pp == 1), c.label
+        assert ("copies" in c.label) == on and c.to_dict()["train"]["bf16_weights"] == c.cfg.train.bf16_weights
+        validate_config(c.cfg, 4)
+    held = plan(base, h, memory, world=4, top=100, fixed={**fixed, "train.bf16_weights": "autocast"})
+    assert all(
+        c.cfg.train.bf16_weights == "autocast" and c.cfg.parallel.tp * c.cfg.parallel.pp > 1 for c in held.candidates
+    )
+
+
 def test_slow_inter_node_link_keeps_gradient_reductions_inside_nodes() -> None:
     cfg = Config()
     cfg.model.dim, cfg.model.ffn_dim, cfg.train.seq_len, cfg.train.global_batch = 256, 704, 16, 8

@@ -18,6 +18,7 @@ from hybridpar.plan.memory_model import (
     weight_casts,
     weight_held,
 )
+from hybridpar.plan.messages import buffered, in_place, message_bytes
 from hybridpar.plan.trace import activation_trace
 
 
@@ -118,6 +119,7 @@ def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool)
     modes = cfg.train.recompute_modes(n)
     c = 2 if cfg.train.precision == "bf16" else F32
     ranks = SCHEDULES[cfg.parallel.schedule].stage_ranks(cfg.parallel.pp, n // cfg.parallel.pp)
+    own = in_place(cfg) and buffered(cfg, split)  # a received message read where it landed: counted in buffers
     for s in range(n):
         first, last = s == 0, s == n - 1
         # autocast's weight casts: once per step where no stage of the rank recomputes, else per microbatch
@@ -136,5 +138,8 @@ def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool)
             one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
             bt_d = b * cfg.train.seq_len * cfg.model.dim
             inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
-            out[s, b] = (one, const, kept, inside)
+            # The stage input read in place from a receive buffer, and under a split the gradient W keeps.
+            recv = message_bytes(cfg, b) if own and s > 0 and ranks[s - 1] != ranks[s] else 0
+            grad = message_bytes(cfg, b) if own and split and not last and ranks[s + 1] != ranks[s] else 0
+            out[s, b] = (one - recv, const, kept - grad, inside - grad)
     return out

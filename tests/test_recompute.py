@@ -137,8 +137,11 @@ def layout_runs(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list]:
     torch before its first step, more than a layout's four 3-step runs. Each run trains its own directory
     from scratch; each test compares only its own layout's runs."""
     out = tmp_path_factory.mktemp("recompute-layouts")
+    # 4 layers, one a stage at pp4 (each stage its own mode in the mixed runs): bit identity does not
+    # depend on depth.
+    four = dict(n_layers=4)
     cfgs = [
-        grid_config(pp, schedule, 1, parallel=dict(tp=tp, pp=pp, dp=dp), train=dict(recompute=m))
+        grid_config(pp, schedule, 1, model=four, parallel=dict(tp=tp, pp=pp, dp=dp), train=dict(recompute=m))
         for tp, pp, dp, schedule in RECOMPUTE_LAYOUTS
         for m in _modes(pp)
     ]

@@ -48,7 +48,14 @@ COMPONENTS = ("params", "grads", "optimizer", "activations", "buffers")
 
 
 def case_config(
-    model: str, layout: str, precision: str, zero: int, recompute: str, steps: int, schedule: str = "1f1b"
+    model: str,
+    layout: str,
+    precision: str,
+    zero: int,
+    recompute: str,
+    steps: int,
+    schedule: str = "1f1b",
+    p2p: str = "auto",
 ) -> Config:
     cfg = Config()
     for k, v in {**MODELS[model]["model"]}.items():
@@ -58,7 +65,7 @@ def case_config(
     run = {"precision": precision, "bf16_weights": weights, "recompute": recompute, "steps": steps}
     for k, v in {**MODELS[model]["train"], **run}.items():
         setattr(cfg.train, k, v)
-    for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule}.items():
+    for k, v in {**LAYOUTS[layout], "zero": zero, "schedule": schedule, "p2p": p2p}.items():
         setattr(cfg.parallel, k, v)
     # At most a sample per microbatch: the larger model's 8 samples at dp4 are 2 per replica.
     cfg.train.microbatches = min(cfg.train.microbatches, cfg.train.global_batch // cfg.parallel.dp)
@@ -74,6 +81,7 @@ def cases(
     schedule: str = "1f1b",
     zeros: tuple[int, ...] = (0, 1),
     precisions: tuple[str, ...] = ("fp32", "bf16"),
+    p2p: str = "auto",
 ) -> tuple[dict[str, list[dict]], list[str]]:
     """Config dicts per layout, and the combinations not run (with why)."""
     runs: dict[str, list[dict]] = {lay: [] for lay in layouts}
@@ -87,7 +95,7 @@ def cases(
                         if zero and LAYOUTS[lay]["dp"] == 1:
                             skipped.append(f"{name}: ZeRO-{zero} shards over dp, and dp=1 here")
                             continue
-                        cfg = case_config(model, lay, precision, zero, recompute, steps, schedule)
+                        cfg = case_config(model, lay, precision, zero, recompute, steps, schedule, p2p)
                         runs[lay].append({"name": name, "config": cfg.to_dict()})
     return runs, skipped
 
@@ -143,6 +151,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--schedule", default="1f1b", choices=schedule_names(), help="pipeline schedule of every case")
     ap.add_argument("--zero", default="0,1", help="ZeRO levels, comma-separated, of 0-3")
     ap.add_argument("--precisions", default="fp32,bf16", help="comma-separated, of fp32, bf16, copies")
+    ap.add_argument(
+        "--p2p",
+        default="auto",
+        choices=("auto", "process_group", "shared_memory"),
+        help="pipeline message transport (process_group: as on GPUs, messages in receive buffers of their own)",
+    )
     ap.add_argument("--steps", type=int, default=2, help="training steps per case (>= 1; the last is reported)")
     ap.add_argument("--timeout", type=float, default=1800.0, help="seconds allowed per layout's launch")
     ap.add_argument("--json", default=None, help="write the results to FILE ('-' or none: stdout)")
@@ -162,7 +176,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     zeros, precisions = tuple(int(z) for z in a.zero.split(",")), tuple(a.precisions.split(","))
-    runs, skipped = cases(a.models.split(","), a.layouts.split(","), a.steps, a.schedule, zeros, precisions)
+    runs, skipped = cases(a.models.split(","), a.layouts.split(","), a.steps, a.schedule, zeros, precisions, a.p2p)
     results, worst = [], 0.0
     load_before = os.getloadavg()
     for lay, todo in runs.items():
@@ -179,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
         "max_rel_error": worst,
         "steps": a.steps,
         "schedule": a.schedule,
+        "p2p": a.p2p,
         "load_average_before": load_before,
         "load_average_after": os.getloadavg(),
         "models": MODELS,

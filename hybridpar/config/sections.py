@@ -507,6 +507,12 @@ class SinksConfig:
         "per-rank summaries, measured bubble and MFU in every step record, one step's timeline in "
         "<run_dir>/step_timeline.json (off only to measure what they cost: hybridpar bench records_cost)",
     )
+    peak_probe_s: float = _f(
+        0.2,
+        "seconds each rank multiplies 512 x 512 matrices to measure the device's matmul peak for MFU where no "
+        "data sheet lists it (once per run, kept in <run_dir>/device_peak.json); shorter is noisier: the "
+        "tests' tiny runs, which read no MFU, use a few products",
+    )
     wandb_project: str = _f("hybridpar", "the W&B project, when sinks.wandb is on")
 
 

@@ -125,7 +125,7 @@ def _check_ranges(cfg: Config) -> None:
         ),
         (
             "train.lr train.eps parallel.timeout_s model.norm_eps model.init_std model.rope_theta model.rope_factor "
-            "model.rope_low_freq_factor model.rope_high_freq_factor",
+            "model.rope_low_freq_factor model.rope_high_freq_factor sinks.peak_probe_s",
             lambda v: _is_num(v) and v > 0,
             "> 0",
         ),  # `v > 0` is False for NaN, so NaN is rejected too

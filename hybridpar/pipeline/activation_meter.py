@@ -45,6 +45,9 @@ class ActivationMeter:
         # Tensors whose storage is not theirs (a message lent in place from a transport's ring, see
         # P2P.lent): they hold only their own bytes, counted under their own address.
         self.lent: Callable[[torch.Tensor], bool] | None = None
+        # Tensors in a message buffer of the rank's own (P2P.holds): a stage reading a received message in
+        # place saves the buffer itself, whose bytes the rank's buffers count (trainer/held.py): not again here.
+        self.buffered: Callable[[torch.Tensor], bool] | None = None
 
     def clear(self) -> None:
         """Forget everything held (after a failed step: its graph may linger in a traceback; whatever
@@ -73,7 +76,7 @@ class ActivationMeter:
             return _Held(t, None, self)
         storage = t.untyped_storage()
         key = storage.data_ptr()
-        if key in self._excluded or key == 0:
+        if key in self._excluded or key == 0 or (self.buffered is not None and self.buffered(t)):
             return _Held(t, None, self)
         lent = self.lent is not None and self.lent(t)
         if lent:

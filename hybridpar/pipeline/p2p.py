@@ -107,6 +107,9 @@ class P2P:
         self.stats: dict[int, LinkStats] = defaultdict(LinkStats)
         self._pool: dict[tuple[int, ...], list[torch.Tensor]] = defaultdict(list)
         self._buffers_live = self._buffers_peak = 0  # bytes of receive buffers (memory accounting)
+        # Storages of the receive buffers alive now: a stage that reads a message in place (its own dtype) has
+        # autograd save that very tensor, which the buffers already count (`holds`).
+        self._buffer_storages: set[int] = set()
         self._recvs: dict[Hashable, tuple[_Batch | None, int, torch.Tensor, int]] = {}  # batch None: shared memory
         self._sends: list[tuple[_Batch, int, torch.Tensor, int]] = []
         self._ops: list[tuple[str, Hashable, torch.Tensor, int]] = []
@@ -154,15 +157,21 @@ class P2P:
 
     def _new_buffer(self, shape: tuple[int, ...]) -> torch.Tensor:
         buf = torch.empty(shape, dtype=self.dtype, device=self.device)
-        n = buf.numel() * buf.element_size()
+        n, ptr = buf.numel() * buf.element_size(), buf.untyped_storage().data_ptr()
         self._buffers_live += n
         self._buffers_peak = max(self._buffers_peak, self._buffers_live)
+        self._buffer_storages.add(ptr)
         # Counted down when the buffer is freed: a split backward leaves its buffers to the GC.
-        weakref.finalize(buf, self._buffer_freed, n)
+        weakref.finalize(buf, self._buffer_freed, n, ptr)
         return buf
 
-    def _buffer_freed(self, n: int) -> None:
+    def _buffer_freed(self, n: int, ptr: int) -> None:
         self._buffers_live -= n
+        self._buffer_storages.discard(ptr)
+
+    def holds(self, t: torch.Tensor) -> bool:
+        """Whether `t` lies in one of this P2P's receive buffers (counted in `buffer_bytes`)."""
+        return bool(self._buffer_storages) and t.untyped_storage().data_ptr() in self._buffer_storages
 
     def buffer_bytes(self) -> int:
         """Bytes this P2P allocated for messages, at their most: receive buffers alive at once, plus the

@@ -4,10 +4,10 @@ the chosen layout; an elastic re-plan (a resume on another world size) plans aga
 
 What the user gave stays as given: every planner knob set on the command line or in `--config` (for
 `hybridpar.launch(cfg)`: set to other than its default) is held fixed, tp/pp/dp included, and
-train.precision is kept unless parallel.auto_precision asks the planner to choose it (bf16 changes the
-numbers a run computes; the other knobs do not). The hardware is parallel.hardware, or this machine
-probed once (plan/probe.py, a few seconds: a launch is rare, and a description measured under the
-machine's present load beats a built-in guess).
+train.precision (and under bf16 train.bf16_weights) is kept unless parallel.auto_precision asks the planner to
+choose it (bf16 and working copies change the numbers a run computes; the other knobs do not). The hardware
+is parallel.hardware, or this machine probed once (plan/probe.py, a few seconds: a launch is rare, and a
+description measured under the machine's present load beats a built-in guess).
 
 On hardware with a `speed` per device the chosen layout runs as planned: a cost-balanced partition
 becomes explicit stage sizes (parallel.stage_layers: the runtime's own cost partition knows no device
@@ -89,6 +89,8 @@ def constraints(cfg: Config, given: set[str]) -> dict[str, Any]:
     fixed = {k: _get(cfg, k) for k in KNOB_KEYS.values() if k in given and _get(cfg, k) is not None}
     if not cfg.parallel.auto_precision:
         fixed["train.precision"] = t.precision
+        if t.precision == "bf16":  # working copies change the numbers too: the planner tries them only if asked
+            fixed["train.bf16_weights"] = t.bf16_weights
     return fixed
 
 
@@ -229,9 +231,10 @@ def replan_with_planner(cfg: Config, world: int) -> Config:
             "or set resilience.replan=off"
         ) from None
     fixed["train.precision"] = cfg.train.precision
+    fixed["train.bf16_weights"] = cfg.train.bf16_weights  # as the checkpoint's run computed
     try:
         result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed={**fixed, **LAUNCH_HOLDS})
     except ValueError:  # the user's keys do not suit the new world (a schedule that needs pp > 1): go on without
-        held = {"train.precision": cfg.train.precision, **LAUNCH_HOLDS}
+        held = {"train.precision": cfg.train.precision, "train.bf16_weights": cfg.train.bf16_weights, **LAUNCH_HOLDS}
         result = plan(_base(cfg), hw, rank_memory, world=world, top=1, fixed=held)
     return runnable(result.candidates[0], hw)

@@ -57,7 +57,7 @@ from hybridpar.pipeline.schedules import (
 )
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.sim_program import Program, compile_program
-from hybridpar.plan.messages import Replay, message_buffers, replay, transport
+from hybridpar.plan.messages import Replay, buffered, in_place, message_buffers, message_bytes, replay, transport
 from hybridpar.plan.trace import Trace, activation_trace
 from hybridpar.trainer.build import layer_partition
 
@@ -376,6 +376,7 @@ def activation_peaks(
     ranks = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
     spans = [all(modes[o] == "none" for o in range(n) if ranks[o] == ranks[s]) for s in range(n)]
     c = 2 if cfg.train.precision == "bf16" else F32
+    own = in_place(cfg) and buffered(cfg, split)  # received messages read where they landed, in the rank's buffers
     terms: dict[tuple[int, int], tuple[int, int, int, int]] = {}
 
     def term(s: int, b: int) -> tuple[int, int, int, int]:
@@ -398,8 +399,15 @@ def activation_peaks(
         widened = split and c == 2 and not working_copies(cfg)  # working copies: W holds what autograd saves
         one += norms * b * seq_len(cfg) * cfg.model.dim * F32 if widened else 0
         bt_d = b * seq_len(cfg) * cfg.model.dim // seq_shards(cfg)  # a stage's input and output
-        inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
-        return one, const, kept, inside
+        # Recomputing, B holds all W needs while the stage's input (the residual stream's dtype) is still saved.
+        r = 2 if working_copies(cfg) else F32
+        inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * r
+        # A message read in place from a receive buffer is the buffer itself, which `buffers` counts
+        # (plan/messages.py): the stage input its first layer saves, and under a split the output gradient
+        # W keeps (B's first hold, the gradient the residual stream hands through unchanged).
+        recv = message_bytes(cfg, b) if own and s > 0 and ranks[s - 1] != ranks[s] else 0
+        grad = message_bytes(cfg, b) if own and split and not last and ranks[s + 1] != ranks[s] else 0
+        return one - recv, const, kept - grad, inside - grad
 
     # Per distinct step: what it adds to `live`, and (B, split) how far above `live` after it B peaks inside.
     delta, above = [], []
@@ -467,7 +475,17 @@ class MemoryModel:
         rep = self._get(self._replays, (sched, ranks), lambda: replay(actions, p.pp, ranks, self.program(*sched)))
         messages = self._get(
             self._messages,
-            (mk, sched, ranks, transport(cfg), t.precision, t.seq_len // seq_shards(cfg), p.cp, tuple(sizes)),
+            (
+                mk,
+                sched,
+                ranks,
+                transport(cfg),
+                in_place(cfg),
+                t.precision,
+                t.seq_len // seq_shards(cfg),
+                p.cp,
+                tuple(sizes),
+            ),
             lambda: message_buffers(cfg, sizes, actions, ranks, rep),
         )
         static = self._static_of(cfg, mk, parts, ranks)
@@ -507,6 +525,7 @@ class MemoryModel:
             p.cp,
             t.precision,
             t.bf16_weights,
+            transport(cfg),
             t.seq_len,
             tuple(t.recompute_modes(len(parts))),
             tuple(parts),

@@ -50,6 +50,28 @@ def transport(cfg: Config) -> str:
     return "process_group" if cuda else "shared_memory"
 
 
+def message_bytes(cfg: Config, b: int) -> int:
+    """Bytes of one message between stages, microbatch of b samples: sequence parallelism sends the tp rank's
+    slice of the sequence (model/tp.py), context parallelism the rank's 1/cp of it."""
+    m, t, p = cfg.model, cfg.train, cfg.parallel
+    tokens = t.seq_len // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
+    return b * tokens * m.dim * (2 if t.precision == "bf16" else F32)
+
+
+def in_place(cfg: Config) -> bool:
+    """Whether a stage reads the messages it receives in place (pipeline/runtime.py): in its own dtype, fp32 or
+    bf16 under working copies; under autocast a bf16 message is widened into an fp32 copy first."""
+    t = cfg.train
+    return not (t.precision == "bf16" and t.bf16_weights != "copies")
+
+
+def buffered(cfg: Config, split: bool) -> bool:
+    """Whether received messages land in receive buffers of the receiver's own (counted in its `buffers`):
+    through the process group always; over shared memory where the backward splits (W may read them after
+    their ring space would go back), otherwise lent where they lie in the sender's ring."""
+    return transport(cfg) != "shared_memory" or split
+
+
 def message_buffers(
     cfg: Config, sizes: list[int], actions: list[list], ranks: tuple[int, ...], rep: Replay | None = None
 ) -> list[int]:
@@ -57,19 +79,16 @@ def message_buffers(
     costs (`replay`, given or run here): receive buffers from their posting to their last reader, and
     (shared memory) each send link's ring, which grows when a message does not fit behind those the
     receiver still holds."""
-    m, t, p, pp = cfg.model, cfg.train, cfg.parallel, cfg.parallel.pp
+    pp = cfg.parallel.pp
     rep = rep or replay(actions, pp, ranks)
     split, at = rep.split, rep.at
-    lent = transport(cfg) == "shared_memory" and not split  # read in place in the ring until the backward
-    # Sequence parallelism: a message is the tp rank's slice of the sequence (model/tp.py); context
-    # parallelism: of the rank's 1/cp of it.
-    tokens = t.seq_len // p.cp // (p.tp if p.sequence_parallel and p.tp > 1 else 1)
-    msg = [b * tokens * m.dim * (2 if t.precision == "bf16" else F32) for b in sizes]
+    lent = not buffered(cfg, split)  # read in place in the ring until the backward
+    msg = [message_bytes(cfg, b) for b in sizes]
     # A message in the stage's own dtype is read in place (pipeline/runtime.py): an fp32 one, or a bf16 one
     # under working copies, whose stages compute in bf16. A gradient read in place is the one its W keeps
     # (the last layer's output gradient); a bf16 one under autocast is widened to fp32 first, and goes with
     # its B; likewise an activation under autocast is read through its fp32 copy, back after the forward.
-    widened = t.precision == "bf16" and t.bf16_weights != "copies"
+    widened = not in_place(cfg)
     release = Op.WEIGHT if split and not widened else Op.BACKWARD
     sends: dict[tuple[int, int], list[tuple[float, float, int]]] = {}  # link -> (sent, freed, bytes)
     live: list[list[tuple[float, int]]] = [[] for _ in range(pp)]  # receive buffers: (time, +-bytes)

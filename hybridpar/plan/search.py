@@ -82,7 +82,8 @@ class Candidate:
         v = f" v{stages_per_rank(p)}" if stages_per_rank(p) > 1 else ""
         extras = [f"zero{p.zero}"] * (p.zero > 0) + [f"recompute={t.recompute}"] * (t.recompute != "none")
         extras += ["sp"] * p.sequence_parallel + [f"cp{p.cp}"] * (p.cp > 1)
-        extras += [t.precision] * (t.precision != "fp32") + ["cost-balanced"] * (p.partition == "cost")
+        extras += [t.precision] * (t.precision != "fp32") + ["copies"] * (t.bf16_weights == "copies")
+        extras += ["cost-balanced"] * (p.partition == "cost")
         return f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule}{v} m{t.microbatches} " + " ".join(extras)
 
     def to_dict(self) -> dict[str, Any]:
@@ -100,7 +101,12 @@ class Candidate:
                 "sequence_parallel": p.sequence_parallel,
                 "cp": p.cp,
             },
-            "train": {"microbatches": t.microbatches, "recompute": t.recompute, "precision": t.precision},
+            "train": {
+                "microbatches": t.microbatches,
+                "recompute": t.recompute,
+                "precision": t.precision,
+                "bf16_weights": t.bf16_weights,
+            },
             "step_s": self.prediction.step_s,
             "tokens_per_s": self.tokens_per_s,
             "mfu": self.mfu,
@@ -230,7 +236,12 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
         layer_costs=[1.0] * base.model.n_layers if k["partition"] == "cost" else None,
     )
     cfg.train = dataclasses.replace(
-        base.train, microbatches=k["m"], recompute=k["recompute"], precision=k["precision"], microbatch_sizes=None
+        base.train,
+        microbatches=k["m"],
+        recompute=k["recompute"],
+        precision=k["precision"],
+        microbatch_sizes=None,
+        bf16_weights=k.get("weights", base.train.bf16_weights),
     )
     cfg.batching = dataclasses.replace(base.batching, policy="fixed", microbatch_size=None)
     return cfg
@@ -456,9 +467,12 @@ class _Search:
         self.built: dict[tuple, Config] = {}  # layouts built for the step bound, not validated yet
         self.simulated = self.checked = 0
         self.bound = ""
+        self.copies = False  # bf16 layouts that do not fit under autocast are tried with working copies (run)
 
     def run(self, fixed: dict[str, Any]) -> Plan:
         knobs = _held_knobs(self.base, self.hw, self.world, fixed)
+        # Working copies where autocast does not fit, unless the caller holds the weights' precision.
+        self.copies = self.base.train.bf16_weights == "autocast" and "train.bf16_weights" not in fixed
         if not knobs:
             raise ValueError(_no_split(self.base, self.hw, self.world))
         ranked = sorted(knobs, key=self.planner.estimate)  # likely fastest first: the k-th best falls early
@@ -527,17 +541,28 @@ class _Search:
 
     def fits(self, k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
-        `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes."""
+        `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes.
+        A bf16 layout under autocast that does not fit is tried with working copies (`copies`): they cost the
+        same in this model and hold less, so they are chosen only where autocast does not fit; a misfit is
+        one that fits neither way."""
         if any(_covers(x, k) for x in self.misfits.get(_group(k), ())):
             return None
         cfg = self.layout(k)
         if isinstance(cfg, str):
             self.problems.append(cfg)
             return None
+        fit = self._fits(cfg, full)
+        if fit is None and self.copies and k["precision"] == "bf16":
+            alt = self.layout({**k, "weights": "copies"})
+            fit = None if isinstance(alt, str) else self._fits(alt, full)
+        if fit is None:
+            self.misfits.setdefault(_group(k), []).append(k)
+        return fit
+
+    def _fits(self, cfg: Config, full: bool) -> tuple[Config, list[int]] | None:
         self.checked += 1
         limit = self.hw.device_memory_bytes
         if self.lower is not None and self.lower(cfg, limit) > limit:
-            self.misfits.setdefault(_group(k), []).append(k)
             self.unpriced.append((self.checked, cfg))  # its full need is asked only if `smallest` is read
             return None
         if not full and self.lower is not None:
@@ -546,7 +571,6 @@ class _Search:
         need = max(per_rank)
         if need <= limit:
             return cfg, per_rank
-        self.misfits.setdefault(_group(k), []).append(k)
         self.note(need, self.checked, cfg)
         return None
 
@@ -587,6 +611,7 @@ def _config_label(cfg: Config) -> str:
     p, t = cfg.parallel, cfg.train
     return (
         f"tp{p.tp} pp{p.pp} dp{p.dp} {p.schedule} m{t.microbatches} recompute={t.recompute} zero{p.zero} {t.precision}"
+        + (" copies" if t.bf16_weights == "copies" else "")
     )
 
 

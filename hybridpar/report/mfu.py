@@ -72,9 +72,11 @@ def measure_matmul(device: torch.device, dtype: torch.dtype, seconds: float = 0.
                 return 2.0 * n**3 * count / elapsed
 
 
-def device_peak(device: torch.device, dtype: torch.dtype, run_dir: Path, rank: int) -> dict[str, Any]:
+def device_peak(
+    device: torch.device, dtype: torch.dtype, run_dir: Path, rank: int, seconds: float = 0.2
+) -> dict[str, Any]:
     """Collective: the world's peak FLOP/s {"flops_per_s", "source", "world", "device"}, read from the
-    run's cache when it matches, else listed or measured (and cached by rank 0)."""
+    run's cache when it matches, else listed or measured for `seconds` (and cached by rank 0)."""
     world = dist.get_world_size()
     key = {"world": world, "device": device.type, "dtype": str(dtype), "threads": torch.get_num_threads()}
     cached = None
@@ -92,7 +94,7 @@ def device_peak(device: torch.device, dtype: torch.dtype, run_dir: Path, rank: i
         peak = {"flops_per_s": listed[0] * world, "source": listed[1] + f" x {world} devices", **key}
     else:
         dist.barrier()  # every rank measures at once, sharing what it shares while training
-        mine = measure_matmul(device, dtype)
+        mine = measure_matmul(device, dtype, seconds)
         rates = all_gather_json(mine, device)
         peak = {
             "flops_per_s": sum(rates),

@@ -31,7 +31,8 @@ class StepRecords:
         self.tokens = t.global_batch * t.seq_len
         self.flops_per_token = model_flops_per_token(cfg.model, t.seq_len)
         self.details = cfg.sinks.step_details
-        self.peak = device_peak(topo.device, dtype, self.run_dir, topo.rank) if self.details else None
+        probe = cfg.sinks.peak_probe_s
+        self.peak = device_peak(topo.device, dtype, self.run_dir, topo.rank, probe) if self.details else None
         self.first = True
         # -1: never (no details asked for)
         self.timeline_step = min(start_step + WARMUP_STEPS, t.steps - 1) if self.details else -1

@@ -99,6 +99,7 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     runtime.compute_dtype = low if copies and low else torch.float32
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
+    runtime.meter.buffered = p2p.holds
     # The B/W split's eager linears and ring attention break each layer's graph (model/compiled.py): then one
     # static graph per microbatch size.
     breaks = schedule_spec(p.schedule).splits_backward or p.cp > 1
