@@ -28,6 +28,7 @@ BF16 = dict(precision="bf16")
 
 
 COPIES = dict(precision="bf16", bf16_weights="copies")
+COMPILED = dict(compile=True, compile_backend="aot_eager", recompute="selective")  # tests/test_equivalence.py's
 TREE = dict(global_batch=8, microbatches=2)  # parallel.grad_sum tree at dp 2: equal microbatches, powers of two
 # Working copies' runs train 4 of the tiny model's 8 layers: their yardstick is 12 one-device runs of its own.
 HALF = dict(n_layers=4)
@@ -36,9 +37,8 @@ GPT2_HALF = HALF | dict(family="gpt2", n_kv_heads=None, n_positions=24)  # model
 # working copies (train.bf16_weights copies) are held to one-device training with working copies, by the same
 # tolerances. GPT-2 with working copies at pp2: its tied embedding's two copies, one per end stage, each step
 # a master of their own with the same summed gradient. Working copies under ZeRO-3 (bf16 slices gathered
-# around each layer, fp32 master slices) with selective recomputation, and the tree gradient sum of their fp32
-# gradients. (Compiled, aot_eager with selective recomputation, under ZeRO-3 at dp2 and ZB-H1 at pp2: run once,
-# 0.037 and 0.033 of the parameter bound; left out of the suite for their compile time, docs/precision.md;
+# around each layer, fp32 master slices) compiled (aot_eager) with selective recomputation, and the tree
+# gradient sum of their fp32 gradients. (Compiled under ZB-H1 at pp2 and at tp2: run once, docs/precision.md;
 # compiled against eager working copies in process: tests/test_compile.py.)
 LAYOUTS = {
     "world4": [
@@ -53,7 +53,7 @@ LAYOUTS = {
         (1, 1, 2, "1f1b", 1, COPIES, dict(zero=2)),
         (1, 1, 1, "1f1b", 1, COPIES | dict(recompute="full"), dict(cp=2)),
         (1, 2, 1, "1f1b", 1, COPIES, {}, GPT2_HALF),
-        (1, 1, 2, "1f1b", 1, COPIES | dict(recompute="selective"), dict(zero=3)),
+        (1, 1, 2, "1f1b", 1, COPIES | COMPILED, dict(zero=3)),
         (1, 1, 2, "1f1b", 1, COPIES | TREE, dict(grad_sum="tree")),
     ],
 }
