@@ -22,8 +22,13 @@ data parallelism does.
 
 Both collectives work inside the tensors themselves, with no buffer of ours: the reduce-scatter reads
 the gradient's equal rows and writes this rank's share of them, the all-gather reads this rank's share
-of the parameter and writes the equal rows (NCCL's in-place forms; gloo stages through its own
-buffers); the left-over rows are reduced to and broadcast from dp rank 0. (Cutting a column-parallel
+of the parameter and writes the equal rows (NCCL's in-place forms); the left-over rows are reduced to and
+broadcast from dp rank 0. An output inside its own input is safe on gloo too (torch 2.13's
+ProcessGroupGloo): its reduce-scatter clones each input as the collective is issued, all-reduces the clone
+and copies this rank's chunk into the output only when the work is waited for (on the waiting thread); its
+coalesced all-gather flattens its inputs before it writes any output. Each work holds its tensors, so
+nothing it writes is freed under it; what must not happen is a storage resized while a work writes into it
+(ZeRO-3 frees a parameter only after its gather's works are waited for, zero3.py). (Cutting a column-parallel
 weight along its columns, as this module once did, put each slice in dp strided pieces that went
 through padded flat buffers: at dp 64 about the whole tensors again, for the step's all-gather and the
 gradients' reduce-scatter.)
