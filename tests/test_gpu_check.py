@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.bench.gpu_check import equivalence_layouts, main
+from hybridpar.bench.gpu_check import equivalence_layouts, main, mfu_option
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -43,7 +43,13 @@ def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
     pipe = out["checks"]["pipeline"]
     assert pipe["backend"] == "gloo" and pipe["ratio"] > 0 and pipe["loss_rel_diff"] <= 1e-5
     mfu = out["checks"]["mfu"]
-    assert mfu["tokens_per_s"] > 0 and mfu["mfu"] > 0 and mfu["steps_timed"] == 2 and mfu["peak"]["device"] == "cpu"
+    assert [r["option"] for r in mfu["options"]] == ["eager", "copies"] and mfu["steps_timed"] == 2
+    for r in mfu["options"]:
+        assert r["tokens_per_s"] > 0 and r["mfu"] > 0 and r["peak"]["device"] == "cpu", r
+        assert r["attention_kernel"] in ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "MATH"), r
+    copies = mfu["options"][1]
+    assert copies["train"] == {"bf16_weights": "copies"} and 0 < copies["loss_max_rel_diff"] < 2**-7, copies
+    assert mfu["best"] in ("eager", "copies") and mfu["mfu"] == max(r["mfu"] for r in mfu["options"])
 
 
 @pytest.mark.multiprocess
@@ -53,8 +59,29 @@ def test_bad_option_is_one_line_and_exit_2(tmp_path: Path) -> None:
     )
     assert proc.returncode == 2 and proc.stdout == ""
     assert proc.stderr.strip() == (
-        "gpu_check.sh: unknown option --dryrun (options: --dry-run, --no-setup, --python PY, --out DIR)"
+        "gpu_check.sh: unknown option --dryrun (options: --dry-run, --no-setup, --python PY, --out DIR, "
+        "--checks LIST, --mfu-options LIST)"
     )
+    proc = subprocess.run(
+        ["bash", str(ROOT / "scripts/gpu_check.sh"), "--checks", "mfu,speed"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert proc.returncode == 2 and proc.stderr.strip() == (
+        "gpu_check.sh: unknown check speed in --checks (checks: env, equivalence, pipeline, mfu)"
+    )
+
+
+def test_mfu_options_parse_and_name_a_bad_part() -> None:
+    assert mfu_option("eager") == {} and mfu_option("compile+copies+m1") == {
+        "compile": True,
+        "bf16_weights": "copies",
+        "microbatches": 1,
+    }
+    assert mfu_option("unfused") == {"fused_adamw": "off"}
+    with pytest.raises(ValueError, match=r"unknown part 'fast' \(parts: eager, compile, copies, unfused, m1"):
+        mfu_option("compile+fast")
 
 
 def test_layouts_fit_the_gpus() -> None:
@@ -71,3 +98,10 @@ def test_summary_names_a_timeout_and_fails(tmp_path: Path, capsys: pytest.Captur
     assert not out["passed"] and out["checks"]["setup"] == {"passed": True, "exit_code": 0}
     assert out["checks"]["mfu"] == {"passed": False, "error": "timed out", "log_tail": ["step 1", "step 2"]}
     assert out["checks"]["equivalence"]["error"] == "not run"
+    # a subset run (--checks) is summed up over the checks it ran only
+    assert main(["summary", "--dir", str(tmp_path), "--checks", "env", "--rc", "env=0"]) == 0
+    assert json.loads(capsys.readouterr().out) == {
+        "dry_run": False,
+        "checks": {"env": {"passed": True}},
+        "passed": True,
+    }

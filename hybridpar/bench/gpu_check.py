@@ -160,10 +160,39 @@ def check_pipeline(a: argparse.Namespace) -> dict:
     return {**{k: rec[k] for k in keep}, "passed": bool(rec["loss_match"])}
 
 
+# The options table of the mfu check: each option is tokens joined by "+", each token one setting of the run
+# (eager = the defaults: autocast, AdamW fused on CUDA, no compile).
+MFU_TOKENS: dict[str, dict[str, Any]] = {
+    "eager": {},
+    "compile": {"compile": True},
+    "copies": {"bf16_weights": "copies"},
+    "unfused": {"fused_adamw": "off"},
+}
+MFU_OPTIONS = "eager,unfused,compile,copies,compile+copies,compile+copies+m1"
+MFU_OPTIONS_DRY = "eager,copies"  # --dry-run: the cheap ones (a CPU compile costs tens of seconds)
+
+
+def mfu_option(name: str) -> dict[str, Any]:
+    """train overrides of an option name such as "compile+copies+m1" (mN: N microbatches of the step's 8
+    sequences); a bad token is named with the ones that exist."""
+    out: dict[str, Any] = {}
+    for tok in name.split("+"):
+        if tok in MFU_TOKENS:
+            out.update(MFU_TOKENS[tok])
+        elif tok[:1] == "m" and tok[1:].isdigit() and int(tok[1:]) in (1, 2, 4, 8):
+            out["microbatches"] = int(tok[1:])
+        else:
+            raise ValueError(f"mfu option {name!r}: unknown part {tok!r} (parts: {', '.join(MFU_TOKENS)}, m1|m2|m4|m8)")
+    return out
+
+
 def _mfu_worker(cfg_dict: dict, steps: int) -> dict:
+    import time
+
     import torch
 
     from hybridpar.config import Config
+    from hybridpar.model.kvcache import attention_kernel
     from hybridpar.report.step_records import StepRecords
     from hybridpar.topology.mesh import build_topology
     from hybridpar.trainer import Trainer
@@ -172,23 +201,24 @@ def _mfu_worker(cfg_dict: dict, steps: int) -> dict:
     topo = build_topology(1, 1, 1, cfg.parallel.backend, cfg.parallel.timeout_s)
     trainer = Trainer(cfg, topo)
     records = StepRecords(cfg, topo, 0, 0, torch.bfloat16)
-    recs = [records.add(trainer.step(s)) for s in range(steps)]
-    peak = recs[0]["device_peak"]
+    t0 = time.perf_counter()
+    recs = [records.add(trainer.step(0))]
+    first_s = time.perf_counter() - t0  # compilation, under train.compile
+    recs += [records.add(trainer.step(s)) for s in range(1, steps)]
+    m = cfg.model
     memory = torch.cuda.max_memory_allocated(topo.device) if topo.device.type == "cuda" else None
     return {
         "recs": [{k: r[k] for k in ("step_time_s", "tokens_per_s", "mfu", "loss")} for r in recs],
-        "peak": peak,
+        "peak": recs[0]["device_peak"],
+        "first_step_s": first_s,
+        "attention_kernel": attention_kernel(m.n_heads, cfg.train.seq_len, m.head_dim, topo.device, torch.bfloat16),
         "max_memory_allocated": memory,
     }
 
 
-def check_mfu(a: argparse.Namespace) -> dict:
-    """MFU and tokens/s of the ~1B Llama in bf16 on one GPU (tp=pp=dp=1), median over the steps after two
-    warm-up steps; the peak is the data sheet's for a listed GPU, else a measured matmul peak."""
-    import torch
-
+def _mfu_run(a: argparse.Namespace, option: str, steps: int) -> dict:
+    """One option's run in a process of its own (a compiled run's caches and memory do not reach the next)."""
     from hybridpar.config import Config
-    from hybridpar.model.registry import empty_stage
     from hybridpar.topology.spawn import run_ranks
 
     cfg = Config()
@@ -199,30 +229,68 @@ def check_mfu(a: argparse.Namespace) -> dict:
     t = cfg.train
     t.precision, t.seq_len, t.global_batch, t.microbatches = "bf16", (64 if a.dry_run else 2048), 8, 4
     t.val_every, t.sample_tokens, t.recompute = 0, 0, a.recompute
-    cfg.run_dir = str(Path(a.out).with_suffix(""))
+    for k, v in mfu_option(option).items():
+        setattr(t, k, v)
+    cfg.run_dir = str(Path(a.out).with_suffix("") / option)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    steps = 4 if a.dry_run else 10
     res = run_ranks(_mfu_worker, 1, cfg.to_dict(), steps, timeout_s=600)[0]
     timed = res["recs"][2:]
-    whole = empty_stage(cfg.model, range(cfg.model.n_layers), True, True, torch.device("meta"))
-    params = sum(p.numel() for p in whole.parameters())
-    mfu = statistics.median(r["mfu"] for r in timed)
     return {
-        "model": {**(TINY_LLAMA if a.dry_run else LLAMA_1B), "params": params},
-        "seq_len": t.seq_len,
-        "global_batch": t.global_batch,
-        "microbatches": t.microbatches,
-        "recompute": t.recompute,
-        "steps_timed": len(timed),
-        "mfu": mfu,
+        "option": option,
+        "train": mfu_option(option),
+        "mfu": statistics.median(r["mfu"] for r in timed),
         "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed),
         "step_time_s": statistics.median(r["step_time_s"] for r in timed),
+        "first_step_s": res["first_step_s"],
         "losses": [r["loss"] for r in res["recs"]],
+        "attention_kernel": res["attention_kernel"],
         "peak": res["peak"],
         "max_memory_allocated": res["max_memory_allocated"],
-        # Above 1 on a GPU would be a FLOP count or peak gone wrong; on CPU (--dry-run) the measured bf16
-        # peak of one square matmul size says little about a tiny model's matmuls, so only > 0 is asked.
-        "passed": 0 < mfu and (a.dry_run or mfu <= 1) and all(math.isfinite(r["loss"]) for r in res["recs"]),
+    }
+
+
+def check_mfu(a: argparse.Namespace) -> dict:
+    """MFU and tokens/s of the ~1B Llama in bf16 on one GPU (tp=pp=dp=1) under each option of `--options`
+    (eager first: the others' losses are compared with its), median over the steps after two warm-up steps;
+    the peak is the data sheet's for a listed GPU, else a measured matmul peak. An option the configuration
+    refuses, or whose run fails, is reported with its error and fails the check."""
+    import torch
+
+    from hybridpar.config import ModelConfig
+    from hybridpar.model.registry import empty_stage
+
+    options = (a.options or (MFU_OPTIONS_DRY if a.dry_run else MFU_OPTIONS)).split(",")
+    for o in options:
+        mfu_option(o)  # every name checked before the first run
+    steps = 4 if a.dry_run else 10
+    table = []
+    for o in options:
+        try:
+            table.append(_mfu_run(a, o, steps))
+        except Exception as e:  # one option's failure is its row; the others still run
+            table.append({"option": o, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
+    cfg_model = {**(TINY_LLAMA if a.dry_run else LLAMA_1B)}
+    whole = empty_stage(ModelConfig(**cfg_model), range(cfg_model["n_layers"]), True, True, torch.device("meta"))
+    ran = [r for r in table if "error" not in r]
+    base = next((r for r in ran if r["option"] == options[0]), None)
+    for r in ran:
+        if base is not None:  # bf16 runs of the same model: how far each option's loss curve is from the first's
+            r["loss_max_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], base["losses"]))
+    best = max(ran, key=lambda r: r["mfu"], default=None)
+    # Above 1 on a GPU would be a FLOP count or peak gone wrong; on CPU (--dry-run) the measured bf16 peak of
+    # one square matmul size says little about a tiny model's matmuls, so only > 0 is asked.
+    ok = [0 < r["mfu"] and (a.dry_run or r["mfu"] <= 1) and all(math.isfinite(x) for x in r["losses"]) for r in ran]
+    return {
+        "model": {**cfg_model, "params": sum(p.numel() for p in whole.parameters())},
+        "seq_len": 64 if a.dry_run else 2048,
+        "global_batch": 8,
+        "recompute": a.recompute,
+        "steps_timed": steps - 2,
+        "options": table,
+        "best": None if best is None else best["option"],
+        "mfu": None if best is None else best["mfu"],
+        "tokens_per_s": None if best is None else best["tokens_per_s"],
+        "passed": len(ran) == len(table) and all(ok),
     }
 
 
@@ -230,7 +298,8 @@ def summary(a: argparse.Namespace) -> dict:
     """One JSON: every check's file, or why it has none (the script's exit code: 124 is its timeout)."""
     codes = dict(kv.split("=", 1) for kv in a.rc)
     checks: dict[str, Any] = {}
-    for name in CHECKS:
+    wanted = set(a.checks.split(",")) if a.checks else set(CHECKS)
+    for name in (c for c in CHECKS if c in wanted):
         path = Path(a.dir) / f"{name}.json"
         if path.is_file():
             checks[name] = json.loads(path.read_text())
@@ -250,14 +319,20 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("check", choices=(*CHECKS, "summary"))
     ap.add_argument("--out", help="the check's JSON file")
     ap.add_argument("--dir", help="summary: the folder of the checks' files")
+    ap.add_argument("--checks", default=None, help="summary: the checks the script ran (default: every one)")
     ap.add_argument("--rc", action="append", default=[], help="summary: NAME=EXIT_CODE of a check, from the script")
     ap.add_argument("--dry-run", action="store_true", help="CPU processes over gloo, tiny sizes")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: torch's count; --dry-run: 2)")
     ap.add_argument("--recompute", default="none", help="mfu: train.recompute of the ~1B run (none|full|selective)")
+    ap.add_argument(
+        "--options",
+        default=None,
+        help=f"mfu: the options table, comma-separated (default {MFU_OPTIONS}; --dry-run: {MFU_OPTIONS_DRY})",
+    )
     a = ap.parse_args(argv)
     if (a.check == "summary") != (a.dir is not None) or (a.check != "summary" and not a.out):
         ap.error("summary takes --dir DIR; every check takes --out FILE")
-    if a.gpus is None:
+    if a.gpus is None and a.check != "summary":
         import torch
 
         a.gpus = 2 if a.dry_run else torch.cuda.device_count()
