@@ -1,8 +1,9 @@
-"""Pure pieces of the engine: process layout, batch splitting, LR schedule, params digest."""
+"""Pure pieces of the engine: process layout, batch splitting, LR schedule, params digest, launch failures."""
 
 from __future__ import annotations
 
 import math
+import os
 
 import pytest
 import torch
@@ -12,6 +13,7 @@ from hybridpar.config import ModelConfig, TrainConfig
 from hybridpar.model.optim import lr_at
 from hybridpar.model.registry import param_stages
 from hybridpar.topology.mesh import AXES, ParallelDims
+from hybridpar.topology.spawn import failure
 from hybridpar.trainer.export import params_digest
 
 
@@ -116,3 +118,22 @@ def test_param_stages():
     assert gpt2["transformer.wte.weight"] == 0 and gpt2["transformer.wpe.weight"] == 0
     assert gpt2["transformer.h.2.attn.c_attn.bias"] == 1 and gpt2["transformer.ln_f.bias"] == 2
     assert "lm_head.weight" not in gpt2  # tied: the head is the embedding
+
+
+def test_launch_failure_names_a_rank_that_died_natively_first(tmp_path):
+    """A rank killed by a signal writes no error file; its peers then fail on the lost connection. The
+    report leads with the dead rank, its signal and its fault trace, then the peers' first error."""
+    assert failure(tmp_path, {0: 0, 1: 0}) is None
+    assert failure(tmp_path, {0: 0, 1: None}) is None  # still running when stopped: not a failure by itself
+    (tmp_path / "rank2.fault").write_text("Fatal Python error: Aborted\n  File grads.py, line 160 in finish")
+    (tmp_path / "rank0.err").write_text("RuntimeError: Read error: Connection reset by peer")
+    (tmp_path / "rank3.err").write_text("RuntimeError: Connection closed by peer")
+    os.utime(tmp_path / "rank3.err", ns=(2, 2))  # written after rank 0's (mtime 1 ns): the first is the cause
+    os.utime(tmp_path / "rank0.err", ns=(1, 1))
+    msg = failure(tmp_path, {0: 1, 1: None, 2: -6, 3: 1})
+    head, peers = msg.split("\nthen ")
+    assert head.startswith("rank2 died by SIGABRT without a Python error") and "line 160 in finish" in head
+    assert peers.startswith("rank0 failed (then rank3):") and "Connection reset" in peers
+    (tmp_path / "rank2.fault").write_text("")
+    assert "rank2 died by SIGKILL without a Python error; no fault trace" in failure(tmp_path, {2: -9})
+    assert failure(tmp_path, {1: 3}).startswith("rank1 exited with status 3 without a Python error")

@@ -22,8 +22,14 @@ data parallelism does.
 
 Both collectives work inside the tensors themselves, with no buffer of ours: the reduce-scatter reads
 the gradient's equal rows and writes this rank's share of them, the all-gather reads this rank's share
-of the parameter and writes the equal rows (NCCL's in-place forms; gloo stages through its own
-buffers); the left-over rows are reduced to and broadcast from dp rank 0. (Cutting a column-parallel
+of the parameter and writes the equal rows (NCCL's in-place forms); the left-over rows are reduced to and
+broadcast from dp rank 0. An output inside its own input is safe on gloo too (torch 2.13's
+ProcessGroupGloo): its reduce-scatter clones each input as the collective is issued, all-reduces the clone
+and copies this rank's chunk into the output only when the work is waited for (on the waiting thread); its
+all-gather copies its input into a buffer of its own before it writes any output. Each work holds its
+tensors, and ZeRO-3 frees a parameter's storage only after its gather's works are waited for (zero3.py).
+On gloo the shares are all-gathered one tensor at a time, never through its coalesced all-gather, which
+corrupts the heap of a rank that computes while one is in flight (`_gather_shares`). (Cutting a column-parallel
 weight along its columns, as this module once did, put each slice in dp strided pieces that went
 through padded flat buffers: at dp 64 about the whole tensors again, for the step's all-gather and the
 gradients' reduce-scatter.)
@@ -103,16 +109,11 @@ def keep_slice(p: torch.Tensor, s: Slice, r: int) -> None:
 def start_gather(pieces: list[tuple[torch.Tensor, torch.Tensor, Slice]], r: int, group: Any) -> list[dist.Work]:
     """Start gathering every dp rank's slices into whole tensors, in place (no buffer of ours): `pieces` are
     (whole tensor, this rank's slice of it — a view of it, or a tensor of its own —, the cut). The equal
-    shares go in one coalesced all-gather whose output is the tensor's rows after the left-over ones (each
-    rank's share already sits where it belongs: NCCL's in-place form); the left-over rows are broadcast
-    from dp rank 0. Returns the works to wait for."""
-    works: list[dist.Work] = []
+    shares are all-gathered (`_gather_shares`) into the tensor's rows after the left-over ones (each rank's
+    share already sits where it belongs: NCCL's in-place form); the left-over rows are broadcast from dp
+    rank 0. Returns the works to wait for."""
     even = [x for x in pieces if x[2].sizes[-1]]
-    if even:
-        with dist._coalescing_manager(group, async_ops=True) as cm:
-            for whole, mine, s in even:
-                dist.all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group)
-        works += cm.works
+    works = _gather_shares(even, r, group) if even else []
     for whole, mine, s in pieces:
         if left_over(s):
             rows = whole.narrow(0, 0, left_over(s))
@@ -120,6 +121,23 @@ def start_gather(pieces: list[tuple[torch.Tensor, torch.Tensor, Slice]], r: int,
                 rows.copy_(mine.narrow(0, 0, left_over(s)))
             works.append(dist.broadcast(rows, group=group, async_op=True, group_src=0))
     return works
+
+
+def _gather_shares(even: list[tuple[torch.Tensor, torch.Tensor, Slice]], r: int, group: Any) -> list[dist.Work]:
+    """Start the all-gathers of the equal shares: one coalesced call (NCCL), or on gloo one all-gather per
+    tensor. gloo's coalesced all-gather (torch 2.13's AsyncAllgatherCoalescedWork) corrupts the heap of a
+    rank that computes while one is in flight, as ZeRO-3's prefetch does: a stress of in-place gathers with
+    a prefetch in flight (the CI failure's "malloc(): unaligned tcache chunk detected", aborting in a gloo
+    worker thread as it allocated) failed 11 of 127 runs so, 0 of 105 with one all-gather per tensor."""
+    if dist.get_backend(group) == "gloo":
+        return [
+            dist.all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group, async_op=True)
+            for whole, mine, s in even
+        ]
+    with dist._coalescing_manager(group, async_ops=True) as cm:
+        for whole, mine, s in even:
+            dist.all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group)
+    return cm.works
 
 
 class ShardedAdamW(torch.optim.AdamW):

@@ -9,15 +9,22 @@ environment and working directory, as a spawned one would.
 
 A rank returns a JSON-serialisable value (tensors go through files that the caller names), so nothing
 is unpickled from a worker. Each rank runs with one intra-op thread: several ranks share few cores.
+
+A rank that dies natively (a segfault, glibc aborting on a corrupted heap, a kill from outside) writes
+no Python error; its peers then fail on the lost connection, and their errors would hide the cause. So
+each rank runs with `faulthandler` writing every thread's Python stack to a file of its own at the fatal
+signal, and the error raised names the rank that died, the signal, and that trace first (`failure`).
 """
 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import json
 import multiprocessing as mp
 import multiprocessing.forkserver
 import os
+import signal
 import tempfile
 import time
 import traceback
@@ -104,6 +111,9 @@ def _entry(fn: Callable[..., Any], rank: int, world: int, port: int, out: str, o
     from hybridpar.topology.rendezvous import set_loopback_rank_env
 
     set_loopback_rank_env(rank, world, port)  # the caller hosts the store, bound to loopback
+    fault = Path(out, f"rank{rank}.fault").open("w")  # open until os._exit: faulthandler writes it at a crash
+    # Every Python thread's stack: a crash in a C++ thread (gloo's workers) still shows where Python was.
+    faulthandler.enable(fault, all_threads=True)
     import torch
     import torch.distributed as dist
 
@@ -141,6 +151,7 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
         for p in procs:
             p.start()
         deadline = time.monotonic() + timeout_s
+        codes: dict[int, int | None] = {}
         try:
             while any(p.is_alive() for p in procs):
                 failed = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0)]
@@ -152,22 +163,37 @@ def run_ranks(fn: Callable[..., Any], world: int, *args: Any, timeout_s: float =
                     raise TimeoutError(f"ranks {alive} of {world} still running after {timeout_s:.0f} s: killed")
                 time.sleep(0.05)
         finally:
+            codes = {r: p.exitcode for r, p in enumerate(procs)}  # before any is killed here (None: running)
             for p in procs:
                 if p.is_alive():
                     p.kill()
                 p.join(5)
-        errors = sorted(Path(out).glob("rank*.err"))
-        if errors:
-            # The error written first is the cause; the others are usually peers losing their connection to it.
-            first = min(errors, key=lambda e: e.stat().st_mtime_ns)
-            also = [e.stem for e in errors if e != first]
-            raise RuntimeError(
-                f"{first.stem} failed" + (f" (then {', '.join(also)})" if also else "") + f":\n{first.read_text()}"
-            )
-        bad = [(r, p.exitcode) for r, p in enumerate(procs) if p.exitcode != 0]
-        if bad:
-            raise RuntimeError(f"ranks exited abnormally (rank, exit code): {bad}")
+        error = failure(Path(out), codes)
+        if error:
+            raise RuntimeError(error)
         return [json.loads(Path(out, f"rank{r}.json").read_text()) for r in range(world)]
+
+
+def failure(out: Path, codes: dict[int, int | None]) -> str | None:
+    """What went wrong in a launch, from the ranks' files in `out` and each rank's exit code when the launch
+    stopped (negative: killed by that signal; None: still running then, killed by the helper afterwards):
+    None if every rank returned. A rank that died natively comes first, with its fault trace: its peers'
+    errors (a gloo "Connection reset by peer") are the consequence. Then the first Python error written."""
+    lines = []
+    for r, code in sorted(codes.items()):
+        if code in (None, 0) or (out / f"rank{r}.err").exists():
+            continue
+        trace = (out / f"rank{r}.fault").read_text().strip() if (out / f"rank{r}.fault").exists() else ""
+        names = {s.value: s.name for s in signal.Signals}
+        how = f"died by {names.get(-code, f'signal {-code}')}" if code < 0 else f"exited with status {code}"
+        what = f"its stacks at the signal:\n{trace}" if trace else "no fault trace (killed from outside?)"
+        lines.append(f"rank{r} {how} without a Python error; {what}")
+    errors = sorted(out.glob("rank*.err"), key=lambda e: e.stat().st_mtime_ns)
+    if errors:
+        # The error written first is the cause; the others are usually peers losing their connection to it.
+        also = f" (then {', '.join(e.stem for e in errors[1:])})" if errors[1:] else ""
+        lines.append(f"{'then ' if lines else ''}{errors[0].stem} failed{also}:\n{errors[0].read_text()}")
+    return "\n".join(lines) or None
 
 
 def fork_server() -> Any:
