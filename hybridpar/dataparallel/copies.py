@@ -90,11 +90,12 @@ class MasterAdamW(ShardedAdamW):
         tensor of the parameter's shape), so the masters travel with their layers, never rounded."""
         out = super().gather_state()
         pieces = []
-        for p, s, q in zip(self.full, self.slices, self.views):
-            out[p][MASTER_KEY] = q.detach().clone()
-            if s.dim is not None and self.dp > 1:
+        for p, s, q in self._triples():
+            if s.dim is not None and self.dp > 1:  # gathered whole from every rank's slice
                 out[p][MASTER_KEY] = torch.empty(p.shape, dtype=MASTER, device=q.device)
                 pieces.append((out[p][MASTER_KEY], q.detach(), s))
+            else:  # whole already
+                out[p][MASTER_KEY] = q.detach().clone()
         if pieces:
             for work in start_gather(pieces, self.r, self.group):
                 work.wait(timedelta(seconds=self.topo.timeout_s))

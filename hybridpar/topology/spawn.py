@@ -180,11 +180,11 @@ def failure(out: Path, codes: dict[int, int | None]) -> str | None:
     None if every rank returned. A rank that died natively comes first, with its fault trace: its peers'
     errors (a gloo "Connection reset by peer") are the consequence. Then the first Python error written."""
     lines = []
+    names = {s.value: s.name for s in signal.Signals}
     for r, code in sorted(codes.items()):
         if code in (None, 0) or (out / f"rank{r}.err").exists():
             continue
         trace = (out / f"rank{r}.fault").read_text().strip() if (out / f"rank{r}.fault").exists() else ""
-        names = {s.value: s.name for s in signal.Signals}
         how = f"died by {names.get(-code, f'signal {-code}')}" if code < 0 else f"exited with status {code}"
         what = f"its stacks at the signal:\n{trace}" if trace else "no fault trace (killed from outside?)"
         lines.append(f"rank{r} {how} without a Python error; {what}")
