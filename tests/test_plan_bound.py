@@ -146,3 +146,40 @@ def test_context_parallel_bounds_and_pruning() -> None:
     assert [(c.label, c.prediction.step_s) for c in pruned.candidates] == [
         (c.label, c.prediction.step_s) for c in full.candidates
     ]
+
+
+def copies_memory(cfg: Config) -> list[Est]:
+    """Fake memory of a rank's weights, gradients and AdamW state: 16 bytes a parameter under autocast, under
+    working copies 2 + 4 + 12/dp (bf16 weights, fp32 gradients, masters and moments sliced over dp)."""
+    m, p = cfg.model, cfg.parallel
+    n = m.n_layers * (4 * m.dim * m.dim + 3 * m.dim * m.ffn_dim) + 2 * m.vocab_size * m.dim
+    per = 6 + 12 / p.dp if cfg.train.working_copies else 16
+    return [Est(int(n * per / (p.tp * p.pp)))] * p.pp
+
+
+def test_working_copies_stay_bounded_and_pruning_keeps_the_top_list() -> None:
+    """Where autocast does not fit the search tries working copies, which the cost model prices apart (their
+    sliced masters at ZeRO 0, their bf16 gathers: cheaper than autocast's at ZeRO-1). Every bound of a bf16
+    layout's knobs stays below the copies layout's prediction, and the pruned search returns the unpruned list."""
+    base = model(n_layers=4, global_batch=8)
+    # 3.2 bytes a parameter per device: autocast fits at tp x pp = 8 only (dp 1), copies from tp x pp = 4 (dp 2).
+    limit = copies_memory(_config(base, ONE))[0].total / GIB / 5
+    checked = 0
+    for h in (HARDWARE["gpu"], OVERLAPPED):
+        h = dataclasses.replace(h, device_memory_gib=limit)
+        planner = Planner(base, h, copies_memory)
+        for k in list(_knobs(base, h, 8, ("bf16",)))[::3]:
+            cfg, copies = _config(base, k), _config(base, {**k, "weights": "copies"})
+            try:
+                validate_config(copies, 8)
+            except ValueError:
+                continue
+            step = predict(planner.model, copies, planner.actions).step_s
+            assert planner.bound(k) <= step * (1 + 1e-9) and planner.step_bound(cfg) <= step * (1 + 1e-9), k
+            checked += int(k["dp"] > 1)
+    assert checked > 40
+    fixed = {"train.precision": "bf16"}
+    pruned, full = (plan(base, h, copies_memory, world=8, top=4, fixed=fixed, prune=p) for p in (True, False))
+    listed = [(c.label, c.prediction.step_s) for c in pruned.candidates]
+    assert listed == [(c.label, c.prediction.step_s) for c in full.candidates]
+    assert any("copies" in label for label, _ in listed) and pruned.simulated < full.simulated
