@@ -17,8 +17,10 @@ and its input gradient's all-reduce); the point-to-point activation messages (si
 the data-parallel gradient all-reduce of each stage, started when its last backward ends and overlapped
 with what follows (as dataparallel/grads.py does);
 ZeRO-1's all-gather of the updated slices; the step's small all-reduces (loss, clip norm). The
-optimizer step is memory-bound. Ring collectives: an all-reduce moves 2 (n-1)/n of the bytes and
-takes 2 (n-1) hops, an all-gather half of that.
+optimizer step is memory-bound. bf16 working copies (train.bf16_weights copies) differ only there: AdamW steps
+the fp32 masters of a rank's 1/dp slice at every ZeRO level, rounds them into the bf16 weights and all-gathers
+those at 2 bytes a parameter (ZeRO 0 included); their gradients are fp32 and reduced as autocast's. Ring
+collectives: an all-reduce moves 2 (n-1)/n of the bytes and takes 2 (n-1) hops, an all-gather half of that.
 
 Where the hardware file carries a calibration of this model's shape (plan/calibrate.py: the layer, the
 embedding, the head and the optimizer timed through the model's own modules on this machine, as CPU

@@ -552,9 +552,10 @@ class _Search:
     def fits(self, k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
         `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes.
-        A bf16 layout under autocast that does not fit is tried with working copies (`copies`): they cost the
-        same in this model and hold less, so they are chosen only where autocast does not fit; a misfit is
-        one that fits neither way."""
+        A bf16 layout under autocast that does not fit is tried with working copies (`copies`): they hold less
+        but change the numbers a run computes, so they are tried only where autocast does not fit (their cost
+        differs after the pipeline: cost.optimizer_s; the bounds take the cheaper, `Planner.weights`); a misfit
+        is one that fits neither way."""
         if any(_covers(x, k) for x in self.misfits.get(_group(k), ())):
             return None
         cfg = self.layout(k)
