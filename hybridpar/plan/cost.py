@@ -749,6 +749,6 @@ def optimizer_s(
         gather = max(all_gather_s(width * first, dp, link, hw), all_gather_s(width * params, dp, link, hw) - hide)
     cal = hw.calibration
     if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters (AdamW's bytes)
-        measured = cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer * per_param / ADAMW_BYTES
-        return stretch * measured + gather
+        bytes_ratio = per_param / ADAMW_BYTES  # exactly 1 without working copies: the probe timed AdamW alone
+        return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer * bytes_ratio + gather
     return stretch * (memory + ops) + gather
