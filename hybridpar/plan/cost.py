@@ -187,6 +187,10 @@ class CostModel:
         self._flops: dict[int, float] = {}
         self._parts: dict[tuple, list[range]] = {}
         self._last: dict[tuple, SimMarks] = {}  # a simulation's key -> when its collectives may start
+        # One layer's and the ends' costs per distinct input: a search asks for the same few hundred thousands
+        # of times (they read of the training settings only the precision and the sequence length).
+        self._layers: dict[tuple, LayerCosts] = {}
+        self._ends: dict[tuple, tuple[Work, Work]] = {}
 
     def _rate(self, precision: str) -> float:
         peak = self.hw.peak_flops(precision)
@@ -228,6 +232,23 @@ class CostModel:
         split: bool = False,
         sp: bool = False,
         ring: tuple[int, Link] | None = None,
+    ) -> LayerCosts:
+        """`_layer`, computed once per distinct input."""
+        key = (t.precision, t.seq_len, tp, tokens, link, recompute, split, sp, ring)
+        if key not in self._layers:
+            self._layers[key] = self._layer(t, tp, tokens, link, recompute, split, sp, ring)
+        return self._layers[key]
+
+    def _layer(
+        self,
+        t: TrainConfig,
+        tp: int,
+        tokens: int,
+        link: Link,
+        recompute: str,
+        split: bool,
+        sp: bool,
+        ring: tuple[int, Link] | None,
     ) -> LayerCosts:
         """One decoder layer for a microbatch of `tokens` tokens on one tp rank (`split`: the schedule
         runs B and W apart; otherwise W may be 0 with the whole backward in B). `sp` (sequence
@@ -322,6 +343,12 @@ class CostModel:
 
     def ends(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
         """(embedding forward + backward on the first stage, head + loss forward + backward on the last)."""
+        key = (t.precision, t.seq_len, tp, tokens, link)
+        if key not in self._ends:
+            self._ends[key] = self._ends_of(t, tp, tokens, link)
+        return self._ends[key]
+
+    def _ends_of(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
         m = self.m
         act = 2 if t.precision == "bf16" else 4
         ovh = self.hw.op_overhead_us * 1e-6
@@ -483,9 +510,12 @@ class Setup(NamedTuple):
         what an overlapped parameter gather may hide behind (`optimizer_s`); None: all of it, a lower bound.
         `copies`: the weights' precision (working copies or not) in place of the layout's."""
         p, pl = cfg.parallel, self.pl
-        rank_params = [
-            sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
-        ]
+        held = [0] * p.pp  # each rank's parameters, summed in stage order as before
+        for s in range(stage_count(p)):
+            held[self.ranks[s]] += self.stage_params[s]
+        rank_params = [n / p.tp for n in held]
+        if hidden is None:  # every rank alike but its parameters, in which the step does not shrink: the most
+            rank_params = [max(rank_params)]  # holds the slowest's (the same float: rounding keeps order)
         world, c = p.world_size, model.counts
         gathers = param_gathers(p.zero, p.zero3_regather, cfg.train.microbatches)
         first = [(c.layer + (c.embed if r == self.ranks[0] else 0)) / p.tp for r in range(p.pp)]  # needed first

@@ -298,6 +298,7 @@ class Planner:
         self._shapes: dict[tuple, ComputeShape] = {}
         self._pipeline_bounds: dict[tuple, tuple[float, Setup]] = {}
         self._sims: dict[tuple, SimResult] = {}
+        self._shaped: dict[tuple, tuple[Shape, Placement, TrainConfig, int, tuple[int, Link] | None]] = {}
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
         """The schedule's action lists, lowered once for the many simulations that share them."""
@@ -323,11 +324,14 @@ class Planner:
     def _shape(self, k: dict[str, Any]) -> tuple[Shape, Placement, TrainConfig, int, tuple[int, Link] | None]:
         """Knobs `k`'s mesh shape, placement, training settings, a rank's tokens per microbatch (1/cp of
         the microbatch's under context parallelism) and ring (cp and its link; None without cp)."""
-        shape = Shape(k["tp"], k["pp"], k["dp"], k.get("cp", 1))
-        pl = placement(shape, self.hw)
-        t = dataclasses.replace(self.base.train, precision=k["precision"])
-        tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len // shape.cp
-        return shape, pl, t, tokens, None if pl.cp is None else (shape.cp, pl.cp)
+        key = (k["tp"], k["pp"], k["dp"], k.get("cp", 1), k["m"], k["precision"])
+        if key not in self._shaped:  # the bounds and estimates of the many layouts alike ask for the same few
+            shape = Shape(*key[:4])
+            pl = placement(shape, self.hw)
+            t = dataclasses.replace(self.base.train, precision=k["precision"])
+            tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len // shape.cp
+            self._shaped[key] = shape, pl, t, tokens, None if pl.cp is None else (shape.cp, pl.cp)
+        return self._shaped[key]
 
     def weights(self, precision: str) -> tuple[bool, ...]:
         """Whether a layout of this precision may run with working copies, not, or either (the bounds count the
@@ -338,8 +342,9 @@ class Planner:
         return (True,) if self.base.train.bf16_weights == "copies" else (False, True)
 
     def bound(self, k: dict[str, Any]) -> float:
-        """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition does not enter)."""
-        key = tuple(v for n, v in k.items() if n != "partition")
+        """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition, the schedule and
+        its virtual stages do not enter: a search's layouts share the bounds of far fewer knobs)."""
+        key = tuple(k.get(n) for n in ("tp", "pp", "dp", "cp", "m", "zero", "sp", "recompute", "precision"))
         if key not in self._bounds:
             shape, pl, t, tokens, ring = self._shape(k)
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
