@@ -117,7 +117,7 @@ def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[
     up = [0.0] * n  # from the end of stage s's backward to the end of stage 0's, for one microbatch
     for s in range(1, n):
         up[s] = up[s - 1] + dur[Op.BACKWARD][s - 1] + (hop if ranks[s - 1] != ranks[s] else 0.0)
-    end = 0.0
+    end, reduces = 0.0, {}  # the reductions per distinct stage size: the ranks' last stages repeat a few
     for first, last, counts in zip(shape.first, shape.last, shape.counts):
         if first is None or last is None:
             continue
@@ -129,7 +129,8 @@ def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[
             # The shorter of the reductions with and without ZeRO (the bound is shared by both); from the last
             # action's start where the GPU software reduces buckets during it.
             early = dur[last.op][last.stage] if overlapped(model.hw.gpu_calibration, "grad_reduce") else 0.0
-            gb = reduced_bytes(model.hw, cfg.train)
-            reduce = min(grad_sum_s(model.hw, gb * params, p, su.pl, z) for z in (0, 1))
-            end = max(end, done - early + reduce)
+            if params not in reduces:
+                gb = reduced_bytes(model.hw, cfg.train)
+                reduces[params] = min(grad_sum_s(model.hw, gb * params, p, su.pl, z) for z in (0, 1))
+            end = max(end, done - early + reduces[params])
     return end, su

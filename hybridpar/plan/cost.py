@@ -465,18 +465,19 @@ def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range]
     embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
     cal = model.calibrated(cfg.train)
     action = Work(cal.action_overhead_s / cal.core_share if cal is not None else 0.0)  # the runtime's own, per action
-    out, layers = [], {}  # one layer's costs per recomputation mode: the stages repeat the same few
+    ring = (p.cp, pl.cp) if pl.cp is not None else None
+    out, alike = [], {}  # the stages repeat a few kinds (mode, layers, ends, speed): each costed once
     for s, r in enumerate(parts):
-        if modes[s] not in layers:
-            ring = (p.cp, pl.cp) if pl.cp is not None else None
-            layers[modes[s]] = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split, p.sequence_parallel, ring)
-        lay = layers[modes[s]]
-        f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
-        w = w + action if split else w
-        for extra in ([embed] if s == 0 else []) + ([head] if s == len(parts) - 1 else []):
-            f, b, w = f + extra.f, b + extra.b, w + extra.w
-        speed = pl.pp_speed[ranks[s]]
-        out.append(LayerCosts(f.times(1 / speed), b.times(1 / speed), w.times(1 / speed)))
+        kind = (modes[s], len(r), s == 0, s == len(parts) - 1, pl.pp_speed[ranks[s]])
+        if kind not in alike:
+            lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split, p.sequence_parallel, ring)
+            f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
+            w = w + action if split else w
+            for extra in ([embed] if s == 0 else []) + ([head] if s == len(parts) - 1 else []):
+                f, b, w = f + extra.f, b + extra.b, w + extra.w
+            speed = kind[-1]
+            alike[kind] = LayerCosts(f.times(1 / speed), b.times(1 / speed), w.times(1 / speed))
+        out.append(alike[kind])
     return out
 
 
@@ -576,7 +577,8 @@ def setup(model: CostModel, cfg: Config) -> Setup:
     msg //= p.tp if p.sequence_parallel else 1  # sequence parallelism: a tp rank's slice of the sequence
     wire, gather, send = handoff(hw, p, pl, msg)
     st = model.comm_stretch(t)
-    sim = [c.busy(st) for c in costs]
+    busy: dict[int, LayerCosts] = {}  # stage_costs repeats one object per kind of stage
+    sim = [busy[id(c)] if id(c) in busy else busy.setdefault(id(c), c.busy(st)) for c in costs]
     sim_costs = Costs(
         forward_s=tuple(c.f.compute for c in sim),
         backward_s=tuple(c.b.compute if split else c.b.compute + c.w.compute for c in sim),
