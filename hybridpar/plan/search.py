@@ -183,6 +183,9 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                         )
 
 
+# The knobs a layout's step estimate reads (all but the partition, which it does not model).
+ESTIMATED = ("tp", "pp", "dp", "cp", "schedule", "v", "m", "zero", "sp", "recompute", "precision")
+
 # The config key of each knob (`fixed` names knobs by these keys).
 KNOB_KEYS = {
     "tp": "parallel.tp",
@@ -298,6 +301,7 @@ class Planner:
         self._shapes: dict[tuple, ComputeShape] = {}
         self._pipeline_bounds: dict[tuple, tuple[float, Setup]] = {}
         self._sims: dict[tuple, SimResult] = {}
+        self._params = self.model.stage_params([range(0, base.model.n_layers)])[0]  # the whole model's
         self._shaped: dict[tuple, tuple[Shape, Placement, TrainConfig, int, tuple[int, Link] | None]] = {}
 
     def actions(self, name: str, pp: int, v: int, m: int) -> Program:
@@ -361,7 +365,7 @@ class Planner:
     def estimate(self, k: dict[str, Any]) -> float:
         """Fast step estimate of knobs `k` (the search's order, not a bound): average rank work stretched by
         the schedule's bubble formula."""
-        key = tuple(v for n, v in k.items() if n != "partition")
+        key = tuple(k.get(n) for n in ESTIMATED)
         if key in self._estimates:
             return self._estimates[key]
         shape, pl, t, tokens, ring = self._shape(k)
@@ -381,7 +385,7 @@ class Planner:
         if share is not None:  # the node's cores bound the whole pipeline's work
             work = max(work, total / sum(share.capacity))
         # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
-        params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
+        params = self._params / (k["tp"] * k["pp"])
         gathers = param_gathers(k["zero"], self.base.parallel.zero3_regather, k["m"])
         world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
         copies = self.weights(k["precision"]) == (True,)
@@ -491,14 +495,15 @@ class _Search:
         if not knobs:
             raise ValueError(_no_split(self.base, self.hw, self.world))
         ranked = sorted(knobs, key=self.planner.estimate)  # likely fastest first: the k-th best falls early
-        floor = list(itertools.accumulate(reversed([self.planner.bound(k) for k in ranked]), min))[::-1]
+        bounds = [self.planner.bound(k) for k in ranked]
+        floor = list(itertools.accumulate(reversed(bounds), min))[::-1]
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for k in knobs:
             groups.setdefault(_group(k), []).append(k)
         for i, k in enumerate(ranked):
             if self.beaten(floor[i]):
                 break  # no layout from here on can be predicted faster than the k-th best
-            if self.beaten(self.planner.bound(k)) or self.step_beaten(k):
+            if self.beaten(bounds[i]) or self.step_beaten(k):
                 continue
             self.consider(k, groups[_group(k)])
         return self.result(len(knobs))
