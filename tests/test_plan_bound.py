@@ -7,6 +7,7 @@ very list the unpruned one does."""
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import pytest
 
@@ -14,7 +15,7 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules import stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.bound import compute_shape, step_bound
-from hybridpar.plan.cost import predict
+from hybridpar.plan.cost import optimizer_s, param_gathers, predict, setup
 from hybridpar.plan.hardware import parse_hardware
 from hybridpar.plan.search import GIB, Planner, _config, _knobs, plan
 from tests.test_plan_search import Est, params_memory
@@ -189,3 +190,27 @@ def _invalid(cfg: Config, world: int) -> bool:
     except ValueError:
         return True
     return False
+
+
+def test_bound_shortcuts_are_the_long_ways() -> None:
+    """The step bound's optimizer term, taken at the rank holding the most parameters (the step does not shrink
+    with them), is the per-rank maximum it replaced; and a cached layer's costs are the ones computed afresh,
+    whatever training settings besides the precision and sequence length the asking layout has."""
+    h, base = OVERLAPPED, model(n_layers=6)
+    planner = Planner(base, h, lambda cfg: [Est(0)] * cfg.parallel.pp)
+    checked = 0
+    for k, cfg in layouts(base, h, 8)[::5]:
+        p, su = cfg.parallel, setup(planner.model, cfg)
+        held = [sum(n for s, n in enumerate(su.stage_params) if su.ranks[s] == r) / p.tp for r in range(p.pp)]
+        gathers = param_gathers(p.zero, p.zero3_regather, cfg.train.microbatches)
+        each = [
+            optimizer_s(planner.model, p.pp, p.dp, p.zero, su.pl.dp, n, p.world_size, gathers, (math.inf, 0.0),
+                        cfg.train.precision, cfg.train.working_copies)
+            for n in held
+        ]  # fmt: skip
+        assert su.after_pipeline(planner.model, cfg)[0] == max(each), k
+        t = dataclasses.replace(cfg.train, microbatches=cfg.train.microbatches + 1, recompute="full")
+        args = (p.tp, 64, su.pl.tp, k["recompute"], False, p.sequence_parallel, None)
+        assert planner.model.layer(t, *args) == planner.model._layer(cfg.train, *args), k
+        checked += len(set(held)) > 1
+    assert checked > 3  # layouts whose ranks hold different parameter counts among them
