@@ -33,6 +33,7 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, after_bound, compute_shape, knob_bound, pipeline_bound
 from hybridpar.plan.cost import (
     CostModel,
+    LayerCosts,
     Placement,
     Prediction,
     Setup,
@@ -183,6 +184,8 @@ def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) 
                         )
 
 
+# The knobs the knob bound reads (not the partition, the schedule or its virtual stages).
+BOUNDED = ("tp", "pp", "dp", "cp", "m", "zero", "sp", "recompute", "precision")
 # The knobs a layout's step estimate reads (all but the partition, which it does not model).
 ESTIMATED = ("tp", "pp", "dp", "cp", "schedule", "v", "m", "zero", "sp", "recompute", "precision")
 
@@ -298,6 +301,7 @@ class Planner:
         self._compute: dict[tuple, list[list[Action]]] = {}
         self._bounds: dict[tuple, float] = {}
         self._estimates: dict[tuple, float] = {}
+        self._estimated_terms: dict[tuple, tuple[Shape, Placement, LayerCosts, float, float | None, float]] = {}
         self._shapes: dict[tuple, ComputeShape] = {}
         self._pipeline_bounds: dict[tuple, tuple[float, Setup]] = {}
         self._sims: dict[tuple, SimResult] = {}
@@ -348,7 +352,7 @@ class Planner:
     def bound(self, k: dict[str, Any]) -> float:
         """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition, the schedule and
         its virtual stages do not enter: a search's layouts share the bounds of far fewer knobs)."""
-        key = tuple(k.get(n) for n in ("tp", "pp", "dp", "cp", "m", "zero", "sp", "recompute", "precision"))
+        key = tuple(k.get(n) for n in BOUNDED)
         if key not in self._bounds:
             shape, pl, t, tokens, ring = self._shape(k)
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
@@ -368,12 +372,7 @@ class Planner:
         key = tuple(k.get(n) for n in ESTIMATED)
         if key in self._estimates:
             return self._estimates[key]
-        shape, pl, t, tokens, ring = self._shape(k)
-        layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False), ring=ring)
-        embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
-        per_layer = layer.f.total + layer.b.total + layer.w.total
-        total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
-        share = sharing(shape, self.hw, pl)
+        shape, pl, layer, total, shared, opt = self._estimated(k)
         spec = SCHEDULES[k["schedule"]]
         t_b = layer.b.total if spec.splits_backward else layer.b.total + layer.w.total
         t_w = layer.w.total if spec.splits_backward else 0.0
@@ -382,17 +381,34 @@ class Planner:
         except ValueError:
             bubble = 0.0
         work = total / k["pp"] / (1.0 - bubble)
-        if share is not None:  # the node's cores bound the whole pipeline's work
-            work = max(work, total / sum(share.capacity))
+        if shared is not None:  # the node's cores bound the whole pipeline's work
+            work = max(work, shared)
         # After the pipeline: the optimizer, and the first stage's gradient all-reduce, which nothing hides.
         params = self._params / (k["tp"] * k["pp"])
-        gathers = param_gathers(k["zero"], self.base.parallel.zero3_regather, k["m"])
-        world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
-        copies = self.weights(k["precision"]) == (True,)
-        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, gathers, copies=copies)
-        after += grad_sum_s(self.hw, 4 * params / k["v"], shape, pl, 0)
+        after = opt + grad_sum_s(self.hw, 4 * params / k["v"], shape, pl, 0)
         self._estimates[key] = work + after
         return self._estimates[key]
+
+    def _estimated(self, k: dict[str, Any]) -> tuple[Shape, Placement, LayerCosts, float, float | None, float]:
+        """`estimate`'s terms that the schedule and its virtual stages do not change, once per the knobs the
+        knob bound reads: the shape, placement, one layer's costs, the replica's work per step, that work over
+        the node's cores where ranks share them, and the optimizer step."""
+        key = tuple(k.get(n) for n in BOUNDED)
+        if key not in self._estimated_terms:
+            shape, pl, t, tokens, ring = self._shape(k)
+            layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False), ring=ring)
+            embed, head = self.model.ends(t, k["tp"], tokens, pl.tp)
+            per_layer = layer.f.total + layer.b.total + layer.w.total
+            total = k["m"] * (per_layer * self.base.model.n_layers + embed.total + head.total) / min(pl.pp_speed)
+            share = sharing(shape, self.hw, pl)
+            shared = None if share is None else total / sum(share.capacity)
+            params = self._params / (k["tp"] * k["pp"])
+            gathers = param_gathers(k["zero"], self.base.parallel.zero3_regather, k["m"])
+            world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
+            copies = self.weights(k["precision"]) == (True,)
+            opt = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, gathers, copies=copies)
+            self._estimated_terms[key] = shape, pl, layer, total, shared, opt
+        return self._estimated_terms[key]
 
     def step_bound(self, cfg: Config) -> float:
         """`step_bound` of the layout: no simulation of it predicts less."""
