@@ -412,6 +412,12 @@ class Planner:
 
     def step_bound(self, cfg: Config) -> float:
         """`step_bound` of the layout: no simulation of it predicts less."""
+        end, su = self.pipeline_bound(cfg)
+        return end + after_bound(self.model, cfg, su, self.weights(cfg.train.precision))
+
+    def pipeline_bound(self, cfg: Config) -> tuple[float, Setup]:
+        """`step_bound`'s pipeline part (what the optimizer step and the closing reductions, never negative, add
+        to) and the layout's setup."""
         p, t = cfg.parallel, cfg.train
         key = (p.schedule, p.pp, stages_per_rank(p), t.microbatches)
         if key not in self._shapes:
@@ -420,8 +426,7 @@ class Planner:
         layout = key + (p.tp, p.dp, p.partition, t.recompute, t.precision, p.sequence_parallel)
         if layout not in self._pipeline_bounds:
             self._pipeline_bounds[layout] = pipeline_bound(self.model, cfg, self._shapes[key])
-        end, su = self._pipeline_bounds[layout]
-        return end + after_bound(self.model, cfg, su, self.weights(t.precision))
+        return self._pipeline_bounds[layout]
 
     def same_parts(self, a: Config, b: Config) -> bool:
         pl = placement(a.parallel, self.hw)
@@ -639,7 +644,11 @@ class _Search:
         if isinstance(cfg, str):
             return False  # fits() reports it
         try:
-            return self.beaten(self.planner.step_bound(cfg))
+            end, su = self.planner.pipeline_bound(cfg)
+            # The pipeline part alone often prunes: what follows it only adds (floats: adding >= 0 never lowers).
+            return self.beaten(end) or self.beaten(
+                end + after_bound(self.planner.model, cfg, su, self.planner.weights(cfg.train.precision))
+            )
         except ValueError:
             return False  # an invalid layout the bound cannot price: fits() reports it
 
