@@ -144,7 +144,9 @@ class Hardware:
         g, mem = self.gpu_calibration, self.memory_bps()
         if g is None or mem is None:
             return None
-        return Rates(self.peak_flops(precision) * g.matmul_fraction, mem, 4 if precision == "fp32" else 2)
+        return Rates(
+            self.peak_flops(precision) * g.matmul_fraction, mem, 4 if precision == "fp32" else 2, g.matmul_table
+        )
 
     def device_speed(self, device: int) -> float:
         return 1.0 if self.speed is None else self.speed[device]
