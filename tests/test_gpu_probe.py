@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from pathlib import Path
 
 import pytest
@@ -119,6 +120,31 @@ def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> N
     cfg = Config()
     cfg.train.precision = "bf16"
     assert predict(CostModel(cfg.model, back), cfg).step_s > predict(CostModel(cfg.model, hw), cfg).step_s
+
+
+def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
+) -> None:
+    """`plan --probe --hardware FILE --out OUT` as on a CUDA host, the device and sizes swapped for CPU ones."""
+    import torch
+
+    real = gpu_probe.calibrate_gpu
+    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(
+        gpu_probe,
+        "calibrate_gpu",
+        lambda hw, device, dtype, gpus: real(hw, torch.device("cpu"), dtype, gpus, (8, 16), tiny),
+    )
+    out = tmp_path / "probed.toml"
+    result, hw, _ = run(["--probe", "--hardware", str(H100), "--out", str(out), "--world", "1", "--top", "1"])
+    assert load_hardware(out) == hw and hw.gpu_calibration.matmul_table is not None and result.candidates
+    assert re.fullmatch(
+        r"hybridpar plan: probed in \d+ s: matmul_fraction \S+ \(at \(\d+, \d+, \d+\)\), memory_fraction \S+, "
+        r"attention_fraction \S+ \(\w+\), intra_bus_fraction 0.800 \(kept: one GPU\)\n",
+        capsys.readouterr().err,
+    )
 
 
 def test_plan_probe_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:

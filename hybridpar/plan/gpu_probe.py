@@ -131,8 +131,8 @@ def attention_fractions(
         q, k, v = (torch.randn(b, heads, s, head_dim, device=device, dtype=dtype, requires_grad=True) for _ in range(3))
         grad = torch.randn(b, heads, s, head_dim, device=device, dtype=dtype)
 
-        def step() -> None:
-            F.scaled_dot_product_attention(q, k, v, is_causal=True).backward(grad)
+        def step() -> None:  # autograd.grad, not backward: no accumulation into .grad (a pass of its own)
+            torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True), (q, k, v), grad)
 
         out.append((s, attention_flops(b, heads, s, head_dim) / seconds(step, device, repeats) / peak_flops))
     return out, attention_kernel(heads, seqs[-1], head_dim, torch.device(device), dtype)

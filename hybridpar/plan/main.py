@@ -95,7 +95,8 @@ def _hardware(a: argparse.Namespace, cfg: Config) -> Hardware:
     if a.probe and a.hardware:
         from hybridpar.plan.gpu_probe import probe_gpu
 
-        hw, _ = probe_gpu(load_hardware(a.hardware), f"hardware file {a.hardware!r}")
+        hw, figures = probe_gpu(load_hardware(a.hardware), f"hardware file {a.hardware!r}")
+        print(probe_line(hw, figures), file=sys.stderr)
     elif a.probe and _has_cuda():
         raise ValueError(
             "this host has CUDA GPUs: --probe measures them against their datasheet, so give it the file with the "
@@ -118,6 +119,18 @@ def _hardware(a: argparse.Namespace, cfg: Config) -> Hardware:
         with open(a.out, "w", encoding="utf-8") as fh:
             fh.write(to_toml(hw))
     return hw
+
+
+def probe_line(hw: Hardware, figures: dict[str, Any]) -> str:
+    """One line of what the GPU probe measured (plan/gpu_probe.py), for stderr."""
+    g = hw.gpu_calibration
+    bus = "measured" if figures["intra_bus_fraction"] is not None else "kept: one GPU"
+    return (
+        f"hybridpar plan: probed in {figures['seconds']:.0f} s: matmul_fraction {g.matmul_fraction:.3f} (at "
+        f"{figures['matmul_best'][:3]}), memory_fraction {g.memory_fraction:.3f}, attention_fraction "
+        f"{g.attention_fraction:.3f} ({figures['attention_backend']}), intra_bus_fraction "
+        f"{g.intra_bus_fraction:.3f} ({bus})"
+    )
 
 
 def _has_cuda() -> bool:
