@@ -44,7 +44,8 @@ Optional keys:
                                       machine at given (tp, tokens) shapes (plan/calibrate.py); the cost
                                       model uses them for that model shape in fp32, FLOPs otherwise
 
-`plan --probe` writes every key for this machine (plan/probe.py).
+`plan --probe` writes every key for this machine (plan/probe.py); `plan --probe --hardware FILE` on a CUDA host
+writes FILE's keys with a measured `[gpu_calibration]` (plan/gpu_probe.py).
 """
 
 from __future__ import annotations
