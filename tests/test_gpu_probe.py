@@ -105,12 +105,15 @@ def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> N
     import torch
 
     hw = load_hardware(H100)
+    facts = dict(overlap=("tp_comm",), tp_comm_efficiency=0.2)  # the software's, kept with the others
+    hw = dataclasses.replace(hw, gpu_calibration=dataclasses.replace(hw.gpu_calibration, **facts))
     tiny = dict(elements=4096, seqs=(16, 32), tokens=64, heads=2, head_dim=16, repeats=1)
     cal, figures = gpu_probe.calibrate_gpu(hw, torch.device("cpu"), torch.bfloat16, 1, (8, 16), tiny)
     assert cal.matmul_fraction == max(r[3] for r in cal.matmul_table.rows) and len(cal.matmul_table.rows) == 8
     assert cal.attention_fraction == max(f for _, f in figures["attention"])
     assert (cal.intra_bus_fraction, cal.inter_bus_fraction) == (0.8, 0.9)  # kept: one device, one node
     assert cal.grad_accumulation == "separate" and "kept from the datasheet file" in cal.source
+    assert (cal.overlap, cal.tp_comm_efficiency) == (("tp_comm",), 0.2)
     path = tmp_path / "probed.toml"
     path.write_text(to_toml(dataclasses.replace(hw, gpu_calibration=cal)))
     back = load_hardware(path)

@@ -10,6 +10,7 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import tomllib
 
 from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
@@ -87,6 +88,8 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"cp_comm": "all-to-all"}, "cp_comm must be one of ring, allgather"),
         ({"grad_accumulation": "fp32"}, "grad_accumulation must be one of fused, separate, separate-half"),
         ({"p2p": "nonblocking"}, "p2p must be one of async, blocking"),
+        ({"tp_comm_efficiency": 1.5}, "tp_comm_efficiency must be a number from -4 to 1"),
+        ({"tp_comm_efficiency": "high"}, "tp_comm_efficiency must be a number from -4 to 1"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -200,6 +203,7 @@ def test_each_overlap_hides_only_the_term_it_names() -> None:
             assert one[other] == pytest.approx(none[other]) or name == "tp_comm", (name, other)
     toml = on(OVERLAPS).gpu_calibration.to_toml()
     assert 'overlap = ["tp_comm", "grad_reduce", "param_gather"]' in toml
+    assert parse_gpu_calibration(tomllib.loads(toml)["gpu_calibration"], "x") == on(OVERLAPS).gpu_calibration
 
 
 def test_nccl_takes_the_tree_for_small_all_reduces_and_zero_reduce_scatters() -> None:
@@ -280,6 +284,14 @@ def test_an_overlapped_collective_hides_only_behind_the_gemm_beside_it() -> None
     assert f == pytest.approx(left(proj, reduce) + left(down, reduce)) and again == 0.0
     assert b == pytest.approx(left(qkv, reduce) + left(up, reduce))
     assert exposed_tp_comm(rates, m, 8, tokens, 1e-9, 2e-9, sp=True, again=True) == (0.0, 0.0, 0.0)
+    # tp_comm_efficiency: at least (1 - E) of each collective stays exposed, whatever its GEMM; 1 is the above,
+    # 0 exposes each whole, below 0 more than whole (the pair slower than the two one after the other).
+    for eff in (1.0, 0.2, 0.0, -0.4):
+        f, b, again = exposed_tp_comm(rates, m, 8, tokens, gather, reduce, sp=True, again=True, efficiency=eff)
+        least = lambda g: max(left(g), (1 - eff) * gather)  # noqa: E731
+        assert f == pytest.approx(least(qkv) + least(proj) + least(up) + least(down)), eff
+        assert again == pytest.approx(least(qkv) + least(up)), eff
+    assert f > 4 * gather and exposed_tp_comm(rates, m, 8, tokens, 1e-9, 2e-9, True, True, 0.0)[0] == 4e-9
 
 
 def test_a_flash_backward_recomputes_its_scores_and_an_unfused_one_does_not() -> None:

@@ -253,7 +253,8 @@ class CostModel:
         # Sequence parallelism keeping only the 1/tp slice: q/k/v's and the MLP's inputs gathered again.
         again = 2 * gather if sp and regathers(self.hw.gpu_calibration) else 0.0
         if rates is not None and overlapped(self.hw.gpu_calibration, "tp_comm"):  # each beside its GEMM
-            comm, back, again = exposed_tp_comm(rates, m, tp, tokens, gather, reduce, sp, again > 0)
+            eff = self.hw.gpu_calibration.tp_comm_efficiency
+            comm, back, again = exposed_tp_comm(rates, m, tp, tokens, gather, reduce, sp, again > 0, eff)
         else:
             back = comm
         comm_b, comm_w = (back, again) if split else (back + again, 0.0)

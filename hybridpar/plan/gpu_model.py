@@ -14,6 +14,12 @@ each with its source and date, and the attention kernel of the software that ran
                           ran before flash attention, 2021-2022)
     overlap               (optional, default none) which communication the cluster's training software
                           runs behind compute, a fact of that software like the attention kernel (OVERLAPS)
+    tp_comm_efficiency    (optional, default 1) under `tp_comm` overlap, the overlap efficiency of the
+                          software's GEMM-collective pairs as Flux defines it (Chang et al. 2024,
+                          arXiv:2406.06858 Sec. 2.3): 1 - what the pair takes beyond the GEMM alone, over the
+                          collective alone. It counts the GEMM's own slowdown beside the collective, and is
+                          negative where the pair is slower than the two run one after the other. 1 hides a
+                          collective up to its GEMM's time (exposed_tp_comm)
     sp_backward           (optional, default "saved") what a column-parallel layer's backward does for its
                           weight gradient under sequence parallelism (SP_BACKWARDS): "saved", the gathered
                           input was kept (hybridpar's runtime), or "regather", only this rank's 1/tp slice was
@@ -74,8 +80,8 @@ FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "intra_
 KERNELS = ("flash", "unfused")
 # Communication a GPU training stack can run behind compute (Megatron-Core's --tp-comm-overlap,
 # --overlap-grad-reduce, --overlap-param-gather; Llama 3's stack likewise, arXiv:2407.21783 Sec. 3.3.2):
-#   tp_comm       a layer's tensor-parallel collectives, each chunked against the one GEMM beside it: only what
-#                 exceeds that GEMM is exposed (exposed_tp_comm)
+#   tp_comm       a layer's tensor-parallel collectives, each chunked against the one GEMM beside it: what
+#                 exceeds that GEMM is exposed, and at least 1 - tp_comm_efficiency of it (exposed_tp_comm)
 #   grad_reduce   the data-parallel gradient reduction, bucket by bucket as the stage's last backward produces
 #                 its gradients: it may start when that backward starts instead of when it ends
 #   param_gather  the sharded optimizer's all-gather of the updated weights, in the compute precision (the
@@ -127,6 +133,9 @@ SOFTMAX_BACKWARD_ACCESSES = 5.5
 # FlashAttention benchmark's, benchmarks/benchmark_flash_attention.py: 3.5 forwards' FLOPs), so the cost model's
 # backward, twice the forward's matmul time, takes this half forward more.
 FLASH_BACKWARD_RECOMPUTE = 0.5
+# tp_comm_efficiency's range: at most 1 (a collective hidden whole), and a bound below for typos: the lowest
+# Flux measured for Transformer Engine's pairs is -3.25 (A100 NVLink, decoding shapes).
+TP_COMM_EFFICIENCY_MIN = -4.0
 
 
 @dataclass(frozen=True)
@@ -145,6 +154,7 @@ class GpuCalibration:
     grad_accumulation: str = "fused"
     p2p: str = "async"
     matmul_table: MatmulTable | None = None
+    tp_comm_efficiency: float = 1.0
 
     def to_toml(self) -> str:
         nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
@@ -152,6 +162,7 @@ class GpuCalibration:
         over = f"overlap = {list(self.overlap)!r}\n".replace("'", '"') if self.overlap else ""
         for key, default in OPTIONAL_CHOICES.items():
             over += f'{key} = "{getattr(self, key)}"\n' if getattr(self, key) != default[0] else ""
+        over += f"tp_comm_efficiency = {self.tp_comm_efficiency!r}\n" if self.tp_comm_efficiency != 1.0 else ""
         over += self.matmul_table.to_toml() if self.matmul_table is not None else ""
         return (
             f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n{over}'
@@ -162,7 +173,7 @@ class GpuCalibration:
 def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     """The `[gpu_calibration]` table; ValueError naming the key and its form."""
     known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
-    optional = ["overlap", *OPTIONAL_CHOICES, "matmul_table"]
+    optional = ["overlap", "tp_comm_efficiency", *OPTIONAL_CHOICES, "matmul_table"]
     if not isinstance(d, dict) or not known <= set(d) <= known | set(optional):
         got = sorted(d) if isinstance(d, dict) else repr(d)
         raise ValueError(
@@ -177,6 +188,12 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
         raise ValueError(
             f"{where} [gpu_calibration]: overlap must be a list of distinct names from {', '.join(OVERLAPS)}, "
             f"got {over!r}"
+        )
+    eff = d.get("tp_comm_efficiency", 1.0)
+    if isinstance(eff, bool) or not isinstance(eff, (int, float)) or not TP_COMM_EFFICIENCY_MIN <= eff <= 1:
+        raise ValueError(
+            f"{where} [gpu_calibration]: tp_comm_efficiency must be a number from {TP_COMM_EFFICIENCY_MIN:g} to 1 "
+            f"(1: each collective hidden up to its GEMM; below 0: the overlapped pair is slower than none), got {eff!r}"
         )
     for k in FRACTIONS:
         v = d[k]
@@ -203,6 +220,7 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
         overlap=tuple(over),
         **{key: d.get(key, choices[0]) for key, choices in OPTIONAL_CHOICES.items()},
         matmul_table=table,
+        tp_comm_efficiency=float(eff),
     )
 
 
@@ -280,7 +298,15 @@ def regathers(g: GpuCalibration | None) -> bool:
 
 
 def exposed_tp_comm(
-    rates: Rates, m: ModelConfig, tp: int, tokens: int, gather_s: float, reduce_s: float, sp: bool, again: bool
+    rates: Rates,
+    m: ModelConfig,
+    tp: int,
+    tokens: int,
+    gather_s: float,
+    reduce_s: float,
+    sp: bool,
+    again: bool,
+    efficiency: float = 1.0,
 ) -> tuple[float, float, float]:
     """What a layer's tensor-parallel collectives leave exposed under `tp_comm` overlap: (forward, backward,
     the backward's re-gathers). Megatron-Core's --tp-comm-overlap (Transformer Engine's userbuffers) runs each
@@ -292,10 +318,12 @@ def exposed_tp_comm(
     (`again`: SP_BACKWARDS "regather") the inputs' re-gathers beside their input-gradient GEMMs. Without
     sequence parallelism the all-reduces after the row-parallel GEMMs (forward) and of the column-parallel
     input gradients (backward) pair the same way. `gather_s`: one all-gather of the layer's input;
-    `reduce_s`: one all-reduce of it. Each pass's GEMMs are as long as the forward's (the same shapes)."""
+    `reduce_s`: one all-reduce of it. Each pass's GEMMs are as long as the forward's (the same shapes).
+    `efficiency` (tp_comm_efficiency): a pair takes at least (1 - efficiency) x its collective beyond its GEMM,
+    the collective's part that the software's overlap does not hide, the GEMM's slowdown included."""
     qkv, proj, up, down = (rates.gemm_s(tokens, n, k) for k, n in weight_gemms(m, tp))
     one = gather_s if sp else reduce_s
-    left = lambda gemm: max(0.0, one - gemm)  # noqa: E731
+    left = lambda gemm: max(0.0, one - gemm, (1.0 - efficiency) * one)  # noqa: E731
     forward = left(proj) + left(down) + (left(qkv) + left(up) if sp else 0.0)
     backward = left(qkv) + left(up) + (left(proj) + left(down) if sp else 0.0)
     return forward, backward, left(qkv) + left(up) if sp and again else 0.0

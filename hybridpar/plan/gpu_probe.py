@@ -41,6 +41,8 @@ BUS_BYTES = 1 << 28  # 256 MiB all-reduce: large enough that the ring's hops' la
 REPEATS = 5
 TARGET_S = 2e-3
 FUSED = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
+# What the calibration says of the training software rather than the device: kept from the datasheet file.
+SOFTWARE_FACTS = ("overlap", "tp_comm_efficiency", "sp_backward", "cp_comm", "grad_accumulation", "p2p")
 
 
 def seconds(fn: Callable[[], Any], device: Any, repeats: int = REPEATS, target_s: float = TARGET_S) -> float:
@@ -221,11 +223,7 @@ def calibrate_gpu(
         "intra_bus_fraction": old.intra_bus_fraction if old else 1.0,
         "inter_bus_fraction": old.inter_bus_fraction if old else 1.0,
     }
-    facts = (
-        {}
-        if old is None
-        else {f: getattr(old, f) for f in ("overlap", "sp_backward", "cp_comm", "grad_accumulation", "p2p")}
-    )
+    facts = {} if old is None else {f: getattr(old, f) for f in SOFTWARE_FACTS}
     cal = GpuCalibration(
         matmul_fraction=table.best(),
         memory_fraction=mem,
@@ -267,8 +265,8 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
         f"attention_fraction: the best of scaled_dot_product_attention causal bf16 forward + backward, head dim "
         f"{f['head_dim']}, by sequence length ({att}), the causal half and the backward as 2.5 forwards counted; "
         f"kernel {f['attention_backend']}. {intra}. "
-        f"inter_bus_fraction kept ({where}: one node cannot measure the network). Software facts (overlap, "
-        f"sp_backward, cp_comm, grad_accumulation, p2p) kept from the datasheet file."
+        f"inter_bus_fraction kept ({where}: one node cannot measure the network). Software facts "
+        f"({', '.join(SOFTWARE_FACTS)}) kept from the datasheet file."
     )
 
 
