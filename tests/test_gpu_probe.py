@@ -135,6 +135,7 @@ def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(
     tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a CPU standing in")
     monkeypatch.setattr(
         gpu_probe,
         "calibrate_gpu",
@@ -169,6 +170,19 @@ def test_plan_probe_refuses_what_it_cannot_run(monkeypatch: pytest.MonkeyPatch, 
     no_bw.write_text("\n".join(x for x in H100.read_text().splitlines() if not x.startswith("memory_bandwidth_gbs")))
     with pytest.raises(ValueError, match=r"no_bw.toml'?: a GPU probe needs the datasheet's memory_bandwidth_gbs"):
         run(["--probe", "--hardware", str(no_bw)])
+
+
+def test_a_fraction_above_one_names_the_datasheet_figure() -> None:
+    rows = tuple((m, n, k, 0.5) for m in (1, 2) for n in (1, 2) for k in (1, 2))
+    cal = parse_gpu_calibration({**calibration(), "matmul_fraction": 0.5}, "f")
+    gpu_probe.check_measured(dataclasses.replace(cal, matmul_table=MatmulTable(rows)), "f", "GPU")
+    fast = MatmulTable(rows[:-1] + ((2, 2, 2, 1.2),))
+    with pytest.raises(ValueError, match=r"^f: measured matmul_table row \[2, 2, 2\] 1.200 > 1 on GPU: the file's "):
+        gpu_probe.check_measured(dataclasses.replace(cal, matmul_table=fast), "f", "GPU")
+    with pytest.raises(ValueError, match=r"memory_fraction 1.100 > 1 on GPU: the file's memory_bandwidth_gbs is below"):
+        gpu_probe.check_measured(
+            dataclasses.replace(cal, matmul_table=MatmulTable(rows), memory_fraction=1.1), "f", "GPU"
+        )
 
 
 def test_table_toml_is_what_the_parser_reads() -> None:

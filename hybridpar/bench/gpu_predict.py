@@ -42,20 +42,19 @@ def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], An
     from hybridpar.plan.gpu_probe import calibrate_gpu, probe_gpu
     from hybridpar.plan.hardware import load_hardware, to_toml
 
+    name = "cpu (--dry-run: the plumbing, not a GPU's figures)" if a.dry_run else torch.cuda.get_device_name(0)
     try:
+        path = HARDWARE / DATASHEETS["H100"] if a.dry_run else datasheet_for(name)
+    except ValueError as e:  # a GPU this check has no datasheet for: said, and not a failure of the check
+        return {"refused": str(e)}
+    try:
+        sheet = load_hardware(path)
         if a.dry_run:
-            name, path = "cpu (--dry-run: the plumbing, not a GPU's figures)", HARDWARE / DATASHEETS["H100"]
-            sheet = load_hardware(path)
             cal, figures = calibrate_gpu(sheet, torch.device("cpu"), torch.bfloat16, 1, DRY_GRID, DRY_SIZES)
             probed = dataclasses.replace(sheet, gpu_calibration=cal)
         else:
-            name = torch.cuda.get_device_name(0)
-            path = datasheet_for(name)
-            sheet = load_hardware(path)
             probed, figures = probe_gpu(sheet, str(path))
-    except ValueError as e:
-        return {"refused": str(e)}
-    except Exception as e:  # the probe's own failure is the check's
+    except Exception as e:  # the probe's own failure (a fraction above 1 included) is the check's
         return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     out = Path(a.out).with_suffix("") / "probed.toml"
     out.parent.mkdir(parents=True, exist_ok=True)

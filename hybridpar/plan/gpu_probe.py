@@ -282,4 +282,22 @@ def probe_gpu(hw: Hardware, where: str) -> tuple[Hardware, dict]:
         )
     gpus = min(torch.cuda.device_count(), hw.devices_per_node)
     cal, figures = calibrate_gpu(hw, torch.device("cuda", 0), torch.bfloat16, gpus)
+    check_measured(cal, where, torch.cuda.get_device_name(0))
     return dataclasses.replace(hw, gpu_calibration=cal), figures
+
+
+def check_measured(cal: GpuCalibration, where: str, device_name: str) -> None:
+    """A measured fraction above 1 means the datasheet's figure is below what the device ran: the wrong file for
+    this device (an SXM file on a PCIe board, say). ValueError naming the figure, before anything is written."""
+    rows = [(f"matmul_table row {list(r[:3])}", r[3], "[peak_tflops] bf16") for r in cal.matmul_table.rows]
+    rows += [
+        ("memory_fraction", cal.memory_fraction, "memory_bandwidth_gbs"),
+        ("attention_fraction", cal.attention_fraction, "[peak_tflops] bf16"),
+        ("intra_bus_fraction", cal.intra_bus_fraction, "[intra_node] bandwidth_gbs"),
+    ]
+    for what, value, figure in rows:
+        if value > 1:
+            raise ValueError(
+                f"{where}: measured {what} {value:.3f} > 1 on {device_name}: the file's {figure} is below what this "
+                "device reached; give the datasheet file of this device"
+            )
