@@ -17,7 +17,7 @@
 #    working copies, compile + copies, one microbatch: `--mfu-options` names others), each in a process of
 #    its own, with the attention kernel taken and each loss curve against the eager run's; then the GPU probe
 #    (`plan --probe`'s calibration against docs/hardware/dgx-h100.toml or dgx-h200.toml, by the device's name;
-#    about 10-30 s, estimated, not yet timed on a GPU) and the planner's eager-step prediction with it beside
+#    about 15-40 s, estimated, not yet timed on a GPU) and the planner's eager-step prediction with it beside
 #    the measured step; the probed hardware file stays in DIR/mfu/probed.toml.
 # --checks runs a subset (comma-separated, from env,equivalence,pipeline,mfu; env always runs): on a lent
 # machine with minutes to spare, `--no-setup --checks mfu` alone fits one call.

@@ -32,7 +32,9 @@ from hybridpar.plan.gpu_model import FLASH_BACKWARD_RECOMPUTE, GpuCalibration
 from hybridpar.plan.hardware import Hardware
 from hybridpar.plan.matmul_table import MatmulTable
 
-GRID = tuple(2**i for i in range(8, 15))  # 256 .. 16384: a tp shard of a 1B model's projection to 16k tokens
+# 64 .. 16384: attention's per-head products (n or k = head_dim, 64-128) and a tp shard of a small model's
+# projection up to a large model's microbatch of tokens
+GRID = tuple(2**i for i in range(6, 15))
 MEMORY_ELEMENTS = 1 << 28  # 512 MiB per bf16 tensor: far past every cache
 ATTENTION_SEQS = (1024, 2048, 4096, 8192)
 ATTENTION_TOKENS = 16384  # sequences x length at each length: the same FLOPs per token row
