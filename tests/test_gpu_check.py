@@ -57,6 +57,8 @@ def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
     probe = mfu["probe"]
     assert load_hardware(probe["probed_file"]).gpu_calibration.matmul_table is not None, probe
     assert probe["datasheet"] == "docs/hardware/dgx-h100.toml" and probe["calibration"]["attention_kernel"] == "flash"
+    # as if there were two GPUs: the all-reduce bus bandwidth measured over two gloo ranks
+    assert probe["calibration"]["intra_bus_measured_over_gpus"] == 2 and probe["calibration"]["intra_bus_fraction"] > 0
     assert probe["measured_step_s"] == mfu["options"][0]["step_time_s"] and probe["predicted_step_s"] > 0
     assert probe["measured_over_predicted"] == probe["measured_step_s"] / probe["predicted_step_s"]
 

@@ -16,7 +16,7 @@ from typing import Any, Callable
 HARDWARE = Path(__file__).resolve().parents[2] / "docs" / "hardware"
 DATASHEETS = {"H100": "dgx-h100.toml", "H200": "dgx-h200.toml"}
 DRY_GRID = (8, 16)
-DRY_SIZES = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+DRY_SIZES = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1, bus_bytes=1 << 16)
 
 
 def datasheet_for(device_name: str) -> Path:
@@ -50,7 +50,8 @@ def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], An
     try:
         sheet = load_hardware(path)
         if a.dry_run:
-            cal, figures = calibrate_gpu(sheet, torch.device("cpu"), torch.bfloat16, 1, DRY_GRID, DRY_SIZES)
+            # as if there were a.gpus GPUs (2 by default): the bus bandwidth's ranks run on gloo
+            cal, figures = calibrate_gpu(sheet, torch.device("cpu"), torch.bfloat16, a.gpus, DRY_GRID, DRY_SIZES)
             probed = dataclasses.replace(sheet, gpu_calibration=cal)
         else:
             probed, figures = probe_gpu(sheet, str(path))
@@ -72,6 +73,7 @@ def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], An
         "calibration": {
             **{k: getattr(g, k) for k in ("matmul_fraction", "memory_fraction", "attention_fraction")},
             **{k: getattr(g, k) for k in ("intra_bus_fraction", "attention_kernel")},
+            "intra_bus_measured_over_gpus": figures["gpus"] if figures["intra_bus_fraction"] is not None else None,
             "attention_backend": figures["attention_backend"],
             "attention_by_seq": figures["attention"],
             "matmul_best_shape": list(figures["matmul_best"][:3]),

@@ -190,8 +190,8 @@ def calibrate_gpu(
     hw: Hardware, device: Any, dtype: Any, gpus: int, grid: tuple[int, ...] = GRID, sizes: dict | None = None
 ) -> tuple[GpuCalibration, dict]:
     """The measured `[gpu_calibration]` against `hw`'s datasheet figures, and the figures behind it (JSON-able).
-    `sizes` shrinks MEMORY_ELEMENTS, ATTENTION_* (keys: elements, seqs, tokens, heads, head_dim, repeats) for a
-    CPU run of the plumbing."""
+    `sizes` shrinks MEMORY_ELEMENTS, ATTENTION_*, BUS_BYTES (keys: elements, seqs, tokens, heads, head_dim,
+    repeats, bus_bytes) for a CPU run of the plumbing (`gpus` >= 2 then runs gloo ranks on CPU)."""
     s = {
         "elements": MEMORY_ELEMENTS,
         "seqs": ATTENTION_SEQS,
@@ -199,6 +199,7 @@ def calibrate_gpu(
         "heads": ATTENTION_HEADS,
         "head_dim": HEAD_DIM,
         "repeats": REPEATS,
+        "bus_bytes": BUS_BYTES,
         **(sizes or {}),
     }
     peak, t0 = hw.peak_flops("bf16"), time.perf_counter()
@@ -208,7 +209,7 @@ def calibrate_gpu(
         s["seqs"], s["tokens"], s["heads"], s["head_dim"], peak, device, dtype, s["repeats"]
     )
     old = hw.gpu_calibration
-    bus = intra_bus_fraction(gpus, hw.intra_node.bandwidth_gbs) if gpus >= 2 else None
+    bus = intra_bus_fraction(gpus, hw.intra_node.bandwidth_gbs, s["bus_bytes"], s["repeats"]) if gpus >= 2 else None
     figures = {
         "matmul_best": max(table.rows, key=lambda r: r[3]),
         "memory_fraction": mem,
@@ -216,6 +217,7 @@ def calibrate_gpu(
         "attention_backend": kernel,
         "intra_bus_fraction": bus,
         "gpus": gpus,
+        "bus_bytes": s["bus_bytes"],
         "repeats": s["repeats"],
         "head_dim": s["head_dim"],
         "timer": "CUDA events" if getattr(device, "type", device) == "cuda" else "the host's clock",
@@ -254,7 +256,7 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
         else "none in the datasheet file: 1.0, its link bandwidth as it stands"
     )
     intra = (
-        f"intra_bus_fraction measured: NCCL all-reduce of {BUS_BYTES >> 20} MiB over {f['gpus']} GPUs, bus "
+        f"intra_bus_fraction measured: NCCL all-reduce of {f['bus_bytes'] / 2**20:g} MiB over {f['gpus']} GPUs, bus "
         f"bandwidth over [intra_node] bandwidth_gbs {hw.intra_node.bandwidth_gbs:g}"
         if f["intra_bus_fraction"] is not None
         else f"intra_bus_fraction kept ({where}: one GPU has no link to measure)"
