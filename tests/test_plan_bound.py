@@ -43,19 +43,20 @@ HARDWARE = {
     "uneven": hw(speed=[1.0, 1.0, 0.5, 1.0, 1.0, 1.0, 1.0, 0.7]),
 }
 # A GPU whose software overlaps its collectives (plan/gpu_model.py): the bounds must stay below the prediction.
-OVERLAPPED = hw(
-    gpu_calibration={
-        "matmul_fraction": 0.8,
-        "memory_fraction": 0.85,
-        "attention_fraction": 0.4,
-        "intra_bus_fraction": 0.8,
-        "inter_bus_fraction": 0.9,
-        "attention_kernel": "flash",
-        "overlap": ["tp_comm", "grad_reduce", "param_gather"],
-        "source": "test",
-        "date": "2026",
-    }
-)
+CALIBRATION = {
+    "matmul_fraction": 0.8,
+    "memory_fraction": 0.85,
+    "attention_fraction": 0.4,
+    "intra_bus_fraction": 0.8,
+    "inter_bus_fraction": 0.9,
+    "attention_kernel": "flash",
+    "overlap": ["tp_comm", "grad_reduce", "param_gather"],
+    "source": "test",
+    "date": "2026",
+}
+OVERLAPPED = hw(gpu_calibration=CALIBRATION)
+# ... whose software also sums gradients in the compute precision: bf16 reductions move 2 bytes a parameter.
+HALF_SUMS = hw(gpu_calibration=CALIBRATION | {"grad_accumulation": "separate-half"})
 
 
 ONE = dict(tp=1, pp=1, dp=1, schedule="1f1b", v=1, m=1, zero=0, recompute="none", precision="fp32", partition="params")
@@ -146,3 +147,45 @@ def test_context_parallel_bounds_and_pruning() -> None:
     assert [(c.label, c.prediction.step_s) for c in pruned.candidates] == [
         (c.label, c.prediction.step_s) for c in full.candidates
     ]
+
+
+def copies_memory(cfg: Config) -> list[Est]:
+    """Fake memory of a rank's weights, gradients and AdamW state: 16 bytes a parameter under autocast, under
+    working copies 2 + 4 + 12/dp (bf16 weights, fp32 gradients, masters and moments sliced over dp)."""
+    m, p = cfg.model, cfg.parallel
+    n = m.n_layers * (4 * m.dim * m.dim + 3 * m.dim * m.ffn_dim) + 2 * m.vocab_size * m.dim
+    per = 6 + 12 / p.dp if cfg.train.working_copies else 16
+    return [Est(int(n * per / (p.tp * p.pp)))] * p.pp
+
+
+def test_working_copies_stay_bounded_and_pruning_keeps_the_top_list() -> None:
+    """Where autocast does not fit the search tries working copies, which the cost model prices apart (their
+    sliced masters at ZeRO 0, their bf16 gathers: cheaper than autocast's at ZeRO-1). Every bound of a bf16
+    layout's knobs stays below the copies layout's prediction (also where gradients are reduced in bf16), and the
+    pruned search returns the unpruned list."""
+    base = model(n_layers=4, global_batch=8)
+    # 3.2 bytes a parameter per device: autocast fits at tp x pp = 8 only (dp 1), copies from tp x pp = 4 (dp 2).
+    limit = copies_memory(_config(base, ONE))[0].total / GIB / 5
+    knobs = [k for k in _knobs(base, HARDWARE["gpu"], 8, ("bf16",)) if k["dp"] > 1][::5]
+    layouts = [(k, _config(base, k), _config(base, {**k, "weights": "copies"})) for k in knobs]
+    layouts = [x for x in layouts if not _invalid(x[2], 8)]
+    assert len(layouts) > 100
+    for h in (HARDWARE["gpu"], HALF_SUMS):
+        h = dataclasses.replace(h, device_memory_gib=limit)
+        planner = Planner(base, h, copies_memory)
+        for k, cfg, copies in layouts:
+            step = predict(planner.model, copies, planner.actions).step_s
+            assert planner.bound(k) <= step * (1 + 1e-9) and planner.step_bound(cfg) <= step * (1 + 1e-9), k
+    fixed = {"train.precision": "bf16"}
+    pruned, full = (plan(base, h, copies_memory, world=8, top=4, fixed=fixed, prune=p) for p in (True, False))
+    listed = [(c.label, c.prediction.step_s) for c in pruned.candidates]
+    assert listed == [(c.label, c.prediction.step_s) for c in full.candidates]
+    assert any("copies" in label for label, _ in listed) and pruned.simulated < full.simulated
+
+
+def _invalid(cfg: Config, world: int) -> bool:
+    try:
+        validate_config(cfg, world)
+    except ValueError:
+        return True
+    return False

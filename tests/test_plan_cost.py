@@ -8,7 +8,17 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.simulate import CoreSharing, Costs, simulate
-from hybridpar.plan.cost import CostModel, Shape, all_gather_s, all_reduce_s, placement, predict, stage_costs
+from hybridpar.plan.cost import (
+    ADAMW_BYTES,
+    COPY_BYTES,
+    CostModel,
+    Shape,
+    all_gather_s,
+    all_reduce_s,
+    placement,
+    predict,
+    stage_costs,
+)
 from hybridpar.plan.hardware import parse_hardware
 
 
@@ -153,3 +163,37 @@ def test_context_parallel_layout_splits_tokens_and_sums_gradients_over_dp_and_cp
     assert b.message_bytes * 2 == a.message_bytes  # a rank's half of each sample's tokens
     assert b.compute_s < 0.6 * a.compute_s  # half the tokens (each attending over the whole sequence)
     assert b.dp_reduce_s > a.dp_reduce_s  # the gradient all-reduce spans dp x cp = 4 ranks, not 2
+
+
+def test_working_copies_step_their_masters_sliced_and_gather_bf16_weights() -> None:
+    """bf16 working copies (dataparallel/copies.py): at every ZeRO level AdamW steps the fp32 masters of the
+    rank's 1/dp slice and rounds them into the bf16 weights (ADAMW_BYTES + COPY_BYTES per sliced parameter),
+    then all-gathers the bf16 slices (2 bytes a parameter, where autocast's ZeRO gather moves 4); the
+    gradients are reduced as under autocast. Checked term by term from the bytes on a 4-replica layout."""
+    h = hw(memory_bandwidth_gbs=100.0)
+    bw, link = 100e9, h.intra_node
+    preds = {}
+    for zero in (0, 1, 3):
+        for weights in ("autocast", "copies"):
+            cfg = cfg_of(dp=4, precision="bf16", bf16_weights=weights)
+            cfg.parallel.zero = zero
+            preds[zero, weights] = predict(CostModel(cfg.model, h), cfg)
+    model = CostModel(cfg.model, h)
+    params = model.stage_params([range(cfg.model.n_layers)])[0]
+    mine = params / 4
+    gather = lambda width: all_gather_s(width * params, 4, link, h)  # noqa: E731
+    step = lambda zero, w: preds[zero, w].optimizer_s  # noqa: E731
+    # ZeRO 0: autocast steps every parameter and gathers nothing; copies step a quarter and gather 2 bytes each.
+    assert step(0, "copies") - step(0, "autocast") == pytest.approx(
+        ((ADAMW_BYTES + COPY_BYTES) * mine - ADAMW_BYTES * params) / bw + gather(2)
+    )
+    # ZeRO-1: the same slice, the rounding pass more and the gather at half the bytes.
+    assert step(1, "copies") - step(1, "autocast") == pytest.approx(COPY_BYTES * mine / bw + gather(2) - gather(4))
+    # ZeRO-3: every one of its gathers (forward and backward of each of 4 microbatches) reads bf16 slices.
+    assert step(3, "copies") - step(3, "autocast") == pytest.approx(
+        COPY_BYTES * mine / bw + 8 * (gather(2) - gather(4))
+    )
+    # The gradients' reduction and the pipeline are those of autocast.
+    for zero in (0, 1, 3):
+        a, c = preds[zero, "autocast"], preds[zero, "copies"]
+        assert (a.dp_reduce_s, a.pipeline_s) == (c.dp_reduce_s, c.pipeline_s)

@@ -304,6 +304,11 @@ class TrainConfig:
     sample_tokens: int = _f(200, "tokens generated at the end (0 disables)")
     sample_prompt: str = _f("def ", "prompt for the final sample")
 
+    @property
+    def working_copies(self) -> bool:
+        """bf16 working copies in effect (train.precision bf16 with bf16_weights copies)."""
+        return self.precision == "bf16" and self.bf16_weights == "copies"
+
     def recompute_modes(self, n_stages: int) -> list[str]:
         """The recomputation mode of each of `n_stages` stages (validate checks the entries)."""
         modes = [m.strip() for m in self.recompute.split(",")]

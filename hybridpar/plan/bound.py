@@ -25,7 +25,17 @@ from dataclasses import dataclass
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op, stage_count
-from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Setup, closing_s, grad_sum_s, optimizer_s, setup
+from hybridpar.plan.cost import (
+    CostModel,
+    LayerCosts,
+    Placement,
+    Setup,
+    closing_s,
+    grad_sum_s,
+    optimizer_s,
+    reduced_bytes,
+    setup,
+)
 from hybridpar.plan.gpu_model import overlapped
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
@@ -50,11 +60,18 @@ def compute_shape(compute: list[list[Action]]) -> ComputeShape:
 
 
 def knob_bound(
-    model: CostModel, pl: Placement, layer: LayerCosts, ends: float, k: dict, share_capacity: float | None
+    model: CostModel,
+    pl: Placement,
+    layer: LayerCosts,
+    ends: float,
+    k: dict,
+    share_capacity: float | None,
+    copies: tuple[bool, ...] = (False,),
 ) -> float:
     """Bound from the knobs `k` (tp, pp, dp, m, zero, ...): `layer` is one decoder layer's costs per
     microbatch, `ends` the embedding's and head's work per microbatch, `share_capacity` the summed capacity
-    of the nodes' cores (None: devices of their own)."""
+    of the nodes' cores (None: devices of their own), `copies` the weights' precisions a layout of these knobs
+    may take (working copies or not: the optimizer step of the cheaper is counted)."""
     L = model.m.n_layers
     per_layer = layer.f.total + layer.b.total + layer.w.total
     speed = max(pl.pp_speed)  # a stage runs at its rank's speed: the fastest bounds them all
@@ -65,15 +82,24 @@ def knob_bound(
     params = model.stage_params([range(0, L)])[0] / (k["tp"] * k["pp"])
     world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
     # Affine in params (max >= at mean); an overlapped parameter gather counted as wholly hidden.
-    opt = optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, hidden=(math.inf, 0.0))
+    opt = min(
+        optimizer_s(model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, hidden=(math.inf, 0.0), copies=c)
+        for c in copies
+    )
     return work + opt + closing_s(model.hw, k["tp"], k["pp"], k["dp"], k["zero"], pl.world)
 
 
-def step_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> float:
-    """Bound for the layout `cfg` whose schedule's compute lists have `shape` (module docstring)."""
+def step_bound(model: CostModel, cfg: Config, shape: ComputeShape, copies: tuple[bool, ...] = ()) -> float:
+    """Bound for the layout `cfg` whose schedule's compute lists have `shape` (module docstring); `copies`:
+    the weights' precisions it may run with (working copies or not; none given: the layout's own)."""
     end, su = pipeline_bound(model, cfg, shape)
-    opt, fixed = su.after_pipeline(model, cfg)
-    return end + opt + fixed
+    return end + after_bound(model, cfg, su, copies)
+
+
+def after_bound(model: CostModel, cfg: Config, su: Setup, copies: tuple[bool, ...] = ()) -> float:
+    """The optimizer step and the small all-reduces after the pipeline, the cheaper of the weights' precisions
+    `copies` (none given: the layout's own), every overlapped parameter gather counted as hidden."""
+    return min(sum(su.after_pipeline(model, cfg, copies=c)) for c in copies or (None,))
 
 
 def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[float, Setup]:
@@ -103,6 +129,7 @@ def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[
             # The shorter of the reductions with and without ZeRO (the bound is shared by both); from the last
             # action's start where the GPU software reduces buckets during it.
             early = dur[last.op][last.stage] if overlapped(model.hw.gpu_calibration, "grad_reduce") else 0.0
-            reduce = min(grad_sum_s(model.hw, 4 * params, p, su.pl, z) for z in (0, 1))
+            gb = reduced_bytes(model.hw, cfg.train)
+            reduce = min(grad_sum_s(model.hw, gb * params, p, su.pl, z) for z in (0, 1))
             end = max(end, done - early + reduce)
     return end, su

@@ -17,8 +17,10 @@ and its input gradient's all-reduce); the point-to-point activation messages (si
 the data-parallel gradient all-reduce of each stage, started when its last backward ends and overlapped
 with what follows (as dataparallel/grads.py does);
 ZeRO-1's all-gather of the updated slices; the step's small all-reduces (loss, clip norm). The
-optimizer step is memory-bound. Ring collectives: an all-reduce moves 2 (n-1)/n of the bytes and
-takes 2 (n-1) hops, an all-gather half of that.
+optimizer step is memory-bound. bf16 working copies (train.bf16_weights copies) differ only there: AdamW steps
+the fp32 masters of a rank's 1/dp slice at every ZeRO level, rounds them into the bf16 weights and all-gathers
+those at 2 bytes a parameter (ZeRO 0 included); their gradients are fp32 and reduced as autocast's. Ring
+collectives: an all-reduce moves 2 (n-1)/n of the bytes and takes 2 (n-1) hops, an all-gather half of that.
 
 Where the hardware file carries a calibration of this model's shape (plan/calibrate.py: the layer, the
 embedding, the head and the optimizer timed through the model's own modules on this machine, as CPU
@@ -74,6 +76,7 @@ FFN_ELEMENTS = 5  # x ffn_dim
 OPS_PER_LAYER = 30  # framework operations of one decoder layer's forward
 F32_BYTES = 4
 ADAMW_BYTES = 28  # per parameter: read p, g, m, v; write p, m, v (fp32)
+COPY_BYTES = 6  # per parameter of a working copy's slice: read its fp32 master, write the bf16 weight (refresh)
 OPS_PER_PARAM_TENSOR = 12  # AdamW's per-tensor operations (torch's for-loop implementation on CPU)
 
 
@@ -473,9 +476,12 @@ class Setup(NamedTuple):
     stage_params: list[int]
     msg: int
 
-    def after_pipeline(self, model: CostModel, cfg: Config, hidden: list[float] | None = None) -> tuple[float, float]:
+    def after_pipeline(
+        self, model: CostModel, cfg: Config, hidden: list[float] | None = None, copies: bool | None = None
+    ) -> tuple[float, float]:
         """(The optimizer step of the slowest rank, the step's small all-reduces). `hidden`: per pipeline rank,
-        what an overlapped parameter gather may hide behind (`optimizer_s`); None: all of it, a lower bound."""
+        what an overlapped parameter gather may hide behind (`optimizer_s`); None: all of it, a lower bound.
+        `copies`: the weights' precision (working copies or not) in place of the layout's."""
         p, pl = cfg.parallel, self.pl
         rank_params = [
             sum(self.stage_params[s] for s in range(stage_count(p)) if self.ranks[s] == r) / p.tp for r in range(p.pp)
@@ -495,6 +501,7 @@ class Setup(NamedTuple):
                 gathers,
                 (math.inf, 0.0) if hidden is None else (hidden[r], first[r]),
                 cfg.train.precision,
+                cfg.train.working_copies if copies is None else copies,
             )
             for r, n in enumerate(rank_params)
         )
@@ -669,7 +676,7 @@ def _dp_reductions(
     if p.dp * p.cp == 1:
         return sim.step_time_s, 0.0
     early = overlapped(hw.gpu_calibration, "grad_reduce")
-    gb = grad_bytes(hw.gpu_calibration, 2 if cfg.train.precision == "bf16" else 4)  # fp32 sums unless said
+    gb = reduced_bytes(hw, cfg.train)
     free = [0.0] * p.pp
     waited: set[int] = set()
     for s in sorted(marks.last_end, key=marks.last_end.get):
@@ -682,6 +689,13 @@ def _dp_reductions(
         free[r] = max(free[r] + wait + reduce, start + wait + reduce, marks.last_end[s] + last)
     end = max([sim.step_time_s] + free)
     return end, end - sim.step_time_s
+
+
+def reduced_bytes(hw: Hardware, t: TrainConfig) -> int:
+    """Bytes a parameter of the gradients the data-parallel reduction moves: fp32 sums (under working copies
+    too: each bf16 weight gradient is summed into an fp32 one) unless the GPU software sums them in the
+    compute precision (gpu_model.grad_bytes)."""
+    return grad_bytes(hw.gpu_calibration, 2 if t.precision == "bf16" else 4)
 
 
 def param_gathers(zero: int, regather: str, microbatches: int) -> int:
@@ -704,29 +718,38 @@ def optimizer_s(
     gathers: int = 1,
     hidden: tuple[float, float] = (0.0, 0.0),
     precision: str = "fp32",
+    copies: bool = False,
 ) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
     over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
     of the `world` steps at once: where a node's ranks outnumber its cores they share them. `gathers`:
     how many all-gathers of the parameters the step makes (`param_gathers`; ZeRO-3's, counted here whole,
     as if the prefetch hid none of them: the planner then picks ZeRO-3 only where memory requires it).
-    Where the GPU software overlaps ZeRO-1/2's one gather (gpu_model.OVERLAPS: the compute-precision weights,
+    `copies` (bf16 working copies, dataparallel/copies.py): AdamW steps the fp32 masters of the rank's 1/dp
+    slice at every ZeRO level (ZeRO 0 too), rounds them into the bf16 weights (COPY_BYTES more per parameter
+    of the slice) and all-gathers the bf16 slices (2 bytes a parameter where autocast's fp32 gather moves 4;
+    under ZeRO-3 its gathers read bf16 slices too).
+    Where the GPU software overlaps the step's one gather (gpu_model.OVERLAPS: the compute-precision weights,
     dispatched at the next step's start), only what exceeds `hidden` = (the rank's time to its first
     forward's end, the parameters that forward needs first), and no less than those parameters' gather,
     is counted."""
     hw = model.hw
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
-    mine = params / dp if zero >= 1 else params
+    sliced = zero >= 1 or copies
+    mine = params / dp if sliced else params
+    per_param = ADAMW_BYTES + (COPY_BYTES if copies else 0)
     bw = hw.memory_bps()
-    memory = 0.0 if bw is None else (ADAMW_BYTES * mine + 12 * params) / bw
+    memory = 0.0 if bw is None else (per_param * mine + 12 * params) / bw
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
-    gather = gathers * all_gather_s(4 * params, dp, link, hw) if zero >= 1 else 0.0
-    if 1 <= zero < 3 and overlapped(hw.gpu_calibration, "param_gather"):
+    width = 2 if copies else F32_BYTES  # the bytes a parameter its gathers move
+    gather = gathers * all_gather_s(width * params, dp, link, hw) if sliced else 0.0
+    if sliced and zero < 3 and overlapped(hw.gpu_calibration, "param_gather"):
         width = 4 if precision == "fp32" else 2
         hide, first = hidden
         gather = max(all_gather_s(width * first, dp, link, hw), all_gather_s(width * params, dp, link, hw) - hide)
     cal = hw.calibration
-    if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters
-        return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer + gather
+    if cal is not None and cal.fits(model.m):  # measured per layer's worth of parameters (AdamW's bytes)
+        bytes_ratio = per_param / ADAMW_BYTES  # exactly 1 without working copies: the probe timed AdamW alone
+        return stretch * cal.optimizer_layer_s / cal.core_share * mine / model.counts.layer * bytes_ratio + gather
     return stretch * (memory + ops) + gather

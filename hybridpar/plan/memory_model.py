@@ -186,7 +186,7 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
 
 def working_copies(cfg: Config) -> bool:
     """Whether the run trains bf16 working copies (train.bf16_weights copies) rather than under autocast."""
-    return cfg.train.precision == "bf16" and cfg.train.bf16_weights == "copies"
+    return cfg.train.working_copies
 
 
 def table_casts(cfg: Config, has_layers: bool) -> int:

@@ -30,7 +30,7 @@ from hybridpar.pipeline.schedules import SCHEDULES, Action, add_communication, c
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
-from hybridpar.plan.bound import ComputeShape, compute_shape, knob_bound, pipeline_bound
+from hybridpar.plan.bound import ComputeShape, after_bound, compute_shape, knob_bound, pipeline_bound
 from hybridpar.plan.cost import (
     CostModel,
     Placement,
@@ -329,6 +329,14 @@ class Planner:
         tokens = t.global_batch // k["dp"] // k["m"] * t.seq_len // shape.cp
         return shape, pl, t, tokens, None if pl.cp is None else (shape.cp, pl.cp)
 
+    def weights(self, precision: str) -> tuple[bool, ...]:
+        """Whether a layout of this precision may run with working copies, not, or either (the bounds count the
+        cheaper): the base's copies hold every bf16 layout to them; under autocast the search tries them on a
+        bf16 layout that does not fit (`_Search.fits`)."""
+        if precision != "bf16":
+            return (False,)
+        return (True,) if self.base.train.bf16_weights == "copies" else (False, True)
+
     def bound(self, k: dict[str, Any]) -> float:
         """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition does not enter)."""
         key = tuple(v for n, v in k.items() if n != "partition")
@@ -340,7 +348,9 @@ class Planner:
             embed, head = (busy_comm(e, st) for e in self.model.ends(t, k["tp"], tokens, pl.tp))
             share = sharing(shape, self.hw, pl)
             capacity = None if share is None else sum(share.capacity)
-            self._bounds[key] = knob_bound(self.model, pl, layer, embed.total + head.total, k, capacity)
+            self._bounds[key] = knob_bound(
+                self.model, pl, layer, embed.total + head.total, k, capacity, self.weights(k["precision"])
+            )
         return self._bounds[key]
 
     def estimate(self, k: dict[str, Any]) -> float:
@@ -369,7 +379,8 @@ class Planner:
         params = self.model.stage_params([range(0, self.base.model.n_layers)])[0] / (k["tp"] * k["pp"])
         gathers = param_gathers(k["zero"], self.base.parallel.zero3_regather, k["m"])
         world = k["tp"] * k["pp"] * k["dp"] * k.get("cp", 1)
-        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, gathers)
+        copies = self.weights(k["precision"]) == (True,)
+        after = optimizer_s(self.model, k["pp"], k["dp"], k["zero"], pl.dp, params, world, gathers, copies=copies)
         after += grad_sum_s(self.hw, 4 * params / k["v"], shape, pl, 0)
         self._estimates[key] = work + after
         return self._estimates[key]
@@ -385,8 +396,7 @@ class Planner:
         if layout not in self._pipeline_bounds:
             self._pipeline_bounds[layout] = pipeline_bound(self.model, cfg, self._shapes[key])
         end, su = self._pipeline_bounds[layout]
-        opt, fixed = su.after_pipeline(self.model, cfg)
-        return end + opt + fixed
+        return end + after_bound(self.model, cfg, su, self.weights(t.precision))
 
     def same_parts(self, a: Config, b: Config) -> bool:
         pl = placement(a.parallel, self.hw)
@@ -542,9 +552,10 @@ class _Search:
     def fits(self, k: dict[str, Any], full: bool = True) -> tuple[Config, list[int]] | None:
         """The layout and its bytes per rank (memory is asked once per layout), None where it does not fit.
         `full=False`: only the lower bound is asked; a layout it does not rule out comes back with no bytes.
-        A bf16 layout under autocast that does not fit is tried with working copies (`copies`): they cost the
-        same in this model and hold less, so they are chosen only where autocast does not fit; a misfit is
-        one that fits neither way."""
+        A bf16 layout under autocast that does not fit is tried with working copies (`copies`): they hold less
+        but change the numbers a run computes, so they are tried only where autocast does not fit (their cost
+        differs after the pipeline: cost.optimizer_s; the bounds take the cheaper, `Planner.weights`); a misfit
+        is one that fits neither way."""
         if any(_covers(x, k) for x in self.misfits.get(_group(k), ())):
             return None
         cfg = self.layout(k)
