@@ -27,8 +27,13 @@ class MatmulTable:
     def _by_shape(self) -> dict[tuple[int, int, int], float]:
         return {(r[0], r[1], r[2]): r[3] for r in self.rows}
 
-    def best(self) -> float:
+    @cached_property
+    def _best(self) -> float:
         return max(r[3] for r in self.rows)
+
+    def best(self) -> float:
+        """The best row's fraction (matmul_fraction): once per table, not per GEMM costed."""
+        return self._best
 
     def fraction(self, m: float, n: float, k: float) -> float:
         """The fraction of the peak an (m x k) @ (k x n) GEMM reaches: trilinear in (log m, log n, log k)
