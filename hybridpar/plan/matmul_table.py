@@ -31,6 +31,10 @@ class MatmulTable:
     def _best(self) -> float:
         return max(r[3] for r in self.rows)
 
+    @cached_property
+    def _memo(self) -> dict[tuple[float, float, float], float]:
+        return {}
+
     def best(self) -> float:
         """The best row's fraction (matmul_fraction): once per table, not per GEMM costed."""
         return self._best
@@ -45,6 +49,9 @@ class MatmulTable:
         busy already), and below the smallest a slope would soon give rates below zero; the grid is chosen to
         span the shapes of the models planned (a tp shard of a small model's projection to a large model's
         tokens), so clamping is rare."""
+        key = (m, n, k)
+        if key in self._memo:  # a search costs the same few shapes thousands of times
+            return self._memo[key]
         table = self._by_shape
         corners = [_bracket(axis, x) for axis, x in zip(self.axes, (m, n, k))]
         total = 0.0
@@ -54,6 +61,7 @@ class MatmulTable:
                     w = corners[0][2 * i + 1] * corners[1][2 * j + 1] * corners[2][2 * l + 1]
                     if w:
                         total += w * table[(corners[0][2 * i], corners[1][2 * j], corners[2][2 * l])]
+        self._memo[key] = total
         return total
 
     def to_toml(self) -> str:
