@@ -33,6 +33,7 @@ FILE, or this machine probed), holding the keys you give, prints the choice and 
        hybridpar data train-tokenizer|prepare [--help]  (a byte-level BPE tokenizer; a corpus as token files)
        hybridpar report RUN_DIR [--compare OTHER_RUN] [--out FILE]  (one HTML file: plots, stability figures)
        hybridpar plan (--hardware FILE | --probe) [--world N] [--top 10] [--json FILE] [--help]  (choose a layout)
+       hybridpar plan --probe --hardware DATASHEET.toml --out FILE  (on a CUDA host: its GPU calibration measured)
        hybridpar rendezvous [--port 29400] [--host 127.0.0.1] [--help]  (a multi-node run's store, outside its nodes)
        hybridpar bench pipeline [--help] [args ...]   (our pipeline runtime vs torch.distributed.pipelining)
        hybridpar bench serve [--help] [args ...]      (request placement strategies under Poisson load)

@@ -14,6 +14,8 @@ from pathlib import Path
 import pytest
 
 from hybridpar.bench.gpu_check import equivalence_layouts, main, mfu_option
+from hybridpar.bench.gpu_predict import datasheet_for
+from hybridpar.plan.hardware import load_hardware
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -50,6 +52,15 @@ def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
     copies = mfu["options"][1]
     assert copies["train"] == {"bf16_weights": "copies"} and 0 < copies["loss_max_rel_diff"] < 2**-7, copies
     assert mfu["best"] in ("eager", "copies") and mfu["mfu"] == max(r["mfu"] for r in mfu["options"])
+    # the GPU probe's plumbing on CPU (bench/gpu_predict.py): the probed file is a hardware file, the planner's
+    # prediction of the eager step on it beside the eager step measured
+    probe = mfu["probe"]
+    assert load_hardware(probe["probed_file"]).gpu_calibration.matmul_table is not None, probe
+    assert probe["datasheet"] == "docs/hardware/dgx-h100.toml" and probe["calibration"]["attention_kernel"] == "flash"
+    # as if there were two GPUs: the all-reduce bus bandwidth measured over two gloo ranks
+    assert probe["calibration"]["intra_bus_measured_over_gpus"] == 2 and probe["calibration"]["intra_bus_fraction"] > 0
+    assert probe["measured_step_s"] == mfu["options"][0]["step_time_s"] and probe["predicted_step_s"] > 0
+    assert probe["measured_over_predicted"] == probe["measured_step_s"] / probe["predicted_step_s"]
 
 
 @pytest.mark.multiprocess
@@ -82,6 +93,14 @@ def test_mfu_options_parse_and_name_a_bad_part() -> None:
     assert mfu_option("unfused") == {"fused_adamw": "off"}
     with pytest.raises(ValueError, match=r"unknown part 'fast' \(parts: eager, compile, copies, unfused, m1"):
         mfu_option("compile+fast")
+
+
+def test_the_probe_picks_the_datasheet_by_device_name() -> None:
+    assert datasheet_for("NVIDIA H100 80GB HBM3").name == "dgx-h100.toml"
+    assert datasheet_for("NVIDIA H200").name == "dgx-h200.toml"
+    for other in ("NVIDIA H100 PCIe", "NVIDIA H200 NVL", "NVIDIA A100-SXM4-80GB"):
+        with pytest.raises(ValueError, match=rf"^no datasheet file for '{other}': .* --probe --hardware FILE"):
+            datasheet_for(other)
 
 
 def test_layouts_fit_the_gpus() -> None:

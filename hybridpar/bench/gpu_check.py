@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.bench import emit
+from hybridpar.bench.gpu_predict import probe_and_predict
 
 TORCH_PIN = "2.13.0"
 TORCH_FLOOR = (2, 6)  # pyproject.toml's torch>=2.6
@@ -216,10 +217,9 @@ def _mfu_worker(cfg_dict: dict, steps: int) -> dict:
     }
 
 
-def _mfu_run(a: argparse.Namespace, option: str, steps: int) -> dict:
-    """One option's run in a process of its own (a compiled run's caches and memory do not reach the next)."""
+def mfu_config(a: argparse.Namespace, option: str) -> Any:
+    """The Config of one option's run of the mfu check."""
     from hybridpar.config import Config
-    from hybridpar.topology.spawn import run_ranks
 
     cfg = Config()
     for k, v in (TINY_LLAMA if a.dry_run else LLAMA_1B).items():
@@ -232,6 +232,14 @@ def _mfu_run(a: argparse.Namespace, option: str, steps: int) -> dict:
     for k, v in mfu_option(option).items():
         setattr(t, k, v)
     cfg.run_dir = str(Path(a.out).with_suffix("") / option)
+    return cfg
+
+
+def _mfu_run(a: argparse.Namespace, option: str, steps: int) -> dict:
+    """One option's run in a process of its own (a compiled run's caches and memory do not reach the next)."""
+    from hybridpar.topology.spawn import run_ranks
+
+    cfg = mfu_config(a, option)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
     res = run_ranks(_mfu_worker, 1, cfg.to_dict(), steps, timeout_s=600)[0]
     timed = res["recs"][2:]
@@ -253,7 +261,9 @@ def check_mfu(a: argparse.Namespace) -> dict:
     """MFU and tokens/s of the ~1B Llama in bf16 on one GPU (tp=pp=dp=1) under each option of `--options`
     (eager first: the others' losses are compared with its), median over the steps after two warm-up steps;
     the peak is the data sheet's for a listed GPU, else a measured matmul peak. An option the configuration
-    refuses, or whose run fails, is reported with its error and fails the check."""
+    refuses, or whose run fails, is reported with its error and fails the check. Then the GPU probe
+    (bench/gpu_predict.py): the calibration measured on the device and the planner's prediction of the eager
+    step with it, beside the eager step measured."""
     import torch
 
     from hybridpar.config import ModelConfig
@@ -280,6 +290,8 @@ def check_mfu(a: argparse.Namespace) -> dict:
     # Above 1 on a GPU would be a FLOP count or peak gone wrong; on CPU (--dry-run) the measured bf16 peak of
     # one square matmul size says little about a tiny model's matmuls, so only > 0 is asked.
     ok = [0 < r["mfu"] and (a.dry_run or r["mfu"] <= 1) and all(math.isfinite(x) for x in r["losses"]) for r in ran]
+    # Last, so that the options' runs are timed on a device the probe has not yet touched (bench/gpu_predict.py).
+    probe = probe_and_predict(a, table, mfu_config)
     return {
         "model": {**cfg_model, "params": sum(p.numel() for p in whole.parameters())},
         "seq_len": 64 if a.dry_run else 2048,
@@ -290,7 +302,8 @@ def check_mfu(a: argparse.Namespace) -> dict:
         "best": None if best is None else best["option"],
         "mfu": None if best is None else best["mfu"],
         "tokens_per_s": None if best is None else best["tokens_per_s"],
-        "passed": len(ran) == len(table) and all(ok),
+        "probe": probe,
+        "passed": len(ran) == len(table) and all(ok) and "error" not in probe,
     }
 
 

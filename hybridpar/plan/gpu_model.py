@@ -41,15 +41,20 @@ each with its source and date, and the attention kernel of the software that ran
                           Llama 3), or "blocking", the sender waits for each transfer to complete and, without
                           sequence parallelism, each tp rank sends its 1/tp slice that the receiving stage
                           all-gathers (Megatron-LM's and DeepSpeed's pipelines of 2021-2022)
+    matmul_table          (optional) rows [m, n, k, fraction]: a full grid of GEMM shapes, each one's bf16 rate
+                          over the peak, measured by `plan --probe --hardware` on a CUDA device (plan/gpu_probe.py,
+                          plan/matmul_table.py); matmul_fraction is then its best row
     source, date          where each number comes from, and when
 
 From them, with no further constant:
 
-* a GEMM (m, n, k) runs at `matmul_efficiency`: the roofline, min(1, intensity / ridge) of the matmul
-  fraction, where intensity is its FLOPs over the bytes of its three operands and the ridge is the achievable
-  FLOP rate over the achievable memory bandwidth (Williams et al. 2009, "Roofline", CACM 52(4)). It rises
-  with each of m, n, k and never exceeds `matmul_fraction`: a projection of thousands of tokens is at the
-  matmul fraction, the unfused attention's per-head products (k = head_dim) are below it;
+* a GEMM (m, n, k) runs at `matmul_efficiency`: where the calibration has a measured `matmul_table`, its
+  fraction read from the table (interpolated between the grid's shapes) over matmul_fraction; else the
+  roofline, min(1, intensity / ridge) of the matmul fraction, where intensity is its FLOPs over the bytes of
+  its three operands and the ridge is the achievable FLOP rate over the achievable memory bandwidth (Williams
+  et al. 2009, "Roofline", CACM 52(4)). It rises with each of m, n, k and never exceeds `matmul_fraction`: a
+  projection of thousands of tokens is at the matmul fraction, the unfused attention's per-head products
+  (k = head_dim) are below it;
 * memory-bound work (norms, activations, residuals, softmax, dropout, the optimizer) moves its bytes at
   memory_fraction of the bandwidth;
 * a ring collective's step moves bytes at the bus fraction of its link's bandwidth (nccl-tests' busbw is
@@ -64,10 +69,12 @@ use their probe's measured `[calibration]` instead (plan/calibrate.py), and noth
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 from hybridpar.config import ModelConfig
+from hybridpar.plan.matmul_table import MatmulTable, parse_matmul_table
 
 FRACTIONS = ("matmul_fraction", "memory_fraction", "attention_fraction", "intra_bus_fraction", "inter_bus_fraction")
 KERNELS = ("flash", "unfused")
@@ -146,6 +153,7 @@ class GpuCalibration:
     cp_comm: str = "ring"
     grad_accumulation: str = "fused"
     p2p: str = "async"
+    matmul_table: MatmulTable | None = None
     tp_comm_efficiency: float = 1.0
 
     def to_toml(self) -> str:
@@ -155,6 +163,7 @@ class GpuCalibration:
         for key, default in OPTIONAL_CHOICES.items():
             over += f'{key} = "{getattr(self, key)}"\n' if getattr(self, key) != default[0] else ""
         over += f"tp_comm_efficiency = {self.tp_comm_efficiency!r}\n" if self.tp_comm_efficiency != 1.0 else ""
+        over += self.matmul_table.to_toml() if self.matmul_table is not None else ""
         return (
             f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n{over}'
             f"source = {text(self.source)}\ndate = {text(self.date)}"
@@ -164,7 +173,7 @@ class GpuCalibration:
 def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     """The `[gpu_calibration]` table; ValueError naming the key and its form."""
     known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
-    optional = ["overlap", "tp_comm_efficiency", *OPTIONAL_CHOICES]
+    optional = ["overlap", "tp_comm_efficiency", *OPTIONAL_CHOICES, "matmul_table"]
     if not isinstance(d, dict) or not known <= set(d) <= known | set(optional):
         got = sorted(d) if isinstance(d, dict) else repr(d)
         raise ValueError(
@@ -198,25 +207,38 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     for k in ("source", "date"):
         if not isinstance(d[k], str) or not d[k].strip():
             raise ValueError(f"{where} [gpu_calibration]: {k} must be a non-empty string")
+    table = None if "matmul_table" not in d else parse_matmul_table(d["matmul_table"], f"{where} [gpu_calibration]")
+    # The table's best row is the rate the GEMMs' efficiencies are relative to (Rates.matmul_efficiency).
+    if table is not None and not math.isclose(table.best(), d["matmul_fraction"], rel_tol=1e-9):
+        raise ValueError(
+            f"{where} [gpu_calibration]: matmul_fraction must be matmul_table's best fraction {table.best()!r} "
+            f"(the best GEMM rate), got {d['matmul_fraction']!r}"
+        )
     return GpuCalibration(
         **{k: float(d[k]) for k in FRACTIONS},
         **{k: d[k] for k in ("attention_kernel", "source", "date")},
         overlap=tuple(over),
         **{key: d.get(key, choices[0]) for key, choices in OPTIONAL_CHOICES.items()},
+        matmul_table=table,
         tp_comm_efficiency=float(eff),
     )
 
 
 @dataclass(frozen=True)
 class Rates:
-    """What a GPU reaches: FLOP/s of its best GEMM, bytes/s of memory, bytes per element."""
+    """What a GPU reaches: FLOP/s of its best GEMM, bytes/s of memory, bytes per element; the measured GEMM
+    efficiencies by shape where the calibration has them."""
 
     flops: float
     memory_bps: float
     elem_bytes: int
+    table: MatmulTable | None = None
 
     def matmul_efficiency(self, m: float, n: float, k: float) -> float:
-        """Fraction of the best GEMM rate that an (m x k) @ (k x n) product reaches: the roofline."""
+        """Fraction of the best GEMM rate that an (m x k) @ (k x n) product reaches: read from the measured
+        table (relative to its best row, which is matmul_fraction), else the roofline."""
+        if self.table is not None:
+            return self.table.fraction(m, n, k) / self.table.best()
         intensity = 2.0 * m * n * k / (self.elem_bytes * (m * k + k * n + m * n))
         return min(1.0, intensity * self.memory_bps / self.flops)
 

@@ -44,7 +44,8 @@ Optional keys:
                                       machine at given (tp, tokens) shapes (plan/calibrate.py); the cost
                                       model uses them for that model shape in fp32, FLOPs otherwise
 
-`plan --probe` writes every key for this machine (plan/probe.py).
+`plan --probe` writes every key for this machine (plan/probe.py); `plan --probe --hardware FILE` on a CUDA host
+writes FILE's keys with a measured `[gpu_calibration]` (plan/gpu_probe.py).
 """
 
 from __future__ import annotations
@@ -144,7 +145,9 @@ class Hardware:
         g, mem = self.gpu_calibration, self.memory_bps()
         if g is None or mem is None:
             return None
-        return Rates(self.peak_flops(precision) * g.matmul_fraction, mem, 4 if precision == "fp32" else 2)
+        return Rates(
+            self.peak_flops(precision) * g.matmul_fraction, mem, 4 if precision == "fp32" else 2, g.matmul_table
+        )
 
     def device_speed(self, device: int) -> float:
         return 1.0 if self.speed is None else self.speed[device]

@@ -2,6 +2,11 @@
 
     hybridpar plan [--config FILE] [--model.* V ...] [--train.* V ...] (--hardware FILE | --probe [--out FILE])
                    [--world N] [--global-batch N] [--top 10] [--json FILE]
+    hybridpar plan --probe --hardware DATASHEET.toml [--out FILE] ...   (on a CUDA host: the GPU calibration)
+
+`--probe` alone measures this CPU host (plan/probe.py); with `--hardware` a GPU datasheet file, it measures this
+host's CUDA GPUs against that file's peaks and writes the file back with a measured [gpu_calibration]
+(plan/gpu_probe.py).
 
 Prints a table, fastest first: predicted step time, tokens/s, MFU, memory per rank, bubble and why.
 Exit code 2 and one line when the request cannot be met (no layout fits, the world cannot be split).
@@ -30,9 +35,13 @@ def default_memory() -> Memory:
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="hybridpar plan", description=__doc__.split("\n\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--hardware", help="hardware description (TOML; docs/hardware/ has examples)")
-    src.add_argument("--probe", action="store_true", help="measure this machine instead (plan/probe.py)")
+    ap.add_argument("--hardware", help="hardware description (TOML; docs/hardware/ has examples)")
+    ap.add_argument(
+        "--probe",
+        action="store_true",
+        help="measure this machine instead (plan/probe.py); with --hardware DATASHEET.toml on a CUDA host, measure "
+        "its GPUs' calibration against that file's peaks (plan/gpu_probe.py)",
+    )
     ap.add_argument("--out", help="with --probe: also write the measured hardware file here")
     ap.add_argument("--world", type=int, help="devices to plan for (default: all of the hardware's)")
     ap.add_argument("--global-batch", type=int, help="sequences per step (default: train.global_batch)")
@@ -72,7 +81,28 @@ def run(argv: list[str], memory: Memory | None = None) -> tuple[Plan, Hardware, 
     validate_config(cfg)  # the model and training keys; the layout is what the planner chooses
     if a.top < 1:
         raise ValueError(f"--top must be at least 1, got {a.top}")
-    if a.probe:
+    hw = _hardware(a, cfg)
+    return plan(cfg, hw, memory or default_memory(), world=a.world, top=a.top), hw, a
+
+
+def _hardware(a: argparse.Namespace, cfg: Config) -> Hardware:
+    """The hardware to plan on: loaded, probed (this CPU host) or its GPUs probed against a datasheet file; the
+    probed file written to --out."""
+    if not a.probe and not a.hardware:
+        raise ValueError("needs --hardware FILE (docs/hardware/ has examples) or --probe (measure this machine)")
+    if a.out and not a.probe:
+        raise ValueError("--out writes a probed hardware file: it needs --probe")
+    if a.probe and a.hardware:
+        from hybridpar.plan.gpu_probe import probe_gpu
+
+        hw, figures = probe_gpu(load_hardware(a.hardware), f"hardware file {a.hardware!r}")
+        print(probe_line(hw, figures), file=sys.stderr)
+    elif a.probe and _has_cuda():
+        raise ValueError(
+            "this host has CUDA GPUs: --probe measures them against their datasheet, so give it the file with the "
+            "peaks it divides by: --probe --hardware DATASHEET.toml (docs/hardware/dgx-h100.toml, dgx-h200.toml)"
+        )
+    elif a.probe:
         from hybridpar.plan.calibrate import shapes_for
         from hybridpar.plan.probe import probe
 
@@ -83,12 +113,30 @@ def run(argv: list[str], memory: Memory | None = None) -> tuple[Plan, Hardware, 
             seq_len=cfg.train.seq_len,
             shapes=shapes_for(cfg.model, cfg.train.global_batch, world),
         )
-        if a.out:
-            with open(a.out, "w", encoding="utf-8") as fh:
-                fh.write(to_toml(hw))
     else:
         hw = load_hardware(a.hardware)
-    return plan(cfg, hw, memory or default_memory(), world=a.world, top=a.top), hw, a
+    if a.out:
+        with open(a.out, "w", encoding="utf-8") as fh:
+            fh.write(to_toml(hw))
+    return hw
+
+
+def probe_line(hw: Hardware, figures: dict[str, Any]) -> str:
+    """One line of what the GPU probe measured (plan/gpu_probe.py), for stderr."""
+    g = hw.gpu_calibration
+    bus = "measured" if figures["intra_bus_fraction"] is not None else "kept: one GPU"
+    return (
+        f"hybridpar plan: probed in {figures['seconds']:.0f} s: matmul_fraction {g.matmul_fraction:.3f} (at "
+        f"{figures['matmul_best'][:3]}), memory_fraction {g.memory_fraction:.3f}, attention_fraction "
+        f"{g.attention_fraction:.3f} ({figures['attention_backend']}), intra_bus_fraction "
+        f"{g.intra_bus_fraction:.3f} ({bus})"
+    )
+
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def main(argv: list[str]) -> int:

@@ -1,0 +1,86 @@
+"""The mfu check's last step (bench/gpu_check.py): the GPU probe (plan/gpu_probe.py) on the device, and the
+planner's prediction of the ~1B model's eager step with the probed calibration beside the step measured.
+
+The datasheet file the probe divides by is picked by the device's name: an H100 SXM (docs/hardware/dgx-h100.toml)
+or an H200 SXM (dgx-h200.toml); other GPUs (PCIe and NVL boards included: other peaks) are refused with a line
+saying how to probe them. `--dry-run` runs the same code on CPU with tiny sizes against the H100 file: the
+plumbing, not a GPU's figures.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+from typing import Any, Callable
+
+HARDWARE = Path(__file__).resolve().parents[2] / "docs" / "hardware"
+DATASHEETS = {"H100": "dgx-h100.toml", "H200": "dgx-h200.toml"}
+DRY_GRID = (8, 16)
+DRY_SIZES = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1, bus_bytes=1 << 16)
+
+
+def datasheet_for(device_name: str) -> Path:
+    """The datasheet file of a device named `device_name` (torch.cuda.get_device_name); ValueError naming it."""
+    name = device_name.upper()
+    hits = [f for key, f in DATASHEETS.items() if key in name and "PCIE" not in name and "NVL" not in name]
+    if len(hits) != 1:
+        raise ValueError(
+            f"no datasheet file for {device_name!r}: the mfu check's probe knows the H100 SXM and H200 SXM "
+            f"(docs/hardware/{', '.join(DATASHEETS.values())}); for another GPU write its datasheet file and run "
+            "`hybridpar plan --probe --hardware FILE --out PROBED.toml`"
+        )
+    return HARDWARE / hits[0]
+
+
+def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], Any]) -> dict:
+    """The probe's figures, the probed file (written beside the check's JSON) and the planner's eager-step
+    prediction on it and on the datasheet file's calibration, beside the eager row's measured step.
+    {"refused": why} for a GPU without a datasheet file here; {"error": ...} if the probe failed."""
+    import torch
+
+    from hybridpar.plan.cost import CostModel, predict
+    from hybridpar.plan.gpu_probe import calibrate_gpu, probe_gpu
+    from hybridpar.plan.hardware import load_hardware, to_toml
+
+    name = "cpu (--dry-run: the plumbing, not a GPU's figures)" if a.dry_run else torch.cuda.get_device_name(0)
+    try:
+        path = HARDWARE / DATASHEETS["H100"] if a.dry_run else datasheet_for(name)
+    except ValueError as e:  # a GPU this check has no datasheet for: said, and not a failure of the check
+        return {"refused": str(e)}
+    try:
+        sheet = load_hardware(path)
+        if a.dry_run:
+            # as if there were a.gpus GPUs (2 by default): the bus bandwidth's ranks run on gloo
+            cal, figures = calibrate_gpu(sheet, torch.device("cpu"), torch.bfloat16, a.gpus, DRY_GRID, DRY_SIZES)
+            probed = dataclasses.replace(sheet, gpu_calibration=cal)
+        else:
+            probed, figures = probe_gpu(sheet, str(path))
+    except Exception as e:  # the probe's own failure (a fraction above 1 included) is the check's
+        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+    out = Path(a.out).with_suffix("") / "probed.toml"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(to_toml(probed))
+    cfg = config(a, "eager")
+    predicted = predict(CostModel(cfg.model, probed), cfg).step_s
+    eager = next((r for r in table if r.get("option") == "eager" and "error" not in r), None)
+    measured = None if eager is None else eager["step_time_s"]
+    g = probed.gpu_calibration
+    return {
+        "device": name,
+        "datasheet": str(path.relative_to(HARDWARE.parents[1])),
+        "probed_file": str(out),
+        "probe_s": figures["seconds"],
+        "calibration": {
+            **{k: getattr(g, k) for k in ("matmul_fraction", "memory_fraction", "attention_fraction")},
+            **{k: getattr(g, k) for k in ("intra_bus_fraction", "attention_kernel")},
+            "intra_bus_measured_over_gpus": figures["gpus"] if figures["intra_bus_fraction"] is not None else None,
+            "attention_backend": figures["attention_backend"],
+            "attention_by_seq": figures["attention"],
+            "matmul_best_shape": list(figures["matmul_best"][:3]),
+        },
+        "layout": "tp1 pp1 dp1, the eager option's configuration",
+        "predicted_step_s": predicted,
+        "predicted_step_s_datasheet_calibration": predict(CostModel(cfg.model, sheet), cfg).step_s,
+        "measured_step_s": measured,
+        "measured_over_predicted": None if measured is None else measured / predicted,
+    }
