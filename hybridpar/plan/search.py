@@ -22,6 +22,7 @@ import copy
 import dataclasses
 import gc
 import itertools
+import operator
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol, Sequence
 
@@ -189,6 +190,15 @@ BOUNDED = ("tp", "pp", "dp", "cp", "m", "zero", "sp", "recompute", "precision")
 # The knobs a layout's step estimate reads (all but the partition, which it does not model).
 ESTIMATED = ("tp", "pp", "dp", "cp", "schedule", "v", "m", "zero", "sp", "recompute", "precision")
 
+
+def _key(k: dict[str, Any], names: tuple[str, ...]) -> tuple:
+    """The values of knobs `names` in `k` (a cache key; a search asks it of each of its layouts)."""
+    try:
+        return operator.itemgetter(*names)(k)
+    except KeyError:  # knobs given without cp or sp (the defaults)
+        return tuple(k.get(n) for n in names)
+
+
 # The config key of each knob (`fixed` names knobs by these keys).
 KNOB_KEYS = {
     "tp": "parallel.tp",
@@ -352,7 +362,7 @@ class Planner:
     def bound(self, k: dict[str, Any]) -> float:
         """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition, the schedule and
         its virtual stages do not enter: a search's layouts share the bounds of far fewer knobs)."""
-        key = tuple(k.get(n) for n in BOUNDED)
+        key = _key(k, BOUNDED)
         if key not in self._bounds:
             shape, pl, t, tokens, ring = self._shape(k)
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
@@ -369,7 +379,7 @@ class Planner:
     def estimate(self, k: dict[str, Any]) -> float:
         """Fast step estimate of knobs `k` (the search's order, not a bound): average rank work stretched by
         the schedule's bubble formula."""
-        key = tuple(k.get(n) for n in ESTIMATED)
+        key = _key(k, ESTIMATED)
         if key in self._estimates:
             return self._estimates[key]
         shape, pl, layer, total, shared, opt = self._estimated(k)
@@ -393,7 +403,7 @@ class Planner:
         """`estimate`'s terms that the schedule and its virtual stages do not change, once per the knobs the
         knob bound reads: the shape, placement, one layer's costs, the replica's work per step, that work over
         the node's cores where ranks share them, and the optimizer step."""
-        key = tuple(k.get(n) for n in BOUNDED)
+        key = _key(k, BOUNDED)
         if key not in self._estimated_terms:
             shape, pl, t, tokens, ring = self._shape(k)
             layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False), ring=ring)
