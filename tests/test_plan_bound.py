@@ -14,7 +14,7 @@ import pytest
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from hybridpar.plan.bound import compute_shape, step_bound
+from hybridpar.plan.bound import after_bound, compute_shape, step_bound
 from hybridpar.plan.cost import optimizer_s, param_gathers, predict, setup
 from hybridpar.plan.hardware import parse_hardware
 from hybridpar.plan.search import GIB, Planner, _config, _knobs, plan
@@ -177,6 +177,8 @@ def test_working_copies_stay_bounded_and_pruning_keeps_the_top_list() -> None:
         for k, cfg, copies in layouts:
             step = predict(planner.model, copies, planner.actions).step_s
             assert planner.bound(k) <= step * (1 + 1e-9) and planner.step_bound(cfg) <= step * (1 + 1e-9), k
+            end, su = planner.pipeline_bound(copies)  # the copies layout's own bound (_Search.own_beaten)
+            assert end + after_bound(planner.model, copies, su) <= step * (1 + 1e-9), k
     fixed = {"train.precision": "bf16"}
     pruned, full = (plan(base, h, copies_memory, world=8, top=4, fixed=fixed, prune=p) for p in (True, False))
     listed = [(c.label, c.prediction.step_s) for c in pruned.candidates]

@@ -560,6 +560,8 @@ class _Search:
         self.fitted.add(_knob_key(k))
         if k["partition"] == "cost" and self.planner.same_parts(cfg, _config(self.base, {**k, "partition": "params"})):
             return  # the cost-balanced split is the parameter-balanced one: nothing new to rank
+        if self.copies and cfg.train.precision == "bf16" and self.own_beaten(cfg):
+            return  # its bound before counted the cheaper of its weights' precisions; as it runs, it cannot enter
         self.found.append(self.planner.evaluate(cfg, per_rank))
         self.simulated += 1
         self.found.sort(key=lambda c: c.prediction.step_s)
@@ -641,6 +643,14 @@ class _Search:
     def beaten(self, bound: float) -> bool:
         top = self.top
         return self.prune and len(self.found) >= top and bound > self.found[top - 1].prediction.step_s * (1 + TIES)
+
+    def own_beaten(self, cfg: Config) -> bool:
+        """Whether the step bound of the validated layout `cfg` with its own weights' precision (autocast where
+        it fits, else working copies: `fits`) beats the k-th best; their pipeline is the same (cost.py)."""
+        if not (self.prune and len(self.found) >= self.top):
+            return False
+        end, su = self.planner.pipeline_bound(cfg)
+        return self.beaten(end + after_bound(self.planner.model, cfg, su))
 
     def step_beaten(self, k: dict[str, Any]) -> bool:
         # (not `beaten(0.0)`: no bound of 0 beats anything, so it never ran)
