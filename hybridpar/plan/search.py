@@ -238,7 +238,7 @@ def _held_knobs(base: Config, hw: Hardware, world: int, fixed: dict[str, Any]) -
 def _config(base: Config, k: dict[str, Any]) -> Config:
     """`base` with the knobs `k` set (the sections they touch copied, the others shared)."""
     cfg = copy.copy(base)
-    cfg.parallel = dataclasses.replace(
+    cfg.parallel = _replace(
         base.parallel,
         tp=k["tp"],
         pp=k["pp"],
@@ -251,7 +251,7 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
         virtual_stages=k["v"] if SCHEDULES[k["schedule"]].virtual_stages is None else None,
         layer_costs=[1.0] * base.model.n_layers if k["partition"] == "cost" else None,
     )
-    cfg.train = dataclasses.replace(
+    cfg.train = _replace(
         base.train,
         microbatches=k["m"],
         recompute=k["recompute"],
@@ -259,8 +259,17 @@ def _config(base: Config, k: dict[str, Any]) -> Config:
         microbatch_sizes=None,
         bf16_weights=k.get("weights", base.train.bf16_weights),
     )
-    cfg.batching = dataclasses.replace(base.batching, policy="fixed", microbatch_size=None)
+    cfg.batching = _replace(base.batching, policy="fixed", microbatch_size=None)
     return cfg
+
+
+def _replace(section: Any, **changes: Any) -> Any:
+    """`dataclasses.replace` for the config's sections (plain dataclasses: every field an init field, no
+    __post_init__), as a shallow copy: a search builds tens of thousands of layouts."""
+    assert set(changes) <= section.__dataclass_fields__.keys() and not hasattr(section, "__post_init__"), changes
+    out = copy.copy(section)
+    out.__dict__.update(changes)
+    return out
 
 
 def _knob_key(k: dict[str, Any]) -> tuple:
