@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op, stage_count
+from hybridpar.pipeline.simulate import Costs
 from hybridpar.plan.cost import (
     CostModel,
     LayerCosts,
@@ -102,14 +103,28 @@ def after_bound(model: CostModel, cfg: Config, su: Setup, copies: tuple[bool, ..
     return min(sum(su.after_pipeline(model, cfg, copies=c)) for c in copies or (None,))
 
 
+def durations(c: Costs, n: int) -> dict[Op, list[float]]:
+    """Each compute op's seconds at each of the `n` stages as the simulator counts them: dispatch, collective
+    waits and compute (`Costs.per_stage`'s figures, without its checks: `setup` builds them of its costs)."""
+    out = {}
+    for op, cost, comm in (
+        (Op.FORWARD, c.forward_s, c.forward_comm_s),
+        (Op.BACKWARD, c.backward_s, c.backward_comm_s),
+        (Op.WEIGHT, c.weight_s, c.weight_comm_s),
+    ):
+        cost = [float(cost)] * n if isinstance(cost, (int, float)) else cost
+        comm = [float(comm)] * n if isinstance(comm, (int, float)) else comm
+        out[op] = [c.compute_overhead_s + x + y for x, y in zip(comm, cost)]
+    return out
+
+
 def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[float, Setup]:
     """`step_bound` less the optimizer step and the small all-reduces after the pipeline, and the layout's
     setup: the part ZeRO does not change (a search shares it between a layout with ZeRO-1 and without)."""
     p = cfg.parallel
     su = setup(model, cfg)
     c, n, ranks = su.sim_costs, stage_count(p), su.ranks
-    cost, comm = c.per_stage(n), c.per_stage(n, comm=True)
-    dur = {op: [c.compute_overhead_s + comm[op][s] + cost[op][s] for s in range(n)] for op in COMPUTE}
+    dur = durations(c, n)
     hop = c.send_overhead_s + c.latency_s + c.transfer_s()
     down = [0.0] * n  # earliest start of stage s's first forward of a microbatch
     for s in range(1, n):

@@ -191,6 +191,8 @@ class CostModel:
         # of times (they read of the training settings only the precision and the sequence length).
         self._layers: dict[tuple, LayerCosts] = {}
         self._ends: dict[tuple, tuple[Work, Work]] = {}
+        self._placements: dict[tuple[int, int, int, int], Placement] = {}
+        self._stages: dict[tuple, tuple] = {}  # `setup`'s per-stage part per distinct input
 
     def _rate(self, precision: str) -> float:
         peak = self.hw.peak_flops(precision)
@@ -405,6 +407,13 @@ class CostModel:
             for s, r in enumerate(parts)
         ]
 
+    def placed(self, p: Shape | ParallelConfig) -> Placement:
+        """`placement` of the mesh shape of `p` (it reads tp, cp, pp and dp only), computed once per shape."""
+        key = (p.tp, p.cp, p.pp, p.dp)
+        if key not in self._placements:
+            self._placements[key] = placement(p, self.hw)
+        return self._placements[key]
+
     def parts(self, cfg: Config, pl: Placement) -> list[range]:
         """The layers of each stage under cfg.parallel.partition (params: balance parameters, as the
         runtime does; cost: balance time with the embedding and head as extras and the ranks' speeds)."""
@@ -418,6 +427,17 @@ class CostModel:
                     [float(c.layer)] * L, n_stages, first_extra=c.embed, last_extra=c.head
                 )
             return self._parts[n_stages,]
+        # What the split below reads, for a cheaper key than its own (a search asks thousands of times).
+        t = cfg.train
+        lc = None if p.layer_costs is None else tuple(p.layer_costs)
+        asked = (lc, p.schedule, p.pp, stages_per_rank(p), p.tp, pl.tp, pl.pp_speed, t.precision, t.seq_len)
+        if asked not in self._parts:
+            self._parts[asked] = self._cost_parts(cfg, pl)
+        return self._parts[asked]
+
+    def _cost_parts(self, cfg: Config, pl: Placement) -> list[range]:
+        p = cfg.parallel
+        n_stages, L = stage_count(p), self.m.n_layers
         if p.layer_costs is not None:
             costs = list(p.layer_costs)
         else:
@@ -566,10 +586,30 @@ def handoff(hw: Hardware, p: ParallelConfig, pl: Placement, msg: int) -> tuple[i
 def setup(model: CostModel, cfg: Config) -> Setup:
     """The simulator's inputs for the layout `cfg` (equal microbatches: the per-replica batch over
     train.microbatches, rounded up; under context parallelism a rank's 1/cp of their tokens)."""
-    hw, p, t = model.hw, cfg.parallel, cfg.train
-    pl = placement(p, hw)
+    p, t = cfg.parallel, cfg.train
+    pl = model.placed(p)
     parts = model.parts(cfg, pl)
     tokens = math.ceil(t.global_batch / p.dp / t.microbatches) * t.seq_len // p.cp
+    # Layouts that differ in dp and microbatches but not in a rank's tokens share their stages' costs: a search
+    # asks for thousands of layouts with a few hundred distinct keys. Of the training settings the costs read
+    # the precision, the sequence length (CostModel.layer, ends, calibrated) and the recomputation; of the
+    # partition only its stages' layer counts; of the placement the tp, pp and cp links and the ranks' speeds.
+    v = stages_per_rank(p)
+    key = (p.schedule, p.pp, v, p.tp, p.cp, p.sequence_parallel, pl.tp, pl.pp, pl.cp, pl.pp_speed, tokens)
+    key += (t.precision, t.seq_len, t.recompute)
+    key += (tuple(map(len, parts)),)
+    if key not in model._stages:
+        model._stages[key] = _stage_inputs(model, cfg, pl, parts, tokens)
+    costs, sim_costs, ranks, stage_params, msg = model._stages[key]
+    return Setup(pl, parts, costs, sim_costs, sharing(p, model.hw, pl), ranks, stage_params, msg)
+
+
+def _stage_inputs(
+    model: CostModel, cfg: Config, pl: Placement, parts: list[range], tokens: int
+) -> tuple[list[LayerCosts], Costs, tuple[int, ...], list[int], int]:
+    """`setup`'s per-stage part: the stages' costs, the simulator's costs, each stage's rank and parameters, and
+    the hand-off's bytes per tp rank."""
+    hw, p, t = model.hw, cfg.parallel, cfg.train
     costs = stage_costs(model, cfg, pl, parts, tokens)
     spec = schedule_spec(p.schedule)
     split = spec.splits_backward
@@ -592,7 +632,7 @@ def setup(model: CostModel, cfg: Config) -> Setup:
         send_overhead_s=send,
     )
     ranks = spec.stage_ranks(p.pp, stages_per_rank(p))
-    return Setup(pl, parts, costs, sim_costs, sharing(p, hw, pl), ranks, model.stage_params(parts), msg)
+    return costs, sim_costs, ranks, model.stage_params(parts), msg
 
 
 def predict(
