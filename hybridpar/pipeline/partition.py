@@ -170,7 +170,12 @@ def partition_by_cost(
         prev, e, sp = sq[k - 1], extra[k], speed[k]
         for j in range(k + 1, n - (n_stages - k - 1) + 1):
             pj = prefix[j]
-            for i in range(k, j):
+            # The stage's time grows as its first layer i falls (costs >= 0, and rounding keeps order), so the
+            # cuts under the bound are a suffix of range(k, j): the loop below skips the others anyway.
+            lo = j - 1
+            while lo > k and (pj - prefix[lo - 1] + e) / sp <= bound:
+                lo -= 1
+            for i in range(lo, j):
                 t = (pj - prefix[i] + e) / sp
                 if t > bound or prev[i] == inf:
                     continue

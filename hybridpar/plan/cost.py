@@ -193,6 +193,7 @@ class CostModel:
         self._ends: dict[tuple, tuple[Work, Work]] = {}
         self._placements: dict[tuple[int, int, int, int], Placement] = {}
         self._stages: dict[tuple, tuple] = {}  # `setup`'s per-stage part per distinct input
+        self._stage_kinds: dict[tuple, dict[tuple, LayerCosts]] = {}  # `stage_costs`' kinds per its inputs
 
     def _rate(self, precision: str) -> float:
         peak = self.hw.peak_flops(precision)
@@ -478,27 +479,40 @@ class Prediction:
 
 def stage_costs(model: CostModel, cfg: Config, pl: Placement, parts: list[range], tokens: int) -> list[LayerCosts]:
     """F, B, W of every stage for a microbatch of `tokens` tokens, at its pipeline rank's speed."""
-    p = cfg.parallel
-    modes = cfg.train.recompute_modes(stage_count(p))
+    p, t = cfg.parallel, cfg.train
+    modes = t.recompute_modes(stage_count(p))
     ranks = schedule_spec(p.schedule).stage_ranks(p.pp, stages_per_rank(p))
     split = schedule_spec(p.schedule).splits_backward
-    embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
-    cal = model.calibrated(cfg.train)
-    action = Work(cal.action_overhead_s / cal.core_share if cal is not None else 0.0)  # the runtime's own, per action
     ring = (p.cp, pl.cp) if pl.cp is not None else None
-    out, alike = [], {}  # the stages repeat a few kinds (mode, layers, ends, speed): each costed once
+    # The stages repeat a few kinds (mode, layers, ends, speed), and the layouts of a search a few hundred of
+    # these inputs (of the training settings they read the precision and the sequence length: CostModel.layer,
+    # end_costs, calibrated): each kind is costed once per search.
+    inputs = (t.precision, t.seq_len, p.tp, tokens, pl.tp, split, p.sequence_parallel, ring)
+    alike = model._stage_kinds.setdefault(inputs, {})
+    out, last = [], len(parts) - 1
     for s, r in enumerate(parts):
-        kind = (modes[s], len(r), s == 0, s == len(parts) - 1, pl.pp_speed[ranks[s]])
+        kind = (modes[s], len(r), s == 0, s == last, pl.pp_speed[ranks[s]])
         if kind not in alike:
-            lay = model.layer(cfg.train, p.tp, tokens, pl.tp, modes[s], split, p.sequence_parallel, ring)
-            f, b, w = lay.f.times(len(r)) + action, lay.b.times(len(r)) + action, lay.w.times(len(r))
-            w = w + action if split else w
-            for extra in ([embed] if s == 0 else []) + ([head] if s == len(parts) - 1 else []):
-                f, b, w = f + extra.f, b + extra.b, w + extra.w
-            speed = kind[-1]
-            alike[kind] = LayerCosts(f.times(1 / speed), b.times(1 / speed), w.times(1 / speed))
+            alike[kind] = _stage_kind(model, cfg, pl, tokens, kind)
         out.append(alike[kind])
     return out
+
+
+def _stage_kind(model: CostModel, cfg: Config, pl: Placement, tokens: int, kind: tuple) -> LayerCosts:
+    """`stage_costs` of one kind of stage: (recomputation, layers, holds the embedding, holds the head, speed)."""
+    p = cfg.parallel
+    mode, layers, first, final, speed = kind
+    split = schedule_spec(p.schedule).splits_backward
+    ring = (p.cp, pl.cp) if pl.cp is not None else None
+    cal = model.calibrated(cfg.train)
+    action = Work(cal.action_overhead_s / cal.core_share if cal is not None else 0.0)  # the runtime's own, per action
+    lay = model.layer(cfg.train, p.tp, tokens, pl.tp, mode, split, p.sequence_parallel, ring)
+    f, b, w = lay.f.times(layers) + action, lay.b.times(layers) + action, lay.w.times(layers)
+    w = w + action if split else w
+    embed, head = model.end_costs(cfg.train, p.tp, tokens, pl.tp)
+    for extra in ([embed] if first else []) + ([head] if final else []):
+        f, b, w = f + extra.f, b + extra.b, w + extra.w
+    return LayerCosts(f.times(1 / speed), b.times(1 / speed), w.times(1 / speed))
 
 
 def sharing(p: Shape | ParallelConfig, hw: Hardware, pl: Placement) -> CoreSharing | None:
