@@ -156,14 +156,18 @@ def partition_by_cost(
         for j in range(k + 1, n - (n_stages - k - 1) + 1):
             pj = prefix[j]
             best[k][j] = min([max(prev[i], (pj - prefix[i] + e) / sp) for i in range(k, j)])
-    bound = best[n_stages - 1][n] * (1.0 + _REL_TOL)
+    return _balanced(prefix, extra, speed, best[n_stages - 1][n] * (1.0 + _REL_TOL))
 
-    # Pass 2: among partitions whose every stage fits under the bound, minimise the sum of
-    # squared stage times (additive over stages, so the DP stays exact).
+
+def _balanced(prefix: list[float], extra: list[float], speed: Sequence[float], bound: float) -> list[range]:
+    """Pass 2 of `partition_by_cost`: among the partitions whose every stage fits under `bound`, the one with the
+    least sum of squared stage times (additive over stages, so the DP stays exact), later stages the shorter on
+    ties. `prefix`: the layers' cost sums, `extra` and `speed` per stage."""
+    n, n_stages, inf = len(prefix) - 1, len(extra), math.inf
     sq = [[inf] * (n + 1) for _ in range(n_stages)]
     cut = [[0] * (n + 1) for _ in range(n_stages)]
     for j in range(1, n - n_stages + 2):
-        t = time(0, 0, j)
+        t = (prefix[j] - prefix[0] + extra[0]) / speed[0]
         if t <= bound:
             sq[0][j] = t * t
     for k in range(1, n_stages):

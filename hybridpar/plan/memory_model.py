@@ -42,7 +42,6 @@ import torch
 from hybridpar.batching.order import pipeline_order
 from hybridpar.batching.policy import plan_for
 from hybridpar.config import Config, ModelConfig
-from hybridpar.dataparallel.grads import BUCKET_BYTES
 from hybridpar.dataparallel.zero import slice_of
 from hybridpar.model.registry import family
 from hybridpar.model.tp import tp_dims
@@ -167,20 +166,13 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
     if dp * cp == 1:
         return 0
     zero = zero if dp > 1 else 0  # ZeRO's slices are cut over dp
+    # Every tensor is copied once into some bucket and every bucket is in flight: how the tensors are grouped
+    # does not change the sum, so equal tensors are counted once each, times their count.
     total = 0
     for shapes in stages:
-        buckets: list[list[Shape]] = [[]]
-        size = 0
-        for shape, d in reversed(shapes):
-            if size >= BUCKET_BYTES:
-                buckets.append([])
-                size = 0
-            buckets[-1].append((shape, d))
-            size += _numel(shape) * F32
-        for bucket in buckets:
-            for (shape, d), count in Counter(bucket).items():
-                sliced = _cut(shape, d, dp, cache)[0] if zero else False
-                total += 0 if sliced else count * _numel(shape) * F32
+        for (shape, d), count in Counter(shapes).items():
+            sliced = _cut(shape, d, dp, cache)[0] if zero else False
+            total += 0 if sliced else count * _numel(shape) * F32
     return total
 
 
