@@ -176,17 +176,12 @@ def bucket_bytes(stages: list[list[Shape]], dp: int, zero: int, cache: dict | No
     return total
 
 
-def working_copies(cfg: Config) -> bool:
-    """Whether the run trains bf16 working copies (train.bf16_weights copies) rather than under autocast."""
-    return cfg.train.working_copies
-
-
 def table_casts(cfg: Config, has_layers: bool) -> int:
     """Under working copies, a stage's forward casts the rotary tables to the residual stream's bf16 once per
     microbatch (llama.py's forward), and its layers' rotations save that cast (autocast saves the fp32 tables
     themselves, once per step: step_saved)."""
     m = cfg.model
-    on = working_copies(cfg) and has_layers and m.family == "llama" and cfg.parallel.cp == 1
+    on = cfg.train.working_copies and has_layers and m.family == "llama" and cfg.parallel.cp == 1
     return 2 * seq_len(cfg) * m.head_dim * 2 if on else 0
 
 
@@ -206,7 +201,7 @@ def ring_attention_saved(cfg: Config, bt: int, b: int) -> int:
     m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
     hq, hk, hd = m.n_heads // tp, m.kv_heads // tp, m.head_dim
     c = 2 if t.precision == "bf16" else F32
-    qk = F32 if m.family == "llama" and not working_copies(cfg) else c
+    qk = F32 if m.family == "llama" and not cfg.train.working_copies else c
     out = bt * hq * hd * F32 + b * hq * seq_len(cfg) * F32
     return bt * (hq + hk) * hd * qk + bt * hk * hd * c + out + (bt * hq * hd * c if c != F32 else 0)
 
@@ -247,7 +242,7 @@ def layer_saved(cfg: Config, b: int, mode: str) -> int:
     bs = bt // seq_shards(cfg)  # tokens of the sequence-sharded regions (all of them without SP)
     bg = bs if regathers(cfg, mode) else bt  # tokens of the projections' gathered inputs as kept
     hq, hk, f = m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
-    low, copies = t.precision == "bf16", working_copies(cfg)
+    low, copies = t.precision == "bf16", cfg.train.working_copies
     c = 2 if low else F32  # bytes of what the matmuls produce (autocast's dtype)
     r = 2 if copies else F32  # the residual stream's (bf16 under working copies)
     x = bs * d * r  # the layer's input: all that full recomputation keeps
@@ -290,7 +285,7 @@ def weight_casts(cfg: Config, layers: int, last: bool) -> int:
     on the last stage; tp rank's shards): made once per step where the rank's step spans autocast's cache
     (pipeline/runtime.py's step_casts: no stage of the rank recomputes), else once per microbatch."""
     m, tp = cfg.model, cfg.parallel.tp
-    if cfg.train.precision != "bf16" or working_copies(cfg):  # working copies: the weights are bf16, no casts
+    if cfg.train.precision != "bf16" or cfg.train.working_copies:  # working copies: the weights are bf16, no casts
         return 0
     d, hd, hq, hk, f = m.dim, m.head_dim, m.n_heads // tp, m.kv_heads // tp, m.ffn_dim // tp
     if m.family == "llama":  # q, k, v; o; gate, up, down
@@ -311,12 +306,12 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
         out += bt * (I64 + 1) if tp > 1 else 0
         out += seq_len(cfg) * I64 if m.family == "gpt2" else 0  # the positions looked up
     if cfg.parallel.cp > 1 and m.family == "llama":  # each microbatch's rows of the rotary tables (cos, sin)
-        out += 2 * bt * m.head_dim * (2 if working_copies(cfg) else F32)  # working copies: their bf16 cast
+        out += 2 * bt * m.head_dim * (2 if cfg.train.working_copies else F32)  # working copies: their bf16 cast
     if last:
         # The final norm as in the layers, the head's input (its cast under autocast; the weight's cast:
         # weight_casts), the fp32 log-softmax over the whole vocabulary, the loss's total weight.
         bs = bt // seq_shards(cfg)  # the final norm runs on the rank's slice of the sequence
-        r = 2 if working_copies(cfg) else F32  # the residual stream's bytes
+        r = 2 if cfg.train.working_copies else F32  # the residual stream's bytes
         norm = bs * d * r + (bs * F32 if m.family == "llama" else 2 * bs * r)
         head_in = bt * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
@@ -328,7 +323,7 @@ def step_saved(cfg: Config, first: bool, last: bool, replica: int) -> int:
     stage), the replica's token ids (first stage, one rank) and targets (last stage)."""
     m = cfg.model
     rope = 2 * seq_len(cfg) * m.head_dim * F32 if m.family == "llama" and cfg.parallel.cp == 1 else 0
-    rope = 0 if working_copies(cfg) else rope  # their bf16 casts, per microbatch: table_casts
+    rope = 0 if cfg.train.working_copies else rope  # their bf16 casts, per microbatch: table_casts
     ids = replica * seq_len(cfg) * I64
     return rope + (ids if first and cfg.parallel.tp == 1 else 0) + (ids if last else 0)
 
@@ -345,10 +340,10 @@ def weight_held(cfg: Config, b: int, layers: int, last: bool) -> int:
     c = 2 if t.precision == "bf16" else F32
     # llama's projections read the norms' shared bf16 cast; GPT-2's the norm's output, fp32 under autocast
     # and bf16 under working copies
-    shared = c if m.family == "llama" or working_copies(cfg) else F32
+    shared = c if m.family == "llama" or cfg.train.working_copies else F32
     inputs = 2 * bt * d * shared + bt * hq * hd * c + bt * f * c
     grads = bt * (hq + 2 * hk) * hd * c + 2 * bt * d * c + (2 if m.family == "llama" else 1) * bt * f * c
-    head = bt * d * (2 if working_copies(cfg) else F32) + bt * (m.vocab_size // tp) * c if last else 0
+    head = bt * d * (2 if cfg.train.working_copies else F32) + bt * (m.vocab_size // tp) * c if last else 0
     return layers * (inputs + grads) + head
 
 
@@ -388,11 +383,11 @@ def activation_peaks(
         # saved shared cast (llama.shared_casts), so only its head's.
         per_layer = 2 * (modes[s] == "none") * (cfg.model.family != "llama")
         norms = per_layer * len(parts[s]) + last
-        widened = split and c == 2 and not working_copies(cfg)  # working copies: W holds what autograd saves
+        widened = split and c == 2 and not cfg.train.working_copies  # working copies: W holds what autograd saves
         one += norms * b * seq_len(cfg) * cfg.model.dim * F32 if widened else 0
         bt_d = b * seq_len(cfg) * cfg.model.dim // seq_shards(cfg)  # a stage's input and output
         # Recomputing, B holds all W needs while the stage's input (the residual stream's dtype) is still saved.
-        r = 2 if working_copies(cfg) else F32
+        r = 2 if cfg.train.working_copies else F32
         inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * r
         # A message read in place from a receive buffer is the buffer itself, which `buffers` counts
         # (plan/messages.py): the stage input its first layer saves, and under a split the output gradient
@@ -529,7 +524,7 @@ class MemoryModel:
 
     def _static_of(self, cfg: Config, mk: tuple, parts: list[range], ranks: tuple) -> list[tuple[int, ...]]:
         p = cfg.parallel
-        key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather, working_copies(cfg), tuple(parts), ranks)
+        key = (mk, p.tp, p.pp, p.dp, p.zero, p.zero3_regather, cfg.train.working_copies, tuple(parts), ranks)
         return self._get(self._static, key, lambda: self._held(cfg, parts, ranks))
 
     def program(self, name: str, pp: int, chunks: int, count: int, lookahead: int) -> Program:
@@ -573,7 +568,7 @@ class MemoryModel:
         for r in range(p.pp):
             mine = [s for s in range(n) if ranks[s] == r]
             # A rank's bytes depend on its stages' shapes only: ranks of equal stage sizes are counted once.
-            key = (mk, p.tp, p.pp, p.dp, p.cp, p.zero, p.zero3_regather, working_copies(cfg))
+            key = (mk, p.tp, p.pp, p.dp, p.cp, p.zero, p.zero3_regather, cfg.train.working_copies)
             key += tuple((len(parts[s]), s == 0, s == n - 1) for s in mine)
             out.append(self._get(self._ranks, key, lambda: self._rank_held(cfg, parts, mine)))
         return out
@@ -583,7 +578,7 @@ class MemoryModel:
         per_stage = [stage_shapes(cfg, parts, s, self._shapes) for s in mine]
         shapes = [x for st in per_stage for x in st]
         params = sum(_numel(s) for s, _ in shapes) * F32
-        copies = working_copies(cfg)  # bf16 parameters; fp32 masters sliced over dp at any ZeRO
+        copies = cfg.train.working_copies  # bf16 parameters; fp32 masters sliced over dp at any ZeRO
         opt = optimizer_bytes(shapes, p.dp, max(p.zero, copies), self._cuts, copies)
         embed = (cfg.model.vocab_size // p.tp, cfg.model.dim)  # (a shard of) the tied embedding
         if p.zero >= 2 and p.dp > 1:  # the kept gradient slices are summed, slice by slice (sync_tied_embeddings)
