@@ -56,6 +56,7 @@ from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce
 from hybridpar.plan.gpu_model import (
     accumulation_bytes,
     blocks_p2p,
+    counts_traffic,
     exposed_tp_comm,
     gathers_cp,
     grad_bytes,
@@ -65,6 +66,7 @@ from hybridpar.plan.gpu_model import (
     weight_gemms,
 )
 from hybridpar.plan.hardware import Hardware, Link
+from hybridpar.plan.traffic import Settings, Traffic, count_optimizer, scaled_for_optimizer, traffic
 
 # Elements read or written per token by the elementwise work of one decoder layer's forward, counted on
 # the Llama block (two RMSNorms: square, mean, scale, weight, about 6 accesses per element each; two
@@ -78,6 +80,7 @@ F32_BYTES = 4
 ADAMW_BYTES = 28  # per parameter: read p, g, m, v; write p, m, v (fp32)
 COPY_BYTES = 6  # per parameter of a working copy's slice: read its fp32 master, write the bf16 weight (refresh)
 OPS_PER_PARAM_TENSOR = 12  # AdamW's per-tensor operations (torch's for-loop implementation on CPU)
+CLIP_BYTES = 12  # per parameter: clipping's norm reads each gradient (4), its scaling reads and writes it (8)
 
 
 @dataclass(frozen=True)
@@ -194,6 +197,29 @@ class CostModel:
         self._placements: dict[tuple[int, int, int, int], Placement] = {}
         self._stages: dict[tuple, tuple] = {}  # `setup`'s per-stage part per distinct input
         self._stage_kinds: dict[tuple, dict[tuple, LayerCosts]] = {}  # `stage_costs`' kinds per its inputs
+        self._traffic: dict[Settings, Traffic] = {}  # counted once per setting (plan/traffic.py: seconds each)
+        self._optimizer_bytes: dict[Settings, float] = {}
+
+    def counted(self, t: TrainConfig, recompute: str) -> Traffic | None:
+        """hybridpar's own eager runtime's memory-bound traffic under `t` where the GPU calibration says the
+        software is hybridpar's (gpu_model.ELEMENTWISE "counted"), counted once per setting; else None."""
+        if not counts_traffic(self.hw.gpu_calibration):
+            return None
+        key = Settings.of(t, recompute)
+        if key not in self._traffic:
+            self._traffic[key] = traffic(self.m, key)
+        return self._traffic[key]
+
+    def optimizer_bytes(self, precision: str, copies: bool, fused_adamw: str) -> float | None:
+        """Counted bytes per parameter of the runtime's AdamW step (clipping excluded), as `counted`; else None."""
+        if not counts_traffic(self.hw.gpu_calibration):
+            return None
+        fused = fused_adamw in ("on", "auto")  # auto: fused on CUDA (model/optim.py)
+        # fp32 and autocast step the same fp32 parameters; working copies add the bf16 weights' refresh.
+        key = Settings("bf16", "copies" if copies else "autocast", "none", fused)
+        if key not in self._optimizer_bytes:
+            self._optimizer_bytes[key] = count_optimizer(scaled_for_optimizer(self.m), key)[0] - CLIP_BYTES
+        return self._optimizer_bytes[key]
 
     def _rate(self, precision: str) -> float:
         peak = self.hw.peak_flops(precision)
@@ -237,7 +263,7 @@ class CostModel:
         ring: tuple[int, Link] | None = None,
     ) -> LayerCosts:
         """`_layer`, computed once per distinct input."""
-        key = (t.precision, t.seq_len, tp, tokens, link, recompute, split, sp, ring)
+        key = (t.precision, t.bf16_weights, t.seq_len, tp, tokens, link, recompute, split, sp, ring)
         if key not in self._layers:
             self._layers[key] = self._layer(t, tp, tokens, link, recompute, split, sp, ring)
         return self._layers[key]
@@ -273,6 +299,13 @@ class CostModel:
         if rates is not None:  # GEMMs by shape, attention by its kernel (plan/gpu_model.py)
             mm, mm_b, att_f, att_b = layer_times(self.hw.gpu_calibration, rates, m, tp, tokens, t.seq_len)
             mem, mem_b = mem + att_f, mem_b + att_b
+        ct = self.counted(t, recompute) if rates is not None and self.calibrated(t) is None else None
+        if ct is not None:  # hybridpar's eager runtime: its counted bytes (tp: the fixed counts' proportions)
+            share = (replicated + sharded / tp) / (REPLICATED_ELEMENTS * m.dim + sharded)
+            at = lambda a: (a.per_token.nbytes * tokens * share + a.per_pass.nbytes / tp) / rates.memory_bps  # noqa: E731
+            mem = at(ct.layer_f) + att_f
+            # The count's backward holds its recomputation, which the cost model adds below as the forward's.
+            mem_b = at(ct.layer_b) + att_b - (mem if recompute != "none" else 0.0)
         ops = OPS_PER_LAYER * self.hw.op_overhead_us * 1e-6
         reduce = self.tp_all_reduce_s(t, tp, tokens, link)
         comm = 2 * reduce  # after attention and after the MLP
@@ -287,7 +320,8 @@ class CostModel:
         comm_b, comm_w = (back, again) if split else (back + again, 0.0)
         f = Work(mm, mem, ops, comm)
         b = Work(mm + mm_b, mem_b, 1.5 * ops, comm_b)  # input gradients, attention's all; the copy-ins' reduces
-        acc = self._accumulate_s(self.counts.layer / tp, act)  # the weight gradients into their sum
+        # The weight gradients into their sum (counted: in the backward's count already).
+        acc = self._accumulate_s(self.counts.layer / tp, act) if ct is None else 0.0
         w = Work(mm, acc if split else 0.0, 0.5 * ops, comm_w)
         b = b if split else b + Work(memory_s=acc)
         cal = self.calibrated(t)
@@ -346,7 +380,7 @@ class CostModel:
 
     def ends(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
         """(embedding forward + backward on the first stage, head + loss forward + backward on the last)."""
-        key = (t.precision, t.seq_len, tp, tokens, link)
+        key = (t.precision, t.bf16_weights, t.seq_len, tp, tokens, link)
         if key not in self._ends:
             self._ends[key] = self._ends_of(t, tp, tokens, link)
         return self._ends[key]
@@ -360,10 +394,20 @@ class CostModel:
         mm = 3 * tokens * 2.0 * m.dim * m.vocab_size / tp / self._rate(t.precision)
         rates = self.hw.gpu_rates(t.precision)  # the logits' GEMM by its shape where calibrated
         mm = mm if rates is None else 3 * rates.gemm_s(tokens, m.vocab_size / tp, m.dim)
+        head_mem = self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act) + self._accumulate_s(
+            self.counts.head / tp, act
+        )
+        ct = self.counted(t, "none") if rates is not None else None
+        if ct is not None:  # counted: the ends' bytes, the embedding's its gather's and its share of the per-pass
+            c, whole = self.counts, ct.ends_f.at(tokens).nbytes + ct.ends_b.at(tokens).nbytes
+            per_pass = (ct.ends_f.per_pass.nbytes + ct.ends_b.per_pass.nbytes) / tp
+            whole += per_pass - (ct.ends_f.per_pass.nbytes + ct.ends_b.per_pass.nbytes)
+            embed_bytes = tokens * m.dim * 4 * act + per_pass * c.embed / (c.embed + c.head)
+            embed = Work(0.0, embed_bytes / rates.memory_bps, embed.ops_s, embed.comm_s)
+            head_mem = (whole - embed_bytes) / rates.memory_bps
         head = Work(
             mm,
-            self._memory_s(tokens * (8 * m.vocab_size + 6 * m.dim), act)
-            + self._accumulate_s(self.counts.head / tp, act),
+            head_mem,
             20 * ovh,
             sum(self.head_comm(t, tp, tokens, link)),
         )
@@ -567,6 +611,7 @@ class Setup(NamedTuple):
                 (math.inf, 0.0) if hidden is None else (hidden[r], first[r]),
                 cfg.train.precision,
                 cfg.train.working_copies if copies is None else copies,
+                cfg.train.fused_adamw,
             )
             for r, n in enumerate(rank_params)
         )
@@ -805,6 +850,7 @@ def optimizer_s(
     hidden: tuple[float, float] = (0.0, 0.0),
     precision: str = "fp32",
     copies: bool = False,
+    fused_adamw: str = "auto",
 ) -> float:
     """AdamW over a rank's `params` parameters (its 1/dp slice under ZeRO-1, then the slices' all-gather
     over `link`), plus clipping's pass over the gradients; the rank holds 1/pp of the layers. Every rank
@@ -823,9 +869,10 @@ def optimizer_s(
     stretch = 1.0 if hw.cores_per_node is None else max(1.0, min(world, hw.devices_per_node) / hw.cores_per_node)
     sliced = zero >= 1 or copies
     mine = params / dp if sliced else params
-    per_param = ADAMW_BYTES + (COPY_BYTES if copies else 0)
+    counted = model.optimizer_bytes(precision, copies, fused_adamw)  # hybridpar's own AdamW where counted
+    per_param = (ADAMW_BYTES + (COPY_BYTES if copies else 0)) if counted is None else counted
     bw = hw.memory_bps()
-    memory = 0.0 if bw is None else (per_param * mine + 12 * params) / bw
+    memory = 0.0 if bw is None else (per_param * mine + CLIP_BYTES * params) / bw
     tensors = model.m.n_layers * model.layer_tensors / pp + 3
     ops = tensors * OPS_PER_PARAM_TENSOR * hw.op_overhead_us * 1e-6
     width = 2 if copies else F32_BYTES  # the bytes a parameter its gathers move

@@ -41,6 +41,11 @@ each with its source and date, and the attention kernel of the software that ran
                           Llama 3), or "blocking", the sender waits for each transfer to complete and, without
                           sequence parallelism, each tp rank sends its 1/tp slice that the receiving stage
                           all-gathers (Megatron-LM's and DeepSpeed's pipelines of 2021-2022)
+    elementwise           (optional, default "fixed") what the memory-bound work around the GEMMs is (ELEMENTWISE):
+                          "fixed", the element counts of an unfused Llama block (cost.REPLICATED_ELEMENTS and
+                          its kin) and one AdamW pass, the fused kernels of the published clusters' software;
+                          "counted", hybridpar's own eager runtime, its aten ops' bytes counted on its own modules
+                          under the run's precision, recomputation and AdamW (plan/traffic.py)
     matmul_table          (optional) rows [m, n, k, fraction]: a full grid of GEMM shapes, each one's bf16 rate
                           over the peak, measured by `plan --probe --hardware` on a CUDA device (plan/gpu_probe.py,
                           plan/matmul_table.py); matmul_fraction is then its best row
@@ -115,12 +120,18 @@ GRAD_ACCUMULATIONS = ("fused", "separate", "separate-half")
 # tensor-parallel ranks and all-gather it at the receiver (Megatron's --scatter-gather-tensors-in-pipeline,
 # on by default; DeepSpeed's is_pipe_partitioned), unless sequence parallelism has split it already.
 P2PS = ("async", "blocking")
+# The memory-bound work's bytes: "fixed" counts per token and parameter written for an unfused Llama block under
+# fused kernels (cost.py's REPLICATED_ELEMENTS, ADAMW_BYTES: Megatron's and DeepSpeed's software), "counted" the
+# bytes hybridpar's eager runtime moves, counted op by op on its own modules (plan/traffic.py): autocast's casts,
+# its unfused elementwise ops and gradient accumulation, and torch's AdamW as train.fused_adamw picks it.
+ELEMENTWISE = ("fixed", "counted")
 # The optional keys naming a fact of the software: their choices, the default first.
 OPTIONAL_CHOICES = {
     "sp_backward": SP_BACKWARDS,
     "cp_comm": CP_COMMS,
     "grad_accumulation": GRAD_ACCUMULATIONS,
     "p2p": P2PS,
+    "elementwise": ELEMENTWISE,
 }
 # Unfused attention's memory traffic per score element (2-byte elements), counted on Megatron-LM's kernels:
 # forward, the fused scale-mask-softmax reads the scores and writes the probabilities (2), dropout reads them
@@ -153,6 +164,7 @@ class GpuCalibration:
     cp_comm: str = "ring"
     grad_accumulation: str = "fused"
     p2p: str = "async"
+    elementwise: str = "fixed"
     matmul_table: MatmulTable | None = None
     tp_comm_efficiency: float = 1.0
 
@@ -357,3 +369,9 @@ def blocks_p2p(g: GpuCalibration | None) -> bool:
 def overlapped(g: GpuCalibration | None, name: str) -> bool:
     """Whether the calibrated software runs the communication `name` (OVERLAPS) behind compute."""
     return g is not None and name in g.overlap
+
+
+def counts_traffic(g: GpuCalibration | None) -> bool:
+    """Whether the calibrated software is hybridpar's own eager runtime, its memory-bound bytes counted
+    (ELEMENTWISE)."""
+    return g is not None and g.elementwise == "counted"

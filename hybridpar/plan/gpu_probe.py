@@ -44,7 +44,7 @@ REPEATS = 5
 TARGET_S = 2e-3
 FUSED = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
 # What the calibration says of the training software rather than the device: kept from the datasheet file.
-SOFTWARE_FACTS = ("overlap", "tp_comm_efficiency", "sp_backward", "cp_comm", "grad_accumulation", "p2p")
+SOFTWARE_FACTS = ("overlap", "tp_comm_efficiency", "sp_backward", "cp_comm", "grad_accumulation", "p2p", "elementwise")
 
 
 def seconds(fn: Callable[[], Any], device: Any, repeats: int = REPEATS, target_s: float = TARGET_S) -> float:
