@@ -202,8 +202,10 @@ class CostModel:
 
     def counted(self, t: TrainConfig, recompute: str) -> Traffic | None:
         """hybridpar's own eager runtime's memory-bound traffic under `t` where the GPU calibration says the
-        software is hybridpar's (gpu_model.ELEMENTWISE "counted"), counted once per setting; else None."""
-        if not counts_traffic(self.hw.gpu_calibration):
+        software is hybridpar's (gpu_model.ELEMENTWISE "counted"), counted once per setting; else None. A compiled
+        run (train.compile) fuses its elementwise work into kernels this count cannot see on a CPU: it keeps the
+        fixed counts of the fused software."""
+        if not counts_traffic(self.hw.gpu_calibration) or t.compile:
             return None
         key = Settings.of(t, recompute)
         if key not in self._traffic:
@@ -263,7 +265,8 @@ class CostModel:
         ring: tuple[int, Link] | None = None,
     ) -> LayerCosts:
         """`_layer`, computed once per distinct input."""
-        key = (t.precision, t.bf16_weights, t.seq_len, tp, tokens, link, recompute, split, sp, ring)
+        key = (t.precision, t.bf16_weights, t.fused_adamw, t.compile, t.seq_len, tp, tokens, link, recompute, split, sp)
+        key += (ring,)
         if key not in self._layers:
             self._layers[key] = self._layer(t, tp, tokens, link, recompute, split, sp, ring)
         return self._layers[key]
@@ -380,7 +383,7 @@ class CostModel:
 
     def ends(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[Work, Work]:
         """(embedding forward + backward on the first stage, head + loss forward + backward on the last)."""
-        key = (t.precision, t.bf16_weights, t.seq_len, tp, tokens, link)
+        key = (t.precision, t.bf16_weights, t.compile, t.seq_len, tp, tokens, link)
         if key not in self._ends:
             self._ends[key] = self._ends_of(t, tp, tokens, link)
         return self._ends[key]

@@ -29,10 +29,11 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_map_only
 
 from hybridpar.config import ModelConfig, TrainConfig
 from hybridpar.model.optim import make_optimizer
-from hybridpar.model.registry import build_stage, param_counts
+from hybridpar.model.registry import build_stage, empty_stage, param_counts
 
 aten = torch.ops.aten
 # What the cost model times at FLOP rates (gpu_model.layer_times): the projections, the head, attention.
@@ -55,6 +56,8 @@ ALLOCATIONS = frozenset({"empty", "empty_like", "empty_strided", "new_empty", "n
 # Arguments a schema marks as written that the op leaves alone in our use: the fused AdamW kernels write the
 # gradients only to unscale them by a grad_scale, which bf16 training does not pass.
 UNWRITTEN = {"_fused_adamw_": {"grads"}, "_fused_adam_": {"grads"}}
+# Arguments only written, never read: a copy's or a fill's destination.
+UNREAD = {"copy_": {"self"}, "fill_": {"self"}, "zero_": {"self"}}
 SEQ = (8, 16)  # the token counts of the two passes (one sequence each)
 
 
@@ -97,10 +100,10 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
     schema = func._schema
     skip = UNWRITTEN.get(schema.name.split("::")[-1], set())
     values = dict(zip((a.name for a in schema.arguments), args)) | kwargs
-    total = 0
+    total, unread = 0, UNREAD.get(schema.name.split("::")[-1], set())
     for a in schema.arguments:
         ts = _tensors(values.get(a.name))
-        total += sum(footprint(t) for t in ts)
+        total += 0 if a.name in unread else sum(footprint(t) for t in ts)
         if a.alias_info is not None and a.alias_info.is_write and a.name not in skip:
             total += sum(footprint(t) for t in ts)
     outs = [out] if len(schema.returns) == 1 else list(out or ())
@@ -111,14 +114,22 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 class Counter(TorchDispatchMode):
-    """Adds up `op_bytes` and the op count of every aten op outside MATMULS that moves data."""
+    """Adds up `op_bytes` and the op count of every aten op outside MATMULS that moves data. With `skip`, MATMULS
+    are not computed: their outputs are left uninitialised (shapes from the meta device), since what the count
+    needs of the values is nothing (no op here branches on them), and the GEMMs would take most of its time."""
 
-    def __init__(self) -> None:
+    def __init__(self, skip: bool = False) -> None:
         super().__init__()
-        self.tally = Tally()
+        self.tally, self.skip = Tally(), skip
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if self.skip and func in MATMULS:
+            meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
+            shaped = func(*meta[0], **meta[1])
+            return tree_map_only(
+                torch.Tensor, lambda t: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype), shaped
+            )
         out = func(*args, **kwargs)
         name = func._schema.name.split("::")[-1]
         view = any(r.alias_info is not None and not r.alias_info.is_write for r in func._schema.returns)
@@ -139,7 +150,10 @@ class Settings:
     @staticmethod
     def of(t: TrainConfig, recompute: str, device: str = "cuda") -> Settings:
         fused = t.fused_adamw == "on" or (t.fused_adamw == "auto" and device == "cuda")
-        return Settings(t.precision, t.bf16_weights if t.precision == "bf16" else "autocast", recompute, fused)
+        # Selective recomputation reruns the same non-matmul ops as full (it keeps only matmul outputs): the two
+        # count the same bytes (counted so on the default model and the 1B one), so one count serves both.
+        again = "full" if recompute == "selective" else recompute
+        return Settings(t.precision, t.bf16_weights if t.precision == "bf16" else "autocast", again, fused)
 
 
 @dataclass(frozen=True)
@@ -152,26 +166,28 @@ class Pass:
 
 def count_stage(m: ModelConfig, s: Settings, layers: int, tokens: int) -> Pass:
     """The counted forward and backward (loss included) of a stage of `layers` layers with the embedding and the
-    head, on one sequence of `tokens` tokens; measured on the second of two passes, so that the backward sums
-    into existing gradients as every microbatch after a step's first does."""
-    stage = build_stage(m, range(layers), True, True, 0, torch.device("cpu"))
+    head, on one sequence of `tokens` tokens, as every microbatch after a step's first runs it: its tables made
+    (a forward before, without gradients) and its backward summing into existing gradients."""
+    stage = empty_stage(m, range(layers), True, True, torch.device("cpu"))  # values: none needed (`Counter`)
     stage.recompute = s.recompute
     bf16 = s.precision == "bf16"
     if bf16 and s.weights == "copies":  # bf16 weights whose gradients widen into fp32 (model/reference.py)
         stage.to(torch.bfloat16)
         for p in stage.parameters():
             p.grad_dtype = torch.float32
-    mixed = bf16 and s.weights == "autocast"
+    mixed = torch.autocast("cpu", dtype=torch.bfloat16) if bf16 and s.weights == "autocast" else None
     x = torch.randint(0, m.vocab_size, (1, tokens))
     y = torch.randint(0, m.vocab_size, (1, tokens))
-    fwd, bwd = Counter(), Counter()
-    for counting in (False, True):
-        with fwd if counting else contextlib.nullcontext():
-            with torch.autocast("cpu", dtype=torch.bfloat16) if mixed else contextlib.nullcontext():
-                logits = stage(x)  # (1, T, vocab)
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
-        with bwd if counting else contextlib.nullcontext():
-            loss.backward()
+    with torch.no_grad(), mixed or contextlib.nullcontext(), Counter(skip=True):
+        stage(x)
+    for p in stage.parameters():
+        p.grad = torch.empty_like(p, dtype=getattr(p, "grad_dtype", None) or p.dtype)
+    with Counter(skip=True) as fwd:
+        with mixed or contextlib.nullcontext():
+            logits = stage(x)  # (1, T, vocab)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), reduction="sum")
+    with Counter(skip=True) as bwd:
+        loss.backward()
     return Pass(fwd.tally, bwd.tally)
 
 
@@ -222,18 +238,38 @@ class Traffic:
     optimizer_ops: float
 
 
+def _heads(m: ModelConfig) -> int:
+    """The factor the heads (query and key/value alike) are divided by: the largest power of 2 dividing every width
+    that leaves at least 4 of each (the rotary tables, read per head_dim, then weigh as little as 1.3% more in the
+    1B model than counted whole; a single head's transposes would be free)."""
+    h = 1
+    while all(v % (2 * h) == 0 for v in (m.dim, m.ffn_dim, m.vocab_size)) and min(m.n_heads, m.kv_heads) % (8 * h) == 0:
+        h *= 2
+    return h
+
+
 def scales(m: ModelConfig) -> tuple[int, ...]:
-    """Two factors (s, 2s) to divide dim, ffn_dim and vocab_size by at a fixed number of heads, each width staying
-    whole (head_dim even, for the rotary halves) and dim at least 2 per head: the smallest shapes that count; ()
-    where the shape does not halve (it is then counted as it is)."""
-    s = 1
-    while all(v % (2 * s) == 0 for v in (m.dim, m.ffn_dim, m.vocab_size, m.head_dim // 2)) and m.head_dim >= 8 * s:
+    """Two factors (s, 2s) to divide dim, ffn_dim and vocab_size by: the heads by `_heads` in both, head_dim by the
+    rest, halved between the two (its own per-token work, the rotary tables' reads, then scales as the widths do);
+    each width whole, head_dim even (the rotary halves) and at least 8: the smallest shapes that count. () where
+    head_dim does not halve (the shape is then counted as it is)."""
+    h, s = _heads(m), 1
+    while (
+        all(v % (2 * s * h) == 0 for v in (m.dim, m.ffn_dim, m.vocab_size))
+        and (m.head_dim // 2) % (2 * s) == 0
+        and m.head_dim >= 16 * s
+    ):
         s *= 2
-    return (s // 2, s) if s >= 2 else ()
+    return (h * s // 2, h * s) if s >= 2 else ()
 
 
 def _scaled(m: ModelConfig, s: int) -> ModelConfig:
-    return dataclasses.replace(m, dim=m.dim // s, ffn_dim=m.ffn_dim // s, vocab_size=m.vocab_size // s)
+    """`m` with its widths divided by `s` (a multiple of `_heads`, which divides the heads)."""
+    h = _heads(m)
+    kv = None if m.n_kv_heads is None else m.n_kv_heads // h
+    return dataclasses.replace(
+        m, dim=m.dim // s, ffn_dim=m.ffn_dim // s, vocab_size=m.vocab_size // s, n_heads=m.n_heads // h, n_kv_heads=kv
+    )
 
 
 def scaled_for_optimizer(m: ModelConfig) -> ModelConfig:
@@ -264,6 +300,15 @@ def _extend(a: Tally, b: Tally, xa: float, xb: float, x: float) -> Tally:
 def traffic(m: ModelConfig, s: Settings) -> Traffic:
     """`Traffic` of `m` under `s`: counted at two scaled-down shapes (`scales`) and solved for the full one (per
     token affine in 1 / scale, per pass affine in the parameters the pass touches), or counted directly."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # nothing is computed (`Counter`): more threads would only spin
+    try:
+        return _traffic(m, s)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _traffic(m: ModelConfig, s: Settings) -> Traffic:
     opt = count_optimizer(scaled_for_optimizer(m), s)
     if not scales(m):
         return Traffic(*_affine(m, s), *opt)

@@ -1,0 +1,113 @@
+"""The counted memory traffic of hybridpar's own eager runtime (plan/traffic.py) and the GPU cost model's use of it:
+an op's bytes are what it reads and writes, views and matmuls move none; a pass's bytes are affine in its tokens;
+the closed form solved from two scaled-down shapes is the direct count; the per-parameter facts (autocast's weight
+casts, fp32 accumulation, fused AdamW) come out of the count; and only a calibration saying `elementwise =
+"counted"` uses it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from hybridpar.config import Config, ModelConfig
+from hybridpar.model.registry import param_counts
+from hybridpar.plan.cost import CLIP_BYTES, CostModel
+from hybridpar.plan.hardware import parse_hardware
+from hybridpar.plan.traffic import (
+    SEQ,
+    Counter,
+    Settings,
+    Tally,
+    Traffic,
+    _affine,
+    count_optimizer,
+    count_stage,
+    traffic,
+)
+from tests.test_plan_gpu_model import table
+from tests.test_plan_hardware import good
+
+SMALL = ModelConfig(dim=256, n_layers=2, n_heads=8, ffn_dim=704, vocab_size=256)  # counted at scales 4 and 8
+
+
+def test_an_op_counts_what_it_reads_and_writes_and_views_and_matmuls_nothing() -> None:
+    a, b, row = torch.ones(4, 4), torch.ones(4, 4), torch.ones(4)
+    with Counter() as c:
+        a + b  # reads 2 x 64 bytes, writes 64
+    assert c.tally == Tally(192, 1)
+    with Counter() as c:
+        a.add_(b)  # reads a and b, writes a
+        a.view(16)  # a view: nothing
+        a @ b  # a matmul: costed at its FLOP rate, not here
+    assert c.tally == Tally(192, 1)
+    with Counter() as c:
+        a * row.expand(4, 4)  # a broadcast operand is read once
+    assert c.tally == Tally(64 + 16 + 64, 1)
+    with Counter() as c:
+        a.to(torch.bfloat16)  # a cast: 4 bytes read, 2 written per element
+    assert c.tally == Tally(16 * 6, 1)
+
+
+@pytest.fixture(scope="module")
+def direct() -> tuple:
+    return _affine(SMALL, Settings())  # (layer forward, layer backward, ends forward, ends backward) counted
+
+
+def test_a_pass_is_affine_in_its_tokens(direct: tuple) -> None:
+    far = 3 * SEQ[1]
+    one = count_stage(SMALL, Settings(), 1, far)  # a one-layer stage: a layer and the ends
+    for counted, layer, ends in ((one.forward, direct[0], direct[2]), (one.backward, direct[1], direct[3])):
+        assert counted.nbytes == pytest.approx((layer.at(far) + ends.at(far)).nbytes, rel=1e-9)
+        assert counted.ops == (layer.at(far) + ends.at(far)).ops > 0  # the same kernels whatever the tokens
+        assert layer.per_token.ops == ends.per_token.ops == 0
+
+
+def test_the_closed_form_from_scaled_shapes_is_the_direct_count(direct: tuple) -> None:
+    solved = traffic(SMALL, Settings())
+    for a, b in zip((solved.layer_f, solved.layer_b, solved.ends_f, solved.ends_b), direct):
+        for tokens in (SEQ[0], 2048):
+            assert a.at(tokens).nbytes == pytest.approx(b.at(tokens).nbytes, rel=0.01)
+            assert a.at(tokens).ops == pytest.approx(b.at(tokens).ops)
+
+
+def test_the_count_finds_the_casts_the_accumulation_and_the_fused_adamw(direct: tuple) -> None:
+    norms = 2 * SMALL.dim  # the layer's two norm weights, read once a pass
+    matrices = param_counts(SMALL).layer - norms
+    copies, fp32 = _affine(SMALL, Settings(weights="copies")), _affine(SMALL, Settings(precision="fp32"))
+    # autocast casts each weight matrix once a pass (4 bytes read, 2 written); working copies and fp32 do not.
+    assert direct[0].per_pass.nbytes == 6 * matrices + 4 * norms
+    assert copies[0].per_pass.nbytes == 2 * norms and fp32[0].per_pass.nbytes == 4 * norms
+    # fp32: each weight gradient summed into .grad (read both, write one: 12 bytes); autocast's bf16 gradient of
+    # a matrix is widened first (2 read, 4 written), as working copies' are.
+    assert fp32[1].per_pass.nbytes == pytest.approx(12 * (matrices + norms), rel=0.01)
+    assert direct[1].per_pass.nbytes == pytest.approx(18 * matrices + 12 * norms, rel=0.01)
+    fused, _ = count_optimizer(SMALL, Settings())
+    assert fused == pytest.approx(28 + CLIP_BYTES, rel=1e-3)  # p, g, m, v read, p, m, v written, once
+    assert count_optimizer(SMALL, Settings(fused=False))[0] > fused  # foreach: a pass per arithmetic op
+    assert count_optimizer(SMALL, Settings(weights="copies"))[0] == pytest.approx(fused + 6, rel=1e-3)
+
+
+def _hw(elementwise: str | None):  # noqa: ANN202
+    d = good() | {"memory_bandwidth_gbs": 1000.0}
+    d["gpu_calibration"] = table() | ({} if elementwise is None else {"elementwise": elementwise})
+    return parse_hardware(d, "test")
+
+
+def test_only_a_counted_calibration_uses_the_count_and_a_compiled_run_keeps_the_fixed_one(direct: tuple) -> None:
+    cfg = Config()
+    cfg.model, cfg.train.precision = SMALL, "bf16"
+    counted, fixed = CostModel(SMALL, _hw("counted")), CostModel(SMALL, _hw(None))
+    link = counted.hw.intra_node
+    tokens = 4 * cfg.train.seq_len
+    ct = Traffic(*direct, 40.0, 1.0)  # the count the cost model would make, given (counting is tested above)
+    counted._traffic[Settings.of(cfg.train, "none")] = ct
+    lay = counted.layer(cfg.train, 1, tokens, link, "none")
+    bw = counted.hw.memory_bps()
+    assert lay.f.memory_s == pytest.approx(ct.layer_f.at(tokens).nbytes / bw)
+    assert lay.b.memory_s == pytest.approx(ct.layer_b.at(tokens).nbytes / bw)
+    assert fixed.layer(cfg.train, 1, tokens, link, "none").f.memory_s < lay.f.memory_s
+    assert fixed.counted(cfg.train, "none") is None and fixed.optimizer_bytes("bf16", False, "auto") is None
+    compiled = dataclasses.replace(cfg.train, compile=True)
+    assert counted.layer(compiled, 1, tokens, link, "none") == fixed.layer(compiled, 1, tokens, link, "none")
