@@ -13,7 +13,7 @@ import torch
 
 from hybridpar.config import Config, ModelConfig
 from hybridpar.model.registry import param_counts
-from hybridpar.plan.cost import CLIP_BYTES, CostModel
+from hybridpar.plan.cost import CLIP_BYTES, CostModel, optimizer_s
 from hybridpar.plan.hardware import parse_hardware
 from hybridpar.plan.traffic import (
     SEQ,
@@ -109,5 +109,12 @@ def test_only_a_counted_calibration_uses_the_count_and_a_compiled_run_keeps_the_
     assert lay.b.memory_s == pytest.approx(ct.layer_b.at(tokens).nbytes / bw)
     assert fixed.layer(cfg.train, 1, tokens, link, "none").f.memory_s < lay.f.memory_s
     assert fixed.counted(cfg.train, "none") is None and fixed.optimizer_bytes("bf16", False, "auto") is None
+    embed, head = counted.ends(cfg.train, 1, tokens, link)  # the ends: their counted bytes between the two
+    whole = ct.ends_f.at(tokens).nbytes + ct.ends_b.at(tokens).nbytes
+    assert embed.memory_s + head.memory_s == pytest.approx(whole / bw) and 0 < embed.memory_s < head.memory_s
+    # The optimizer: the runtime's AdamW as counted (clipping apart), foreach's passes dearer than fused's one.
+    assert counted.optimizer_bytes("bf16", False, "auto") == pytest.approx(28, rel=1e-3)
+    step = lambda model, fused: optimizer_s(model, 1, 1, 0, link, 1e6, fused_adamw=fused)  # noqa: E731
+    assert step(counted, "off") > 2 * step(counted, "auto") and step(fixed, "off") == step(fixed, "auto")
     compiled = dataclasses.replace(cfg.train, compile=True)
     assert counted.layer(compiled, 1, tokens, link, "none") == fixed.layer(compiled, 1, tokens, link, "none")

@@ -200,7 +200,7 @@ def count_optimizer(m: ModelConfig, s: Settings) -> tuple[float, float]:
     t = dataclasses.replace(TrainConfig(), fused_adamw="on" if s.fused else "off")
     opt = make_optimizer(layer.named_parameters(), t)
     low = [p.detach().to(torch.bfloat16) for p in params] if s.weights == "copies" and s.precision == "bf16" else []
-    counter = Counter()
+    counter = Counter(skip=True)
     for counting in (False, True):
         for p in params:
             p.grad = torch.ones_like(p)
