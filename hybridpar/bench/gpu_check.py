@@ -217,6 +217,8 @@ def _mfu_worker(cfg_dict: dict, steps: int) -> dict:
         "first_step_s": first_s,
         "attention_kernel": attention_kernel(m.n_heads, cfg.train.seq_len, m.head_dim, topo.device, torch.bfloat16),
         "max_memory_allocated": memory,
+        # under train.compile: graphs compiled over the run (a recompile after the first step shows here)
+        "compiled": None if trainer.mp.compiled is None else trainer.mp.compiled.summary(),
     }
 
 
@@ -258,6 +260,7 @@ def _mfu_run(a: argparse.Namespace, option: str, steps: int, timeout_s: float) -
         "attention_kernel": res["attention_kernel"],
         "peak": res["peak"],
         "max_memory_allocated": res["max_memory_allocated"],
+        "compiled": res["compiled"],
     }
 
 
