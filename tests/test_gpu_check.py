@@ -165,3 +165,36 @@ def test_mfu_writes_each_piece_as_it_finishes_within_its_budget(
     mfu = json.loads(capsys.readouterr().out)["checks"]["mfu"]
     assert not mfu["passed"] and mfu["error"] == "timed out: the figures that finished before"
     assert [r["option"] for r in mfu["options"]] == ["eager", "copies"]
+
+
+def test_the_mfu_probe_on_a_cuda_host_writes_the_probed_file_and_predicts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mfu check's probe as on one H100 (the branch --dry-run does not take): the datasheet picked by the
+    device's name, no all-reduce with one GPU (the file's bus fraction kept), the probed file written, and the
+    prediction read back from it beside the measured step (the device and sizes swapped for tiny CPU ones)."""
+    import torch
+
+    from hybridpar.bench import gpu_check, gpu_predict
+    from hybridpar.plan import gpu_probe
+
+    real = gpu_probe.calibrate_gpu
+    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(
+        gpu_probe, "calibrate_gpu", lambda hw, dev, dtype, gpus: real(hw, torch.device("cpu"), dtype, gpus, (8,), tiny)
+    )
+    a = argparse.Namespace(dry_run=False, out=str(tmp_path / "mfu.json"), recompute="none", gpus=1)
+    probed = gpu_predict.probe(a)
+    assert probed["datasheet"] == "docs/hardware/dgx-h100.toml" and probed["device"] == "NVIDIA H100 80GB HBM3"
+    assert probed["calibration"]["intra_bus_measured_over_gpus"] is None and Path(probed["probed_file"]).is_file()
+    assert (
+        probed["calibration"]["intra_bus_fraction"]
+        == load_hardware(ROOT / probed["datasheet"]).gpu_calibration.intra_bus_fraction
+    )
+    before = gpu_predict.prediction(a, probed, None, gpu_check.mfu_config)
+    after = gpu_predict.prediction(a, probed, {"option": "eager", "step_time_s": 0.42}, gpu_check.mfu_config)
+    assert before["measured_step_s"] is None and before["predicted_step_s"] == after["predicted_step_s"] > 0
+    assert after["measured_over_predicted"] == 0.42 / after["predicted_step_s"]
