@@ -347,6 +347,7 @@ def check_mfu(a: argparse.Namespace, clock: Callable[[], float] | None = None) -
 
     save()
     res["probe"] = probe(a)
+    print(f"gpu_check mfu: probe: {res['probe'].get('probe_s', res['probe'])}", file=sys.stderr, flush=True)
     res["probe"].update(prediction(a, res["probe"], None, mfu_config))
     save()
     for o in options:
@@ -356,6 +357,8 @@ def check_mfu(a: argparse.Namespace, clock: Callable[[], float] | None = None) -
         except Exception as e:  # one option's failure is its row; the others still run
             row = {"option": o, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
         res["options"].append(row)
+        told = f"MFU {row['mfu']:.3f}, {row['tokens_per_s']:.0f} tokens/s" if "mfu" in row else row["error"]
+        print(f"gpu_check mfu: {o}: {told} ({clock() - t0:.0f} s into the check)", file=sys.stderr, flush=True)
         if o == "eager":
             res["probe"].update(prediction(a, res["probe"], row, mfu_config))
         save()
