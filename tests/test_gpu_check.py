@@ -145,13 +145,17 @@ def test_mfu_writes_each_piece_as_it_finishes_within_its_budget(
             raise TimeoutError(f"ranks [0] of 1 still running after {timeout_s:.0f} s: killed")
         return {"option": option, "mfu": 0.3 if option == "eager" else 0.4, "tokens_per_s": 1.0, "losses": [2.0, 1.0]}
 
-    monkeypatch.setattr(gpu_check, "probe", lambda a: {"refused": "no datasheet file for 'a test'"})
+    def probe(a: Any) -> dict:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    monkeypatch.setattr(gpu_check, "probe", probe)  # CUDA failing in the probe: the options still run
     monkeypatch.setattr(gpu_check, "_mfu_run", run)
     a = argparse.Namespace(dry_run=False, out=str(out), options="eager,copies,compile,compile+copies")
     a.budget_s, a.recompute = 400.0, "none"
     res = gpu_check.check_mfu(a, clock=lambda: now[0])
     assert [(o, t) for o, t, _ in seen] == [("eager", 120.0), ("copies", 120.0), ("compile", 240.0)]
-    assert seen[0][2]["probe"] == {"refused": "no datasheet file for 'a test'"} and seen[0][2]["options"] == []
+    assert seen[0][2]["probe"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert seen[0][2]["options"] == []
     assert [r["option"] for r in seen[2][2]["options"]] == ["eager", "copies"] and not seen[2][2]["complete"]
     rows = {r["option"]: r for r in res["options"]}
     assert rows["compile"]["error"] == "TimeoutError: ranks [0] of 1 still running after 240 s: killed"

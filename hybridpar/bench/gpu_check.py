@@ -346,7 +346,10 @@ def check_mfu(a: argparse.Namespace, clock: Callable[[], float] | None = None) -
         emit(res, a.out, echo=False)
 
     save()
-    res["probe"] = probe(a)
+    try:
+        res["probe"] = probe(a)
+    except Exception as e:  # CUDA itself failing (the device's name unreadable): said; the options still run
+        res["probe"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
     print(f"gpu_check mfu: probe: {res['probe'].get('probe_s', res['probe'])}", file=sys.stderr, flush=True)
     res["probe"].update(prediction(a, res["probe"], None, mfu_config))
     save()
