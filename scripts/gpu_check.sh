@@ -13,7 +13,7 @@
 # 3. pipeline: `hybridpar bench pipeline --mode compute --backend nccl` at pp=2 (two or more GPUs): our
 #    runtime's steps/s over torch.distributed.pipelining's.
 # 4. mfu: first the GPU probe (`plan --probe`'s calibration against docs/hardware/dgx-h100.toml or
-#    dgx-h200.toml, by the device's name; about 15 s, estimated, not yet timed on a GPU), its probed hardware
+#    dgx-h200.toml, by the device's name; about 15-30 s, estimated, not yet timed on a GPU), its probed hardware
 #    file in DIR/mfu/probed.toml; then MFU and tokens/s of a ~1B-parameter Llama (dim 2048, 18 layers, 16
 #    heads, ffn 5632, vocab 32000, seq 2048) in bf16 on one GPU, under each option of a table (eager, working
 #    copies, unfused AdamW, compile + copies, compile, compile + copies in one microbatch: `--mfu-options`
