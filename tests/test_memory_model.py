@@ -384,6 +384,14 @@ def test_model_matches_what_ranks_hold() -> None:
             parallel=dict(tp=1, pp=2, dp=2, p2p="process_group"),
             train=dict(precision="bf16", bf16_weights="copies", global_batch=8),
         ),
+        # and under ZB-H1 in fp32: a received gradient read in place is held by its W, an activation by its B, and
+        # each buffer goes with its last reader (one message more at pipeline rank 0 while the P2P's bookkeeping
+        # held them: P2P._forget); recomputing, B's high point is its first layer's rerun, the last stage's
+        # targets already freed (counted there until 2026-12-07); counted exactly
+        tiny_config(
+            parallel=dict(tp=1, pp=2, dp=2, p2p="process_group", schedule="zb-h1"),
+            train=dict(global_batch=8, recompute="full"),
+        ),
     ]
     got = run_ranks(_held_worker, 4, [c.to_dict() for c in cfgs], timeout_s=300)
     for ranks in got:  # train.rebuild_saved at tp2: bit for bit the same gradients, the meter the model exactly

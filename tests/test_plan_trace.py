@@ -12,6 +12,7 @@ from hybridpar.pipeline.schedules import SCHEDULES, Op, add_communication, compu
 from hybridpar.plan.memory_model import (
     F32,
     activation_peaks,
+    embedding_saved,
     ends_saved,
     layer_saved,
     step_saved,
@@ -23,21 +24,22 @@ from hybridpar.plan.trace import activation_trace
 
 
 def _walk(terms: dict, actions: list[list], sizes: list[int], split: bool) -> list[int]:
-    """Per rank, the peak of `live` walked action by action; `terms[(s, b)]` = (one, const, kept, inside)."""
+    """Per rank, the peak of `live` walked action by action; `terms[(s, b)]` = (one, const, kept, inside, early):
+    a B that frees its stage's constant frees `early` of it before its own high point."""
     peaks = []
     for acts in actions:
         live, held, peak = 0, {}, 0
         for a in acts:
             if a.op not in (Op.FORWARD, Op.BACKWARD, Op.WEIGHT):
                 continue
-            one, const, kept, inside = terms[a.stage, sizes[a.microbatch]]
+            one, const, kept, inside, early = terms[a.stage, sizes[a.microbatch]]
             if a.op == Op.FORWARD:
                 live += one + (const if not held.get(a.stage) else 0)
                 held[a.stage] = held.get(a.stage, 0) + 1
             elif a.op == Op.BACKWARD:
-                if split:
-                    peak = max(peak, live + inside)
                 held[a.stage] -= 1
+                if split:
+                    peak = max(peak, live + inside - (early if not held[a.stage] else 0))
                 live += kept - one - (const if not held[a.stage] else 0)
             else:
                 live -= kept
@@ -72,7 +74,7 @@ def test_trace_peaks_match_the_walk(name: str) -> None:
         split = any(a.op == Op.WEIGHT for acts in compute for a in acts)
         # Distinct terms per (stage, size), so that a step priced with the wrong one would show.
         terms = {
-            (s, b): (1000 * (s + 1) + 7 * b, 50 + s, 300 * b if split else 0, 11 * s - 5 * b)
+            (s, b): (1000 * (s + 1) + 7 * b, 50 + s, 300 * b if split else 0, 11 * s - 5 * b, 3 * s + b)
             for s in range(n)
             for b in (1, 2, 3)
         }
@@ -95,10 +97,10 @@ def test_trace_peaks_match_the_walk(name: str) -> None:
 def _priced(trace, terms: dict) -> list[int]:  # noqa: ANN001 - the trace priced as activation_peaks prices it
     delta, above = [], []
     for op, s, b, edge in trace.steps:
-        one, const, kept, inside = terms[s, b]
+        one, const, kept, inside, early = terms[s, b]
         d = one + const * edge if op == Op.FORWARD else (kept - one - const * edge if op == Op.BACKWARD else -kept)
         delta.append(d)
-        above.append(inside - d)
+        above.append(inside - d - early * (edge and op == Op.BACKWARD))
     out = []
     for seq, bpos in zip(trace.ranks, trace.backwards):
         live, peak = 0, 0
@@ -114,7 +116,7 @@ def _priced(trace, terms: dict) -> list[int]:  # noqa: ANN001 - the trace priced
 
 
 def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool) -> dict:
-    """(one, const, kept, inside) of every (stage, size) as plan/memory_model.py's docstrings define them."""
+    """(one, const, kept, inside, early) of every (stage, size) as plan/memory_model.py's docstrings define them."""
     n, replica, out = len(parts), sum(sizes), {}
     modes = cfg.train.recompute_modes(n)
     c = 2 if cfg.train.precision == "bf16" else F32
@@ -137,9 +139,14 @@ def _model_terms(cfg: Config, parts: list[range], sizes: list[int], split: bool)
             norms = per_layer * len(parts[s]) + last
             one += norms * b * cfg.train.seq_len * cfg.model.dim * F32 if split and c == 2 else 0
             bt_d = b * cfg.train.seq_len * cfg.model.dim
-            inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * F32
+            # Recomputing, B's high point is the rerun of its first layer: every hold for W made, the stage's input
+            # still saved, and what the embedding saved (its backward is B's last); the targets already freed
+            # where B frees the stage's constant (the loss's backward is B's first).
+            rerun = kept - one + bt_d * F32 + (embedding_saved(cfg, b) if first else 0)
+            inside = (0 if last else bt_d * c) if modes[s] == "none" else rerun
+            early = replica * cfg.train.seq_len * 8 if last and modes[s] != "none" else 0
             # The stage input read in place from a receive buffer, and under a split the gradient W keeps.
             recv = message_bytes(cfg, b) if own and s > 0 and ranks[s - 1] != ranks[s] else 0
             grad = message_bytes(cfg, b) if own and split and not last and ranks[s + 1] != ranks[s] else 0
-            out[s, b] = (one - recv, const, kept - grad, inside - grad)
+            out[s, b] = (one - recv, const, kept - grad, inside - grad, early)
     return out

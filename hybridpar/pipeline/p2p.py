@@ -57,7 +57,7 @@ class _Batch:
 
     def __init__(self, ops: list[tuple[str, Hashable, torch.Tensor, int]], seq: int) -> None:
         self.ops, self.seq = ops, seq
-        self.works: list[dist.Work] = []
+        self.works: list[dist.Work | None] = []  # None: a receive already landed (`_forget`)
         self.error: BaseException | None = None
 
 
@@ -161,8 +161,12 @@ class P2P:
         self._buffers_live += n
         self._buffers_peak = max(self._buffers_peak, self._buffers_live)
         self._buffer_storages.add(ptr)
-        # Counted down when the buffer is freed: a split backward leaves its buffers to the GC.
-        weakref.finalize(buf, self._buffer_freed, n, ptr)
+        # Counted down when its memory goes: a split backward does not give its buffers back to the pool (W may
+        # read one after it, through an alias: autograd hands the incoming gradient through the residual add to
+        # the last linear's output gradient, which W keeps), so a buffer lives as long as its last reader holds
+        # it. The storage, not this tensor object: a stage reads the message through a view of it (its detached
+        # input), which may outlive the buffer's own object.
+        weakref.finalize(buf.untyped_storage(), self._buffer_freed, n, ptr)
         return buf
 
     def _buffer_freed(self, n: int, ptr: int) -> None:
@@ -286,6 +290,7 @@ class P2P:
             buf = self._wait_shared_memory(key, peer)
         else:
             self._wait(batch, i, f"receive {key} from rank {peer}")
+            self._forget(batch, i)
         if peer in self.link_delay_s:
             time.sleep(self.link_delay_s[peer])
         st = self.stats[peer]
@@ -293,6 +298,17 @@ class P2P:
         st.recv_bytes += buf.numel() * buf.element_size()
         st.recv_msgs += 1
         return buf
+
+    @staticmethod
+    def _forget(batch: _Batch, i: int) -> None:
+        """Drop the batch's references to receive i, landed: from here on the buffer lives exactly as long as its
+        reader holds it. The batch itself may live on, timed by others: `_sends` keeps it until its sends are
+        found complete at a later flush, and the posting thread until its next batch, so a buffer it still
+        pointed to would be freed at a moment set by timing, not by its reader (ZB-H1 through the process group
+        held one message more at pipeline rank 0's peak than its W needed: docs/memory.md)."""
+        kind, key, _, peer = batch.ops[i]
+        batch.ops[i] = (kind, key, None, peer)
+        batch.works[i] = None  # gloo's receive work keeps its tensor
 
     def _wait_shared_memory(self, key: Hashable, peer: int) -> torch.Tensor:
         link = self._in.get(peer)

@@ -321,7 +321,8 @@ class PipelineRuntime:
             g = g.to(y.dtype)
         # Buffers go back once nothing can read them: after a full backward the graph that saved them is
         # gone; with a split backward, W may still read tensors that alias them (autograd hands the
-        # incoming gradient through the residual add unchanged), so they are left to the GC.
+        # incoming gradient through the residual add unchanged), so they are not given back: each is freed
+        # when its last reader drops it (the P2P keeps no reference to a landed receive, P2P._forget).
         try:
             if st.split:
                 return self._split(s).backward_input(y, g, x, (s, m))

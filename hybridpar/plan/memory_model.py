@@ -297,14 +297,9 @@ def weight_casts(cfg: Config, layers: int, last: bool) -> int:
 
 def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
     """Per microbatch, what the embedding (first stage) and the final norm, head and loss (last) save."""
-    m, t, tp = cfg.model, cfg.train, cfg.parallel.tp
+    m, t = cfg.model, cfg.train
     bt, d, low = b * seq_len(cfg), m.dim, t.precision == "bf16"
-    out = 0
-    if first:
-        # Vocabulary-parallel lookup: shifted ids and the outside-the-shard mask (one rank: the ids
-        # themselves, a view of the replica's batch, counted once per step in `step_saved`).
-        out += bt * (I64 + 1) if tp > 1 else 0
-        out += seq_len(cfg) * I64 if m.family == "gpt2" else 0  # the positions looked up
+    out = embedding_saved(cfg, b) if first else 0
     if cfg.parallel.cp > 1 and m.family == "llama":  # each microbatch's rows of the rotary tables (cos, sin)
         out += 2 * bt * m.head_dim * (2 if cfg.train.working_copies else F32)  # working copies: their bf16 cast
     if last:
@@ -316,6 +311,21 @@ def ends_saved(cfg: Config, b: int, first: bool, last: bool) -> int:
         head_in = bt * d * 2 if low else bt * d * F32
         out += norm + head_in + bt * m.vocab_size * F32 + F32
     return out
+
+
+def embedding_saved(cfg: Config, b: int) -> int:
+    """Per microbatch of b samples, what the first stage's embedding saves: under a vocabulary-parallel lookup
+    the shifted ids and the outside-the-shard mask (one rank: the ids themselves, a view of the replica's
+    batch, counted once per step in `step_saved`); GPT-2's positions looked up."""
+    bt = b * seq_len(cfg)
+    return (bt * (I64 + 1) if cfg.parallel.tp > 1 else 0) + (seq_len(cfg) * I64 if cfg.model.family == "gpt2" else 0)
+
+
+def held_through_b(cfg: Config, b: int, first: bool, has_layers: bool) -> int:
+    """Recomputing, what of a microbatch's saved bytes its B frees only at its end, past its high point (the
+    rerun of the stage's first layer): what the embedding saves, which its backward, B's last, frees; under
+    working copies the rotary tables' bf16 cast, an input of every layer's rerun, freed with the first's."""
+    return (embedding_saved(cfg, b) if first else 0) + table_casts(cfg, has_layers)
 
 
 def step_saved(cfg: Config, first: bool, last: bool, replica: int) -> int:
@@ -354,7 +364,8 @@ def activation_peaks(
     frees them, the per-stage constants count while any microbatch of the stage is held. Where B and W
     are split, B trades the saved tensors for what W needs (weight_held), held until W; inside B the
     first output gradient is held before anything is freed (no recomputation), or every hold is
-    in place while the stage's first layer input is still saved (recomputation: the rerun makes them).
+    in place while the stage's first layer input is still saved (recomputation: the rerun makes them), with
+    what B frees only at its end (held_through_b), the last stage's targets gone (the loss's backward runs first).
     `trace`: the lists' `activation_trace` for these sizes, where the caller keeps it."""
     trace = trace or activation_trace(sizes, actions)
     n, replica = len(parts), sum(sizes)
@@ -364,11 +375,12 @@ def activation_peaks(
     spans = [all(modes[o] == "none" for o in range(n) if ranks[o] == ranks[s]) for s in range(n)]
     c = 2 if cfg.train.precision == "bf16" else F32
     own = in_place(cfg) and buffered(cfg, split)  # received messages read where they landed, in the rank's buffers
-    terms: dict[tuple[int, int], tuple[int, int, int, int]] = {}
+    terms: dict[tuple[int, int], tuple[int, int, int, int, int]] = {}
 
-    def term(s: int, b: int) -> tuple[int, int, int, int]:
-        """(saved per microbatch, per-stage constant, kept from B to W, B's own high point above `live`)
-        of stage s, microbatch of b samples: the same for every action of the pair, so counted once."""
+    def term(s: int, b: int) -> tuple[int, int, int, int, int]:
+        """(saved per microbatch, per-stage constant, kept from B to W, B's own high point above `live`, what of
+        the constant a B that frees it frees before that point) of stage s, microbatch of b samples: the same
+        for every action of the pair, so counted once."""
         first, last = s == 0, s == n - 1
         one = len(parts[s]) * layer_saved(cfg, b, modes[s]) + ends_saved(cfg, b, first, last)
         one += table_casts(cfg, bool(parts[s]))
@@ -388,19 +400,22 @@ def activation_peaks(
         bt_d = b * seq_len(cfg) * cfg.model.dim // seq_shards(cfg)  # a stage's input and output
         # Recomputing, B holds all W needs while the stage's input (the residual stream's dtype) is still saved.
         r = 2 if cfg.train.working_copies else F32
-        inside = (0 if last else bt_d * c) if modes[s] == "none" else kept - one + bt_d * r
+        rerun = kept - one + bt_d * r + held_through_b(cfg, b, first, bool(parts[s]))
+        inside = (0 if last else bt_d * c) if modes[s] == "none" else rerun
+        # ... while the loss's backward, B's first, has freed the targets (one storage per step) where B frees it.
+        targets = replica * seq_len(cfg) * I64 if last and modes[s] != "none" else 0
         # A message read in place from a receive buffer is the buffer itself, which `buffers` counts
         # (plan/messages.py): the stage input its first layer saves, and under a split the output gradient
         # W keeps (B's first hold, the gradient the residual stream hands through unchanged).
         recv = message_bytes(cfg, b) if own and s > 0 and ranks[s - 1] != ranks[s] else 0
         grad = message_bytes(cfg, b) if own and split and not last and ranks[s + 1] != ranks[s] else 0
-        return one - recv, const, kept - grad, inside - grad
+        return one - recv, const, kept - grad, inside - grad, targets
 
     # Per distinct step: what it adds to `live`, and (B, split) how far above `live` after it B peaks inside.
     delta, above = [], []
     for op, s, b, edge in trace.steps:
         key = (s, b)
-        one, const, kept, inside = terms[key] if key in terms else terms.setdefault(key, term(*key))
+        one, const, kept, inside, early = terms[key] if key in terms else terms.setdefault(key, term(*key))
         if op == Op.FORWARD:
             d = one + (const if edge else 0)
         elif op == Op.BACKWARD:
@@ -408,7 +423,7 @@ def activation_peaks(
         else:
             d = -kept
         delta.append(d)
-        above.append(inside - d)  # B's peak was live before it + inside
+        above.append(inside - d - (early if op == Op.BACKWARD and edge else 0))  # B's peak: live before it + inside
     peaks = []
     for seq, bpos in zip(trace.ranks, trace.backwards):
         live = list(accumulate(map(delta.__getitem__, seq)))
