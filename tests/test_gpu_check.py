@@ -162,6 +162,7 @@ def test_mfu_writes_each_piece_as_it_finishes_within_its_budget(
     assert rows["compile+copies"]["error"] == "not run: 40 s of --budget-s 400 left, under the 60 s it needs"
     assert res["complete"] and not res["passed"] and res["best"] == "copies" and res["mfu"] == 0.4
     assert json.loads(out.read_text()) == res
+    assert gpu_check.said(MemoryError()) == "MemoryError: "  # an error without a message is a row too
     # Killed before the end: the summary keeps the finished rows and says why the check failed.
     (tmp_path / "mfu.json").write_text(json.dumps({**seen[2][2], "passed": True}))
     capsys.readouterr()

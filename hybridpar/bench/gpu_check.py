@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from hybridpar.bench import emit
-from hybridpar.bench.gpu_predict import prediction, probe
+from hybridpar.bench.gpu_predict import prediction, probe, said
 
 TORCH_PIN = "2.13.0"
 TORCH_FLOOR = (2, 6)  # pyproject.toml's torch>=2.6
@@ -349,7 +349,7 @@ def check_mfu(a: argparse.Namespace, clock: Callable[[], float] | None = None) -
     try:
         res["probe"] = probe(a)
     except Exception as e:  # CUDA itself failing (the device's name unreadable): said; the options still run
-        res["probe"] = {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        res["probe"] = {"error": said(e)}
     print(f"gpu_check mfu: probe: {res['probe'].get('probe_s', res['probe'])}", file=sys.stderr, flush=True)
     res["probe"].update(prediction(a, res["probe"], None, mfu_config))
     save()
@@ -358,7 +358,7 @@ def check_mfu(a: argparse.Namespace, clock: Callable[[], float] | None = None) -
         try:
             row = {"option": o, "error": why} if timeout is None else _mfu_run(a, o, steps, timeout)
         except Exception as e:  # one option's failure is its row; the others still run
-            row = {"option": o, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+            row = {"option": o, "error": said(e)}
         res["options"].append(row)
         told = f"MFU {row['mfu']:.3f}, {row['tokens_per_s']:.0f} tokens/s" if "mfu" in row else row["error"]
         print(f"gpu_check mfu: {o}: {told} ({clock() - t0:.0f} s into the check)", file=sys.stderr, flush=True)

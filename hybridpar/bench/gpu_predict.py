@@ -19,6 +19,11 @@ DRY_GRID = (8, 16)
 DRY_SIZES = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1, bus_bytes=1 << 16)
 
 
+def said(e: BaseException) -> str:
+    """An error in one line for a JSON entry: its type and its message's first line (an empty one too)."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 def datasheet_for(device_name: str) -> Path:
     """The datasheet file of a device named `device_name` (torch.cuda.get_device_name); ValueError naming it."""
     name = device_name.upper()
@@ -57,7 +62,7 @@ def probe(a: Any) -> dict:
         else:
             probed, figures = probe_gpu(sheet, str(path))
     except Exception as e:  # the probe's own failure (a fraction above 1 included) is the check's
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"error": said(e)}
     finally:
         if torch.cuda.is_initialized():
             torch.cuda.empty_cache()
@@ -95,7 +100,7 @@ def prediction(a: Any, probed: dict, eager: dict | None, config: Callable[[Any, 
         predicted = predict(CostModel(cfg.model, load_hardware(probed["probed_file"])), cfg).step_s
         sheet = predict(CostModel(cfg.model, load_hardware(HARDWARE.parents[1] / probed["datasheet"])), cfg).step_s
     except Exception as e:  # the probed file unreadable or the model refused: said, the figures kept
-        return {"error": f"prediction: {type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"error": f"prediction: {said(e)}"}
     measured = eager.get("step_time_s") if eager is not None else None
     return {
         "layout": "tp1 pp1 dp1, the eager option's configuration",
