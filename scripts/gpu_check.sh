@@ -12,13 +12,15 @@
 #    against one-device training on the same GPU (loss and parameter differences in the summary).
 # 3. pipeline: `hybridpar bench pipeline --mode compute --backend nccl` at pp=2 (two or more GPUs): our
 #    runtime's steps/s over torch.distributed.pipelining's.
-# 4. mfu: MFU and tokens/s of a ~1B-parameter Llama (dim 2048, 18 layers, 16 heads, ffn 5632, vocab
-#    32000, seq 2048) in bf16 on one GPU, under each option of a table (eager, unfused AdamW, compile,
-#    working copies, compile + copies, one microbatch: `--mfu-options` names others), each in a process of
-#    its own, with the attention kernel taken and each loss curve against the eager run's; then the GPU probe
-#    (`plan --probe`'s calibration against docs/hardware/dgx-h100.toml or dgx-h200.toml, by the device's name;
-#    about 15-40 s, estimated, not yet timed on a GPU) and the planner's eager-step prediction with it beside
-#    the measured step; the probed hardware file stays in DIR/mfu/probed.toml.
+# 4. mfu: first the GPU probe (`plan --probe`'s calibration against docs/hardware/dgx-h100.toml or
+#    dgx-h200.toml, by the device's name; about 15-30 s, estimated, not yet timed on a GPU), its probed hardware
+#    file in DIR/mfu/probed.toml; then MFU and tokens/s of a ~1B-parameter Llama (dim 2048, 18 layers, 16
+#    heads, ffn 5632, vocab 32000, seq 2048) in bf16 on one GPU, under each option of a table (eager, working
+#    copies, unfused AdamW, compile + copies, compile, compile + copies in one microbatch: `--mfu-options`
+#    names others), each in a process of its own under a timeout within the step's budget (400 s), with the
+#    attention kernel taken and each loss curve against the eager run's; the planner's eager-step prediction
+#    with the probed file beside the measured step. DIR/mfu.json is rewritten as each piece finishes, so a
+#    kill keeps what finished.
 # --checks runs a subset (comma-separated, from env,equivalence,pipeline,mfu; env always runs): on a lent
 # machine with minutes to spare, `--no-setup --checks mfu` alone fits one call.
 # Every step has a hard timeout (`timeout`); the checks' files and logs stay in --out (default

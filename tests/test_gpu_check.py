@@ -4,12 +4,14 @@ check's timeout."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -124,3 +126,80 @@ def test_summary_names_a_timeout_and_fails(tmp_path: Path, capsys: pytest.Captur
         "checks": {"env": {"passed": True}},
         "passed": True,
     }
+
+
+def test_mfu_writes_each_piece_as_it_finishes_within_its_budget(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    """The one GPU call must return what finished even if it is killed: the probe's figures are on disk before
+    the first option runs, each row as soon as it ran; an option that times out is its row, and one that no
+    longer fits the budget is not started (runs faked here, the clock too: no process, no waiting)."""
+    from hybridpar.bench import gpu_check
+
+    out, now, seen = tmp_path / "mfu.json", [0.0], []
+
+    def run(a: Any, option: str, steps: int, timeout_s: float) -> dict:
+        seen.append((option, timeout_s, json.loads(out.read_text())))  # the file as this run starts
+        now[0] += {"eager": 30.0, "copies": 30.0}.get(option, 300.0)
+        if option == "compile":
+            raise TimeoutError(f"ranks [0] of 1 still running after {timeout_s:.0f} s: killed")
+        return {"option": option, "mfu": 0.3 if option == "eager" else 0.4, "tokens_per_s": 1.0, "losses": [2.0, 1.0]}
+
+    def probe(a: Any) -> dict:
+        raise RuntimeError("CUDA error: an illegal memory access was encountered\nmore")
+
+    monkeypatch.setattr(gpu_check, "probe", probe)  # CUDA failing in the probe: the options still run
+    monkeypatch.setattr(gpu_check, "_mfu_run", run)
+    a = argparse.Namespace(dry_run=False, out=str(out), options="eager,copies,compile,compile+copies")
+    a.budget_s, a.recompute = 400.0, "none"
+    res = gpu_check.check_mfu(a, clock=lambda: now[0])
+    assert [(o, t) for o, t, _ in seen] == [("eager", 120.0), ("copies", 120.0), ("compile", 240.0)]
+    assert seen[0][2]["probe"] == {"error": "RuntimeError: CUDA error: an illegal memory access was encountered"}
+    assert seen[0][2]["options"] == []
+    assert [r["option"] for r in seen[2][2]["options"]] == ["eager", "copies"] and not seen[2][2]["complete"]
+    rows = {r["option"]: r for r in res["options"]}
+    assert rows["compile"]["error"] == "TimeoutError: ranks [0] of 1 still running after 240 s: killed"
+    assert rows["compile+copies"]["error"] == "not run: 40 s of --budget-s 400 left, under the 60 s it needs"
+    assert res["complete"] and not res["passed"] and res["best"] == "copies" and res["mfu"] == 0.4
+    assert json.loads(out.read_text()) == res
+    assert gpu_check.said(MemoryError()) == "MemoryError: "  # an error without a message is a row too
+    # Killed before the end: the summary keeps the finished rows and says why the check failed.
+    (tmp_path / "mfu.json").write_text(json.dumps({**seen[2][2], "passed": True}))
+    capsys.readouterr()
+    assert main(["summary", "--dir", str(tmp_path), "--checks", "mfu", "--rc", "mfu=124"]) == 0
+    mfu = json.loads(capsys.readouterr().out)["checks"]["mfu"]
+    assert not mfu["passed"] and mfu["error"] == "timed out: the figures that finished before"
+    assert [r["option"] for r in mfu["options"]] == ["eager", "copies"]
+
+
+def test_the_mfu_probe_on_a_cuda_host_writes_the_probed_file_and_predicts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The mfu check's probe as on one H100 (the branch --dry-run does not take): the datasheet picked by the
+    device's name, no all-reduce with one GPU (the file's bus fraction kept), the probed file written, and the
+    prediction read back from it beside the measured step (the device and sizes swapped for tiny CPU ones)."""
+    import torch
+
+    from hybridpar.bench import gpu_check, gpu_predict
+    from hybridpar.plan import gpu_probe
+
+    real = gpu_probe.calibrate_gpu
+    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(
+        gpu_probe, "calibrate_gpu", lambda hw, dev, dtype, gpus: real(hw, torch.device("cpu"), dtype, gpus, (8,), tiny)
+    )
+    a = argparse.Namespace(dry_run=False, out=str(tmp_path / "mfu.json"), recompute="none", gpus=1)
+    probed = gpu_predict.probe(a)
+    assert probed["datasheet"] == "docs/hardware/dgx-h100.toml" and probed["device"] == "NVIDIA H100 80GB HBM3"
+    assert probed["calibration"]["intra_bus_measured_over_gpus"] is None and Path(probed["probed_file"]).is_file()
+    assert (
+        probed["calibration"]["intra_bus_fraction"]
+        == load_hardware(ROOT / probed["datasheet"]).gpu_calibration.intra_bus_fraction
+    )
+    before = gpu_predict.prediction(a, probed, None, gpu_check.mfu_config)
+    after = gpu_predict.prediction(a, probed, {"option": "eager", "step_time_s": 0.42}, gpu_check.mfu_config)
+    assert before["measured_step_s"] is None and before["predicted_step_s"] == after["predicted_step_s"] > 0
+    assert after["measured_over_predicted"] == 0.42 / after["predicted_step_s"]

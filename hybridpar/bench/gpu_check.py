@@ -21,10 +21,10 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 from hybridpar.bench import emit
-from hybridpar.bench.gpu_predict import probe_and_predict
+from hybridpar.bench.gpu_predict import prediction, probe, said
 
 TORCH_PIN = "2.13.0"
 TORCH_FLOOR = (2, 6)  # pyproject.toml's torch>=2.6
@@ -169,7 +169,10 @@ MFU_TOKENS: dict[str, dict[str, Any]] = {
     "copies": {"bf16_weights": "copies"},
     "unfused": {"fused_adamw": "off"},
 }
-MFU_OPTIONS = "eager,unfused,compile,copies,compile+copies,compile+copies+m1"
+# In the order that keeps the most where time runs short: the cheap eager rows first (eager itself: the loss
+# curves' reference and the prediction's measured step), then the compiled ones, the likely best first; the
+# one-microbatch row last, where inductor's caches from compile+copies (same graphs) make its compile short.
+MFU_OPTIONS = "eager,copies,unfused,compile+copies,compile,compile+copies+m1"
 MFU_OPTIONS_DRY = "eager,copies"  # --dry-run: the cheap ones (a CPU compile costs tens of seconds)
 
 
@@ -214,6 +217,8 @@ def _mfu_worker(cfg_dict: dict, steps: int) -> dict:
         "first_step_s": first_s,
         "attention_kernel": attention_kernel(m.n_heads, cfg.train.seq_len, m.head_dim, topo.device, torch.bfloat16),
         "max_memory_allocated": memory,
+        # under train.compile: graphs compiled over the run (a recompile after the first step shows here)
+        "compiled": None if trainer.mp.compiled is None else trainer.mp.compiled.summary(),
     }
 
 
@@ -235,13 +240,14 @@ def mfu_config(a: argparse.Namespace, option: str) -> Any:
     return cfg
 
 
-def _mfu_run(a: argparse.Namespace, option: str, steps: int) -> dict:
-    """One option's run in a process of its own (a compiled run's caches and memory do not reach the next)."""
+def _mfu_run(a: argparse.Namespace, option: str, steps: int, timeout_s: float) -> dict:
+    """One option's run in a process of its own (a compiled run's caches and memory do not reach the next),
+    killed after `timeout_s` (then a TimeoutError)."""
     from hybridpar.topology.spawn import run_ranks
 
     cfg = mfu_config(a, option)
     Path(cfg.run_dir).mkdir(parents=True, exist_ok=True)
-    res = run_ranks(_mfu_worker, 1, cfg.to_dict(), steps, timeout_s=600)[0]
+    res = run_ranks(_mfu_worker, 1, cfg.to_dict(), steps, timeout_s=timeout_s)[0]
     timed = res["recs"][2:]
     return {
         "option": option,
@@ -254,57 +260,114 @@ def _mfu_run(a: argparse.Namespace, option: str, steps: int) -> dict:
         "attention_kernel": res["attention_kernel"],
         "peak": res["peak"],
         "max_memory_allocated": res["max_memory_allocated"],
+        "compiled": res["compiled"],
     }
 
 
-def check_mfu(a: argparse.Namespace) -> dict:
-    """MFU and tokens/s of the ~1B Llama in bf16 on one GPU (tp=pp=dp=1) under each option of `--options`
-    (eager first: the others' losses are compared with its), median over the steps after two warm-up steps;
-    the peak is the data sheet's for a listed GPU, else a measured matmul peak. An option the configuration
-    refuses, or whose run fails, is reported with its error and fails the check. Then the GPU probe
-    (bench/gpu_predict.py): the calibration measured on the device and the planner's prediction of the eager
-    step with it, beside the eager step measured."""
-    import torch
+# Seconds one option's run may take at most, and needs at least to be worth starting (H100 estimates in
+# docs/gpu.md: an eager run 20-30 s with its process, CUDA and the 1B model's set-up; a compiled one 60-110 s,
+# most of it inductor's first compile); --dry-run multiplies them by DRY_FACTOR (CPU, a shared machine).
+MFU_BUDGET_S = 400.0  # scripts/gpu_check.sh kills the step at 420 s: the check ends and writes its file first
+OPTION_LIMIT_S = {"eager": 120.0, "compile": 240.0}
+OPTION_FLOOR_S = {"eager": 20.0, "compile": 60.0}
+DRY_FACTOR = 4
 
-    from hybridpar.config import ModelConfig
-    from hybridpar.model.registry import empty_stage
 
-    options = (a.options or (MFU_OPTIONS_DRY if a.dry_run else MFU_OPTIONS)).split(",")
-    for o in options:
-        mfu_option(o)  # every name checked before the first run
-    steps = 4 if a.dry_run else 10
-    table = []
-    for o in options:
-        try:
-            table.append(_mfu_run(a, o, steps))
-        except Exception as e:  # one option's failure is its row; the others still run
-            table.append({"option": o, "error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"})
-    cfg_model = {**(TINY_LLAMA if a.dry_run else LLAMA_1B)}
-    whole = empty_stage(ModelConfig(**cfg_model), range(cfg_model["n_layers"]), True, True, torch.device("meta"))
-    ran = [r for r in table if "error" not in r]
-    base = next((r for r in ran if r["option"] == options[0]), None)
+def _option_timeout(a: argparse.Namespace, option: str, left_s: float) -> tuple[float | None, str]:
+    """(the option's timeout, "") within the `left_s` seconds of the check's budget, or (None, why not)."""
+    kind = "compile" if "compile" in option.split("+") else "eager"
+    scale = DRY_FACTOR if a.dry_run else 1
+    limit, floor = OPTION_LIMIT_S[kind] * scale, OPTION_FLOOR_S[kind] * scale
+    if left_s < floor:
+        return None, f"not run: {left_s:.0f} s of --budget-s {a.budget_s:g} left, under the {floor:g} s it needs"
+    return min(limit, left_s), ""
+
+
+def _fold(res: dict, dry_run: bool) -> None:
+    """The table's figures so far: each row's loss curve against the first option's, the best row, and
+    whether every row ran with plausible figures."""
+    table = res["options"]
+    ran = [r for r in table if "mfu" in r]
+    base = next((r for r in ran if r["option"] == res["planned"][0]), None)
     for r in ran:
         if base is not None:  # bf16 runs of the same model: how far each option's loss curve is from the first's
             r["loss_max_rel_diff"] = max(abs(x - y) / abs(y) for x, y in zip(r["losses"], base["losses"]))
     best = max(ran, key=lambda r: r["mfu"], default=None)
+    res.update(
+        best=None if best is None else best["option"],
+        mfu=None if best is None else best["mfu"],
+        tokens_per_s=None if best is None else best["tokens_per_s"],
+    )
     # Above 1 on a GPU would be a FLOP count or peak gone wrong; on CPU (--dry-run) the measured bf16 peak of
     # one square matmul size says little about a tiny model's matmuls, so only > 0 is asked.
-    ok = [0 < r["mfu"] and (a.dry_run or r["mfu"] <= 1) and all(math.isfinite(x) for x in r["losses"]) for r in ran]
-    # Last, so that the options' runs are timed on a device the probe has not yet touched (bench/gpu_predict.py).
-    probe = probe_and_predict(a, table, mfu_config)
-    return {
-        "model": {**cfg_model, "params": sum(p.numel() for p in whole.parameters())},
+    ok = [0 < r["mfu"] and (dry_run or r["mfu"] <= 1) and all(math.isfinite(x) for x in r["losses"]) for r in ran]
+    every = len(ran) == len(res["planned"])
+    res["passed"] = res["complete"] and every and all(ok) and "error" not in res["probe"]
+
+
+def check_mfu(a: argparse.Namespace, clock: Callable[[], float] | None = None) -> dict:
+    """MFU and tokens/s of the ~1B Llama in bf16 on one GPU (tp=pp=dp=1) under each option of `--options`
+    (the first, eager by default, is the one the others' losses are compared with), median over the steps
+    after two warm-up steps; the peak is the data sheet's for a listed GPU, else a measured matmul peak.
+    First the GPU probe (bench/gpu_predict.py): the calibration measured on the device, and the planner's
+    prediction of the eager step with it, beside the eager step once that row has run. Everything is written
+    to `--out` as soon as it exists (`complete` false until the end), so a kill at any point keeps what
+    finished. Each option runs under a timeout within what is left of `--budget-s`; one the configuration
+    refuses, whose run fails or times out, or for which no time is left, is reported as such and fails the
+    check while the others still run. `clock`: seconds, monotonic (a test's stand-in)."""
+    import time
+
+    from hybridpar.config import ModelConfig
+    from hybridpar.model.registry import param_counts
+
+    clock = clock or time.monotonic
+    t0 = clock()
+    options = (a.options or (MFU_OPTIONS_DRY if a.dry_run else MFU_OPTIONS)).split(",")
+    for o in options:
+        mfu_option(o)  # every name checked before the first run
+    steps = 4 if a.dry_run else 10
+    cfg_model = {**(TINY_LLAMA if a.dry_run else LLAMA_1B)}
+    counts = param_counts(ModelConfig(**cfg_model))  # one layer's shapes: building all 18 took 1.7 s here
+    res: dict[str, Any] = {
+        "model": {**cfg_model, "params": counts.embed + cfg_model["n_layers"] * counts.layer + counts.head},
         "seq_len": 64 if a.dry_run else 2048,
         "global_batch": 8,
         "recompute": a.recompute,
         "steps_timed": steps - 2,
-        "options": table,
-        "best": None if best is None else best["option"],
-        "mfu": None if best is None else best["mfu"],
-        "tokens_per_s": None if best is None else best["tokens_per_s"],
-        "probe": probe,
-        "passed": len(ran) == len(table) and all(ok) and "error" not in probe,
+        "budget_s": a.budget_s,
+        "planned": options,
+        "options": [],
+        "probe": {"error": "stopped during the probe"},
+        "complete": False,
     }
+
+    def save() -> None:
+        _fold(res, a.dry_run)
+        emit(res, a.out, echo=False)
+
+    save()
+    try:
+        res["probe"] = probe(a)
+    except Exception as e:  # CUDA itself failing (the device's name unreadable): said; the options still run
+        res["probe"] = {"error": said(e)}
+    print(f"gpu_check mfu: probe: {res['probe'].get('probe_s', res['probe'])}", file=sys.stderr, flush=True)
+    res["probe"].update(prediction(a, res["probe"], None, mfu_config))
+    save()
+    for o in options:
+        timeout, why = _option_timeout(a, o, a.budget_s - (clock() - t0))
+        try:
+            row = {"option": o, "error": why} if timeout is None else _mfu_run(a, o, steps, timeout)
+        except Exception as e:  # one option's failure is its row; the others still run
+            row = {"option": o, "error": said(e)}
+        res["options"].append(row)
+        told = f"MFU {row['mfu']:.3f}, {row['tokens_per_s']:.0f} tokens/s" if "mfu" in row else row["error"]
+        print(f"gpu_check mfu: {o}: {told} ({clock() - t0:.0f} s into the check)", file=sys.stderr, flush=True)
+        if o == "eager":
+            res["probe"].update(prediction(a, res["probe"], row, mfu_config))
+        save()
+    res["complete"] = True
+    save()
+    return res
 
 
 def summary(a: argparse.Namespace) -> dict:
@@ -314,11 +377,13 @@ def summary(a: argparse.Namespace) -> dict:
     wanted = set(a.checks.split(",")) if a.checks else set(CHECKS)
     for name in (c for c in CHECKS if c in wanted):
         path = Path(a.dir) / f"{name}.json"
+        rc = codes.get(name)
+        why = "not run" if rc is None else ("timed out" if rc == "124" else f"exited with code {rc}")
         if path.is_file():
             checks[name] = json.loads(path.read_text())
+            if checks[name].get("complete") is False:  # the mfu check's file as it stood when it was stopped
+                checks[name].update(passed=False, error=f"{why}: the figures that finished before")
         else:
-            rc = codes.get(name)
-            why = "not run" if rc is None else ("timed out" if rc == "124" else f"exited with code {rc}")
             log = Path(a.dir) / f"{name}.log"
             tail = log.read_text(errors="replace").strip().splitlines()[-3:] if log.is_file() else []
             checks[name] = {"passed": False, "error": why, "log_tail": tail}
@@ -336,6 +401,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rc", action="append", default=[], help="summary: NAME=EXIT_CODE of a check, from the script")
     ap.add_argument("--dry-run", action="store_true", help="CPU processes over gloo, tiny sizes")
     ap.add_argument("--gpus", type=int, default=None, help="GPUs to plan for (default: torch's count; --dry-run: 2)")
+    ap.add_argument(
+        "--budget-s",
+        type=float,
+        default=None,
+        help=f"mfu: seconds for the whole check, options' runs included (default {MFU_BUDGET_S:g}; --dry-run: "
+        f"{DRY_FACTOR}x): the script's timeout for the step is {MFU_BUDGET_S + 20:g}",
+    )
     ap.add_argument("--recompute", default="none", help="mfu: train.recompute of the ~1B run (none|full|selective)")
     ap.add_argument(
         "--options",
@@ -345,6 +417,8 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     if (a.check == "summary") != (a.dir is not None) or (a.check != "summary" and not a.out):
         ap.error("summary takes --dir DIR; every check takes --out FILE")
+    if a.budget_s is None:
+        a.budget_s = MFU_BUDGET_S * (DRY_FACTOR if a.dry_run else 1)
     if a.gpus is None and a.check != "summary":
         import torch
 

@@ -1,4 +1,4 @@
-"""The mfu check's last step (bench/gpu_check.py): the GPU probe (plan/gpu_probe.py) on the device, and the
+"""The mfu check's probe (bench/gpu_check.py): the GPU probe (plan/gpu_probe.py) on the device, first, and the
 planner's prediction of the ~1B model's eager step with the probed calibration beside the step measured.
 
 The datasheet file the probe divides by is picked by the device's name: an H100 SXM (docs/hardware/dgx-h100.toml)
@@ -19,6 +19,11 @@ DRY_GRID = (8, 16)
 DRY_SIZES = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1, bus_bytes=1 << 16)
 
 
+def said(e: BaseException) -> str:
+    """An error in one line for a JSON entry: its type and its message's first line (an empty one too)."""
+    return f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:300]}"
+
+
 def datasheet_for(device_name: str) -> Path:
     """The datasheet file of a device named `device_name` (torch.cuda.get_device_name); ValueError naming it."""
     name = device_name.upper()
@@ -32,13 +37,14 @@ def datasheet_for(device_name: str) -> Path:
     return HARDWARE / hits[0]
 
 
-def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], Any]) -> dict:
-    """The probe's figures, the probed file (written beside the check's JSON) and the planner's eager-step
-    prediction on it and on the datasheet file's calibration, beside the eager row's measured step.
-    {"refused": why} for a GPU without a datasheet file here; {"error": ...} if the probe failed."""
+def probe(a: Any) -> dict:
+    """The mfu check's GPU probe, run first (it takes seconds and the prediction needs it): its figures and the
+    probed file, written beside the check's JSON at once. {"refused": why} for a GPU without a datasheet file
+    here; {"error": ...} if the probe failed. Run in the check's own process, which starts no other CUDA work:
+    the allocator's cached blocks are handed back after it, so the options' runs (processes of their own) have
+    the device's memory but this process's context (about half a GiB)."""
     import torch
 
-    from hybridpar.plan.cost import CostModel, predict
     from hybridpar.plan.gpu_probe import calibrate_gpu, probe_gpu
     from hybridpar.plan.hardware import load_hardware, to_toml
 
@@ -56,14 +62,13 @@ def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], An
         else:
             probed, figures = probe_gpu(sheet, str(path))
     except Exception as e:  # the probe's own failure (a fraction above 1 included) is the check's
-        return {"error": f"{type(e).__name__}: {str(e).splitlines()[0][:300]}"}
+        return {"error": said(e)}
+    finally:
+        if torch.cuda.is_initialized():
+            torch.cuda.empty_cache()
     out = Path(a.out).with_suffix("") / "probed.toml"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(to_toml(probed))
-    cfg = config(a, "eager")
-    predicted = predict(CostModel(cfg.model, probed), cfg).step_s
-    eager = next((r for r in table if r.get("option") == "eager" and "error" not in r), None)
-    measured = None if eager is None else eager["step_time_s"]
     g = probed.gpu_calibration
     return {
         "device": name,
@@ -78,9 +83,29 @@ def probe_and_predict(a: Any, table: list[dict], config: Callable[[Any, str], An
             "attention_by_seq": figures["attention"],
             "matmul_best_shape": list(figures["matmul_best"][:3]),
         },
+    }
+
+
+def prediction(a: Any, probed: dict, eager: dict | None, config: Callable[[Any, str], Any]) -> dict:
+    """The planner's prediction of the eager option's step (tp1 pp1 dp1, its microbatches) on the probed file
+    (read back as a user's plan would read it) and on the datasheet file's own calibration, beside the eager
+    row's measured step: None until that row has run (or if it failed). {} without a probed file."""
+    from hybridpar.plan.cost import CostModel, predict
+    from hybridpar.plan.hardware import load_hardware
+
+    if "probed_file" not in probed:
+        return {}
+    cfg = config(a, "eager")
+    try:
+        predicted = predict(CostModel(cfg.model, load_hardware(probed["probed_file"])), cfg).step_s
+        sheet = predict(CostModel(cfg.model, load_hardware(HARDWARE.parents[1] / probed["datasheet"])), cfg).step_s
+    except Exception as e:  # the probed file unreadable or the model refused: said, the figures kept
+        return {"error": f"prediction: {said(e)}"}
+    measured = eager.get("step_time_s") if eager is not None else None
+    return {
         "layout": "tp1 pp1 dp1, the eager option's configuration",
         "predicted_step_s": predicted,
-        "predicted_step_s_datasheet_calibration": predict(CostModel(cfg.model, sheet), cfg).step_s,
+        "predicted_step_s_datasheet_calibration": sheet,
         "measured_step_s": measured,
         "measured_over_predicted": None if measured is None else measured / predicted,
     }

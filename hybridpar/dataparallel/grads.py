@@ -25,6 +25,7 @@ from torch import nn
 from hybridpar.dataparallel.zero import Slice, equal_rows, keep_slice, left_over, part, share, slice_of, summed_grad
 from hybridpar.model.stage import Stage
 from hybridpar.model.tp import is_sharded
+from hybridpar.topology.collectives import reduce_scatter_single
 from hybridpar.topology.mesh import Topology
 
 BUCKET_BYTES = 4 << 20  # about this many gradient bytes per data-parallel bucket
@@ -134,7 +135,7 @@ class DataParallelGrads:
         if even:
             with dist._coalescing_manager(self.group, async_ops=True) as cm:
                 for g, s in even:
-                    dist.reduce_scatter_single(share(part(g, s, r), s, r), equal_rows(g, s), group=self.group)
+                    reduce_scatter_single(share(part(g, s, r), s, r), equal_rows(g, s), group=self.group)
             self._in_place += cm.works
         for g, s in cut:
             if left_over(s):

@@ -47,6 +47,7 @@ from torch import nn
 
 from hybridpar.config import TrainConfig
 from hybridpar.model.optim import adamw_options, lr_at, param_groups
+from hybridpar.topology.collectives import all_gather_single
 from hybridpar.topology.mesh import Topology
 
 
@@ -131,12 +132,12 @@ def _gather_shares(even: list[tuple[torch.Tensor, torch.Tensor, Slice]], r: int,
     worker thread as it allocated) failed 11 of 127 runs so, 0 of 105 with one all-gather per tensor."""
     if dist.get_backend(group) == "gloo":
         return [
-            dist.all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group, async_op=True)
+            all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group, async_op=True)
             for whole, mine, s in even
         ]
     with dist._coalescing_manager(group, async_ops=True) as cm:
         for whole, mine, s in even:
-            dist.all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group)
+            all_gather_single(equal_rows(whole, s), share(mine, s, r), group=group)
     return cm.works
 
 

@@ -36,7 +36,11 @@ class _RMSNorm(torch.autograd.Function):
         h = x.float()  # normalise in fp32 as HF Llama does, so low-precision runs keep the same statistics
         r = torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)  # (..., 1)
         ctx.save_for_backward(x, r, weight)  # the weight: a parameter, resident anyway
-        ctx.metadata["remake"] = _RMSNorm.remake  # for the blocks that read the output (model/regather.py)
+        if not torch.compiler.is_compiling():
+            # For the blocks that read the output (model/regather.py), which never rebuild inside a compiled
+            # layer (block_saves). torch 2.11's dynamo cannot trace the write (an InternalTorchDynamoError
+            # about a deallocated PyNode): train.compile failed there, on the GPU image's torch.
+            ctx.metadata["remake"] = _RMSNorm.remake
         return weight * (h * r).to(x.dtype)
 
     @staticmethod

@@ -42,6 +42,24 @@ from torch import nn
 
 from hybridpar.model.regather import BlockSaves
 from hybridpar.model.stage import Stage
+from hybridpar.topology.collectives import all_gather_single, reduce_scatter_single
+
+# torch 2.11 (the GPU image's) traced g's autograd Function (an all-reduce into a fresh tensor) into a compiled
+# layer's graph with no gradient reaching the layer's parameters: compiled tp 2 trained with every layer's
+# gradient zero (aot_eager, measured). torch 2.13 traces f and g right (tests/test_equivalence.py). Before 2.13
+# they run eagerly between the layer's graphs (`_collective`), as the zero-bubble split's linears do.
+COLLECTIVES_IN_GRAPH = tuple(int(v) for v in torch.__version__.split("+")[0].split(".")[:2]) >= (2, 13)
+
+
+@torch.compiler.disable
+def _eager(fn: Any, *args: Any) -> torch.Tensor:
+    return fn(*args)
+
+
+def _collective(fn: Any, *args: Any) -> torch.Tensor:
+    """fn(*args), f's or g's apply: inside a compiled layer's graph where this torch traces it right, else
+    eagerly beside it (COLLECTIVES_IN_GRAPH)."""
+    return fn(*args) if COLLECTIVES_IN_GRAPH else _eager(fn, *args)
 
 
 class _CopyToTP(torch.autograd.Function):
@@ -54,7 +72,7 @@ class _CopyToTP(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, g: torch.Tensor) -> tuple[torch.Tensor, None]:
-        g = g.contiguous()
+        g = g.clone() if torch.compiler.is_compiling() else g.contiguous()
         dist.all_reduce(g, group=ctx.group)
         return g, None
 
@@ -82,7 +100,7 @@ def gather_seq(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(B, T/n, ...) on each of the n ranks -> the whole (B, T, ...), ranks' slices in rank order."""
     xs = _seq_first(x)
     out = xs.new_empty((xs.shape[0] * dist.get_world_size(group), *xs.shape[1:]))
-    dist.all_gather_single(out, xs, group=group)
+    all_gather_single(out, xs, group=group)
     # Contiguous: the projections that read it (q, k, v; gate, up) then save this one tensor for their
     # backward, where a strided view would have each flatten, and save, a copy of its own.
     return out.transpose(0, 1).contiguous()
@@ -92,7 +110,7 @@ def scatter_seq_sum(x: torch.Tensor, group: dist.ProcessGroup) -> torch.Tensor:
     """(B, T, ...) partial sums on each rank -> this rank's (B, T/n, ...) slice of their sum."""
     xs = _seq_first(x)
     out = xs.new_empty((xs.shape[0] // dist.get_world_size(group), *xs.shape[1:]))
-    dist.reduce_scatter_single(out, xs, group=group)
+    reduce_scatter_single(out, xs, group=group)
     return out.transpose(0, 1).contiguous()
 
 
@@ -174,7 +192,7 @@ class RowParallelLinear(nn.Linear):
 
     @staticmethod
     def _sum(mod: RowParallelLinear, args: tuple, partial: torch.Tensor) -> torch.Tensor:
-        y = mod.reduce.apply(partial, mod.group)
+        y = _collective(mod.reduce.apply, partial, mod.group)
         return y if mod.bias is None else y + mod.bias
 
 
@@ -210,7 +228,7 @@ def apply_tp(
             if mod.bias is not None:
                 mod.bias = _shard(mod.bias, 0, rank, n)
         if style in ("copy_in", "colwise_gather"):
-            mod.register_forward_pre_hook(lambda m, args: (f.apply(args[0], group), *args[1:]))
+            mod.register_forward_pre_hook(lambda m, args: (_collective(f.apply, args[0], group), *args[1:]))
         if style == "colwise_gather":
             mod.register_forward_hook(lambda m, args, out: _GatherLastDim.apply(out, group))
         elif style == "rowwise":

@@ -33,6 +33,7 @@ from hybridpar.model.hf import SafetensorsDir
 from hybridpar.model.optim import make_optimizer
 from hybridpar.model.registry import build_stage, empty_stage, load_stage_, param_counts
 from hybridpar.model.stage import Stage
+from hybridpar.model.tp import COLLECTIVES_IN_GRAPH
 from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.p2p import P2P
 from hybridpar.pipeline.partition import partition_by_cost, partition_by_params, partition_uniform
@@ -100,9 +101,9 @@ def build_model_parallel(cfg: Config, topo: Topology, parts: list[range]) -> Mod
     runtime.meter = ActivationMeter(cfg.emulate.memory_limit)
     runtime.meter.lent = p2p.lent
     runtime.meter.buffered = p2p.holds
-    # The B/W split's eager linears and ring attention break each layer's graph (model/compiled.py): then one
-    # static graph per microbatch size.
-    breaks = schedule_spec(p.schedule).splits_backward or p.cp > 1
+    # The B/W split's eager linears, ring attention and, before torch 2.13, tensor parallelism's collectives
+    # (model/tp.py) break each layer's graph (model/compiled.py): then one static graph per microbatch size.
+    breaks = schedule_spec(p.schedule).splits_backward or p.cp > 1 or (p.tp > 1 and not COLLECTIVES_IN_GRAPH)
     compiled = CompiledLayers(t.compile_backend, per_size=breaks) if t.compile else None
     for st in stages.values():
         st.compiled = compiled  # kept by live re-partition, which moves layers between existing stages
