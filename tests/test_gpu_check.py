@@ -178,19 +178,10 @@ def test_the_mfu_probe_on_a_cuda_host_writes_the_probed_file_and_predicts(
     """The mfu check's probe as on one H100 (the branch --dry-run does not take): the datasheet picked by the
     device's name, no all-reduce with one GPU (the file's bus fraction kept), the probed file written, and the
     prediction read back from it beside the measured step (the device and sizes swapped for tiny CPU ones)."""
-    import torch
-
     from hybridpar.bench import gpu_check, gpu_predict
-    from hybridpar.plan import gpu_probe
+    from tests.test_gpu_probe import fake_one_gpu
 
-    real = gpu_probe.calibrate_gpu
-    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
-    monkeypatch.setattr(
-        gpu_probe, "calibrate_gpu", lambda hw, dev, dtype, gpus: real(hw, torch.device("cpu"), dtype, gpus, (8,), tiny)
-    )
+    fake_one_gpu(monkeypatch, "NVIDIA H100 80GB HBM3", (8,))
     a = argparse.Namespace(dry_run=False, out=str(tmp_path / "mfu.json"), recompute="none", gpus=1)
     probed = gpu_predict.probe(a)
     assert probed["datasheet"] == "docs/hardware/dgx-h100.toml" and probed["device"] == "NVIDIA H100 80GB HBM3"

@@ -30,6 +30,23 @@ def grid_rows(f=lambda m, n, k: 0.1 + 0.2 * math.log2(m) / 12 + 0.3 * math.log2(
     return [[m, n, k, f(m, n, k)] for m in GRID for n in GRID for k in GRID]
 
 
+def fake_one_gpu(monkeypatch: pytest.MonkeyPatch, name: str, sizes: tuple[int, ...]) -> None:
+    """One CUDA device named `name` as the probe sees it, its measurements run on the CPU at tiny sizes (GEMM
+    grid `sizes`): the branches of a CUDA host that the CPU lanes cannot otherwise take."""
+    import torch
+
+    real = gpu_probe.calibrate_gpu
+    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: name)
+    monkeypatch.setattr(
+        gpu_probe,
+        "calibrate_gpu",
+        lambda hw, device, dtype, gpus: real(hw, torch.device("cpu"), dtype, gpus, sizes, tiny),
+    )
+
+
 def test_table_is_exact_at_grid_points_log_linear_between_and_clamped_outside() -> None:
     rows = grid_rows()
     t = parse_matmul_table(rows, "t")
@@ -129,18 +146,7 @@ def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(
     monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture
 ) -> None:
     """`plan --probe --hardware FILE --out OUT` as on a CUDA host, the device and sizes swapped for CPU ones."""
-    import torch
-
-    real = gpu_probe.calibrate_gpu
-    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "a CPU standing in")
-    monkeypatch.setattr(
-        gpu_probe,
-        "calibrate_gpu",
-        lambda hw, device, dtype, gpus: real(hw, torch.device("cpu"), dtype, gpus, (8, 16), tiny),
-    )
+    fake_one_gpu(monkeypatch, "a CPU standing in", (8, 16))
     out = tmp_path / "probed.toml"
     result, hw, _ = run(["--probe", "--hardware", str(H100), "--out", str(out), "--world", "1", "--top", "1"])
     assert load_hardware(out) == hw and hw.gpu_calibration.matmul_table is not None and result.candidates
