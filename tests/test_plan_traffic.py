@@ -101,7 +101,7 @@ def test_only_a_counted_calibration_uses_the_count_and_a_compiled_run_keeps_the_
     counted, fixed = CostModel(SMALL, _hw("counted")), CostModel(SMALL, _hw(None))
     link = counted.hw.intra_node
     tokens = 4 * cfg.train.seq_len
-    ct = Traffic(*direct, 40.0, 1.0)  # the count the cost model would make, given (counting is tested above)
+    ct = Traffic(*direct)  # the count the cost model would make, given (counting is tested above)
     counted._traffic[Settings.of(cfg.train, "none")] = ct
     lay = counted.layer(cfg.train, 1, tokens, link, "none")
     bw = counted.hw.memory_bps()

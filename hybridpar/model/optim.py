@@ -38,11 +38,15 @@ def param_groups(named: Iterable[tuple[str, nn.Parameter]], weight_decay: float)
 FUSED_BY_DEFAULT = ("cuda",)
 
 
+def takes_fused(fused_adamw: str, device_type: str) -> bool:
+    """Whether train.fused_adamw runs torch's fused AdamW on a device of `device_type`."""
+    return fused_adamw == "on" or (fused_adamw == "auto" and device_type in FUSED_BY_DEFAULT)
+
+
 def adamw_options(cfg: TrainConfig, device: torch.device) -> dict[str, bool]:
     """AdamW's implementation keyword for `device` under train.fused_adamw: fused=True (one kernel for every
     parameter's update) or nothing (torch's default, the multi-tensor foreach path)."""
-    on = cfg.fused_adamw == "on" or (cfg.fused_adamw == "auto" and device.type in FUSED_BY_DEFAULT)
-    return {"fused": True} if on else {}
+    return {"fused": True} if takes_fused(cfg.fused_adamw, device.type) else {}
 
 
 def make_optimizer(named: Iterable[tuple[str, nn.Parameter]], cfg: TrainConfig) -> torch.optim.AdamW:

@@ -46,6 +46,7 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from hybridpar.config import Config, ModelConfig, ParallelConfig, TrainConfig
+from hybridpar.model.optim import takes_fused
 from hybridpar.model.registry import ParamCounts, layer_flops_per_token, layer_tensors, param_counts
 from hybridpar.pipeline.partition import partition_by_cost, partition_uniform
 from hybridpar.pipeline.schedules import Action, Op, build_schedule, schedule_spec, stage_count, stages_per_rank
@@ -216,7 +217,7 @@ class CostModel:
         """Counted bytes per parameter of the runtime's AdamW step (clipping excluded), as `counted`; else None."""
         if not counts_traffic(self.hw.gpu_calibration):
             return None
-        fused = fused_adamw in ("on", "auto")  # auto: fused on CUDA (model/optim.py)
+        fused = takes_fused(fused_adamw, "cuda")  # the runtime's choice on a GPU (model/optim.py)
         # fp32 and autocast step the same fp32 parameters; working copies add the bf16 weights' refresh.
         key = Settings("bf16", "copies" if copies else "autocast", "none", fused)
         if key not in self._optimizer_bytes:

@@ -32,7 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_map_only
 
 from hybridpar.config import ModelConfig, TrainConfig
-from hybridpar.model.optim import make_optimizer
+from hybridpar.model.optim import make_optimizer, takes_fused
 from hybridpar.model.registry import build_stage, empty_stage, param_counts
 
 aten = torch.ops.aten
@@ -149,7 +149,7 @@ class Settings:
 
     @staticmethod
     def of(t: TrainConfig, recompute: str, device: str = "cuda") -> Settings:
-        fused = t.fused_adamw == "on" or (t.fused_adamw == "auto" and device == "cuda")
+        fused = takes_fused(t.fused_adamw, device)
         # Selective recomputation reruns the same non-matmul ops as full (it keeps only matmul outputs): the two
         # count the same bytes (counted so on the default model and the 1B one), so one count serves both.
         again = "full" if recompute == "selective" else recompute
@@ -227,15 +227,13 @@ class Affine:
 @dataclass(frozen=True)
 class Traffic:
     """hybridpar's eager memory-bound work for one model shape and `Settings`, at full size: a decoder layer's
-    forward and backward (the backward's recomputation and gradient accumulation included), the ends' (embedding,
-    final norm, head, loss), and the optimizer step's bytes per parameter and ops per parameter tensor."""
+    forward and backward (the backward's recomputation and gradient accumulation included) and the ends'
+    (embedding, final norm, head, loss). The optimizer step: `count_optimizer`."""
 
     layer_f: Affine
     layer_b: Affine
     ends_f: Affine
     ends_b: Affine
-    optimizer_bytes: float
-    optimizer_ops: float
 
 
 def _heads(m: ModelConfig) -> int:
@@ -309,9 +307,8 @@ def traffic(m: ModelConfig, s: Settings) -> Traffic:
 
 
 def _traffic(m: ModelConfig, s: Settings) -> Traffic:
-    opt = count_optimizer(scaled_for_optimizer(m), s)
     if not scales(m):
-        return Traffic(*_affine(m, s), *opt)
+        return Traffic(*_affine(m, s))
     (sa, sb), full = scales(m), param_counts(m)
     ca, cb = param_counts(_scaled(m, sa)), param_counts(_scaled(m, sb))
     ends = (ca.embed + ca.head, cb.embed + cb.head, full.embed + full.head)
@@ -320,4 +317,4 @@ def _traffic(m: ModelConfig, s: Settings) -> Traffic:
     for a, b, (pa, pb, p) in zip(_affine(_scaled(m, sa), s), _affine(_scaled(m, sb), s), params):
         tok = _extend(a.per_token, b.per_token, 1 / sa, 1 / sb, 1.0)
         out.append(Affine(tok, _extend(a.per_pass, b.per_pass, pa, pb, p)))
-    return Traffic(*out, *opt)
+    return Traffic(*out)
