@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -90,9 +91,26 @@ def test_no_default_cap_and_a_cut_is_reported(tmp_path: Path) -> None:
     assert bytes(cut.tokens) == joined[:1000] and cut.total == len(joined)
     note = corpus_note(cut, 1000)
     assert note == f"data: data.path={str(corpus)!r}, its first 1,000 of {len(joined):,} tokens (data.max_tokens=1,000)"
-    cfg = parse_args(["--data.path", str(corpus), "--data.max_tokens", "1000", "--train.seq_len", "16"])
-    assert check_corpus(cfg) == [note]
-    assert check_corpus(parse_args(["--data.path", str(corpus), "--train.seq_len", "16"])) == []
+    args = ["--data.path", str(corpus), "--train.seq_len", "16", "--train.val_every", "0"]  # tails too short
+    assert check_corpus(parse_args([*args, "--data.max_tokens", "1000"])) == [note]  # to validate on
+    assert check_corpus(parse_args(args)) == []
+
+
+def test_a_corpus_too_small_for_validation_is_refused_with_what_fits(tmp_path: Path) -> None:
+    """Validation's train.val_batches × train.global_batch windows must fit the held-out tail: refused
+    before the launch (not by every worker after it), and each setting the error offers does fit."""
+    _nanogpt(tmp_path / "t.bin", 20_000)  # a 5% tail of 1,000 tokens: 7 windows of 128
+    args = ["--data.path", str(tmp_path / "t.bin"), "--model.vocab_size", "50000", "--train.global_batch", "4"]
+    with pytest.raises(ValueError) as err:
+        check_corpus(parse_args(args))  # 4 × 4 = 16 windows
+    fixes = re.findall(r"(--[\w.]+) ([\d.]+)", str(err.value).split(": use ")[1])
+    assert "4 × 4 = 16 windows" in str(err.value) and "holds 7" in str(err.value)
+    assert [k for k, _ in fixes] == ["--train.val_batches", "--data.val_fraction", "--train.val_every"]
+    for key, value in fixes:
+        assert check_corpus(parse_args([*args, key, value])) == []
+    assert float(fixes[1][1]) == 0.103  # 16 windows need 16 × 128 + 1 tokens: 10.25% of 20,000, rounded up
+    with pytest.raises(ValueError, match="use --train.val_every 0 .* or a larger corpus"):
+        check_corpus(parse_args([*args, "--train.global_batch", "8", "--train.val_batches", "16"]))  # over half
 
 
 def test_max_bytes_is_refused_with_what_to_use(tmp_path: Path) -> None:
@@ -186,6 +204,7 @@ def _v1(tmp_path: Path, tok_dir: Path) -> Path:
 def test_token_files_of_the_first_format_still_load(tok_dir: Path, tmp_path: Path) -> None:
     old = _v1(tmp_path, tok_dir)
     run = ["--run-dir", str(tmp_path / "run"), "--parallel.tp", "1", "--parallel.pp", "1", "--train.seq_len", "16"]
+    run += ["--train.val_every", "0"]  # a tail too short to validate on
     cfg = parse_args(["--data.path", str(old), "--data.tokenizer", str(tok_dir), "--model.vocab_size", "300", *run])
     preflight(cfg, 1)  # the index (the JSON list) checked against the tokens, the tokenizer by hash
     data = TokenData.open(str(old), None, 16, 0, 0.1)

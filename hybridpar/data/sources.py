@@ -117,7 +117,10 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
         return _bytes_corpus(data, total, "the default corpus (data.path none)")
     p, name = pathlib.Path(path), f"data.path={path!r}"
     if not p.exists():
-        raise ValueError(f"data path {path!r} does not exist")
+        raise ValueError(
+            f"{name} does not exist: give a text file or a folder of them (read as bytes), a token file "
+            f"(hybridpar data prepare --out DATA.bin), or no data.path for the embedded corpus"
+        )
     if p.is_dir():
         data, n_text, total = _read_joined(_walk_sorted(p, frozenset(), None), max_tokens)
         if n_text == 0:

@@ -4,6 +4,8 @@ what would be right, before any worker starts."""
 
 from __future__ import annotations
 
+import math
+from collections.abc import Sized
 from pathlib import Path
 
 from hybridpar.config import Config
@@ -109,7 +111,32 @@ def check_corpus(cfg: Config) -> list[str]:
             )
         if note := corpus_note(source.corpus, d.max_tokens):
             notes.append(note)
-    if t.val_every and hasattr(data, "val_sources"):  # a mixture: every source's tail holds the validation set
-        data.val_samples(t.val_batches * t.global_batch)
-        data.val_sources(t.val_batches * t.global_batch)
+    if t.val_every:
+        _check_val_windows(cfg, data.n_val_windows, getattr(data, "tokens", None))
+        if hasattr(data, "val_sources"):  # a mixture: every source's tail holds the validation set
+            data.val_sources(t.val_batches * t.global_batch)
     return notes
+
+
+def _check_val_windows(cfg: Config, have: int, tokens: Sized | None) -> None:
+    """Validation reads train.val_batches × train.global_batch windows of the held-out tail, which a small
+    corpus may not hold: refused here, with settings that fit, rather than by every worker after the
+    launch. `tokens`: one corpus's tokens (its length gives the data.val_fraction that would fit)."""
+    t, d = cfg.train, cfg.data
+    need = t.val_batches * t.global_batch
+    if need <= have:
+        return
+    fixes = [f"--train.val_batches {have // t.global_batch}"] if have >= t.global_batch else []
+    if tokens is not None:
+        n, tail = len(tokens), need * t.seq_len + 1  # the tail is int(n × val_fraction) tokens
+        frac = math.ceil(tail / n * 1000) / 1000
+        frac += 0.001 if int(n * frac) < tail else 0.0  # float rounding
+        if frac <= 0.5:  # beyond, validation would take more of the corpus than training
+            fixes.append(f"--data.val_fraction {frac:g}")
+    fixes += ["--train.val_every 0 (no validation)", "a larger corpus"]
+    corpus = "the embedded corpus" if d.path is None else f"data.path={d.path!r}"
+    raise ValueError(
+        f"validation reads train.val_batches × train.global_batch = {t.val_batches} × {t.global_batch} = {need} "
+        f"windows of train.seq_len={t.seq_len} tokens, and the held-out tail of {corpus} (data.val_fraction="
+        f"{d.val_fraction}) holds {have}: use {', '.join(fixes[:-1])} or {fixes[-1]}"
+    )
