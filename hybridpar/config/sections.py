@@ -369,7 +369,7 @@ class ResilienceConfig:
     slow_phase_timeout_s: float = _f(
         600.0,
         "allowance for phases that may legitimately take long without progress "
-        "(checkpoint write, validation); a frozen rank is still named after "
+        "(checkpoint write, validation, train.compile's first step); a frozen rank is still named after "
         "hang_timeout_s",
     )
     heartbeat_s: float = _f(1.0, "seconds between heartbeats (and watchdog checks)")

@@ -8,12 +8,14 @@ logs to `train.log`.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import secrets
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -30,7 +32,7 @@ from hybridpar.report.step_trace import TraceDuty
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import _on_rank0
 from hybridpar.resilience.duties import CheckpointDuty, SessionDuty, resume_run
-from hybridpar.resilience.probe import install
+from hybridpar.resilience.probe import Probe, install
 from hybridpar.resilience.session import Session
 from hybridpar.run.preflight import checkpoint_dir, preflight, resolve_init_from
 from hybridpar.topology.collectives import all_gather_json
@@ -210,7 +212,7 @@ def _steps(
     for step in range(res.start_step, t.steps):
         for duty in reversed(duties):  # nested around the step: the first duty innermost
             duty.begin(step)
-        rec = trainer.step(step)
+        rec = run_step(trainer, session.probe, step, res.start_step)
         if any(duty.after_step(step, rec) for duty in duties):  # preempted, checkpointed and recorded
             res.preempted_at = checkpoints.preempted_at
             return res
@@ -218,6 +220,16 @@ def _steps(
         duty.finish()
     res.state, res.digest = final.state, final.digest
     return res
+
+
+def run_step(trainer: Trainer, probe: Probe, step: int, first: int) -> dict[str, Any]:
+    """One step. The first of a compiled run (each restart's first too) compiles the layers' graphs: up to
+    tens of seconds per process, minutes on a busy CPU, while the other ranks wait on the compiling one. The
+    watchdog allows it resilience.slow_phase_timeout_s, as it does validation, instead of calling the run
+    hung after hang_timeout_s (which killed the compilers mid-write)."""
+    compiling = trainer.mp.compiled is not None and step == first
+    with probe.slow("compile") if compiling else contextlib.nullcontext():
+        return trainer.step(step)
 
 
 def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
