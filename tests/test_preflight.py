@@ -101,6 +101,8 @@ CASES: list[tuple[list[str], str]] = [
     (["--checkpoint.resume", "/no/such/checkpoint"], "checkpoint.resume='/no/such/checkpoint' must be"),
     (["--checkpoint.resume", "@hf"], "is a Hugging Face model directory, not a hybridpar checkpoint"),
     (["--checkpoint.resume", "@plain"], "manifest.json is missing"),
+    (["--checkpoint.resume", "@foreign-run"], "foreign-run' is a run directory, not one checkpoint: give one (the"),
+    (["--checkpoint.resume", "@foreign-run/checkpoints"], "is a folder of checkpoints, not one checkpoint"),
     (["--checkpoint.resume", "@other-model/step-000004"], "holds another model: model.dim=128 (checkpoint: 64)"),
     (["--run-dir", "@a_file"], "run_dir='"),
     (["--checkpoint.dir", "@a_file"], "checkpoint.dir='"),

@@ -172,6 +172,22 @@ def _saved_model(ckpt: Path) -> dict | None:
         return None  # unreadable: resume skips or refuses it itself, with the reason
 
 
+def _check_not_a_run(which: str, path: Path) -> None:
+    """A run directory, or its checkpoints/ folder, given where one checkpoint is asked for: name the
+    newest checkpoint in it, and --resume auto, instead of its missing manifest.json."""
+    from hybridpar.resilience.checkpoint import committed
+
+    if (path / "manifest.json").exists():
+        return
+    for what, folder in (("a run directory", path / "checkpoints"), ("a folder of checkpoints", path)):
+        if found := committed(folder):
+            run_dir = path if folder != path else path.parent
+            raise ValueError(
+                f"checkpoint.resume={which!r} is {what}, not one checkpoint: give one (the newest is "
+                f"{found[0][1]}), or --resume auto --run-dir {run_dir} for the newest that verifies"
+            )
+
+
 def _check_resume(cfg: Config, verify: bool) -> None:
     from hybridpar.resilience.checkpoint import committed, verify_checkpoint
     from hybridpar.resilience.rundir import checkpoint_run_id, read_run
@@ -191,6 +207,7 @@ def _check_resume(cfg: Config, verify: bool) -> None:
                 f"checkpoint (a step-NNNNNN directory with manifest.json): resume takes checkpoints "
                 f"written by hybridpar train"
             )
+        _check_not_a_run(which, path)
         if verify and (why := verify_checkpoint(path)) is not None:
             raise ValueError(f"checkpoint.resume={which!r} cannot be used: {why}")
         candidates = [path]
