@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import re
 import shlex
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,7 +19,7 @@ from hybridpar.config.reference_doc import COMMAND, render
 from hybridpar.pipeline.schedules.config_rules import validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 
 
 # ---- the README's commands ----
@@ -201,7 +202,19 @@ def test_a_wrong_command_is_caught(cmd: str) -> None:
 
 # ---- paths ----
 
-TOP = {p.name for p in ROOT.iterdir() if not p.name.startswith(".git")}
+
+
+def _top_entries() -> set[str]:
+    """The repository's top-level entries: what git tracks, so that a user's `runs/` or `data/` (ignored,
+    made by the README's own commands) does not make the docs' example paths look like missing files."""
+    try:
+        tracked = subprocess.run(["git", "ls-files"], cwd=ROOT, capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):  # no git: an unpacked copy holds no runs of its own
+        return {p.name for p in ROOT.iterdir() if not p.name.startswith(".git")}
+    return {line.split("/")[0] for line in tracked.stdout.splitlines()}
+
+
+TOP = _top_entries()
 PACKAGE = {p.name for p in (ROOT / "hybridpar").iterdir()}
 SKIP = re.compile(r"[<>*{}$ ]|\.\.\.|…|^/")
 
@@ -245,6 +258,46 @@ def test_a_missing_path_is_caught(tmp_path: Path) -> None:
     assert exists("serve/main.py", page) and exists("docs/planner.md", page) and exists("./planner.md", page)
     assert not exists("serve/kvcache.py", page) and not exists("hybridpar/nowhere.py", page)
     assert not exists("./nowhere.md", page) and not exists("nowhere.py", page)
+
+
+def anchors(page: Path) -> set[str]:
+    """The fragments a link to `page` may name: its headings as GitHub writes their ids (lower case,
+    punctuation but `-` and `_` dropped, spaces to `-`, a repeated heading numbered), code blocks skipped."""
+    text = re.sub(r"^```.*?^```", "", page.read_text(encoding="utf-8"), flags=re.S | re.M)
+    out: set[str] = set()
+    for heading in re.findall(r"^#+ +(.+?) *#*$", text, re.M):
+        slug = re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-")
+        n = sum(1 for a in out if a == slug or re.fullmatch(re.escape(slug) + r"-\d+", a))
+        out.add(slug if n == 0 else f"{slug}-{n}")
+    return out
+
+
+def broken_anchors(doc: Path) -> list[str]:
+    """Relative links of `doc` whose #fragment is no heading of the page they point to."""
+    text = re.sub(r"^```.*?^```", "", doc.read_text(encoding="utf-8"), flags=re.S | re.M)
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        path, _, fragment = target.partition("#")
+        page = (doc.parent / path).resolve() if path else doc
+        if fragment and not re.match(r"[a-z]+:", target) and page.suffix == ".md" and page.is_file():
+            bad += [] if fragment in anchors(page) else [target]
+    return bad
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda p: p.relative_to(ROOT).as_posix())
+def test_every_link_anchor_exists(doc: Path) -> None:
+    bad = broken_anchors(doc)
+    assert not bad, f"{doc.relative_to(ROOT)} links to headings that do not exist: {bad}"
+
+
+def test_a_missing_anchor_is_caught(tmp_path: Path) -> None:
+    (tmp_path / "a.md").write_text(
+        "# Top\n## The cost model (`hybridpar/plan/cost.py`)\n## Notes\n## Notes\n```bash\n# not a heading\n```\n"
+    )
+    assert anchors(tmp_path / "a.md") == {"top", "the-cost-model-hybridparplancostpy", "notes", "notes-1"}
+    links = "[a](a.md#notes-1) [b](a.md#top) [c](#here)\n# Here\n[d](a.md#not-a-heading) [e](a.md#note)"
+    (tmp_path / "b.md").write_text(links)
+    assert broken_anchors(tmp_path / "b.md") == ["a.md#not-a-heading", "a.md#note"]
 
 
 # ---- the configuration reference ----
