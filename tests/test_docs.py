@@ -203,7 +203,6 @@ def test_a_wrong_command_is_caught(cmd: str) -> None:
 # ---- paths ----
 
 
-
 def _top_entries() -> set[str]:
     """The repository's top-level entries: what git tracks, so that a user's `runs/` or `data/` (ignored,
     made by the README's own commands) does not make the docs' example paths look like missing files."""
