@@ -6,6 +6,7 @@ unchanged; everything else is ours."""
 
 from __future__ import annotations
 
+import difflib
 import os
 import sys
 from pathlib import Path
@@ -392,8 +393,10 @@ def main(argv: list[str] | None = None) -> int:
         from hybridpar.bench import main as bench_main
 
         return bench_main(rest)
-    commands = "train, serve, export, data, report, plan, rendezvous, bench"
-    print(f"hybridpar: unknown command {cmd!r}; commands: {commands}\n\n{USAGE}", file=sys.stderr)
+    commands = ["train", "serve", "export", "data", "report", "plan", "rendezvous", "bench"]
+    close = difflib.get_close_matches(cmd, commands, n=1, cutoff=0.6)
+    guess = f" (did you mean {close[0]!r}?)" if close else ""
+    print(f"hybridpar: unknown command {cmd!r}{guess}; commands: {', '.join(commands)}\n\n{USAGE}", file=sys.stderr)
     return 2
 
 

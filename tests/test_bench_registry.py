@@ -49,6 +49,14 @@ def test_help_of_each_bench_exits_0_and_starts_nothing(
     assert f"hybridpar bench {name}" in capsys.readouterr().out
 
 
+def test_bench_help_says_what_each_measures(capsys: pytest.CaptureFixture[str]) -> None:
+    assert bench_main(["--help"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    for name, what in BENCHES.items():
+        assert len(what) > 20 and f"  {name:<18} {what}" in lines, name
+    assert bench_main([]) == 2  # no name: the same listing on stderr, exit 2
+
+
 def test_the_package_imports_nothing_from_tests() -> None:
     bad = []
     for path in sorted(PACKAGE.rglob("*.py")):

@@ -209,6 +209,13 @@ def test_train_help_lists_every_schedule(capsys, monkeypatch) -> None:
         assert f"  {spec.name} " in tail and spec.summary in tail
 
 
+def test_a_misspelt_command_names_the_one_meant(capsys) -> None:
+    assert cli.main(["trian"]) == 2
+    assert capsys.readouterr().err.startswith("hybridpar: unknown command 'trian' (did you mean 'train'?); commands: ")
+    assert cli.main(["frobnicate"]) == 2
+    assert capsys.readouterr().err.startswith("hybridpar: unknown command 'frobnicate'; commands: train, serve")
+
+
 def test_version(capsys) -> None:
     from importlib.metadata import version
 

@@ -20,40 +20,43 @@ if TYPE_CHECKING:
     from hybridpar.config import Config
 
 # Grouped: the pipeline and a training step, precision, memory and resilience, the records and the launch,
-# data, serving, the planner.
-BENCHES = (
-    "pipeline",
-    "nondivisible",
-    "microbatch",
-    "step_time",
-    "compile",
-    "recompute",
-    "context_parallel",
-    "sequence_parallel",
-    "precision",
-    "precision_quality",
-    "bf16_copies",
-    "exactness",
-    "memory_accuracy",
-    "checkpoint",
-    "balance",
-    "chaos",
-    "records_cost",
-    "launch_startup",
-    "prepare",
-    "prepare_scaling",
-    "data",
-    "serve",
-    "plan_accuracy",
-    "plan_scale",
-    "published_compare",
-)
+# data, serving, the planner. Each with the line `hybridpar bench --help` shows.
+BENCHES = {
+    "pipeline": "our pipeline runtime vs torch.distributed.pipelining, every schedule",
+    "nondivisible": "a global batch the microbatch count does not divide vs its divisible neighbours",
+    "microbatch": "every fixed microbatch split vs the adaptive policy",
+    "step_time": "median step time of the default model under several layouts",
+    "compile": "compiled vs eager steps, fused vs foreach AdamW",
+    "recompute": "activation peak and step time with no, full and selective recomputation",
+    "context_parallel": "activation peak and step time at cp > 1 vs cp = 1, with the memory model's prediction",
+    "sequence_parallel": "activations, peak, step time and message bytes with and without sequence parallelism",
+    "precision": "fp32 vs bf16 step time and memory on the default run",
+    "precision_quality": "bf16 vs fp32 losses of the same training run",
+    "bf16_copies": "bf16 by autocast vs bf16 working copies: step time and memory",
+    "exactness": "the parameter criterion's factors and false-alarm rate, from runs exact by construction",
+    "memory_accuracy": "bytes per rank by component, measured vs the memory model",
+    "checkpoint": "checkpoint write time and bytes per rank: sharded vs gathered on rank 0",
+    "balance": "static layout vs live load balancing under emulated slow ranks and links",
+    "chaos": "random-fault soak vs a fault-free run; sync vs async checkpoint cost",
+    "records_cost": "what the per-step records and sinks cost the default run",
+    "launch_startup": "the wall time of a launch by each way of starting workers",
+    "prepare": "hybridpar data prepare vs the tokenizers batch encoder alone",
+    "prepare_scaling": "hybridpar data prepare --workers N scaling",
+    "data": "peak resident memory of a run against the corpus's size",
+    "serve": "request placement strategies under Poisson load",
+    "plan_accuracy": "the planner's predicted step times vs measured runs on this machine",
+    "plan_scale": "how long hybridpar plan takes for 1,024 GPUs and a 100-layer model",
+    "published_compare": "the planner beside published GPU training runs",
+}
 
 
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help"):
+        listing = "\n".join(f"  {name:<18} {what}" for name, what in BENCHES.items())
         print(
-            f"usage: hybridpar bench {{{','.join(BENCHES)}}} [--help] [args ...]",
+            f"usage: hybridpar bench NAME [--help] [args ...]\n\n"
+            f"Runs a benchmark on this machine, against a baseline measured in the same run, and prints its "
+            f"figures as JSON; `hybridpar bench NAME --help`: its options (sizes, repeats, output file).\n\n{listing}",
             file=sys.stdout if argv else sys.stderr,
         )
         return 0 if argv else 2
