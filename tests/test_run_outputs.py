@@ -160,3 +160,28 @@ def test_a_run_without_checkpoints_serves_with_its_own_shape(tmp_path: Path) -> 
     with torch.no_grad():
         assert (stage(ids) - build_full_model(model, 3)(ids)).abs().max() == 0
     assert newest_artefact(tmp_path / "nothing") is None
+
+
+def test_export_of_a_step_the_run_lacks_names_the_steps_it_holds(tmp_path: Path, capsys) -> None:
+    from hybridpar.resilience.checkpoint import write_manifest
+
+    run = tmp_path / "run"
+    (run / "final").mkdir(parents=True)
+    (run / "run.json").write_text(json.dumps({"format": "hybridpar-run/1", "run_id": "r1", "state": "finished"}))
+    (run / "final" / "config.json").write_text("{}")
+    (run / "final" / RECORD).write_text(json.dumps({"run_id": "r1", "step": 45}))
+    for step, run_id in ((30, "r1"), (40, "r1"), (20, "r0")):  # step 20: another run's, not offered
+        ckpt = run / "checkpoints" / f"step-{step:06d}"
+        ckpt.mkdir(parents=True)
+        (ckpt / "trainer_state.json").write_text(json.dumps({"step": step}))
+        write_manifest(ckpt, step, run_id)
+    assert newest_artefact(run, step=40) == run / "checkpoints" / "step-000040"
+    assert cli.main(["export", str(run), "--step", "33", "--out", str(tmp_path / "x")]) == 2
+    err = capsys.readouterr().err
+    assert f"error: run directory {run} holds no checkpoint of step 33: --step takes one of 30, 40, 45" in err
+    (run / "final" / "config.json").unlink()
+    for ckpt in (run / "checkpoints").iterdir():
+        (ckpt / "manifest.json").unlink()
+    assert cli.main(["export", str(run), "--step", "33", "--out", str(tmp_path / "x")]) == 2
+    assert "holds no checkpoint of step 33: it holds no model yet" in capsys.readouterr().err
+    assert not (tmp_path / "x").exists()

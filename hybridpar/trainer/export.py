@@ -104,7 +104,8 @@ def _step_of(model_dir: Path) -> int:
 def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
     """The newest model a run directory holds: its `final/` or its newest verified checkpoint, whichever
     is of the later step (a run resumed for more steps checkpoints past its old final model). `step`:
-    that step's checkpoint (or final model) instead. None if there is none."""
+    that step's checkpoint (or final model) instead (ValueError naming the steps it holds). None if there
+    is none."""
     from hybridpar.resilience.checkpoint import committed, find_latest
     from hybridpar.resilience.rundir import checkpoint_run_id, read_run
 
@@ -119,7 +120,14 @@ def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
         if final_step == step:
             return final
         own = [p for s, p in committed(ck_root) if s == step and checkpoint_run_id(p) == run_id]
-        return own[0] if own else None
+        if not own:
+            steps = [s for s, p in committed(ck_root) if checkpoint_run_id(p) == run_id]
+            held = ", ".join(map(str, sorted(steps + ([final_step] if final_step is not None else []))))
+            raise ValueError(
+                f"run directory {run_dir} holds no checkpoint of step {step}: "
+                + (f"--step takes one of {held}" if held else "it holds no model yet")
+            )
+        return own[0]
     ck, _ = find_latest(ck_root, run_id)
     ck_step = int(ck.name.split("-")[1]) if ck is not None else None
     if final_step is not None and (ck_step is None or final_step >= ck_step):
@@ -143,8 +151,7 @@ def export_source(source: str, out: Path, step: int | None = None) -> Path:
     if not is_model and not is_ckpt:  # a run directory
         found = newest_artefact(src, step)
         if found is None:
-            what = f"checkpoint of step {step}" if step is not None else "model"
-            raise ValueError(f"run directory {source} holds no {what} (neither final/ nor a committed checkpoint)")
+            raise ValueError(f"run directory {source} holds no model (neither final/ nor a committed checkpoint)")
         return export_source(str(found), out)
     if is_model:
         if Path(out).resolve() != src.resolve():
