@@ -152,7 +152,8 @@ def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(
     assert load_hardware(out) == hw and hw.gpu_calibration.matmul_table is not None and result.candidates
     assert re.fullmatch(
         r"hybridpar plan: probed in \d+ s: matmul_fraction \S+ \(at \(\d+, \d+, \d+\)\), memory_fraction \S+, "
-        r"attention_fraction \S+ \(\w+\), intra_bus_fraction 0.800 \(kept: one GPU\)\n",
+        r"attention_fraction \S+ \(\w+\), intra_bus_fraction 0.800 \(kept: one GPU\), "
+        r"kernel_floor_us \d+\.\d\d, dispatch_us \d+\.\d\d\n",
         capsys.readouterr().err,
     )
 
