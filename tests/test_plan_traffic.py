@@ -120,7 +120,6 @@ def test_only_a_counted_calibration_uses_the_count_and_a_compiled_run_keeps_the_
     assert counted.layer(compiled, 1, tokens, link, "none") == fixed.layer(compiled, 1, tokens, link, "none")
 
 
-
 @pytest.fixture(scope="module")
 def full() -> tuple:
     return _affine(SMALL, Settings(recompute="full"))

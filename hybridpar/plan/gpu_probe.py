@@ -22,9 +22,10 @@ measured rates are divided by; the probe writes the same file back with a measur
   (nccl-tests' busbw: algbw x 2 (n - 1) / n) over the intra-node link's bandwidth; with one GPU the file's value
   is kept, and inter_bus_fraction always (one node cannot measure the network between nodes).
 
-Each kernel figure is the median of REPEATS batches after a warm-up batch. Every rate is timed as back-to-back calls (`seconds`: CUDA events around a batch lasting about TARGET_S, after a
-warm-up, the median of REPEATS batches). The measuring functions take the device and the peak as arguments, so
-they run on CPU with tiny sizes too (tests/test_gpu_probe.py); only `probe_gpu` insists on CUDA.
+Every rate is timed as back-to-back calls (`seconds`: CUDA events around a batch lasting about TARGET_S, after a
+warm-up, the median of REPEATS batches); each kernel figure is the median of REPEATS batches after a warm-up one.
+The measuring functions take the device and the peak as arguments, so they run on CPU with tiny sizes too
+(tests/test_gpu_probe.py); only `probe_gpu` insists on CUDA.
 """
 
 from __future__ import annotations
