@@ -90,6 +90,9 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"p2p": "nonblocking"}, "p2p must be one of async, blocking"),
         ({"tp_comm_efficiency": 1.5}, "tp_comm_efficiency must be a number from -4 to 1"),
         ({"tp_comm_efficiency": "high"}, "tp_comm_efficiency must be a number from -4 to 1"),
+        ({"kernel_floor_us": -1.0}, "kernel_floor_us must be microseconds from 0 (none) to 1000, got -1.0"),
+        ({"dispatch_us": 5e3}, "dispatch_us must be microseconds from 0 (none) to 1000, got 5000.0"),
+        ({"dispatch_us": "5"}, "dispatch_us must be microseconds"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -176,6 +179,8 @@ def test_every_calibration_names_its_source_and_date() -> None:
         for key in ("matmul_fraction", "memory_fraction", "intra_bus_fraction", "inter_bus_fraction"):
             assert key in g.source, (path, key)
         assert re.search(r"20\d\d", g.date)
+        # The per-kernel figures come from `plan --probe` on the device only: no file here invents them.
+        assert (g.kernel_floor_us, g.dispatch_us) == (0.0, 0.0), path
     parse_gpu_calibration(table(), "t")  # the test's own table is a good one
 
 
