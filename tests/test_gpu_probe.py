@@ -117,7 +117,7 @@ def test_measured_fractions_are_the_rates_over_the_given_peak(monkeypatch: pytes
 
 
 def test_kernel_figures_on_cpu_are_eager_and_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CPU there is no CUDA graph: the floor is the eager add timed by `seconds` (dispatch and run together),
+    """On CPU, host and device are one: the floor is the eager add timed by `seconds` (dispatch and run together),
     and the dispatch figure is the host's clock around a batch over its calls. Both measured for real too."""
     import torch
 
@@ -147,7 +147,7 @@ def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> N
     assert cal.grad_accumulation == "separate" and "kept from the datasheet file" in cal.source
     assert (cal.overlap, cal.tp_comm_efficiency) == (("tp_comm",), 0.2)
     assert (cal.kernel_floor_us, cal.dispatch_us) == (figures["kernel_floor_us"], figures["dispatch_us"])
-    assert cal.kernel_floor_us > 0 and cal.dispatch_us > 0 and "run eagerly (no CUDA graph on a CPU)" in cal.source
+    assert cal.kernel_floor_us > 0 and cal.dispatch_us > 0 and "adds on the host clock" in cal.source
     path = tmp_path / "probed.toml"
     path.write_text(to_toml(dataclasses.replace(hw, gpu_calibration=cal)))
     back = load_hardware(path)
@@ -157,6 +157,23 @@ def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> N
     cfg = Config()
     cfg.train.precision = "bf16"
     assert predict(CostModel(cfg.model, back), cfg).step_s > predict(CostModel(cfg.model, hw), cfg).step_s
+
+
+def test_a_kernel_figure_that_fails_leaves_the_rest_of_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel figures are optional (absent: none priced): a failure to measure them keeps the GEMM table and
+    the fractions, writes no figure and says why in the source."""
+    import torch
+
+    def fails(*_a, **_k):
+        raise RuntimeError("kernel_floor_s: the host took longer to queue 500 adds than a hold of 1 cycles")
+
+    monkeypatch.setattr(gpu_probe, "kernel_floor_s", fails)
+    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+    cal, figures = gpu_probe.calibrate_gpu(load_hardware(H100), torch.device("cpu"), torch.bfloat16, 1, (8,), tiny)
+    assert cal.matmul_table is not None and len(cal.matmul_table.rows) == 1 and cal.memory_fraction > 0
+    assert (cal.kernel_floor_us, cal.dispatch_us) == (0.0, 0.0) and "kernel_floor_us =" not in cal.to_toml()
+    assert figures["kernel_figures_failed"].startswith("RuntimeError: kernel_floor_s: the host took longer")
+    assert "kernel_floor_us, dispatch_us: not measured, no kernel priced (RuntimeError: " in cal.source
 
 
 def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(

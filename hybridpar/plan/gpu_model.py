@@ -47,8 +47,8 @@ each with its source and date, and the attention kernel of the software that ran
                           "counted", hybridpar's own eager runtime, its aten ops' bytes counted on its own modules
                           under the run's precision, recomputation and AdamW (plan/traffic.py)
     kernel_floor_us       (optional, default 0: none) the device's time per kernel too small to be bound by its
-                          bytes: a 1-element add captured many times in a CUDA graph and replayed, CUDA events
-                          around it (no host in the loop); measured only by `plan --probe --hardware`
+                          bytes: 1-element adds launched eagerly, queued behind a sleeping kernel, CUDA events
+                          around them (no host in the loop); measured only by `plan --probe --hardware`
     dispatch_us           (optional, default 0: none) the host's time to dispatch one eager op: the same add
                           called back to back from Python, the host's clock around the enqueue; measured only
                           by `plan --probe --hardware`

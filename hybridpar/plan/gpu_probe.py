@@ -11,9 +11,9 @@ measured rates are divided by; the probe writes the same file back with a measur
   of ATTENTION_SEQS (ATTENTION_TOKENS tokens of 16 heads each), FLOPs counted as the cost model counts them
   (the causal half; backward 2.5 forwards: gpu_model.FLASH_BACKWARD_RECOMPUTE), the best of them; the kernel
   torch chose (flash, memory-efficient, cuDNN: "flash", math: "unfused") is recorded;
-* kernel_floor_us: a 1-element add captured FLOOR_KERNELS times in a CUDA graph and the graph replayed, CUDA events
-  around the replay (no host in the loop), per kernel; on CPU (no graphs) the same adds run eagerly on the host's
-  clock, dispatch included: the plumbing, not a device's floor;
+* kernel_floor_us: FLOOR_KERNELS eager 1-element adds queued behind a sleeping kernel, CUDA events around them
+  (the device's time per eager kernel, no host in the loop); on CPU the same adds on the host's clock, dispatch
+  included: the plumbing, not a device's floor;
 * dispatch_us: the same add called DISPATCH_CALLS times eagerly (each allocating its output, as the runtime's ops
   do), the host's clock around the calls alone, the device drained before and after outside it; fewer calls than
   the stream's queue holds, so the host never waits for the device. On CPU, where host and device are one, this
@@ -48,11 +48,14 @@ ATTENTION_SEQS = (1024, 2048, 4096, 8192)
 ATTENTION_TOKENS = 16384  # sequences x length at each length: the same FLOPs per token row
 ATTENTION_HEADS, HEAD_DIM = 16, 128
 BUS_BYTES = 1 << 28  # 256 MiB all-reduce: large enough that the ring's hops' latency is negligible
-# Kernels per graph replay and eager calls per batch for the kernel figures: enough that the events' resolution
-# (about 0.5 us) and the replay's own launch are a small part of a batch, and calls fewer than the CUDA stream's
-# queue of pending launches (about a thousand), past which the host would wait for the device.
+# Kernels and eager calls per batch for the kernel figures: enough that the events' resolution (about 0.5 us) is a
+# small part of a batch, and fewer than the CUDA stream's queue of pending launches (about a thousand), past which
+# the host would wait for the device. The floor's adds queue behind torch.cuda._sleep(HOLD_CYCLES): about 10 ms at
+# a GPU's 1.4-2 GHz, twice the time 500 eager launches take a host (5-20 us each), doubled where it was not.
 FLOOR_KERNELS = 500
 DISPATCH_CALLS = 500
+HOLD_CYCLES = 20_000_000
+HOLD_DOUBLINGS = 5
 REPEATS = 5
 TARGET_S = 2e-3
 FUSED = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -156,34 +159,40 @@ def attention_fractions(
 
 
 def kernel_floor_s(device: Any, kernels: int = FLOOR_KERNELS, repeats: int = REPEATS) -> float:
-    """Median seconds per kernel of `kernels` 1-element in-place adds captured in one CUDA graph and replayed,
-    timed by CUDA events (the device's floor per kernel). On CPU (no graphs) the adds run eagerly, timed by the
-    host's clock: dispatch and run together."""
+    """Median seconds per kernel of `kernels` 1-element in-place adds launched eagerly, as the runtime launches
+    its ops, while the stream is held by a sleeping kernel: the host has queued them all before the device
+    starts the first, so CUDA events around them time the device alone (each eager kernel's start-up and drain,
+    no host in the loop). A CUDA graph would not do: its launches are cheaper than eager ones. A batch whose
+    queueing outlasted the hold is taken again with a hold twice as long. On CPU (host and device are one)
+    the adds are timed by `seconds`: dispatch and run together."""
     import torch
 
     x = torch.zeros(1, device=device)
     if getattr(device, "type", device) != "cuda":
         return seconds(lambda: x.add_(1), device, repeats)
-    side = torch.cuda.Stream(device)
-    side.wait_stream(torch.cuda.current_stream(device))
-    with torch.cuda.stream(side):  # graphs capture after a warm-up on a side stream (torch.cuda.graphs' rule)
-        x.add_(1)
-    torch.cuda.current_stream(device).wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(kernels):
-            x.add_(1)
+    hold = HOLD_CYCLES
 
-    def replay() -> float:
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / 1e3 / kernels
+    def batch() -> float:
+        nonlocal hold
+        for _ in range(HOLD_DOUBLINGS):
+            held, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            held.record()
+            torch.cuda._sleep(hold)
+            start.record()
+            for _ in range(kernels):
+                x.add_(1)
+            end.record()
+            queued_s = time.perf_counter() - t0
+            end.synchronize()
+            if held.elapsed_time(start) / 1e3 > queued_s:  # the device slept until every add was queued
+                return start.elapsed_time(end) / 1e3 / kernels
+            hold *= 2
+        raise RuntimeError(f"kernel_floor_s: the host took longer to queue {kernels} adds than a hold of {hold} cycles")
 
-    replay()  # warm-up: the graph's upload
-    return statistics.median(replay() for _ in range(repeats))
+    batch()  # warm-up: the adds' kernel loaded, the hold sized
+    return statistics.median(batch() for _ in range(repeats))
 
 
 def dispatch_s(device: Any, calls: int = DISPATCH_CALLS, repeats: int = REPEATS) -> float:
@@ -278,8 +287,11 @@ def calibrate_gpu(
     att, kernel = attention_fractions(
         s["seqs"], s["tokens"], s["heads"], s["head_dim"], peak, device, dtype, s["repeats"]
     )
-    floor = kernel_floor_s(device, s["kernels"], s["repeats"])
-    dispatch = dispatch_s(device, s["calls"], s["repeats"])
+    try:  # optional figures (absent: no kernel priced): their failure must not cost the rest of the probe
+        floor, failed = kernel_floor_s(device, s["kernels"], s["repeats"]), None
+        dispatch = dispatch_s(device, s["calls"], s["repeats"])
+    except (RuntimeError, AttributeError) as e:
+        floor, dispatch, failed = 0.0, 0.0, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     old = hw.gpu_calibration
     bus = intra_bus_fraction(gpus, hw.intra_node.bandwidth_gbs, s["bus_bytes"], s["repeats"]) if gpus >= 2 else None
     figures = {
@@ -290,6 +302,7 @@ def calibrate_gpu(
         "intra_bus_fraction": bus,
         "kernel_floor_us": floor * 1e6,
         "dispatch_us": dispatch * 1e6,
+        "kernel_figures_failed": failed,
         "kernels": s["kernels"],
         "calls": s["calls"],
         "gpus": gpus,
@@ -340,6 +353,14 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
         if f["intra_bus_fraction"] is not None
         else f"intra_bus_fraction kept ({where}: one GPU has no link to measure)"
     )
+    kernels = (
+        f"kernel_floor_us, dispatch_us: not measured, no kernel priced ({f['kernel_figures_failed']})."
+        if f["kernel_figures_failed"]
+        else f"kernel_floor_us: {f['kernels']} 1-element adds "
+        f"{'queued eagerly behind a sleeping kernel, CUDA events' if cuda else 'on the host clock'}, per kernel, "
+        f"median of {f['repeats']}. dispatch_us: {f['calls']} eager 1-element adds, the host's clock around the "
+        f"calls, per call, median of {f['repeats']}."
+    )
     return (
         f"hybridpar plan --probe on {name}, torch {torch.__version__}, against {hw.name!r} "
         f"(bf16 peak {hw.peak_tflops['bf16']:g} TFLOP/s, memory {hw.memory_bandwidth_gbs:g} GB/s), in "
@@ -347,10 +368,7 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
         f"batches; best ({m}, {n}, {k}). memory_fraction: torch.add of two bf16 tensors into a third, 3 passes. "
         f"attention_fraction: the best of scaled_dot_product_attention causal bf16 forward + backward, head dim "
         f"{f['head_dim']}, by sequence length ({att}), the causal half and the backward as 2.5 forwards counted; "
-        f"kernel {f['attention_backend']}. kernel_floor_us: {f['kernels']} 1-element adds "
-        f"{'in a CUDA graph replayed, CUDA events' if cuda else 'run eagerly (no CUDA graph on a CPU), the host clock'}"
-        f", per kernel, median of {f['repeats']}. dispatch_us: {f['calls']} eager 1-element adds, the host's clock "
-        f"around the calls, per call, median of {f['repeats']}. {intra}. "
+        f"kernel {f['attention_backend']}. {kernels} {intra}. "
         f"inter_bus_fraction kept ({where}: one node cannot measure the network). Software facts "
         f"({', '.join(SOFTWARE_FACTS)}) kept from the datasheet file."
     )
