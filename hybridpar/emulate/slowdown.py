@@ -113,13 +113,3 @@ class SlowdownPlan:
             if e.rank == rank and e.step <= step:
                 current = e.factor
         return current
-
-    def extra_delay_s(self, rank: int, step: int, compute_s: float) -> float:
-        """Seconds to sleep after `compute_s` of real compute so that it takes factor x as long."""
-        if compute_s < 0:
-            raise ValueError(f"compute_s must be >= 0, got {compute_s}")
-        return (self.factor(rank, step) - 1.0) * compute_s
-
-    def to_spec(self) -> str:
-        """Canonical text form; ``SlowdownPlan.parse(p.to_spec()) == p``."""
-        return ",".join(f"rank={e.rank}:{e.factor!r}@step={e.step}" for e in self.entries)

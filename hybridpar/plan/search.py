@@ -430,7 +430,8 @@ class Planner:
         return self._estimated_terms[key]
 
     def step_bound(self, cfg: Config) -> float:
-        """`step_bound` of the layout: no simulation of it predicts less."""
+        """The step bound of the layout (plan/bound.py), the cheaper of the weights' precisions it may run with: no
+        simulation of it predicts less."""
         end, su = self.pipeline_bound(cfg)
         return end + after_bound(self.model, cfg, su, self.weights(cfg.train.precision))
 
@@ -673,11 +674,8 @@ class _Search:
         if isinstance(cfg, str):
             return False  # fits() reports it
         try:
-            end, su = self.planner.pipeline_bound(cfg)
             # The pipeline part alone often prunes: what follows it only adds (floats: adding >= 0 never lowers).
-            return self.beaten(end) or self.beaten(
-                end + after_bound(self.planner.model, cfg, su, self.planner.weights(cfg.train.precision))
-            )
+            return self.beaten(self.planner.pipeline_bound(cfg)[0]) or self.beaten(self.planner.step_bound(cfg))
         except ValueError:
             return False  # an invalid layout the bound cannot price: fits() reports it
 
