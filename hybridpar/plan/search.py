@@ -473,29 +473,6 @@ def plan(
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
     when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices).
     `prune=False` simulates every layout that fits (the same list, slower: for tests)."""
-    # The search allocates millions of short-lived objects (action lists, simulated events) beside its
-    # caches, which hold hundreds of thousands: the cycle collector's full passes over them cost as much as
-    # the search itself, and the search makes no garbage that needs them (its caches die with it). It is
-    # paused for the search and resumed after, where it was on.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _search(base, hw, memory, world, top, fixed, prune)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _search(
-    base: Config,
-    hw: Hardware,
-    memory: Memory,
-    world: int | None = None,
-    top: int = 10,
-    fixed: dict[str, Any] | None = None,
-    prune: bool = True,
-) -> Plan:
-    """`plan` with the cycle collector as the caller left it."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -503,7 +480,17 @@ def _search(
         raise ValueError(
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
-    return _Search(base, hw, memory, world, top, prune).run(fixed or {})
+    # The search allocates millions of short-lived objects (action lists, simulated events) beside its
+    # caches, which hold hundreds of thousands: the cycle collector's full passes over them cost as much as
+    # the search itself, and the search makes no garbage that needs them (its caches die with it). It is
+    # paused for the search and resumed after, where it was on.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _Search(base, hw, memory, world, top, prune).run(fixed or {})
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _Search:
