@@ -291,12 +291,6 @@ class Rates:
         return batch * 2.0 * m * n * k / (self.flops * self.matmul_efficiency(m, n, k))
 
 
-def peak_fraction(g: GpuCalibration, rates: Rates, m: float, n: float, k: float) -> float:
-    """A GEMM's rate over the datasheet peak: matmul_fraction x the roofline (monotone in m, n, k; at most
-    matmul_fraction)."""
-    return g.matmul_fraction * rates.matmul_efficiency(m, n, k)
-
-
 def weight_gemms(m: ModelConfig, tp: int) -> list[tuple[float, float]]:
     """(k, n) of each projection of a decoder layer on one of `tp` ranks (Megatron's split: column-parallel
     in, row-parallel out): q, k and v, the attention output, the MLP's up (and gate) and down."""
