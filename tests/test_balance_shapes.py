@@ -33,7 +33,7 @@ def test_shapes() -> None:
     "spec, why",
     [
         ("rank=1:2.5@step=50", "malformed: expected rank=<int>:<factor>@step=<first>+<length>"),
-        ("rank=1:0.5@step=5+3", "factor must be >= 1.0"),
+        ("rank=1:0.5@step=5+3", "factor must be a finite number >= 1.0"),
         ("rank=1:2@step=5+0", "length must be >= 1 step, got 0"),
         ("rank=4:2@step=5+3", "rank 4 does not exist in a world of 4"),
     ],
@@ -105,7 +105,7 @@ def test_slow_link() -> None:
     assert link_delays("1:10", 2.0, 4, 0, {1: 11}) == {} and link_delays("", 2.0, 4, 1, peers) == {}
     for spec, why in (
         ("1-10", "malformed: expected <boundary>:<factor>"),
-        ("1:0.5", "factor must be >= 1.0"),
+        ("1:0.5", "factor must be a finite number >= 1.0"),
         ("3:10", "boundary 3 is not between two of parallel.pp=4 pipeline ranks (0..2)"),
     ):
         with pytest.raises(ValueError, match="emulate.slow_link=") as e:

@@ -211,7 +211,8 @@ def test_resume_refuses_a_rehashed_malicious_metadata(
 
 @pytest.mark.timeout(120)
 def test_serving_refuses_a_rehashed_malicious_metadata(runs: dict[str, Path], tmp_path: Path) -> None:
-    from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology, resolve_source
+    from hybridpar.serve.worker import WorkerSpec, build_serving_stage, resolve_source
+    from tests.replica import local_topology
 
     ckpt = shutil.copytree(_newest(runs["tp2"]), tmp_path / "ck")
     marker = tmp_path / "PWNED"

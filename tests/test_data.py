@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from hybridpar.data.corpus import TokenData, decode, encode
-from hybridpar.data.sources import default_corpus_files, load_tokens
+from hybridpar.data.sources import default_corpus_files, open_corpus
 
 
 def positions(n: int) -> torch.Tensor:
@@ -38,8 +38,8 @@ def test_default_corpus() -> None:
     assert files and files == default_corpus_files()
     assert all(f.suffix == ".py" for f in files)
     assert not any({"test", "tests", "site-packages"} & set(f.parts) for f in files)
-    a = load_tokens(None, 200_000)
-    b = load_tokens(None, 200_000)
+    a = open_corpus(None, 200_000).tokens
+    b = open_corpus(None, 200_000).tokens
     assert a.dtype == np.uint8 and len(a) == 200_000
     assert np.array_equal(a, b)
     assert int(a.max()) < 256
@@ -51,10 +51,10 @@ def test_default_corpus() -> None:
 def test_load_text_file(tmp_path: pathlib.Path) -> None:
     f = tmp_path / "a.txt"
     f.write_bytes("héllo world".encode())
-    t = load_tokens(str(f), 1000)
+    t = open_corpus(str(f), 1000).tokens
     assert t.dtype == np.uint8
     assert decode(t.tolist()) == "héllo world"
-    assert bytes(load_tokens(str(f), 3).tolist()) == b"h\xc3\xa9"
+    assert bytes(open_corpus(str(f), 3).tokens.tolist()) == b"h\xc3\xa9"
 
 
 def test_load_folder(tmp_path: pathlib.Path) -> None:
@@ -67,19 +67,19 @@ def test_load_folder(tmp_path: pathlib.Path) -> None:
     (tmp_path / ".hidden").write_bytes(b"HH")
     (tmp_path / ".git").mkdir()
     (tmp_path / ".git" / "x.txt").write_bytes(b"GG")
-    t = load_tokens(str(tmp_path), 1000)
+    t = open_corpus(str(tmp_path), 1000).tokens
     assert bytes(t.tolist()) == b"ZZ\nBB\nCC"
-    assert bytes(load_tokens(str(tmp_path), 4).tolist()) == b"ZZ\nB"
+    assert bytes(open_corpus(str(tmp_path), 4).tokens.tolist()) == b"ZZ\nB"
 
 
 def test_load_bin(tmp_path: pathlib.Path) -> None:
     ids = np.array([0, 1, 50000, 65535, 7, 256], dtype=np.uint16)
     f = tmp_path / "train.bin"
     ids.astype("<u2").tofile(f)
-    t = load_tokens(str(f))
+    t = open_corpus(str(f)).tokens
     assert isinstance(t, np.memmap) and t.dtype == np.dtype("<u2")  # read in place, not copied
     assert t.tolist() == ids.tolist()
-    assert load_tokens(str(f), 3).tolist() == ids[:3].tolist()
+    assert open_corpus(str(f), 3).tokens.tolist() == ids[:3].tolist()
 
 
 def test_vocab_needed_for_bin(tmp_path: pathlib.Path) -> None:
@@ -88,7 +88,7 @@ def test_vocab_needed_for_bin(tmp_path: pathlib.Path) -> None:
     ids = rng.integers(0, 1000, size=4000).astype(np.uint16)
     ids[1234] = 40000
     ids.tofile(f)
-    data = TokenData(load_tokens(str(f), 10**6), seq_len=16, seed=0, val_fraction=0.1)
+    data = TokenData(open_corpus(str(f), 10**6).tokens, seq_len=16, seed=0, val_fraction=0.1)
     assert data.vocab_needed == 40001
 
 
@@ -104,14 +104,14 @@ def test_vocab_needed_for_bin(tmp_path: pathlib.Path) -> None:
 def test_load_errors(tmp_path: pathlib.Path, setup, match: str) -> None:  # type: ignore[no-untyped-def]
     path = setup(tmp_path)
     with pytest.raises(ValueError, match=match) as err:
-        load_tokens(str(path), 1000)
+        open_corpus(str(path), 1000)
     assert str(path) in str(err.value)
 
 
 def test_folder_of_only_binary_files(tmp_path: pathlib.Path) -> None:
     (tmp_path / "x.bin.gz").write_bytes(b"\0\1\2")
     with pytest.raises(ValueError, match="no .*text files"):
-        load_tokens(str(tmp_path), 1000)
+        open_corpus(str(tmp_path), 1000)
 
 
 def test_corpus_too_short() -> None:
@@ -181,7 +181,7 @@ def test_val_disjoint_from_train() -> None:
 
 
 def test_uint8_tokens_widened() -> None:
-    raw = load_tokens(None, 50_000)
+    raw = open_corpus(None, 50_000).tokens
     data = TokenData(raw, seq_len=32, seed=0, val_fraction=0.1)
     x, y = data.train_samples(0, 4)
     assert x.dtype == torch.int64 and int(x.max()) < 256

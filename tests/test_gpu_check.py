@@ -62,6 +62,9 @@ def test_dry_run_passes_with_figures(tmp_path: Path) -> None:
     # as if there were two GPUs: the all-reduce bus bandwidth measured over two gloo ranks
     assert probe["calibration"]["intra_bus_measured_over_gpus"] == 2 and probe["calibration"]["intra_bus_fraction"] > 0
     assert probe["measured_step_s"] == mfu["options"][0]["step_time_s"] and probe["predicted_step_s"] > 0
+    # the kernel figures measured (on CPU: eagerly) and priced: the prediction without them is shorter
+    assert probe["calibration"]["kernel_floor_us"] > 0 and probe["calibration"]["dispatch_us"] > 0
+    assert probe["predicted_step_s_without_kernel_figures"] < probe["predicted_step_s"]
     assert probe["measured_over_predicted"] == probe["measured_step_s"] / probe["predicted_step_s"]
 
 

@@ -116,6 +116,21 @@ def test_measured_fractions_are_the_rates_over_the_given_peak(monkeypatch: pytes
     assert len(calls) == 4 and gpu_probe.bus_bandwidth(1000, 4, 1.0) == 1500.0  # busbw = algbw x 2 (n - 1) / n
 
 
+def test_kernel_figures_on_cpu_are_eager_and_per_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CPU, host and device are one: the floor is the eager add timed by `seconds` (dispatch and run together),
+    and the dispatch figure is the host's clock around a batch over its calls. Both measured for real too."""
+    import torch
+
+    cpu = torch.device("cpu")
+    floor, dispatch = gpu_probe.kernel_floor_s(cpu, 20, 2), gpu_probe.dispatch_s(cpu, 20, 2)
+    assert 0 < floor < 1e-3 and 0 < dispatch < 1e-3  # a 1-element add: microseconds, not milliseconds
+    monkeypatch.setattr(gpu_probe, "seconds", lambda fn, device, repeats=1, target_s=0: (fn(), 0.25)[1])
+    assert gpu_probe.kernel_floor_s(cpu, 20, 2) == 0.25
+    ticks = iter(range(0, 1000, 10))  # each reading of the clock 10 s later: a batch of 5 calls takes 10 s
+    monkeypatch.setattr(gpu_probe.time, "perf_counter", lambda: next(ticks))
+    assert gpu_probe.dispatch_s(cpu, 5, 3) == 2.0
+
+
 def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> None:
     """The whole measurement on CPU with tiny sizes (the plumbing: its numbers are a CPU's, not a GPU's), the
     file written as `plan --probe --out` writes it, read back, and a GEMM costed from its table."""
@@ -131,6 +146,8 @@ def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> N
     assert (cal.intra_bus_fraction, cal.inter_bus_fraction) == (0.8, 0.9)  # kept: one device, one node
     assert cal.grad_accumulation == "separate" and "kept from the datasheet file" in cal.source
     assert (cal.overlap, cal.tp_comm_efficiency) == (("tp_comm",), 0.2)
+    assert (cal.kernel_floor_us, cal.dispatch_us) == (figures["kernel_floor_us"], figures["dispatch_us"])
+    assert cal.kernel_floor_us > 0 and cal.dispatch_us > 0 and "adds on the host clock" in cal.source
     path = tmp_path / "probed.toml"
     path.write_text(to_toml(dataclasses.replace(hw, gpu_calibration=cal)))
     back = load_hardware(path)
@@ -140,6 +157,23 @@ def test_probe_output_round_trips_and_drives_the_cost_model(tmp_path: Path) -> N
     cfg = Config()
     cfg.train.precision = "bf16"
     assert predict(CostModel(cfg.model, back), cfg).step_s > predict(CostModel(cfg.model, hw), cfg).step_s
+
+
+def test_a_kernel_figure_that_fails_leaves_the_rest_of_the_probe(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The kernel figures are optional (absent: none priced): a failure to measure them keeps the GEMM table and
+    the fractions, writes no figure and says why in the source."""
+    import torch
+
+    def fails(*_a, **_k):
+        raise RuntimeError("kernel_floor_s: the host took longer to queue 500 adds than a hold of 1 cycles")
+
+    monkeypatch.setattr(gpu_probe, "kernel_floor_s", fails)
+    tiny = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1)
+    cal, figures = gpu_probe.calibrate_gpu(load_hardware(H100), torch.device("cpu"), torch.bfloat16, 1, (8,), tiny)
+    assert cal.matmul_table is not None and len(cal.matmul_table.rows) == 1 and cal.memory_fraction > 0
+    assert (cal.kernel_floor_us, cal.dispatch_us) == (0.0, 0.0) and "kernel_floor_us =" not in cal.to_toml()
+    assert figures["kernel_figures_failed"].startswith("RuntimeError: kernel_floor_s: the host took longer")
+    assert "kernel_floor_us, dispatch_us: not measured, no kernel priced (RuntimeError: " in cal.source
 
 
 def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(
@@ -152,7 +186,8 @@ def test_plan_probe_with_a_datasheet_writes_the_probed_file_and_plans_on_it(
     assert load_hardware(out) == hw and hw.gpu_calibration.matmul_table is not None and result.candidates
     assert re.fullmatch(
         r"hybridpar plan: probed in \d+ s: matmul_fraction \S+ \(at \(\d+, \d+, \d+\)\), memory_fraction \S+, "
-        r"attention_fraction \S+ \(\w+\), intra_bus_fraction 0.800 \(kept: one GPU\)\n",
+        r"attention_fraction \S+ \(\w+\), intra_bus_fraction 0.800 \(kept: one GPU\), "
+        r"kernel_floor_us \d+\.\d\d, dispatch_us \d+\.\d\d\n",
         capsys.readouterr().err,
     )
 

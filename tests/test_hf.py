@@ -17,18 +17,16 @@ from hybridpar.model.hf import StateSource
 from hybridpar.model.registry import build_full_model, config_from_hf, export_hf, load_stage_, read_hf_config
 from hybridpar.model.stage import generate
 from hybridpar.resilience.checkpoint import read_full_model
-from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import StageRunner
 from hybridpar.serve.worker import (
     WorkerSpec,
     build_serving_stage,
-    local_topology,
     resolve_source,
     serve_rank,
-    spec_dict,
 )
 from hybridpar.topology.spawn import run_ranks
+from tests.replica import ListChannel, local_topology
 
 
 def _transformers():  # imported in the tests only: the spawned ranks import this module and must stay light
@@ -107,7 +105,7 @@ def sharded(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, t
     for f in FAMILIES:
         cfg = read_hf_config(dirs[f])
         spec = WorkerSpec(model=dataclasses.asdict(cfg), source=str(dirs[f]), tp=2, pp=2, limits=LIMITS, timeout_s=60)
-        cases.append((spec_dict(spec), IDS, reqs))
+        cases.append((dataclasses.asdict(spec), IDS, reqs))
     out = run_ranks(_sharded_ranks, 4, cases, timeout_s=240)  # per rank, per family
     return {f: (dirs[f], models[f], [r[i] for r in out]) for i, f in enumerate(FAMILIES)}
 

@@ -10,7 +10,7 @@ import pytest
 
 from hybridpar.batching.adaptive import AdaptivePolicy
 from hybridpar.batching.fixed import FixedPolicy, split_by_size
-from hybridpar.batching.split import split_evenly
+from hybridpar.batching.split import plan_batch, split_evenly
 
 TOKENS_PER_SAMPLE = 128
 
@@ -260,7 +260,8 @@ def test_adaptive_is_deterministic_and_plans_every_replica() -> None:
         runs.append((drive(p, 80, pipeline_time, noise=0.03, seed=7), p.statistics()["history"]))
     assert runs[0] == runs[1]
     q = AdaptivePolicy(20, 3, dp_rank=2, candidates=[2])
-    plan = q.batch_plan(0)
+    # The trainer plans every replica with the policy's count (batching/policy.py plan_for -> plan_batch).
+    plan = plan_batch(20, 3, len(q.propose(0)))
     assert plan.sizes == ((4, 3), (4, 3), (3, 3)) and plan.global_batch == 20 and q.propose(0) == [3, 3]
 
 

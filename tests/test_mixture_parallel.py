@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import Config
-from hybridpar.data.sources import load_tokens
+from hybridpar.data.sources import open_corpus
 from hybridpar.model.reference import TOL, tiny_config
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import check_results
@@ -21,7 +21,7 @@ pytestmark = pytest.mark.multiprocess
 
 def _mixture(tmp_path: Path) -> str:
     """Three byte-level sources cut from the default corpus, weighted 0.5 : 0.3 : 0.2."""
-    ids = load_tokens(None, 240_000)
+    ids = open_corpus(None, 240_000).tokens
     for i in range(3):
         (tmp_path / f"s{i}.txt").write_bytes(ids[i * 80_000 : (i + 1) * 80_000].tobytes())
     return ",".join(f"{w}:{tmp_path / f's{i}.txt'}" for i, w in enumerate([0.5, 0.3, 0.2]))

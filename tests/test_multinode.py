@@ -36,7 +36,7 @@ CLI = [sys.executable, "-m", "hybridpar.cli", "train"]  # this checkout's hybrid
 def test_node_map_keeps_tp_inside_nodes() -> None:
     dims = ParallelDims(dp=1, pp=2, tp=2, world_size=4)
     two = NodeMap.from_names(["agent-0", "agent-0", "agent-1", "agent-1"])
-    assert two.node_of == (0, 0, 1, 1) and two.n_nodes == 2 and two.same_node(0, 1) and not two.same_node(1, 2)
+    assert two.node_of == (0, 0, 1, 1) and two.n_nodes == 2
     assert two.tp_problem(dims) is None and not two.spans(dims, "tp") and two.spans(dims, "pp")
     assert two.describe(dims) == "2 nodes: tp inside nodes; pp across nodes"
     dp2 = ParallelDims(dp=2, pp=1, tp=2, world_size=4)

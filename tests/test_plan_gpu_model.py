@@ -25,7 +25,6 @@ from hybridpar.plan.gpu_model import (
     exposed_tp_comm,
     grad_bytes,
     parse_gpu_calibration,
-    peak_fraction,
     weight_gemms,
 )
 from hybridpar.plan.hardware import load_hardware, parse_hardware
@@ -53,18 +52,18 @@ def table() -> dict:
 
 
 def test_gemm_efficiency_is_monotone_in_each_dimension_and_bounded() -> None:
-    g = A100.gpu_calibration
+    """A GEMM's rate is matmul_fraction of the peak times its efficiency: never above the measured best."""
     for precision in ("bf16", "fp32"):
         rates = A100.gpu_rates(precision)
         dims = [1, 8, 64, 96, 128, 512, 2048, 8192, 65536]
         for m, n, k in itertools.product(dims, repeat=3):
-            e = peak_fraction(g, rates, m, n, k)
-            assert 0 < e <= g.matmul_fraction
+            e = rates.matmul_efficiency(m, n, k)
+            assert 0 < e <= 1
             for bigger in ((m * 2, n, k), (m, n * 2, k), (m, n, k * 2)):
-                assert peak_fraction(g, rates, *bigger) >= e * (1 - 1e-12)
+                assert rates.matmul_efficiency(*bigger) >= e * (1 - 1e-12)
     rates = A100.gpu_rates("bf16")
-    assert peak_fraction(g, rates, 8192, 8192, 8192) == g.matmul_fraction  # large GEMMs: the measured best
-    assert peak_fraction(g, rates, 2048, 2048, 96) < g.matmul_fraction  # attention's per-head product: less
+    assert rates.matmul_efficiency(8192, 8192, 8192) == 1.0  # large GEMMs: the measured best
+    assert rates.matmul_efficiency(2048, 2048, 96) < 1.0  # attention's per-head product: less
 
 
 def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
@@ -90,6 +89,9 @@ def test_gemm_time_is_its_flops_at_the_efficiency() -> None:
         ({"p2p": "nonblocking"}, "p2p must be one of async, blocking"),
         ({"tp_comm_efficiency": 1.5}, "tp_comm_efficiency must be a number from -4 to 1"),
         ({"tp_comm_efficiency": "high"}, "tp_comm_efficiency must be a number from -4 to 1"),
+        ({"kernel_floor_us": -1.0}, "kernel_floor_us must be microseconds from 0 (none) to 1000, got -1.0"),
+        ({"dispatch_us": 5e3}, "dispatch_us must be microseconds from 0 (none) to 1000, got 5000.0"),
+        ({"dispatch_us": "5"}, "dispatch_us must be microseconds"),
     ],
 )
 def test_a_bad_table_is_refused_in_one_line_naming_the_key(change: dict, words: str) -> None:
@@ -176,6 +178,8 @@ def test_every_calibration_names_its_source_and_date() -> None:
         for key in ("matmul_fraction", "memory_fraction", "intra_bus_fraction", "inter_bus_fraction"):
             assert key in g.source, (path, key)
         assert re.search(r"20\d\d", g.date)
+        # The per-kernel figures come from `plan --probe` on the device only: no file here invents them.
+        assert (g.kernel_floor_us, g.dispatch_us) == (0.0, 0.0), path
     parse_gpu_calibration(table(), "t")  # the test's own table is a good one
 
 

@@ -13,7 +13,7 @@ import torch
 
 from hybridpar.config import Config, ModelConfig
 from hybridpar.model.registry import param_counts
-from hybridpar.plan.cost import CLIP_BYTES, CostModel, optimizer_s
+from hybridpar.plan.cost import CLIP_BYTES, CostModel, optimizer_s, predict
 from hybridpar.plan.hardware import parse_hardware
 from hybridpar.plan.traffic import (
     SEQ,
@@ -40,8 +40,8 @@ def test_an_op_counts_what_it_reads_and_writes_and_views_and_matmuls_nothing() -
     with Counter() as c:
         a.add_(b)  # reads a and b, writes a
         a.view(16)  # a view: nothing
-        a @ b  # a matmul: costed at its FLOP rate, not here
-    assert c.tally == Tally(192, 1)
+        a @ b  # a matmul: costed at its FLOP rate, not here; counted apart (its dispatch)
+    assert c.tally == Tally(192, 1, 1)
     with Counter() as c:
         a * row.expand(4, 4)  # a broadcast operand is read once
     assert c.tally == Tally(64 + 16 + 64, 1)
@@ -118,3 +118,64 @@ def test_only_a_counted_calibration_uses_the_count_and_a_compiled_run_keeps_the_
     assert step(counted, "off") > 2 * step(counted, "auto") and step(fixed, "off") == step(fixed, "auto")
     compiled = dataclasses.replace(cfg.train, compile=True)
     assert counted.layer(compiled, 1, tokens, link, "none") == fixed.layer(compiled, 1, tokens, link, "none")
+
+
+@pytest.fixture(scope="module")
+def full() -> tuple:
+    return _affine(SMALL, Settings(recompute="full"))
+
+
+def _kernels(floor_us: float, dispatch_us: float, direct: tuple, full: tuple) -> CostModel:
+    """A cost model of SMALL on a counted calibration with the probe's kernel figures (0: absent, as in the
+    hardware files), given the counts it would make (counting is tested above)."""
+    figures = {k: v for k, v in (("kernel_floor_us", floor_us), ("dispatch_us", dispatch_us)) if v}
+    d = good() | {"memory_bandwidth_gbs": 1000.0, "gpu_calibration": table() | {"elementwise": "counted", **figures}}
+    model = CostModel(SMALL, parse_hardware(d, "test"))
+    for recompute, counted in (("none", direct), ("full", full)):
+        model._traffic[Settings.of(_bf16().train, recompute)] = Traffic(*counted)
+    return model
+
+
+def _bf16() -> Config:
+    cfg = Config()
+    cfg.model, cfg.train.precision, cfg.train.microbatches, cfg.train.global_batch = SMALL, "bf16", 2, 4
+    cfg.parallel = dataclasses.replace(cfg.parallel, tp=1, pp=1)  # one device: the step is its passes in a row
+    return cfg
+
+
+def test_absent_kernel_figures_price_no_kernel_and_a_compiled_run_none(direct: tuple, full: tuple) -> None:
+    cfg, link = _bf16(), _hw("counted").intra_node
+    bare, priced = _kernels(0, 0, direct, full), _kernels(5.0, 20.0, direct, full)
+    lay = bare.layer(cfg.train, 1, 512, link, "none")
+    assert lay.f.ops_s == lay.b.ops_s == lay.w.ops_s == 0.0
+    assert priced.layer(cfg.train, 1, 512, link, "none").f.ops_s > 0
+    compiled = dataclasses.replace(cfg.train, compile=True)  # inductor's kernels are not the counted ones
+    assert priced.layer(compiled, 1, 512, link, "none") == bare.layer(compiled, 1, 512, link, "none")
+
+
+@pytest.mark.parametrize("recompute", ["none", "full"])
+def test_the_device_pays_a_floor_per_counted_kernel_and_the_host_a_dispatch_per_op(
+    direct: tuple, full: tuple, recompute: str
+) -> None:
+    """Floor-bound (no dispatch figure): a pass's compute grows by its counted kernels x the floor, exactly;
+    host-bound (a dispatch far above every kernel's time): it takes the host's dispatch of every op, GEMMs and
+    attention included. The backward's count holds its recomputation's kernels."""
+    cfg, link, tokens = _bf16(), _hw("counted").intra_node, 512
+    f, b = direct[0].at(tokens), (direct if recompute == "none" else full)[1].at(tokens)
+    assert (f.ops, f.matmuls, b.ops) == (44, 8, 94 if recompute == "none" else 128)
+    bare = _kernels(0, 0, direct, full).layer(cfg.train, 1, tokens, link, recompute)
+    floor = _kernels(7.0, 0, direct, full).layer(cfg.train, 1, tokens, link, recompute)
+    assert floor.f.compute == pytest.approx(bare.f.compute + f.ops * 7e-6, rel=1e-12)
+    assert floor.b.compute + floor.w.compute == pytest.approx(bare.b.compute + bare.w.compute + b.ops * 7e-6)
+    host = _kernels(0, 900.0, direct, full).layer(cfg.train, 1, tokens, link, recompute)
+    assert host.f.compute == pytest.approx((f.ops + f.matmuls) * 900e-6, rel=1e-12)
+    assert host.b.compute + host.w.compute == pytest.approx((b.ops + b.matmuls) * 900e-6, rel=1e-12)
+
+
+def test_the_step_pays_the_floor_of_every_kernel_it_runs(direct: tuple, full: tuple) -> None:
+    """A step of m microbatches through L layers and the ends costs m x (L x a layer's kernels + the ends') floors
+    more than without the figure: the test that fails if the floor is not applied."""
+    cfg = _bf16()
+    base, floor = (predict(_kernels(us, 0, direct, full), cfg).step_s for us in (0, 3.0))
+    layer, ends = direct[0].at(1).ops + direct[1].at(1).ops, direct[2].at(1).ops + direct[3].at(1).ops
+    assert floor - base == pytest.approx(cfg.train.microbatches * (SMALL.n_layers * layer + ends) * 3e-6, rel=1e-9)

@@ -18,7 +18,7 @@ from hybridpar.pipeline.runtime import ActionTime, StepOutput
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.metrics import Progress
-from hybridpar.report.mfu import measure_matmul, mfu, model_flops_per_token
+from hybridpar.report.mfu import datasheet_peak, measure_matmul, mfu, model_flops_per_token
 from hybridpar.report.records import bubble, rank_summary, step_fields, unpack
 from tests.test_equivalence import TOL, ref_for, tiny_config
 
@@ -72,6 +72,21 @@ def test_model_flops_per_token_by_hand() -> None:
 def test_measured_matmul_peak_is_a_real_rate() -> None:
     rate = measure_matmul(torch.device("cpu"), torch.float32, seconds=0.05, n=128)
     assert 1e7 < rate < 1e13  # between a slow interpreter and a whole server's worth of cores
+
+
+def test_datasheet_peak_tells_the_boards_apart() -> None:
+    """torch's names for the boards (torch.cuda.get_device_name): a PCIe H100 is not given the SXM peak, an NVL
+    board (no figure here) is measured, an unknown GPU too."""
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert datasheet_peak("NVIDIA H100 80GB HBM3", bf16) == 989e12
+    assert datasheet_peak("NVIDIA H100 PCIe", bf16) == 756e12
+    assert datasheet_peak("NVIDIA H100 PCIe", fp32) == 51e12
+    assert datasheet_peak("NVIDIA H200", bf16) == 989e12
+    assert datasheet_peak("NVIDIA H100 NVL", bf16) is None
+    assert datasheet_peak("NVIDIA H200 NVL", bf16) is None
+    assert datasheet_peak("NVIDIA A100-SXM4-80GB", bf16) == 312e12
+    assert datasheet_peak("Tesla V100-SXM2-32GB", bf16) is None  # no bf16 units: measured
+    assert datasheet_peak("NVIDIA GeForce RTX 4090", bf16) is None
 
 
 def test_progress_interval() -> None:

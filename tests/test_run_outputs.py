@@ -145,8 +145,9 @@ def test_a_run_without_checkpoints_serves_with_its_own_shape(tmp_path: Path) -> 
     `--model.*` retyped)."""
     from hybridpar.model.registry import build_full_model
     from hybridpar.serve.main import prepare
-    from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology
+    from hybridpar.serve.worker import WorkerSpec, build_serving_stage
     from hybridpar.trainer.export import write_model_dir
+    from tests.replica import local_topology
 
     run = tmp_path / "run"
     rundir.claim(run, run / "checkpoints", "off", overwrite=False).release()

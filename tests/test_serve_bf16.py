@@ -29,13 +29,13 @@ import pytest
 import torch
 
 from hybridpar.model.reference import U_BF16, reference, tiny_config
-from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.config import ServeConfig, parse_serve_args
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import OP_STEP, StageRunner, Tick
-from hybridpar.serve.worker import WorkerSpec, build_serving_stage, local_topology, spec_dict
+from hybridpar.serve.worker import WorkerSpec, build_serving_stage
 from hybridpar.topology.spawn import run_ranks
 from hybridpar.trainer.export import write_model_dir
+from tests.replica import ListChannel, local_topology
 
 CFG = tiny_config(model=dict(n_layers=4), train=dict(steps=40, val_every=0))
 L = CFG.model.n_layers
@@ -161,7 +161,7 @@ def _ranks(spec_ds: list[dict]) -> list[dict | None]:
 def sharded(model_dir: str) -> dict[tuple[int, int], dict]:
     """Rank 0's result for each 2-rank layout of SHARDED, served in turn in one launch (a launch costs ~2 s
     of two interpreters importing torch, more than serving these requests)."""
-    specs = [spec_dict(spec(model_dir, "bf16", tp, pp)) for tp, pp in SHARDED]
+    specs = [dataclasses.asdict(spec(model_dir, "bf16", tp, pp)) for tp, pp in SHARDED]
     return dict(zip(SHARDED, run_ranks(_ranks, 2, specs, timeout_s=180)[0]))
 
 

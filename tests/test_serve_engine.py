@@ -14,11 +14,11 @@ import pytest
 from hybridpar.config import ModelConfig
 from hybridpar.model.registry import build_full_model
 from hybridpar.model.stage import generate
-from hybridpar.serve.channel import ListChannel
 from hybridpar.serve.driver import Driver, Limits
 from hybridpar.serve.engine import StageRunner
-from hybridpar.serve.worker import WorkerSpec, local_topology, serve_rank, spec_dict
+from hybridpar.serve.worker import WorkerSpec, serve_rank
 from hybridpar.topology.spawn import run_ranks
+from tests.replica import ListChannel, local_topology
 
 CFG = ModelConfig(dim=32, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=64)
 GPT2 = ModelConfig(family="gpt2", dim=32, n_layers=4, n_heads=4, ffn_dim=64, n_positions=64)
@@ -54,7 +54,7 @@ def _rank(spec_d: dict, reqs: list[dict]) -> dict | None:
 
 
 def spec(tp: int, pp: int, cfg: ModelConfig = CFG, limits: dict = LIMITS) -> dict:
-    return spec_dict(
+    return dataclasses.asdict(
         WorkerSpec(model=dataclasses.asdict(cfg), source=f"init:{SEED}", tp=tp, pp=pp, limits=limits, timeout_s=60)
     )
 

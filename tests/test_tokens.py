@@ -16,7 +16,7 @@ import pytest
 from hybridpar import cli
 from hybridpar.config import ModelConfig
 from hybridpar.data.prepare import documents
-from hybridpar.data.sources import load_tokens
+from hybridpar.data.sources import open_corpus
 from hybridpar.data.tokenizer import StreamDecoder, Tokenizer
 from hybridpar.serve.config import ServeConfig
 
@@ -53,7 +53,7 @@ def test_prepare_writes_the_tokenizers_ids_and_describes_them(tok_dir: Path, dty
     want = [i for d in docs for i in tok.encode(d) + [eos]]
     assert (meta["eos_id"], meta["eos_token"]) == (eos, "<|im_end|>")
     assert meta["tokens"] == len(want) == (tmp_path / "d.bin").stat().st_size // (2 if dtype == "auto" else 4)
-    assert load_tokens(str(tmp_path / "d.bin")).tolist() == want
+    assert open_corpus(str(tmp_path / "d.bin")).tokens.tolist() == want
     bounds = np.fromfile(tmp_path / "d.idx", dtype="<u8")  # document i is ids[bounds[i]:bounds[i + 1]]
     assert meta["documents"] == len(docs) == len(bounds) - 1 and bounds[0] == 0 and bounds[-1] == len(want)
     assert bounds[1] == len(tok.encode(docs[0])) + 1 and np.all(np.diff(bounds) > 0)

@@ -35,7 +35,8 @@ class StragglerDetector:
     (default halfway to 1): the gap between the two is the hysteresis that stops flapping around a
     single threshold. After a change the rank's state is frozen for `cooldown` more observations
     (default `window`) so the next decision rests on a window of post-change samples only.
-    For a clean step change, detection comes at most `max_latency` observations after onset.
+    For a clean step change, detection comes at most window // 2 + patience observations after onset
+    (the median flips after window // 2 + 1 slow samples, then `patience` of them must agree).
     """
 
     def __init__(
@@ -64,12 +65,6 @@ class StragglerDetector:
         self._last_change: dict[int, int] = {}  # observation index of the rank's last change
         self._streak: dict[int, int] = {}  # consecutive observations beyond the relevant threshold
         self._stragglers: set[int] = set()
-
-    @property
-    def max_latency(self) -> int:
-        """Observations from a step change's onset to its detection: the median flips after
-        window // 2 + 1 slow samples, then `patience` of them must agree."""
-        return self.window // 2 + self.patience
 
     @property
     def stragglers(self) -> frozenset[int]:

@@ -88,13 +88,6 @@ def load_scores(samples: Sequence[RankSample], weights: Sequence[float] = DEFAUL
     return scores
 
 
-def relative_speeds(samples: Sequence[RankSample]) -> dict[int, float]:
-    """1 / time per unit, normalised so that the fastest rank is 1.0."""
-    by = by_rank(samples)
-    fastest = min(s.compute_s for s in by.values())
-    return {r: fastest / s.compute_s for r, s in sorted(by.items())}
-
-
 def quiet_times(rows: Sequence[Mapping[int, float]], n: int) -> dict[int, float]:
     """Time per unit of positions 0..n-1 over `rows` (one {position: time per unit} per step): each
     position's quietest reading but one (the second smallest; one reading too fast, a timer's glitch,

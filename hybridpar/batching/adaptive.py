@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 from hybridpar.batching.fixed import _Recorder
 from hybridpar.batching.race import Verdict, block_value, judge
-from hybridpar.batching.split import BatchPlan, split_evenly
+from hybridpar.batching.split import split_evenly
 
 
 def candidate_counts(
@@ -295,11 +295,6 @@ class AdaptivePolicy(_Recorder):
 
     def propose(self, step: int) -> list[int]:
         return split_evenly(self.batch, self.current)
-
-    def batch_plan(self, step: int) -> BatchPlan:
-        """Every replica's split for this step, all with the current count (replica shares differ by
-        at most one sample; dp_rank 0 holds the largest, the conservative one to fit memory on)."""
-        return BatchPlan(tuple(tuple(split_evenly(r, self.current)) for r in self.replicas))
 
     def observe(
         self, step: int, sizes: Sequence[int], step_time_s: float, peak_activation_bytes: int | None, tokens: int

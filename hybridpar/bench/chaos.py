@@ -50,8 +50,9 @@ from pathlib import Path
 from typing import Any
 
 from hybridpar.bench import emit, runs_dir
-from hybridpar.bench.chaos_launches import Launch, foreign_run_refused, jsonl, run_id_of, run_launch, steps_checkpointed
+from hybridpar.bench.chaos_launches import Launch, foreign_run_refused, run_id_of, run_launch, steps_checkpointed
 from hybridpar.config import Config
+from hybridpar.report.rundata import read_jsonl
 
 KILL_PHASES = ("forward", "p2p", "all-reduce", "optimizer", "step-end", "ckpt-write", "ckpt-barrier")
 RANK0_PHASES = ("ckpt-manifest", "ckpt-rename", "ckpt-done")  # only rank 0 commits
@@ -145,8 +146,8 @@ def _mean(xs: list[float]) -> float | None:
 def recovery_times(run_dir: Path) -> dict[str, Any]:
     """Detect / restart / recover times of the worker faults, and committed steps trained twice, from the
     run's own records (chaos.jsonl, resilience.jsonl, watchdog.jsonl)."""
-    fired, events = jsonl(run_dir / "chaos.jsonl"), jsonl(run_dir / "resilience.jsonl")
-    reports = jsonl(run_dir / "watchdog.jsonl")
+    fired, events = read_jsonl(run_dir / "chaos.jsonl"), read_jsonl(run_dir / "resilience.jsonl")
+    reports = read_jsonl(run_dir / "watchdog.jsonl")
     starts = [e for e in events if e["event"] == "start"]
     firsts = [e["time"] for e in events if e["event"] == "first_step"]
     restart_s, recover_s, detect_s = [], [], []
@@ -190,7 +191,7 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
     ref_dir, run_dir, log = work / "reference", work / "soak", work / "launches.log"
     work.mkdir(parents=True, exist_ok=True)
     ref = run_launch(soak_flags(ref_dir, steps, tp), ref_dir, log, launch_timeout_s)
-    ref_metrics = jsonl(ref_dir / "metrics.jsonl")
+    ref_metrics = read_jsonl(ref_dir / "metrics.jsonl")
     if ref.end != "finished" or not ref_metrics or not ref_metrics[-1].get("final"):
         raise RuntimeError(f"the fault-free reference run did not finish ({ref.end}, exit {ref.code}): see {log}")
     ref_losses = {r["step"]: r["loss"] for r in ref_metrics if "loss" in r}
@@ -199,10 +200,10 @@ def soak(work: Path, n_faults: int, steps: int, seed: int, tp: int, launch_timeo
     t0 = time.time()
     launches, run_id, tried, refused = _soak_launches(run_dir, log, plan, n_faults, steps, tp, launch_timeout_s)
     wall = time.time() - t0
-    metrics = jsonl(run_dir / "metrics.jsonl")
+    metrics = read_jsonl(run_dir / "metrics.jsonl")
     step_recs = [r for r in metrics if "loss" in r and "step" in r]
     final = metrics[-1] if metrics and metrics[-1].get("final") else {}
-    fired = [f["fault"] for f in jsonl(run_dir / "chaos.jsonl")]
+    fired = [f["fault"] for f in read_jsonl(run_dir / "chaos.jsonl")]
     by_kind = {
         k: sum(f.split(":")[1].split("@")[0].split("=")[0] == k for f in fired)
         for k in KINDS
@@ -292,7 +293,7 @@ def checkpoint_cost(work: Path, steps: int) -> dict[str, Any]:
         t0 = time.monotonic()
         launch(cfg, start_method="spawn", max_restarts=0)
         walls[mode] = round(time.monotonic() - t0, 2)
-        saves = [e for e in jsonl(work / f"ckpt-{mode}" / "resilience.jsonl") if e["event"] == "checkpoint"]
+        saves = [e for e in read_jsonl(work / f"ckpt-{mode}" / "resilience.jsonl") if e["event"] == "checkpoint"]
         out[mode] = saves
     sync = statistics.median(e["stall_s"] for e in out["sync"])
     stall = statistics.median(e["stall_s"] for e in out["async"])

@@ -18,6 +18,8 @@ from typing import Any
 
 import psutil
 
+from hybridpar.report.rundata import read_jsonl
+
 POLL_S = 0.05
 # A launcher's workers must be gone this long after it was killed. A training worker dies at once (the
 # kernel's parent-death signal); one the agent was just starting (a restart) cannot ask for that signal
@@ -31,25 +33,11 @@ def train_command(flags: list[str]) -> list[str]:
     return [sys.executable, "-m", "hybridpar.cli", "train", *flags]
 
 
-def jsonl(path: Path) -> list[dict[str, Any]]:
-    """Records of a JSON-lines file; a line torn by a kill (the launcher's workers die mid-write) is skipped."""
-    out = []
-    if path.is_file():
-        for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
-            try:
-                rec = json.loads(line)
-            except ValueError:
-                continue
-            if isinstance(rec, dict):
-                out.append(rec)
-    return out
-
-
 def saves(run_dir: Path, since: float = 0.0) -> list[tuple[float, int]]:
     """(time, step) of each checkpoint saved after `since` (resilience.jsonl), in order."""
     return [
         (e["time"], e["step"])
-        for e in jsonl(run_dir / "resilience.jsonl")
+        for e in read_jsonl(run_dir / "resilience.jsonl")
         if e.get("event") == "checkpoint" and e.get("time", 0) >= since
     ]
 

@@ -16,7 +16,9 @@ from typing import Any, Callable
 HARDWARE = Path(__file__).resolve().parents[2] / "docs" / "hardware"
 DATASHEETS = {"H100": "dgx-h100.toml", "H200": "dgx-h200.toml"}
 DRY_GRID = (8, 16)
-DRY_SIZES = dict(elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1, bus_bytes=1 << 16)
+DRY_SIZES = dict(
+    elements=4096, seqs=(16,), tokens=32, heads=2, head_dim=16, repeats=1, bus_bytes=1 << 16, kernels=50, calls=50
+)
 
 
 def said(e: BaseException) -> str:
@@ -45,6 +47,7 @@ def probe(a: Any) -> dict:
     the device's memory but this process's context (about half a GiB)."""
     import torch
 
+    from hybridpar.plan.gpu_model import KERNEL_FIGURES
     from hybridpar.plan.gpu_probe import calibrate_gpu, probe_gpu
     from hybridpar.plan.hardware import load_hardware, to_toml
 
@@ -78,6 +81,7 @@ def probe(a: Any) -> dict:
         "calibration": {
             **{k: getattr(g, k) for k in ("matmul_fraction", "memory_fraction", "attention_fraction")},
             **{k: getattr(g, k) for k in ("intra_bus_fraction", "attention_kernel")},
+            **{k: getattr(g, k) for k in KERNEL_FIGURES},
             "intra_bus_measured_over_gpus": figures["gpus"] if figures["intra_bus_fraction"] is not None else None,
             "attention_backend": figures["attention_backend"],
             "attention_by_seq": figures["attention"],
@@ -97,7 +101,11 @@ def prediction(a: Any, probed: dict, eager: dict | None, config: Callable[[Any, 
         return {}
     cfg = config(a, "eager")
     try:
-        predicted = predict(CostModel(cfg.model, load_hardware(probed["probed_file"])), cfg).step_s
+        hw = load_hardware(probed["probed_file"])
+        predicted = predict(CostModel(cfg.model, hw), cfg).step_s
+        # the same file without its kernel figures: what the probe's floor and dispatch add to the prediction
+        bare = dataclasses.replace(hw.gpu_calibration, kernel_floor_us=0.0, dispatch_us=0.0)
+        no_kernels = predict(CostModel(cfg.model, dataclasses.replace(hw, gpu_calibration=bare)), cfg).step_s
         sheet = predict(CostModel(cfg.model, load_hardware(HARDWARE.parents[1] / probed["datasheet"])), cfg).step_s
     except Exception as e:  # the probed file unreadable or the model refused: said, the figures kept
         return {"error": f"prediction: {said(e)}"}
@@ -105,6 +113,7 @@ def prediction(a: Any, probed: dict, eager: dict | None, config: Callable[[Any, 
     return {
         "layout": "tp1 pp1 dp1, the eager option's configuration",
         "predicted_step_s": predicted,
+        "predicted_step_s_without_kernel_figures": no_kernels,
         "predicted_step_s_datasheet_calibration": sheet,
         "measured_step_s": measured,
         "measured_over_predicted": None if measured is None else measured / predicted,

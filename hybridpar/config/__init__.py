@@ -12,37 +12,20 @@ and so every rank can validate the layout before touching a process group.
 A schedule is a name here: the schedule registry and its rules on a configuration live above config/,
 in hybridpar/pipeline/schedules/ (config_rules.py), and the pre-flight check runs them.
 
-Every public name is re-exported here, so importers write `from hybridpar.config import Config`.
+What the rest of the package imports is re-exported here (`from hybridpar.config import Config`); the
+other sections are read through `Config` or imported from `hybridpar.config.sections`.
 """
 
 from hybridpar.config.config import Config
 from hybridpar.config.parse import help_text, load_toml, parse_args, to_toml
-from hybridpar.config.sections import (
-    BalanceConfig,
-    BatchingConfig,
-    CheckpointConfig,
-    DataConfig,
-    EmulateConfig,
-    ModelConfig,
-    ParallelConfig,
-    ProfileConfig,
-    ResilienceConfig,
-    SinksConfig,
-    TrainConfig,
-)
+from hybridpar.config.sections import BalanceConfig, ModelConfig, ParallelConfig, SinksConfig, TrainConfig
 from hybridpar.config.validate import step_range
 
 __all__ = [
     "BalanceConfig",
-    "BatchingConfig",
-    "CheckpointConfig",
     "Config",
-    "DataConfig",
-    "EmulateConfig",
     "ModelConfig",
     "ParallelConfig",
-    "ProfileConfig",
-    "ResilienceConfig",
     "SinksConfig",
     "TrainConfig",
     "help_text",

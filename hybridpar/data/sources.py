@@ -159,11 +159,6 @@ def _bytes_corpus(data: bytes, total: int, name: str) -> Corpus:
     return Corpus(tokens, total, name, lambda: int(tokens.max()) + 1)
 
 
-def load_tokens(path: str | None, max_tokens: int | None = None) -> np.ndarray:
-    """The ids of the corpus at ``path`` (``open_corpus``): a memory map for a token file, else bytes."""
-    return open_corpus(path, max_tokens).tokens
-
-
 def corpus_note(corpus: Corpus, max_tokens: int | None) -> str | None:
     """The line a run prints where data.max_tokens cuts the corpus: how much of how much it uses."""
     if max_tokens is None:

@@ -213,12 +213,6 @@ class ShardedAdamW(torch.optim.AdamW):
         for work in start_gather(pieces, self.r, self.group):
             work.wait(timedelta(seconds=self.topo.timeout_s))
 
-    def state_bytes(self) -> int:
-        """Bytes of optimizer state this rank holds, counted from its tensors."""
-        return sum(
-            v.numel() * v.element_size() for st in self.state.values() for v in st.values() if torch.is_tensor(v)
-        )
-
     def local_state(self) -> dict[torch.Tensor, tuple[dict[str, torch.Tensor], Slice]]:
         """This rank's AdamW state of each model parameter (that of its slice), with the slice it covers."""
         return {p: (self.state[q], s) for p, s, q in zip(self.full, self.slices, self.views)}

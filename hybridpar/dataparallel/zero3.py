@@ -230,7 +230,3 @@ class Zero3:
         if self.regather == "microbatch":
             for u in range(len(self.units.get(stage, ()))):
                 self.free(stage, u)
-
-    def rest_bytes(self) -> int:
-        """Bytes of parameters this rank holds at rest: its slices, and the parameters kept whole."""
-        return sum(q.numel() * q.element_size() for _, _, q in self.shards.values())

@@ -20,9 +20,10 @@ multiply. The run entry sets the runtime's stretch to the product each step (att
 
 from __future__ import annotations
 
-import math
 import re
 from dataclasses import dataclass
+
+from hybridpar.emulate.slowdown import parse_factor
 
 EXPECTED_FORM = "rank=<int>:<factor>@step=<first>+<length>, e.g. 'rank=1:2.5@step=50+300'"
 _ENTRY = re.compile(r"rank=(\d+):([0-9.eE+-]+)@step=(\d+)\+(\d+)")
@@ -60,12 +61,7 @@ def parse_shaped(shape: str, spec: str, world_size: int | None = None) -> tuple[
         if m is None:
             raise ValueError(f"emulate.{shape} entry {raw!r} is malformed: expected {EXPECTED_FORM}")
         rank, step, length = int(m[1]), int(m[3]), int(m[4])
-        try:
-            factor = float(m[2])
-        except ValueError:
-            raise ValueError(f"emulate.{shape} entry {raw!r}: factor {m[2]!r} is not a number") from None
-        if not math.isfinite(factor) or factor < 1.0:
-            raise ValueError(f"emulate.{shape} entry {raw!r}: factor must be >= 1.0 (emulation only adds time)")
+        factor = parse_factor(m[2], f"emulate.{shape} entry {raw!r}", EXPECTED_FORM)
         if length < 1:
             raise ValueError(f"emulate.{shape} entry {raw!r}: length must be >= 1 step, got {length}")
         if world_size is not None and rank >= world_size:

@@ -15,8 +15,9 @@ Grammar: "" (off) or "B:F" with 0 <= B < pp - 1 and F >= 1.
 
 from __future__ import annotations
 
-import math
 import re
+
+from hybridpar.emulate.slowdown import parse_factor
 
 EXPECTED_FORM = "<boundary>:<factor>, e.g. '1:10' (pipeline ranks 1 and 2, 10x slower)"
 
@@ -30,12 +31,7 @@ def parse_slow_link(spec: str, pp: int | None = None) -> tuple[int, float] | Non
     if m is None:
         raise ValueError(f"emulate.slow_link={spec!r} is malformed: expected {EXPECTED_FORM}")
     boundary = int(m[1])
-    try:
-        factor = float(m[2])
-    except ValueError:
-        raise ValueError(f"emulate.slow_link={spec!r}: factor {m[2]!r} is not a number") from None
-    if not math.isfinite(factor) or factor < 1.0:
-        raise ValueError(f"emulate.slow_link={spec!r}: factor must be >= 1.0 (emulation only adds time)")
+    factor = parse_factor(m[2], f"emulate.slow_link={spec!r}", EXPECTED_FORM)
     if pp is not None and not boundary < pp - 1:
         raise ValueError(
             f"emulate.slow_link={spec!r}: boundary {boundary} is not between two of parallel.pp={pp} "

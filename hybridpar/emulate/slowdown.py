@@ -31,6 +31,18 @@ EXPECTED_FORM = "rank=<int>:<factor>@step=<int>, e.g. 'rank=2:2.0@step=10'"
 _ENTRY = re.compile(r"rank=([+-]?\d+):([^@]+?)(?:@step=([+-]?\d+))?")
 
 
+def parse_factor(text: str, where: str, form: str) -> float:
+    """The slow-down factor `text` of every emulation spec (slowdown, drift and spike, slow link): a finite
+    number >= 1.0, since emulation can only add time; ValueError naming `where` (the entry) and `form`."""
+    try:
+        factor = float(text)
+    except ValueError:
+        raise ValueError(f"{where}: factor {text!r} is not a number; expected {form}") from None
+    if not math.isfinite(factor) or factor < 1.0:
+        raise ValueError(f"{where}: factor must be a finite number >= 1.0 (emulation can only add time), got {factor}")
+    return factor
+
+
 @dataclass(frozen=True)
 class Slowdown:
     """From `step` on, `rank`'s compute takes `factor` times its measured time."""
@@ -56,21 +68,11 @@ class SlowdownPlan:
             if m is None:
                 raise ValueError(f"slowdown token {token!r} in {spec!r} is malformed: " f"expected {EXPECTED_FORM}")
             rank, step = int(m.group(1)), int(m.group(3) or 0)
-            try:
-                factor = float(m.group(2))
-            except ValueError:
-                raise ValueError(
-                    f"slowdown token {token!r}: factor {m.group(2)!r} is not a " f"number; expected {EXPECTED_FORM}"
-                ) from None
             if rank < 0 or step < 0:
                 raise ValueError(
                     f"slowdown token {token!r}: rank and step must be >= 0, " f"got rank={rank}, step={step}"
                 )
-            if not math.isfinite(factor) or factor < 1.0:
-                raise ValueError(
-                    f"slowdown token {token!r}: factor must be a finite number "
-                    f">= 1.0 (emulation can only add time), got {factor}"
-                )
+            factor = parse_factor(m.group(2), f"slowdown token {token!r}", EXPECTED_FORM)
             if (rank, step) in entries:
                 raise ValueError(
                     f"slowdown token {token!r}: rank {rank} already has a factor "
@@ -113,13 +115,3 @@ class SlowdownPlan:
             if e.rank == rank and e.step <= step:
                 current = e.factor
         return current
-
-    def extra_delay_s(self, rank: int, step: int, compute_s: float) -> float:
-        """Seconds to sleep after `compute_s` of real compute so that it takes factor x as long."""
-        if compute_s < 0:
-            raise ValueError(f"compute_s must be >= 0, got {compute_s}")
-        return (self.factor(rank, step) - 1.0) * compute_s
-
-    def to_spec(self) -> str:
-        """Canonical text form; ``SlowdownPlan.parse(p.to_spec()) == p``."""
-        return ",".join(f"rank={e.rank}:{e.factor!r}@step={e.step}" for e in self.entries)

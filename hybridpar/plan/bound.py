@@ -7,14 +7,14 @@ Two bounds, each no greater than the prediction (tests/test_plan_bound.py checks
   busiest rank does at least the average), or over the node's cores where ranks share them, plus the
   optimizer step of the average rank and the step's closing reductions. The search sorts every layout by
   it and stops at the first that exceeds the k-th best prediction: all later ones exceed it too.
-* `step_bound`, from the schedule's compute lists (`ComputeShape`) and the layout's stage costs: each
-  rank must wait for its first forward's microbatch to come down the stages before it, then run all of
-  its F/B/W one after another, then (when it ends on a backward) wait for that microbatch's backward to
-  run down to stage 0 — the simulator's critical path through the first and last microbatch, which for
-  1F1B-like schedules is the whole step. With data parallelism, the rank's last stage's gradient
-  all-reduce starts after its last backward. Messages add their latency and transfer where a hop
-  crosses ranks. The search computes it only for layouts that got past `knob_bound` and fit in memory,
-  and skips the simulation where it exceeds the k-th best.
+* the step bound, `pipeline_bound` + `after_bound`, from the schedule's compute lists (`ComputeShape`) and
+  the layout's stage costs: each rank must wait for its first forward's microbatch to come down the stages
+  before it, then run all of its F/B/W one after another, then (when it ends on a backward) wait for that
+  microbatch's backward to run down to stage 0 — the simulator's critical path through the first and last
+  microbatch, which for 1F1B-like schedules is the whole step. With data parallelism, the rank's last
+  stage's gradient all-reduce starts after its last backward. Messages add their latency and transfer
+  where a hop crosses ranks. The search computes it only for layouts that got past `knob_bound` and fit in
+  memory, and skips the simulation where it exceeds the k-th best.
 """
 
 from __future__ import annotations
@@ -90,13 +90,6 @@ def knob_bound(
     return work + opt + closing_s(model.hw, k["tp"], k["pp"], k["dp"], k["zero"], pl.world)
 
 
-def step_bound(model: CostModel, cfg: Config, shape: ComputeShape, copies: tuple[bool, ...] = ()) -> float:
-    """Bound for the layout `cfg` whose schedule's compute lists have `shape` (module docstring); `copies`:
-    the weights' precisions it may run with (working copies or not; none given: the layout's own)."""
-    end, su = pipeline_bound(model, cfg, shape)
-    return end + after_bound(model, cfg, su, copies)
-
-
 def after_bound(model: CostModel, cfg: Config, su: Setup, copies: tuple[bool, ...] = ()) -> float:
     """The optimizer step and the small all-reduces after the pipeline, the cheaper of the weights' precisions
     `copies` (none given: the layout's own), every overlapped parameter gather counted as hidden."""
@@ -119,7 +112,7 @@ def durations(c: Costs, n: int) -> dict[Op, list[float]]:
 
 
 def pipeline_bound(model: CostModel, cfg: Config, shape: ComputeShape) -> tuple[float, Setup]:
-    """`step_bound` less the optimizer step and the small all-reduces after the pipeline, and the layout's
+    """The step bound less the optimizer step and the small all-reduces after the pipeline, and the layout's
     setup: the part ZeRO does not change (a search shares it between a layout with ZeRO-1 and without)."""
     p = cfg.parallel
     su = setup(model, cfg)

@@ -40,7 +40,7 @@ from __future__ import annotations
 import statistics
 import time
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Iterable
 
 from hybridpar.config import ModelConfig
 
@@ -105,42 +105,26 @@ class Calibration:
         return self.model.rsplit(" seq_len=", 1)[0] == signature(m, 0).rsplit(" seq_len=", 1)[0]
 
     def layer(self, tp: int, tokens: int) -> LayerTime | None:
-        """The layer's times at `tokens` (interpolated linearly between measured sizes, extrapolated
-        from the nearest two); None where no size was measured at this tp."""
-        rows = sorted((r for r in self.layers if r.tp == tp), key=lambda r: r.tokens)
-        if not rows:
-            return None
-        k, s = _weights([r.tokens for r in rows], tokens), self.core_share
-        return LayerTime(
-            tp, tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / s for f in ("f", "b", "b_input", "w"))
-        )
+        """The layer's times at `tokens` (`_interpolated`); None where no size was measured at this tp."""
+        got = _interpolated((r for r in self.layers if r.tp == tp), tokens, ("f", "b", "b_input", "w"))
+        return None if got is None else LayerTime(tp, tokens, *(x / self.core_share for x in got))
 
     def tp_all_reduce(self, tp: int, tokens: int) -> float | None:
-        """Seconds of one tensor-parallel all-reduce of `tokens` tokens' activations at `tp` (interpolated
-        like `layer`); None where none was measured at this tp. Wall time as measured: it already holds
-        what sharing the cores costs."""
-        rows = sorted((r for r in self.collectives if r.tp == tp), key=lambda r: r.tokens)
-        if not rows:
-            return None
-        k = _weights([r.tokens for r in rows], tokens)
-        return max(0.0, sum(w * rows[i].all_reduce for i, w in k))
+        """Seconds of one tensor-parallel all-reduce of `tokens` tokens' activations at `tp` (`_interpolated`);
+        None where none was measured at this tp. Wall time as measured: it already holds what sharing the
+        cores costs."""
+        got = _interpolated((r for r in self.collectives if r.tp == tp), tokens, ("all_reduce",))
+        return None if got is None else max(0.0, got[0])
 
     def tp_head(self, tp: int, tokens: int) -> float | None:
-        """Seconds of the head's collectives for a microbatch of `tokens` tokens at `tp` (interpolated like
-        `layer`); None where they were not measured at this tp."""
-        rows = sorted((r for r in self.collectives if r.tp == tp and r.head > 0), key=lambda r: r.tokens)
-        if not rows:
-            return None
-        k = _weights([r.tokens for r in rows], tokens)
-        return max(0.0, sum(w * rows[i].head for i, w in k))
+        """Seconds of the head's collectives for a microbatch of `tokens` tokens at `tp` (`_interpolated`);
+        None where they were not measured at this tp."""
+        got = _interpolated((r for r in self.collectives if r.tp == tp and r.head > 0), tokens, ("head",))
+        return None if got is None else max(0.0, got[0])
 
     def end(self, tokens: int) -> EndTime | None:
-        rows = sorted(self.ends, key=lambda r: r.tokens)
-        if not rows:
-            return None
-        k = _weights([r.tokens for r in rows], tokens)
-        fields = ("embed_f", "embed_b", "head_f", "head_b")
-        return EndTime(tokens, *(sum(w * getattr(rows[i], f) for i, w in k) / self.core_share for f in fields))
+        got = _interpolated(self.ends, tokens, ("embed_f", "embed_b", "head_f", "head_b"))
+        return None if got is None else EndTime(tokens, *(x / self.core_share for x in got))
 
     def to_toml(self) -> str:
         us = lambda x: round(x * 1e6, 2)  # noqa: E731
@@ -163,6 +147,16 @@ class Calibration:
                 else ""
             )
         )
+
+
+def _interpolated(rows: Iterable[Any], tokens: int, fields: tuple[str, ...]) -> list[float] | None:
+    """`fields` of measured `rows` (each with its `tokens`) at `tokens`: interpolated linearly between the
+    measured sizes, extrapolated from the nearest two; None where there is no row."""
+    got = sorted(rows, key=lambda r: r.tokens)
+    if not got:
+        return None
+    k = _weights([r.tokens for r in got], tokens)
+    return [sum(w * getattr(got[i], f) for i, w in k) for f in fields]
 
 
 def _weights(xs: list[int], x: int) -> list[tuple[int, float]]:

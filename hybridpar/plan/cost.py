@@ -30,7 +30,9 @@ place (all ranks computing and reducing at once) where the calibration has one, 
 communication terms stay as above.
 
 Where it carries a `[gpu_calibration]` (plan/gpu_model.py), GEMMs are timed by their shapes, attention by
-its kernel, memory-bound work and links at their achievable fractions of the datasheet figures; ZeRO-1's
+its kernel, memory-bound work and links at their achievable fractions of the datasheet figures (hybridpar's own
+eager runtime: its counted bytes, and with the probe's kernel figures its kernels' floor and dispatch,
+gpu_model.launch_s); ZeRO-1's
 gradient reduction is a reduce-scatter and small all-reduces take NCCL's tree (plan/collectives.py); and the
 communication its `overlap` names (gpu_model.OVERLAPS) hides behind the compute it runs beside.
 
@@ -61,6 +63,7 @@ from hybridpar.plan.gpu_model import (
     exposed_tp_comm,
     gathers_cp,
     grad_bytes,
+    launch_s,
     layer_times,
     overlapped,
     regathers,
@@ -346,6 +349,10 @@ class CostModel:
             b = b + f
         elif recompute == "selective":  # the forward's work outside its matmuls (measured: in the counted share)
             b = b + (Work(0.0, mem, ops) if timed is None else Work(f.compute * (mem + ops) / (mm + mem + ops)))
+        if ct is not None:  # the counted ops' kernels (gpu_model.launch_s); the backward's count holds its recompute
+            g, kf, kb = self.hw.gpu_calibration, ct.layer_f.at(tokens), ct.layer_b.at(tokens)
+            f = f + Work(ops_s=launch_s(g, f.compute, kf.ops, kf.ops + kf.matmuls))
+            b = b + Work(ops_s=launch_s(g, b.compute + w.compute, kb.ops, kb.ops + kb.matmuls))
         return LayerCosts(f, b, w)
 
     def ring_s(
@@ -415,6 +422,10 @@ class CostModel:
             20 * ovh,
             sum(self.head_comm(t, tp, tokens, link)),
         )
+        if ct is not None:  # the ends' kernels, forward and backward, on the head's side (the embedding's are 2-3)
+            k = ct.ends_f.at(tokens) + ct.ends_b.at(tokens)
+            extra = launch_s(self.hw.gpu_calibration, embed.compute + head.compute, k.ops, k.ops + k.matmuls)
+            head = head + Work(ops_s=extra)
         return embed, head
 
     def head_comm(self, t: TrainConfig, tp: int, tokens: int, link: Link) -> tuple[float, float]:

@@ -46,6 +46,12 @@ each with its source and date, and the attention kernel of the software that ran
                           its kin) and one AdamW pass, the fused kernels of the published clusters' software;
                           "counted", hybridpar's own eager runtime, its aten ops' bytes counted on its own modules
                           under the run's precision, recomputation and AdamW (plan/traffic.py)
+    kernel_floor_us       (optional, default 0: none) the device's time per kernel too small to be bound by its
+                          bytes: 1-element adds launched eagerly, queued behind a sleeping kernel, CUDA events
+                          around them (no host in the loop); measured only by `plan --probe --hardware`
+    dispatch_us           (optional, default 0: none) the host's time to dispatch one eager op: the same add
+                          called back to back from Python, the host's clock around the enqueue; measured only
+                          by `plan --probe --hardware`
     matmul_table          (optional) rows [m, n, k, fraction]: a full grid of GEMM shapes, each one's bf16 rate
                           over the peak, measured by `plan --probe --hardware` on a CUDA device (plan/gpu_probe.py,
                           plan/matmul_table.py); matmul_fraction is then its best row
@@ -62,6 +68,14 @@ From them, with no further constant:
   (k = head_dim) are below it;
 * memory-bound work (norms, activations, residuals, softmax, dropout, the optimizer) moves its bytes at
   memory_fraction of the bandwidth;
+* where the elementwise work is "counted" (hybridpar's eager runtime, whose ops traffic.py counts), a pass's
+  kernels are priced too (`launch_s`): the device runs its GEMMs, attention and counted bytes plus one
+  kernel_floor_us per counted kernel (a kernel's fixed start-up and drain beside its bytes' time: a large one's is
+  in its measured rate already, so GEMMs and attention take none); the host dispatches every op, counted and
+  GEMM alike, at dispatch_us; the CUDA stream queues what the host enqueued, so the two overlap and the pass takes
+  the longer. Taken per pass (a layer's forward, its backward), the ends apart: a host ahead during one pass may
+  feed the device in the next, so this errs long where the passes differ in which bounds them. A compiled run
+  keeps none of it (its kernels are not the counted ones);
 * a ring collective's step moves bytes at the bus fraction of its link's bandwidth (nccl-tests' busbw is
   exactly what a ring step achieves: algbw x 2 (n-1)/n for an all-reduce), and so does a pipeline hand-off.
 
@@ -144,6 +158,11 @@ SOFTMAX_BACKWARD_ACCESSES = 5.5
 # FlashAttention benchmark's, benchmarks/benchmark_flash_attention.py: 3.5 forwards' FLOPs), so the cost model's
 # backward, twice the forward's matmul time, takes this half forward more.
 FLASH_BACKWARD_RECOMPUTE = 0.5
+# The per-kernel figures (microseconds): the device's floor per kernel, the host's dispatch per eager op. Absent
+# means 0: no kernel is priced. The bound catches a figure written in seconds or nanoseconds: eager PyTorch's are
+# a few to tens of microseconds.
+KERNEL_FIGURES = ("kernel_floor_us", "dispatch_us")
+KERNEL_US_MAX = 1000.0
 # tp_comm_efficiency's range: at most 1 (a collective hidden whole), and a bound below for typos: the lowest
 # Flux measured for Transformer Engine's pairs is -3.25 (A100 NVLink, decoding shapes).
 TP_COMM_EFFICIENCY_MIN = -4.0
@@ -167,6 +186,8 @@ class GpuCalibration:
     elementwise: str = "fixed"
     matmul_table: MatmulTable | None = None
     tp_comm_efficiency: float = 1.0
+    kernel_floor_us: float = 0.0
+    dispatch_us: float = 0.0
 
     def to_toml(self) -> str:
         nums = "\n".join(f"{k} = {getattr(self, k)!r}" for k in FRACTIONS)
@@ -175,6 +196,8 @@ class GpuCalibration:
         for key, default in OPTIONAL_CHOICES.items():
             over += f'{key} = "{getattr(self, key)}"\n' if getattr(self, key) != default[0] else ""
         over += f"tp_comm_efficiency = {self.tp_comm_efficiency!r}\n" if self.tp_comm_efficiency != 1.0 else ""
+        for key in KERNEL_FIGURES:
+            over += f"{key} = {getattr(self, key)!r}\n" if getattr(self, key) else ""
         over += self.matmul_table.to_toml() if self.matmul_table is not None else ""
         return (
             f'\n[gpu_calibration]\n{nums}\nattention_kernel = "{self.attention_kernel}"\n{over}'
@@ -185,7 +208,7 @@ class GpuCalibration:
 def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
     """The `[gpu_calibration]` table; ValueError naming the key and its form."""
     known = set(FRACTIONS) | {"attention_kernel", "source", "date"}
-    optional = ["overlap", "tp_comm_efficiency", *OPTIONAL_CHOICES, "matmul_table"]
+    optional = ["overlap", "tp_comm_efficiency", *OPTIONAL_CHOICES, *KERNEL_FIGURES, "matmul_table"]
     if not isinstance(d, dict) or not known <= set(d) <= known | set(optional):
         got = sorted(d) if isinstance(d, dict) else repr(d)
         raise ValueError(
@@ -207,6 +230,12 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
             f"{where} [gpu_calibration]: tp_comm_efficiency must be a number from {TP_COMM_EFFICIENCY_MIN:g} to 1 "
             f"(1: each collective hidden up to its GEMM; below 0: the overlapped pair is slower than none), got {eff!r}"
         )
+    for k in KERNEL_FIGURES:
+        v = d.get(k, 0.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 <= v <= KERNEL_US_MAX:
+            raise ValueError(
+                f"{where} [gpu_calibration]: {k} must be microseconds from 0 (none) to {KERNEL_US_MAX:g}, got {v!r}"
+            )
     for k in FRACTIONS:
         v = d[k]
         if isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v <= 1:
@@ -233,6 +262,7 @@ def parse_gpu_calibration(d: Any, where: str) -> GpuCalibration:
         **{key: d.get(key, choices[0]) for key, choices in OPTIONAL_CHOICES.items()},
         matmul_table=table,
         tp_comm_efficiency=float(eff),
+        **{k: float(d.get(k, 0.0)) for k in KERNEL_FIGURES},
     )
 
 
@@ -259,12 +289,6 @@ class Rates:
         if min(m, n, k, batch) <= 0:
             return 0.0
         return batch * 2.0 * m * n * k / (self.flops * self.matmul_efficiency(m, n, k))
-
-
-def peak_fraction(g: GpuCalibration, rates: Rates, m: float, n: float, k: float) -> float:
-    """A GEMM's rate over the datasheet peak: matmul_fraction x the roofline (monotone in m, n, k; at most
-    matmul_fraction)."""
-    return g.matmul_fraction * rates.matmul_efficiency(m, n, k)
 
 
 def weight_gemms(m: ModelConfig, tp: int) -> list[tuple[float, float]]:
@@ -375,3 +399,13 @@ def counts_traffic(g: GpuCalibration | None) -> bool:
     """Whether the calibrated software is hybridpar's own eager runtime, its memory-bound bytes counted
     (ELEMENTWISE)."""
     return g is not None and g.elementwise == "counted"
+
+
+def launch_s(g: GpuCalibration | None, device_s: float, kernels: float, dispatched: float) -> float:
+    """What a pass's kernels add to its `device_s` (its GEMMs, attention and counted bytes): the device adds
+    kernel_floor_us for each of its `kernels` counted kernels, the host dispatches `dispatched` ops at dispatch_us
+    meanwhile (the stream queues them: the two overlap), and the pass takes the longer. 0 without the figures."""
+    if g is None or not (g.kernel_floor_us or g.dispatch_us):
+        return 0.0
+    device = device_s + kernels * g.kernel_floor_us * 1e-6
+    return max(device, dispatched * g.dispatch_us * 1e-6) - device_s

@@ -11,13 +11,21 @@ measured rates are divided by; the probe writes the same file back with a measur
   of ATTENTION_SEQS (ATTENTION_TOKENS tokens of 16 heads each), FLOPs counted as the cost model counts them
   (the causal half; backward 2.5 forwards: gpu_model.FLASH_BACKWARD_RECOMPUTE), the best of them; the kernel
   torch chose (flash, memory-efficient, cuDNN: "flash", math: "unfused") is recorded;
+* kernel_floor_us: FLOOR_KERNELS eager 1-element adds queued behind a sleeping kernel, CUDA events around them
+  (the device's time per eager kernel, no host in the loop); on CPU the same adds on the host's clock, dispatch
+  included: the plumbing, not a device's floor;
+* dispatch_us: the same add called DISPATCH_CALLS times eagerly (each allocating its output, as the runtime's ops
+  do), the host's clock around the calls alone, the device drained before and after outside it; fewer calls than
+  the stream's queue holds, so the host never waits for the device. On CPU, where host and device are one, this
+  is the CPU probe's op_overhead_us figure (plan/probe.py: an op's dispatch and its run, which add there);
 * intra_bus_fraction: with two or more GPUs, an NCCL all-reduce of BUS_BYTES over all of them, its bus bandwidth
   (nccl-tests' busbw: algbw x 2 (n - 1) / n) over the intra-node link's bandwidth; with one GPU the file's value
   is kept, and inter_bus_fraction always (one node cannot measure the network between nodes).
 
 Every rate is timed as back-to-back calls (`seconds`: CUDA events around a batch lasting about TARGET_S, after a
-warm-up, the median of REPEATS batches). The measuring functions take the device and the peak as arguments, so
-they run on CPU with tiny sizes too (tests/test_gpu_probe.py); only `probe_gpu` insists on CUDA.
+warm-up, the median of REPEATS batches); each kernel figure is the median of REPEATS batches after a warm-up one.
+The measuring functions take the device and the peak as arguments, so they run on CPU with tiny sizes too
+(tests/test_gpu_probe.py); only `probe_gpu` insists on CUDA.
 """
 
 from __future__ import annotations
@@ -40,6 +48,14 @@ ATTENTION_SEQS = (1024, 2048, 4096, 8192)
 ATTENTION_TOKENS = 16384  # sequences x length at each length: the same FLOPs per token row
 ATTENTION_HEADS, HEAD_DIM = 16, 128
 BUS_BYTES = 1 << 28  # 256 MiB all-reduce: large enough that the ring's hops' latency is negligible
+# Kernels and eager calls per batch for the kernel figures: enough that the events' resolution (about 0.5 us) is a
+# small part of a batch, and fewer than the CUDA stream's queue of pending launches (about a thousand), past which
+# the host would wait for the device. The floor's adds queue behind torch.cuda._sleep(HOLD_CYCLES): about 10 ms at
+# a GPU's 1.4-2 GHz, twice the time 500 eager launches take a host (5-20 us each), doubled where it was not.
+FLOOR_KERNELS = 500
+DISPATCH_CALLS = 500
+HOLD_CYCLES = 20_000_000
+HOLD_DOUBLINGS = 5
 REPEATS = 5
 TARGET_S = 2e-3
 FUSED = ("FLASH_ATTENTION", "EFFICIENT_ATTENTION", "CUDNN_ATTENTION")
@@ -142,6 +158,66 @@ def attention_fractions(
     return out, attention_kernel(heads, seqs[-1], head_dim, torch.device(device), dtype)
 
 
+def kernel_floor_s(device: Any, kernels: int = FLOOR_KERNELS, repeats: int = REPEATS) -> float:
+    """Median seconds per kernel of `kernels` 1-element in-place adds launched eagerly, as the runtime launches
+    its ops, while the stream is held by a sleeping kernel: the host has queued them all before the device
+    starts the first, so CUDA events around them time the device alone (each eager kernel's start-up and drain,
+    no host in the loop). A CUDA graph would not do: its launches are cheaper than eager ones. A batch whose
+    queueing outlasted the hold is taken again with a hold twice as long. On CPU (host and device are one)
+    the adds are timed by `seconds`: dispatch and run together."""
+    import torch
+
+    x = torch.zeros(1, device=device)
+    if getattr(device, "type", device) != "cuda":
+        return seconds(lambda: x.add_(1), device, repeats)
+    hold = HOLD_CYCLES
+
+    def batch() -> float:
+        nonlocal hold
+        for _ in range(HOLD_DOUBLINGS):
+            held, start, end = (torch.cuda.Event(enable_timing=True) for _ in range(3))
+            torch.cuda.synchronize(device)
+            t0 = time.perf_counter()
+            held.record()
+            torch.cuda._sleep(hold)
+            start.record()
+            for _ in range(kernels):
+                x.add_(1)
+            end.record()
+            queued_s = time.perf_counter() - t0
+            end.synchronize()
+            if held.elapsed_time(start) / 1e3 > queued_s:  # the device slept until every add was queued
+                return start.elapsed_time(end) / 1e3 / kernels
+            hold *= 2
+        raise RuntimeError(f"kernel_floor_s: the host took longer to queue {kernels} adds than a hold of {hold} cycles")
+
+    batch()  # warm-up: the adds' kernel loaded, the hold sized
+    return statistics.median(batch() for _ in range(repeats))
+
+
+def dispatch_s(device: Any, calls: int = DISPATCH_CALLS, repeats: int = REPEATS) -> float:
+    """Median host seconds per eager 1-element add (`x + y`, its output allocated) among `calls` back-to-back
+    calls: the host's clock around the calls alone, the device drained before and after outside it."""
+    import torch
+
+    x, y = torch.zeros(1, device=device), torch.ones(1, device=device)
+    cuda = getattr(device, "type", device) == "cuda"
+
+    def batch() -> float:
+        if cuda:
+            torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            x + y
+        elapsed = time.perf_counter() - t0
+        if cuda:
+            torch.cuda.synchronize(device)
+        return elapsed / calls
+
+    batch()  # warm-up: the allocator's blocks, the dispatcher's caches
+    return statistics.median(batch() for _ in range(repeats))
+
+
 def bus_bandwidth(nbytes: int, world: int, seconds_: float) -> float:
     """nccl-tests' bus bandwidth of an all-reduce of `nbytes` over `world` ranks taking `seconds_`: what one
     ring step moves per second (algbw x 2 (n - 1) / n)."""
@@ -190,8 +266,9 @@ def calibrate_gpu(
     hw: Hardware, device: Any, dtype: Any, gpus: int, grid: tuple[int, ...] = GRID, sizes: dict | None = None
 ) -> tuple[GpuCalibration, dict]:
     """The measured `[gpu_calibration]` against `hw`'s datasheet figures, and the figures behind it (JSON-able).
-    `sizes` shrinks MEMORY_ELEMENTS, ATTENTION_*, BUS_BYTES (keys: elements, seqs, tokens, heads, head_dim,
-    repeats, bus_bytes) for a CPU run of the plumbing (`gpus` >= 2 then runs gloo ranks on CPU)."""
+    `sizes` shrinks MEMORY_ELEMENTS, ATTENTION_*, BUS_BYTES, FLOOR_KERNELS and DISPATCH_CALLS (keys: elements,
+    seqs, tokens, heads, head_dim, repeats, bus_bytes, kernels, calls) for a CPU run of the plumbing (`gpus` >= 2
+    then runs gloo ranks on CPU)."""
     s = {
         "elements": MEMORY_ELEMENTS,
         "seqs": ATTENTION_SEQS,
@@ -200,6 +277,8 @@ def calibrate_gpu(
         "head_dim": HEAD_DIM,
         "repeats": REPEATS,
         "bus_bytes": BUS_BYTES,
+        "kernels": FLOOR_KERNELS,
+        "calls": DISPATCH_CALLS,
         **(sizes or {}),
     }
     peak, t0 = hw.peak_flops("bf16"), time.perf_counter()
@@ -208,6 +287,11 @@ def calibrate_gpu(
     att, kernel = attention_fractions(
         s["seqs"], s["tokens"], s["heads"], s["head_dim"], peak, device, dtype, s["repeats"]
     )
+    try:  # optional figures (absent: no kernel priced): their failure must not cost the rest of the probe
+        floor, failed = kernel_floor_s(device, s["kernels"], s["repeats"]), None
+        dispatch = dispatch_s(device, s["calls"], s["repeats"])
+    except (RuntimeError, AttributeError) as e:
+        floor, dispatch, failed = 0.0, 0.0, f"{type(e).__name__}: {(str(e).splitlines() or [''])[0][:200]}"
     old = hw.gpu_calibration
     bus = intra_bus_fraction(gpus, hw.intra_node.bandwidth_gbs, s["bus_bytes"], s["repeats"]) if gpus >= 2 else None
     figures = {
@@ -216,6 +300,11 @@ def calibrate_gpu(
         "attention": att,
         "attention_backend": kernel,
         "intra_bus_fraction": bus,
+        "kernel_floor_us": floor * 1e6,
+        "dispatch_us": dispatch * 1e6,
+        "kernel_figures_failed": failed,
+        "kernels": s["kernels"],
+        "calls": s["calls"],
         "gpus": gpus,
         "bus_bytes": s["bus_bytes"],
         "repeats": s["repeats"],
@@ -238,6 +327,8 @@ def calibrate_gpu(
         source="",
         date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
         matmul_table=table,
+        kernel_floor_us=floor * 1e6,
+        dispatch_us=dispatch * 1e6,
         **facts,
     )
     return dataclasses.replace(cal, source=_source(hw, figures, device, old is not None)), figures
@@ -247,7 +338,8 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
     """What was measured, on which device with which torch, and what was kept from the datasheet file."""
     import torch
 
-    name = torch.cuda.get_device_name(device) if getattr(device, "type", device) == "cuda" else f"{device} (not a GPU)"
+    cuda = getattr(device, "type", device) == "cuda"
+    name = torch.cuda.get_device_name(device) if cuda else f"{device} (not a GPU)"
     m, n, k, best = f["matmul_best"]
     att = ", ".join(f"{s}: {x:.3f}" for s, x in f["attention"])
     where = (
@@ -261,6 +353,14 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
         if f["intra_bus_fraction"] is not None
         else f"intra_bus_fraction kept ({where}: one GPU has no link to measure)"
     )
+    kernels = (
+        f"kernel_floor_us, dispatch_us: not measured, no kernel priced ({f['kernel_figures_failed']})."
+        if f["kernel_figures_failed"]
+        else f"kernel_floor_us: {f['kernels']} 1-element adds "
+        f"{'queued eagerly behind a sleeping kernel, CUDA events' if cuda else 'on the host clock'}, per kernel, "
+        f"median of {f['repeats']}. dispatch_us: {f['calls']} eager 1-element adds, the host's clock around the "
+        f"calls, per call, median of {f['repeats']}."
+    )
     return (
         f"hybridpar plan --probe on {name}, torch {torch.__version__}, against {hw.name!r} "
         f"(bf16 peak {hw.peak_tflops['bf16']:g} TFLOP/s, memory {hw.memory_bandwidth_gbs:g} GB/s), in "
@@ -268,7 +368,7 @@ def _source(hw: Hardware, f: dict, device: Any, had: bool) -> str:
         f"batches; best ({m}, {n}, {k}). memory_fraction: torch.add of two bf16 tensors into a third, 3 passes. "
         f"attention_fraction: the best of scaled_dot_product_attention causal bf16 forward + backward, head dim "
         f"{f['head_dim']}, by sequence length ({att}), the causal half and the backward as 2.5 forwards counted; "
-        f"kernel {f['attention_backend']}. {intra}. "
+        f"kernel {f['attention_backend']}. {kernels} {intra}. "
         f"inter_bus_fraction kept ({where}: one node cannot measure the network). Software facts "
         f"({', '.join(SOFTWARE_FACTS)}) kept from the datasheet file."
     )

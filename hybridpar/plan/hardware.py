@@ -17,8 +17,10 @@ Optional keys:
     cores_per_node                    CPU machines whose ranks share cores: how many ranks' worth of compute
                                       a node sustains at once (the probe measures it); none = every device
                                       computes on its own (GPUs)
-    op_overhead_us                    fixed cost of launching one framework operation (kernel launch, or the
-                                      Python dispatch of an eager CPU op); default 0
+    op_overhead_us                    fixed cost of launching one framework operation (the Python dispatch
+                                      and run of an eager CPU op, which add); default 0. A GPU's kernels are
+                                      priced by `[gpu_calibration]`'s kernel_floor_us and dispatch_us instead
+                                      (they overlap there: plan/gpu_model.py)
     collective_latency_us             latency of one step of a ring collective (all-reduce, all-gather),
                                       where it differs from the link's (CPU ranks: gloo over loopback,
                                       while the pipeline's messages go through shared memory); none = the

@@ -129,7 +129,8 @@ def probe_line(hw: Hardware, figures: dict[str, Any]) -> str:
         f"hybridpar plan: probed in {figures['seconds']:.0f} s: matmul_fraction {g.matmul_fraction:.3f} (at "
         f"{figures['matmul_best'][:3]}), memory_fraction {g.memory_fraction:.3f}, attention_fraction "
         f"{g.attention_fraction:.3f} ({figures['attention_backend']}), intra_bus_fraction "
-        f"{g.intra_bus_fraction:.3f} ({bus})"
+        f"{g.intra_bus_fraction:.3f} ({bus}), kernel_floor_us {g.kernel_floor_us:.2f}, dispatch_us "
+        f"{g.dispatch_us:.2f}"
     )
 
 

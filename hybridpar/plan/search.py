@@ -430,7 +430,8 @@ class Planner:
         return self._estimated_terms[key]
 
     def step_bound(self, cfg: Config) -> float:
-        """`step_bound` of the layout: no simulation of it predicts less."""
+        """The step bound of the layout (plan/bound.py), the cheaper of the weights' precisions it may run with: no
+        simulation of it predicts less."""
         end, su = self.pipeline_bound(cfg)
         return end + after_bound(self.model, cfg, su, self.weights(cfg.train.precision))
 
@@ -472,29 +473,6 @@ def plan(
     """The `top` fastest layouts that fit, fastest first; ValueError naming the binding constraint
     when none does. `fixed`: config keys of KNOB_KEYS held at the given values (the user's choices).
     `prune=False` simulates every layout that fits (the same list, slower: for tests)."""
-    # The search allocates millions of short-lived objects (action lists, simulated events) beside its
-    # caches, which hold hundreds of thousands: the cycle collector's full passes over them cost as much as
-    # the search itself, and the search makes no garbage that needs them (its caches die with it). It is
-    # paused for the search and resumed after, where it was on.
-    collecting = gc.isenabled()
-    gc.disable()
-    try:
-        return _search(base, hw, memory, world, top, fixed, prune)
-    finally:
-        if collecting:
-            gc.enable()
-
-
-def _search(
-    base: Config,
-    hw: Hardware,
-    memory: Memory,
-    world: int | None = None,
-    top: int = 10,
-    fixed: dict[str, Any] | None = None,
-    prune: bool = True,
-) -> Plan:
-    """`plan` with the cycle collector as the caller left it."""
     world = hw.devices if world is None else world
     if not isinstance(world, int) or world < 1:
         raise ValueError(f"world must be a positive number of devices, got {world!r}")
@@ -502,7 +480,17 @@ def _search(
         raise ValueError(
             f"world {world} exceeds the {hw.devices} devices of {hw.name!r} ({hw.nodes} x {hw.devices_per_node})"
         )
-    return _Search(base, hw, memory, world, top, prune).run(fixed or {})
+    # The search allocates millions of short-lived objects (action lists, simulated events) beside its
+    # caches, which hold hundreds of thousands: the cycle collector's full passes over them cost as much as
+    # the search itself, and the search makes no garbage that needs them (its caches die with it). It is
+    # paused for the search and resumed after, where it was on.
+    collecting = gc.isenabled()
+    gc.disable()
+    try:
+        return _Search(base, hw, memory, world, top, prune).run(fixed or {})
+    finally:
+        if collecting:
+            gc.enable()
 
 
 class _Search:
@@ -673,11 +661,8 @@ class _Search:
         if isinstance(cfg, str):
             return False  # fits() reports it
         try:
-            end, su = self.planner.pipeline_bound(cfg)
             # The pipeline part alone often prunes: what follows it only adds (floats: adding >= 0 never lowers).
-            return self.beaten(end) or self.beaten(
-                end + after_bound(self.planner.model, cfg, su, self.planner.weights(cfg.train.precision))
-            )
+            return self.beaten(self.planner.pipeline_bound(cfg)[0]) or self.beaten(self.planner.step_bound(cfg))
         except ValueError:
             return False  # an invalid layout the bound cannot price: fits() reports it
 

@@ -7,7 +7,8 @@ REPLICATED_ELEMENTS, which describes the fused kernels of the published clusters
 model's own modules on the CPU under a `TorchDispatchMode` and adds up, per aten op, the bytes it reads and writes:
 every tensor argument read, every argument the op's schema marks as written, every fresh output written; views
 and allocations move nothing; matmuls (`MATMULS`) and attention kernels are left out. It also counts the ops
-themselves: in eager mode each is at least one kernel launch on a GPU.
+themselves, those left out apart: in eager mode each is at least one kernel launch on a GPU and one dispatch on
+the host (the cost model's kernel floor and dispatch figures, plan/gpu_model.py).
 
 The count is exact for the settings it runs (autocast bf16 over fp32 weights, bf16 working copies, fp32;
 recompute none/selective/full; fused or foreach AdamW) at tiny sizes. Bytes are affine in the tokens of a pass
@@ -63,19 +64,21 @@ SEQ = (8, 16)  # the token counts of the two passes (one sequence each)
 
 @dataclass(frozen=True)
 class Tally:
-    """Bytes read + written and ops run by the memory-bound (non-matmul) work of something."""
+    """Bytes read + written and ops run by the memory-bound (non-matmul) work of something, and the MATMULS ops
+    it runs beside them (timed at their FLOP rates; counted for their dispatch)."""
 
     nbytes: float = 0.0
     ops: float = 0.0
+    matmuls: float = 0.0
 
     def __add__(self, o: Tally) -> Tally:
-        return Tally(self.nbytes + o.nbytes, self.ops + o.ops)
+        return Tally(self.nbytes + o.nbytes, self.ops + o.ops, self.matmuls + o.matmuls)
 
     def __sub__(self, o: Tally) -> Tally:
-        return Tally(self.nbytes - o.nbytes, self.ops - o.ops)
+        return Tally(self.nbytes - o.nbytes, self.ops - o.ops, self.matmuls - o.matmuls)
 
     def times(self, k: float) -> Tally:
-        return Tally(self.nbytes * k, self.ops * k)
+        return Tally(self.nbytes * k, self.ops * k, self.matmuls * k)
 
 
 def footprint(t: torch.Tensor) -> int:
@@ -114,7 +117,8 @@ def op_bytes(func: Any, args: tuple, kwargs: dict, out: Any) -> int:
 
 
 class Counter(TorchDispatchMode):
-    """Adds up `op_bytes` and the op count of every aten op outside MATMULS that moves data. With `skip`, MATMULS
+    """Adds up `op_bytes` and the op count of every aten op outside MATMULS that moves data, and counts the
+    MATMULS ops apart. With `skip`, MATMULS
     are not computed: their outputs are left uninitialised (shapes from the meta device), since what the count
     needs of the values is nothing (no op here branches on them), and the GEMMs would take most of its time."""
 
@@ -124,6 +128,8 @@ class Counter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
         kwargs = kwargs or {}
+        if func in MATMULS:
+            self.tally = self.tally + Tally(matmuls=1)
         if self.skip and func in MATMULS:
             meta = tree_map_only(torch.Tensor, lambda t: t.to("meta"), (args, kwargs))
             shaped = func(*meta[0], **meta[1])

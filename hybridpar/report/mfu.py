@@ -26,15 +26,28 @@ from hybridpar.model.registry import layer_flops_per_token
 from hybridpar.topology.collectives import all_gather_json
 
 PEAK_FILE = "device_peak.json"
-# Dense peak FLOP/s per device by dtype, from the vendors' data sheets (SXM parts; fp32 without TF32,
-# which torch leaves off for matmuls by default). Matched by substring of torch's device name.
-GPU_PEAKS: dict[str, dict[str, float]] = {
-    "H200": {"float32": 67e12, "bfloat16": 989e12},
-    "H100": {"float32": 67e12, "bfloat16": 989e12},
-    "A100": {"float32": 19.5e12, "bfloat16": 312e12},
-    "L40S": {"float32": 91.6e12, "bfloat16": 362e12},
-    "V100": {"float32": 15.7e12, "bfloat16": 0.0},  # no bf16 units: a bf16 run there is measured
-}
+# Dense peak FLOP/s per device by dtype, from the vendors' data sheets (fp32 without TF32, which torch leaves
+# off for matmuls by default), as (substring of torch's device name, peaks): the first match wins, so a board
+# is listed before its family. The H100 PCIe has 114 SMs at lower clocks (NVIDIA H100 data sheet: bf16 1,513
+# TFLOP/s with sparsity, half that dense; fp32 51). NVL boards (H100 NVL, H200 NVL) have peaks of their own
+# that no source here gives: they are measured rather than given the SXM figure.
+GPU_PEAKS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIE", {"float32": 51e12, "bfloat16": 756e12}),
+    ("NVL", {}),
+    ("H200", {"float32": 67e12, "bfloat16": 989e12}),
+    ("H100", {"float32": 67e12, "bfloat16": 989e12}),
+    ("A100", {"float32": 19.5e12, "bfloat16": 312e12}),
+    ("L40S", {"float32": 91.6e12, "bfloat16": 362e12}),
+    ("V100", {"float32": 15.7e12, "bfloat16": 0.0}),  # no bf16 units: a bf16 run there is measured
+)
+
+
+def datasheet_peak(device_name: str, dtype: torch.dtype) -> float | None:
+    """The data sheet's dense peak FLOP/s of a device named `device_name` in `dtype`; None where none is
+    listed (the peak is then measured)."""
+    name = device_name.upper()
+    peaks = next((p for key, p in GPU_PEAKS if key in name), {})
+    return peaks.get(str(dtype).removeprefix("torch.")) or None
 
 
 def model_flops_per_token(m: ModelConfig, seq_len: int) -> float:
@@ -48,10 +61,8 @@ def listed_peak(device: torch.device, dtype: torch.dtype) -> tuple[float, str] |
     if device.type != "cuda":
         return None
     name = torch.cuda.get_device_name(device)
-    for key, peaks in GPU_PEAKS.items():
-        if key in name and peaks.get(str(dtype).removeprefix("torch."), 0.0) > 0:
-            return peaks[str(dtype).removeprefix("torch.")], f"data sheet: {name}, {dtype}"
-    return None
+    peak = datasheet_peak(name, dtype)
+    return None if peak is None else (peak, f"data sheet: {name}, {dtype}")
 
 
 def measure_matmul(device: torch.device, dtype: torch.dtype, seconds: float = 0.2, n: int = 512) -> float:

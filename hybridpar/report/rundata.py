@@ -16,6 +16,7 @@ TIMELINE_FILE = "step_timeline.json"  # written by report/step_records.py; here 
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (none where it is absent)."""
     if not path.is_file():
         return []
     out = []

@@ -52,13 +52,11 @@ class Stability:
     productive_s: float
     goodput: float | None
     interruptions: int
-    repairs_s: list[float]
     mttr_s: float | None
     mtbf_s: float | None
     recomputed_steps: int
     lost_samples: int | None
     duplicated_samples: int | None
-    step_time_mean_s: float | None
     step_time_cv: float | None
     outlier_steps: list[int] = field(default_factory=list)
     straggler_episodes: list[Episode] = field(default_factory=list)
@@ -151,13 +149,11 @@ def stability(
         productive_s=productive,
         goodput=productive / wall if wall > 0 else None,
         interruptions=n,
-        repairs_s=repairs,
         mttr_s=statistics.fmean(repairs) if repairs else None,
         mtbf_s=(wall - sum(repairs)) / n if n else None,
         recomputed_steps=len(superseded),
         lost_samples=None if ledger is None else ledger["lost_samples"],
         duplicated_samples=None if ledger is None else ledger["duplicated_samples"],
-        step_time_mean_s=mean,
         step_time_cv=cv,
         outlier_steps=[warm_recs[i]["step"] for i in outliers(warm)],
         straggler_episodes=straggler_episodes(steps),

@@ -4,10 +4,8 @@ of its own (init:SEED) comes from the training flags `--model.*`."""
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, fields
-from typing import Any
 
 from hybridpar.config import ModelConfig, parse_args
 from hybridpar.config.families import tp_split_sizes
@@ -239,7 +237,3 @@ def help_text() -> str:
             "(as in `hybridpar train --help`, e.g. --model.family gpt2)"
         ]
     )
-
-
-def as_dict(cfg: ServeConfig) -> dict[str, Any]:
-    return dataclasses.asdict(cfg)

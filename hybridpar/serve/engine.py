@@ -69,7 +69,6 @@ class StageRunner:
         # tick's measured compute, so this rank behaves like a device f times slower.
         self.slowdown = slowdown
         self.compute_s = 0.0
-        self.ticks = 0
         self._recv_seq = 0
 
     @property
@@ -142,7 +141,6 @@ class StageRunner:
             if self.slowdown > 1.0:
                 time.sleep((self.slowdown - 1.0) * dt)
             self.compute_s += dt
-            self.ticks += 1
         if self.pp_rank < self.pp - 1:
             nxt = self.topo.pp_peer(self.pp_rank + 1)
             fwd = Tick(tick.op, tick.seq, tick.meta, out)

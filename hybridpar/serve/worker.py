@@ -10,7 +10,6 @@ newest model.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,7 +25,7 @@ from hybridpar.pipeline.partition import partition_uniform
 from hybridpar.serve.config import SERVE_DTYPES
 from hybridpar.serve.driver import Channel, Driver, Limits
 from hybridpar.serve.engine import StageRunner
-from hybridpar.topology.mesh import ParallelDims, Topology, build_topology
+from hybridpar.topology.mesh import Topology, build_topology
 from hybridpar.trainer.export import newest_artefact
 
 # What a serving stage computes in. Checkpoints and model directories hold fp32; a bf16 stage is cast
@@ -114,11 +113,6 @@ def build_serving_stage(spec: WorkerSpec, topo: Topology) -> Stage:
     return stage.to(TORCH_DTYPES[spec.dtype]).eval()
 
 
-def local_topology(device: torch.device | str = "cpu", timeout_s: float = 120.0) -> Topology:
-    """The layout of a single-device replica run inside this process (no process group needed)."""
-    return Topology(ParallelDims(1, 1, 1, 1), 0, None, torch.device(device), "none", timeout_s)  # type: ignore[arg-type]
-
-
 def serve_rank(spec_d: dict[str, Any], channel: Channel | None) -> dict[str, Any] | None:
     """Entry of one rank (torch.distributed environment already set). The driver of each replica
     needs `channel`; returns its final status, other ranks None."""
@@ -133,7 +127,3 @@ def serve_rank(spec_d: dict[str, Any], channel: Channel | None) -> dict[str, Any
         return Driver(runner, channel, limits).run()
     runner.serve_forever()
     return None
-
-
-def spec_dict(spec: WorkerSpec) -> dict[str, Any]:
-    return dataclasses.asdict(spec)

@@ -64,9 +64,6 @@ class NodeMap:
     def n_nodes(self) -> int:
         return len(set(self.node_of))
 
-    def same_node(self, a: int, b: int) -> bool:
-        return self.node_of[a] == self.node_of[b]
-
     def spans(self, dims: ParallelDims, axis: str) -> bool:
         """Whether some group along `axis` ('dp', 'pp', 'cp' or 'tp') has ranks on more than one node."""
         from hybridpar.topology.mesh import AXES
