@@ -177,6 +177,66 @@ def test_readme_quickstart_is_short() -> None:
     assert len(quickstart) == 5 and all(len(b.splitlines()) <= 6 for b in quickstart)
 
 
+def doc_commands(doc: Path) -> list[list[str]]:
+    """The commands of a docs page: its bash blocks, and its unlabelled blocks of `hybridpar` lines."""
+    text = doc.read_text(encoding="utf-8")
+    plain = [b for b in re.findall(r"^```\n(.*?)^```", text, re.S | re.M) if b.startswith(("hybridpar ", ".venv/"))]
+    return [c for block in [*bash_blocks(text), *plain] for c in commands(block)]
+
+
+def check_doc_command(cmd: list[str]) -> None:
+    """A docs page's command names a program, subcommand, benchmark or script that exists, with options it
+    takes and values they accept. Unlike a README command's, its layout is checked on its own world size,
+    not on --nproc-per-node's (a page shows a resume on fewer processes), and a placeholder config file
+    (`--config my_run.toml`) is the reader's to write."""
+    from hybridpar.bench import BENCHES
+
+    prog, rest = cmd[0].removeprefix(".venv/bin/"), cmd[1:]
+    if prog == "python" and rest[:1] == ["-m"] and rest[1].startswith("hybridpar.bench."):
+        assert rest[1].removeprefix("hybridpar.bench.") in BENCHES, f"no benchmark {rest[1]}"
+    elif prog != "hybridpar" or rest[0] in ("serve", "data", "export", "report") or "--help" in rest:
+        check_command(cmd)
+    elif rest[0] == "bench":
+        assert rest[1] in BENCHES, f"no benchmark {rest[1]!r}"
+    elif rest[0] == "plan":
+        from hybridpar.plan.main import _parser
+
+        parse_args(_parser().parse_known_args(rest[1:])[1])
+    else:
+        from hybridpar.cli import split_argv
+
+        assert rest[0] == "train", cmd
+        ours = split_argv(rest[1:])[1]
+        at = ours.index("--config") if "--config" in ours else None
+        if at is not None and not (ROOT / ours[at + 1]).exists():
+            del ours[at : at + 2]
+        validate_config(parse_args(ours))  # the values, and the layout on its own world size
+
+
+DOC_COMMANDS = [(doc, c) for doc in DOCS[1:] for c in doc_commands(doc) if not re.match(r"for |\w+=", " ".join(c))]
+
+
+@pytest.mark.parametrize("doc,cmd", DOC_COMMANDS, ids=lambda x: x.name if isinstance(x, Path) else " ".join(x)[:50])
+def test_docs_commands_name_what_exists(doc: Path, cmd: list[str]) -> None:
+    check_doc_command(cmd)
+
+
+@pytest.mark.parametrize(
+    "cmd",
+    [
+        ".venv/bin/hybridpar train --parallel.schedule zbv",
+        "hybridpar train --train.microbatch 8",
+        "hybridpar plan --hardware docs/hardware/dgx-h100.toml --model.n_layer 32",
+        ".venv/bin/hybridpar bench compiled --json x.json",
+        ".venv/bin/python -m hybridpar.bench.pipelines --pp 4",
+    ],
+)
+def test_a_wrong_docs_command_is_caught(cmd: str) -> None:
+    (parsed,) = commands(cmd)
+    with pytest.raises((ValueError, AssertionError, SystemExit)):
+        check_doc_command(parsed)
+
+
 @pytest.mark.parametrize(
     "cmd",
     [
