@@ -111,6 +111,23 @@ def test_restart_resumes_and_fresh_run_is_unchanged() -> None:
     assert layout_for_world(cfg, 2, 1)[0].parallel.pp == 2
 
 
+def test_a_re_plan_is_printed_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """`hybridpar train`'s launcher prints the first attempt's re-plan; its rank 0 worker does not again,
+    but does after a restart (a new world), and under plain torchrun (no launcher of ours)."""
+    from hybridpar.resilience.rundir import LAUNCHER_ENV
+    from hybridpar.run.train import notes_to_print
+
+    note = ["hybridpar: elastic re-plan for 2 processes: ..."]
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv(LAUNCHER_ENV, "1234")
+    assert notes_to_print(note, 0) == [] and notes_to_print(note, 1) == note
+    monkeypatch.setenv("RANK", "1")
+    assert notes_to_print(note, 1) == []
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.delenv(LAUNCHER_ENV)
+    assert notes_to_print(note, 0) == note
+
+
 def test_resilience_config_validation() -> None:
     validate_config(Config())
     for flags, message in [

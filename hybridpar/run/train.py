@@ -253,6 +253,14 @@ def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
         raise
 
 
+def notes_to_print(notes: list[str], restarts: int) -> list[str]:
+    """The pre-flight's lines (an elastic re-plan) that rank 0 prints: `hybridpar train`'s launcher printed
+    those of the first attempt already; a restart's (another world) and plain torchrun's are news."""
+    if os.environ.get("RANK", "0") != "0" or (restarts == 0 and os.environ.get(rundir.LAUNCHER_ENV)):
+        return []
+    return notes
+
+
 def main(argv: list[str] | None = None) -> int:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torch's elastic agent
     try:
@@ -260,9 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2
-    if int(os.environ.get("RANK", "0")) == 0:
-        for note in notes:
-            print(note, flush=True)
+    for note in notes_to_print(notes, restarts):
+        print(note, flush=True)
     bind_local_rank(cfg.parallel.cpu_bind, layout=cfg.parallel.layout)  # before any thread starts
     try:
         train(cfg, restart_count=restarts)
