@@ -214,9 +214,15 @@ def test_world_size_mismatch_names_the_layout() -> None:
     [
         ({"model__dim": 130}, "model.dim=130 is not divisible by model.n_heads=4"),
         ({"model__dim": 12}, "model.head_dim = model.dim // model.n_heads = 12 // 4 = 3 must be even"),
-        ({"model__n_kv_heads": 3}, "model.n_heads=4 is not divisible by model.n_kv_heads=3"),
+        (
+            {"model__n_kv_heads": 3},
+            "model.n_heads=4 is not divisible by model.n_kv_heads=3: model.n_kv_heads is one of 1, 2, 4",
+        ),
         ({"model__n_kv_heads": 8}, "model.n_heads=4 is not divisible by model.n_kv_heads=8"),
-        ({"parallel__tp": 3, "model__n_heads": 8}, "parallel.tp=3 does not divide model.n_heads=8"),
+        (
+            {"parallel__tp": 3, "model__n_heads": 8},
+            "parallel.tp=3 does not divide model.n_heads=8: parallel.tp of this model is one of 1, 2, 4",
+        ),
         ({"model__n_kv_heads": 1}, "parallel.tp=2 does not divide model.n_kv_heads=1"),
         ({"model__ffn_dim": 353}, "parallel.tp=2 does not divide model.ffn_dim=353"),
         ({"model__vocab_size": 255}, "parallel.tp=2 does not divide model.vocab_size=255"),

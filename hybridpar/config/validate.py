@@ -322,7 +322,9 @@ def check_model(m: ModelConfig) -> None:
         f"{m.n_heads} = {m.head_dim} must be even for rotary embeddings (RoPE)",
     )
     _require(
-        m.n_heads % m.kv_heads == 0, f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}"
+        m.n_heads % m.kv_heads == 0,
+        f"model.n_heads={m.n_heads} is not divisible by model.n_kv_heads={m.kv_heads}: model.n_kv_heads is one of "
+        f"{', '.join(str(d) for d in range(1, m.n_heads + 1) if m.n_heads % d == 0)}",
     )
     _require(
         m.rope_scaling != "llama3" or m.rope_high_freq_factor > m.rope_low_freq_factor,
@@ -339,8 +341,14 @@ def _check_model(m: ModelConfig, p: ParallelConfig, t: TrainConfig) -> None:
         f"{m.max_positions} learned positions of model.family={m.family}: raise model.n_positions",
     )
     # Tensor parallelism shards heads, the FFN and the vocabulary evenly across tp ranks.
-    for key, v in tp_split_sizes(m).items():
-        _require(v % p.tp == 0, f"parallel.tp={p.tp} does not divide model.{key}={v}")
+    sizes = tp_split_sizes(m)
+    fits = [d for d in range(1, min(sizes.values()) + 1) if all(x % d == 0 for x in sizes.values())]
+    for key, v in sizes.items():
+        _require(
+            v % p.tp == 0,
+            f"parallel.tp={p.tp} does not divide model.{key}={v}: parallel.tp of this model is one of "
+            f"{', '.join(map(str, fits))}",
+        )
     if p.sequence_parallel:
         _require(
             p.tp > 1,
