@@ -30,7 +30,7 @@ def pytest_sessionstart(session: pytest.Session) -> None:
 
     One intra-op thread in the test process, as in every rank (topology/spawn.py): its in-process work is
     the tests' one-device reference runs and yardsticks, a tiny model whose ops are too small to share. On
-    2 cores shared with anything else, torch's second thread makes them wait for each other: a yardstick
+    2 cores where the other one is busy, torch's second thread makes them wait for each other: a yardstick
     (13 runs of tiny_config) took 77-112 s with two threads and 8-14 s with one at a load average of 9.
     Their results are as valid either way (another summation order, of the kind the yardstick measures),
     and the yardstick's factor was derived single-threaded (bench/exactness.py)."""
