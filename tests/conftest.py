@@ -26,8 +26,18 @@ def _processes_need_the_mark(request: pytest.FixtureRequest, monkeypatch: pytest
 def pytest_sessionstart(session: pytest.Session) -> None:
     """matplotlib lists the system's fonts with `fc-list` the first time it is imported on a machine (it
     then caches them): do it here, before the guard above, so that a pure test drawing a plot on a fresh
-    machine is not taken for one that starts processes."""
+    machine is not taken for one that starts processes.
+
+    One intra-op thread in the test process, as in every rank (topology/spawn.py): its in-process work is
+    the tests' one-device reference runs and yardsticks, a tiny model whose ops are too small to share. On
+    2 cores where the other one is busy, torch's second thread makes them wait for each other: a yardstick
+    (13 runs of tiny_config) took 77-112 s with two threads and 8-14 s with one at a load average of 9.
+    Their results are as valid either way (another summation order, of the kind the yardstick measures),
+    and the yardstick's factor was derived single-threaded (bench/exactness.py)."""
     try:
         import matplotlib.font_manager  # noqa: F401
     except ImportError:
         pass
+    import torch
+
+    torch.set_num_threads(1)

@@ -16,7 +16,6 @@ from hybridpar.config import Config
 from hybridpar.model.reference import U_BF16
 from hybridpar.topology.spawn import run_ranks
 from tests.test_equivalence import TOL, check_fp64, ref_for, tiny_config
-from tests.test_precision import _one_thread
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -234,6 +233,5 @@ def check_bf16(case: str, cfg: Config, res: dict, ref_losses: list[float], tmp_p
     from an fp64 run than one-device bf16 training is."""
     for s, (a, b, r) in enumerate(zip(res["moved"]["losses"], res["static"]["losses"], ref_losses, strict=True)):
         assert abs(a - b) <= U_BF16 * abs(b) and abs(a - r) <= U_BF16 * abs(r), f"{case} step {s}: {a}, {b}, {r}"
-    for label in ("moved", "static"):
-        with _one_thread():  # working copies' yardstick, computed here if test_precision.py's did not
-            check_fp64(f"{case} {label}", torch.load(tmp_path / f"{label}.pt", weights_only=True), cfg)
+    for label in ("moved", "static"):  # working copies' yardstick, computed here if test_precision.py's did not
+        check_fp64(f"{case} {label}", torch.load(tmp_path / f"{label}.pt", weights_only=True), cfg)

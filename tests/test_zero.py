@@ -156,7 +156,11 @@ def _rebalance_config() -> Config:
     return tiny_config(
         parallel=dict(tp=1, pp=2, dp=2, schedule="1f1b", partition="uniform", zero=3),
         train=dict(steps=REBALANCE_STEPS, val_every=REBALANCE_STEPS, monitor_every=0),
-        emulate=dict(layer_ms=2.0, slowdown="rank=1:3.0@step=0"),
+        # The emulated cost must dominate the real compute, whatever the load: the balancer moves on measured
+        # speeds, and under ZeRO-3 a rank's compute includes its gathers (load-sensitive). At 2 ms a layer the
+        # real compute of 4 ranks on 2 cores at load 13 (0.45-0.64 s a step per rank) drowned the emulated
+        # 0.14 s (3x: 0.43 s) and nothing moved; at 8 ms (0.58 s, 3x: 1.73 s) it moves at step 4.
+        emulate=dict(layer_ms=8.0, slowdown="rank=1:3.0@step=0"),
         balance=dict(mode="auto", interval=4, window=3, patience=2, threshold=1.6, persist=1),
     )
 

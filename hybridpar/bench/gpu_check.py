@@ -104,6 +104,10 @@ def check_equivalence(a: argparse.Namespace) -> dict:
 
     device = "cpu" if a.dry_run else "cuda"
     backend = "gloo" if a.dry_run else "nccl"
+    if a.dry_run:
+        # The references on CPU, of a tiny model: one intra-op thread, as each rank runs (topology/spawn.py);
+        # on shared cores a second one only makes its small ops wait.
+        torch.set_num_threads(1)
     layouts = equivalence_layouts(a.gpus)
     base = ref.tiny_config(parallel=dict(backend=backend, timeout_s=60.0))
     bf16 = ref.tiny_config(parallel=dict(backend=backend, timeout_s=60.0), train=dict(precision="bf16"))

@@ -7,6 +7,7 @@ uint16 `.bin`) is memory-mapped, never copied, so opening it costs nothing whate
 
 from __future__ import annotations
 
+import functools
 import os
 import pathlib
 import sysconfig
@@ -52,6 +53,16 @@ def default_corpus_files() -> list[pathlib.Path]:
     """
     root = pathlib.Path(sysconfig.get_paths()["stdlib"])
     return _walk_sorted(root, EXCLUDED_STDLIB_DIRS, ".py")
+
+
+@functools.cache
+def _default_corpus(cap: int | None) -> tuple[bytes, int]:
+    """The default corpus's bytes (cut to ``cap``) and the size of all of it, read once per process and cap:
+    the interpreter's stdlib does not change while it runs, and listing and sniffing its ~800 files costs
+    0.1-0.2 s, which a process that trains many runs (the tests' references, a launch's worker running
+    several configs) paid at every run. Bytes are immutable, and each Corpus reads them as a read-only view."""
+    data, _, total = _read_joined(default_corpus_files(), cap)
+    return data, total
 
 
 def _read_joined(files: Iterable[pathlib.Path], cap: int | None) -> tuple[bytes, int, int]:
@@ -111,7 +122,7 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"data.max_tokens must be a positive integer or none, got {max_tokens}")
     if path is None:
-        data, _, total = _read_joined(default_corpus_files(), max_tokens)
+        data, total = _default_corpus(max_tokens)
         if not data:
             raise ValueError(f"default corpus (stdlib at {sysconfig.get_paths()['stdlib']}) is empty")
         return _bytes_corpus(data, total, "the default corpus (data.path none)")
