@@ -119,15 +119,14 @@ def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
     if step is not None:
         if final_step == step:
             return final
-        own = [p for s, p in committed(ck_root) if s == step and checkpoint_run_id(p) == run_id]
-        if not own:
-            steps = [s for s, p in committed(ck_root) if checkpoint_run_id(p) == run_id]
-            held = ", ".join(map(str, sorted(steps + ([final_step] if final_step is not None else []))))
+        own = {s: p for s, p in committed(ck_root) if checkpoint_run_id(p) == run_id}
+        if step not in own:
+            held = ", ".join(map(str, sorted([*own, *([final_step] if final_step is not None else [])])))
             raise ValueError(
                 f"run directory {run_dir} holds no checkpoint of step {step}: "
                 + (f"--step takes one of {held}" if held else "it holds no model yet")
             )
-        return own[0]
+        return own[step]
     ck, _ = find_latest(ck_root, run_id)
     ck_step = int(ck.name.split("-")[1]) if ck is not None else None
     if final_step is not None and (ck_step is None or final_step >= ck_step):
