@@ -26,10 +26,11 @@ import torch
 from hybridpar.config import Config
 from hybridpar.emulate.faults import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
+from tests.references import ref_for
 from tests.tiny_flags import tiny_flags  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_equivalence import TOL, final_state, ref_for, tiny_config  # noqa: E402
+from test_equivalence import TOL, final_state, tiny_config  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess  # every test here starts launchers and workers
 

@@ -100,7 +100,8 @@ def test_text_without_an_index_is_refused_before_launch(tmp_path: Path, capsys: 
 def test_the_grid_with_the_mask_equals_one_device(short_docs: tuple[Path, Path], tmp_path: Path) -> None:
     """Every schedule and every axis once, in one launch of 4 ranks: the mask is applied inside each
     stage's attention, so what could break it is how a layout cuts the model and the batch."""
-    from tests.test_equivalence import check_layouts, grid_config, ref_for
+    from tests.references import ref_for
+    from tests.test_equivalence import check_layouts, grid_config
 
     tok, data = short_docs
     docs = dict(path=str(data), tokenizer=str(tok), document_mask=True, max_tokens=None)

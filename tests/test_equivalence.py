@@ -1,12 +1,11 @@
 """Every parallel layout trains the same model as one device, against a plain single-process run
 (torch.optim.AdamW, torch's clip): the loss of every step within 1e-5 of the fp32 run's, and every
 parameter after 3 AdamW steps no farther from an fp64 run than the fp32 run is (DESIGN.md,
-`check_fp64`). Llama and GPT-2 over the grid of layouts and schedules, and odd shapes: tp=3, pp=3,
+tests/references.py: `check_fp64`). Llama and GPT-2 over the grid of layouts and schedules, and odd shapes: tp=3, pp=3,
 dp=3 with replicas of 4, 3 and 3 samples, a sequence of 33 tokens."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 from pathlib import Path
@@ -15,10 +14,11 @@ import pytest
 import torch
 
 from hybridpar.config import Config, ModelConfig
-from hybridpar.model.reference import TOL, Yardstick, gpt2_config, odd_config, reference, tiny_config, yardstick
+from hybridpar.model.reference import TOL, gpt2_config, odd_config, tiny_config
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.schedules import schedule_spec, stages_per_rank
 from hybridpar.topology.spawn import run_ranks
+from tests.references import check_fp64, ref_for
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -82,47 +82,6 @@ def grid_config(pp: int, schedule: str, v: int, **over: dict) -> Config:
     cfg.parallel.schedule, cfg.parallel.virtual_stages = schedule, v
     cfg.train.microbatches = max(cfg.train.microbatches, schedule_spec(schedule).min_microbatches(pp))
     return cfg
-
-
-_REF: dict[str, tuple] = {}  # the reference depends on model, train and data settings only
-
-
-def _math(cfg: Config) -> tuple:
-    """What the single-device reference depends on: model, data, and train less the settings that change how
-    the parallel run computes, not what (compilation, recomputation)."""
-    t = dataclasses.replace(cfg.train, compile=False, compile_backend="inductor", recompute="none")
-    return (cfg.model, t, cfg.data)
-
-
-def ref_for(cfg: Config, dtype: torch.dtype = torch.float32, accumulate: int = 1, order: int | None = None) -> tuple:
-    key = repr((*_math(cfg), dtype, accumulate, order))
-    if key not in _REF:
-        _REF[key] = reference(cfg, dtype, accumulate, order=order)
-    return _REF[key]
-
-
-_STICKS: dict[str, Yardstick] = {}
-
-
-def yardstick_for(cfg: Config) -> Yardstick:
-    """The fp64 run of `cfg`'s training and the noise of single-process runs in other orders."""
-    key = repr(_math(cfg))
-    if key not in _STICKS:
-        _STICKS[key] = yardstick(cfg, runs=lambda c, dt, k, o: ref_for(c, dt, k, o))
-    return _STICKS[key]
-
-
-def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:
-    """DESIGN.md's parameter criterion (issues 19, 33): fp32 runs that differ only in the order of their
-    sums (a microbatch split, a tensor-parallel reduction) differ by up to 3e-5 after a few AdamW steps, so
-    a fixed tolerance both fails exact layouts and passes wrong ones at small lr. Instead each parameter's
-    distance to an fp64 run of the same training (largest element and root-mean-square) is held to the
-    largest of single-process runs in other orders, times a factor derived for a stated false-alarm rate
-    (hybridpar/model/reference.py). A real error moves parameters by about lr = 3e-3 per step, far beyond."""
-    stick = yardstick_for(cfg)
-    print(f"fp64 criterion {label}: worst margin {max(stick.margins(state).values()):.3f}")  # shown by -s
-    failures = stick.failures(state)
-    assert not failures, f"{label}: " + "; ".join(failures)
 
 
 def run_layouts(cfgs: list[Config], out: Path, worker=_worker) -> list[tuple[list, list]]:

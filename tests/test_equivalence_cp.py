@@ -17,7 +17,8 @@ import torch
 from hybridpar.config import Config
 from hybridpar.model.reference import TOL, gpt2_config, tiny_config
 from hybridpar.topology.spawn import run_ranks
-from tests.test_equivalence import check_fp64, check_results, ref_for
+from tests.references import check_fp64, ref_for
+from tests.test_equivalence import check_results
 
 pytestmark = pytest.mark.multiprocess
 

@@ -14,7 +14,8 @@ import torch
 
 from hybridpar.config import Config
 from hybridpar.topology.spawn import run_ranks
-from tests.test_equivalence import _worker, grid_config, yardstick_for
+from tests.references import yardstick_for
+from tests.test_equivalence import _worker, grid_config
 
 pytestmark = pytest.mark.multiprocess
 

@@ -20,7 +20,8 @@ import torch
 from hybridpar.config import Config
 from hybridpar.model.reference import U_BF16, tiny_config
 from hybridpar.topology.spawn import run_ranks
-from tests.test_equivalence import _worker, check_fp64, grid_config, ref_for
+from tests.references import check_fp64, ref_for
+from tests.test_equivalence import _worker, grid_config
 
 BF16 = dict(precision="bf16")
 
@@ -164,15 +165,23 @@ def _world2_worker(layouts: list[dict], bytes_cfgs: list[dict], resume_runs: lis
 
 
 @pytest.fixture(scope="module")
-def world2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[dict]]:
+def world2(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> tuple[Path, list[dict]]:
     """One launch for the 2-rank work of the tests here (a launch costs ~2.5 s of two interpreters
-    importing torch before their first step); each test reads only its own part."""
+    importing torch before their first step); each test reads only its own part. The launch does the parts
+    of the tests this session runs: tests/test_kernels.py's lanes run the bf16 layouts alone (each lane's
+    resume and byte runs cost 10 s at load 4, and nothing read them)."""
+    runs = {item.originalname for item in request.session.items if item.path == request.path}
     out = tmp_path_factory.mktemp("world2")
     (out / "layouts").mkdir()
-    bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16, COPIES)]
-    resume = [(_resume_config("", "off"), str(out / "whole")), (_resume_config(TERM, "off"), str(out / "cut"))]
-    resume = _across_runs(out) + resume  # the preempted run stays last
-    layouts = [c.to_dict() for c in _layout_configs("world2")]
+    layouts, bytes_cfgs, resume = [], [], []
+    if "test_bf16_layouts_match_one_device_bf16" in runs:
+        layouts = [c.to_dict() for c in _layout_configs("world2")]
+    if "test_bf16_halves_the_pipeline_bytes" in runs:
+        bytes_cfgs = [tiny_config(parallel=dict(tp=1, pp=2, dp=1), train=tr).to_dict() for tr in ({}, BF16, COPIES)]
+    if "test_copies_checkpoint_the_masters_and_resume_across_modes" in runs:
+        resume = _across_runs(out)
+    if "test_bf16_resumes_exactly_from_its_fp32_masters" in runs:  # the preempted run stays last
+        resume += [(_resume_config("", "off"), str(out / "whole")), (_resume_config(TERM, "off"), str(out / "cut"))]
     return out, run_ranks(_world2_worker, 2, layouts, bytes_cfgs, resume, str(out), timeout_s=400)
 
 

@@ -11,7 +11,8 @@ import torch
 
 from hybridpar.config import Config, parse_args
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from tests.test_equivalence import TOL, ref_for, tiny_config
+from tests.references import ref_for
+from tests.test_equivalence import TOL, tiny_config
 
 
 @pytest.mark.parametrize(

@@ -15,7 +15,8 @@ from hybridpar.balance.repartition import Layout
 from hybridpar.config import Config
 from hybridpar.model.reference import U_BF16
 from hybridpar.topology.spawn import run_ranks
-from tests.test_equivalence import TOL, check_fp64, ref_for, tiny_config
+from tests.references import check_fp64, ref_for
+from tests.test_equivalence import TOL, tiny_config
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 

@@ -20,7 +20,8 @@ from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.metrics import Progress
 from hybridpar.report.mfu import datasheet_peak, measure_matmul, mfu, model_flops_per_token
 from hybridpar.report.records import bubble, rank_summary, step_fields, unpack
-from tests.test_equivalence import TOL, ref_for, tiny_config
+from tests.references import ref_for
+from tests.test_equivalence import TOL, tiny_config
 
 
 def _at(op: Op, start: float, end: float, stage: int = 0, mb: int = 0) -> ActionTime:

@@ -15,8 +15,9 @@ from hybridpar.config import Config
 from hybridpar.dataparallel.zero import keep_slice, part, slice_of, summed_grad
 from hybridpar.plan.memory_model import rank_memory, stage_shapes
 from hybridpar.topology.spawn import run_ranks
+from tests.references import check_fp64, ref_for
 from tests.test_copies import COPIES
-from tests.test_equivalence import TOL, _worker, check_fp64, check_results, grid_config, ref_for, tiny_config
+from tests.test_equivalence import TOL, _worker, check_results, grid_config, tiny_config
 
 
 def test_zero2_keeps_a_dp_th_of_the_gradients_in_tensors_of_their_own() -> None:
