@@ -40,17 +40,18 @@ BF16 = "tests/test_precision.py::test_bf16_layouts_match_one_device_bf16"  # BF1
 # the suite's time. No vectorization at all (KERNELS' "scalar": no machine we run on) costs a minute of the
 # suite and is left to `hybridpar bench exactness`, which runs every set under every choice.
 LANES = {"avx2": [FP32, f"{BF16}[world2]"], "avx512-no-amx": [f"{BF16}[world4]"]}
+# A lane's interpreter: ATen's kernel choice on its first line, then pytest (one torch import, not two).
+LANE = "import sys, pytest, torch; print(torch.backends.cpu.get_cpu_capability(), flush=True); sys.exit(pytest.main())"
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", list(LANES))
 def test_exactness_holds_under_another_kernel_choice(kernels: str) -> None:
     env = {**os.environ, **KERNELS[kernels]}
-    code = "import torch; print(torch.backends.cpu.get_cpu_capability())"
-    capability = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True).stdout.strip()
     lane = LANES[kernels]
-    cmd = [sys.executable, "-m", "pytest", "-q", "-s", "-p", "no:cacheprovider", *lane]
+    cmd = [sys.executable, "-c", LANE, "-q", "-s", "-p", "no:cacheprovider", *lane]
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
+    capability = proc.stdout.partition("\n")[0]
     margins = [line for line in proc.stdout.splitlines() if "worst margin" in line]
     print(f"{kernels} (ATen {capability}):", *margins, sep="\n  ")
     assert proc.returncode == 0, f"under {kernels} ({KERNELS[kernels]}):\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
