@@ -300,13 +300,13 @@ def test_uneven_stages_and_replica_shares_train_the_one_device_model(tmp_path: P
 def test_launch_api_plans_too(tmp_path: Path) -> None:
     """`hybridpar.launch(cfg, nproc=2)`: the keys set to other than their defaults (dp=2) are held, the
     plan is printed and written, and the run takes the planned shares."""
-    from tests.test_chaos import _run
+    from tests.launches import run_forked
 
     hw = _hw(tmp_path, n=2, speed=[1.0, 0.5])
     cfg = parse_args([*tiny_flags(2), "--train.global_batch", "8", "--parallel.tp", "1", "--parallel.pp", "1"])
     cfg.parallel.dp, cfg.parallel.auto, cfg.parallel.hardware = 2, True, hw
     cfg.run_dir = str(tmp_path / "run")
-    result, out = _run(cfg, 2)
+    result, out = run_forked(cfg, 2)
     assert len(result["losses"]) == 2 and "hybridpar: running #1: tp=1 pp=1 dp=2" in out
     rec = json.loads((tmp_path / "run" / PLAN_FILE).read_text())
     assert rec["fixed"]["parallel.dp"] == 2 and rec["runs"]["parallel"]["replica_batch"] == [5, 3]

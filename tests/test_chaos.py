@@ -11,13 +11,10 @@ them are compared with one fault-free reference run (module fixture)."""
 
 from __future__ import annotations
 
-import atexit
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
 from pathlib import Path
 
 import pytest
@@ -26,6 +23,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.emulate.faults import corrupt_newest
 from hybridpar.resilience.checkpoint import committed, verify_checkpoint
+from tests.launches import run_forked
 from tests.references import ref_for
 from tests.tiny_flags import tiny_flags  # noqa: E402
 
@@ -84,82 +82,6 @@ def _cfg(run_dir: Path, fault: str = "", **parallel) -> Config:
     return cfg
 
 
-# Each launch runs in a fresh process whose elastic agent forks the workers: a restart then costs a
-# fork, not four interpreters importing torch (~6 s on 2 idle cores, ~50 s at load 13), which is what kept
-# the fault tests far from their timeout on a loaded machine. Never forked from this process: a forked
-# child hangs in libgomp (gomp_team_barrier_wait_end) at its first parallel op once its parent has run one
-# — this test process has, and so does launch()'s pre-flight (the corpus scan) unless the launcher keeps to
-# one intra-op thread, which it does here (workers set their own thread count, the model is unchanged).
-# The launchers are forked from one helper interpreter (started once, on the first launch) that only
-# imported torch, torch._dynamo (which the first model build pulls in) and the trainer: each launch and its
-# workers then start without importing them (~2 s an interpreter, and ~1 s of four workers on 2 cores),
-# and a launcher is still a process that never ran a parallel op. The helper starts no thread.
-_LAUNCHERS = """
-import json, os, sys, traceback
-import torch
-import torch._dynamo
-import hybridpar.run.train
-from hybridpar.config import Config
-from hybridpar.run.launcher import launch
-from hybridpar.topology.lifetime import die_with_parent
-torch.set_num_threads(1)
-if not die_with_parent(int(sys.argv[1])):  # gone with the test process that started it
-    sys.exit(1)
-for line in sys.stdin:
-    cfg, nproc, out, log, err = json.loads(line)
-    pid = os.fork()
-    if pid == 0:
-        code = 1
-        try:
-            die_with_parent(None)  # a launcher dies with this helper, and its workers with it
-            for fd, path in ((1, log), (2, err)):  # the launcher's and its workers' output
-                os.dup2(os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644), fd)
-            res = launch(Config.from_dict(cfg), nproc=nproc, start_method="fork")
-            open(out, "w").write(json.dumps(res))
-            code = 0
-        except BaseException:
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
-    print(json.dumps(pid), flush=True)
-    print(json.dumps(os.waitstatus_to_exitcode(os.waitpid(pid, 0)[1])), flush=True)
-"""
-LAUNCH_TIMEOUT_S = 240  # one launch; pytest's own timeout (300 s) bounds each test
-_launchers: list[subprocess.Popen] = []
-
-
-def _launcher_helper() -> subprocess.Popen:
-    if not _launchers or _launchers[0].poll() is not None:
-        cmd = [sys.executable, "-c", _LAUNCHERS, str(os.getpid())]
-        _launchers[:] = [subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)]
-        atexit.register(_launchers[0].stdin.close)  # the helper ends at its input's end
-    return _launchers[0]
-
-
-def _run(cfg: Config, nproc: int | None = None) -> tuple[dict | None, str]:
-    """`hybridpar.launch(cfg)` in a fresh process: (its result — None when preempted —, its stdout)."""
-    out, log, err = (Path(f"{cfg.run_dir}.{x}") for x in ("result.json", "stdout", "stderr"))
-    out.unlink(missing_ok=True)
-    helper = _launcher_helper()
-    helper.stdin.write(json.dumps([cfg.to_dict(), nproc, str(out), str(log), str(err)]) + "\n")
-    helper.stdin.flush()
-    pid = json.loads(helper.stdout.readline())
-    ended: list[int] = []
-    waiter = threading.Thread(target=lambda: ended.append(json.loads(helper.stdout.readline())), daemon=True)
-    waiter.start()
-    try:
-        waiter.join(LAUNCH_TIMEOUT_S)
-        assert ended, f"launch still running after {LAUNCH_TIMEOUT_S} s"
-    finally:
-        if not ended:  # timed out (or pytest's timeout): its workers die with it (PDEATHSIG)
-            os.kill(pid, signal.SIGKILL)
-            waiter.join(30)
-    assert ended == [0] and out.is_file(), err.read_text()[-4000:]
-    return json.loads(out.read_text()), log.read_text()
-
-
 def _records(run_dir: Path, name: str) -> list[dict]:
     path = run_dir / name
     return [json.loads(x) for x in path.read_text().splitlines() if x] if path.is_file() else []
@@ -172,7 +94,7 @@ def _model(run_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> dict:
     d = tmp_path_factory.mktemp("reference")
-    r, _ = _run(_cfg(d))
+    r, _ = run_forked(_cfg(d))
     assert len(r["losses"]) == STEPS
     return {**r, "model": _model(d)}
 
@@ -194,7 +116,7 @@ def _same_history(run_dir: Path, ref: dict) -> None:
 def _recovers(run: Path, faults: list[str], ref: dict) -> list[dict]:
     """One launch with `faults`: every fault fires once, the agent restarts the workers, the run ends with
     the fault-free model. Returns the watchdog's reports."""
-    r, out = _run(_cfg(run, ",".join(faults)))
+    r, out = run_forked(_cfg(run, ",".join(faults)))
     assert r is not None and r["params_digest"] == ref["params_digest"]
     assert sorted(f["fault"] for f in _records(run, "chaos.jsonl")) == sorted(faults)  # each happened, once
     starts = [x for x in _records(run, "resilience.jsonl") if x["event"] == "start"]
@@ -236,7 +158,7 @@ def test_raise_exit0_stop_hang_named_by_watchdog(tmp_path: Path, reference: dict
 def test_preemption_then_resume_past_corrupt_checkpoints(tmp_path: Path, reference: dict) -> None:
     run = tmp_path / "run"
     # 1. SIGTERM on one rank (preemption): the step in flight finishes, is checkpointed, the run stops.
-    r, out = _run(_cfg(run, PREEMPT))
+    r, out = run_forked(_cfg(run, PREEMPT))
     assert r is None  # preempted: no final model
     assert [f["fault"] for f in _records(run, "chaos.jsonl")] == [PREEMPT]
     newest = committed(run / "checkpoints")[0][1]
@@ -246,7 +168,7 @@ def test_preemption_then_resume_past_corrupt_checkpoints(tmp_path: Path, referen
     # 2. Resume after the preemption: bit-exact.
     cfg = _cfg(run)
     cfg.checkpoint.resume = "auto"
-    r, out = _run(cfg)
+    r, out = run_forked(cfg)
     assert r["start_step"] == 7 and r["losses"] == reference["losses"][7:]
     assert "resumed from" in out
     _same_history(run, reference)
@@ -260,7 +182,7 @@ def test_preemption_then_resume_past_corrupt_checkpoints(tmp_path: Path, referen
         corrupt_newest(ck, kind)
         for held in ck.glob("hold-*"):
             held.rename(ck / held.name[len("hold-") :])
-    r, out = _run(cfg)
+    r, out = run_forked(cfg)
     assert r["start_step"] == 3 and r["params_digest"] == reference["params_digest"]
     for step, why in [
         (8, ".metadata does not match its sha256"),
@@ -277,18 +199,18 @@ def test_preemption_then_resume_past_corrupt_checkpoints(tmp_path: Path, referen
 def test_shrink_then_grow(tmp_path: Path, reference: dict) -> None:
     run = tmp_path / "run"
     # 1. A 4-rank run preempted after step 4 (SIGTERM in step 3)...
-    assert _run(_cfg(run, "rank=3:term@step=3:phase=forward"))[0] is None
+    assert run_forked(_cfg(run, "rank=3:term@step=3:phase=forward"))[0] is None
     assert committed(run / "checkpoints")[0][1].name == "step-000004"
     # 2. ...resumes on 2 processes (tp1 pp2 dp1: shrink) and is preempted again...
     cfg = _cfg(run, "rank=1:term@step=5:phase=forward")
     cfg.checkpoint.resume = "auto"
-    r, out = _run(cfg, nproc=2)
+    r, out = run_forked(cfg, nproc=2)
     assert r is None and "tp=1 pp=2 dp=2 -> tp=1 pp=2 dp=1" in out
     state = json.loads((run / "checkpoints" / "step-000006" / "trainer_state.json").read_text())
     assert state["layout"]["world_size"] == 2 and state["samples"]["applied"] == [[0, 6]]
     # 3. ...and grows back to 4 (tp1 pp2 dp2): the same training within the exactness tolerance.
     cfg.emulate.fault = ""
-    r, _ = _run(cfg, nproc=4)
+    r, _ = run_forked(cfg, nproc=4)
     assert r["start_step"] == 6
     losses = {x["step"]: x["loss"] for x in _records(run, "metrics.jsonl") if "loss" in x}
     assert max(abs(losses[s] - reference["losses"][s]) for s in range(STEPS)) <= TOL
@@ -316,7 +238,7 @@ def test_faults_after_a_live_rebalance_fire_and_the_run_recovers(tmp_path: Path)
         checkpoint=dict(every=1, keep=steps + 1),
     )
     cfg.run_dir = str(tmp_path / "run")
-    r, out = _run(cfg)
+    r, out = run_forked(cfg)
     run = tmp_path / "run"
     moves = [e for x in _records(run, "metrics.jsonl") for e in x.get("balance", []) if e["event"] == "rebalance"]
     assert moves and moves[0]["applied"] and moves[0]["step"] < fault_step, moves
@@ -347,7 +269,7 @@ def test_cli_restarts_and_resumes_with_default_settings(tmp_path: Path) -> None:
         "1",
     ]
     ref = parse_args(flags + ["--run-dir", str(tmp_path / "ref")])
-    expected = _run(ref)[0]["params_digest"]
+    expected = run_forked(ref)[0]["params_digest"]
     run = tmp_path / "run"
     exe = Path(sys.executable).with_name("hybridpar")
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

@@ -77,14 +77,14 @@ def _steps_once(run: Path) -> dict:
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> str:
     """The fault-free run of FLAGS through `hybridpar.launch` (the launcher `hybridpar train` runs) in a
-    fresh process that forks its workers with torch already imported (tests/test_chaos.py's _run): the
+    fresh process that forks its workers with torch already imported (tests/launches.py: run_forked): the
     same model as the command, without two interpreters importing torch. The tests' own runs go through
     the command."""
     from hybridpar.config import parse_args
-    from tests.test_chaos import _run
+    from tests.launches import run_forked
 
     run = tmp_path_factory.mktemp("reference")
-    _run(parse_args([*FLAGS, "--run-dir", str(run)]))
+    run_forked(parse_args([*FLAGS, "--run-dir", str(run)]))
     return _steps_once(run)["params_digest"]
 
 
