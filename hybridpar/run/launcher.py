@@ -118,7 +118,7 @@ def _worker(cfg_dict: dict[str, Any], origin: dict[str, Any] | None = None) -> d
     from hybridpar.topology.lifetime import release_groups
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
-    cfg, notes = enter_worker(Config.from_dict(cfg_dict), restarts)  # the pre-flight `launch` ran, again
+    cfg, notes = enter_worker(Config.from_dict(cfg_dict))  # the pre-flight `launch` ran, again
     bind_local_rank(cfg.parallel.cpu_bind, layout=cfg.parallel.layout)  # before any thread starts
     if notes and os.environ.get("RANK") == "0":
         print("\n".join(notes), flush=True)
