@@ -128,6 +128,7 @@ def _set_flag(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
 
 def launch_train(argv: list[str]) -> int:
     from hybridpar.run.launcher import (
+        elastic_note,
         end_launch,
         outcome,
         planned_flags,
@@ -189,6 +190,8 @@ def launch_train(argv: list[str]) -> int:
         report_plan(planned, cfg.run_dir, planned.cfg.parallel.world_size)
     for note in notes:
         print(note)
+    if warning := elastic_note(nnodes, cfg.checkpoint.every):
+        print(warning, file=sys.stderr, flush=True)
     watch = stop_on_permanent_failure(cfg, claim)
     try:
         return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda: outcome(cfg, claim))

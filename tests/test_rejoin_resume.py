@@ -3,7 +3,8 @@ restarted (TORCHELASTIC_RESTART_COUNT 0) while theirs has, so a worker that judg
 started the run afresh beside survivors resuming a checkpoint: the two halves called different
 collectives and waited for each other until parallel.timeout_s (seen with the command of
 docs/multi-node.md, which does not pass --checkpoint.resume auto). The rendezvous round, which every node
-of a round shares, decides instead (topology/rendezvous.py)."""
+of a round shares, decides instead (topology/rendezvous.py). And an elastic launch that writes no
+checkpoints is warned: its survivors start over from step 0."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import pytest
 
 from hybridpar.config import Config
 from hybridpar.resilience.rundir import TOKEN_ENV
+from hybridpar.run.launcher import elastic_note
 from hybridpar.run.train import enter_worker
 from hybridpar.topology.rendezvous import ATTEMPT_ENV, ROUND_ENV, _each_round, job_restarts
 
@@ -87,3 +89,10 @@ def test_the_joining_node_resumes_as_the_survivors_do(monkeypatch: pytest.Monkey
     newcomer = _worker_config(monkeypatch, "0", "2", str(tmp_path))
     assert first.checkpoint.resume == "off"  # a fresh run stays fresh
     assert survivor.checkpoint.resume == newcomer.checkpoint.resume == "auto"
+
+
+def test_an_elastic_launch_without_checkpoints_is_warned() -> None:
+    warning = elastic_note("1:2", 0)
+    assert warning is not None and "--checkpoint.every" in warning and "step 0" in warning
+    assert elastic_note("1:2", 50) is None  # the survivors resume from a checkpoint
+    assert elastic_note("2", 0) is None and elastic_note("2:2", 0) is None  # not elastic: a lost node ends it

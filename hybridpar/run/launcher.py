@@ -92,6 +92,19 @@ def stop_on_permanent_failure(cfg: Config, claim: rundir.RunClaim, poll_s: float
     return done
 
 
+def elastic_note(nnodes: str, checkpoint_every: int) -> str | None:
+    """The warning an elastic launch (`--nnodes MIN:MAX`, MIN < MAX) without periodic checkpoints gets: the
+    survivors of a lost node resume from the newest checkpoint, and a run that writes none starts over
+    (only a node that joins, which stops the workers at a step's end, leaves a checkpoint behind)."""
+    lo, sep, hi = nnodes.partition(":")
+    if not sep or lo == hi or checkpoint_every > 0:
+        return None
+    return (
+        f"hybridpar: warning: --nnodes {nnodes} survives a lost node, but without --checkpoint.every N the "
+        "survivors restart the run from step 0: they resume from the newest checkpoint, and none is written"
+    )
+
+
 def planned_flags(cfg: Config) -> list[str]:
     """The chosen layout as `--key=VALUE` flags, appended to the workers' command line (read after the
     user's, so they win)."""
