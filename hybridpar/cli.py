@@ -137,7 +137,7 @@ def launch_train(argv: list[str]) -> int:
         stop_on_permanent_failure,
     )
     from hybridpar.run.preflight import preflight, preflight_config
-    from hybridpar.topology.nodes import tp_node_problem
+    from hybridpar.topology.nodes import node_rank_problem, tp_node_problem
 
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
     argv = [a for a in argv if a != "--overwrite"]
@@ -152,6 +152,8 @@ def launch_train(argv: list[str]) -> int:
     nnodes = _flag(theirs, "--nnodes") or "1"
     planned = None
     try:
+        if why := node_rank_problem(_flag(theirs, "--node-rank", "--node_rank"), nnodes):
+            raise ValueError(why)
         given: set[str] = set()
         cfg = parse_args(ours, given)
         world = None
