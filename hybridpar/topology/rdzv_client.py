@@ -37,6 +37,12 @@ def connect(host: str, port: int, timeout_s: float, again: bool = False) -> dist
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, TimeoutError) as e:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if "Ping failed" in str(e):  # torch's handshake got another answer: a port some other server holds
+            raise StoreLost(
+                f"{where} answers, but not as a rendezvous store (torch's store handshake got another reply): "
+                "another program holds the port; give --rdzv-endpoint the port hybridpar rendezvous listens on, "
+                "or a free one"
+            ) from e
         what = "stopped answering and did not come back" if again else "did not answer"
         then = "again (the workers were stopped and checkpoint if they can)" if again else "first"
         raise StoreLost(
