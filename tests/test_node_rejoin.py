@@ -8,21 +8,19 @@ to every agent, which hid it."""
 
 from __future__ import annotations
 
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 from hybridpar.resilience.session import ledger_stats
 from tests.tiny_flags import tiny_flags
 
 sys.path.insert(0, str(Path(__file__).parent))
+import test_node_loss  # noqa: E402
 from test_multinode import CLI, free_port, records, spawn, wait_all  # noqa: E402
-from test_node_loss import events, rendezvous_store, trained_since, wait_for  # noqa: E402
+from test_node_loss import events, lose_and_regain, rendezvous_store, wait_for  # noqa: E402
 
 pytestmark = pytest.mark.multiprocess
 
@@ -40,33 +38,26 @@ def agent(run: Path, port: int) -> object:
     return spawn([*cmd, *flags, "--run-dir", str(run)], run.with_name(f"agent-{time.time_ns()}"))
 
 
-def test_a_node_that_comes_back_resumes_with_the_survivor(tmp_path: Path) -> None:
+def test_a_node_that_comes_back_resumes_with_the_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(test_node_loss, "agent", agent)  # its kill and return, with the docs' command
     run, port = tmp_path / "run", free_port()
     store = rendezvous_store(port, run)
     a, b = agent(run, port), agent(run, port)
     procs = [store, a, b]
     try:
         wait_for(lambda: (run / "checkpoints" / "step-000002").is_dir(), "checkpoint step-000002", procs)
-        workers = psutil.Process(b.pid).children(recursive=True)
-        killed_at = time.time()
-        os.killpg(b.pid, signal.SIGKILL)
-        for w in workers:
-            w.kill()
-        b.wait(10)
-        wait_for(lambda: trained_since(run, killed_at, 1, "checkpoint"), "the survivor training alone", [a])
-        back_at = time.time()
-        b2 = agent(run, port)
+        _, b2, _ = lose_and_regain(b, a, run, port)
         procs.append(b2)
-        wait_for(lambda: trained_since(run, back_at, 2), "both nodes training again", [a, b2], 120)
-        later = [e["event"] for e in events(run) if e["time"] > back_at]  # the survivor's checkpoints first
-        since = later[later.index("start") :]
         ends = wait_all([a, b2], 150)
     finally:
         for p in procs:
             if p.poll() is None:
                 p.kill()
     # One start after the node came back, and it resumed: no start afresh beside a resuming survivor.
-    assert since[:2] == ["start", "resumed"] and since.count("start") == 1, since
+    evts = events(run)
+    starts = [i for i, e in enumerate(evts) if e["event"] == "start"]
+    assert [evts[i]["world"] for i in starts] == [2, 1, 2], evts
+    assert evts[starts[-1] + 1]["event"] == "resumed", evts
     assert [code for code, _, _ in ends] == [0, 0], [err[-3000:] for _, _, err in ends]
     final = records(run / "metrics.jsonl")[-1]
     assert ledger_stats(final["samples_applied"], STEPS, 4) == {"lost_samples": 0, "duplicated_samples": 0}
