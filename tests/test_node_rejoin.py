@@ -38,6 +38,13 @@ def agent(run: Path, port: int) -> object:
     return spawn([*cmd, *flags, "--run-dir", str(run)], run.with_name(f"agent-{time.time_ns()}"))
 
 
+def _stop(procs: list) -> None:
+    """Kill what still runs: a failure midway must leave no agent or store behind."""
+    for p in procs:
+        if p.poll() is None:
+            p.kill()
+
+
 def test_a_node_that_comes_back_resumes_with_the_survivor(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(test_node_loss, "agent", agent)  # its kill and return, with the docs' command
     run, port = tmp_path / "run", free_port()
@@ -50,9 +57,7 @@ def test_a_node_that_comes_back_resumes_with_the_survivor(tmp_path: Path, monkey
         procs.append(b2)
         ends = wait_all([a, b2], 150)
     finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
+        _stop(procs)
     # One start after the node came back, and it resumed: no start afresh beside a resuming survivor.
     evts = events(run)
     starts = [i for i, e in enumerate(evts) if e["event"] == "start"]
