@@ -128,6 +128,7 @@ def _set_flag(args: list[str], names: tuple[str, ...], value: str) -> list[str]:
 
 def launch_train(argv: list[str]) -> int:
     from hybridpar.run.launcher import (
+        elastic_note,
         end_launch,
         outcome,
         planned_flags,
@@ -136,7 +137,7 @@ def launch_train(argv: list[str]) -> int:
         stop_on_permanent_failure,
     )
     from hybridpar.run.preflight import preflight, preflight_config
-    from hybridpar.topology.nodes import tp_node_problem
+    from hybridpar.topology.nodes import node_rank_problem, tp_node_problem
 
     overwrite = "--overwrite" in argv  # a launcher flag: workers (and their restarts) must never see it
     argv = [a for a in argv if a != "--overwrite"]
@@ -151,6 +152,8 @@ def launch_train(argv: list[str]) -> int:
     nnodes = _flag(theirs, "--nnodes") or "1"
     planned = None
     try:
+        if why := node_rank_problem(_flag(theirs, "--node-rank", "--node_rank"), nnodes):
+            raise ValueError(why)
         given: set[str] = set()
         cfg = parse_args(ours, given)
         world = None
@@ -189,6 +192,8 @@ def launch_train(argv: list[str]) -> int:
         report_plan(planned, cfg.run_dir, planned.cfg.parallel.world_size)
     for note in notes:
         print(note)
+    if warning := elastic_note(nnodes, cfg.checkpoint.every):
+        print(warning, file=sys.stderr, flush=True)
     watch = stop_on_permanent_failure(cfg, claim)
     try:
         return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda: outcome(cfg, claim))

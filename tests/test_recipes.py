@@ -17,6 +17,7 @@ import yaml
 
 from hybridpar.cli import split_argv
 from hybridpar.config import parse_args
+from hybridpar.run.launcher import elastic_note
 from hybridpar.run.preflight import preflight_config
 from hybridpar.topology.nodes import tp_node_problem
 from hybridpar.topology.rdzv_store import parse_rendezvous_args
@@ -36,6 +37,7 @@ def check_command(args: list[str]) -> dict[str, str]:
             flags[key] = val or theirs[i + 1]
     assert tp_node_problem(cfg.parallel.tp, int(flags["--nproc-per-node"])) is None
     assert cfg.checkpoint.resume == "auto" and flags["--rdzv-backend"] == "c10d"
+    assert elastic_note(flags["--nnodes"], cfg.checkpoint.every) is None  # a lost node resumes, not restarts
     assert "is_host=false" in flags["--rdzv-conf"].split(",")  # every agent a client of the store
     return flags
 
@@ -65,6 +67,12 @@ def test_slurm_script() -> None:
     flags = check_command(args[5:-1])
     assert flags["--nnodes"] == "1:2" and flags["--rdzv-endpoint"] == "n0:29500" and flags["--rdzv-id"] == "77"
     assert re.search(r"^store_host=\$\(hostname\)$", text, re.M)  # this script's node: component 0's
+    # Slurm requeues (--requeue) on preemption and node failure, not at the time limit: the script does,
+    # when the agents come back with 143 (signalled and checkpointed), whose exit code it keeps.
+    after = text[text.index("\nsrun ") :]
+    assert "set +e" in text[: text.index("\nsrun ")] and re.search(r"^status=\$\?$", after, re.M)
+    assert 'if [ "$status" -eq 143 ]; then\n  scontrol requeue "$SLURM_JOB_ID"' in after
+    assert after.rstrip().endswith('exit "$status"')
 
 
 def test_kubernetes_manifest() -> None:
@@ -74,6 +82,8 @@ def test_kubernetes_manifest() -> None:
     assert job["apiVersion"] == "kubeflow.org/v1"
     elastic, worker = job["spec"]["elasticPolicy"], job["spec"]["pytorchReplicaSpecs"]["Worker"]
     assert elastic["rdzvBackend"] == "c10d" and elastic["minReplicas"] <= worker["replicas"] <= elastic["maxReplicas"]
+    # Restarted on 128 and up (143: preempted, checkpointed), failed on 1 and 2 (a restart would repeat them).
+    assert worker["restartPolicy"] == "ExitCode"
     (container,) = worker["template"]["spec"]["containers"]
     assert container["command"][:2] == ["hybridpar", "train"]
     flags = check_command(container["command"][2:])

@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from hybridpar.report.metrics import MetricsWriter
+from hybridpar.config import Config
+from hybridpar.report.metrics import MetricsDuty, MetricsWriter
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import write_manifest
 
@@ -130,6 +131,29 @@ def test_metrics_are_cut_back_on_resume(tmp_path: Path) -> None:
     assert [(r["step"], r["loss"]) for r in cut] == [(4, 4.0), (5, 5.0)]
     MetricsWriter(path, resume_step=2).close()  # a finished run resumed from an earlier step: no final left
     assert [json.loads(x)["step"] for x in path.read_text().splitlines()] == [0, 1]
+
+
+def test_a_restart_that_finds_no_checkpoint_keeps_the_steps_it_redoes(tmp_path: Path) -> None:
+    """A lost node before the first checkpoint: the survivors' restart resumes (checkpoint.resume auto),
+    finds nothing and starts at step 0. The steps the run trained before were thrown away and are trained
+    again, so they belong in metrics.superseded.jsonl; they were truncated away (the report said 0
+    recomputed steps after an elastic run that redid 25)."""
+    cfg = Config()
+    cfg.run_dir, cfg.sinks.tensorboard = str(tmp_path), "off"
+    first = MetricsDuty(cfg, "run", 0)
+    for s in range(5):
+        first.after_step(s, {"step": s, "loss": float(s)})
+    first.writer.close()
+    cfg.checkpoint.resume = "auto"  # what a restart runs (resilience/elastic.py resume_mode)
+    again = MetricsDuty(cfg, "run", 0)
+    again.after_step(0, {"step": 0, "loss": 9.0})
+    again.writer.close()
+    assert [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [9.0]
+    cut = [json.loads(x)["step"] for x in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
+    assert cut == [0, 1, 2, 3, 4]
+    cfg.checkpoint.resume = "off"  # a new run in the directory (after --overwrite): nothing redone
+    MetricsDuty(cfg, "run2", 0).writer.close()
+    assert not (tmp_path / "metrics.superseded.jsonl").exists()
 
 
 @pytest.mark.multiprocess

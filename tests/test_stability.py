@@ -58,6 +58,19 @@ def test_two_interruptions_one_without_a_recorded_fault() -> None:
     assert st.step_time_cv == pytest.approx(statistics.pstdev(warm) / statistics.fmean(warm))
 
 
+def test_an_attempt_that_trains_nothing_is_one_outage_with_the_one_before() -> None:
+    # Attempt 0: steps 0-3 end 1..4, then killed (failure at 4). Attempt 1 starts at 6 and fails before any
+    # step (a node lost as the round starts: seen in `hybridpar report` of an elastic run). Attempt 2 starts
+    # at 10; its first step starts at 11: one outage from 4 to 11, whose two repairs (4 -> 11 and 6 -> 11)
+    # overlap. Summing them made up time 12 - 12 = 0 s here, and negative on the real run.
+    a = steps(0, 3, start=0.0)
+    c = steps(4, 4, start=11.0)
+    st = stability(a + c, [], starts=[0.0, 6.0, 10.0], faults=[])
+    assert st.wall_s == 12.0 and st.interruptions == 2
+    assert st.mttr_s == pytest.approx((7 + 5) / 2)  # each interruption's own repair
+    assert st.mtbf_s == pytest.approx((12 - 7) / 2)  # up time: wall less the outage, counted once
+
+
 def test_outliers_by_the_far_out_fence() -> None:
     values = [1.0, 1.1, 0.9, 1.0, 1.05, 0.95, 1.0, 5.0, 1.02]
     assert outliers(values) == [7]

@@ -378,7 +378,11 @@ class ResilienceConfig:
         "restarts of all workers by the elastic agent after a failure (hybridpar train "
         "and launch(); torchrun's --max-restarts overrides)",
     )
-    resume_on_restart: bool = _f(True, "after a restart by the elastic agent, resume as with checkpoint.resume=auto")
+    resume_on_restart: bool = _f(
+        True,
+        "after a restart by the elastic agent, resume as with checkpoint.resume=auto (on several nodes: once the "
+        "job has restarted, so a node that joins a running job resumes with it)",
+    )
     replan: str = _f(
         "auto",
         "when resuming with a world size other than tp*pp*dp: 'auto' picks a new layout "

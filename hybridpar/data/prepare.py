@@ -23,6 +23,7 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import numpy as np
 
@@ -185,6 +186,15 @@ def _int(v: str | None) -> int | None:
     return None if v is None else int(v)
 
 
+def train_hint(out: str, tokenizer: str, vocab_size: int) -> str:
+    """How to train on a prepared file: a model directory's tokenizer (config.json beside it) means
+    fine-tuning that model, whose config.json gives the vocabulary (a --model.vocab_size is refused
+    there); a tokenizer of its own needs a model with room for its ids."""
+    if (Path(tokenizer) / "config.json").is_file():
+        return f"fine-tune with --data.path {out} --model.init_from {tokenizer} (its config.json gives the shape)"
+    return f"train with --data.path {out} --data.tokenizer {tokenizer} --model.vocab_size {vocab_size} (or more)"
+
+
 def main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or any(a in ("-h", "--help") for a in argv):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
@@ -213,8 +223,7 @@ def main(argv: list[str]) -> int:
             print(
                 f"hybridpar: wrote {meta['tokens']:,} {meta['dtype']} tokens of {document_count(meta):,} documents, "
                 f"each closed by {meta['eos_token']!r} (id {meta['eos_id']}), to {o['out']} "
-                f"({meta['tokens'] / s:,.0f} tokens/s); train with --data.path {o['out']} "
-                f"--data.tokenizer {o['tokenizer']} --model.vocab_size {meta['vocab_size']} (or more)"
+                f"({meta['tokens'] / s:,.0f} tokens/s); {train_hint(o['out'], o['tokenizer'], meta['vocab_size'])}"
             )
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)

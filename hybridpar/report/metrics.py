@@ -52,16 +52,20 @@ def keep_before(path: Path, step: int) -> int:
 
 
 class MetricsWriter:
-    def __init__(self, path: Path, resume_step: int = 0, sinks: Sequence[Any] = ()) -> None:
-        """A fresh file, or (`resume_step` > 0) the file of the run being resumed, cut back to the steps
-        before `resume_step`. Step records also go to `sinks` (report/sinks.py), closed with the file."""
+    def __init__(self, path: Path, resume_step: int = 0, sinks: Sequence[Any] = (), continues: bool = False) -> None:
+        """A fresh file, or (`resume_step` > 0, or `continues`: a start that looked for a checkpoint of
+        the run, and may have found none, after a lost node or a crash before the first one) the file of
+        the run going on, cut back to the steps before `resume_step`: the steps cut were trained and are
+        trained again, kept aside for the report. Step records also go to `sinks` (report/sinks.py),
+        closed with the file."""
         self.sinks = list(sinks)
         path.parent.mkdir(parents=True, exist_ok=True)
-        if resume_step > 0:
+        going_on = resume_step > 0 or continues
+        if going_on:
             keep_before(path, resume_step)
         else:  # a fresh start: no step of this file was trained before
             superseded_path(path).unlink(missing_ok=True)
-        self._f = path.open("a" if resume_step > 0 else "w", encoding="utf-8")
+        self._f = path.open("a" if going_on else "w", encoding="utf-8")
 
     def write(self, record: dict[str, Any]) -> None:
         self._f.write(json.dumps(record) + "\n")
@@ -84,7 +88,10 @@ class MetricsDuty:
     def __init__(self, cfg: Config, run_id: str, start_step: int) -> None:
         run_dir = Path(cfg.run_dir)
         sinks = open_sinks(cfg.sinks, run_dir, start_step, run_id)
-        self.writer = MetricsWriter(run_dir / "metrics.jsonl", resume_step=start_step, sinks=sinks)
+        # A start that resumes (checkpoint.resume auto, as every restart does) goes on with the run's file
+        # even where it found no checkpoint and starts at step 0: those steps are redone, not new.
+        continues = cfg.checkpoint.resume != "off"
+        self.writer = MetricsWriter(run_dir / "metrics.jsonl", start_step, sinks, continues)
 
     def begin(self, step: int) -> None:
         pass

@@ -23,7 +23,8 @@ DEFINITIONS: dict[str, str] = {
     "kills, preemptions",
     "MTTR": "mean time to repair: from the failure (the fault's time from chaos.jsonl, else the end of the "
     "attempt's last step) to the start of the first step after it, averaged over interruptions",
-    "MTBF": "mean time between failures: up time (wall time minus repair times) / interruptions",
+    "MTBF": "mean time between failures: up time (wall time minus the time spent in repair, an outage that "
+    "spans several interruptions counted once) / interruptions",
     "recomputed steps": "steps trained, lost with an attempt that ended before checkpointing them, and trained "
     "again (metrics.superseded.jsonl)",
     "lost / duplicated samples": "from the sample ledger carried through every checkpoint: samples of steps "
@@ -114,6 +115,18 @@ def straggler_episodes(
     return episodes
 
 
+def _covered(windows: Sequence[tuple[float, float]]) -> float:
+    """Seconds inside at least one of the (start, end) windows. An attempt that fails before its first step
+    fails inside the repair of the interruption before it, and both repairs end at the same first step:
+    summed, that outage counted twice (MTBF came out negative)."""
+    total, reach = 0.0, float("-inf")
+    for a, b in sorted(windows):
+        if b > reach:
+            total += b - max(a, reach)
+            reach = b
+    return total
+
+
 def stability(
     steps: Sequence[dict[str, Any]],
     superseded: Sequence[dict[str, Any]],
@@ -131,14 +144,15 @@ def stability(
     t0 = starts[0] if starts else everything[0]["time"] - everything[0]["step_time_s"]
     wall = everything[-1]["time"] - t0
     productive = sum(r["step_time_s"] for r in steps)
-    repairs: list[float] = []
+    windows: list[tuple[float, float]] = []  # (failed, repaired) per interruption
     for i in range(1, len(starts)):
         before = [r["time"] for r in everything if starts[i - 1] <= r["time"] < starts[i]]
         fired = [f for f in faults if starts[i - 1] <= f < starts[i]]
         failed = max(fired) if fired else max(before, default=starts[i - 1])
         after = [r["time"] - r["step_time_s"] for r in everything if r["time"] >= starts[i]]
         if after:
-            repairs.append(min(after) - failed)
+            windows.append((failed, min(after)))
+    repairs = [b - a for a, b in windows]
     n = len(starts) - 1 if starts else 0
     warm_recs = sorted(warm_steps(steps, starts), key=lambda r: r["step"])
     warm = [r["step_time_s"] for r in warm_recs]
@@ -150,7 +164,7 @@ def stability(
         goodput=productive / wall if wall > 0 else None,
         interruptions=n,
         mttr_s=statistics.fmean(repairs) if repairs else None,
-        mtbf_s=(wall - sum(repairs)) / n if n else None,
+        mtbf_s=(wall - _covered(windows)) / n if n else None,
         recomputed_steps=len(superseded),
         lost_samples=None if ledger is None else ledger["lost_samples"],
         duplicated_samples=None if ledger is None else ledger["duplicated_samples"],

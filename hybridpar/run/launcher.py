@@ -92,6 +92,19 @@ def stop_on_permanent_failure(cfg: Config, claim: rundir.RunClaim, poll_s: float
     return done
 
 
+def elastic_note(nnodes: str, checkpoint_every: int) -> str | None:
+    """The warning an elastic launch (`--nnodes MIN:MAX`, MIN < MAX) without periodic checkpoints gets: the
+    survivors of a lost node resume from the newest checkpoint, and a run that writes none starts over
+    (only a node that joins, which stops the workers at a step's end, leaves a checkpoint behind)."""
+    lo, sep, hi = nnodes.partition(":")
+    if not sep or lo == hi or checkpoint_every > 0:
+        return None
+    return (
+        f"hybridpar: warning: --nnodes {nnodes} survives a lost node, but without --checkpoint.every N the "
+        "survivors restart the run from step 0: they resume from the newest checkpoint, and none is written"
+    )
+
+
 def planned_flags(cfg: Config) -> list[str]:
     """The chosen layout as `--key=VALUE` flags, appended to the workers' command line (read after the
     user's, so they win)."""
@@ -118,7 +131,7 @@ def _worker(cfg_dict: dict[str, Any], origin: dict[str, Any] | None = None) -> d
     from hybridpar.topology.lifetime import release_groups
 
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by the elastic agent
-    cfg, notes = enter_worker(Config.from_dict(cfg_dict), restarts)  # the pre-flight `launch` ran, again
+    cfg, notes = enter_worker(Config.from_dict(cfg_dict))  # the pre-flight `launch` ran, again
     bind_local_rank(cfg.parallel.cpu_bind, layout=cfg.parallel.layout)  # before any thread starts
     if notes and os.environ.get("RANK") == "0":
         print("\n".join(notes), flush=True)

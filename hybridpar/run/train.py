@@ -39,6 +39,7 @@ from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.cpus import bind_local_rank
 from hybridpar.topology.lifetime import die_with_launcher, release_groups
 from hybridpar.topology.mesh import Topology, build_topology
+from hybridpar.topology.rendezvous import job_restarts
 from hybridpar.trainer import Trainer
 from hybridpar.trainer.duty import LossDuty, StepDuty, ValidationDuty
 from hybridpar.trainer.final import FinalModelDuty
@@ -232,9 +233,10 @@ def run_step(trainer: Trainer, probe: Probe, step: int, first: int) -> dict[str,
         return trainer.step(step)
 
 
-def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
+def enter_worker(cfg: Config) -> tuple[Config, list[str]]:
     """The start of every worker process (torchrun's and launch()'s): die with the launcher, stop at once
-    if this launch already failed in a way a restart repeats, then the pre-flight check (ValueError)."""
+    if this launch already failed in a way a restart repeats, then the pre-flight check (ValueError), which
+    resumes a job that started before (`job_restarts`: the job's count, not this node's agent's)."""
     token = os.environ.get(rundir.TOKEN_ENV)
     run_dir = Path(cfg.run_dir)
     if token:  # started by our launcher, which holds the run directory
@@ -246,7 +248,8 @@ def enter_worker(cfg: Config, restarts: int) -> tuple[Config, list[str]]:
             raise SystemExit(2)  # restarted after a failure that would repeat: end now, said once already
     try:
         local = int(os.environ["LOCAL_WORLD_SIZE"]) if "LOCAL_WORLD_SIZE" in os.environ else None
-        return preflight(cfg, int(os.environ.get("WORLD_SIZE", "1")), restarts, verify=False, local_ranks=local)
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        return preflight(cfg, world, job_restarts(), verify=False, local_ranks=local)
     except ValueError as e:
         if token:
             rundir.record_state(run_dir, token, state="failed", permanent=True, error=str(e))
@@ -264,7 +267,7 @@ def notes_to_print(notes: list[str], restarts: int) -> list[str]:
 def main(argv: list[str] | None = None) -> int:
     restarts = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))  # set by torch's elastic agent
     try:
-        cfg, notes = enter_worker(parse_args(sys.argv[1:] if argv is None else argv), restarts)
+        cfg, notes = enter_worker(parse_args(sys.argv[1:] if argv is None else argv))
     except ValueError as e:
         print(f"hybridpar: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib.util
 import signal
 import sys
+from pathlib import Path
 
 from hybridpar.serve.config import ServeConfig, help_text, parse_serve_args
 
@@ -25,14 +26,40 @@ def prepare(argv: list[str]) -> tuple[ServeConfig, "object", str]:
     # source carries its shape (config.json, or a checkpoint's trainer_state.json).
     source, model_cfg = resolve_source(cfg.source, model)
     cfg.validate(model_cfg)
+    if (Path(source) / "config.json").is_file():
+        # Every tensor there in the shape config.json gives (headers only): a config.json beside another
+        # model's weights is one line here, not a traceback from each worker after the replicas start.
+        from hybridpar.model.hf import SafetensorsDir
+        from hybridpar.model.registry import check_hf_tensors
+
+        try:
+            check_hf_tensors(model_cfg, SafetensorsDir(source))
+        except ValueError as e:
+            why = f"model source {source!r} does not hold the model its config.json describes: {e}"
+            raise ValueError(why) from None
     return cfg, model_cfg, source
+
+
+def reserve_port(host: str, port: int) -> None:
+    """ValueError if (host, port) cannot be bound: said before the replicas load (minutes for a large
+    model), where binding only once they are up would say it after. The server binds it again then."""
+    if port == 0:
+        return
+    import socket
+
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server's socket: TIME_WAIT is no bar
+            s.bind((host, port))
+    except OSError as e:
+        raise ValueError(f"cannot bind {host}:{port}: {e} (--port another, or 0 for any free port)") from None
 
 
 def tokenizer_for(cfg: ServeConfig, model: "object", source: str) -> "object | None":
     """The tokenizer to serve with: --tokenizer, else the source's own (a model directory's
     tokenizer.json, a checkpoint's data.tokenizer), else None. ValueError if its ids do not fit the model."""
     import json
-    from pathlib import Path
 
     from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
@@ -61,6 +88,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg, model_cfg, source = prepare(argv)
         tokenizer = tokenizer_for(cfg, model_cfg, source)
+        reserve_port(cfg.host, cfg.port)
         if importlib.util.find_spec("prometheus_client") is None:  # /metrics is written with it
             raise ValueError("hybridpar serve needs prometheus_client: pip install 'hybridpar[serve]'")
     except ValueError as e:

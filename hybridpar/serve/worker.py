@@ -73,6 +73,11 @@ def resolve_source(source: str, model: ModelConfig | None) -> tuple[str, ModelCo
         return str(p), ModelConfig(**state["config"]["model"])
     if p.is_dir() and (found := newest_artefact(p)) is not None:
         return resolve_source(str(found), model)
+    if p.is_dir() and any(p.glob("*.safetensors")):
+        raise ValueError(
+            f"model source {source!r} holds *.safetensors but no config.json: a Hugging Face model directory "
+            "needs the config.json written with its weights (save_pretrained and hybridpar export write both)"
+        )
     raise ValueError(
         f"model source {source!r} is not init:SEED, a Hugging Face model directory (config.json + "
         "*.safetensors), a hybridpar run directory holding a model (final/ or a checkpoint) or a checkpoint "

@@ -41,6 +41,20 @@ def tp_node_problem(tp: int, procs_per_node: int) -> str | None:
     )
 
 
+def node_rank_problem(node_rank: str | None, nnodes: str) -> str | None:
+    """Why `--node-rank` cannot name a node of `--nnodes` N (or MIN:MAX) nodes (None if it can, or is not
+    given). torchrun takes any number, and a node rank of N or more then waits, as a client, for a node 0
+    that the other nodes never make it: a hang instead of an error."""
+    if node_rank is None:
+        return None
+    most = nnodes.rpartition(":")[2]
+    if not most.isdigit():
+        return None  # torchrun judges --nnodes itself
+    if not node_rank.isdigit() or int(node_rank) >= int(most):
+        return f"--node-rank {node_rank} is not a node of --nnodes {nnodes}: give 0 to {int(most) - 1}, one per node"
+    return None
+
+
 @dataclass(frozen=True)
 class NodeMap:
     """node_of[rank] = the node index (0, 1, … in rank order) that rank runs on."""

@@ -37,6 +37,12 @@ def connect(host: str, port: int, timeout_s: float, again: bool = False) -> dist
         return dist.TCPStore(host, port, is_master=False, timeout=timedelta(seconds=timeout_s))
     except (RuntimeError, TimeoutError) as e:
         where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        if "Ping failed" in str(e):  # torch's handshake got another answer: a port some other server holds
+            raise StoreLost(
+                f"{where} answers, but not as a rendezvous store (torch's store handshake got another reply): "
+                "another program holds the port; give --rdzv-endpoint the port hybridpar rendezvous listens on, "
+                "or a free one"
+            ) from e
         what = "stopped answering and did not come back" if again else "did not answer"
         then = "again (the workers were stopped and checkpoint if they can)" if again else "first"
         raise StoreLost(
@@ -52,17 +58,29 @@ def store_lost(e: BaseException | None) -> StoreLost | None:
     return e
 
 
+def _caused_by(e: BaseException | None, kind: type[BaseException]) -> bool:
+    while e is not None and not isinstance(e, kind):
+        e = e.__cause__ or e.__context__
+    return e is not None
+
+
 def store_error_line(e: BaseException, endpoint: str | None) -> str | None:
     """The line a launcher prints when its agent ended because the rendezvous store at `endpoint` could not
-    be reached, or None: a standalone store that did not come back says so itself (StoreLost); any other
-    lost connection is a store that died with its host, a training agent, unless none answered at all."""
-    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError
+    be reached, or its nodes did not all come within the join timeout, or None: a standalone store that did
+    not come back says so itself (StoreLost); any other lost connection is a store that died with its host,
+    a training agent, unless none answered at all."""
+    from torch.distributed.elastic.rendezvous.api import RendezvousConnectionError, RendezvousTimeoutError
 
     if lost := store_lost(e):
         return f"hybridpar: error: {lost}"
-    while e is not None and not isinstance(e, RendezvousConnectionError):
-        e = e.__cause__ or e.__context__
-    if e is None or endpoint is None:  # no endpoint: a one-node launch, whose agent hosts its own store
+    if _caused_by(e, RendezvousTimeoutError):  # torch says nothing; the launcher said "training failed"
+        return (
+            "hybridpar: error: the rendezvous did not gather its nodes within --rdzv-conf join_timeout (600 s "
+            "unless set): a node was lost, or never started, and a job of --nnodes N waits for all N; start "
+            "the missing node's agent within that time, or make the job elastic (--nnodes MIN:MAX); then "
+            "continue with --checkpoint.resume auto"
+        )
+    if endpoint is None or not _caused_by(e, RendezvousConnectionError):  # no endpoint: its agent hosts the store
         return None
     return (
         f"hybridpar: error: the rendezvous store at {endpoint} cannot be reached: if a training agent hosted "

@@ -12,7 +12,10 @@ round, so each round's process group keys need a prefix of their own (topology/m
 TORCHELASTIC_RESTART_COUNT is counted per agent: after a node is lost and another joins, the survivor's
 workers are at restart 1 and the newcomer's at 0, and they would never meet. So the agents agree on a
 random id per round through the round's own store (rank 0 of the round writes it, every agent reads it)
-and hand it to their workers in `ATTEMPT_ENV`. `hybridpar train` uses these handlers for `--rdzv-backend
+and hand it to their workers in `ATTEMPT_ENV`. For the same reason a worker asks `job_restarts`, not its
+agent's count, whether the job started before (and so resumes): the newcomer's workers, at restart 0,
+would start the run afresh while the survivors' resume, and the two halves would wait for each other's
+collectives until the timeout. `hybridpar train` uses these handlers for `--rdzv-backend
 c10d` (loopback for a loopback endpoint); plain torchrun reaches them as `--rdzv-backend
 hybridpar-loopback` or `hybridpar-c10d` (entry points, see pyproject.toml).
 
@@ -38,6 +41,7 @@ from hybridpar.topology.rdzv_store import DEFAULT_PORT, STANDALONE_KEY, host_sto
 LOOPBACK_BACKEND = "hybridpar-loopback"
 C10D_BACKEND = "hybridpar-c10d"
 ATTEMPT_ENV = "HYBRIDPAR_RDZV_ATTEMPT"  # plumbing from agent to workers, like torch's own TORCHELASTIC_*
+ROUND_ENV = "HYBRIDPAR_RDZV_ROUND"  # the rendezvous round, the same on every node of it
 LOOPBACK_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
@@ -103,8 +107,10 @@ def _each_round(handler, next_rendezvous):  # wraps DynamicRendezvousHandler.nex
         # The round's store is a PrefixStore of this round only: a key written here is never stale.
         if info.rank == 0:
             info.store.set("hybridpar/attempt", secrets.token_hex(6))
-        # The agent starts its workers next; they inherit its environment.
+        # The agent starts its workers next; they inherit its environment. torch numbers the rounds in the
+        # rendezvous state every node shares (a new round once every node of the last one has left it).
         os.environ[ATTEMPT_ENV] = info.store.get("hybridpar/attempt").decode()
+        os.environ[ROUND_ENV] = str(handler._state_holder.state.round)
         return info
 
     return wrapped
@@ -177,6 +183,15 @@ def worker_store_prefix() -> str:
     agreed on for this rendezvous round, or (a handler that does not agree on one, e.g. torch's own c10d)
     the agent's restart count, which is the same on every node until nodes leave and join."""
     return f"/hybridpar/attempt_{os.environ.get(ATTEMPT_ENV) or os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}"
+
+
+def job_restarts() -> int:
+    """How many times the job's workers started before these, as every node sees it: the rendezvous round
+    (0 for the job's first) where these handlers ran the rendezvous, else (torch's own backends, one
+    agent) the agent's TORCHELASTIC_RESTART_COUNT. A node that joins a running job is at restart 0 of
+    its own agent but not of the job: it must resume with the survivors (resilience/elastic.py)."""
+    own = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    return max(own, int(os.environ.get(ROUND_ENV, "0")))
 
 
 def torchrun_handler():  # entry point "torchrun.handlers": plain `torchrun --rdzv-backend hybridpar-loopback`
