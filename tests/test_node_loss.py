@@ -24,10 +24,10 @@ import pytest
 
 from hybridpar.config import parse_args
 from hybridpar.resilience.session import ledger_stats
+from tests.launches import run_forked
 from tests.tiny_flags import tiny_flags  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).parent))
-from test_chaos import _run  # noqa: E402  (hybridpar.launch in a fresh process)
 from test_equivalence import final_state  # noqa: E402
 from test_multinode import CLI, free_port, listening, records, spawn, wait_all  # noqa: E402
 
@@ -183,7 +183,7 @@ def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:
         cfg = parse_args(FLAGS + ["--run-dir", str(ref), "--checkpoint.every", "0"])
         if i + 1 < len(segs):
             cfg.emulate.fault = f"rank=0:term@step={segs[i + 1][1] - 1}:phase=forward"
-        res, _ = _run(cfg, nproc=world)
+        res, _ = run_forked(cfg, nproc=world)
         assert (res is None) == (i + 1 < len(segs))
     ref_loss = {r["step"]: r["loss"] for r in records(ref / "metrics.jsonl") if "loss" in r}
     loss = {r["step"]: r["loss"] for r in records(run / "metrics.jsonl") if "loss" in r}

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from tests.cdp import Chromium, errors_of, find_chromium
-from tests.test_chaos import HANG_S, _records, _run
+from tests.launches import run_forked
+from tests.test_chaos import HANG_S, _records
 from tests.test_equivalence import tiny_config
 
 pytestmark = pytest.mark.multiprocess  # a launcher, its workers and a browser
@@ -72,7 +73,7 @@ def test_report_of_a_real_run_in_headless_chromium(tmp_path: Path) -> None:
     )
     run = tmp_path / "run"
     cfg.run_dir = str(run)
-    _run(cfg)
+    run_forked(cfg)
     moves = [e for x in _records(run, "metrics.jsonl") for e in x.get("balance", []) if e["event"] == "rebalance"]
     assert moves and moves[0]["applied"] and moves[0]["step"] < fault_step, moves
     assert len(_records(run, "chaos.jsonl")) == 1
