@@ -138,8 +138,8 @@ def lose_and_regain(victim: subprocess.Popen, survivor: subprocess.Popen, run: P
         p.suspend()
     back = agent(run, port)  # the lost node returns, admitted at the survivor's next restart
     try:
-        stopping = lambda: all(sigterm_pending(p.pid) for p in frozen)  # noqa: E731
-        wait_for(stopping, "the survivor's agent stopping its workers to admit the node", [survivor, back], 120)
+        stopped = lambda: all(sigterm_pending(p.pid) for p in frozen)  # noqa: E731
+        wait_for(stopped, "the survivor's agent stopping its workers to admit the node", [survivor, back], 120)
     finally:
         for p in frozen:
             with contextlib.suppress(psutil.NoSuchProcess):
