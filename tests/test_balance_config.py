@@ -57,6 +57,12 @@ def test_layouts_refused_before_launch() -> None:
     with pytest.raises(ValueError, match="emulate.layer_ms must be >= 0"):
         cfg.emulate.layer_ms = -1.0
         validate_config(cfg)
+    cfg.emulate.layer_ms, cfg.emulate.layer_timing = 0.0, "emulated"  # no emulated cost to read
+    with pytest.raises(ValueError, match="emulate.layer_timing='emulated' needs an emulated cost to read"):
+        validate_config(cfg)
+    cfg.emulate.layer_timing = "exact"
+    with pytest.raises(ValueError, match="emulate.layer_timing='exact' is not one of measured, emulated"):
+        validate_config(cfg)
 
 
 def test_bench_scenarios_are_valid_configs() -> None:

@@ -55,7 +55,7 @@ SIM_FIELDS = (
 )
 
 
-def check_prediction(rec: dict, min_hops: int = 1) -> None:
+def check_prediction(rec: dict) -> None:
     for f in SIM_FIELDS:
         assert f in rec, f
     assert rec["sim_step_time_s"] > 0 and rec["sim_ideal_step_time_s"] > 0 and rec["hop_latency_s"] > 0
@@ -76,7 +76,18 @@ def check_prediction(rec: dict, min_hops: int = 1) -> None:
     cp = rec["critical_path_s"]
     parts = ("work_s", "overshoot_s", "hops_s", "intra_s", "start_s", "end_s")
     assert sum(cp[k] for k in parts) == pytest.approx(cp["step_s"])
-    assert cp["work_s"] > 0 and cp["n_hops"] >= min_hops and cp["runs"] == rec["repeats"]
+    assert cp["work_s"] > 0 and cp["runs"] == rec["repeats"]
+    # The path crosses ranks through the messages that held it up, each hop taking time, or, where no rank
+    # ever waited for a message still to come, it is one rank's own chain of windows, first to last (a rank
+    # the others keep ahead of: on a loaded machine any rank's wake-ups may be that late; seen at zb-v in CI
+    # and at zb-h1 at load 8-17). Which of the two is the machine's timing, so either must hold exactly.
+    if cp["n_hops"] > 0:
+        assert cp["hops_s"] > 0
+    else:
+        acts = build_schedule(rec["schedule"], rec["pp"], rec["virtual_stages"], rec["microbatches"])
+        steps = cp["steps_per_run"]  # one walk per run, over its steps: the rank's windows of every step
+        chains = {steps * sum(a.is_compute for a in rank) - 1 for rank in acts}
+        assert cp["hops_s"] == 0 and any(cp["n_intra"] * steps == pytest.approx(n) for n in chains), cp
     assert rec["p2p"] in ("shared_memory", "process_group")
 
 
@@ -234,9 +245,7 @@ def test_smoke_zb_v_emulated_against_torch(tmp_path):
     assert rec["schedule"] == "zb-v" and rec["virtual_stages"] == 2 and rec["w_ms"] == 1.0
     _same_as_torch(rec)  # torch's ScheduleZBVZeroBubble, on the same V placement
     assert 0 < rec["bubble_theory"] < 1
-    # Rank 0 holds both ends of the V: when every activation arrives before rank 0 needs it, its own
-    # chain of windows is the whole critical path and no hop is on it (seen in CI), so none is required.
-    check_prediction(rec, min_hops=0)
+    check_prediction(rec)
     assert list(rec["hop_latency_per_link_s"]) == ["0->1"]  # the V's turn is local: one link
 
 

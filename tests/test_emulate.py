@@ -120,18 +120,22 @@ def test_emulated_devices_attach_and_detach() -> None:
     assert "step" not in vars(tr) and tr.runtime.emulated_cost is None
 
 
-def _emulated_sleep(monkeypatch, stretch: float, cost_s: float | None, own_s: float, op, split: bool) -> float:
+def _emulated_sleep(
+    monkeypatch, stretch: float, cost_s: float | None, own_s: float, op, split: bool, recorded: dict | None = None
+) -> float:
     """What the runtime sleeps after a compute action whose own compute took `own_s` (one message wait of
-    1 s inside it, excluded), with `stretch` and a forward's emulated cost `cost_s` (None: off)."""
+    1 s inside it, excluded), with `stretch` and a forward's emulated cost `cost_s` (None: off). `recorded`:
+    the runtime reports emulated times (emulate.layer_timing=emulated) into it, by action."""
     from hybridpar.pipeline import runtime as rt
     from hybridpar.pipeline.schedules import Action
 
     slept: list[float] = []
     monkeypatch.setattr(rt.time, "sleep", slept.append)
     monkeypatch.setattr(rt.time, "perf_counter", lambda: 100.0 + own_s + 1.0)
-    me = SimpleNamespace(stretch=stretch, emulated_cost=None if cost_s is None else (lambda s, n: cost_s * n))
+    cost = None if cost_s is None else (lambda s, n: cost_s * n)
+    me = SimpleNamespace(stretch=stretch, emulated_cost=cost, report_emulated=recorded is not None)
     wait = SimpleNamespace(start=100.2, end=101.2)
-    st = SimpleNamespace(waits=[wait], shapes=[(2, 16, 32)])
+    st = SimpleNamespace(waits=[wait], shapes=[(2, 16, 32)], emulated={} if recorded is None else recorded)
     rt.PipelineRuntime._emulate(me, st, Action(0, op, 0), split, 100.0, 0)
     return slept[0]
 
@@ -151,6 +155,18 @@ def test_runtime_emulated_cost_is_a_floor_stretched(monkeypatch) -> None:
     assert f(monkeypatch, 2.0, 0.1, 0.3, Op.FORWARD, False) == pytest.approx(0.1)  # real under 2 x the cost
     assert f(monkeypatch, 1.0, 0.1, 0.3, Op.FORWARD, False) == pytest.approx(0.0)  # real above the cost
     assert f(monkeypatch, 2.0, None, 0.3, Op.FORWARD, False) == pytest.approx(0.3)  # no cost: (2 - 1) x own
+
+
+def test_runtime_reports_the_emulated_time_however_long_the_action_took(monkeypatch) -> None:
+    """emulate.layer_timing=emulated: each compute action records stretch x its emulated cost, also when its
+    real compute (or a loaded machine) made it last longer; 'measured' records nothing."""
+    from hybridpar.pipeline.schedules import Action, Op
+
+    got: dict = {}
+    _emulated_sleep(monkeypatch, 3.0, 0.1, 0.9, Op.FORWARD, False, got)  # real 0.9 s above the 0.6 s cost
+    _emulated_sleep(monkeypatch, 1.0, 0.1, 0.05, Op.BACKWARD, False, got)
+    assert got == {Action(0, Op.FORWARD, 0): pytest.approx(0.6), Action(0, Op.BACKWARD, 0): pytest.approx(0.4)}
+    _emulated_sleep(monkeypatch, 1.0, 0.1, 0.05, Op.WEIGHT, True)  # measured: the runtime keeps no record
 
 
 def test_emulation_off_attaches_nothing() -> None:

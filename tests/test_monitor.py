@@ -15,6 +15,7 @@ import torch
 from hybridpar.balance import monitor as mon
 from hybridpar.balance.monitor import DeviceMonitor, PeakTracker, aggregate, stage_times
 from hybridpar.pipeline.p2p import LinkStats
+from hybridpar.pipeline.runtime import ActionTime
 from hybridpar.pipeline.schedules import Action, Op
 
 MiB = 1 << 20
@@ -157,6 +158,11 @@ def test_stage_times_subtract_waits_inside_each_action() -> None:
     assert got[("F", 1)] == pytest.approx([0.5, 0.6])
     assert got[("B", 1)] == pytest.approx([0.75, 0.4])
     assert got[("W", 1)] == pytest.approx([0.2])
+    # emulate.layer_timing=emulated: an action carrying its emulated seconds counts those, waits or not.
+    out.timeline[1] = ActionTime(Action(1, Op.FORWARD, 1), 0.0, 1.0, emulated=0.25)
+    out.timeline[4] = ActionTime(Action(1, Op.BACKWARD, 0), 2.0, 3.0, emulated=0.5)
+    got = stage_times(out)
+    assert got[("F", 1)] == pytest.approx([0.5, 0.25]) and got[("B", 1)] == pytest.approx([0.5, 0.4])
 
 
 class FakeP2P:

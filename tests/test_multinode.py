@@ -232,18 +232,27 @@ def test_two_agents_through_hybridpar_train_equal_one_agent(tmp_path: Path, one_
     node, pp across them; every socket on loopback; a launch of another run on the directory is refused
     before any worker starts; the model is the one-agent model bit for bit."""
     run, port = tmp_path / "run", free_port()
-    procs = [
-        spawn(node_cmd(run, port, "job1", "2", "2", "--node-rank", str(n)), tmp_path / f"agent{n}") for n in (0, 1)
-    ]
+    # The first node alone: it claims the directory, then waits at the rendezvous for the second, which
+    # starts only after the intruder was answered. So the intruder meets a run that holds the directory
+    # and has started no worker, however slowly it starts (a run of both nodes could end before it).
+    procs = [spawn(node_cmd(run, port, "job1", "2", "2", "--node-rank", "0"), tmp_path / "agent0")]
     try:
         deadline = time.monotonic() + 60
-        while not (run / rundir.RUN_FILE).is_file() and time.monotonic() < deadline:
+        while not (run / rundir.RUN_FILE).is_file():
+            assert procs[0].poll() is None and time.monotonic() < deadline, "the first node claimed no run"
             time.sleep(0.1)
         intruder = subprocess.run(
             node_cmd(run, free_port(), "job2"), capture_output=True, text=True, env=ENV, timeout=60
         )
+        assert tree(procs[0].pid) == {procs[0].pid}, "the first node started workers alone"
+    except BaseException:
+        procs[0].kill()  # it would wait for the second node
+        raise
+    procs.append(spawn(node_cmd(run, port, "job1", "2", "2", "--node-rank", "1"), tmp_path / "agent1"))
+    try:
         seen: set[str] = set()
-        while any(p.poll() is None for p in procs) and time.monotonic() < deadline + 60:
+        until = time.monotonic() + 120
+        while any(p.poll() is None for p in procs) and time.monotonic() < until:
             seen |= listening(set().union(*(tree(p.pid) for p in procs)))
             time.sleep(0.3)
     finally:

@@ -11,6 +11,7 @@ with a line naming it, and a restart with --checkpoint.resume auto finishes it."
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -128,9 +129,33 @@ def lose_and_regain(victim: subprocess.Popen, survivor: subprocess.Popen, run: P
     wait_for(lambda: trained_since(run, killed_at, 1, "checkpoint"), "the survivor training alone", [survivor])
     resumed_at = next(e["time"] for e in events(run) if e["event"] == "first_step" and e["time"] > killed_at)
     back_at = time.time()
+    # The survivor's workers wait, frozen, until their agent stops them to admit the returning node: the
+    # rejoin happens however long that node takes to start (on a loaded machine the survivor, training on,
+    # finished the run before it was admitted). Frozen, they are stopped as they would be running: the
+    # agent's SIGTERM, pending while they are stopped, is handled (checkpoint, exit) when they go on.
+    frozen = psutil.Process(survivor.pid).children(recursive=True)
+    for p in frozen:
+        p.suspend()
     back = agent(run, port)  # the lost node returns, admitted at the survivor's next restart
+    try:
+        stopped = lambda: all(sigterm_pending(p.pid) for p in frozen)  # noqa: E731
+        wait_for(stopped, "the survivor's agent stopping its workers to admit the node", [survivor, back], 120)
+    finally:
+        for p in frozen:
+            with contextlib.suppress(psutil.NoSuchProcess):
+                p.resume()
     wait_for(lambda: trained_since(run, back_at, 2, "checkpoint"), "both nodes training again", [survivor, back], 120)
     return resumed_at - killed_at, back, hosted
+
+
+def sigterm_pending(pid: int) -> bool:
+    """Whether process `pid` has a SIGTERM pending (sent while it is stopped), from /proc (Linux)."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    pending = [int(line.split()[1], 16) for line in status.splitlines() if line.startswith(("ShdPnd:", "SigPnd:"))]
+    return any(mask >> (signal.SIGTERM - 1) & 1 for mask in pending)
 
 
 def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:

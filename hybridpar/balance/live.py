@@ -9,7 +9,9 @@ stage run in lock-step, so the position reports the slowest of them.
 
 Every decision is logged (why, old and new layout, step time before and after as simulated on the run's
 schedule and as the bottleneck bound), and once `window` steps have run on an applied layout a second
-record gives the step time measured before and after it, beside the predictions.
+record gives the step time measured before and after it, beside the predictions, and the bottleneck's:
+the compute seconds per step of the busiest rank, as the policy read them (with
+`emulate.layer_timing=emulated` the emulated ones, which a loaded machine does not change).
 """
 
 from __future__ import annotations
@@ -98,6 +100,7 @@ class LiveBalancer:
         )
         self.placed = schedule_spec(cfg.parallel.schedule).stage_ranks(cfg.parallel.pp, stages_per_rank(cfg.parallel))
         self.step_times: deque[float] = deque(maxlen=cfg.balance.window)
+        self.bottlenecks: deque[float] = deque(maxlen=cfg.balance.window)  # the busiest position's compute
         self._follow: list[dict[str, Any]] = []  # applied decisions awaiting their measured step time
         self._start: int | None = None  # first step of this process (a resumed run warms up too)
 
@@ -147,12 +150,14 @@ class LiveBalancer:
         if step - self._start < self.cfg.balance.skip_steps:
             return BalanceStep(events)  # warm-up: allocations and lazy initialisation, not the device's speed
         self.step_times.append(step_time_s)
+        ranks = all_gather_json(self._local(output, step_time_s, memory), self.topo.device)
+        self.bottlenecks.append(max(x["compute_s"] for x in ranks))
         for f in list(self._follow):
             if step - f["step"] >= self.cfg.balance.window:
                 f["measured_step_after_s"] = statistics.median(self.step_times)
+                f["measured_bottleneck_after_s"] = statistics.median(self.bottlenecks)
                 events.append(f)
                 self._follow.remove(f)
-        ranks = all_gather_json(self._local(output, step_time_s, memory), self.topo.device)
         decision = None
         if self.topo.rank == 0:
             d = self.policy.update(step, self.samples(step, ranks, layout), layout)
@@ -172,7 +177,9 @@ class LiveBalancer:
                 "simulated_step_before_s": rec["simulated_step_before_s"],
                 "simulated_step_after_s": rec["simulated_step_after_s"],
                 "measured_step_before_s": statistics.median(self.step_times),
+                "measured_bottleneck_before_s": statistics.median(self.bottlenecks),
             }
         )
         self.step_times.clear()
+        self.bottlenecks.clear()
         return BalanceStep(events, rec, Decision.from_record(rec).new)

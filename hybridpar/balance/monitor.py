@@ -227,7 +227,8 @@ def stage_times(step_output: Any) -> dict[tuple[str, int], list[float]]:
     """Compute seconds of each (op, stage) per microbatch (list index = microbatch order), from
     `StepOutput.timeline`, minus the time the action spent blocked on a message (`waits`, recorded
     inside the F/B action that waited) — what remains is the stage's own cost, which is what the
-    balancer and the simulator need; the waits are the bubble and the link."""
+    balancer and the simulator need; the waits are the bubble and the link. An action that carries its
+    emulated seconds (`emulate.layer_timing=emulated`, pipeline/runtime.py) counts those instead."""
     timeline: Sequence[_Timed] = step_output.timeline
     waits: Sequence[_Timed] = step_output.waits
     by_key: dict[tuple[int, int], list[_Timed]] = {}
@@ -243,7 +244,10 @@ def stage_times(step_output: Any) -> dict[tuple[str, int], list[float]]:
         blocked = sum(
             max(0.0, min(w.end, t.end) - max(w.start, t.start)) for w in by_key.get((a.stage, a.microbatch), ())
         )
-        per.setdefault((a.op.value, a.stage), []).append((a.microbatch, max(0.0, t.end - t.start - blocked)))
+        took = max(0.0, t.end - t.start - blocked)
+        # An emulated cost read as such (emulate.layer_timing=emulated): what the emulated device takes.
+        took = took if getattr(t, "emulated", None) is None else t.emulated
+        per.setdefault((a.op.value, a.stage), []).append((a.microbatch, took))
     return {k: [d for _, d in sorted(v)] for k, v in per.items()}
 
 

@@ -463,6 +463,13 @@ class EmulateConfig:
         "BENCHMARK MODE, off by default (0): every compute action lasts this many ms per decoder layer "
         "and sample (backward twice that), the real compute inside it, so compute is a fixed duration",
     )
+    layer_timing: str = _f(
+        "measured",
+        "TESTING MODE, with emulate.layer_ms: what the monitor and the balancer read as each compute action's "
+        "time: 'measured' (the emulated cost plus whatever a loaded machine adds beyond it) or 'emulated' "
+        "(the emulated cost alone, stretched by the slowdowns: the policy sees the emulated speeds exactly)",
+        choices=("measured", "emulated"),
+    )
     memory_limit: int | None = _f(
         None,
         "TESTING MODE, off by default: raise an out-of-memory error when a rank's "

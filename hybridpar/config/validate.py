@@ -188,6 +188,11 @@ def _check_balance(cfg: Config) -> None:
         f"emulate.layer_ms must be >= 0 (0 = off), got {cfg.emulate.layer_ms!r}",
     )
     _require(
+        cfg.emulate.layer_timing == "measured" or cfg.emulate.layer_ms > 0,
+        "emulate.layer_timing='emulated' needs an emulated cost to read: set emulate.layer_ms > 0 "
+        "(or emulate.layer_timing='measured')",
+    )
+    _require(
         _is_num(cfg.emulate.link_ms) and cfg.emulate.link_ms >= 0,
         f"emulate.link_ms must be >= 0 ms per message, got {cfg.emulate.link_ms!r}",
     )

@@ -35,7 +35,7 @@ def emulated_devices(cfg: Config, topo: Topology) -> Attachment:
     delays = _slow_link(cfg, topo) if cfg.emulate.slow_link.strip() else {}
 
     def attach(trainer: Trainer) -> Callable[[], None]:
-        undo = [attach_layer_cost(trainer.runtime, layer_ms)]
+        undo = [attach_layer_cost(trainer.runtime, layer_ms, cfg.emulate.layer_timing == "emulated")]
         if factor is not None:
             undo.append(_stretch_steps(trainer, factor))
         if delays:

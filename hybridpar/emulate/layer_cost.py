@@ -7,7 +7,11 @@ pipeline runtime sleeps until the action has lasted its emulated cost, so the re
 (a tiny model's, kept well under the cost) and whatever a loaded machine makes it take do not change
 the action's length. A sleeping rank needs no core, so 4 ranks on 2 shared cores measure the speeds
 the balancer is meant to see, not the contention. `--emulate.slowdown` stretches the action on top
-(stretch x the emulated cost). The tensors and the math are untouched. The cost reads the stage's
+(stretch x the emulated cost). The tensors and the math are untouched. Where the real compute of an
+action outgrows its cost, or a loaded machine wakes the rank late, the action lasts longer than the cost;
+`--emulate.layer_timing emulated` makes the monitor and the balancer read the emulated cost itself
+instead (the runtime records it per action), so a test of the policy sees the emulated speeds exactly
+however loaded the machine is, while step times stay measured. The cost reads the stage's
 current layer count at each action, so it follows layers that move. The run entry attaches it to the
 trainer's runtime (attach.py), never the trainer itself.
 """
@@ -17,18 +21,19 @@ from __future__ import annotations
 from typing import Any, Callable
 
 
-def attach_layer_cost(runtime: Any, layer_ms: float) -> Callable[[], None]:
+def attach_layer_cost(runtime: Any, layer_ms: float, report: bool = False) -> Callable[[], None]:
     """Make each compute action of `runtime` (a PipelineRuntime) last at least `layer_ms` per layer and
-    sample (backward twice that); returns the function that takes the cost off (nothing at 0)."""
+    sample (backward twice that), and with `report` record that emulated time per action; returns the
+    function that takes the cost off (nothing at 0)."""
     if layer_ms <= 0:
         return lambda: None
 
     def cost(stage: int, samples: int) -> float:  # one forward's seconds
         return len(runtime.stages[stage].layer_ids) * samples * layer_ms / 1000.0
 
-    runtime.emulated_cost = cost
+    runtime.emulated_cost, runtime.report_emulated = cost, report
 
     def detach() -> None:
-        runtime.emulated_cost = None
+        runtime.emulated_cost, runtime.report_emulated = None, False
 
     return detach

@@ -42,6 +42,9 @@ class ActionTime:
     action: Action
     start: float
     end: float
+    # Emulation only (`emulate.layer_timing=emulated`): the compute action's emulated seconds, which the
+    # monitor and the balancer read instead of end - start (balance/monitor.py `stage_times`).
+    emulated: float | None = None
 
 
 @dataclass
@@ -69,6 +72,7 @@ class _Step:
     loss: torch.Tensor | None = None
     waits: list[ActionTime] = field(default_factory=list)
     failed: str | None = None  # out of memory: the rest of the step only keeps messages flowing
+    emulated: dict[Action, float] = field(default_factory=dict)  # compute action -> its emulated seconds
     documents: Sequence[Any] | None = None  # per microbatch: positions and mask (model/documents.py)
 
 
@@ -94,8 +98,10 @@ class PipelineRuntime:
         # `emulated_cost(stage, samples)` (layer_cost.py) is one forward's emulated seconds (backward
         # twice that; a split backward's B and W once each): the real compute inside an action is absorbed
         # up to that cost, so a loaded machine's contention does not change the emulated speeds.
+        # `report_emulated`: the timeline carries each compute action's emulated seconds (ActionTime.emulated).
         self.stretch = 1.0
         self.emulated_cost: Callable[[int, int], float] | None = None
+        self.report_emulated = False
         self.meter: ActivationMeter | None = None  # counts the activations forward passes save
         # Mixed precision (train.precision=bf16): stages compute under autocast to this dtype; their
         # parameters, gradients and the residual stream inside a stage stay fp32. Messages between ranks
@@ -178,7 +184,7 @@ class PipelineRuntime:
                     self._act(st, a, split, t0)
                 if on_stage_done is not None and done_at.get(a.stage) == i and train:
                     on_stage_done(a.stage)
-                timeline.append(ActionTime(a, t0, time.perf_counter()))
+                timeline.append(ActionTime(a, t0, time.perf_counter(), st.emulated.pop(a, None)))
         p2p.wait_sends()
         assert not (st.saved or st.to_send or st.local_act or st.local_grad), f"unfinished work: {sorted(st.saved)}"
         return StepOutput(loss=st.loss, timeline=timeline, waits=st.waits, out_of_memory=st.failed)
@@ -220,7 +226,10 @@ class PipelineRuntime:
             return
         units = 2.0 if a.op == Op.BACKWARD and not split else 1.0  # B = 2F; split: B = W = F
         # The emulated device is `stretch` x slower: its cost stretches, the real compute stays noise.
-        time.sleep(max(0.0, self.stretch * units * self.emulated_cost(a.stage, st.shapes[a.microbatch][0]) - own))
+        emulated = self.stretch * units * self.emulated_cost(a.stage, st.shapes[a.microbatch][0])
+        if self.report_emulated:
+            st.emulated[a] = emulated
+        time.sleep(max(0.0, emulated - own))
 
     def _compute(self, st: _Step, work: Callable[[], None]) -> None:
         """Run `work`; on out-of-memory drop the step's graphs and go on without computing: peers
