@@ -7,7 +7,8 @@ for one process (pp2 -> pp1), resumes from the last verified checkpoint and goes
 agent, started again, is admitted at the survivor's next restart and the layout returns to pp2. The run
 ends with every step's samples applied once (ledger), and with the model of a fault-free run that went
 through the same layout changes at the same steps (within 1e-5). A store that stays away stops the run
-with a line naming it, and a restart with --checkpoint.resume auto finishes it."""
+with a line naming it, and a restart with --checkpoint.resume auto finishes it. The agents run the docs'
+command (no --checkpoint.resume): the round, not a flag, makes a returning node resume."""
 
 from __future__ import annotations
 
@@ -47,9 +48,11 @@ FLAGS = [
     "1",
     "--checkpoint.keep",
     str(STEPS + 1),
-    "--checkpoint.resume",
-    "auto",  # any world the first rendezvous forms (1 or 2 nodes) starts the run
 ]
+# The agents run the docs' elastic command, without it: a node that returns must resume because the
+# rendezvous round says the job started before, not because a flag told it to. The fault-free reference's
+# segments and the restart by hand after the store stayed away resume with it.
+RESUME = ["--checkpoint.resume", "auto"]
 SLOW = ["--emulate.layer_ms", "60"]  # sleeps only (same numbers): time to kill and rejoin mid-run
 
 
@@ -189,8 +192,15 @@ def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:
                 p.kill()
     assert [code for code, _, _ in ends] == [0, 0], [err[-3000:] for _, _, err in ends]
     assert sum("wrote the rendezvous state back" in p.logs[1].read_text() for p in (a, b)) == 1
-    segs = segments(events(run))
+    evts = events(run)
+    segs = segments(evts)
     assert [w for w, _ in segs] == [2, 1, 2, 1, 2], segs  # lost a node and got it back, twice
+    # One start per layout, each after the first resuming at once: a returning node whose workers started the
+    # run afresh beside resuming survivors (its agent at restart 0) would sit in collectives that never
+    # match until parallel.timeout_s and start once more.
+    starts = [i for i, e in enumerate(evts) if e["event"] == "start"]
+    assert [evts[i]["world"] for i in starts] == [2, 1, 2, 1, 2], evts
+    assert all(evts[i + 1]["event"] == "resumed" for i in starts[1:]), evts
     for survivor in (b, a2):  # each survivor re-planned for one process
         assert "tp=1 pp=2 dp=1 -> tp=1 pp=1 dp=1" in survivor.logs[0].read_text()
     last = json.loads((run / "checkpoints" / f"step-{STEPS:06d}" / "trainer_state.json").read_text())
@@ -205,7 +215,7 @@ def test_no_node_is_a_single_point_of_failure(tmp_path: Path) -> None:
     # is the one the next segment resumes from: none at every step (checkpoints change no numbers).
     ref = tmp_path / "ref"
     for i, (world, start) in enumerate(segs):
-        cfg = parse_args(FLAGS + ["--run-dir", str(ref), "--checkpoint.every", "0"])
+        cfg = parse_args(FLAGS + RESUME + ["--run-dir", str(ref), "--checkpoint.every", "0"])
         if i + 1 < len(segs):
             cfg.emulate.fault = f"rank=0:term@step={segs[i + 1][1] - 1}:phase=forward"
         res, _ = run_forked(cfg, nproc=world)
@@ -244,7 +254,7 @@ def test_a_store_that_stays_away_stops_the_run_which_resumes(tmp_path: Path) -> 
         store = rendezvous_store(port, run)
         torchrun = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "1"]
         rdzv = ["--rdzv-backend", "hybridpar-loopback", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loss"]
-        train = ["-m", "hybridpar.run.train", *FLAGS, "--parallel.pp", "1", "--train.steps", str(SHORT)]
+        train = ["-m", "hybridpar.run.train", *FLAGS, *RESUME, "--parallel.pp", "1", "--train.steps", str(SHORT)]
         # Without the emulated sleeps: nothing is timed from here, the resumed run only has to finish.
         cmd = [*torchrun, *rdzv, "--rdzv-conf", "is_host=false", "--local-addr", "127.0.0.1", *train]
         one = [spawn([*cmd, "--run-dir", str(run)], run.with_name("torchrun"))]
