@@ -73,6 +73,7 @@ def test_sync_wait_reads_between_measured_works_and_holds_beyond() -> None:
     "change, words",
     [
         ({"nodes": 0}, "nodes must be a positive integer"),
+        ({"devices_per_node": None}, "missing key 'devices_per_node' (a positive integer)"),
         ({"device_memory_gib": -1}, "device_memory_gib must be a number > 0"),
         ({"peak_tflops": {"fp32": 10.0}}, "[peak_tflops] needs bf16"),
         ({"peak_tflops": {"fp32": 1.0, "bf16": 2.0, "fp8": 3.0}}, "unknown precision(s) in [peak_tflops]: fp8"),

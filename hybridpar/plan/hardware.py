@@ -208,7 +208,8 @@ def parse_hardware(d: dict[str, Any], where: str = "hardware") -> Hardware:
     for key in ("name", "source"):
         _need(isinstance(d.get(key), str) and d[key].strip() != "", where, f"{key} must be a non-empty string")
     for key in ("nodes", "devices_per_node"):
-        v = d.get(key)
+        _need(key in d, where, f"missing key {key!r} (a positive integer)")
+        v = d[key]
         _need(
             isinstance(v, int) and not isinstance(v, bool) and v >= 1,
             where,
