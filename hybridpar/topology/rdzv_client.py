@@ -51,17 +51,17 @@ def connect(host: str, port: int, timeout_s: float, again: bool = False) -> dist
         ) from e
 
 
-def store_lost(e: BaseException | None) -> StoreLost | None:
-    """The StoreLost behind `e` (torch wraps it in its rendezvous errors), if any."""
-    while e is not None and not isinstance(e, StoreLost):
+def _behind(e: BaseException | None, kind: type[BaseException]) -> BaseException | None:
+    """The `kind` error behind `e` (torch wraps errors in its rendezvous errors), if any."""
+    while e is not None and not isinstance(e, kind):
         e = e.__cause__ or e.__context__
     return e
 
 
-def _caused_by(e: BaseException | None, kind: type[BaseException]) -> bool:
-    while e is not None and not isinstance(e, kind):
-        e = e.__cause__ or e.__context__
-    return e is not None
+def store_lost(e: BaseException | None) -> StoreLost | None:
+    """The StoreLost behind `e`, if any."""
+    lost = _behind(e, StoreLost)
+    return lost if isinstance(lost, StoreLost) else None
 
 
 def store_error_line(e: BaseException, endpoint: str | None) -> str | None:
@@ -73,14 +73,14 @@ def store_error_line(e: BaseException, endpoint: str | None) -> str | None:
 
     if lost := store_lost(e):
         return f"hybridpar: error: {lost}"
-    if _caused_by(e, RendezvousTimeoutError):  # torch says nothing; the launcher said "training failed"
+    if _behind(e, RendezvousTimeoutError):  # torch says nothing; the launcher said "training failed"
         return (
             "hybridpar: error: the rendezvous did not gather its nodes within --rdzv-conf join_timeout (600 s "
             "unless set): a node was lost, or never started, and a job of --nnodes N waits for all N; start "
             "the missing node's agent within that time, or make the job elastic (--nnodes MIN:MAX); then "
             "continue with --checkpoint.resume auto"
         )
-    if endpoint is None or not _caused_by(e, RendezvousConnectionError):  # no endpoint: its agent hosts the store
+    if endpoint is None or not _behind(e, RendezvousConnectionError):  # no endpoint: its agent hosts the store
         return None
     return (
         f"hybridpar: error: the rendezvous store at {endpoint} cannot be reached: if a training agent hosted "
