@@ -14,11 +14,12 @@ import pytest
 
 from hybridpar.config import Config
 from hybridpar.plan import gpu_probe
-from hybridpar.plan.cost import CostModel, predict
+from hybridpar.plan.cost import CostModel
 from hybridpar.plan.gpu_model import Rates, parse_gpu_calibration
 from hybridpar.plan.hardware import load_hardware, to_toml
 from hybridpar.plan.main import run
 from hybridpar.plan.matmul_table import MatmulTable, parse_matmul_table
+from hybridpar.plan.step import predict
 from tests.test_plan_gpu_model import table as calibration
 
 ROOT = Path(__file__).parents[1]

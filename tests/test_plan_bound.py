@@ -14,9 +14,9 @@ import pytest
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.bound import after_bound
-from hybridpar.plan.cost import optimizer_s, param_gathers, predict, setup
 from hybridpar.plan.hardware import parse_hardware
 from hybridpar.plan.search import GIB, Planner, _config, _knobs, plan
+from hybridpar.plan.step import optimizer_s, param_gathers, predict, setup
 from tests.test_plan_search import Est, params_memory
 
 

@@ -18,8 +18,9 @@ from hybridpar.plan.calibrate import (
     shapes_for,
     signature,
 )
-from hybridpar.plan.cost import CostModel, Work, all_reduce_s, busy_comm, optimizer_s, placement, predict, stage_costs
+from hybridpar.plan.cost import CostModel, Work, all_reduce_s, busy_comm, placement
 from hybridpar.plan.hardware import parse_hardware, to_toml
+from hybridpar.plan.step import optimizer_s, predict, stage_costs
 from tests.test_plan_cost import cfg_of
 from tests.test_plan_cost import hw as cost_hw
 

@@ -8,18 +8,9 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules import build_schedule
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.simulate import CoreSharing, Costs, simulate
-from hybridpar.plan.cost import (
-    ADAMW_BYTES,
-    COPY_BYTES,
-    CostModel,
-    Shape,
-    all_gather_s,
-    all_reduce_s,
-    placement,
-    predict,
-    stage_costs,
-)
+from hybridpar.plan.cost import ADAMW_BYTES, COPY_BYTES, CostModel, Shape, all_gather_s, all_reduce_s, placement
 from hybridpar.plan.hardware import parse_hardware
+from hybridpar.plan.step import predict, stage_costs
 
 
 def hw(**extra):

@@ -16,7 +16,7 @@ from hybridpar.bench import published_compare as pc
 from hybridpar.config import Config
 from hybridpar.model.registry import layer_flops_per_token
 from hybridpar.plan.collectives import all_gather_s, all_reduce_s, p2p_s, reduce_scatter_s
-from hybridpar.plan.cost import CostModel, grad_reduce_s, handoff, placement, predict, stage_costs
+from hybridpar.plan.cost import CostModel, placement
 from hybridpar.plan.gpu_model import (
     FLASH_BACKWARD_RECOMPUTE,
     OVERLAPS,
@@ -30,6 +30,7 @@ from hybridpar.plan.gpu_model import (
 from hybridpar.plan.hardware import load_hardware, parse_hardware
 from hybridpar.plan.main import calibration_note
 from hybridpar.plan.published import PLANNER_DOCS, load_runs, row_config
+from hybridpar.plan.step import grad_reduce_s, handoff, predict, stage_costs
 from tests.test_plan_hardware import good
 from tests.test_published_compare import weights_only
 

@@ -13,8 +13,9 @@ import torch
 
 from hybridpar.config import Config, ModelConfig
 from hybridpar.model.registry import param_counts
-from hybridpar.plan.cost import CLIP_BYTES, CostModel, optimizer_s, predict
+from hybridpar.plan.cost import CLIP_BYTES, CostModel
 from hybridpar.plan.hardware import parse_hardware
+from hybridpar.plan.step import optimizer_s, predict
 from hybridpar.plan.traffic import (
     SEQ,
     Counter,

@@ -94,8 +94,9 @@ def prediction(a: Any, probed: dict, eager: dict | None, config: Callable[[Any, 
     """The planner's prediction of the eager option's step (tp1 pp1 dp1, its microbatches) on the probed file
     (read back as a user's plan would read it) and on the datasheet file's own calibration, beside the eager
     row's measured step: None until that row has run (or if it failed). {} without a probed file."""
-    from hybridpar.plan.cost import CostModel, predict
+    from hybridpar.plan.cost import CostModel
     from hybridpar.plan.hardware import load_hardware
+    from hybridpar.plan.step import predict
 
     if "probed_file" not in probed:
         return {}

@@ -31,9 +31,10 @@ from hybridpar.bench import emit
 from hybridpar.config import Config
 from hybridpar.config.sections import CPU_BINDINGS
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from hybridpar.plan.cost import CostModel, predict
+from hybridpar.plan.cost import CostModel
 from hybridpar.plan.hardware import to_toml
 from hybridpar.plan.probe import describe
+from hybridpar.plan.step import predict
 from hybridpar.topology.spawn import run_ranks
 
 # Each probe window (seconds). Under foreign load a short window flatters: a rank that has just slept at a

@@ -30,7 +30,7 @@ from hybridpar.config import Config
 from hybridpar.pipeline.partition import partition_uniform
 from hybridpar.pipeline.schedules import stage_count, stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from hybridpar.plan.cost import CostModel, Placement, Prediction, predict
+from hybridpar.plan.cost import CostModel, Placement
 from hybridpar.plan.hardware import Hardware, load_hardware
 from hybridpar.plan.memory_model import rank_memory
 from hybridpar.plan.published import (
@@ -42,6 +42,7 @@ from hybridpar.plan.published import (
     tokens_per_s_per_gpu,
 )
 from hybridpar.plan.search import GIB, Memory, plan
+from hybridpar.plan.step import Prediction, predict
 
 UNITS = {"TFLOP/s": "TFLOP/s per GPU", "MFU": "MFU", "s/step": "s per step", "tokens/s": "tokens/s"}
 

@@ -1,4 +1,4 @@
-"""Lower bounds on the step time `plan/cost.py predict` gives a layout, so that the search can skip what
+"""Lower bounds on the step time `plan/step.py predict` gives a layout, so that the search can skip what
 cannot enter its top list without changing that list (branch and bound).
 
 Two bounds, each no greater than the prediction (tests/test_plan_bound.py checks both against predict):
@@ -26,18 +26,9 @@ from dataclasses import dataclass
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import Action, Op, stage_count
 from hybridpar.pipeline.simulate import Costs
-from hybridpar.plan.cost import (
-    CostModel,
-    LayerCosts,
-    Placement,
-    Setup,
-    closing_s,
-    grad_sum_s,
-    optimizer_s,
-    reduced_bytes,
-    setup,
-)
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement
 from hybridpar.plan.gpu_model import overlapped
+from hybridpar.plan.step import Setup, closing_s, grad_sum_s, optimizer_s, reduced_bytes, setup
 
 COMPUTE = (Op.FORWARD, Op.BACKWARD, Op.WEIGHT)
 

@@ -1,5 +1,5 @@
 """Layout search: every legal layout of a model on a hardware description, pruned by memory, ranked
-by the step time the cost model predicts on the simulator (plan/cost.py).
+by the step time the cost model predicts on the simulator (plan/cost.py, plan/step.py).
 
 Knobs: tp (dividing the model's split sizes, inside a node), pp (at most one layer per stage), dp (the
 rest of the world, dividing the global batch), every registered schedule with its virtual stages,
@@ -32,23 +32,10 @@ from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.pipeline.sim_program import Program, compile_program
 from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, after_bound, compute_shape, knob_bound, pipeline_bound
-from hybridpar.plan.cost import (
-    CostModel,
-    LayerCosts,
-    Placement,
-    Prediction,
-    Setup,
-    Shape,
-    busy_comm,
-    grad_sum_s,
-    optimizer_s,
-    param_gathers,
-    placement,
-    predict,
-    sharing,
-)
+from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Shape, busy_comm, placement
 from hybridpar.plan.hardware import Hardware, Link
 from hybridpar.plan.memory_model import MemoryModel, rank_memory
+from hybridpar.plan.step import Prediction, Setup, grad_sum_s, optimizer_s, param_gathers, predict, sharing
 from hybridpar.report.mfu import model_flops_per_token
 
 TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
