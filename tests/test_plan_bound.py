@@ -15,7 +15,8 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.bound import after_bound
 from hybridpar.plan.hardware import parse_hardware
-from hybridpar.plan.search import GIB, Planner, _config, _knobs, plan
+from hybridpar.plan.knobs import all_knobs, config_of
+from hybridpar.plan.search import GIB, Planner, plan
 from hybridpar.plan.step import optimizer_s, param_gathers, predict, setup
 from tests.test_plan_search import Est, params_memory
 
@@ -70,8 +71,8 @@ def model(n_layers: int = 4, global_batch: int = 8) -> Config:
 
 def layouts(base: Config, h, world: int) -> list[Config]:
     out = []
-    for k in _knobs(base, h, world, h.precisions()):
-        cfg = _config(base, k)
+    for k in all_knobs(base, h, world, h.precisions()):
+        cfg = config_of(base, k)
         try:
             validate_config(cfg, world)
         except ValueError:
@@ -100,7 +101,7 @@ def test_step_bound_is_the_step_where_the_critical_path_is() -> None:
     through the stages is the whole pipeline, so the bound meets the prediction."""
     h = hw(nodes=1, intra_node={"bandwidth_gbs": 1e9, "latency_us": 0.0})
     base = model(n_layers=4)
-    cfg = _config(
+    cfg = config_of(
         base,
         dict(
             tp=1, pp=4, dp=1, schedule="1f1b", v=1, m=8, zero=0, recompute="none", precision="fp32", partition="params"
@@ -120,7 +121,7 @@ def test_step_bound_is_the_step_where_the_critical_path_is() -> None:
 def test_pruning_keeps_the_top_list(name: str, world: int, top: int) -> None:
     h, base = HARDWARE[name], model(n_layers=4, global_batch=16)
     memory = params_memory()  # a third of the whole model's state fits a device: tp x pp >= 3 (the memory path)
-    h = dataclasses.replace(h, device_memory_gib=memory(_config(base, ONE))[0].total / GIB / 3)
+    h = dataclasses.replace(h, device_memory_gib=memory(config_of(base, ONE))[0].total / GIB / 3)
     pruned = plan(base, h, memory, world=world, top=top)
     full = plan(base, h, memory, world=world, top=top, prune=False)
     assert [(c.label, c.prediction.step_s) for c in pruned.candidates] == [
@@ -164,9 +165,9 @@ def test_working_copies_stay_bounded_and_pruning_keeps_the_top_list() -> None:
     pruned search returns the unpruned list."""
     base = model(n_layers=4, global_batch=8)
     # 3.2 bytes a parameter per device: autocast fits at tp x pp = 8 only (dp 1), copies from tp x pp = 4 (dp 2).
-    limit = copies_memory(_config(base, ONE))[0].total / GIB / 5
-    knobs = [k for k in _knobs(base, HARDWARE["gpu"], 8, ("bf16",)) if k["dp"] > 1][::5]
-    layouts = [(k, _config(base, k), _config(base, {**k, "weights": "copies"})) for k in knobs]
+    limit = copies_memory(config_of(base, ONE))[0].total / GIB / 5
+    knobs = [k for k in all_knobs(base, HARDWARE["gpu"], 8, ("bf16",)) if k["dp"] > 1][::5]
+    layouts = [(k, config_of(base, k), config_of(base, {**k, "weights": "copies"})) for k in knobs]
     layouts = [x for x in layouts if not _invalid(x[2], 8)]
     assert len(layouts) > 100
     for h in (HARDWARE["gpu"], HALF_SUMS):

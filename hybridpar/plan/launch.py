@@ -32,7 +32,8 @@ from hybridpar.config import Config
 from hybridpar.pipeline.schedules import schedule_spec, stage_count, stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.plan.hardware import Hardware, load_hardware, parse_hardware
-from hybridpar.plan.search import KNOB_KEYS, Candidate, Plan, plan
+from hybridpar.plan.knobs import KNOB_KEYS
+from hybridpar.plan.search import Candidate, Plan, plan
 from hybridpar.trainer.build import layer_partition
 
 PLAN_FILE = "plan.json"

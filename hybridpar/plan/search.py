@@ -1,7 +1,7 @@
 """Layout search: every legal layout of a model on a hardware description, pruned by memory, ranked
 by the step time the cost model predicts on the simulator (plan/cost.py, plan/step.py).
 
-Knobs: tp (dividing the model's split sizes, inside a node), pp (at most one layer per stage), dp (the
+Knobs (plan/knobs.py): tp (dividing the model's split sizes, inside a node), pp (at most one layer per stage), dp (the
 rest of the world, dividing the global batch), every registered schedule with its virtual stages,
 microbatch counts dividing each replica's batch, partition (parameter-balanced, as the runtime's
 default, or cost-balanced), ZeRO-1 (with dp > 1), recomputation and precision (those the hardware
@@ -18,13 +18,11 @@ get that far; action lists are lowered once per schedule and cached.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import gc
 import itertools
-import operator
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 from hybridpar.config import Config, TrainConfig
 from hybridpar.pipeline.schedules import SCHEDULES, Action, add_communication, compute_schedule, stages_per_rank
@@ -34,17 +32,24 @@ from hybridpar.pipeline.simulate import SimResult
 from hybridpar.plan.bound import ComputeShape, after_bound, compute_shape, knob_bound, pipeline_bound
 from hybridpar.plan.cost import CostModel, LayerCosts, Placement, Shape, busy_comm, placement
 from hybridpar.plan.hardware import Hardware, Link
+from hybridpar.plan.knobs import (
+    BOUNDED,
+    ESTIMATED,
+    RECOMPUTE,
+    config_of,
+    covers,
+    divisors,
+    group_key,
+    held_knobs,
+    knob_key,
+    knob_tuple,
+    most_frugal,
+)
 from hybridpar.plan.memory_model import MemoryModel, rank_memory
 from hybridpar.plan.step import Prediction, Setup, grad_sum_s, optimizer_s, param_gathers, predict, sharing
 from hybridpar.report.mfu import model_flops_per_token
 
 TIES = 1e-9  # the bounds add the simulator's terms in another order: rounding must not prune a tie
-VIRTUAL_STAGES = (2, 4, 8)  # tried for schedules that take any count
-RECOMPUTE = ("none", "selective", "full")
-# Context parallelism is searched where each of a rank's two chunks holds at least this many tokens: a
-# shorter ring block is below the tile a flash-attention kernel computes at once (128 x 128 in
-# FlashAttention-2), so the block neither uses the device nor hides the hop behind it.
-MIN_CP_CHUNK = 128
 GIB = 2**30
 
 
@@ -116,187 +121,6 @@ class Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def _divisors(n: int) -> list[int]:
-    return [d for d in range(1, n + 1) if n % d == 0]
-
-
-def _cps(base: Config, ranks: int) -> list[int]:
-    """The context-parallel sizes searched among `ranks`: 1, and those whose 2 cp chunks of the sequence
-    hold MIN_CP_CHUNK tokens or more each."""
-    seq = base.train.seq_len
-    return [c for c in _divisors(ranks) if c == 1 or (seq % (2 * c) == 0 and seq // (2 * c) >= MIN_CP_CHUNK)]
-
-
-def _knobs(base: Config, hw: Hardware, world: int, precisions: tuple[str, ...]) -> Iterator[dict[str, Any]]:
-    """Every combination of knobs (not yet validated)."""
-    m = base.model
-    for tp in _divisors(world):
-        if tp > hw.devices_per_node or hw.devices_per_node % tp:
-            continue
-        for cp, pp in ((c, q) for c in _cps(base, world // tp) for q in _divisors(world // (tp * c))):
-            dp = world // (tp * cp * pp)
-            if pp > m.n_layers or base.train.global_batch % dp:
-                continue
-            per_replica = base.train.global_batch // dp
-            # With cp, each of a rank's 2 chunks is cut over tp too (config/validate.py `_check_context`).
-            sp_splits = tp > 1 and base.train.seq_len % (tp if cp == 1 else 2 * cp * tp) == 0
-            for spec in SCHEDULES.values():
-                if pp == 1 and (spec.splits_backward or spec.min_microbatches_rule != (1, 0)):
-                    continue  # one rank: the schedules differ only in how many microbatches wait; keep 1F1B's one
-                vs = spec.virtual_stages or tuple(v for v in VIRTUAL_STAGES if pp * v <= m.n_layers)
-                for v, mb in itertools.product(vs, _divisors(per_replica)):
-                    if spec.layout_problem(pp, v) or spec.count_problem(pp, mb) or pp * v > m.n_layers:
-                        continue
-                    for zero, sp, rec, prec, part in itertools.product(
-                        # ZeRO-2 keeps ZeRO-1's peak: never preferred; ZeRO-3 does not compose with cp yet
-                        ((0, 1, 3) if cp == 1 else (0, 1)) if dp > 1 else (0,),
-                        # sequence parallelism: with tp > 1, where each cp rank's chunks split over tp
-                        (False, True) if sp_splits else (False,),
-                        RECOMPUTE,
-                        precisions,
-                        ("params", "cost") if pp > 1 else ("params",),
-                    ):
-                        yield dict(
-                            tp=tp,
-                            pp=pp,
-                            dp=dp,
-                            cp=cp,
-                            schedule=spec.name,
-                            v=v,
-                            m=mb,
-                            zero=zero,
-                            sp=sp,
-                            recompute=rec,
-                            precision=prec,
-                            partition=part,
-                        )
-
-
-# The knobs the knob bound reads (not the partition, the schedule or its virtual stages).
-BOUNDED = ("tp", "pp", "dp", "cp", "m", "zero", "sp", "recompute", "precision")
-# The knobs a layout's step estimate reads (all but the partition, which it does not model).
-ESTIMATED = ("tp", "pp", "dp", "cp", "schedule", "v", "m", "zero", "sp", "recompute", "precision")
-
-
-def _key(k: dict[str, Any], names: tuple[str, ...]) -> tuple:
-    """The values of knobs `names` in `k` (a cache key; a search asks it of each of its layouts)."""
-    try:
-        return operator.itemgetter(*names)(k)
-    except KeyError:  # knobs given without cp or sp (the defaults)
-        return tuple(k.get(n) for n in names)
-
-
-# The config key of each knob (`fixed` names knobs by these keys).
-KNOB_KEYS = {
-    "tp": "parallel.tp",
-    "pp": "parallel.pp",
-    "dp": "parallel.dp",
-    "cp": "parallel.cp",
-    "schedule": "parallel.schedule",
-    "v": "parallel.virtual_stages",
-    "m": "train.microbatches",
-    "zero": "parallel.zero",
-    "sp": "parallel.sequence_parallel",
-    "recompute": "train.recompute",
-    "precision": "train.precision",
-    "partition": "parallel.partition",
-}
-
-
-def _held_knobs(base: Config, hw: Hardware, world: int, fixed: dict[str, Any]) -> list[dict[str, Any]]:
-    """The knobs with the `fixed` keys at their values; ValueError naming the binding ones where they
-    leave none of the knobs there are."""
-    held = {n: fixed[k] for n, k in KNOB_KEYS.items() if k in fixed}
-    precisions = hw.precisions()
-    if held.get("precision") not in (None, *precisions) and hw.peak_flops(held["precision"]) > 0:
-        precisions += (held["precision"],)  # the user's own, costed from the peak where nothing timed it
-    every = list(_knobs(base, hw, world, precisions))
-    keeps = lambda k, hold: all(k[n] == v for n, v in hold.items())  # noqa: E731
-    knobs = [k for k in every if keeps(k, held)]
-    if every and not knobs:  # binding: the held keys that, let go alone, leave some layout
-        free = [n for n in held if any(keeps(k, {m: v for m, v in held.items() if m != n}) for k in every)]
-        given = ", ".join(f"{KNOB_KEYS[n]}={held[n]}" for n in free or held)
-        raise ValueError(
-            f"no layout of world {world} has {given}: leave {'it' if len(free) == 1 else 'some'} to the planner"
-        )
-    return knobs
-
-
-def _config(base: Config, k: dict[str, Any]) -> Config:
-    """`base` with the knobs `k` set (the sections they touch copied, the others shared)."""
-    cfg = copy.copy(base)
-    cfg.parallel = _replace(
-        base.parallel,
-        tp=k["tp"],
-        pp=k["pp"],
-        dp=k["dp"],
-        cp=k.get("cp", 1),
-        schedule=k["schedule"],
-        zero=k["zero"],
-        sequence_parallel=k.get("sp", False),
-        partition=k["partition"],
-        virtual_stages=k["v"] if SCHEDULES[k["schedule"]].virtual_stages is None else None,
-        layer_costs=[1.0] * base.model.n_layers if k["partition"] == "cost" else None,
-    )
-    cfg.train = _replace(
-        base.train,
-        microbatches=k["m"],
-        recompute=k["recompute"],
-        precision=k["precision"],
-        microbatch_sizes=None,
-        bf16_weights=k.get("weights", base.train.bf16_weights),
-    )
-    cfg.batching = _replace(base.batching, policy="fixed", microbatch_size=None)
-    return cfg
-
-
-def _replace(section: Any, **changes: Any) -> Any:
-    """`dataclasses.replace` for the config's sections (plain dataclasses: every field an init field, no
-    __post_init__), as a shallow copy: a search builds tens of thousands of layouts."""
-    assert set(changes) <= section.__dataclass_fields__.keys() and not hasattr(section, "__post_init__"), changes
-    out = copy.copy(section)
-    out.__dict__.update(changes)
-    return out
-
-
-def _knob_key(k: dict[str, Any]) -> tuple:
-    return tuple(sorted(k.items()))
-
-
-def _group(k: dict[str, Any]) -> tuple:
-    """The knobs memory is not assumed monotone in; within a group, memory is assumed not to grow with
-    more recomputation, ZeRO (as `_zero_covers` orders its levels) or more (smaller) microbatches."""
-    return tuple(k.get(n, 1) for n in ("tp", "pp", "dp", "cp", "schedule", "v", "precision", "partition"))
-
-
-def _frugal(k: dict[str, Any], knobs_of_group: list[dict[str, Any]]) -> dict[str, Any]:
-    sp = k["tp"] > 1 and any(x.get("sp", False) for x in knobs_of_group)
-    return {
-        **k,
-        "recompute": "full",
-        "zero": 1 if k["dp"] > 1 else 0,
-        "sp": sp,
-        "m": max(x["m"] for x in knobs_of_group),
-    }
-
-
-def _zero_covers(a: int, b: int) -> bool:
-    """Whether ZeRO level `a` holds no more than level `b` whatever the layout: 1 and 2 hold the same peak
-    and every level no more than 0; ZeRO-3 (its slices besides the gathered layers) can hold more than
-    ZeRO-1 where a stage has only a layer or two, so 3 and 1/2 are not compared."""
-    return a == b or b == 0 or (a in (1, 2) and b in (1, 2))
-
-
-def _covers(a: dict[str, Any], b: dict[str, Any]) -> bool:
-    """Whether `a` is at least as frugal as `b` in every monotone knob (so `a` not fitting means `b` does not)."""
-    return (
-        RECOMPUTE.index(a["recompute"]) >= RECOMPUTE.index(b["recompute"])
-        and _zero_covers(a["zero"], b["zero"])
-        and a.get("sp", False) >= b.get("sp", False)  # sequence parallelism holds no more than without it
-        and a["m"] >= b["m"]
-    )
-
-
 class Planner:
     def __init__(self, base: Config, hw: Hardware, memory: Memory) -> None:
         self.base, self.hw = base, hw
@@ -358,7 +182,7 @@ class Planner:
     def bound(self, k: dict[str, Any]) -> float:
         """`knob_bound` of knobs `k`: no layout with them is predicted faster (the partition, the schedule and
         its virtual stages do not enter: a search's layouts share the bounds of far fewer knobs)."""
-        key = _key(k, BOUNDED)
+        key = knob_tuple(k, BOUNDED)
         if key not in self._bounds:
             shape, pl, t, tokens, ring = self._shape(k)
             st = self.model.comm_stretch(t)  # as the simulation counts them (cost.busy_comm)
@@ -375,7 +199,7 @@ class Planner:
     def estimate(self, k: dict[str, Any]) -> float:
         """Fast step estimate of knobs `k` (the search's order, not a bound): average rank work stretched by
         the schedule's bubble formula."""
-        key = _key(k, ESTIMATED)
+        key = knob_tuple(k, ESTIMATED)
         if key in self._estimates:
             return self._estimates[key]
         shape, pl, layer, total, shared, opt = self._estimated(k)
@@ -399,7 +223,7 @@ class Planner:
         """`estimate`'s terms that the schedule and its virtual stages do not change, once per the knobs the
         knob bound reads: the shape, placement, one layer's costs, the replica's work per step, that work over
         the node's cores where ranks share them, and the optimizer step."""
-        key = _key(k, BOUNDED)
+        key = knob_tuple(k, BOUNDED)
         if key not in self._estimated_terms:
             shape, pl, t, tokens, ring = self._shape(k)
             layer = self.model.layer(t, k["tp"], tokens, pl.tp, k["recompute"], sp=k.get("sp", False), ring=ring)
@@ -504,7 +328,7 @@ class _Search:
         self.copies = False  # bf16 layouts that do not fit under autocast are tried with working copies (run)
 
     def run(self, fixed: dict[str, Any]) -> Plan:
-        knobs = _held_knobs(self.base, self.hw, self.world, fixed)
+        knobs = held_knobs(self.base, self.hw, self.world, fixed)
         # Working copies where autocast does not fit, unless the caller holds the weights' precision.
         self.copies = self.base.train.bf16_weights == "autocast" and "train.bf16_weights" not in fixed
         if not knobs:
@@ -514,26 +338,26 @@ class _Search:
         floor = list(itertools.accumulate(reversed(bounds), min))[::-1]
         groups: dict[tuple, list[dict[str, Any]]] = {}
         for k in knobs:
-            groups.setdefault(_group(k), []).append(k)
+            groups.setdefault(group_key(k), []).append(k)
         for i, k in enumerate(ranked):
             if self.beaten(floor[i]):
                 break  # no layout from here on can be predicted faster than the k-th best
             if self.beaten(bounds[i]) or self.step_beaten(k):
                 continue
-            self.consider(k, groups[_group(k)])
+            self.consider(k, groups[group_key(k)])
         return self.result(len(knobs))
 
     def consider(self, k: dict[str, Any], group: list[dict[str, Any]]) -> None:
         """Simulate the layout of knobs `k` (of `group`) and rank it, unless it does not fit or is not worth it."""
-        g = _group(k)
+        g = group_key(k)
         if g not in self.misfits:  # first visit: if the group's most frugal variant does not fit, none does
             self.misfits[g] = []
-            frugal = _frugal(k, group)
+            frugal = most_frugal(k, group)
             # Once a layout is found the misfits no longer name the smallest: the group's test only needs to
             # rule it out, which the lower bound does without the schedule's replay (or leaves to its layouts).
-            if frugal in group and self.fits(frugal, full=not self.found) is None and _covers(frugal, k):
+            if frugal in group and self.fits(frugal, full=not self.found) is None and covers(frugal, k):
                 return
-        if any(_knob_key({**k, "recompute": r}) in self.fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
+        if any(knob_key({**k, "recompute": r}) in self.fitted for r in RECOMPUTE[: RECOMPUTE.index(k["recompute"])]):
             return  # recomputation only costs time: it is worth it only where less of it does not fit
         fit = self.fits(k)
         if fit is None:
@@ -541,9 +365,10 @@ class _Search:
                 self.bound = f"faster layouts need more memory ({least[2]}: {least[0] / GIB:.3g} GiB per device)"
             return
         cfg, per_rank = fit
-        self.fitted.add(_knob_key(k))
-        if k["partition"] == "cost" and self.planner.same_parts(cfg, _config(self.base, {**k, "partition": "params"})):
-            return  # the cost-balanced split is the parameter-balanced one: nothing new to rank
+        self.fitted.add(knob_key(k))
+        if k["partition"] == "cost":
+            if self.planner.same_parts(cfg, config_of(self.base, {**k, "partition": "params"})):
+                return  # the cost-balanced split is the parameter-balanced one: nothing new to rank
         if self.copies and cfg.train.precision == "bf16" and self.own_beaten(cfg):
             return  # its bound before counted the cheaper of its weights' precisions; as it runs, it cannot enter
         self.found.append(self.planner.evaluate(cfg, per_rank))
@@ -566,9 +391,9 @@ class _Search:
     def layout(self, k: dict[str, Any]) -> Config | str:
         """The validated layout of knobs `k`, or why it is not valid: built once for the step bound and the
         memory check that both ask for it."""
-        key = _knob_key(k)
+        key = knob_key(k)
         if key not in self.layouts:
-            cfg = self.built.pop(key, None) or _config(self.base, k)
+            cfg = self.built.pop(key, None) or config_of(self.base, k)
             try:
                 validate_config(cfg, self.world)
                 self.layouts[key] = cfg
@@ -583,7 +408,7 @@ class _Search:
         but change the numbers a run computes, so they are tried only where autocast does not fit (their cost
         differs after the pipeline: cost.optimizer_s; the bounds take the cheaper, `Planner.weights`); a misfit
         is one that fits neither way."""
-        if any(_covers(x, k) for x in self.misfits.get(_group(k), ())):
+        if any(covers(x, k) for x in self.misfits.get(group_key(k), ())):
             return None
         cfg = self.layout(k)
         if isinstance(cfg, str):
@@ -594,7 +419,7 @@ class _Search:
             alt = self.layout({**k, "weights": "copies"})
             fit = None if isinstance(alt, str) else self._fits(alt, full)
         if fit is None:
-            self.misfits.setdefault(_group(k), []).append(k)
+            self.misfits.setdefault(group_key(k), []).append(k)
         return fit
 
     def _fits(self, cfg: Config, full: bool) -> tuple[Config, list[int]] | None:
@@ -643,8 +468,8 @@ class _Search:
         # Not validated first: most layouts that get here are pruned by this bound, and the list is full, so an
         # invalid one's reason would never be read (`problems` names only a search that found nothing). A
         # layout the bound does not prune is validated by fits().
-        key = _knob_key(k)
-        cfg = self.layouts.get(key) or self.built.setdefault(key, _config(self.base, k))
+        key = knob_key(k)
+        cfg = self.layouts.get(key) or self.built.setdefault(key, config_of(self.base, k))
         if isinstance(cfg, str):
             return False  # fits() reports it
         try:
@@ -664,7 +489,7 @@ def _config_label(cfg: Config) -> str:
 
 def _no_split(base: Config, hw: Hardware, world: int) -> str:
     m, t = base.model, base.train
-    tps = [tp for tp in _divisors(world) if tp <= hw.devices_per_node and hw.devices_per_node % tp == 0]
+    tps = [tp for tp in divisors(world) if tp <= hw.devices_per_node and hw.devices_per_node % tp == 0]
     return (
         f"world {world} cannot be split: tp must divide {hw.devices_per_node} devices per node (tp in {tps}), "
         f"pp at most model.n_layers={m.n_layers}, and dp = world / (tp x pp) must divide "
