@@ -17,18 +17,8 @@ from hybridpar.model.registry import build_stage, full_shapes, param_stages
 from hybridpar.pipeline.activation_meter import ActivationMeter
 from hybridpar.pipeline.runtime import step_casts, token_cross_entropy
 from hybridpar.pipeline.split_backward import WeightGradDeferral
-from hybridpar.plan.memory_model import (
-    bucket_bytes,
-    ends_saved,
-    layer_saved,
-    optimizer_bytes,
-    rank_memory,
-    stage_shapes,
-    step_saved,
-    table_casts,
-    weight_casts,
-    weight_held,
-)
+from hybridpar.plan.activations import ends_saved, layer_saved, step_saved, table_casts, weight_casts, weight_held
+from hybridpar.plan.memory_model import bucket_bytes, optimizer_bytes, rank_memory, stage_shapes
 from hybridpar.topology.spawn import run_ranks
 from hybridpar.trainer.build import layer_partition
 

@@ -9,7 +9,7 @@ import pytest
 
 from hybridpar.config import Config
 from hybridpar.pipeline.schedules import SCHEDULES, Op, add_communication, compute_schedule
-from hybridpar.plan.memory_model import (
+from hybridpar.plan.activations import (
     F32,
     activation_peaks,
     embedding_saved,
