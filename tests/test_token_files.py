@@ -322,6 +322,25 @@ def test_damaged_token_files_refused_before_launch(
     assert want in err, err
 
 
+def test_a_missing_token_file_is_named_missing(
+    tok_dir: Path, tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture
+) -> None:
+    # With a tokenizer, the document mask or in a mixture, a path that does not exist was called "a token
+    # file without its description" and sent the user to prepare what they may have prepared elsewhere.
+    data, gone = tmp_path / "d.bin", tmp_path / "gone.bin"
+    assert _prepare(tok_dir, data) == 0
+    tok = ["--data.tokenizer", str(tok_dir), "--model.vocab_size", "300"]
+    for flags in (
+        ["--data.path", str(gone), *tok],
+        ["--data.path", str(gone), "--data.document_mask", "true"],
+        ["--data.path", f"0.5:{data},0.5:{gone}", *tok],
+    ):
+        err = _refused(flags, tmp_path / "run", capsys)
+        assert f"data.path={str(gone)!r} does not exist: give a text file" in err, err
+    err = _refused(["--data.path", str(data.with_suffix(".idx")), *tok], tmp_path / "run", capsys)
+    assert f"is the document index of the prepared token file {str(data)!r}: give data.path=" in err, err
+
+
 def test_interrupted_prepare_leaves_nothing_training_accepts(
     tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, no_launch: None, capsys: pytest.CaptureFixture
 ) -> None:

@@ -44,9 +44,12 @@ def check_tokens(cfg: Config) -> None:
 
 
 def _check_source_tokens(cfg: Config, path: str | None) -> None:
+    from hybridpar.data.sources import check_path
     from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
+    if path is not None:
+        check_path(path)  # missing, or a prepared file's .idx/.json: said so, not "without its description"
     meta = _token_file(path)
     if d.document_mask and meta is None:
         what = "byte-level text" if _byte_level(path) else "a token file without a description or index"
