@@ -48,9 +48,9 @@ def _check_source_tokens(cfg: Config, path: str | None) -> None:
     from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
-    if path is not None:
-        check_path(path)  # missing, or a prepared file's .idx/.json: said so, not "without its description"
     meta = _token_file(path)
+    if meta is None and path is not None and (d.document_mask or d.tokenizer is not None):
+        check_path(path)  # missing, or a prepared file's .idx/.json: said so, not "without its description"
     if d.document_mask and meta is None:
         what = "byte-level text" if _byte_level(path) else "a token file without a description or index"
         raise ValueError(
