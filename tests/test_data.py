@@ -87,6 +87,9 @@ def test_index_or_description_of_a_prepared_file(tmp_path: pathlib.Path) -> None
     for name, what in (("c.idx", "document index"), ("c.json", "description")):
         with pytest.raises(ValueError, match=f"is the {what} of the prepared token file '.*c.bin': give data.path="):
             open_corpus(str(tmp_path / name))
+    # Their folder, read as text, trained on the description's JSON alone (the .bin and .idx are binary).
+    with pytest.raises(ValueError, match=r"is a folder holding prepared token files \('.*c.bin'\): give one as"):
+        open_corpus(str(tmp_path))
 
 
 def test_load_folder(tmp_path: pathlib.Path) -> None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from hybridpar.data.tokenfile import FORMAT, INDEX_DTYPE, index_path, max_id, open_tokens, read_sidecar
 
+EXAMPLE_MIXTURE = '"0.7:web.bin,0.3:code.bin"'  # how a mixture is written (data/mixture.py)
 # A NUL byte in the first 8 KiB is the same heuristic git/grep use to call a file binary.
 BINARY_SNIFF_BYTES = 8192
 # Directory names never taken into the default corpus: tests are huge, repetitive and full of
@@ -156,12 +157,21 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
 
 def check_path(path: str) -> None:
     """What a corpus path cannot be, whatever else is asked of it (the pre-flight's token checks ask this
-    first): a path that does not exist, and a prepared file's index or description given for its `.bin`."""
+    too): a path that does not exist, a folder of prepared token files, and a prepared file's index or
+    description given for its `.bin`."""
     p, name = pathlib.Path(path), f"data.path={path!r}"
     if not p.exists():
         raise ValueError(
             f"{name} does not exist: give a text file or a folder of them (read as bytes), a token file "
             f"(hybridpar data prepare --out DATA.bin), or no data.path for the embedded corpus"
+        )
+    if p.is_dir() and (bins := sorted(str(b) for b in p.glob("*.bin") if b.with_suffix(".json").is_file())):
+        # Read as a folder of text, it would train on the descriptions' JSON as bytes (the .bin and .idx
+        # skipped as binary): the token files were surely meant.
+        raise ValueError(
+            f"{name} is a folder holding prepared token files ({', '.join(map(repr, bins[:3]))}"
+            f"{', …' if len(bins) > 3 else ''}): give one as data.path, or several as a mixture "
+            f"(data.path={EXAMPLE_MIXTURE})"
         )
     prepared = p.with_suffix(".bin")
     if p.suffix in (".idx", ".json") and prepared.is_file() and read_sidecar(prepared) is not None:
