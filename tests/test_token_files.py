@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -339,6 +341,27 @@ def test_a_missing_token_file_is_named_missing(
         assert f"data.path={str(gone)!r} does not exist: give a text file" in err, err
     err = _refused(["--data.path", str(data.with_suffix(".idx")), *tok], tmp_path / "run", capsys)
     assert f"is the document index of the prepared token file {str(data)!r}: give data.path=" in err, err
+
+
+def test_prepare_stopped_by_sigterm_removes_what_it_wrote(
+    tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # A scheduler's SIGTERM killed prepare at once: NAME.bin.tmp and NAME.idx.tmp stayed behind.
+    from hybridpar.data import tokenfile
+
+    real_add, calls = tokenfile.TokenFileWriter.add, []
+
+    def add_then_term(self, ids, lengths):  # type: ignore[no-untyped-def]
+        real_add(self, ids, lengths)
+        calls.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the temporary files hold a batch
+
+    monkeypatch.setattr(tokenfile.TokenFileWriter, "add", add_then_term)
+    capsys.readouterr()
+    assert _prepare(tok_dir, tmp_path / "d.bin") == 143
+    assert capsys.readouterr().err == "hybridpar: data prepare stopped by SIGTERM: nothing written\n"
+    assert calls == [1] and not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
 
 
 def test_interrupted_prepare_leaves_nothing_training_accepts(
