@@ -98,6 +98,20 @@ def test_no_default_cap_and_a_cut_is_reported(tmp_path: Path) -> None:
     assert check_corpus(parse_args(args)) == []
 
 
+def test_json_lines_read_as_bytes_get_a_note(tmp_path: Path) -> None:
+    # A JSON Lines file given as data.path trained on its JSON syntax, silently; gzipped, it is refused as
+    # binary, with the prepare command that reads it.
+    lines = tmp_path / "c.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(200)))
+    [note] = check_corpus(parse_args(["--data.path", str(lines), "--train.seq_len", "16"]))
+    assert note.startswith(f"data: data.path={str(lines)!r} is read as bytes, its JSON syntax included")
+    assert f"hybridpar data prepare --input {lines} --out DATA.bin" in note
+    packed = tmp_path / "c.jsonl.gz"
+    packed.write_bytes(gzip.compress(lines.read_bytes()))
+    with pytest.raises(ValueError, match=f"data prepare --input '{packed}' --out DATA.bin, for gzipped JSON Lines"):
+        check_corpus(parse_args(["--data.path", str(packed), "--train.seq_len", "16"]))
+
+
 def test_a_corpus_too_small_for_validation_is_refused_with_what_fits(tmp_path: Path) -> None:
     """Validation's train.val_batches × train.global_batch windows must fit the held-out tail: refused
     before the launch (not by every worker after it), and each setting the error offers does fit."""

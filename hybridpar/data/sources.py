@@ -192,8 +192,8 @@ def _text_file(p: pathlib.Path, name: str, max_tokens: int | None) -> Corpus:
         if b"\0" in f.read(BINARY_SNIFF_BYTES):
             raise ValueError(
                 f"{name} is not text (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes), and a file other than a "
-                f".bin token file is read as text, byte by byte: give a text file or a folder of them, or a "
-                f"token file (hybridpar data prepare --out DATA.bin)"
+                f".bin token file is read as text, byte by byte: give a text file or a folder of them, or a token "
+                f"file (hybridpar data prepare --input {str(p)!r} --out DATA.bin, for gzipped JSON Lines or Parquet)"
             )
     n = _cut(size, max_tokens)
     tokens = np.memmap(p, dtype=np.uint8, mode="r")[:n]

@@ -95,16 +95,22 @@ def check_corpus(cfg: Config) -> list[str]:
     """The corpus opened as the workers will open it (too short for a window, ids the model cannot
     embed), without reading its tokens but to find the largest id of a file not prepared here; returns
     the line to print where data.max_tokens cuts it."""
+    from hybridpar.data.inputs import JSONL_SUFFIXES
     from hybridpar.data.mixture import corpus_paths, open_data
     from hybridpar.data.sources import corpus_note
     from hybridpar.data.tokenfile import check_index
 
     d, t = cfg.data, cfg.train
+    notes = []
     for path in corpus_paths(d.path):
         if (meta := _token_file(path)) is not None:
             check_index(path, meta)
+        elif path is not None and path.endswith(JSONL_SUFFIXES):  # bytes, JSON syntax and all: rarely meant
+            notes.append(
+                f"data: data.path={path!r} is read as bytes, its JSON syntax included; to train on the documents' "
+                f"text, hybridpar data prepare --input {path} --out DATA.bin (then --data.path DATA.bin)"
+            )
     data = open_data(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
-    notes = []
     for source in getattr(data, "sources", [data]):
         assert source.corpus is not None
         if source.vocab_needed > cfg.model.vocab_size:
