@@ -372,10 +372,11 @@ def test_prepare_stopped_by_sigterm_removes_what_it_wrote(
 
     monkeypatch.setattr(tokenfile.TokenFileWriter, "add", add_then_term)
     capsys.readouterr()
+    before = signal.getsignal(signal.SIGTERM)  # the default, or what an earlier test's launch left
     assert _prepare(tok_dir, tmp_path / "d.bin") == 143
     assert capsys.readouterr().err == "hybridpar: data prepare stopped by SIGTERM: nothing written\n"
     assert calls == [1] and not list(tmp_path.iterdir())
-    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL  # given back
+    assert signal.getsignal(signal.SIGTERM) is before  # given back
 
 
 def test_interrupted_prepare_leaves_nothing_training_accepts(
