@@ -57,6 +57,41 @@ def test_load_text_file(tmp_path: pathlib.Path) -> None:
     assert bytes(open_corpus(str(f), 3).tokens.tolist()) == b"h\xc3\xa9"
 
 
+def test_text_file_read_in_place(tmp_path: pathlib.Path) -> None:
+    # A text corpus of one file is memory-mapped as a token file is, not read into every rank's memory
+    # (a 64 MB JSON Lines file as data.path added its 64 MB to each rank's resident set), and its
+    # vocabulary is the largest byte, found without mapping the file.
+    f = tmp_path / "a.txt"
+    f.write_bytes(b"abc~" * 1000)
+    t = open_corpus(str(f), 10).tokens
+    assert isinstance(t, np.memmap) and t.dtype == np.uint8 and bytes(t.tolist()) == b"abc~abc~ab"
+    assert TokenData.open(str(f), None, 16, 0, 0.1).vocab_needed == ord("~") + 1
+
+
+def test_binary_file_refused(tmp_path: pathlib.Path) -> None:
+    # Read byte by byte, a binary file trained silently on whatever its bytes were (a prepared file's .idx).
+    f = tmp_path / "weights.dat"
+    f.write_bytes(b"\x10\x00\x00\x00" * 300)
+    with pytest.raises(ValueError, match=r"data.path='.*weights.dat' is not text \(a NUL byte"):
+        open_corpus(str(f))
+
+
+def test_index_or_description_of_a_prepared_file(tmp_path: pathlib.Path) -> None:
+    # NAME.idx or NAME.json given where NAME.bin belongs: name the .bin (the .idx trained on its bytes, the
+    # .json was "too short").
+    from hybridpar.data.tokenfile import TokenFileWriter
+
+    with TokenFileWriter(tmp_path / "c.bin", "uint16") as w:
+        w.add(np.arange(3000, dtype=np.uint16) % 200, np.array([1000, 2000]))
+        w.commit({"dtype": "uint16", "vocab_size": 200})
+    for name, what in (("c.idx", "document index"), ("c.json", "description")):
+        with pytest.raises(ValueError, match=f"is the {what} of the prepared token file '.*c.bin': give data.path="):
+            open_corpus(str(tmp_path / name))
+    # Their folder, read as text, trained on the description's JSON alone (the .bin and .idx are binary).
+    with pytest.raises(ValueError, match=r"is a folder holding prepared token files \('.*c.bin'\): give one as"):
+        open_corpus(str(tmp_path))
+
+
 def test_load_folder(tmp_path: pathlib.Path) -> None:
     # walk order would give top-level files first; sorting by relative path puts a/ before b.txt
     (tmp_path / "c.txt").write_bytes(b"CC")

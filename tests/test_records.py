@@ -17,7 +17,7 @@ from hybridpar.model.registry import param_counts
 from hybridpar.pipeline.runtime import ActionTime, StepOutput
 from hybridpar.pipeline.schedules import Action, Op
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from hybridpar.report.metrics import Progress
+from hybridpar.report.metrics import Progress, ProgressDuty
 from hybridpar.report.mfu import datasheet_peak, measure_matmul, mfu, model_flops_per_token
 from hybridpar.report.records import bubble, rank_summary, step_fields, unpack
 from tests.references import ref_for
@@ -102,6 +102,21 @@ def test_progress_interval() -> None:
     assert parse_args(["--train.progress_every", "3"]).train.progress_every == 3
     with pytest.raises(ValueError, match="train.progress_every must be a positive integer, got 0"):
         validate_config(parse_args(["--train.progress_every", "0"]))
+
+
+def test_a_balancer_decision_is_a_log_line() -> None:
+    # A live move (or detect's would-be move) was only in metrics.jsonl: the console said nothing.
+    out = io.StringIO()
+    log = logging.getLogger("test_a_balancer_decision_is_a_log_line")
+    log.propagate, log.level = False, logging.INFO
+    log.addHandler(logging.StreamHandler(out))
+    duty = ProgressDuty(Config(), log, 0)
+    rec = {"loss": 1.0, "tokens_per_s": 1.0, "step_time_s": 0.1}
+    moves = [{"event": "rebalance", "applied": True, "reason": "rank 2 straggles"}, {"event": "rebalance_measured"}]
+    duty.after_step(22, {**rec, "balance": moves})
+    duty.after_step(23, {**rec, "balance": [{"event": "rebalance", "applied": False, "reason": "rank 1 straggles"}]})
+    lines = [x for x in out.getvalue().splitlines() if x.startswith("balance")]
+    assert lines == ["balance: step 22: moved: rank 2 straggles", "balance: step 23: would move: rank 1 straggles"]
 
 
 def test_progress_eta_after_a_resume(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -6,8 +6,10 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 import re
 import shutil
+import signal
 from pathlib import Path
 
 import numpy as np
@@ -94,6 +96,20 @@ def test_no_default_cap_and_a_cut_is_reported(tmp_path: Path) -> None:
     args = ["--data.path", str(corpus), "--train.seq_len", "16", "--train.val_every", "0"]  # tails too short
     assert check_corpus(parse_args([*args, "--data.max_tokens", "1000"])) == [note]  # to validate on
     assert check_corpus(parse_args(args)) == []
+
+
+def test_json_lines_read_as_bytes_get_a_note(tmp_path: Path) -> None:
+    # A JSON Lines file given as data.path trained on its JSON syntax, silently; gzipped, it is refused as
+    # binary, with the prepare command that reads it.
+    lines = tmp_path / "c.jsonl"
+    lines.write_text("".join(json.dumps({"text": f"document {i} " * 20}) + "\n" for i in range(200)))
+    [note] = check_corpus(parse_args(["--data.path", str(lines), "--train.seq_len", "16"]))
+    assert note.startswith(f"data: data.path={str(lines)!r} is read as bytes, its JSON syntax included")
+    assert f"hybridpar data prepare --input {lines} --out DATA.bin" in note
+    packed = tmp_path / "c.jsonl.gz"
+    packed.write_bytes(gzip.compress(lines.read_bytes()))
+    with pytest.raises(ValueError, match=f"data prepare --input '{packed}' --out DATA.bin, for gzipped JSON Lines"):
+        check_corpus(parse_args(["--data.path", str(packed), "--train.seq_len", "16"]))
 
 
 def test_a_corpus_too_small_for_validation_is_refused_with_what_fits(tmp_path: Path) -> None:
@@ -320,6 +336,47 @@ def test_damaged_token_files_refused_before_launch(
     flags = ["--data.path", str(data), "--data.tokenizer", str(tok_dir), "--model.vocab_size", "300"]
     err = _refused([*flags, "--train.seq_len", "16"], tmp_path / "run", capsys)
     assert want in err, err
+
+
+def test_a_missing_token_file_is_named_missing(
+    tok_dir: Path, tmp_path: Path, no_launch: None, capsys: pytest.CaptureFixture
+) -> None:
+    # With a tokenizer, the document mask or in a mixture, a path that does not exist was called "a token
+    # file without its description" and sent the user to prepare what they may have prepared elsewhere.
+    data, gone = tmp_path / "d.bin", tmp_path / "gone.bin"
+    assert _prepare(tok_dir, data) == 0
+    tok = ["--data.tokenizer", str(tok_dir), "--model.vocab_size", "300"]
+    for flags in (
+        ["--data.path", str(gone), *tok],
+        ["--data.path", str(gone), "--data.document_mask", "true"],
+        ["--data.path", f"0.5:{data},0.5:{gone}", *tok],
+    ):
+        err = _refused(flags, tmp_path / "run", capsys)
+        assert f"data.path={str(gone)!r} does not exist: give a text file" in err, err
+    err = _refused(["--data.path", str(data.with_suffix(".idx")), *tok], tmp_path / "run", capsys)
+    assert f"is the document index of the prepared token file {str(data)!r}: give data.path=" in err, err
+
+
+def test_prepare_stopped_by_sigterm_removes_what_it_wrote(
+    tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture
+) -> None:
+    # A scheduler's SIGTERM killed prepare at once: NAME.bin.tmp and NAME.idx.tmp stayed behind.
+    from hybridpar.data import tokenfile
+
+    real_add, calls = tokenfile.TokenFileWriter.add, []
+
+    def add_then_term(self, ids, lengths):  # type: ignore[no-untyped-def]
+        real_add(self, ids, lengths)
+        calls.append(1)
+        os.kill(os.getpid(), signal.SIGTERM)  # the temporary files hold a batch
+
+    monkeypatch.setattr(tokenfile.TokenFileWriter, "add", add_then_term)
+    capsys.readouterr()
+    before = signal.getsignal(signal.SIGTERM)  # the default, or what an earlier test's launch left
+    assert _prepare(tok_dir, tmp_path / "d.bin") == 143
+    assert capsys.readouterr().err == "hybridpar: data prepare stopped by SIGTERM: nothing written\n"
+    assert calls == [1] and not list(tmp_path.iterdir())
+    assert signal.getsignal(signal.SIGTERM) is before  # given back
 
 
 def test_interrupted_prepare_leaves_nothing_training_accepts(

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from hybridpar.data.corpus import TokenData
+from hybridpar.data.sources import EXAMPLE_MIXTURE as EXAMPLE
 
 BLOCK = 1000  # samples per block of the blend: each source's share is exact to 1/BLOCK of the block
 _ITEM = re.compile(r"\s*([^:]+?)\s*:\s*(.+?)\s*")
-EXAMPLE = '"0.7:web.bin,0.3:code.bin"'
 
 
 def parse_mixture(spec: str | None) -> list[tuple[float, str]] | None:

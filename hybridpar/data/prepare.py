@@ -20,7 +20,9 @@ import functools
 import itertools
 import multiprocessing as mp
 import os
+import signal
 import sys
+import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -195,7 +197,31 @@ def train_hint(out: str, tokenizer: str, vocab_size: int) -> str:
     return f"train with --data.path {out} --data.tokenizer {tokenizer} --model.vocab_size {vocab_size} (or more)"
 
 
+class Stopped(Exception):
+    """SIGTERM (a scheduler's preemption, `kill`) while `hybridpar data` works: raised in the main thread,
+    so that the writer's `with` removes its temporary files as it does for ^C; SIGTERM's default, dying at
+    once, left `NAME.bin.tmp` and `NAME.idx.tmp` (the corpus's size on disk) behind."""
+
+
+def _stop(signum: int, frame: object) -> None:
+    raise Stopped
+
+
 def main(argv: list[str]) -> int:
+    if threading.current_thread() is not threading.main_thread():  # signal handlers are the main thread's
+        return _main(argv)
+    previous = signal.signal(signal.SIGTERM, _stop)
+    try:
+        return _main(argv)
+    except (KeyboardInterrupt, Stopped) as e:
+        what, code = ("SIGTERM", 143) if isinstance(e, Stopped) else ("an interrupt", 130)
+        print(f"hybridpar: data {argv[0]} stopped by {what}: nothing written", file=sys.stderr)
+        return code
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def _main(argv: list[str]) -> int:
     if not argv or argv[0] in ("-h", "--help") or any(a in ("-h", "--help") for a in argv):
         print(USAGE, file=sys.stdout if argv else sys.stderr)
         return 0 if argv else 2

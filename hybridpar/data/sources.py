@@ -18,6 +18,7 @@ import numpy as np
 
 from hybridpar.data.tokenfile import FORMAT, INDEX_DTYPE, index_path, max_id, open_tokens, read_sidecar
 
+EXAMPLE_MIXTURE = '"0.7:web.bin,0.3:code.bin"'  # how a mixture is written (data/mixture.py)
 # A NUL byte in the first 8 KiB is the same heuristic git/grep use to call a file binary.
 BINARY_SNIFF_BYTES = 8192
 # Directory names never taken into the default corpus: tests are huge, repetitive and full of
@@ -98,7 +99,8 @@ def _read_joined(files: Iterable[pathlib.Path], cap: int | None) -> tuple[bytes,
 @dataclass(frozen=True)
 class Corpus:
     """A corpus opened for training. A token file is read in place: ``tokens`` is a read-only memory map,
-    and only the windows a step asks for are ever read. Text (bytes) is small and held in memory."""
+    and only the windows a step asks for are ever read; so is one text file's bytes. The default corpus and
+    a folder are joined in memory."""
 
     tokens: np.ndarray  # (n,) ids
     total: int  # tokens of the whole corpus: more than n where data.max_tokens cuts it
@@ -116,7 +118,7 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
     * a folder: every non-hidden, non-binary regular file below it, sorted, joined -> bytes.
     * ``*.bin`` with a ``.json`` sidecar (``hybridpar data prepare``): its uint16 or uint32 tokens.
     * ``*.bin``: nanoGPT-style little-endian uint16 tokens.
-    * any other file: its raw bytes.
+    * any other file: its bytes, memory-mapped (a binary file is refused).
     Problems raise ValueError naming the path.
     """
     if max_tokens is not None and max_tokens <= 0:
@@ -127,11 +129,7 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
             raise ValueError(f"default corpus (stdlib at {sysconfig.get_paths()['stdlib']}) is empty")
         return _bytes_corpus(data, total, "the default corpus (data.path none)")
     p, name = pathlib.Path(path), f"data.path={path!r}"
-    if not p.exists():
-        raise ValueError(
-            f"{name} does not exist: give a text file or a folder of them (read as bytes), a token file "
-            f"(hybridpar data prepare --out DATA.bin), or no data.path for the embedded corpus"
-        )
+    check_path(path)
     if p.is_dir():
         data, n_text, total = _read_joined(_walk_sorted(p, frozenset(), None), max_tokens)
         if n_text == 0:
@@ -154,11 +152,52 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
             raise ValueError(f"token file {path!r} has odd size {size} bytes; expected uint16 tokens")
         n = _cut(size // 2, max_tokens)
         return Corpus(open_tokens(p, "uint16", n), size // 2, name, lambda: max_id(p, "uint16", n) + 1)
+    return _text_file(p, name, max_tokens)
+
+
+def check_path(path: str) -> None:
+    """What a corpus path cannot be, whatever else is asked of it (the pre-flight's token checks ask this
+    too): a path that does not exist, a folder of prepared token files, and a prepared file's index or
+    description given for its `.bin`."""
+    p, name = pathlib.Path(path), f"data.path={path!r}"
+    if not p.exists():
+        raise ValueError(
+            f"{name} does not exist: give a text file or a folder of them (read as bytes), a token file "
+            f"(hybridpar data prepare --out DATA.bin), or no data.path for the embedded corpus"
+        )
+    if p.is_dir() and (bins := sorted(str(b) for b in p.glob("*.bin") if b.with_suffix(".json").is_file())):
+        # Read as a folder of text, it would train on the descriptions' JSON as bytes (the .bin and .idx
+        # skipped as binary): the token files were surely meant.
+        raise ValueError(
+            f"{name} is a folder holding prepared token files ({', '.join(map(repr, bins[:3]))}"
+            f"{', …' if len(bins) > 3 else ''}): give one as data.path, or several as a mixture "
+            f"(data.path={EXAMPLE_MIXTURE})"
+        )
+    prepared = p.with_suffix(".bin")
+    if p.suffix in (".idx", ".json") and prepared.is_file() and read_sidecar(prepared) is not None:
+        what = "document index" if p.suffix == ".idx" else "description"
+        raise ValueError(
+            f"{name} is the {what} of the prepared token file {str(prepared)!r}: give data.path={str(prepared)!r}"
+        )
+
+
+def _text_file(p: pathlib.Path, name: str, max_tokens: int | None) -> Corpus:
+    """One text file, its bytes the tokens, memory-mapped like a token file: a rank holds only the windows
+    a batch reads, whatever the file's size. A binary file is refused: read byte by byte it would train on
+    whatever its bytes are (a folder's binary files are skipped alike)."""
+    size = p.stat().st_size
+    if size == 0:
+        raise ValueError(f"data file {str(p)!r} is empty")
     with open(p, "rb") as f:
-        data = f.read() if max_tokens is None else f.read(max_tokens)
-    if not data:
-        raise ValueError(f"data file {path!r} is empty")
-    return _bytes_corpus(data, p.stat().st_size, name)
+        if b"\0" in f.read(BINARY_SNIFF_BYTES):
+            raise ValueError(
+                f"{name} is not text (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes), and a file other than a "
+                f".bin token file is read as text, byte by byte: give a text file or a folder of them, or a token "
+                f"file (hybridpar data prepare --input {str(p)!r} --out DATA.bin, for gzipped JSON Lines or Parquet)"
+            )
+    n = _cut(size, max_tokens)
+    tokens = np.memmap(p, dtype=np.uint8, mode="r")[:n]
+    return Corpus(tokens, size, name, lambda: max_id(p, "uint8", n) + 1)
 
 
 def _cut(total: int, max_tokens: int | None) -> int:

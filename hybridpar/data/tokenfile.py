@@ -146,8 +146,8 @@ def release_pages(ids: np.ndarray) -> None:
 
 def max_id(bin_path: str | pathlib.Path, dtype: str, count: int) -> int:
     """The largest id among the first `count` of the file, read in chunks through a small buffer (not the
-    memory map, whose pages would stay resident)."""
-    dt, top = np.dtype(TOKEN_DTYPES[dtype]), 0
+    memory map, whose pages would stay resident). `dtype`: a token file's, or "uint8" for a text file's bytes."""
+    dt, top = np.dtype(TOKEN_DTYPES.get(dtype, dtype)), 0
     with open(bin_path, "rb") as f:
         for lo in range(0, count, CHUNK):
             part = np.fromfile(f, dtype=dt, count=min(CHUNK, count - lo))

@@ -144,10 +144,12 @@ class Progress:
 
 
 class ProgressDuty:
-    """Rank 0: the progress line after each step, with the validation loss when the step has one."""
+    """Rank 0: the progress line after each step, with the validation loss when the step has one, and a
+    line for each decision of the load balancer (metrics.jsonl has it whole)."""
 
     def __init__(self, cfg: Config, log: logging.Logger, start_step: int) -> None:
         t = cfg.train
+        self.log = log
         self.progress = Progress(t.steps, log, every=t.progress_every, start_step=start_step)
 
     def begin(self, step: int) -> None:
@@ -156,6 +158,9 @@ class ProgressDuty:
     def after_step(self, step: int, rec: dict[str, Any]) -> bool:
         extra = f"  val {rec['val_loss']:.4f}" if "val_loss" in rec else ""
         self.progress.update(step, rec["loss"], rec["tokens_per_s"], rec["step_time_s"], extra)
+        for e in rec.get("balance", []):
+            if e.get("event") == "rebalance":  # a move made, or (balance.mode detect) one it would make
+                self.log.info(f"balance: step {step}: {'moved' if e['applied'] else 'would move'}: {e['reason']}")
         return False
 
     def finish(self) -> None:

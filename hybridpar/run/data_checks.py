@@ -44,10 +44,13 @@ def check_tokens(cfg: Config) -> None:
 
 
 def _check_source_tokens(cfg: Config, path: str | None) -> None:
+    from hybridpar.data.sources import check_path
     from hybridpar.data.tokenizer import TOKENIZER_FILE, Tokenizer
 
     d, vocab, init = cfg.data, cfg.model.vocab_size, cfg.model.init_from
     meta = _token_file(path)
+    if meta is None and path is not None and (d.document_mask or d.tokenizer is not None):
+        check_path(path)  # missing, or a prepared file's .idx/.json: said so, not "without its description"
     if d.document_mask and meta is None:
         what = "byte-level text" if _byte_level(path) else "a token file without a description or index"
         raise ValueError(
@@ -92,16 +95,22 @@ def check_corpus(cfg: Config) -> list[str]:
     """The corpus opened as the workers will open it (too short for a window, ids the model cannot
     embed), without reading its tokens but to find the largest id of a file not prepared here; returns
     the line to print where data.max_tokens cuts it."""
+    from hybridpar.data.inputs import JSONL_SUFFIXES
     from hybridpar.data.mixture import corpus_paths, open_data
     from hybridpar.data.sources import corpus_note
     from hybridpar.data.tokenfile import check_index
 
     d, t = cfg.data, cfg.train
+    notes = []
     for path in corpus_paths(d.path):
         if (meta := _token_file(path)) is not None:
             check_index(path, meta)
+        elif path is not None and path.endswith(JSONL_SUFFIXES):  # bytes, JSON syntax and all: rarely meant
+            notes.append(
+                f"data: data.path={path!r} is read as bytes, its JSON syntax included; to train on the documents' "
+                f"text, hybridpar data prepare --input {path} --out DATA.bin (then --data.path DATA.bin)"
+            )
     data = open_data(d.path, d.max_tokens, t.seq_len, t.seed, d.val_fraction)
-    notes = []
     for source in getattr(data, "sources", [data]):
         assert source.corpus is not None
         if source.vocab_needed > cfg.model.vocab_size:

@@ -73,7 +73,7 @@ def preflight(
     if verify:
         notes += check_corpus(cfg)
         _check_init_weights(cfg)
-    _check_resume(cfg, verify)
+    notes += _check_resume(cfg, verify)
     return cfg, notes
 
 
@@ -164,12 +164,45 @@ def _check_dirs(cfg: Config) -> None:
     read_run(Path(cfg.run_dir))  # a damaged run record is refused here, not in every worker
 
 
-def _saved_model(ckpt: Path) -> dict | None:
+def _saved_state(ckpt: Path) -> dict | None:
     try:
         state = json.loads((ckpt / "trainer_state.json").read_text(encoding="utf-8"))
-        return state["config"]["model"]
+        return state if isinstance(state["config"]["model"], dict) else None
     except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError):
         return None  # unreadable: resume skips or refuses it itself, with the reason
+
+
+# The keys a step's samples are a function of (data/corpus.py, data/mixture.py: windows of train.seq_len
+# tokens of the corpus, shuffled by train.seed, train.global_batch of them per step).
+DATA_ORDER_KEYS = (
+    ("train", "seed"),
+    ("train", "global_batch"),
+    ("train", "seq_len"),
+    ("data", "path"),
+    ("data", "max_tokens"),
+    ("data", "val_fraction"),
+)
+
+
+def data_order_note(cfg: Config, state: dict) -> str | None:
+    """The line a resume prints where the run reads its samples otherwise than the checkpoint's run did:
+    the steps from the checkpoint on then read other samples than that run would have, and the sample
+    ledger, kept by steps, cannot show it. Not refused: a longer train.seq_len or another corpus from a
+    checkpoint is a choice (context extension, a new data phase), but it should not pass unseen."""
+    saved = state.get("config", {})
+    changed = [
+        f"{sec}.{key}={getattr(getattr(cfg, sec), key)!r} (checkpoint: {saved[sec][key]!r})"
+        for sec, key in DATA_ORDER_KEYS
+        if key in saved.get(sec, {}) and saved[sec][key] != getattr(getattr(cfg, sec), key)
+    ]
+    if not changed:
+        return None
+    return (
+        f"hybridpar: note: {', '.join(changed)}: a step's samples depend on {'these' if len(changed) > 1 else 'it'}, "
+        f"so from step {state.get('step')} on the run reads other samples than the checkpoint's run would have "
+        "(some it saw may come again, some never), which the sample ledger, kept by steps, does not show; "
+        "resume with the checkpoint's values to continue its data order"
+    )
 
 
 def _check_not_a_run(which: str, path: Path) -> None:
@@ -188,17 +221,18 @@ def _check_not_a_run(which: str, path: Path) -> None:
             )
 
 
-def _check_resume(cfg: Config, verify: bool) -> None:
+def _check_resume(cfg: Config, verify: bool) -> list[str]:
+    """A resume that cannot load is refused; one that reads its samples otherwise gets a note."""
     from hybridpar.resilience.checkpoint import committed, verify_checkpoint
     from hybridpar.resilience.rundir import checkpoint_run_id, read_run
 
     which = cfg.checkpoint.resume
     if which == "off":
-        return
+        return []
     if which == "auto":
         run = read_run(Path(cfg.run_dir))
         mine = [p for _, p in committed(checkpoint_dir(cfg)) if run and checkpoint_run_id(p) == run["run_id"]]
-        candidates = [p for p in mine if _saved_model(p) is not None][:1]  # the one 'auto' would try first
+        candidates = [p for p in mine if _saved_state(p) is not None][:1]  # the one 'auto' would try first
     else:
         path = Path(which)
         if (path / "config.json").is_file() and not (path / "manifest.json").exists():
@@ -211,10 +245,15 @@ def _check_resume(cfg: Config, verify: bool) -> None:
         if verify and (why := verify_checkpoint(path)) is not None:
             raise ValueError(f"checkpoint.resume={which!r} cannot be used: {why}")
         candidates = [path]
+    notes = []
     for ckpt in candidates:
-        saved = _saved_model(ckpt)
+        state = _saved_state(ckpt)
+        saved = None if state is None else state["config"]["model"]
         if diff := ["its trainer_state.json records none"] if saved is None else cfg.model.differences(saved):
             raise ValueError(
                 f"checkpoint {ckpt} holds another model: {', '.join(diff)}; resume with the model it "
                 f"was trained with, or start a new run (another --run-dir)"
             )
+        if state is not None and (note := data_order_note(cfg, state)):
+            notes.append(note)
+    return notes
