@@ -505,3 +505,20 @@ def test_a_slash_s_tokenizer_closes_every_json_line_with_one_end_id(tok_dir: Pat
     assert len(ends) == len(texts)  # exactly one per line
     bounds = np.fromfile(tmp_path / "d.idx", dtype="<u8")
     assert list(bounds[1:]) == [int(e) + 1 for e in ends]  # each document ends with its end id
+
+
+def test_a_binary_or_empty_input_to_prepare_says_so(tmp_path: Path) -> None:
+    """A prepared token file given back to `data prepare` (or any binary file, or an empty one) is named for what it
+    is: 'holds no text' alone sent users looking for an encoding problem."""
+    tokens = tmp_path / "d.bin"
+    np.arange(300, dtype=np.uint16).tofile(tokens)  # ids below 256 have a zero high byte: NULs, as a real one
+    with pytest.raises(ValueError, match=rf"it is binary .* \(train on it as it is: --data.path '{tokens}'\)$"):
+        documents(str(tokens))
+    other = tmp_path / "image.png"
+    other.write_bytes(b"\x89PNG\r\n\x1a\n\0\0\0\rIHDR")
+    with pytest.raises(ValueError, match=r"it is binary .*give text files, JSON Lines or Parquet$"):
+        documents(str(other))
+    empty = tmp_path / "empty.txt"
+    empty.touch()
+    with pytest.raises(ValueError, match=r"holds no \(non-empty\) text: the file is empty$"):
+        documents(str(empty))

@@ -37,8 +37,25 @@ def documents(path: str | None, max_bytes: int | None = None, text_key: str = "t
     texts = _texts(files, max_bytes, text_key)
     first = next(texts, None)
     if first is None:
-        raise ValueError(f"--input {path!r} holds no (non-empty) text")
+        raise ValueError(f"--input {path!r} holds no (non-empty) text{_why_no_text(files)}")
     return itertools.chain([first], texts)
+
+
+def _why_no_text(files: list[pathlib.Path]) -> str:
+    """Why a single plain file gave no text: binary (a prepared token file, most likely), or empty."""
+    if len(files) != 1 or files[0].name.endswith((PARQUET_SUFFIX, ".gz") + JSONL_SUFFIXES):
+        return ""
+    with open(files[0], "rb") as f:
+        head = f.read(BINARY_SNIFF_BYTES)
+    if not head:
+        return ": the file is empty"
+    if b"\0" not in head:
+        return ""
+    hint = f" (train on it as it is: --data.path {str(files[0])!r})" if files[0].suffix == ".bin" else ""
+    return (
+        f": it is binary (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes); give text files, JSON Lines or "
+        f"Parquet{hint}"
+    )
 
 
 def _texts(files: list[pathlib.Path], max_bytes: int | None, text_key: str) -> Iterator[str]:
