@@ -67,7 +67,8 @@ def rendezvous_store(port: int, logs: Path) -> subprocess.Popen:
 
 
 def agent(run: Path, port: int, conf: str = "", alone: bool = False) -> subprocess.Popen:
-    """One node's `hybridpar train` (`alone`: a job of one node, one process, SHORT steps)."""
+    """One node's `hybridpar train` (`alone`: a job of one node, one process, SHORT steps; `conf`: more
+    --rdzv-conf keys, which win over those below: torch keeps a key's last value)."""
     rdzv = ["--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "loss"]
     # Every agent a client of the standalone store. Dead nodes are noticed after keep_alive_interval x
     # keep_alive_max_attempt seconds; a rendezvous with fewer than the most nodes waits last_call_timeout.
