@@ -133,6 +133,7 @@ def launch_train(argv: list[str]) -> int:
         outcome,
         planned_flags,
         report_plan,
+        restart_note,
         start_launch,
         stop_on_permanent_failure,
     )
@@ -192,8 +193,12 @@ def launch_train(argv: list[str]) -> int:
         report_plan(planned, cfg.run_dir, planned.cfg.parallel.world_size)
     for note in notes:
         print(note)
-    if warning := elastic_note(nnodes, cfg.checkpoint.every):
-        print(warning, file=sys.stderr, flush=True)
+    restarts = _flag(theirs, "--max-restarts", "--max_restarts")
+    if restarts is None and "resilience.max_restarts" in given:
+        restarts = str(cfg.resilience.max_restarts)
+    for warning in (elastic_note(nnodes, cfg.checkpoint.every), restart_note(nnodes, restarts, cfg.checkpoint.every)):
+        if warning:
+            print(warning, file=sys.stderr, flush=True)
     watch = stop_on_permanent_failure(cfg, claim)
     try:
         return _run_agent(theirs, ours, cfg, nproc, nnodes, lambda: outcome(cfg, claim))

@@ -54,6 +54,34 @@ def test_split_argv_separates_torchrun_flags():
     assert ours == ["--parallel.tp=2", "--run-dir", "x"]
 
 
+def test_restarts_without_checkpoints_are_warned() -> None:
+    from hybridpar.run.launcher import restart_note
+
+    warning = restart_note("1", "2", 0)
+    assert warning is not None and "--checkpoint.every" in warning and "step 0" in warning
+    assert restart_note("2", "1", 0) is not None  # a fixed number of nodes restarts the same way
+    assert restart_note("1", "2", 10) is None  # a restart resumes from the newest checkpoint
+    assert restart_note("1", "0", 0) is None and restart_note("1", None, 0) is None  # none asked for
+    assert restart_note("1:2", "2", 0) is None  # elastic: elastic_note says it
+
+
+@pytest.mark.parametrize(
+    "argv,warned",
+    [
+        (["--max-restarts", "2"], True),
+        (["--max-restarts=2"], True),
+        (["--resilience.max_restarts", "1"], True),
+        (["--max-restarts", "2", "--checkpoint.every", "5"], False),
+        ([], False),  # the default's restarts: the README's first command warns of nothing
+    ],
+)
+def test_the_launcher_warns_of_restarts_that_start_over(argv, warned, tmp_path, monkeypatch, capsys) -> None:
+    monkeypatch.setattr(cli, "_run_agent", lambda *a: 0)  # the warning comes before any agent starts
+    flags = ["--parallel.tp", "1", "--parallel.pp", "1", *tiny_flags(2), "--run-dir", str(tmp_path / "run")]
+    assert cli.main(["train", *argv, *flags]) == 0
+    assert ("restart(s) asked for" in capsys.readouterr().err) == warned
+
+
 def _records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import json
 import re
+import threading
+import time
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -13,6 +16,7 @@ from hybridpar.config import Config, parse_args
 from hybridpar.emulate.faults import Fault, Injector, fired_ids, parse_faults
 from hybridpar.pipeline.schedules import stages_per_rank
 from hybridpar.pipeline.schedules.config_rules import validate_config
+from hybridpar.resilience import watchdog
 from hybridpar.resilience.elastic import layout_for_world, replan, resume_mode
 from hybridpar.resilience.session import add_step, ledger_stats
 from hybridpar.resilience.watchdog import RankView, judge
@@ -217,6 +221,60 @@ def test_watchdog_names_the_computing_rank_not_its_waiting_peers() -> None:
     views = _views((99, 92, False), (99, 93, False))
     views[0].info["phase"], views[1].info["phase"] = "p2p", "forward"  # rank 1 hung computing, rank 0 waits on it
     assert judge(views, 100.0, 5.0, 50.0)[0] == 1
+
+
+class _Store:
+    """The two store calls a watchdog makes, in memory."""
+
+    def __init__(self) -> None:
+        self.kv: dict[str, bytes] = {}
+
+    def set(self, key: str, value: str) -> None:
+        self.kv[key] = value.encode()
+
+    def check(self, keys: list[str]) -> bool:
+        return all(k in self.kv for k in keys)
+
+    def multi_get(self, keys: list[str]) -> list[bytes]:
+        return [self.kv[k] for k in keys]
+
+
+def test_a_watchdog_stopped_and_continued_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    """A process stopped for a minute (SIGSTOP, a paused machine) and continued is no hang: the watchdog
+    does not count the time it did not run itself, and still names a rank that then makes no progress."""
+    offset = [0.0]  # seconds the process "was stopped", added to the clock the watchdog reads
+    clock = SimpleNamespace(monotonic=lambda: time.monotonic() + offset[0], time=time.time)
+    monkeypatch.setattr(watchdog, "time", clock)
+
+    class StoppedInWait(threading.Event):  # where a stop falls: the watcher spends its life in this wait
+        stop_s = 0.0
+
+        def wait(self, timeout: float | None = None) -> bool:
+            ended = super().wait(timeout)
+            offset[0], self.stop_s = offset[0] + self.stop_s, 0.0
+            return ended
+
+    def until(cond, timeout_s: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not cond() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    fired: list[int] = []
+    store = _Store()
+    wd = watchdog.Watchdog(store, "w", 0, 1, 1.0, 1.0, 0.02, tmp_path, abort=fired.append)
+    wd._stop = stopped = StoppedInWait()
+    wd.mark("forward", 0)
+    wd.start()
+    until(lambda: json.loads(store.kv["w/0"])["beat"] >= 3)  # its second look: the first has seen step 0
+    stopped.stop_s = 60.0  # its main thread stopped too: no progress in that minute
+    until(lambda: offset[0] == 60.0)
+    time.sleep(0.1)  # a few looks after it went on
+    assert fired == [], "a watchdog called its own stop a hang"
+    wd.mark("forward", 1)  # the main thread goes on, then makes no progress: named
+    until(lambda: bool(fired))
+    assert fired == [watchdog.EXIT_CODE]
+    assert "rank 0 is hung: alive but no progress" in (tmp_path / "watchdog.jsonl").read_text()
+    wd.stop(finished=False)
 
 
 @pytest.mark.parametrize(

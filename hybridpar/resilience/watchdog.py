@@ -14,6 +14,13 @@ clocks of different machines are never compared. Two rules, checked in this orde
   breaking ties (the one the others wait on, e.g. the rank that never joined a collective), and this
   rank aborts.
 
+Time this rank's own watcher did not run is not counted in any age: the process stopped (SIGSTOP, a
+paused machine) and continued knows nothing of its peers for that time, and judged on it a group stopped
+and continued would abort itself at its first look instead of going on (or checkpointing a SIGTERM that
+came meanwhile, which a launcher admitting a node sends to stopped workers). Such time is what the wait
+between two looks overran its heartbeat by (a stop almost always falls in the wait: a look takes
+milliseconds; one that falls in a look is counted).
+
 Aborting = a JSON line appended to `<report_dir>/watchdog.jsonl`, one line on stderr naming the rank, its
 last phase and step, and `os._exit(EXIT_CODE)`: the elastic agent sees a failed worker and restarts the
 group (resilience.max_restarts), which resumes from the newest verified checkpoint.
@@ -49,6 +56,13 @@ class RankView:
     seen_beat: float = 0.0
     seen_seq: float = 0.0
     info: dict[str, Any] = field(default_factory=dict)
+
+
+def discount(views: list[RankView], seconds: float) -> None:
+    """Leave `seconds` the watcher did not run out of every age: each rank is last seen that much later."""
+    for v in views:
+        v.seen_beat += seconds
+        v.seen_seq += seconds
 
 
 def judge(views: list[RankView], now: float, timeout_s: float, slow_timeout_s: float) -> tuple[int, str] | None:
@@ -161,8 +175,14 @@ class Watchdog:
         t0 = time.monotonic()
         views = [RankView(seen_beat=t0, seen_seq=t0) for _ in range(self.world)]
         store_ok = t0
-        while not self._stop.wait(self.heartbeat_s):
+        while True:
+            asleep = time.monotonic()
+            if self._stop.wait(self.heartbeat_s):
+                return
             now = time.monotonic()
+            if (lost := now - asleep - self.heartbeat_s) > 0:  # stopped, or starved of CPU (module docstring)
+                discount(views, lost)
+                store_ok += lost
             try:
                 self.publish()
                 self._read(views, now)

@@ -105,6 +105,21 @@ def elastic_note(nnodes: str, checkpoint_every: int) -> str | None:
     )
 
 
+def restart_note(nnodes: str, restarts: str | None, checkpoint_every: int) -> str | None:
+    """The warning a launch that is not elastic gets when it asks for restarts (`restarts`: the number given
+    to `--max-restarts` or `--resilience.max_restarts`, None where neither was given) without periodic
+    checkpoints: a restarted run resumes from the newest checkpoint, so with none each restart starts over.
+    The default's restarts get no warning (the README's first command would print one); an elastic launch
+    gets `elastic_note` instead."""
+    lo, sep, hi = nnodes.partition(":")
+    if checkpoint_every > 0 or restarts is None or not restarts.isdigit() or int(restarts) == 0 or (sep and lo != hi):
+        return None
+    return (
+        f"hybridpar: warning: {restarts} restart(s) asked for, but without --checkpoint.every N each restart "
+        "starts the run over from step 0: a restart resumes from the newest checkpoint, and none is written"
+    )
+
+
 def planned_flags(cfg: Config) -> list[str]:
     """The chosen layout as `--key=VALUE` flags, appended to the workers' command line (read after the
     user's, so they win)."""
