@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from hybridpar.config import Config
-from hybridpar.report.metrics import MetricsDuty, MetricsWriter
+from hybridpar.report.metrics import MetricsDuty, MetricsWriter, redo_note
 from hybridpar.resilience import rundir
 from hybridpar.resilience.checkpoint import write_manifest
 
@@ -150,7 +150,15 @@ def test_a_restart_that_finds_no_checkpoint_keeps_the_steps_it_redoes(tmp_path: 
     again.writer.close()
     assert [json.loads(x)["loss"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [9.0]
     cut = [json.loads(x)["step"] for x in (tmp_path / "metrics.superseded.jsonl").read_text().splitlines()]
-    assert cut == [0, 1, 2, 3, 4]
+    assert cut == [0, 1, 2, 3, 4] == again.writer.redone
+    # ... and the start says so, with why (the default run writes no checkpoint: nothing else would tell).
+    assert redo_note(again.writer.redone, 0, 0) == (
+        "hybridpar: this start trains again 5 steps trained before it (0-4): no checkpoint is written "
+        "(--checkpoint.every 0); their first records are kept in metrics.superseded.jsonl"
+    )
+    assert "no checkpoint was committed yet (--checkpoint.every 10)" in redo_note([0, 1], 0, 10)
+    assert "resumed from the newest checkpoint, after step 20" in redo_note([20, 21, 22], 20, 10)
+    assert redo_note([], 0, 0) is None
     cfg.checkpoint.resume = "off"  # a new run in the directory (after --overwrite): nothing redone
     MetricsDuty(cfg, "run2", 0).writer.close()
     assert not (tmp_path / "metrics.superseded.jsonl").exists()

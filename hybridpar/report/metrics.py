@@ -21,15 +21,15 @@ def superseded_path(path: Path) -> Path:
     return path.with_name(path.stem + ".superseded" + path.suffix)
 
 
-def keep_before(path: Path, step: int) -> int:
+def keep_before(path: Path, step: int) -> list[int]:
     """Rewrite `path` keeping only the records of steps before `step`: a run resumed after `step` steps
     writes steps `step`, `step`+1, ... again, so each step appears once in the final file. Also drops a
     final record and a line torn by a crash. Atomic (a new file renamed over the old). The step records
     cut are appended to `superseded_path(path)` first: steps trained and then redone, which the stability
-    report counts (report/stability.py). Returns the number of lines dropped."""
+    report counts (report/stability.py). Returns the steps of the records cut."""
     if not path.is_file():
-        return 0
-    kept, cut, dropped = [], [], 0
+        return []
+    kept, cut, steps = [], [], []
     for line in path.read_text(encoding="utf-8", errors="replace").splitlines():
         try:
             rec = json.loads(line)
@@ -38,17 +38,34 @@ def keep_before(path: Path, step: int) -> int:
         is_step = isinstance(rec, dict) and isinstance(rec.get("step"), int) and not rec.get("final")
         if is_step and rec["step"] < step:
             kept.append(line)
-        else:
-            dropped += 1
-            if is_step and "loss" in rec:
-                cut.append(line)
+        elif is_step and "loss" in rec:
+            cut.append(line)
+            steps.append(rec["step"])
     if cut:
         with superseded_path(path).open("a", encoding="utf-8") as fh:
             fh.write("".join(c + "\n" for c in cut))
     tmp = path.with_name(f".{path.name}.tmp")
     tmp.write_text("".join(k + "\n" for k in kept), encoding="utf-8")
     os.replace(tmp, path)
-    return dropped
+    return steps
+
+
+def redo_note(redone: list[int], start: int, every: int) -> str | None:
+    """The line a start that trains steps again prints (None: it redoes none): which, and why they were lost.
+    A restart with no checkpoint to resume from starts over from step 0 (the default run writes none), and
+    nothing else would say so."""
+    if not redone:
+        return None
+    if start > 0:
+        why = f"resumed from the newest checkpoint, after step {start}"
+    elif every == 0:
+        why = "no checkpoint is written (--checkpoint.every 0)"
+    else:
+        why = f"no checkpoint was committed yet (--checkpoint.every {every})"
+    return (
+        f"hybridpar: this start trains again {len(redone)} steps trained before it ({min(redone)}-{max(redone)}): "
+        f"{why}; their first records are kept in metrics.superseded.jsonl"
+    )
 
 
 class MetricsWriter:
@@ -61,8 +78,9 @@ class MetricsWriter:
         self.sinks = list(sinks)
         path.parent.mkdir(parents=True, exist_ok=True)
         going_on = resume_step > 0 or continues
+        self.redone: list[int] = []  # steps trained before this start and trained again by it
         if going_on:
-            keep_before(path, resume_step)
+            self.redone = keep_before(path, resume_step)
         else:  # a fresh start: no step of this file was trained before
             superseded_path(path).unlink(missing_ok=True)
         self._f = path.open("a" if going_on else "w", encoding="utf-8")

@@ -25,7 +25,7 @@ from hybridpar.config import Config, parse_args, to_toml
 from hybridpar.emulate.attach import emulated_devices, fault_injector
 from hybridpar.pipeline.schedules.config_rules import validate_config
 from hybridpar.report.log import run_log
-from hybridpar.report.metrics import MetricsDuty, ProgressDuty
+from hybridpar.report.metrics import MetricsDuty, ProgressDuty, redo_note
 from hybridpar.report.profile import ProfileDuty
 from hybridpar.report.step_records import RecordsDuty
 from hybridpar.report.step_trace import TraceDuty
@@ -192,6 +192,8 @@ def _steps(
             logger.info(f"hybridpar: resumed layout: {restored.reason}")
     # Rank 0's outputs, opened (metrics.jsonl cut back to the resumed step) before the records' collective set-up.
     metrics = MetricsDuty(cfg, run_id, res.start_step) if rank0 else None
+    if metrics is not None and (note := redo_note(metrics.writer.redone, res.start_step, cfg.checkpoint.every)):
+        logger.info(note)
     progress = ProgressDuty(cfg, logger, res.start_step) if rank0 else None
     checkpoints = CheckpointDuty(trainer, session, token, logger, metrics)
     final = FinalModelDuty(trainer, session, token, logger, metrics, sample=log)
