@@ -22,7 +22,7 @@ import torch
 
 from hybridpar.config import Config
 from hybridpar.emulate.faults import corrupt_newest
-from hybridpar.resilience.checkpoint import committed, verify_checkpoint
+from hybridpar.resilience.commits import committed, verify_checkpoint
 from tests.launches import run_forked
 from tests.references import ref_for
 from tests.tiny_flags import tiny_flags  # noqa: E402

@@ -19,14 +19,14 @@ import pytest
 
 from hybridpar.config import Config, parse_args
 from hybridpar.pipeline.schedules.config_rules import validate_config
-from hybridpar.resilience.checkpoint import (
+from hybridpar.resilience.checkpoint import read_full_model
+from hybridpar.resilience.commits import (
     MANIFEST,
     STATE,
-    _commit,
+    commit_dir,
     committed,
     find_latest,
     prune,
-    read_full_model,
     verify_checkpoint,
     write_manifest,
 )
@@ -164,7 +164,7 @@ def test_commit_replaces_an_existing_step(tmp_path: Path) -> None:
     old = fake_checkpoint(tmp_path, 4)
     _flip(old / "__0_0.distcp")
     new = fake_checkpoint(tmp_path / "tmp", 4)
-    _commit(new, old, None)
+    commit_dir(new, old, None)
     assert verify_checkpoint(old, 4) is None and not new.exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["step-000004", "tmp"]
 
@@ -172,7 +172,7 @@ def test_commit_replaces_an_existing_step(tmp_path: Path) -> None:
 def test_commit_sets_another_runs_step_aside(tmp_path: Path) -> None:
     old = fake_checkpoint(tmp_path, 4, "other")
     new = fake_checkpoint(tmp_path / "tmp", 4, "mine")
-    _commit(new, old, "mine")
+    commit_dir(new, old, "mine")
     names = sorted(p.name for p in tmp_path.iterdir())
     assert names[0].startswith("abandoned-step-000004-") and names[1:] == ["step-000004", "tmp"]
     assert json.loads((tmp_path / names[0] / MANIFEST).read_text())["run_id"] == "other"

@@ -27,7 +27,8 @@ import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import BytesStorageMetadata, Metadata
 
-from hybridpar.resilience.checkpoint import DCP_METADATA, MANIFEST, committed, read_full_model, verify_checkpoint
+from hybridpar.resilience.checkpoint import read_full_model
+from hybridpar.resilience.commits import DCP_METADATA, MANIFEST, committed, verify_checkpoint
 from hybridpar.resilience.safe_dcp import MetadataUnpickler, SafeFileSystemReader, UnsafeCheckpointError, load_metadata
 from hybridpar.run.launcher import launch
 

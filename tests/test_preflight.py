@@ -15,7 +15,7 @@ import psutil
 import pytest
 
 from hybridpar.cli import main
-from hybridpar.resilience.checkpoint import write_manifest
+from hybridpar.resilience.commits import write_manifest
 
 BASE = ["--data.max_tokens", "200000", "--train.steps", "2"]
 

@@ -13,7 +13,7 @@ import pytest
 from hybridpar.config import Config
 from hybridpar.report.metrics import MetricsDuty, MetricsWriter, redo_note
 from hybridpar.resilience import rundir
-from hybridpar.resilience.checkpoint import write_manifest
+from hybridpar.resilience.commits import write_manifest
 
 
 def _ckpt(root: Path, step: int, run_id: str | None) -> Path:

@@ -164,7 +164,7 @@ def test_a_run_without_checkpoints_serves_with_its_own_shape(tmp_path: Path) -> 
 
 
 def test_export_of_a_step_the_run_lacks_names_the_steps_it_holds(tmp_path: Path, capsys) -> None:
-    from hybridpar.resilience.checkpoint import write_manifest
+    from hybridpar.resilience.commits import write_manifest
 
     run = tmp_path / "run"
     (run / "final").mkdir(parents=True)

@@ -170,7 +170,7 @@ class Injector:
 
 def corrupt_newest(root: Path, kind: str) -> Path | None:
     """Damage the newest committed checkpoint under `root` (see the module docstring); the damaged file."""
-    from hybridpar.resilience.checkpoint import DCP_METADATA, committed
+    from hybridpar.resilience.commits import DCP_METADATA, committed
 
     found = committed(root)
     if not found:

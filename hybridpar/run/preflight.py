@@ -208,7 +208,7 @@ def data_order_note(cfg: Config, state: dict) -> str | None:
 def _check_not_a_run(which: str, path: Path) -> None:
     """A run directory, or its checkpoints/ folder, given where one checkpoint is asked for: name the
     newest checkpoint in it, and --resume auto, instead of its missing manifest.json."""
-    from hybridpar.resilience.checkpoint import committed
+    from hybridpar.resilience.commits import committed
 
     if (path / "manifest.json").exists():
         return
@@ -223,7 +223,7 @@ def _check_not_a_run(which: str, path: Path) -> None:
 
 def _check_resume(cfg: Config, verify: bool) -> list[str]:
     """A resume that cannot load is refused; one that reads its samples otherwise gets a note."""
-    from hybridpar.resilience.checkpoint import committed, verify_checkpoint
+    from hybridpar.resilience.commits import committed, verify_checkpoint
     from hybridpar.resilience.rundir import checkpoint_run_id, read_run
 
     which = cfg.checkpoint.resume

@@ -91,7 +91,7 @@ def _open(source: str, stage: Stage) -> tuple[TensorSource, bool]:
     if (p / "config.json").is_file():
         return SafetensorsDir(p), True
     from hybridpar.resilience import packed
-    from hybridpar.resilience.checkpoint import verify_checkpoint
+    from hybridpar.resilience.commits import verify_checkpoint
 
     if (why := verify_checkpoint(p)) is not None:
         raise ValueError(f"checkpoint {p} cannot be used: {why}")

@@ -106,7 +106,7 @@ def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
     is of the later step (a run resumed for more steps checkpoints past its old final model). `step`:
     that step's checkpoint (or final model) instead (ValueError naming the steps it holds). None if there
     is none."""
-    from hybridpar.resilience.checkpoint import committed, find_latest
+    from hybridpar.resilience.commits import committed, find_latest
     from hybridpar.resilience.rundir import checkpoint_run_id, read_run
 
     run_dir = Path(run_dir)
