@@ -7,7 +7,10 @@ of its own. Every reference (a yardstick is 13 trainings) was then computed once
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import threading
+from typing import Iterator
 
 import torch
 
@@ -43,6 +46,31 @@ def yardstick_for(cfg: Config) -> Yardstick:
     if key not in _STICKS:
         _STICKS[key] = yardstick(cfg, runs=lambda c, dt, k, o: ref_for(c, dt, k, o))
     return _STICKS[key]
+
+
+@contextlib.contextmanager
+def computing(cfgs: list[Config]) -> Iterator[None]:
+    """The yardsticks (and so the references) of `cfgs`, computed in a thread of this process while the block
+    runs a launch: its ranks are processes of their own, and this one only waited for them. Each is the same
+    single-threaded computation in either thread (every random draw has a generator of its own). The block
+    reads no reference; one that failed fails the block's end."""
+    failed: list[BaseException] = []
+
+    def compute() -> None:
+        try:
+            for cfg in cfgs:
+                yardstick_for(cfg)  # its runs include the reference itself (ORDERS' first)
+        except BaseException as e:
+            failed.append(e)
+
+    worker = threading.Thread(target=compute, name="references", daemon=True)
+    worker.start()
+    try:
+        yield
+    finally:
+        worker.join()
+    if failed:
+        raise failed[0]
 
 
 def check_fp64(label: str, state: dict[str, torch.Tensor], cfg: Config) -> None:

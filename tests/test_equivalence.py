@@ -18,7 +18,7 @@ from hybridpar.model.reference import TOL, gpt2_config, odd_config, tiny_config
 from hybridpar.model.registry import build_full_model
 from hybridpar.pipeline.schedules import schedule_spec, stages_per_rank
 from hybridpar.topology.spawn import run_ranks
-from tests.references import check_fp64, ref_for
+from tests.references import check_fp64, computing, ref_for
 
 pytestmark = pytest.mark.multiprocess  # every test here starts processes
 
@@ -88,7 +88,8 @@ def run_layouts(cfgs: list[Config], out: Path, worker=_worker) -> list[tuple[lis
     """Each config's run (all of one world size, in one launch, in order): rank 0's (losses, validation
     losses) per config, and its final state in out/state{i}.pt."""
     world = cfgs[0].parallel.world_size
-    return run_ranks(worker, world, [c.to_dict() for c in cfgs], str(out), timeout_s=400)[0]
+    with computing(cfgs):  # the references, while the ranks run
+        return run_ranks(worker, world, [c.to_dict() for c in cfgs], str(out), timeout_s=400)[0]
 
 
 def check_results(cfgs: list[Config], results: list, out: Path, first: int = 0) -> None:
@@ -208,7 +209,9 @@ def shared(tmp_path_factory: pytest.TempPathFactory):
             cfg_dicts = [c.to_dict() for cfgs in cases.values() for c in cfgs]
             world = next(iter(cases.values()))[0].parallel.world_size
             try:
-                launched[group] = (out, run_ranks(_shared_worker, world, cfg_dicts, str(out), tight, timeout_s=400)[0])
+                with computing([c for cfgs in cases.values() for c in cfgs]):  # the references, while the ranks run
+                    results = run_ranks(_shared_worker, world, cfg_dicts, str(out), tight, timeout_s=400)[0]
+                launched[group] = (out, results)
             except Exception as e:
                 launched[group] = e
         if isinstance(launched[group], BaseException):

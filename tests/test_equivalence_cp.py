@@ -17,7 +17,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.model.reference import TOL, gpt2_config, tiny_config
 from hybridpar.topology.spawn import run_ranks
-from tests.references import check_fp64, ref_for
+from tests.references import check_fp64, computing, ref_for
 from tests.test_equivalence import check_results
 
 pytestmark = pytest.mark.multiprocess
@@ -97,7 +97,8 @@ def _worker(cfg_dicts: list[dict], out: str, resume: bool = True) -> list:
 
 def test_context_parallel_layouts_and_resume_across_cp_equal_one_device(tmp_path: Path) -> None:
     cfgs = _configs()
-    results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
+    with computing(cfgs):  # the references, while the ranks run
+        results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
     check_results(cfgs, [r[:2] for r in results[: len(cfgs)]], tmp_path)
     ref_losses = ref_for(tiny_config())[0]
     for (axes, (_, step)), (losses, _, start) in zip(RESUMED, results[len(cfgs) :]):
@@ -110,5 +111,6 @@ def test_context_parallel_layouts_and_resume_across_cp_equal_one_device(tmp_path
 
 def test_context_parallel_with_pipeline_and_data_parallel_at_world_8_equals_one_device(tmp_path: Path) -> None:
     cfgs = _configs8()
-    results = run_ranks(_worker, 8, [c.to_dict() for c in cfgs], str(tmp_path), False, timeout_s=400)[0]
+    with computing(cfgs):  # the references, while the ranks run
+        results = run_ranks(_worker, 8, [c.to_dict() for c in cfgs], str(tmp_path), False, timeout_s=400)[0]
     check_results(cfgs, [r[:2] for r in results], tmp_path)

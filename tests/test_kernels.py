@@ -26,6 +26,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,18 +43,43 @@ BF16 = "tests/test_precision.py::test_bf16_layouts_match_one_device_bf16"  # BF1
 LANES = {"avx2": [FP32, f"{BF16}[world2]"], "avx512-no-amx": [f"{BF16}[world4]"]}
 # A lane's interpreter: ATen's kernel choice on its first line, then pytest (one torch import, not two).
 LANE = "import sys, pytest, torch; print(torch.backends.cpu.get_cpu_capability(), flush=True); sys.exit(pytest.main())"
+LANE_TIMEOUT_S = 280  # the lanes together: pytest's own timeout (300 s) bounds the first test's setup too
+
+
+@pytest.fixture(scope="module")
+def lanes(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest) -> dict[str, tuple[int, str, str]]:
+    """The lanes this session runs, started together: {lane: (exit code, its stdout and stderr)}. A lane's
+    interpreter spends much of its time in one thread (collection, its one-device references) while the other
+    core idles; together they share both cores. Each is still an interpreter of its own with its kernels."""
+    here = [item for item in request.session.items if item.path == request.path and hasattr(item, "callspec")]
+    wanted = [k for k in LANES if any(item.callspec.params.get("kernels") == k for item in here)]
+    out = tmp_path_factory.mktemp("lanes")
+    procs = {}
+    try:
+        for k in wanted:
+            env = {**os.environ, **KERNELS[k]}
+            cmd = [sys.executable, "-c", LANE, "-q", "-s", "-p", "no:cacheprovider", *LANES[k]]
+            # Files, not pipes: neither lane can block on a full pipe while the other is waited for.
+            with (out / f"{k}.out").open("w") as o, (out / f"{k}.err").open("w") as e:
+                procs[k] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=o, stderr=e, text=True)
+        deadline = time.monotonic() + LANE_TIMEOUT_S
+        codes = {k: p.wait(max(0.0, deadline - time.monotonic())) for k, p in procs.items()}
+    finally:
+        for p in procs.values():
+            if p.poll() is None:  # timed out (or pytest's timeout): the lane ends, its ranks with it
+                p.kill()
+                p.wait(30)
+    return {k: (codes[k], (out / f"{k}.out").read_text(), (out / f"{k}.err").read_text()) for k in procs}
 
 
 @pytest.mark.multiprocess
 @pytest.mark.parametrize("kernels", list(LANES))
-def test_exactness_holds_under_another_kernel_choice(kernels: str) -> None:
-    env = {**os.environ, **KERNELS[kernels]}
+def test_exactness_holds_under_another_kernel_choice(kernels: str, lanes: dict[str, tuple[int, str, str]]) -> None:
     lane = LANES[kernels]
-    cmd = [sys.executable, "-c", LANE, "-q", "-s", "-p", "no:cacheprovider", *lane]
-    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=280)
-    capability = proc.stdout.partition("\n")[0]
-    margins = [line for line in proc.stdout.splitlines() if "worst margin" in line]
+    code, stdout, stderr = lanes[kernels]
+    capability = stdout.partition("\n")[0]
+    margins = [line for line in stdout.splitlines() if "worst margin" in line]
     print(f"{kernels} (ATen {capability}):", *margins, sep="\n  ")
-    assert proc.returncode == 0, f"under {kernels} ({KERNELS[kernels]}):\n" + proc.stdout[-4000:] + proc.stderr[-2000:]
+    assert code == 0, f"under {kernels} ({KERNELS[kernels]}):\n" + stdout[-4000:] + stderr[-2000:]
     bf16 = sum(len(BF16_LAYOUTS[key]) for key in BF16_LAYOUTS if f"{BF16}[{key}]" in lane)
-    assert len(margins) == 4 * (FP32 in lane) + bf16, proc.stdout[-2000:]  # one per layout
+    assert len(margins) == 4 * (FP32 in lane) + bf16, stdout[-2000:]  # one per layout

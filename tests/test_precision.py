@@ -20,7 +20,7 @@ import torch
 from hybridpar.config import Config
 from hybridpar.model.reference import U_BF16, tiny_config
 from hybridpar.topology.spawn import run_ranks
-from tests.references import check_fp64, ref_for
+from tests.references import check_fp64, computing, ref_for
 from tests.test_equivalence import _worker, grid_config
 
 BF16 = dict(precision="bf16")
@@ -77,7 +77,8 @@ def test_bf16_layouts_match_one_device_bf16(key: str, tmp_path: Path, request: p
         out, ranks = request.getfixturevalue("world2")
         tmp_path, results = out / "layouts", ranks[0]["layouts"]
     else:
-        results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
+        with computing(cfgs):  # the references, while the ranks run
+            results = run_ranks(_worker, 4, [c.to_dict() for c in cfgs], str(tmp_path), timeout_s=400)[0]
     for i, (cfg, (losses, _)) in enumerate(zip(cfgs, results)):
         ref_losses = ref_for(cfg)[0]  # one-device bf16: autocast over fp32 parameters, or working copies
         label = f"{layouts[i]}"
@@ -182,7 +183,8 @@ def world2(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequ
         resume = _across_runs(out)
     if "test_bf16_resumes_exactly_from_its_fp32_masters" in runs:  # the preempted run stays last
         resume += [(_resume_config("", "off"), str(out / "whole")), (_resume_config(TERM, "off"), str(out / "cut"))]
-    return out, run_ranks(_world2_worker, 2, layouts, bytes_cfgs, resume, str(out), timeout_s=400)
+    with computing(_layout_configs("world2") if layouts else []):  # the layouts' references, while the ranks run
+        return out, run_ranks(_world2_worker, 2, layouts, bytes_cfgs, resume, str(out), timeout_s=400)
 
 
 @pytest.mark.multiprocess
