@@ -16,7 +16,7 @@ import pathlib
 from collections.abc import Iterator
 from typing import IO
 
-from hybridpar.data.sources import BINARY_SNIFF_BYTES, _walk_sorted, default_corpus_files
+from hybridpar.data.sources import BINARY_SNIFF_BYTES, _walk_sorted, default_corpus_files, is_binary
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIX = ".parquet"
@@ -45,11 +45,9 @@ def _why_no_text(files: list[pathlib.Path]) -> str:
     """Why a single plain file gave no text: binary (a prepared token file, most likely), or empty."""
     if len(files) != 1 or files[0].name.endswith((PARQUET_SUFFIX, ".gz") + JSONL_SUFFIXES):
         return ""
-    with open(files[0], "rb") as f:
-        head = f.read(BINARY_SNIFF_BYTES)
-    if not head:
+    if files[0].stat().st_size == 0:
         return ": the file is empty"
-    if b"\0" not in head:
+    if not is_binary(files[0]):
         return ""
     hint = f" (train on it as it is: --data.path {str(files[0])!r})" if files[0].suffix == ".bin" else ""
     return (

@@ -188,16 +188,21 @@ def _text_file(p: pathlib.Path, name: str, max_tokens: int | None) -> Corpus:
     size = p.stat().st_size
     if size == 0:
         raise ValueError(f"data file {str(p)!r} is empty")
-    with open(p, "rb") as f:
-        if b"\0" in f.read(BINARY_SNIFF_BYTES):
-            raise ValueError(
-                f"{name} is not text (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes), and a file other than a "
-                f".bin token file is read as text, byte by byte: give a text file or a folder of them, or a token "
-                f"file (hybridpar data prepare --input {str(p)!r} --out DATA.bin, for gzipped JSON Lines or Parquet)"
-            )
+    if is_binary(p):
+        raise ValueError(
+            f"{name} is not text (a NUL byte in its first {BINARY_SNIFF_BYTES} bytes), and a file other than a "
+            f".bin token file is read as text, byte by byte: give a text file or a folder of them, or a token "
+            f"file (hybridpar data prepare --input {str(p)!r} --out DATA.bin, for gzipped JSON Lines or Parquet)"
+        )
     n = _cut(size, max_tokens)
     tokens = np.memmap(p, dtype=np.uint8, mode="r")[:n]
     return Corpus(tokens, size, name, lambda: max_id(p, "uint8", n) + 1)
+
+
+def is_binary(p: pathlib.Path) -> bool:
+    """A NUL byte in the file's first BINARY_SNIFF_BYTES: not text."""
+    with open(p, "rb") as f:
+        return b"\0" in f.read(BINARY_SNIFF_BYTES)
 
 
 def _cut(total: int, max_tokens: int | None) -> int:
