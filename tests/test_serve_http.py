@@ -291,6 +291,23 @@ def test_a_half_streamed_request_resumes_on_a_live_replica_from_what_was_sent() 
     assert svc.counters["requests_failed"] == 0 and not svc.inflight
 
 
+def test_a_request_that_streamed_its_stop_token_is_done_not_resumed_past_it() -> None:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin")
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    pool = svc.pool
+    a = svc.submit([1, 2], 6, 0.0, 1.0, None, stop_tokens=[5])  # on replica 0, 5 tokens still owed after its stop
+    svc._on_event(0, {"type": "token", "id": a.id, "token": 5})  # its stop token; the replica dies before its done
+    pool.alive[0] = False
+    svc._on_event(0, {"type": "replica_failed"})
+    assert pool.sent == [(0, a.id)]  # not sent again: a resumed request would generate past its stop
+    assert a.events.get_nowait() == ("token", 5)
+    kind, done = a.events.get_nowait()
+    assert (kind, done["reason"], done["completion_tokens"]) == ("done", "stop", 1)
+    assert svc.counters["requests_completed"] == 1 and not svc.inflight
+
+
 def test_a_sent_request_whose_client_saw_nothing_starts_over_on_a_live_replica() -> None:
     from hybridpar.serve.service import Service
 

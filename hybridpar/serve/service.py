@@ -209,9 +209,11 @@ class Service:
                 continue
             with self.lock:
                 msg = p.message()
-            if msg["max_tokens"] < 1:  # its replica died after the last token, before its done
-                last = p.tokens[-1] in (msg.get("stop_tokens") or ())
-                self._on_event(rep, {"type": "done", "id": req.id, "reason": "stop" if last else "length"})
+            # Its replica died after its last token (all it was owed, or its stop token), before its done:
+            # resent, it would generate past its end.
+            stopped = bool(p.tokens) and p.tokens[-1] in (msg.get("stop_tokens") or ())
+            if stopped or msg["max_tokens"] < 1:
+                self._on_event(rep, {"type": "done", "id": req.id, "reason": "stop" if stopped else "length"})
             elif self.pool.send(rep, msg):
                 p.sent, p.sent_at = True, time.monotonic()
             else:  # the replica died before it got the request: place it again
