@@ -164,6 +164,25 @@ def test_cancel_tells_the_replica_frees_the_place_and_counts_it() -> None:
     ) == (2, 1, 0)
 
 
+def test_a_cancelled_request_whose_replica_dies_before_its_done_is_not_counted_failed() -> None:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=3, strategy="round_robin")
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    a, b = svc.submit([1, 2], 4, 0.0, 1.0, None), svc.submit([3], 4, 0.0, 1.0, None)  # a on 0, b on 1
+    svc.cancel(a.id, completed=True)  # a stop string matched
+    svc.cancel(b.id)  # b's client timed out
+    for rep in (0, 1):  # each replica dies before its "cancelled" done comes back
+        svc.pool.alive[rep] = False
+        svc._on_event(rep, {"type": "replica_failed"})
+    assert a.events.empty() and b.events.empty() and not svc.router.where and not svc._cancelled
+    assert (
+        svc.counters["requests_completed"],
+        svc.counters["requests_cancelled"],
+        svc.counters["requests_failed"],
+    ) == (1, 1, 0)
+
+
 def test_stop_text_holds_back_what_may_become_a_stop() -> None:
     from hybridpar.serve.text import StopText
 

@@ -242,10 +242,17 @@ class Service:
     def _fail(self, rid: str, why: str) -> None:
         with self.lock:
             p = self.inflight.pop(rid, None)
-            self._cancelled.pop(rid, None)
+            # One its client had ended (a stop string matched, or it timed out) did not fail: its done was lost.
+            done_by_client = self._cancelled.pop(rid, None)
             # Freeing its place may place waiting requests: they must be sent, not forgotten.
             placed = self.router.finished(rid, time.monotonic()) if rid in self.router.where else []
-            self.counters["requests_failed"] += 1
+            self.counters[
+                "requests_failed"
+                if done_by_client is None
+                else "requests_completed"
+                if done_by_client
+                else "requests_cancelled"
+            ] += 1
         if p is not None:
             p.events.put(("done", {"reason": "error", "error": why}))
         self._send(placed)
