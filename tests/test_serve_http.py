@@ -246,6 +246,23 @@ class _Pool:
         return self.alive[d]
 
 
+def test_a_request_past_the_kv_budget_is_refused_up_front_not_failed_by_its_replica() -> None:
+    svc = _Full()
+    svc.cfg = ServeConfig(served_model_name="m", kv_tokens=72, block_size=16)  # 4 blocks: 64 tokens (max_seq_len 1024)
+    srv = make_server(svc, "127.0.0.1", 0)  # type: ignore[arg-type]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({**GOOD, "model": "m", "prompt": "x" * 61}))
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+        # A replica would answer it with an error done (a 503, as if the server had failed): never sent to one.
+        assert (resp.status, err["param"]) == (400, "prompt") and "maximum of 64 tokens" in err["message"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
+
+
 def test_dead_replica_requests_are_placed_again_or_failed_clearly() -> None:
     from hybridpar.serve.router import Unavailable
     from hybridpar.serve.service import Service
