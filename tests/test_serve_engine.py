@@ -221,3 +221,19 @@ def test_cancel_stops_waiting_and_running_requests_and_spares_the_rest() -> None
     assert 2 <= len(r0) < N_TOKENS[0] and r0 == want["r0"][: len(r0)]
     for k in ("r2", "r3", "r4"):  # the others, r2 and r3 in a group formed after the cancels, are untouched
         assert done[k]["reason"] == "length" and done[k]["tokens"] == want[k], k
+
+
+def test_a_stop_token_ends_a_request_even_as_its_last_allowed_token() -> None:
+    """Each request stops at its greedy output's last token: where that is the first time it comes (the
+    boundary, max_tokens reached by the stop token itself) the reason is still "stop", as OpenAI reports."""
+    ref = greedy_reference()
+    reqs = [{**r, "stop_tokens": [ref[r["id"]][-1]]} for r in requests()]
+    ch = ListChannel(reqs)
+    Driver(StageRunner(build_full_model(CFG, SEED).eval(), local_topology()), ch, Limits(**LIMITS)).run()
+    done = {e["id"]: e for e in ch.events if e["type"] == "done"}
+    boundary = 0
+    for rid, want in ref.items():
+        end = want.index(want[-1]) + 1  # up to the stop token's first appearance
+        boundary += end == len(want)
+        assert (done[rid]["tokens"], done[rid]["reason"]) == (want[:end], "stop")
+    assert boundary > 0  # the boundary case is among them

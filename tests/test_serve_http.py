@@ -164,6 +164,25 @@ def test_cancel_tells_the_replica_frees_the_place_and_counts_it() -> None:
     ) == (2, 1, 0)
 
 
+def test_a_cancelled_request_whose_replica_dies_before_its_done_is_not_counted_failed() -> None:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=3, strategy="round_robin")
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    a, b = svc.submit([1, 2], 4, 0.0, 1.0, None), svc.submit([3], 4, 0.0, 1.0, None)  # a on 0, b on 1
+    svc.cancel(a.id, completed=True)  # a stop string matched
+    svc.cancel(b.id)  # b's client timed out
+    for rep in (0, 1):  # each replica dies before its "cancelled" done comes back
+        svc.pool.alive[rep] = False
+        svc._on_event(rep, {"type": "replica_failed"})
+    assert a.events.empty() and b.events.empty() and not svc.router.where and not svc._cancelled
+    assert (
+        svc.counters["requests_completed"],
+        svc.counters["requests_cancelled"],
+        svc.counters["requests_failed"],
+    ) == (1, 1, 0)
+
+
 def test_stop_text_holds_back_what_may_become_a_stop() -> None:
     from hybridpar.serve.text import StopText
 
@@ -225,6 +244,23 @@ class _Pool:
         if self.alive[d]:
             self.sent.append((d, msg["id"]))
         return self.alive[d]
+
+
+def test_a_request_past_the_kv_budget_is_refused_up_front_not_failed_by_its_replica() -> None:
+    svc = _Full()
+    svc.cfg = ServeConfig(served_model_name="m", kv_tokens=72, block_size=16)  # 4 blocks: 64 tokens (max_seq_len 1024)
+    srv = make_server(svc, "127.0.0.1", 0)  # type: ignore[arg-type]
+    threading.Thread(target=srv.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", srv.server_address[1], timeout=30)
+        conn.request("POST", "/v1/completions", json.dumps({**GOOD, "model": "m", "prompt": "x" * 61}))
+        resp = conn.getresponse()
+        err = json.loads(resp.read())["error"]
+        # A replica would answer it with an error done (a 503, as if the server had failed): never sent to one.
+        assert (resp.status, err["param"]) == (400, "prompt") and "maximum of 64 tokens" in err["message"]
+    finally:
+        srv.shutdown()
+        srv.server_close()
 
 
 def test_dead_replica_requests_are_placed_again_or_failed_clearly() -> None:
@@ -289,6 +325,23 @@ def test_a_half_streamed_request_resumes_on_a_live_replica_from_what_was_sent() 
     svc._on_event(1, {"type": "replica_failed"})
     assert [b.events.get_nowait()[0] for _ in range(3)] == ["token", "token", "done"]  # done without a resend
     assert svc.counters["requests_failed"] == 0 and not svc.inflight
+
+
+def test_a_request_that_streamed_its_stop_token_is_done_not_resumed_past_it() -> None:
+    from hybridpar.serve.service import Service
+
+    cfg = ServeConfig(source="init:7", dp=2, strategy="round_robin")
+    svc = Service(cfg, MODEL, cfg.source, pool=_Pool)
+    pool = svc.pool
+    a = svc.submit([1, 2], 6, 0.0, 1.0, None, stop_tokens=[5])  # on replica 0, 5 tokens still owed after its stop
+    svc._on_event(0, {"type": "token", "id": a.id, "token": 5})  # its stop token; the replica dies before its done
+    pool.alive[0] = False
+    svc._on_event(0, {"type": "replica_failed"})
+    assert pool.sent == [(0, a.id)]  # not sent again: a resumed request would generate past its stop
+    assert a.events.get_nowait() == ("token", 5)
+    kind, done = a.events.get_nowait()
+    assert (kind, done["reason"], done["completion_tokens"]) == ("done", "stop", 1)
+    assert svc.counters["requests_completed"] == 1 and not svc.inflight
 
 
 def test_a_sent_request_whose_client_saw_nothing_starts_over_on_a_live_replica() -> None:

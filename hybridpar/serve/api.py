@@ -113,8 +113,8 @@ def parse_options(body: dict[str, Any], ids: list[int], max_seq_len: int, max_to
     if len(ids) + max_tokens > max_seq_len:
         raise ApiError(
             400,
-            f"prompt of {len(ids)} tokens + max_tokens={_short(max_tokens)} exceeds this model's "
-            f"maximum of {max_seq_len} tokens",
+            f"prompt of {len(ids)} tokens + max_tokens={_short(max_tokens)} exceeds this server's "
+            f"maximum of {max_seq_len} tokens (its max_seq_len and KV-cache budget)",
             "prompt",
             code="context_length_exceeded",
         )

@@ -108,6 +108,12 @@ class ServeConfig:
         """The served name: --served-model-name, else the source as given (a trailing / dropped)."""
         return self.served_model_name or self.source.rstrip("/") or self.source
 
+    @property
+    def request_tokens(self) -> int:
+        """The longest prompt + completion a request may ask for: max_seq_len, or the KV-cache budget in whole
+        blocks where that is less (a replica refuses what its cache cannot hold, as a failure)."""
+        return min(self.max_seq_len, self.kv_tokens // self.block_size * self.block_size)
+
     def slowdowns(self) -> list[float]:
         out = [1.0] * self.dp
         for part in filter(None, (p.strip() for p in self.emulate_slowdown.split(","))):

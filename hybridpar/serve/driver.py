@@ -155,9 +155,11 @@ class Driver:
             tok = sample_token(logits[i], float(q.get("temperature", 0.0)), float(q.get("top_p", 1.0)), s.gen)
             s.out.append(tok)
             self.ch.send({"type": "token", "id": s.rid, "token": tok})
-            if len(s.out) >= int(q["max_tokens"]) or tok in (q.get("stop_tokens") or ()):
+            stopped = tok in (q.get("stop_tokens") or ())
+            if stopped or len(s.out) >= int(q["max_tokens"]):
                 self.sched.leave(s)
-                self._finish(s, "length" if len(s.out) >= int(q["max_tokens"]) else "stop", now)
+                # A stop token that is also the last allowed one is a stop (OpenAI's and vLLM's finish_reason).
+                self._finish(s, "stop" if stopped else "length", now)
 
     def _finish(self, s: Seq, reason: str, now: float) -> None:
         self.completed += 1

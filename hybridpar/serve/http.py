@@ -106,11 +106,11 @@ class Api:
             raise ApiError(411, "a Content-Length header (or a chunked Transfer-Encoding) is required")
         name, svc = self.cfg.model_name, self.svc
         if chat:
-            r = await self._run(parse_chat, req.body, name, self.cfg.max_seq_len, svc.chat.render, svc.tokenize)
+            r = await self._run(parse_chat, req.body, name, self.cfg.request_tokens, svc.chat.render, svc.tokenize)
             r["stop_tokens"] = svc.chat_stop_tokens
         else:
             r = await self._run(
-                parse_completion, req.body, name, self.cfg.max_seq_len, svc.model.vocab_size, svc.tokenize
+                parse_completion, req.body, name, self.cfg.request_tokens, svc.model.vocab_size, svc.tokenize
             )
         p = await self._run(self._submit, r)
         answer = Answer(p, name, chat, r.get("stop_tokens", []), r.get("include_usage", False))

@@ -209,9 +209,11 @@ class Service:
                 continue
             with self.lock:
                 msg = p.message()
-            if msg["max_tokens"] < 1:  # its replica died after the last token, before its done
-                last = p.tokens[-1] in (msg.get("stop_tokens") or ())
-                self._on_event(rep, {"type": "done", "id": req.id, "reason": "stop" if last else "length"})
+            # Its replica died after its last token (all it was owed, or its stop token), before its done:
+            # resent, it would generate past its end.
+            stopped = bool(p.tokens) and p.tokens[-1] in (msg.get("stop_tokens") or ())
+            if stopped or msg["max_tokens"] < 1:
+                self._on_event(rep, {"type": "done", "id": req.id, "reason": "stop" if stopped else "length"})
             elif self.pool.send(rep, msg):
                 p.sent, p.sent_at = True, time.monotonic()
             else:  # the replica died before it got the request: place it again
@@ -240,10 +242,17 @@ class Service:
     def _fail(self, rid: str, why: str) -> None:
         with self.lock:
             p = self.inflight.pop(rid, None)
-            self._cancelled.pop(rid, None)
+            # One its client had ended (a stop string matched, or it timed out) did not fail: its done was lost.
+            done_by_client = self._cancelled.pop(rid, None)
             # Freeing its place may place waiting requests: they must be sent, not forgotten.
             placed = self.router.finished(rid, time.monotonic()) if rid in self.router.where else []
-            self.counters["requests_failed"] += 1
+            self.counters[
+                "requests_failed"
+                if done_by_client is None
+                else "requests_completed"
+                if done_by_client
+                else "requests_cancelled"
+            ] += 1
         if p is not None:
             p.events.put(("done", {"reason": "error", "error": why}))
         self._send(placed)
