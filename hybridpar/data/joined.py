@@ -1,7 +1,7 @@
 """Text files joined into one file once per node, memory-mapped by every rank (pure file I/O).
 
 A folder of text files (and the default corpus, the stdlib's ~800 files) is trained on as their bytes
-joined with b"\\n". Joined in memory, every rank held the whole join (12.6 MB for the default corpus, a
+joined with b"\\n". Joined in memory, every rank would hold the whole join (12.6 MB for the default corpus, a
 folder's full size for a folder). Here the join is written to a file named by the sha256 of its bytes in
 a per-user folder of the system's temporary directory, and each rank maps it read-only like a token file:
 the page cache holds one copy per node, and a rank's resident set only the windows a batch reads.
