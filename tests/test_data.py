@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import os
 import pathlib
 
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from hybridpar.data import joined
 from hybridpar.data.corpus import TokenData, decode, encode
 from hybridpar.data.sources import default_corpus_files, open_corpus
 
@@ -266,3 +268,18 @@ def test_a_join_folder_another_user_could_write_is_refused(
     (tmp_path / "t.txt").write_bytes(b"text")
     with pytest.raises(ValueError, match="must be a folder of this user's only"):
         open_corpus(str(tmp_path))
+
+
+def test_a_join_that_cannot_be_written_says_where_and_why(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "t.txt").write_bytes(b"text")
+
+    def full(*args: object, **kw: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hybridpar.data.joined.os.replace", full)
+    with pytest.raises(ValueError, match=r"could not write the join of 1 text files \(4 bytes\) to .*No space left"):
+        open_corpus(str(tmp_path))
+    name = hashlib.sha256(b"text").hexdigest()
+    assert not list(joined.cache_dir().glob(f".{name[:16]}-*")) and not (joined.cache_dir() / f"{name}.txt").exists()

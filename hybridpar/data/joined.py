@@ -101,7 +101,12 @@ def join_files(files: Iterable[pathlib.Path], cap: int | None) -> tuple[np.ndarr
                 if _write(out, _chunks(text, n)) != path.stem:
                     raise ValueError(f"a text file of {len(text)} changed while the corpus was read: open it again")
             os.replace(tmp, path)  # atomic: a reader sees no join or a whole one
-        except BaseException:
+        except BaseException as e:
             pathlib.Path(tmp).unlink(missing_ok=True)
+            if isinstance(e, OSError):  # a full or read-only temporary directory
+                raise ValueError(
+                    f"could not write the join of {len(text)} text files ({n:,} bytes) to {path.parent}: {e}; "
+                    f"free space there, or set TMPDIR to a temporary directory with room"
+                ) from e
             raise
     return np.memmap(path, dtype=np.uint8, mode="r"), len(text), total
