@@ -273,13 +273,16 @@ def test_a_join_folder_another_user_could_write_is_refused(
 def test_a_join_that_cannot_be_written_says_where_and_why(
     tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    (tmp_path / "t.txt").write_bytes(b"text")
+    text = str(tmp_path).encode()  # a join no earlier run wrote
+    (tmp_path / "t.txt").write_bytes(text)
 
     def full(*args: object, **kw: object) -> None:
         raise OSError(28, "No space left on device")
 
     monkeypatch.setattr("hybridpar.data.joined.os.replace", full)
-    with pytest.raises(ValueError, match=r"could not write the join of 1 text files \(4 bytes\) to .*No space left"):
+    with pytest.raises(
+        ValueError, match=rf"could not write the join of 1 text files \({len(text)} bytes\) to .*No space left"
+    ):
         open_corpus(str(tmp_path))
-    name = hashlib.sha256(b"text").hexdigest()
+    name = hashlib.sha256(text).hexdigest()
     assert not list(joined.cache_dir().glob(f".{name[:16]}-*")) and not (joined.cache_dir() / f"{name}.txt").exists()
