@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import hashlib
+import os
 import pathlib
 
 import numpy as np
 import pytest
 import torch
 
+from hybridpar.data import joined
 from hybridpar.data.corpus import TokenData, decode, encode
 from hybridpar.data.sources import default_corpus_files, open_corpus
 
@@ -221,3 +224,65 @@ def test_uint8_tokens_widened() -> None:
     x, y = data.train_samples(0, 4)
     assert x.dtype == torch.int64 and int(x.max()) < 256
     assert data.vocab_needed == int(raw.max()) + 1
+
+
+def _joined_in_memory(files: list[pathlib.Path]) -> bytes:
+    """What the tokens were when a folder was joined in memory: the text files' bytes, b"\\n" between."""
+    return b"\n".join(b for f in files if (b := f.read_bytes()) and b"\0" not in b[:8192])
+
+
+def test_a_folder_and_the_default_corpus_are_read_in_place(tmp_path: pathlib.Path) -> None:
+    """One copy per node: every open (every rank) maps the same file of the join, the same bytes in the same
+    order as the in-memory join they replace; a changed file makes a new join, never reads the old."""
+    folder = tmp_path / "texts"
+    (folder / "a").mkdir(parents=True)
+    (folder / "a" / "z.txt").write_bytes(b"ZZ" * 5000)
+    (folder / "b.txt").write_bytes("é\n".encode() * 3000)
+    (folder / "c.dat").write_bytes(b"x\0y")  # binary: skipped
+    (folder / "d.txt").write_bytes(b"")  # empty: skipped
+    files = [folder / "a" / "z.txt", folder / "b.txt", folder / "c.dat", folder / "d.txt"]
+    want = _joined_in_memory(files)
+    first, second = open_corpus(str(folder)), open_corpus(str(folder))
+    for c in (first, second):
+        assert isinstance(c.tokens, np.memmap) and bytes(c.tokens) == want and c.total == len(want)
+    assert first.tokens.filename == second.tokens.filename
+    assert TokenData.open(str(folder), None, 16, 0, 0.1).vocab_needed == max(want) + 1
+    cut = open_corpus(str(folder), 10_001)
+    assert bytes(cut.tokens) == want[:10_001] and cut.total == len(want)
+    (folder / "b.txt").write_bytes("è\n".encode() * 3000)  # same size, other bytes
+    changed = open_corpus(str(folder))
+    assert bytes(changed.tokens) == _joined_in_memory(files) != want
+    assert changed.tokens.filename != first.tokens.filename
+    default = open_corpus(None, 300_000).tokens
+    assert isinstance(default, np.memmap)
+    assert bytes(default) == _joined_in_memory(default_corpus_files())[:300_000]
+
+
+def test_a_join_folder_another_user_could_write_is_refused(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("tempfile.gettempdir", lambda: str(tmp_path))
+    shared = tmp_path / f"hybridpar-{os.getuid()}-joined"
+    shared.mkdir(mode=0o777)
+    shared.chmod(0o777)
+    (tmp_path / "t.txt").write_bytes(b"text")
+    with pytest.raises(ValueError, match="must be a folder of this user's only"):
+        open_corpus(str(tmp_path))
+
+
+def test_a_join_that_cannot_be_written_says_where_and_why(
+    tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    text = str(tmp_path).encode()  # a join no earlier run wrote
+    (tmp_path / "t.txt").write_bytes(text)
+
+    def full(*args: object, **kw: object) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr("hybridpar.data.joined.os.replace", full)
+    with pytest.raises(
+        ValueError, match=rf"could not write the join of 1 text files \({len(text)} bytes\) to .*No space left"
+    ):
+        open_corpus(str(tmp_path))
+    name = hashlib.sha256(text).hexdigest()
+    assert not list(joined.cache_dir().glob(f".{name[:16]}-*")) and not (joined.cache_dir() / f"{name}.txt").exists()

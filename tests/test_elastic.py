@@ -239,20 +239,38 @@ class _Store:
         return [self.kv[k] for k in keys]
 
 
-def test_a_watchdog_stopped_and_continued_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+def test_unwatched_time() -> None:
+    # Heartbeat 1 s: a look began at 10.0, the wait after it ended at 11.003 (a look of 3 ms): nothing lost;
+    # one that ended at 71.0 was stopped for a minute, in the look or in the wait alike.
+    assert watchdog.unwatched(1.0, 10.0, 11.003) == pytest.approx(0.003)
+    assert watchdog.unwatched(1.0, 10.0, 71.0) == pytest.approx(60.0)
+    assert watchdog.unwatched(1.0, 10.0, 10.5) == 0.0  # a wait cut short (the watchdog stopping)
+
+
+@pytest.mark.parametrize("where", ["wait", "look"])
+def test_a_watchdog_stopped_and_continued_goes_on(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str) -> None:
     """A process stopped for a minute (SIGSTOP, a paused machine) and continued is no hang: the watchdog
-    does not count the time it did not run itself, and still names a rank that then makes no progress."""
+    does not count the time it did not run itself, whether the stop falls in its wait or inside one of
+    its few-ms looks (here in its store write; such a stop was once counted as a minute with no progress),
+    and still names a rank that then makes no progress."""
     offset = [0.0]  # seconds the process "was stopped", added to the clock the watchdog reads
     clock = SimpleNamespace(monotonic=lambda: time.monotonic() + offset[0], time=time.time)
     monkeypatch.setattr(watchdog, "time", clock)
 
-    class StoppedInWait(threading.Event):  # where a stop falls: the watcher spends its life in this wait
+    class StoppedInWait(threading.Event):  # the watcher spends its life in this wait
         stop_s = 0.0
 
         def wait(self, timeout: float | None = None) -> bool:
             ended = super().wait(timeout)
-            offset[0], self.stop_s = offset[0] + self.stop_s, 0.0
+            if where == "wait":
+                offset[0], self.stop_s = offset[0] + self.stop_s, 0.0
             return ended
+
+    class StoppedInLook(_Store):
+        def set(self, key: str, value: str) -> None:
+            if where == "look":
+                offset[0], stopped.stop_s = offset[0] + stopped.stop_s, 0.0
+            super().set(key, value)
 
     def until(cond, timeout_s: float = 10.0) -> None:
         deadline = time.monotonic() + timeout_s
@@ -260,7 +278,7 @@ def test_a_watchdog_stopped_and_continued_goes_on(monkeypatch: pytest.MonkeyPatc
             time.sleep(0.01)
 
     fired: list[int] = []
-    store = _Store()
+    store = StoppedInLook()
     wd = watchdog.Watchdog(store, "w", 0, 1, 1.0, 1.0, 0.02, tmp_path, abort=fired.append)
     wd._stop = stopped = StoppedInWait()
     wd.mark("forward", 0)

@@ -102,10 +102,22 @@ def _sizes(layout: Layout) -> list[list[int]]:
     return [[len(r) for r in p] for p in layout.parts]
 
 
+def _slowest(times: dict[int, float], ranks: int) -> str:
+    """The slowest position by the very readings the move was planned on (the detector's smoothed medians
+    can name another rank: under load one rank's window median is stretched while the quietest steps show
+    a different rank slow, and the move follows the quietest steps)."""
+    r = max(times, key=lambda q: (times[q], -q))
+    return (
+        f"position {r} (replica {r // ranks}, pipeline rank {r % ranks}) slowest: "
+        f"{times[r] / min(times.values()):.2f}x the fastest's time per unit (the latest window's quietest steps)"
+    )
+
+
 def _describe(
     why: str, layout: Layout, new: Layout, steps: tuple[float, float, float, float], margin: float
 ) -> tuple[Literal["pipeline", "data", "pipeline+data"], str]:
-    """A move's kind and its reason: why it was due, what moves, the simulated and bound steps."""
+    """A move's kind and its reason: why it was due (and the slowest position, `_slowest`), what moves, the
+    simulated and bound steps."""
     before, after, bound_before, bound_after = steps
     moved, resplit = new.parts != layout.parts, new.split != layout.split
     kind: Literal["pipeline", "data", "pipeline+data"] = (
@@ -182,11 +194,10 @@ class Balancer:
             return None
         tol = max(self.config.min_gain, 2.0 * self.detector.noise())
         moved = {r: smooth[r] / fastest / self._evaluated[r] - 1.0 for r in range(n)}
-        r = max(moved, key=lambda q: abs(moved[q]))
-        self._drift_streak = self._drift_streak + 1 if abs(moved[r]) > tol else 0
+        self._drift_streak = self._drift_streak + 1 if max(abs(x) for x in moved.values()) > tol else 0
         if self._drift_streak < self.config.patience:
             return None
-        return f"speeds drifted: position {r}'s relative time per unit {moved[r]:+.1%} since the last evaluation"
+        return f"speeds drifted by more than {tol:.1%} since the last evaluation"
 
     def _speeds(self, times: dict[int, float], layout: Layout) -> list[list[float]]:
         """Absolute speeds (units of work per second, so that predicted steps come out in seconds) of each
@@ -247,8 +258,10 @@ class Balancer:
         state = self.detector.update(samples)
         self._rows.append({r: x.compute_s for r, x in by_rank(samples).items()})
         self._updates += 1
-        if state.changed:
-            self._pending = state.reason
+        if state.changed:  # named without ranks: the reason names the slowest by the move's own figures
+            self._pending = "a straggler " + " and ".join(
+                w for w, ranks in (("appeared", state.new), ("recovered", state.recovered)) if ranks
+            )
         elif self._updates == c.window:
             self._pending = f"first full window of {c.window} measurements"
         if self._last_decision is not None and step - self._last_decision < c.interval:
@@ -285,6 +298,7 @@ class Balancer:
         if not self._confirmed(layout, new, n, c.min_gain):
             self._pending = why  # still due: judged again at the next update
             return None
+        why = f"{why}; {_slowest(times, ranks)}"
         kind, why = _describe(why, layout, new, (before, after, bound_before, bound_after), margin)
         self._last_decision = step
         if c.mode == "auto":  # the layout changes: measure the new one before judging drift

@@ -16,7 +16,8 @@ import pathlib
 from collections.abc import Iterator
 from typing import IO
 
-from hybridpar.data.sources import BINARY_SNIFF_BYTES, _walk_sorted, default_corpus_files, is_binary
+from hybridpar.data.joined import BINARY_SNIFF_BYTES, is_binary
+from hybridpar.data.sources import _walk_sorted, default_corpus_files
 
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 PARQUET_SUFFIX = ".parquet"

@@ -2,7 +2,8 @@
 
 The default corpus is the running interpreter's standard library source, which every machine with
 Python has; a folder is its text files, sorted; a token file (`hybridpar data prepare`, or nanoGPT's
-uint16 `.bin`) is memory-mapped, never copied, so opening it costs nothing whatever its size.
+uint16 `.bin`) is memory-mapped, never copied, so opening it costs nothing whatever its size; text files
+are mapped too, a folder's (and the default corpus's) joined into one file per node (`joined.py`).
 """
 
 from __future__ import annotations
@@ -11,16 +12,15 @@ import functools
 import os
 import pathlib
 import sysconfig
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
 
+from hybridpar.data.joined import BINARY_SNIFF_BYTES, is_binary, join_files
 from hybridpar.data.tokenfile import FORMAT, INDEX_DTYPE, index_path, max_id, open_tokens, read_sidecar
 
 EXAMPLE_MIXTURE = '"0.7:web.bin,0.3:code.bin"'  # how a mixture is written (data/mixture.py)
-# A NUL byte in the first 8 KiB is the same heuristic git/grep use to call a file binary.
-BINARY_SNIFF_BYTES = 8192
 # Directory names never taken into the default corpus: tests are huge, repetitive and full of
 # deliberately odd data; site-packages differs between environments and would break determinism.
 EXCLUDED_STDLIB_DIRS = frozenset({"test", "tests", "site-packages", "dist-packages", "__pycache__"})
@@ -57,50 +57,20 @@ def default_corpus_files() -> list[pathlib.Path]:
 
 
 @functools.cache
-def _default_corpus(cap: int | None) -> tuple[bytes, int]:
-    """The default corpus's bytes (cut to ``cap``) and the size of all of it, read once per process and cap:
-    the interpreter's stdlib does not change while it runs, and listing and sniffing its ~800 files costs
-    0.1-0.2 s, which a process that trains many runs (the tests' references, a launch's worker running
-    several configs) paid at every run. Bytes are immutable, and each Corpus reads them as a read-only view."""
-    data, _, total = _read_joined(default_corpus_files(), cap)
-    return data, total
-
-
-def _read_joined(files: Iterable[pathlib.Path], cap: int | None) -> tuple[bytes, int, int]:
-    """The text files joined with b"\\n", cut to the first ``cap`` bytes (None: all of them); returns
-    (data, number of text files, bytes of the whole join). Files that look binary or are empty are
-    skipped. Past the cap a file is only sniffed and measured, so a cap costs only the I/O it needs."""
-    parts: list[bytes] = []
-    used = n_text = total = 0
-    for path in files:
-        with open(path, "rb") as f:
-            head = f.read(BINARY_SNIFF_BYTES)
-            if not head or b"\0" in head:
-                continue
-            sep = 1 if n_text else 0  # the separator counts like any other byte
-            n_text += 1
-            total += sep + os.fstat(f.fileno()).st_size
-            if cap is not None and used >= cap:
-                continue
-            if sep:
-                parts.append(b"\n")
-                used += 1
-            remaining = None if cap is None else cap - used
-            if remaining is None:
-                chunk = head + f.read()
-            else:
-                chunk = head[:remaining] if len(head) >= remaining else head + f.read(remaining - len(head))
-        parts.append(chunk)
-        used += len(chunk)
-    data = b"".join(parts)
-    return (data if cap is None else data[:cap]), n_text, max(total, len(data))
+def _default_corpus(cap: int | None) -> tuple[pathlib.Path, int]:
+    """The default corpus's join (cut to ``cap``; joined.join_files) and the size of all of it, found once per
+    process and cap: the interpreter's stdlib does not change while it runs, and listing, sniffing and
+    hashing its ~800 files costs 0.1-0.2 s, which a process that trains many runs (the tests' references,
+    a launch's worker running several configs) paid at every run."""
+    data, _, total = join_files(default_corpus_files(), cap)
+    return (pathlib.Path("") if data is None else pathlib.Path(data.filename)), total
 
 
 @dataclass(frozen=True)
 class Corpus:
-    """A corpus opened for training. A token file is read in place: ``tokens`` is a read-only memory map,
-    and only the windows a step asks for are ever read; so is one text file's bytes. The default corpus and
-    a folder are joined in memory."""
+    """A corpus opened for training, read in place: ``tokens`` is a read-only memory map (of a token file, a
+    text file, or the join of a folder's or the default corpus's text files: joined.join_files), and only the
+    windows a step asks for are ever read."""
 
     tokens: np.ndarray  # (n,) ids
     total: int  # tokens of the whole corpus: more than n where data.max_tokens cuts it
@@ -114,8 +84,8 @@ class Corpus:
 def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
     """Open a corpus, its first ``max_tokens`` tokens only where that is given.
 
-    * ``None``: the default stdlib corpus (``default_corpus_files``), joined with b"\\n" -> bytes.
-    * a folder: every non-hidden, non-binary regular file below it, sorted, joined -> bytes.
+    * ``None``: the default stdlib corpus (``default_corpus_files``), joined with b"\\n" (joined.join_files).
+    * a folder: every non-hidden, non-binary regular file below it, sorted, joined alike.
     * ``*.bin`` with a ``.json`` sidecar (``hybridpar data prepare``): its uint16 or uint32 tokens.
     * ``*.bin``: nanoGPT-style little-endian uint16 tokens.
     * any other file: its bytes, memory-mapped (a binary file is refused).
@@ -124,17 +94,20 @@ def open_corpus(path: str | None, max_tokens: int | None = None) -> Corpus:
     if max_tokens is not None and max_tokens <= 0:
         raise ValueError(f"data.max_tokens must be a positive integer or none, got {max_tokens}")
     if path is None:
-        data, total = _default_corpus(max_tokens)
-        if not data:
+        joined, total = _default_corpus(max_tokens)
+        if not total:
             raise ValueError(f"default corpus (stdlib at {sysconfig.get_paths()['stdlib']}) is empty")
-        return _bytes_corpus(data, total, "the default corpus (data.path none)")
+        if not joined.is_file():  # removed since (a temporary directory cleaned): join again
+            _default_corpus.cache_clear()
+            joined, total = _default_corpus(max_tokens)
+        return _text_corpus(np.memmap(joined, dtype=np.uint8, mode="r"), total, "the default corpus (data.path none)")
     p, name = pathlib.Path(path), f"data.path={path!r}"
     check_path(path)
     if p.is_dir():
-        data, n_text, total = _read_joined(_walk_sorted(p, frozenset(), None), max_tokens)
-        if n_text == 0:
+        data, n_text, total = join_files(_walk_sorted(p, frozenset(), None), max_tokens)
+        if data is None:
             raise ValueError(f"data folder {path!r} contains no (non-empty, non-hidden) text files")
-        return _bytes_corpus(data, total, name)
+        return _text_corpus(data, total, name)
     if not p.is_file():
         raise ValueError(f"data path {path!r} is neither a regular file nor a folder")
     if p.suffix == ".bin" and (meta := read_sidecar(p)) is not None:
@@ -199,19 +172,13 @@ def _text_file(p: pathlib.Path, name: str, max_tokens: int | None) -> Corpus:
     return Corpus(tokens, size, name, lambda: max_id(p, "uint8", n) + 1)
 
 
-def is_binary(p: pathlib.Path) -> bool:
-    """A NUL byte in the file's first BINARY_SNIFF_BYTES: not text."""
-    with open(p, "rb") as f:
-        return b"\0" in f.read(BINARY_SNIFF_BYTES)
-
-
 def _cut(total: int, max_tokens: int | None) -> int:
     return total if max_tokens is None else min(total, max_tokens)
 
 
-def _bytes_corpus(data: bytes, total: int, name: str) -> Corpus:
-    tokens = np.frombuffer(data, dtype=np.uint8)  # read-only, like a token file's map
-    return Corpus(tokens, total, name, lambda: int(tokens.max()) + 1)
+def _text_corpus(tokens: np.ndarray, total: int, name: str) -> Corpus:
+    """A join's memory map (joined.join_files) as a corpus; its largest byte read through a small buffer."""
+    return Corpus(tokens, total, name, lambda: max_id(tokens.filename, "uint8", len(tokens)) + 1)
 
 
 def corpus_note(corpus: Corpus, max_tokens: int | None) -> str | None:

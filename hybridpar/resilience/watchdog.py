@@ -17,9 +17,11 @@ clocks of different machines are never compared. Two rules, checked in this orde
 Time this rank's own watcher did not run is not counted in any age: the process stopped (SIGSTOP, a
 paused machine) and continued knows nothing of its peers for that time, and judged on it a group stopped
 and continued would abort itself at its first look instead of going on (or checkpointing a SIGTERM that
-came meanwhile, which a launcher admitting a node sends to stopped workers). Such time is what the wait
-between two looks overran its heartbeat by (a stop almost always falls in the wait: a look takes
-milliseconds; one that falls in a look is counted).
+came meanwhile, which a launcher admitting a node sends to stopped workers). Such time is all that passed
+between the beginnings of two looks beyond the heartbeat (`unwatched`): a stop falls in the wait, or in
+a look (its store calls or its verdict). An age thus counts the heartbeats waited, not a look's own
+milliseconds; a store slow to answer delays a verdict by its slowness, never forever (each look adds a
+heartbeat), and a store that fails is counted in full (`resilience.hang_timeout_s` of failures ends it).
 
 Aborting = a JSON line appended to `<report_dir>/watchdog.jsonl`, one line on stderr naming the rank, its
 last phase and step, and `os._exit(EXIT_CODE)`: the elastic agent sees a failed worker and restarts the
@@ -63,6 +65,12 @@ def discount(views: list[RankView], seconds: float) -> None:
     for v in views:
         v.seen_beat += seconds
         v.seen_seq += seconds
+
+
+def unwatched(heartbeat_s: float, since: float, now: float) -> float:
+    """Seconds from `since` (the last look's beginning; after a failed look, the wait's) to `now` (the end
+    of the wait) that the watcher did not watch: all beyond the heartbeat it waited (module docstring)."""
+    return max(0.0, now - since - heartbeat_s)
 
 
 def judge(views: list[RankView], now: float, timeout_s: float, slow_timeout_s: float) -> tuple[int, str] | None:
@@ -174,20 +182,24 @@ class Watchdog:
     def _run(self) -> None:
         t0 = time.monotonic()
         views = [RankView(seen_beat=t0, seen_seq=t0) for _ in range(self.world)]
-        store_ok = t0
+        store_ok, look = t0, t0  # look: when the last look began (None after a failed one)
         while True:
             asleep = time.monotonic()
             if self._stop.wait(self.heartbeat_s):
                 return
             now = time.monotonic()
-            if (lost := now - asleep - self.heartbeat_s) > 0:  # stopped, or starved of CPU (module docstring)
+            # Stopped or starved of CPU in the wait or in the last look (module docstring); after a failed
+            # look only the wait's overrun: time blocked on a store that is gone is what store_ok counts.
+            if (lost := unwatched(self.heartbeat_s, look if look is not None else asleep, now)) > 0:
                 discount(views, lost)
                 store_ok += lost
+            look = now
             try:
                 self.publish()
                 self._read(views, now)
                 store_ok = now
             except Exception as e:  # store unreachable: the agent (or rank 0 hosting it) is gone
+                look = None
                 if now - store_ok > self.timeout_s:
                     self._fire(self.rank, f"the c10d store has been unreachable for {now - store_ok:.1f} s ({e})", {})
                     return
