@@ -230,7 +230,9 @@ def test_emulated_slow_rank_shows_longer_measured_stage_times():
 
     from hybridpar.topology.spawn import run_ranks
 
-    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=2, schedule="1f1b"), emulate=dict(slowdown="rank=1:4.0@step=2", layer_ms=2.0))
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=1, dp=2, schedule="1f1b"), emulate=dict(slowdown="rank=1:4.0@step=2", layer_ms=2.0)
+    )
     r0, r1 = run_ranks(_slowed_stage_times, 2, cfg.to_dict())
     med = lambda rec, step: statistics.median(rec[str(step)]["F0"] + rec[str(step)]["B0"])  # noqa: E731
     assert med(r1, 3) > 2.0 * med(r0, 3), (r0, r1)  # slowed 4x: a wide margin for noise on 2 cores
