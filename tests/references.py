@@ -1,4 +1,5 @@
-"""The single-device references the equivalence tests hold every layout to, computed once per suite run.
+"""The single-device references the equivalence tests hold every layout to, computed once per test process (each
+of the suite's two workers computes those its files ask for).
 
 The caches live here, in a module that pytest never collects: tests/test_equivalence.py is both a test
 file and the other files' helper, and without a tests/__init__.py pytest imports it as `test_equivalence`

@@ -58,7 +58,8 @@ def lanes(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureReque
     try:
         for k in wanted:
             env = {**os.environ, **KERNELS[k]}
-            cmd = [sys.executable, "-c", LANE, "-q", "-s", "-p", "no:cacheprovider", *LANES[k]]
+            # `-n 0`: the lane's tests in its own interpreter, under its kernels, printing their margins (`-s`).
+            cmd = [sys.executable, "-c", LANE, "-q", "-s", "-n", "0", "-p", "no:cacheprovider", *LANES[k]]
             # Files, not pipes: neither lane can block on a full pipe while the other is waited for.
             with (out / f"{k}.out").open("w") as o, (out / f"{k}.err").open("w") as e:
                 procs[k] = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=o, stderr=e, text=True)

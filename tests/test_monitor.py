@@ -220,14 +220,19 @@ def _slowed_stage_times(cfg_dict: dict) -> dict:
 @pytest.mark.multiprocess
 def test_emulated_slow_rank_shows_longer_measured_stage_times():
     """Two data-parallel replicas run identical work; rank 1 is emulated 4x slower from step 2.
-    The monitor's measured forward times must show it — and only from that step."""
+    The monitor's measured forward times must show it — and only from that step. Each compute action
+    lasts an emulated cost (emulate.layer_ms, the real compute inside it): stretching the tiny model's
+    own few ms instead, a rank delayed by another test's ranks on the 2 shared cores once measured more
+    than the slowed one."""
     import statistics
 
     from test_equivalence import tiny_config
 
     from hybridpar.topology.spawn import run_ranks
 
-    cfg = tiny_config(parallel=dict(tp=1, pp=1, dp=2, schedule="1f1b"), emulate=dict(slowdown="rank=1:4.0@step=2"))
+    cfg = tiny_config(
+        parallel=dict(tp=1, pp=1, dp=2, schedule="1f1b"), emulate=dict(slowdown="rank=1:4.0@step=2", layer_ms=2.0)
+    )
     r0, r1 = run_ranks(_slowed_stage_times, 2, cfg.to_dict())
     med = lambda rec, step: statistics.median(rec[str(step)]["F0"] + rec[str(step)]["B0"])  # noqa: E731
     assert med(r1, 3) > 2.0 * med(r0, 3), (r0, r1)  # slowed 4x: a wide margin for noise on 2 cores
