@@ -49,6 +49,7 @@ def _mean(run: Run, key: str) -> float | None:
 
 def summary(runs: Sequence[Run]) -> str:
     rows = [
+        ["state", *(r.state for r in runs)],
         ["mesh (last start)", *(_mesh(r) for r in runs)],
         ["steps recorded", *(len(r.steps) for r in runs)],
         ["final loss", *(_fmt(r.steps[-1]["loss"], digits=5) for r in runs)],
