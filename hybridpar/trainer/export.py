@@ -121,7 +121,8 @@ def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
             return final
         own = {s: p for s, p in committed(ck_root) if checkpoint_run_id(p) == run_id}
         if step not in own:
-            held = ", ".join(map(str, sorted([*own, *([final_step] if final_step is not None else [])])))
+            # a set: final/ is usually of the last checkpoint's step too; -1 is a final/ with no step recorded
+            held = ", ".join(map(str, sorted({*own, *([final_step] if final_step is not None else [])} - {-1})))
             raise ValueError(
                 f"run directory {run_dir} holds no checkpoint of step {step}: "
                 + (f"--step takes one of {held}" if held else "it holds no model yet")
