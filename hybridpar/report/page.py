@@ -133,7 +133,8 @@ def batching_table(run: Run) -> str:
     rows = [[h.get("split"), h.get("steps"), _fmt(h.get("mean_throughput"), digits=4)] for h in hist]
     policy, split = html.escape(str(stats.get("policy"))), html.escape(str(stats.get("current_split")))
     head = f"<p>policy {policy}, split now {split}</p>"
-    return head + (_table(["split measured", "steps", "mean tokens/s"], rows) if rows else "")
+    cols = ["split measured", "steps", "mean tokens/s of the pipeline (optimizer step excluded)"]
+    return head + (_table(cols, rows) if rows else "")
 
 
 def faults_table(run: Run) -> str:
