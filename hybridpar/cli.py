@@ -325,7 +325,8 @@ EXPORT_USAGE = """usage: hybridpar export SOURCE --out DIR [--step N]
 Writes a model as a Hugging Face directory (config.json, model.safetensors, the tokenizer's files when
 the run had a tokenizer, hybridpar.json with run id, step and params digest) that transformers loads.
 SOURCE is a run directory (its newest model: final/ or a later checkpoint; --step N: that step's
-checkpoint) or one checkpoint directory (step-NNNNNN)."""
+checkpoint) or one checkpoint directory (step-NNNNNN). DIR is replaced whole: it must be new, empty or
+an earlier export (a directory holding anything else, or a run's final/, is refused)."""
 
 
 def parse_export_args(argv: list[str]) -> tuple[str, str, int | None]:

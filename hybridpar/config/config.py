@@ -114,4 +114,27 @@ def _coerce(key: str, value: Any, tp: Any) -> Any:
         return float(value)
     elif isinstance(value, base) and (base is bool or not isinstance(value, bool)):
         return value
-    raise ValueError(f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__})")
+    raise ValueError(
+        f"config key {key!r} expects {_type_name(tp)}, got {value!r} ({type(value).__name__}){_toml_hint(value, tp)}"
+    )
+
+
+def _toml_hint(value: Any, tp: Any) -> str:
+    """The TOML spelling of what the command line writes as text (a file holding it as a string is the
+    likely mistake): TOML has no null (a key left out is none) and writes lists in brackets."""
+    base, optional = _unwrap(tp)
+    if not isinstance(value, str):
+        return ""
+    if optional and value.strip().lower() in ("none", "null"):
+        return ": TOML has no none; leave the key out to keep it unset"
+    if typing.get_origin(base) is list:
+        return f": a TOML list is written in brackets, e.g. [{', '.join(v.strip() for v in value.split(','))}]"
+    if base is bool and value.strip().lower() in ("true", "false"):
+        return f": write {value.strip().lower()} without quotes"
+    if base in (int, float):
+        try:
+            base(value)
+        except ValueError:
+            return ""
+        return f": write {value.strip()} without quotes"
+    return ""

@@ -27,8 +27,10 @@ A run's configuration is typed dataclasses (`hybridpar/config/`), one TOML table
 a key in a TOML file given with `--config FILE` (`[train]` then `lr = 1e-3`), or on the command line as
 `--section.key VALUE` (`--train.lr 1e-3`, also `--train.lr=1e-3`; `-` and `_` are interchangeable),
 applied after the file in order. Lists are comma-separated on the command line (`--train.microbatch_sizes
-3,3,2,2`); `none` unsets an optional key. `hybridpar train --help` prints the same table. Everything is
-validated before any process starts ([training.md](training.md#configuration))."""
+3,3,2,2`; TOML: `microbatch_sizes = [3, 3, 2, 2]`); `none` unsets an optional key (TOML has no null: leave
+the key out). A run's own `<run-dir>/config.toml` reads back with `--config`. `hybridpar train --help`
+prints the same table. Everything is validated before any process starts
+([training.md](training.md#configuration))."""
 
 
 def _cell(text: str) -> str:

@@ -58,6 +58,12 @@ def validate(cfg: Config, world_size: int | None = None) -> None:
         not cfg.profile.memory or bool(profiled),
         "profile.memory records the allocator over profile.steps, which is empty: add e.g. --profile.steps 5-7",
     )
+    traced = step_range(cfg.profile.trace_steps)
+    _require(  # a range cut by the end still traces the steps it reaches; one past the end, nothing
+        cfg.trace is None or not traced or traced[0] < cfg.train.steps,
+        f"--trace records profile.trace_steps={cfg.profile.trace_steps!r}, which starts past the run's last step "
+        f"{cfg.train.steps - 1} (train.steps={cfg.train.steps}; steps count from 0): the trace would be empty",
+    )
     _require(
         not profiled or profiled[-1] < cfg.train.steps,
         f"profile.steps={cfg.profile.steps!r} reaches past the run's last step {cfg.train.steps - 1} "

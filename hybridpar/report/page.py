@@ -49,6 +49,7 @@ def _mean(run: Run, key: str) -> float | None:
 
 def summary(runs: Sequence[Run]) -> str:
     rows = [
+        ["state", *(r.state for r in runs)],
         ["mesh (last start)", *(_mesh(r) for r in runs)],
         ["steps recorded", *(len(r.steps) for r in runs)],
         ["final loss", *(_fmt(r.steps[-1]["loss"], digits=5) for r in runs)],
@@ -132,7 +133,8 @@ def batching_table(run: Run) -> str:
     rows = [[h.get("split"), h.get("steps"), _fmt(h.get("mean_throughput"), digits=4)] for h in hist]
     policy, split = html.escape(str(stats.get("policy"))), html.escape(str(stats.get("current_split")))
     head = f"<p>policy {policy}, split now {split}</p>"
-    return head + (_table(["split measured", "steps", "mean tokens/s"], rows) if rows else "")
+    cols = ["split measured", "steps", "mean tokens/s of the pipeline (optimizer step excluded)"]
+    return head + (_table(cols, rows) if rows else "")
 
 
 def faults_table(run: Run) -> str:

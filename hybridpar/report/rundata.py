@@ -1,6 +1,7 @@
 """A run directory's records, read for `hybridpar report`: metrics.jsonl (and the steps a restart cut,
-metrics.superseded.jsonl), resilience.jsonl, chaos.jsonl, watchdog.jsonl and step_timeline.json. Lines
-torn by a crash are skipped; a directory without step records is refused with a ValueError."""
+metrics.superseded.jsonl), resilience.jsonl, chaos.jsonl, watchdog.jsonl, step_timeline.json and the state
+in run.json. Lines torn by a crash are skipped; a directory without step records is refused with a
+ValueError."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ from typing import Any
 
 from hybridpar.report.metrics import superseded_path
 from hybridpar.report.stability import Stability, stability
+from hybridpar.resilience.rundir import RUN_FILE
 
 TIMELINE_FILE = "step_timeline.json"  # written by report/step_records.py; here so reading needs no torch
 
@@ -40,6 +42,7 @@ class Run:
     faults: list[dict[str, Any]]  # chaos.jsonl: injected faults that fired
     watchdog: list[dict[str, Any]]  # watchdog.jsonl: ranks named as hung or gone
     timeline: dict[str, Any] | None  # one step's actions on every rank
+    state: str  # how the run ended, in words (run_state)
 
     @property
     def name(self) -> str:
@@ -85,4 +88,28 @@ def load_run(path: str | Path) -> Run:
         faults=read_jsonl(d / "chaos.jsonl"),
         watchdog=read_jsonl(d / "watchdog.jsonl"),
         timeline=timeline,
+        state=run_state(metrics, _run_record(d)),
     )
+
+
+def _run_record(d: Path) -> dict[str, Any]:
+    """run.json, or {} where it is missing or unreadable: the report still opens (a pre-run-id directory)."""
+    try:
+        rec = json.loads((d / RUN_FILE).read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError):
+        return {}
+    return rec if isinstance(rec, dict) else {}
+
+
+def run_state(metrics: list[dict[str, Any]], record: dict[str, Any]) -> str:
+    """How the run ended: the last record of metrics.jsonl if it closes the run (final, or preempted by
+    SIGTERM), else the state the workers wrote into run.json. A run killed outright (SIGKILL, the machine
+    lost) writes neither: run.json still says running, which a live run says too."""
+    last = metrics[-1] if metrics else {}  # a closing record followed by steps was a stop a resume went past
+    if last.get("final"):
+        return "finished"
+    if last.get("preempted"):
+        return f"stopped by SIGTERM after {last.get('step')} steps, checkpointed (continue with --resume auto)"
+    if record.get("state") == "failed":
+        return f"failed: {record.get('error') or 'no error recorded'}"
+    return "not finished: still running, or killed before it could say (no final record in metrics.jsonl)"

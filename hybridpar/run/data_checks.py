@@ -73,9 +73,15 @@ def _check_source_tokens(cfg: Config, path: str | None) -> None:
     tok = Tokenizer(d.tokenizer)  # ValueError naming tokenizer.json
     who = f"model.init_from={init!r} (its tokenizer)" if d.tokenizer == init else f"data.tokenizer={d.tokenizer!r}"
     if tok.vocab_size > vocab:
+        # model.init_from's config.json fixes the vocabulary (a --model.vocab_size contradicting it is refused)
+        fix = (
+            f"model.init_from={init!r} fixes model.vocab_size: use its own tokenizer (leave data.tokenizer unset) "
+            f"or one of at most {vocab} ids"
+            if init is not None
+            else f"set model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
+        )
         raise ValueError(
-            f"{who} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model cannot embed its ids; set "
-            f"model.vocab_size to {tok.vocab_size} (or more, e.g. for tp to divide it)"
+            f"{who} has {tok.vocab_size} ids but model.vocab_size={vocab}: the model cannot embed its ids; {fix}"
         )
     if meta is None:
         what = "byte-level text (ids 0-255)" if _byte_level(path) else "a token file without its description"

@@ -80,12 +80,39 @@ def write_model_dir(
         if (Path(tokenizer) / name).is_file():
             shutil.copyfile(Path(tokenizer) / name, tmp / name)
     (tmp / RECORD).write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
+    _swap_in(tmp, out)
+    return out
+
+
+def _swap_in(tmp: Path, out: Path) -> None:
+    """Rename `tmp` to `out`, replacing what was there: a crash leaves the old directory or the new one."""
     old = out.with_name(f".{out.name}.old-{secrets.token_hex(4)}")
     if out.exists():
         os.rename(out, old)
     os.rename(tmp, out)
     shutil.rmtree(old, ignore_errors=True)
-    return out
+
+
+def check_export_out(out: Path) -> None:
+    """`hybridpar export --out` replaces the directory whole, so it must be new, empty, or an earlier export
+    (only a model directory's files, with hybridpar.json): never a run directory, a run's final/, a
+    checkpoint or anyone's other files, which the replacement would delete. ValueError naming what is there."""
+    if (out.parent / "run.json").is_file() and out.name == FINAL_DIR:  # the run writes it, and reads it back
+        raise ValueError(f"--out {out} is the final model of the run in {out.parent}: give another directory")
+    if not out.exists():
+        return
+    if not out.is_dir():
+        raise ValueError(f"--out {out} is a file: give a directory to write the model into")
+    names = sorted(p.name for p in out.iterdir())
+    if not names:
+        return
+    others = [n for n in names if n not in {"config.json", "model.safetensors", RECORD, *TOKENIZER_FILES}]
+    if others or RECORD not in names:
+        shown = ", ".join((others or names)[:5]) + (" …" if len(others or names) > 5 else "")
+        raise ValueError(
+            f"--out {out} holds files that are not an earlier export ({shown}), which writing the model there "
+            f"would delete: give a new or empty directory"
+        )
 
 
 def run_config(run_dir: Path) -> Config | None:
@@ -121,7 +148,8 @@ def newest_artefact(run_dir: Path, step: int | None = None) -> Path | None:
             return final
         own = {s: p for s, p in committed(ck_root) if checkpoint_run_id(p) == run_id}
         if step not in own:
-            held = ", ".join(map(str, sorted([*own, *([final_step] if final_step is not None else [])])))
+            # a set: final/ is usually of the last checkpoint's step too; -1 is a final/ with no step recorded
+            held = ", ".join(map(str, sorted({*own, *([final_step] if final_step is not None else [])} - {-1})))
             raise ValueError(
                 f"run directory {run_dir} holds no checkpoint of step {step}: "
                 + (f"--step takes one of {held}" if held else "it holds no model yet")
@@ -142,6 +170,7 @@ def export_source(source: str, out: Path, step: int | None = None) -> Path:
     from hybridpar.resilience.rundir import checkpoint_run_id
 
     src = Path(source)
+    check_export_out(Path(out))
     is_model, is_ckpt = (src / "config.json").is_file(), (src / "trainer_state.json").is_file()
     if step is not None and (is_model or is_ckpt):
         raise ValueError(f"--step {step} picks a checkpoint of a run directory; {source} is one model already")
@@ -154,7 +183,9 @@ def export_source(source: str, out: Path, step: int | None = None) -> Path:
         return export_source(str(found), out)
     if is_model:
         if Path(out).resolve() != src.resolve():
-            shutil.copytree(src, out, dirs_exist_ok=True)
+            tmp = Path(out).with_name(f".{Path(out).name}.tmp-{secrets.token_hex(4)}")
+            shutil.copytree(src, tmp)
+            _swap_in(tmp, Path(out))
         return Path(out)
     try:
         state_json = json.loads((src / "trainer_state.json").read_text(encoding="utf-8"))
