@@ -139,6 +139,33 @@ def _worker(cfg_dict: dict) -> list[float]:
     return train(Config.from_dict(cfg_dict), log=False).losses
 
 
+def test_a_timeline_write_cut_short_leaves_the_last_whole_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """rank 0's step_timeline.json is replaced whole: a write cut short (a kill, a full disk) leaves the file
+    of the previous attempt, which `hybridpar report` draws, not a torn one it cannot read."""
+    from types import SimpleNamespace
+
+    from hybridpar.report import step_records
+    from hybridpar.report.rundata import TIMELINE_FILE
+
+    old = json.dumps({"step": 2, "attempt": 0, "slices": []})
+    (tmp_path / TIMELINE_FILE).write_text(old, encoding="utf-8")
+    recs = step_records.StepRecords.__new__(step_records.StepRecords)  # no collective peak: only the timeline
+    recs.topo, recs.run_dir, recs.attempt, recs.timeline_step = SimpleNamespace(rank=0, device=None), tmp_path, 1, 5
+    monkeypatch.setattr(step_records, "step_slices", lambda out, rank, step: [{"track": 0}] * 1000)
+    monkeypatch.setattr(step_records, "all_gather_json", lambda rows, device: [rows])
+    whole = Path.write_text
+
+    def cut_short(self: Path, text: str, *args: object, **kwargs: object) -> int:
+        whole(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    with monkeypatch.context() as m, pytest.raises(OSError):
+        m.setattr(Path, "write_text", cut_short)
+        recs.timeline(5, None)
+    assert (tmp_path / TIMELINE_FILE).read_text(encoding="utf-8") == old
+    assert [p.name for p in tmp_path.iterdir()] == [TIMELINE_FILE]  # and no part of the new one
+
+
 @pytest.mark.multiprocess
 def test_every_step_record_carries_time_mfu_bubble_and_ranks(tmp_path: Path) -> None:
     from hybridpar.balance.live import cost_model

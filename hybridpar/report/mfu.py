@@ -23,6 +23,7 @@ import torch.distributed as dist
 
 from hybridpar.config import ModelConfig
 from hybridpar.model.registry import layer_flops_per_token
+from hybridpar.resilience.rundir import write_text_atomic
 from hybridpar.topology.collectives import all_gather_json
 
 PEAK_FILE = "device_peak.json"
@@ -114,7 +115,7 @@ def device_peak(
         }
     if rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
-        (run_dir / PEAK_FILE).write_text(json.dumps(peak), encoding="utf-8")
+        write_text_atomic(run_dir / PEAK_FILE, json.dumps(peak))
     return peak
 
 

@@ -17,6 +17,7 @@ from hybridpar.pipeline.runtime import StepOutput
 from hybridpar.report.mfu import device_peak, mfu, model_flops_per_token
 from hybridpar.report.rundata import TIMELINE_FILE
 from hybridpar.report.step_trace import StepView, step_slices
+from hybridpar.resilience.rundir import write_text_atomic
 from hybridpar.topology.collectives import all_gather_json
 from hybridpar.topology.mesh import Topology
 
@@ -56,7 +57,7 @@ class StepRecords:
         rows = all_gather_json(step_slices(out, self.topo.rank, step), self.topo.device)
         if self.topo.rank == 0:
             doc = {"step": step, "attempt": self.attempt, "slices": [r for rank in rows for r in rank]}
-            (self.run_dir / TIMELINE_FILE).write_text(json.dumps(doc), encoding="utf-8")
+            write_text_atomic(self.run_dir / TIMELINE_FILE, json.dumps(doc))  # a kill mid-write: the old file stays
 
 
 class RecordsDuty:

@@ -89,8 +89,12 @@ def write_run(run_dir: Path, rec: dict[str, Any]) -> None:
 def write_text_atomic(path: Path, text: str) -> None:
     """Replace the file `path` by `text` atomically (a reader sees the old file or the new one)."""
     tmp = path.with_name(f".{path.name}.{secrets.token_hex(4)}")
-    tmp.write_text(text, encoding="utf-8")
-    os.replace(tmp, path)
+    try:
+        tmp.write_text(text, encoding="utf-8")
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)  # a write cut short leaves nothing behind
+        raise
 
 
 def checkpoint_run_id(ckpt: Path) -> str | None:
