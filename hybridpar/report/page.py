@@ -53,7 +53,7 @@ def summary(runs: Sequence[Run]) -> str:
         ["mesh (last start)", *(_mesh(r) for r in runs)],
         ["steps recorded", *(len(r.steps) for r in runs)],
         ["final loss", *(_fmt(r.steps[-1]["loss"], digits=5) for r in runs)],
-        ["mean tokens/s", *(_fmt(_mean(r, "tokens_per_s"), digits=4) for r in runs)],
+        ["tokens/s, the steps' mean", *(_fmt(_mean(r, "tokens_per_s"), digits=4) for r in runs)],
         ["mean MFU", *(_fmt(None if (m := _mean(r, "mfu")) is None else 100 * m, " %") for r in runs)],
         ["mean measured bubble", *(_fmt(None if (b := _mean(r, "bubble")) is None else 100 * b, " %") for r in runs)],
         ["device peak", *(_peak(r) for r in runs)],
