@@ -112,6 +112,12 @@ def to_toml(cfg: Config) -> str:
 _ALIASES = {"resume": "checkpoint.resume"}  # short flags for common dotted keys (flag -> key)
 
 
+def one_of(metadata: Any) -> str:
+    """The help suffix naming a field's fixed set of values (its metadata's `choices`: "; one of A, B"), or
+    "": as every help text and the configuration reference list them."""
+    return f"; one of {', '.join(map(str, metadata['choices']))}" if metadata.get("choices") else ""
+
+
 def help_text() -> str:
     """Every flag with its type, default and help, grouped by section."""
     rows = [
@@ -122,7 +128,7 @@ def help_text() -> str:
         )
     ]
     for key, f in _known_keys(Config).items():
-        extra = f"; one of {', '.join(map(str, f.metadata['choices']))}" if "choices" in f.metadata else ""
+        extra = one_of(f.metadata)
         rows.append(
             (
                 key.rpartition(".")[0] or None,

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from hybridpar.config.config import Config
 from hybridpar.config.keys import _known_keys, _type_name
-from hybridpar.config.parse import _flag, _format
+from hybridpar.config.parse import _flag, _format, one_of
 
 COMMAND = ".venv/bin/python -m hybridpar.config.reference_doc --write docs/configuration.md"
 
@@ -44,7 +44,7 @@ def render() -> str:
     by_section: dict[str, list[str]] = {}
     for key, f in _known_keys(Config).items():
         section = key.rpartition(".")[0]
-        choices = f"; one of {', '.join(map(str, f.metadata['choices']))}" if "choices" in f.metadata else ""
+        choices = one_of(f.metadata)
         by_section.setdefault(section, []).append(
             f"| `{_flag(key)}` | {_cell(_type_name(f.type))} | `{_cell(_format(f.default))}` | "
             f"{_cell(f.metadata['help'] + choices)} |"

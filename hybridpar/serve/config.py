@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, fields
-from typing import Any, Mapping
 
 from hybridpar.config import ModelConfig, parse_args
 from hybridpar.config.families import tp_split_sizes
+from hybridpar.config.parse import one_of
 from hybridpar.config.sections import _f
 from hybridpar.config.validate import check_model
 from hybridpar.serve.router import STRATEGIES, RouterConfig
@@ -233,14 +233,9 @@ def parse_serve_args(argv: list[str]) -> tuple[ServeConfig, ModelConfig]:
     return cfg, parse_args(model_args).model
 
 
-def _one_of(meta: Mapping[str, Any]) -> str:
-    """The accepted values of an option that has a fixed set, as `hybridpar train --help` lists them."""
-    return f"; one of {', '.join(meta['choices'])}" if meta.get("choices") else ""
-
-
 def help_text() -> str:
     rows = [
-        f"  --{f.name.replace('_', '-'):<22} {f.metadata['help']} (default {f.default!r}{_one_of(f.metadata)})"
+        f"  --{f.name.replace('_', '-'):<22} {f.metadata['help']} (default {f.default!r}{one_of(f.metadata)})"
         for f in fields(ServeConfig)
     ]
     return "\n".join(
